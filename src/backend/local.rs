@@ -1,0 +1,507 @@
+//! The in-process backend: GCRA buckets from the `governor` crate.
+//!
+//! Each quota of a policy is a keyed governor [`RateLimiter`](governor::RateLimiter) over a
+//! bounded store owned by this crate. Limits are per process: behind a load balancer with `n`
+//! replicas a client gets up to `n` times the quota. Use the Redis backend for one shared limit.
+//!
+//! # Guarantees
+//!
+//! - **Atomic per key and quota.** Concurrent requests on one key never take more units than
+//!   the bucket holds: each bucket is one `AtomicU64` (the GCRA theoretical arrival time)
+//!   updated by compare-and-swap.
+//! - **Single-quota policies: a denied request consumes nothing.**
+//! - **Multi-quota policies are checked in order and stop at the first denial.** Governor cannot
+//!   test a bucket without updating it (governor#117), so when quota `i` denies, the units
+//!   already taken from quotas `0..i` stay taken. A multi-quota policy therefore never lets
+//!   through more than any of its quotas allows, but a request denied by a later quota may use
+//!   up capacity of an earlier one. Put the quota most likely to deny (usually the shortest
+//!   window) first: a request it denies touches nothing else. The Redis backend is
+//!   all-or-nothing.
+//! - **Monotonic time.** The default clock is [`MonotonicClock`] (`std::time::Instant`), not
+//!   the TSC-based quanta clock that can go backwards between cores (governor#299). Tests
+//!   inject [`FakeRelativeClock`](governor::clock::FakeRelativeClock) with
+//!   [`LocalBackend::builder`].
+//! - **Bounded memory.** A bucket whose theoretical arrival time has passed is indistinguishable
+//!   from a fresh one and is evicted by a sweep every
+//!   [`sweep_interval`](LocalBackendBuilder::sweep_interval) (60 s by default), run by a task
+//!   the backend spawns on the Tokio runtime it is first used in; no thread of yours is needed.
+//!   At most [`max_keys`](LocalBackendBuilder::max_keys) buckets (1 000 000 by default, summed
+//!   over all quotas) are tracked: when the table is full, a sweep runs at once, and a new key
+//!   that still finds no room is denied (`Retry-After: 1`) rather than tracked, while keys
+//!   already tracked keep their limits.
+//! - **Header timing.** `remaining` is exact; `reset_after` (time until the bucket is full) is
+//!   an upper bound, early by less than one emission interval (`period / count`).
+//!
+//! ```
+//! use std::time::Duration;
+//! use governor::clock::FakeRelativeClock;
+//! use tollgate::backend::{Backend, LocalBackend};
+//! use tollgate::{Key, Policy, Quota};
+//!
+//! # tokio_test_block_on(async {
+//! let clock = FakeRelativeClock::default();
+//! let backend = LocalBackend::builder().clock(clock.clone()).build();
+//! let policy = Policy::new("api", Quota::per_second(1).burst(2));
+//! let prepared = backend.prepare(&policy, &policy.validate().unwrap()).unwrap();
+//! let key = Key::from_bytes("alice").unwrap();
+//! let one = std::num::NonZeroU32::MIN;
+//!
+//! assert!(backend.decide(&prepared, &key, one).await.unwrap().is_allowed());
+//! assert!(backend.decide(&prepared, &key, one).await.unwrap().is_allowed());
+//! let denied = backend.decide(&prepared, &key, one).await.unwrap();
+//! assert_eq!(denied.retry_after(), Some(Duration::from_secs(1)));
+//! clock.advance(Duration::from_secs(1));
+//! assert!(backend.decide(&prepared, &key, one).await.unwrap().is_allowed());
+//! # });
+//! # fn tokio_test_block_on<F: std::future::Future>(f: F) -> F::Output {
+//! #     tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(f)
+//! # }
+//! ```
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::{Ready, ready};
+use std::hash::RandomState;
+use std::num::NonZeroU32;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use dashmap::DashMap;
+use dashmap::mapref::entry::Entry;
+use governor::clock::{Clock, MonotonicClock, Reference};
+use governor::middleware::{NoOpMiddleware, StateInformationMiddleware};
+use governor::nanos::Nanos;
+use governor::state::StateStore;
+use governor::state::keyed::ShrinkableKeyedStateStore;
+use governor::{NotUntil, RateLimiter};
+
+use super::{Backend, Decision, Outcome, QuotaState};
+use crate::quota::QuotaParams;
+use crate::{BackendError, ConfigError, Key, Policy};
+
+type Limiter<C> = RateLimiter<Key, Store, C, StateInformationMiddleware>;
+
+/// The in-process GCRA backend. Cheap to clone: clones share their buckets.
+///
+/// See the [module docs](self) for what it guarantees.
+pub struct LocalBackend<C: Clock = MonotonicClock> {
+    inner: Arc<Inner<C>>,
+}
+
+impl<C: Clock> Clone for LocalBackend<C> {
+    fn clone(&self) -> Self {
+        LocalBackend {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl<C: Clock> fmt::Debug for LocalBackend<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LocalBackend")
+            .field("tracked_keys", &self.tracked_keys())
+            .field("max_keys", &self.inner.max_keys)
+            .field("sweep_interval", &self.inner.sweep_interval)
+            .finish()
+    }
+}
+
+struct Inner<C: Clock> {
+    clock: C,
+    max_keys: usize,
+    sweep_interval: Duration,
+    /// Buckets tracked over all stores of this backend.
+    tracked: Arc<AtomicUsize>,
+    /// Limiters by (policy name, quota index, parameters), so that layers sharing a backend
+    /// and a policy name share buckets, as they would in Redis.
+    limiters: Mutex<HashMap<LimiterId, (Weak<Limiter<C>>, Weak<StoreMap>)>>,
+    sweeper_started: AtomicBool,
+    /// Nanoseconds (on `clock`) after which a capacity-triggered sweep may run again.
+    next_forced_sweep: AtomicU64,
+    origin: C::Instant,
+}
+
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct LimiterId {
+    policy: Arc<str>,
+    index: usize,
+    params: QuotaParams,
+}
+
+/// Builds a [`LocalBackend`].
+pub struct LocalBackendBuilder<C: Clock = MonotonicClock> {
+    clock: C,
+    max_keys: usize,
+    sweep_interval: Duration,
+}
+
+impl LocalBackend {
+    /// A backend with the default clock, 1 000 000 keys at most and a sweep every 60 s.
+    pub fn new() -> Self {
+        Self::builder().build()
+    }
+
+    /// Starts configuring a backend.
+    pub fn builder() -> LocalBackendBuilder {
+        LocalBackendBuilder {
+            clock: MonotonicClock,
+            max_keys: 1_000_000,
+            sweep_interval: Duration::from_secs(60),
+        }
+    }
+}
+
+impl Default for LocalBackend {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<C: Clock> LocalBackendBuilder<C> {
+    /// Uses `clock` for time, e.g. governor's `FakeRelativeClock` in tests.
+    pub fn clock<C2: Clock>(self, clock: C2) -> LocalBackendBuilder<C2> {
+        LocalBackendBuilder {
+            clock,
+            max_keys: self.max_keys,
+            sweep_interval: self.sweep_interval,
+        }
+    }
+
+    /// The most buckets tracked at once, over all quotas (at least 1).
+    pub fn max_keys(mut self, max_keys: usize) -> Self {
+        self.max_keys = max_keys.max(1);
+        self
+    }
+
+    /// How often idle buckets are evicted.
+    pub fn sweep_interval(mut self, every: Duration) -> Self {
+        self.sweep_interval = every.max(Duration::from_millis(10));
+        self
+    }
+
+    /// Builds the backend.
+    pub fn build(self) -> LocalBackend<C> {
+        let origin = self.clock.now();
+        LocalBackend {
+            inner: Arc::new(Inner {
+                clock: self.clock,
+                max_keys: self.max_keys,
+                sweep_interval: self.sweep_interval,
+                tracked: Arc::new(AtomicUsize::new(0)),
+                limiters: Mutex::new(HashMap::new()),
+                sweeper_started: AtomicBool::new(false),
+                next_forced_sweep: AtomicU64::new(0),
+                origin,
+            }),
+        }
+    }
+}
+
+impl<C: Clock> LocalBackend<C> {
+    /// How many buckets are tracked now, over all quotas.
+    pub fn tracked_keys(&self) -> usize {
+        self.inner.tracked.load(Ordering::Relaxed)
+    }
+}
+
+impl<C: Clock + Send + Sync + 'static> LocalBackend<C>
+where
+    C::Instant: Send + Sync,
+{
+    /// Evicts every bucket that is full again (indistinguishable from a fresh one). The
+    /// backend does this by itself every `sweep_interval`; call it to force one.
+    pub fn sweep(&self) {
+        self.inner.sweep();
+    }
+
+    fn start_sweeper(&self) {
+        if self.inner.sweeper_started.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let Ok(handle) = tokio::runtime::Handle::try_current() else {
+            // No runtime yet: try again when the next policy is prepared. Until then the
+            // capacity check still sweeps when the table is full.
+            self.inner.sweeper_started.store(false, Ordering::Release);
+            return;
+        };
+        let weak = Arc::downgrade(&self.inner);
+        let every = self.inner.sweep_interval;
+        handle.spawn(async move {
+            let mut ticks = tokio::time::interval(every);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            ticks.tick().await;
+            loop {
+                ticks.tick().await;
+                // Stop when the backend is gone.
+                let Some(inner) = weak.upgrade() else { break };
+                inner.sweep();
+            }
+        });
+    }
+}
+
+impl<C: Clock> Inner<C> {
+    fn sweep(&self) {
+        let limiters: Vec<Arc<Limiter<C>>> = {
+            let mut map = self.limiters.lock().unwrap_or_else(|p| p.into_inner());
+            map.retain(|_, (w, _)| w.strong_count() > 0);
+            map.values().filter_map(|(w, _)| w.upgrade()).collect()
+        };
+        for limiter in limiters {
+            limiter.retain_recent();
+            limiter.shrink_to_fit();
+        }
+    }
+
+    fn elapsed_ns(&self) -> u64 {
+        self.clock.now().duration_since(self.origin).as_u64()
+    }
+
+    /// Called when the table is full: sweep now, at most once a second.
+    fn sweep_when_full(&self) {
+        let now = self.elapsed_ns();
+        let next = self.next_forced_sweep.load(Ordering::Relaxed);
+        if now >= next
+            && self
+                .next_forced_sweep
+                .compare_exchange(next, now + 1_000_000_000, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+        {
+            self.sweep();
+        }
+    }
+}
+
+/// A prepared policy for the [`LocalBackend`]: one governor limiter per quota.
+pub struct LocalPolicy<C: Clock = MonotonicClock> {
+    limiters: Vec<PreparedQuota<C>>,
+}
+
+struct PreparedQuota<C: Clock> {
+    limiter: Arc<Limiter<C>>,
+    store: Arc<StoreMap>,
+    params: QuotaParams,
+}
+
+impl<C: Clock> fmt::Debug for LocalPolicy<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LocalPolicy")
+            .field("quotas", &self.limiters.len())
+            .finish()
+    }
+}
+
+impl<C> Backend for LocalBackend<C>
+where
+    C: Clock + Clone + Send + Sync + 'static,
+    C::Instant: Send + Sync,
+{
+    type Policy = LocalPolicy<C>;
+    type Future = Ready<Result<Decision, BackendError>>;
+
+    fn prepare(&self, policy: &Policy, params: &[QuotaParams]) -> Result<LocalPolicy<C>, ConfigError> {
+        self.start_sweeper();
+        let mut map = self.inner.limiters.lock().unwrap_or_else(|p| p.into_inner());
+        let limiters = params
+            .iter()
+            .enumerate()
+            .map(|(index, p)| {
+                let id = LimiterId {
+                    policy: policy.name().into(),
+                    index,
+                    params: *p,
+                };
+                if let Some((limiter, store)) = map
+                    .get(&id)
+                    .and_then(|(l, s)| Some((l.upgrade()?, s.upgrade()?)))
+                {
+                    return Ok(PreparedQuota {
+                        limiter,
+                        store,
+                        params: *p,
+                    });
+                }
+                let quota = governor::Quota::with_period(p.emission_interval())
+                    .ok_or_else(|| ConfigError::Invalid {
+                        option: "quota",
+                        reason: "zero emission interval".to_owned(),
+                    })?
+                    .allow_burst(p.burst);
+                let store = Arc::new(StoreMap {
+                    map: DashMap::with_hasher(RandomState::new()),
+                    tracked: self.inner.tracked.clone(),
+                });
+                let limiter = Arc::new(
+                    RateLimiter::<Key, Store, C, NoOpMiddleware<C::Instant>>::new(
+                        quota,
+                        Store(store.clone()),
+                        self.inner.clock.clone(),
+                    )
+                        .with_middleware::<StateInformationMiddleware>(),
+                );
+                map.insert(id, (Arc::downgrade(&limiter), Arc::downgrade(&store)));
+                Ok(PreparedQuota {
+                    limiter,
+                    store,
+                    params: *p,
+                })
+            })
+            .collect::<Result<_, ConfigError>>()?;
+        Ok(LocalPolicy { limiters })
+    }
+
+    fn decide(&self, policy: &LocalPolicy<C>, key: &Key, cost: NonZeroU32) -> Self::Future {
+        let mut states = smallvec::SmallVec::<[QuotaState; 2]>::new();
+        for (index, quota) in policy.limiters.iter().enumerate() {
+            let limit = quota.params.burst.get();
+            let t = quota.params.emission_ns;
+            if self.inner.tracked.load(Ordering::Relaxed) >= self.inner.max_keys
+                && !quota.store.map.contains_key(key)
+            {
+                self.inner.sweep_when_full();
+                if self.inner.tracked.load(Ordering::Relaxed) >= self.inner.max_keys {
+                    tracing::debug!(max_keys = self.inner.max_keys, "local rate-limit table full");
+                    states.push(QuotaState {
+                        index,
+                        outcome: Outcome::Denied {
+                            retry_after: Duration::from_secs(1),
+                        },
+                        limit,
+                        remaining: 0,
+                        reset_after: Duration::from_secs(1),
+                    });
+                    break;
+                }
+            }
+            let state = match quota.limiter.check_key_n(key, cost) {
+                Ok(Ok(snapshot)) => {
+                    let remaining = snapshot.remaining_burst_capacity();
+                    QuotaState {
+                        index,
+                        outcome: Outcome::Allowed,
+                        limit,
+                        remaining,
+                        reset_after: units(limit - remaining, t),
+                    }
+                }
+                Ok(Err(not_until)) => denied(index, limit, t, cost, &not_until, &self.inner.clock),
+                Err(_insufficient) => QuotaState {
+                    index,
+                    outcome: Outcome::NeverFits,
+                    limit,
+                    remaining: 0,
+                    reset_after: Duration::ZERO,
+                },
+            };
+            let stop = state.outcome != Outcome::Allowed;
+            states.push(state);
+            if stop {
+                break;
+            }
+        }
+        ready(Ok(Decision { quotas: states }))
+    }
+}
+
+fn units(n: u32, emission_ns: u64) -> Duration {
+    Duration::from_nanos(emission_ns.saturating_mul(u64::from(n)))
+}
+
+fn denied<C: Clock>(
+    index: usize,
+    limit: u32,
+    t: u64,
+    cost: NonZeroU32,
+    not_until: &NotUntil<C::Instant>,
+    clock: &C,
+) -> QuotaState {
+    let retry_after = not_until.wait_time_from(clock.now());
+    // The request lacks ceil(wait / t) units, so that many fewer than `cost` are available.
+    let wait = u64::try_from(retry_after.as_nanos()).unwrap_or(u64::MAX);
+    let lacking = wait.div_ceil(t.max(1));
+    let remaining = u64::from(cost.get()).saturating_sub(lacking);
+    let remaining = u32::try_from(remaining).unwrap_or(0).min(cost.get() - 1);
+    QuotaState {
+        index,
+        outcome: Outcome::Denied { retry_after },
+        limit,
+        remaining,
+        reset_after: units(limit - remaining, t),
+    }
+}
+
+/// Governor state store: one atomic theoretical arrival time per key, counted against the
+/// backend's key cap.
+struct Store(Arc<StoreMap>);
+
+struct StoreMap {
+    map: DashMap<Key, AtomicU64, RandomState>,
+    tracked: Arc<AtomicUsize>,
+}
+
+fn measure<T, E>(
+    tat: &AtomicU64,
+    f: impl Fn(Option<Nanos>) -> Result<(T, Nanos), E>,
+) -> Result<T, E> {
+    let mut prev = tat.load(Ordering::Acquire);
+    loop {
+        let (result, next) = f((prev != 0).then(|| Nanos::from(prev)))?;
+        match tat.compare_exchange_weak(prev, next.as_u64(), Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => return Ok(result),
+            Err(actual) => prev = actual,
+        }
+    }
+}
+
+impl StateStore for Store {
+    type Key = Key;
+
+    fn measure_and_replace<T, F, E>(&self, key: &Key, f: F) -> Result<T, E>
+    where
+        F: Fn(Option<Nanos>) -> Result<(T, Nanos), E>,
+    {
+        if let Some(tat) = self.0.map.get(key) {
+            return measure(&tat, f);
+        }
+        match self.0.map.entry(key.clone()) {
+            Entry::Occupied(e) => measure(e.get(), f),
+            Entry::Vacant(e) => {
+                self.0.tracked.fetch_add(1, Ordering::Relaxed);
+                let tat = e.insert(AtomicU64::new(0));
+                measure(&tat, f)
+            }
+        }
+    }
+}
+
+impl ShrinkableKeyedStateStore<Key> for Store {
+    fn retain_recent(&self, drop_below: Nanos) {
+        let drop_below = drop_below.as_u64();
+        let mut removed = 0;
+        self.0.map.retain(|_, tat| {
+            let keep = tat.load(Ordering::Relaxed) > drop_below;
+            removed += usize::from(!keep);
+            keep
+        });
+        self.0.tracked.fetch_sub(removed, Ordering::Relaxed);
+    }
+
+    fn shrink_to_fit(&self) {
+        self.0.map.shrink_to_fit();
+    }
+
+    fn len(&self) -> usize {
+        self.0.map.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.map.is_empty()
+    }
+}
+
+impl Drop for StoreMap {
+    fn drop(&mut self) {
+        self.tracked.fetch_sub(self.map.len(), Ordering::Relaxed);
+    }
+}

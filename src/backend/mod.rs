@@ -1,0 +1,128 @@
+//! Backends: where buckets live and decisions are made.
+//!
+//! A [`Backend`] knows nothing about HTTP: it is given a prepared policy, a [`Key`] and a cost,
+//! and answers with a [`Decision`]. The layer turns decisions into responses and headers, and
+//! never knows which backend it talks to.
+//!
+//! - [`LocalBackend`] (feature `local`, on by default): in-process GCRA buckets from the
+//!   [`governor`](https://docs.rs/governor) crate. Limits are per instance.
+
+#[cfg(feature = "local")]
+pub mod local;
+
+use std::future::Future;
+use std::num::NonZeroU32;
+use std::time::Duration;
+
+use smallvec::SmallVec;
+
+use crate::quota::QuotaParams;
+use crate::{BackendError, ConfigError, Key, Policy};
+
+#[cfg(feature = "local")]
+pub use local::LocalBackend;
+
+/// A store of rate-limit buckets.
+///
+/// Implementations must be safe to call from many tasks at once, and a decision must be atomic
+/// per key: two concurrent requests on the same key never both take the last unit.
+pub trait Backend: Send + Sync + 'static {
+    /// A policy prepared for this backend (pre-computed parameters, handles to buckets).
+    type Policy: Send + Sync + 'static;
+
+    /// The future of a decision. Backends that decide in memory return an immediately ready
+    /// future (`std::future::Ready`), which the layer resolves without allocating.
+    type Future: Future<Output = Result<Decision, BackendError>> + Send + Unpin + 'static;
+
+    /// Prepares `policy`, whose quotas have already been validated into `params` (one per
+    /// quota, in order). Called when a layer is built and when policies are replaced at run
+    /// time, never per request.
+    fn prepare(&self, policy: &Policy, params: &[QuotaParams])
+    -> Result<Self::Policy, ConfigError>;
+
+    /// Decides whether a request of `cost` units on `key` may pass all quotas of `policy`, and
+    /// takes the units from every bucket when it may.
+    fn decide(&self, policy: &Self::Policy, key: &Key, cost: NonZeroU32) -> Self::Future;
+}
+
+/// What a backend decided for one request, quota by quota.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decision {
+    quotas: SmallVec<[QuotaState; 2]>,
+}
+
+impl Decision {
+    /// A decision made of the states of the quotas that were evaluated, in policy order. The
+    /// request is allowed when every state is allowed.
+    pub fn new(quotas: impl IntoIterator<Item = QuotaState>) -> Self {
+        Decision {
+            quotas: quotas.into_iter().collect(),
+        }
+    }
+
+    /// Whether the request may pass.
+    pub fn is_allowed(&self) -> bool {
+        self.quotas.iter().all(|q| q.outcome == Outcome::Allowed)
+    }
+
+    /// The evaluated quotas. A backend that stops at the first denying quota (the local
+    /// backend) reports only the quotas up to and including it.
+    pub fn quotas(&self) -> &[QuotaState] {
+        &self.quotas
+    }
+
+    /// How long until the request could pass: the longest wait over the denying quotas.
+    /// `None` when allowed, or when it can never pass because its cost exceeds a burst.
+    pub fn retry_after(&self) -> Option<Duration> {
+        let mut wait = None;
+        for q in &self.quotas {
+            match q.outcome {
+                Outcome::Allowed => {}
+                Outcome::Denied { retry_after } => {
+                    wait = Some(wait.map_or(retry_after, |w: Duration| w.max(retry_after)));
+                }
+                Outcome::NeverFits => return None,
+            }
+        }
+        wait
+    }
+
+    /// Whether the request's cost exceeds the burst of some quota: it can never pass.
+    pub fn never_fits(&self) -> bool {
+        self.quotas.iter().any(|q| q.outcome == Outcome::NeverFits)
+    }
+
+    /// The quota with the fewest remaining units (the one a client should watch).
+    pub fn tightest(&self) -> Option<&QuotaState> {
+        self.quotas.iter().min_by_key(|q| (q.remaining, q.limit))
+    }
+}
+
+/// The state of one quota's bucket after a decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QuotaState {
+    /// The quota's position in the policy.
+    pub index: usize,
+    /// What this quota said.
+    pub outcome: Outcome,
+    /// The bucket size (burst).
+    pub limit: u32,
+    /// How many cost-1 requests would pass right now, after this decision.
+    pub remaining: u32,
+    /// Time until the bucket is full again.
+    pub reset_after: Duration,
+}
+
+/// One quota's verdict.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// The units were taken.
+    Allowed,
+    /// Not enough units now; the same request would pass after `retry_after`.
+    Denied {
+        /// Time until the request's cost fits.
+        retry_after: Duration,
+    },
+    /// The cost is larger than the burst: this request can never pass.
+    NeverFits,
+}

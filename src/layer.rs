@@ -1,0 +1,227 @@
+//! The layer and its builder.
+
+use std::fmt;
+use std::sync::Arc;
+
+use http::StatusCode;
+use tower_layer::Layer;
+
+use crate::backend::Backend;
+use crate::key::{ClientIp, KeyExtractor};
+use crate::response::{HeaderStyle, PolicyHeaders, RejectionBody, Responder};
+use crate::service::{Prepared, RateLimit, Shared};
+use crate::{ConfigError, Policy};
+
+/// What happens to a request from which no key can be extracted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum OnMissingKey {
+    /// Answer with this status (gRPC: the closest gRPC code) and a body naming what is
+    /// missing. The default is `400 Bad Request`.
+    Reject(StatusCode),
+    /// Let the request through, unlimited and without rate-limit headers.
+    Allow,
+}
+
+impl Default for OnMissingKey {
+    fn default() -> Self {
+        OnMissingKey::Reject(StatusCode::BAD_REQUEST)
+    }
+}
+
+/// Applies rate limiting to a service: see the [crate docs](crate).
+///
+/// Build one with [`RateLimitLayer::builder`]. Cloning is cheap (one `Arc`), and every service
+/// made by one layer shares its buckets.
+pub struct RateLimitLayer<K, Bk: Backend> {
+    shared: Arc<Shared<K, Bk>>,
+}
+
+impl<K, Bk: Backend> Clone for RateLimitLayer<K, Bk> {
+    fn clone(&self) -> Self {
+        RateLimitLayer {
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl<K: fmt::Debug, Bk: Backend + fmt::Debug> fmt::Debug for RateLimitLayer<K, Bk> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RateLimitLayer")
+            .field("key", &self.shared.key)
+            .field("backend", &self.shared.backend)
+            .field("policy", &self.shared.policy.policy)
+            .finish()
+    }
+}
+
+impl<S, K, Bk: Backend> Layer<S> for RateLimitLayer<K, Bk> {
+    type Service = RateLimit<S, K, Bk>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        RateLimit::from_shared(inner, self.shared.clone())
+    }
+}
+
+#[cfg(feature = "local")]
+impl RateLimitLayer<ClientIp, crate::backend::LocalBackend> {
+    /// Starts a builder: see [`RateLimitLayerBuilder::new`].
+    pub fn builder() -> RateLimitLayerBuilder<ClientIp, Unset> {
+        RateLimitLayerBuilder::new()
+    }
+}
+
+impl RateLimitLayerBuilder<ClientIp, Unset> {
+    /// Starts a builder: key [`ClientIp`] with no trusted proxies (the peer address), the
+    /// local backend unless [`backend`](Self::backend) picks another, IETF headers, text
+    /// rejections, and `400` for requests with no key.
+    pub fn new() -> Self {
+        RateLimitLayerBuilder {
+            key: ClientIp::new(),
+            backend: Unset,
+            policy: None,
+            headers: HeaderStyle::default(),
+            body: RejectionBody::default(),
+            on_missing_key: OnMissingKey::default(),
+        }
+    }
+}
+
+impl Default for RateLimitLayerBuilder<ClientIp, Unset> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Marker for a builder whose backend was not chosen: `build()` uses the
+/// [`LocalBackend`](crate::backend::LocalBackend) (feature `local`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Unset;
+
+/// Configures a [`RateLimitLayer`]. Methods take and return the builder by value.
+#[must_use = "call `.build()` to get a layer"]
+pub struct RateLimitLayerBuilder<K, Bk> {
+    key: K,
+    backend: Bk,
+    policy: Option<Policy>,
+    headers: HeaderStyle,
+    body: RejectionBody,
+    on_missing_key: OnMissingKey,
+}
+
+impl<K, Bk> RateLimitLayerBuilder<K, Bk> {
+    /// The policy every request is checked against.
+    pub fn policy(mut self, policy: Policy) -> Self {
+        self.policy = Some(policy);
+        self
+    }
+
+    /// How requests are keyed (see [`key`](crate::key)).
+    pub fn key<K2: KeyExtractor>(self, key: K2) -> RateLimitLayerBuilder<K2, Bk> {
+        RateLimitLayerBuilder {
+            key,
+            backend: self.backend,
+            policy: self.policy,
+            headers: self.headers,
+            body: self.body,
+            on_missing_key: self.on_missing_key,
+        }
+    }
+
+    /// Where buckets live (see [`backend`](crate::backend)).
+    pub fn backend<B2: Backend>(self, backend: B2) -> RateLimitLayerBuilder<K, B2> {
+        RateLimitLayerBuilder {
+            key: self.key,
+            backend,
+            policy: self.policy,
+            headers: self.headers,
+            body: self.body,
+            on_missing_key: self.on_missing_key,
+        }
+    }
+
+    /// Which rate-limit headers to send (default: IETF).
+    pub fn headers(mut self, style: HeaderStyle) -> Self {
+        self.headers = style;
+        self
+    }
+
+    /// Rejections carry an RFC 9457 `application/problem+json` body.
+    pub fn problem_json(mut self) -> Self {
+        self.body = RejectionBody::ProblemJson;
+        self
+    }
+
+    /// Rejections are built by `f`; tollgate adds `Retry-After` and the rate-limit headers
+    /// unless `f` set them. gRPC requests still get a gRPC status.
+    pub fn rejection_response<F>(mut self, f: F) -> Self
+    where
+        F: Fn(&crate::Rejection<'_>) -> http::Response<bytes::Bytes> + Send + Sync + 'static,
+    {
+        self.body = RejectionBody::Custom(Arc::new(f));
+        self
+    }
+
+    /// What to do with a request that has no key (default: reject with `400`).
+    pub fn on_missing_key(mut self, action: OnMissingKey) -> Self {
+        self.on_missing_key = action;
+        self
+    }
+}
+
+impl<K: KeyExtractor, Bk: Backend> RateLimitLayerBuilder<K, Bk> {
+    /// Checks the configuration and builds the layer.
+    pub fn build(self) -> Result<RateLimitLayer<K, Bk>, ConfigError> {
+        build(self)
+    }
+}
+
+#[cfg(feature = "local")]
+impl<K: KeyExtractor> RateLimitLayerBuilder<K, Unset> {
+    /// Checks the configuration and builds the layer on a new
+    /// [`LocalBackend`](crate::backend::LocalBackend).
+    pub fn build(self) -> Result<RateLimitLayer<K, crate::backend::LocalBackend>, ConfigError> {
+        build(self.backend(crate::backend::LocalBackend::new()))
+    }
+}
+
+fn build<K: KeyExtractor, Bk: Backend>(
+    b: RateLimitLayerBuilder<K, Bk>,
+) -> Result<RateLimitLayer<K, Bk>, ConfigError> {
+    b.key.validate()?;
+    if let OnMissingKey::Reject(status) = b.on_missing_key {
+        if !(status.is_client_error() || status.is_server_error()) {
+            return Err(ConfigError::Invalid {
+                option: "on_missing_key",
+                reason: format!("{status} is not an error status"),
+            });
+        }
+    }
+    let policy = b.policy.ok_or(ConfigError::MissingPolicy)?;
+    let prepared = prepare(&b.backend, policy)?;
+    Ok(RateLimitLayer {
+        shared: Arc::new(Shared {
+            key: b.key,
+            backend: b.backend,
+            policy: Arc::new(prepared),
+            responder: Responder {
+                style: b.headers,
+                body: b.body,
+            },
+            on_missing_key: b.on_missing_key,
+        }),
+    })
+}
+
+pub(crate) fn prepare<Bk: Backend>(
+    backend: &Bk,
+    policy: Policy,
+) -> Result<Prepared<Bk::Policy>, ConfigError> {
+    let params = policy.validate()?;
+    let prepared = backend.prepare(&policy, &params)?;
+    Ok(Prepared {
+        headers: PolicyHeaders::new(&policy, &params),
+        backend: prepared,
+        policy,
+    })
+}

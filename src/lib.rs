@@ -1,0 +1,64 @@
+//! Rate limiting for [tower] services: axum routers, tonic servers, anything that speaks
+//! `http::Request`.
+//!
+//! A [`RateLimitLayer`] wraps a service. For every request it
+//!
+//! 1. extracts a **key** ([`key`]): the client IP behind trusted proxies, an API key header, a
+//!    user id from an extension, a closure, or one global key;
+//! 2. takes the **policy**: one or more [`Quota`]s that must all pass, and a cost;
+//! 3. asks a **backend** ([`backend`]) for a decision: in process with [governor]'s GCRA
+//!    ([`LocalBackend`](backend::LocalBackend), the default);
+//! 4. passes the request on, or answers `429 Too Many Requests` (gRPC: `RESOURCE_EXHAUSTED`)
+//!    with `Retry-After`; both carry the IETF `RateLimit` and `RateLimit-Policy` headers
+//!    ([`response`]).
+//!
+//! ```
+//! use axum::{Router, routing::get};
+//! use tollgate::{Policy, Quota, RateLimitLayer, key::ClientIp};
+//!
+//! # fn main() -> Result<(), tollgate::ConfigError> {
+//! let limit = RateLimitLayer::builder()
+//!     .policy(Policy::new("api", Quota::per_second(5).burst(10)))
+//!     .key(ClientIp::new())
+//!     .build()?;
+//! let app: Router = Router::new()
+//!     .route("/api/hello", get(|| async { "hello" }))
+//!     .route_layer(limit)
+//!     .route("/", get(|| async { "unlimited" }));
+//! // axum::serve(listener, app.into_make_service_with_connect_info::<std::net::SocketAddr>())
+//! # Ok(()) }
+//! ```
+//!
+//! # Feature flags
+//!
+//! | feature | default | what |
+//! |---|---|---|
+//! | `local` | yes | [`LocalBackend`](backend::LocalBackend): in-process GCRA on governor |
+//! | `axum` | yes | [`PeerIp`](key::PeerIp)/[`ClientIp`](key::ClientIp) read axum's `ConnectInfo<SocketAddr>` |
+//! | `tonic` | no | [`PeerIp`](key::PeerIp)/[`ClientIp`](key::ClientIp) read tonic's `TcpConnectInfo` |
+//!
+//! [tower]: https://docs.rs/tower
+//! [governor]: https://docs.rs/governor
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+pub mod backend;
+mod body;
+mod error;
+pub mod future;
+pub mod key;
+mod layer;
+mod policy;
+mod quota;
+mod request;
+pub mod response;
+mod service;
+
+pub use body::ResponseBody;
+pub use error::{BackendError, BackendErrorKind, ConfigError};
+pub use key::{Key, KeyError, KeyExtractor};
+pub use layer::{OnMissingKey, RateLimitLayer, RateLimitLayerBuilder, Unset};
+pub use policy::Policy;
+pub use quota::{Quota, QuotaParams};
+pub use request::RequestInfo;
+pub use response::{HeaderStyle, Rejection, RejectionKind};
+pub use service::RateLimit;

@@ -1,0 +1,181 @@
+//! Policies: a name, the quotas a request must all pass, and what a request costs.
+
+use std::fmt;
+use std::sync::Arc;
+
+use smallvec::SmallVec;
+
+use crate::quota::QuotaParams;
+use crate::{ConfigError, Quota, RequestInfo};
+
+/// A named set of quotas that must all pass, and the cost of a request.
+///
+/// The name appears in the `RateLimit` and `RateLimit-Policy` response headers and in logs;
+/// it also separates buckets: two policies with different names never share state.
+///
+/// ```
+/// use tollgate::{Policy, Quota};
+///
+/// // 10 per second with bursts of 20, and at most 1000 per hour.
+/// let policy = Policy::new("api", Quota::per_second(10).burst(20))
+///     .and(Quota::per_hour(1000))
+///     // Uploads count five times.
+///     .cost_fn(|req| if req.method() == http::Method::POST { 5 } else { 1 });
+/// assert_eq!(policy.quotas().len(), 2);
+/// ```
+#[derive(Clone)]
+pub struct Policy {
+    name: Arc<str>,
+    quotas: SmallVec<[Quota; 2]>,
+    cost: Cost,
+    shadow: bool,
+}
+
+#[derive(Clone)]
+enum Cost {
+    Fixed(u32),
+    Fn(Arc<dyn Fn(&RequestInfo<'_>) -> u32 + Send + Sync>),
+}
+
+impl Policy {
+    /// The most quotas one policy may have.
+    pub const MAX_QUOTAS: usize = 8;
+
+    /// A policy named `name` with one quota and a cost of 1 per request.
+    pub fn new(name: impl Into<Arc<str>>, quota: Quota) -> Self {
+        let mut quotas = SmallVec::new();
+        quotas.push(quota);
+        Policy {
+            name: name.into(),
+            quotas,
+            cost: Cost::Fixed(1),
+            shadow: false,
+        }
+    }
+
+    /// Adds a quota that must also pass.
+    pub fn and(mut self, quota: Quota) -> Self {
+        self.quotas.push(quota);
+        self
+    }
+
+    /// Every request costs `cost` units (default 1). A cost of 0 lets the request through
+    /// without counting it and without rate-limit headers.
+    pub fn cost(mut self, cost: u32) -> Self {
+        self.cost = Cost::Fixed(cost);
+        self
+    }
+
+    /// The cost of each request is computed by `f`.
+    pub fn cost_fn<F>(mut self, f: F) -> Self
+    where
+        F: Fn(&RequestInfo<'_>) -> u32 + Send + Sync + 'static,
+    {
+        self.cost = Cost::Fn(Arc::new(f));
+        self
+    }
+
+    /// Shadow mode: decisions are made, counted and logged, but requests are never rejected.
+    /// Use it to roll out a new limit and watch what it would do.
+    pub fn shadow(mut self, shadow: bool) -> Self {
+        self.shadow = shadow;
+        self
+    }
+
+    /// The policy's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The quotas, in the order they are checked.
+    pub fn quotas(&self) -> &[Quota] {
+        &self.quotas
+    }
+
+    /// Whether the policy is in shadow mode.
+    pub fn is_shadow(&self) -> bool {
+        self.shadow
+    }
+
+    /// The cost of `req` under this policy.
+    pub fn cost_of(&self, req: &RequestInfo<'_>) -> u32 {
+        match &self.cost {
+            Cost::Fixed(c) => *c,
+            Cost::Fn(f) => f(req),
+        }
+    }
+
+    /// Checks the policy and returns its quotas in integer nanoseconds.
+    pub fn validate(&self) -> Result<SmallVec<[QuotaParams; 2]>, ConfigError> {
+        let name_ok = !self.name.is_empty()
+            && self.name.len() <= 64
+            && self
+                .name
+                .bytes()
+                .all(|b| b.is_ascii_graphic() && b != b'"' && b != b'\\');
+        if !name_ok {
+            return Err(ConfigError::InvalidPolicyName {
+                name: self.name.to_string(),
+            });
+        }
+        if self.quotas.is_empty() || self.quotas.len() > Self::MAX_QUOTAS {
+            return Err(ConfigError::QuotaCount {
+                policy: self.name.to_string(),
+                count: self.quotas.len(),
+            });
+        }
+        self.quotas.iter().map(|q| q.params(&self.name)).collect()
+    }
+
+    /// The name a quota has in the headers: its own, the policy's (single quota), or
+    /// `<policy>-<index>`.
+    pub(crate) fn quota_label(&self, index: usize) -> String {
+        match self.quotas[index].name() {
+            Some(n) => n.to_owned(),
+            None if self.quotas.len() == 1 => self.name.to_string(),
+            None => format!("{}-{index}", self.name),
+        }
+    }
+}
+
+impl fmt::Debug for Policy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Policy")
+            .field("name", &self.name)
+            .field("quotas", &self.quotas)
+            .field(
+                "cost",
+                &match &self.cost {
+                    Cost::Fixed(c) => c.to_string(),
+                    Cost::Fn(_) => "<fn>".to_owned(),
+                },
+            )
+            .field("shadow", &self.shadow)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_checked() {
+        for bad in ["", "has space", "quo\"te", &"x".repeat(65)] {
+            assert!(matches!(
+                Policy::new(bad, Quota::per_second(1)).validate(),
+                Err(ConfigError::InvalidPolicyName { .. })
+            ));
+        }
+        assert!(Policy::new("api.v1-login", Quota::per_second(1)).validate().is_ok());
+    }
+
+    #[test]
+    fn too_many_quotas() {
+        let mut p = Policy::new("p", Quota::per_second(1));
+        for _ in 0..Policy::MAX_QUOTAS {
+            p = p.and(Quota::per_hour(10));
+        }
+        assert!(matches!(p.validate(), Err(ConfigError::QuotaCount { count: 9, .. })));
+    }
+}

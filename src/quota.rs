@@ -1,0 +1,195 @@
+//! Quotas: how many requests per period, and how big a burst.
+
+use std::num::NonZeroU32;
+use std::time::Duration;
+
+use crate::error::ConfigError;
+
+/// A rate and a burst size: `Quota::per_second(10).burst(20)` allows a sustained 10 requests per
+/// second and up to 20 at once after a quiet spell.
+///
+/// Rates read as what they do: `per_second(100)` is one hundred per second. The quota is a
+/// [GCRA] (generic cell rate algorithm) bucket: it holds `burst` units, one unit comes back every
+/// `period / count`, and a request of cost `c` passes when `c` units are in the bucket.
+///
+/// Zero counts, zero bursts and zero periods are not panics: they are reported by
+/// [`RateLimitLayerBuilder::build`](crate::RateLimitLayerBuilder::build) as a [`ConfigError`].
+///
+/// ```
+/// use std::time::Duration;
+/// use tollgate::Quota;
+///
+/// let q = Quota::per_second(5).burst(10);
+/// assert_eq!(q.burst_size(), 10);
+/// assert_eq!(q.emission_interval(), Some(Duration::from_millis(200)));
+///
+/// // 3 requests every 10 seconds, burst defaults to the count.
+/// let q = Quota::new(3, Duration::from_secs(10));
+/// assert_eq!(q.burst_size(), 3);
+/// ```
+///
+/// [GCRA]: https://en.wikipedia.org/wiki/Generic_cell_rate_algorithm
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Quota {
+    count: u32,
+    period: Duration,
+    burst: Option<u32>,
+    name: Option<&'static str>,
+}
+
+impl Quota {
+    /// `count` requests per `period`; the burst defaults to `count`.
+    pub const fn new(count: u32, period: Duration) -> Self {
+        Quota {
+            count,
+            period,
+            burst: None,
+            name: None,
+        }
+    }
+
+    /// `count` requests per second.
+    pub const fn per_second(count: u32) -> Self {
+        Self::new(count, Duration::from_secs(1))
+    }
+
+    /// `count` requests per minute.
+    pub const fn per_minute(count: u32) -> Self {
+        Self::new(count, Duration::from_secs(60))
+    }
+
+    /// `count` requests per hour.
+    pub const fn per_hour(count: u32) -> Self {
+        Self::new(count, Duration::from_secs(3600))
+    }
+
+    /// `count` requests per day (86 400 s).
+    pub const fn per_day(count: u32) -> Self {
+        Self::new(count, Duration::from_secs(86_400))
+    }
+
+    /// Sets the bucket size: how many requests may pass at once after a quiet spell.
+    pub const fn burst(mut self, burst: u32) -> Self {
+        self.burst = Some(burst);
+        self
+    }
+
+    /// Names this quota in the `RateLimit` headers. Without a name, a policy with one quota uses
+    /// the policy's name, and a policy with several uses `<policy>-<index>`.
+    pub const fn named(mut self, name: &'static str) -> Self {
+        self.name = Some(name);
+        self
+    }
+
+    /// The number of requests per period.
+    pub const fn count(&self) -> u32 {
+        self.count
+    }
+
+    /// The period over which [`count`](Self::count) requests are allowed.
+    pub const fn period(&self) -> Duration {
+        self.period
+    }
+
+    /// The bucket size: the explicit burst, or the count when none was set.
+    pub const fn burst_size(&self) -> u32 {
+        match self.burst {
+            Some(b) => b,
+            None => self.count,
+        }
+    }
+
+    /// The name given with [`named`](Self::named), if any.
+    pub const fn name(&self) -> Option<&'static str> {
+        self.name
+    }
+
+    /// Time for one unit to come back (`period / count`), or `None` when the count is zero.
+    pub fn emission_interval(&self) -> Option<Duration> {
+        if self.count == 0 {
+            None
+        } else {
+            Some(self.period / self.count)
+        }
+    }
+
+    /// Checks the quota and returns its parameters in integer nanoseconds.
+    pub(crate) fn params(&self, policy: &str) -> Result<QuotaParams, ConfigError> {
+        let bad = |reason: &'static str| ConfigError::InvalidQuota {
+            policy: policy.to_owned(),
+            quota: *self,
+            reason,
+        };
+        if self.count == 0 {
+            return Err(bad("the count is zero; use a positive number of requests"));
+        }
+        if self.period.is_zero() {
+            return Err(bad("the period is zero"));
+        }
+        let burst = NonZeroU32::new(self.burst_size()).ok_or_else(|| bad("the burst is zero"))?;
+        let emission = self.period.as_nanos() / u128::from(self.count);
+        if emission == 0 {
+            return Err(bad(
+                "more than one request per nanosecond cannot be represented",
+            ));
+        }
+        let emission = u64::try_from(emission).map_err(|_| bad("the period is too long"))?;
+        // The bucket's time span (burst * emission) must fit in u64 nanoseconds (~584 years).
+        emission
+            .checked_mul(u64::from(burst.get()))
+            .ok_or_else(|| bad("burst * period / count overflows 584 years"))?;
+        Ok(QuotaParams {
+            emission_ns: emission,
+            burst,
+        })
+    }
+}
+
+/// A validated quota in integer nanoseconds, as backends use it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct QuotaParams {
+    /// Nanoseconds for one unit to come back (`period / count`), at least 1.
+    pub emission_ns: u64,
+    /// Bucket size in units, at least 1.
+    pub burst: NonZeroU32,
+}
+
+impl QuotaParams {
+    /// Time for an empty bucket to fill: `burst * emission`.
+    pub fn window(&self) -> Duration {
+        Duration::from_nanos(self.emission_ns * u64::from(self.burst.get()))
+    }
+
+    /// Time for one unit to come back.
+    pub fn emission_interval(&self) -> Duration {
+        Duration::from_nanos(self.emission_ns)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rates_read_as_what_they_do() {
+        let p = Quota::per_second(100).params("p").unwrap();
+        assert_eq!(p.emission_ns, 10_000_000);
+        assert_eq!(p.burst.get(), 100);
+        let p = Quota::per_hour(1000).burst(5).params("p").unwrap();
+        assert_eq!(p.emission_ns, 3_600_000_000);
+        assert_eq!(p.burst.get(), 5);
+    }
+
+    #[test]
+    fn zero_values_are_errors() {
+        for q in [
+            Quota::per_second(0),
+            Quota::per_second(1).burst(0),
+            Quota::new(1, Duration::ZERO),
+            Quota::new(u32::MAX, Duration::from_nanos(1)),
+        ] {
+            let err = q.params("api").unwrap_err().to_string();
+            assert!(err.contains("api"), "{err}");
+        }
+    }
+}

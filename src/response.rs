@@ -1,0 +1,373 @@
+//! Responses: rate-limit headers on every response, and the rejection itself.
+//!
+//! Allowed and denied responses carry the fields of the IETF draft
+//! [draft-ietf-httpapi-ratelimit-headers]: `RateLimit-Policy` (static per policy, built once)
+//! and `RateLimit` (per response), one item per quota:
+//!
+//! ```text
+//! RateLimit-Policy: "api";q=10;w=2
+//! RateLimit: "api";r=7;t=1
+//! ```
+//!
+//! - `q` is the bucket size (burst) and `w` the seconds an empty bucket takes to fill, so
+//!   `q / w` is the sustained rate. `w` is rounded to whole seconds (at least 1), as the draft
+//!   allows no fractions.
+//! - `r` is how many more cost-1 requests would pass right now.
+//! - `t` is the seconds until the bucket is full again, rounded up.
+//!
+//! Denied requests get `429 Too Many Requests` with `Retry-After` in whole seconds, rounded up
+//! and never 0. gRPC requests (`content-type: application/grpc*`) get a trailers-only response
+//! with `grpc-status: 8` (`RESOURCE_EXHAUSTED`), which tonic clients see as
+//! `Status::resource_exhausted`.
+//!
+//! [draft-ietf-httpapi-ratelimit-headers]: https://datatracker.ietf.org/doc/draft-ietf-httpapi-ratelimit-headers/
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderName, HeaderValue, Response, StatusCode, header};
+use smallvec::SmallVec;
+
+use crate::backend::Decision;
+use crate::quota::QuotaParams;
+use crate::{KeyError, Policy};
+
+/// Which rate-limit headers responses carry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum HeaderStyle {
+    /// `RateLimit-Policy` and `RateLimit` (the IETF draft). The default.
+    #[default]
+    Ietf,
+    /// `X-RateLimit-Limit`, `X-RateLimit-Remaining`, `X-RateLimit-Reset` (seconds), for the
+    /// quota with the fewest remaining units.
+    Legacy,
+    /// Both of the above.
+    Both,
+    /// No rate-limit headers (`Retry-After` is still sent on rejections).
+    None,
+}
+
+impl HeaderStyle {
+    fn ietf(self) -> bool {
+        matches!(self, HeaderStyle::Ietf | HeaderStyle::Both)
+    }
+    fn legacy(self) -> bool {
+        matches!(self, HeaderStyle::Legacy | HeaderStyle::Both)
+    }
+}
+
+/// Why a request was rejected, given to a custom rejection response.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum RejectionKind<'a> {
+    /// A quota denied the request.
+    RateLimited(&'a Decision),
+    /// No key could be extracted and the layer is set to reject such requests.
+    MissingKey(&'a KeyError),
+    /// The backend failed and could not decide.
+    BackendUnavailable,
+}
+
+/// A rejection, as seen by a custom response function.
+#[derive(Debug)]
+pub struct Rejection<'a> {
+    /// Why.
+    pub kind: RejectionKind<'a>,
+    /// The policy's name.
+    pub policy: &'a str,
+    /// The status tollgate would answer with (429, 503, or the missing-key status).
+    pub status: StatusCode,
+    /// When the client may retry, if known.
+    pub retry_after: Option<Duration>,
+}
+
+/// A function building the response for a rejection.
+pub type RejectFn = Arc<dyn Fn(&Rejection<'_>) -> Response<Bytes> + Send + Sync>;
+
+/// The body of rejections.
+#[derive(Clone, Default)]
+#[non_exhaustive]
+pub enum RejectionBody {
+    /// A short `text/plain` message. The default.
+    #[default]
+    Text,
+    /// An RFC 9457 `application/problem+json` document with the draft's `quota-exceeded`
+    /// problem type and `violated-policies`.
+    ProblemJson,
+    /// A response of your own; tollgate still adds `Retry-After` and the rate-limit headers
+    /// unless the response already has them.
+    Custom(RejectFn),
+}
+
+impl fmt::Debug for RejectionBody {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RejectionBody::Text => f.write_str("Text"),
+            RejectionBody::ProblemJson => f.write_str("ProblemJson"),
+            RejectionBody::Custom(_) => f.write_str("Custom(<fn>)"),
+        }
+    }
+}
+
+/// A policy's header material, built once.
+#[derive(Debug, Clone)]
+pub(crate) struct PolicyHeaders {
+    /// `"name";q=..;w=..` items, comma-separated.
+    policy: HeaderValue,
+    /// `"label";r=` per quota.
+    prefixes: Vec<Box<[u8]>>,
+}
+
+impl PolicyHeaders {
+    pub(crate) fn new(policy: &Policy, params: &[QuotaParams]) -> Self {
+        let mut value = String::new();
+        let mut prefixes = Vec::with_capacity(params.len());
+        for (i, p) in params.iter().enumerate() {
+            let label = policy.quota_label(i);
+            if i > 0 {
+                value.push_str(", ");
+            }
+            let w = ceil_secs(p.window()).max(1);
+            value.push_str(&format!("\"{label}\";q={};w={w}", p.burst));
+            prefixes.push(format!("\"{label}\";r=").into_bytes().into_boxed_slice());
+        }
+        PolicyHeaders {
+            // Labels are visible ASCII without quotes or backslashes (checked by
+            // `Policy::validate`), so the value is always valid.
+            policy: HeaderValue::from_str(&value).unwrap_or(HeaderValue::from_static("")),
+            prefixes,
+        }
+    }
+}
+
+/// Headers to add to a response, computed from a decision.
+pub(crate) type HeaderAdds = SmallVec<[(HeaderName, HeaderValue); 4]>;
+
+const X_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
+const X_REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining");
+const X_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
+const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+
+/// Whole seconds, rounded up.
+pub(crate) fn ceil_secs(d: Duration) -> u64 {
+    d.as_secs() + u64::from(d.subsec_nanos() > 0)
+}
+
+fn int_value(n: u64) -> HeaderValue {
+    HeaderValue::from(n)
+}
+
+pub(crate) fn rate_limit_headers(
+    style: HeaderStyle,
+    headers: &PolicyHeaders,
+    decision: &Decision,
+) -> HeaderAdds {
+    let mut out = HeaderAdds::new();
+    if style.ietf() {
+        let mut buf = SmallVec::<[u8; 96]>::new();
+        let mut num = itoa::Buffer::new();
+        for (i, q) in decision.quotas().iter().enumerate() {
+            let Some(prefix) = headers.prefixes.get(q.index) else {
+                continue;
+            };
+            if i > 0 {
+                buf.extend_from_slice(b", ");
+            }
+            buf.extend_from_slice(prefix);
+            buf.extend_from_slice(num.format(q.remaining).as_bytes());
+            buf.extend_from_slice(b";t=");
+            buf.extend_from_slice(num.format(ceil_secs(q.reset_after)).as_bytes());
+        }
+        out.push((RATELIMIT_POLICY, headers.policy.clone()));
+        if let Ok(v) = HeaderValue::from_bytes(&buf) {
+            out.push((RATELIMIT, v));
+        }
+    }
+    if style.legacy() {
+        if let Some(q) = decision.tightest() {
+            out.push((X_LIMIT, int_value(u64::from(q.limit))));
+            out.push((X_REMAINING, int_value(u64::from(q.remaining))));
+            out.push((X_RESET, int_value(ceil_secs(q.reset_after))));
+        }
+    }
+    out
+}
+
+pub(crate) fn add_headers(map: &mut http::HeaderMap, adds: HeaderAdds) {
+    for (name, value) in adds {
+        map.entry(name).or_insert(value);
+    }
+}
+
+/// How the service answers a rejection.
+#[derive(Clone, Debug)]
+pub(crate) struct Responder {
+    pub(crate) style: HeaderStyle,
+    pub(crate) body: RejectionBody,
+}
+
+impl Responder {
+    pub(crate) fn reject(
+        &self,
+        rejection: &Rejection<'_>,
+        grpc: bool,
+        adds: HeaderAdds,
+    ) -> Response<Bytes> {
+        let retry = rejection.retry_after.map(|d| ceil_secs(d).max(1));
+        let mut res = if grpc {
+            grpc_response(rejection)
+        } else {
+            match &self.body {
+                RejectionBody::Text => text_response(rejection, retry),
+                RejectionBody::ProblemJson => problem_response(rejection, retry),
+                RejectionBody::Custom(f) => f(rejection),
+            }
+        };
+        if let Some(secs) = retry {
+            res.headers_mut()
+                .entry(header::RETRY_AFTER)
+                .or_insert(int_value(secs));
+        }
+        add_headers(res.headers_mut(), adds);
+        res
+    }
+}
+
+fn text_response(rejection: &Rejection<'_>, retry: Option<u64>) -> Response<Bytes> {
+    let text = match (&rejection.kind, retry) {
+        (RejectionKind::RateLimited(d), _) if d.never_fits() => {
+            "Too Many Requests: this request costs more than the rate limit ever allows\n"
+                .to_owned()
+        }
+        (RejectionKind::RateLimited(_), Some(s)) => {
+            format!("Too Many Requests: retry in {s} s\n")
+        }
+        (RejectionKind::RateLimited(_), None) => "Too Many Requests\n".to_owned(),
+        (RejectionKind::MissingKey(e), _) => format!("{e}\n"),
+        (RejectionKind::BackendUnavailable, _) => "Rate limiter unavailable\n".to_owned(),
+    };
+    let mut res = Response::new(Bytes::from(text));
+    *res.status_mut() = rejection.status;
+    res.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    res
+}
+
+fn problem_response(rejection: &Rejection<'_>, retry: Option<u64>) -> Response<Bytes> {
+    // Policy names cannot contain `"` or `\` (see `Policy::validate`), so they embed safely.
+    let (ty, title) = match rejection.kind {
+        RejectionKind::RateLimited(_) => (
+            "https://iana.org/assignments/http-problem-types#quota-exceeded",
+            "Request cannot be satisfied as assigned quota has been exceeded",
+        ),
+        RejectionKind::MissingKey(_) => ("about:blank", "No rate-limit key in the request"),
+        RejectionKind::BackendUnavailable => (
+            "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity",
+            "Rate limiter unavailable",
+        ),
+    };
+    let mut json = format!(
+        r#"{{"type":"{ty}","title":"{title}","status":{},"violated-policies":["{}"]"#,
+        rejection.status.as_u16(),
+        rejection.policy
+    );
+    if let Some(s) = retry {
+        json.push_str(&format!(r#","retry-after":{s}"#));
+    }
+    json.push('}');
+    let mut res = Response::new(Bytes::from(json));
+    *res.status_mut() = rejection.status;
+    res.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    );
+    res
+}
+
+/// A trailers-only gRPC response: HTTP 200 with the status in the headers and no body.
+fn grpc_response(rejection: &Rejection<'_>) -> Response<Bytes> {
+    let (code, message) = match rejection.kind {
+        RejectionKind::RateLimited(_) => (8u8, "rate limit exceeded"),
+        RejectionKind::MissingKey(_) => (grpc_code(rejection.status), "no rate-limit key"),
+        RejectionKind::BackendUnavailable => (14, "rate limiter unavailable"),
+    };
+    let mut res = Response::new(Bytes::new());
+    let h = res.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/grpc"),
+    );
+    h.insert("grpc-status", HeaderValue::from(u16::from(code)));
+    h.insert("grpc-message", HeaderValue::from_static(message));
+    res
+}
+
+/// The gRPC code closest to an HTTP status, for missing-key rejections.
+fn grpc_code(status: StatusCode) -> u8 {
+    match status.as_u16() {
+        400 => 3,
+        401 => 16,
+        403 => 7,
+        429 => 8,
+        503 => 14,
+        _ => 2,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Quota;
+    use crate::backend::{Outcome, QuotaState};
+
+    #[test]
+    fn ceil_secs_rounds_up() {
+        assert_eq!(ceil_secs(Duration::ZERO), 0);
+        assert_eq!(ceil_secs(Duration::from_nanos(1)), 1);
+        assert_eq!(ceil_secs(Duration::from_millis(1000)), 1);
+        assert_eq!(ceil_secs(Duration::from_millis(1001)), 2);
+    }
+
+    #[test]
+    fn ietf_syntax() {
+        let policy = Policy::new("api", Quota::per_second(5).burst(10)).and(Quota::per_hour(1000));
+        let params = policy.validate().unwrap();
+        let h = PolicyHeaders::new(&policy, &params);
+        assert_eq!(
+            h.policy.to_str().unwrap(),
+            r#""api-0";q=10;w=2, "api-1";q=1000;w=3600"#
+        );
+        let d = Decision::new([
+            QuotaState {
+                index: 0,
+                outcome: Outcome::Allowed,
+                limit: 10,
+                remaining: 9,
+                reset_after: Duration::from_millis(200),
+            },
+            QuotaState {
+                index: 1,
+                outcome: Outcome::Allowed,
+                limit: 1000,
+                remaining: 999,
+                reset_after: Duration::from_millis(3600),
+            },
+        ]);
+        let adds = rate_limit_headers(HeaderStyle::Both, &h, &d);
+        let get = |n: &str| {
+            adds.iter()
+                .find(|(k, _)| k == n)
+                .map(|(_, v)| v.to_str().unwrap().to_owned())
+        };
+        assert_eq!(get("ratelimit").unwrap(), r#""api-0";r=9;t=1, "api-1";r=999;t=4"#);
+        assert_eq!(get("x-ratelimit-remaining").unwrap(), "9");
+        assert_eq!(get("x-ratelimit-limit").unwrap(), "10");
+        assert!(rate_limit_headers(HeaderStyle::None, &h, &d).is_empty());
+    }
+}
