@@ -12,17 +12,20 @@ pin_project! {
     /// or the short body of a rejection.
     ///
     /// Its error type is the inner body's: a rejection body cannot fail.
-    #[project = BodyProj]
-    pub enum ResponseBody<B> {
-        /// The inner service's body, untouched.
+    pub struct ResponseBody<B> {
+        #[pin]
+        kind: Kind<B>,
+    }
+}
+
+pin_project! {
+    #[project = KindProj]
+    enum Kind<B> {
         Inner {
-            /// The inner body.
             #[pin]
             body: B,
         },
-        /// A rejection's body.
         Full {
-            /// The bytes not yet sent.
             data: Option<Bytes>,
         },
     }
@@ -30,12 +33,16 @@ pin_project! {
 
 impl<B> ResponseBody<B> {
     pub(crate) fn inner(body: B) -> Self {
-        ResponseBody::Inner { body }
+        ResponseBody {
+            kind: Kind::Inner { body },
+        }
     }
 
     pub(crate) fn full(data: Bytes) -> Self {
-        ResponseBody::Full {
-            data: (!data.is_empty()).then_some(data),
+        ResponseBody {
+            kind: Kind::Full {
+                data: (!data.is_empty()).then_some(data),
+            },
         }
     }
 }
@@ -51,25 +58,23 @@ where
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
-        match self.project() {
-            BodyProj::Inner { body } => body.poll_frame(cx),
-            BodyProj::Full { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
+        match self.project().kind.project() {
+            KindProj::Inner { body } => body.poll_frame(cx),
+            KindProj::Full { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        match self {
-            ResponseBody::Inner { body } => body.is_end_stream(),
-            ResponseBody::Full { data } => data.is_none(),
+        match &self.kind {
+            Kind::Inner { body } => body.is_end_stream(),
+            Kind::Full { data } => data.is_none(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
-        match self {
-            ResponseBody::Inner { body } => body.size_hint(),
-            ResponseBody::Full { data } => {
-                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
-            }
+        match &self.kind {
+            Kind::Inner { body } => body.size_hint(),
+            Kind::Full { data } => SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64)),
         }
     }
 }
