@@ -51,6 +51,7 @@ mod policy;
 pub mod quota;
 mod request;
 pub mod response;
+pub mod rules;
 mod service;
 
 pub use body::ResponseBody;
