@@ -240,7 +240,8 @@ impl std::str::FromStr for Quota {
         let n = if n.is_empty() {
             1
         } else {
-            n.parse::<u64>().map_err(|_| bad("the period is not a number"))?
+            n.parse::<u64>()
+                .map_err(|_| bad("the period is not a number"))?
         };
         let unit_ns: u64 = match unit.trim() {
             "ms" | "millisecond" | "milliseconds" => 1_000_000,
@@ -273,7 +274,7 @@ impl std::fmt::Display for Quota {
             (1_000_000, "ms"),
         ]
         .into_iter()
-        .find(|(u, _)| ns >= *u && ns % u == 0)
+        .find(|(u, _)| ns >= *u && ns.is_multiple_of(*u))
         .map_or((ns, "ns"), |(u, name)| (ns / u, name));
         write!(f, "{}/", self.count)?;
         if n != 1 {
@@ -308,17 +309,35 @@ mod parse_tests {
 
     #[test]
     fn round_trips() {
-        for s in ["100/s", "1000/h", "5/min burst 10", "3/10s", "10/500ms", "7/d", "1/90s"] {
+        for s in [
+            "100/s",
+            "1000/h",
+            "5/min burst 10",
+            "3/10s",
+            "10/500ms",
+            "7/d",
+            "1/90s",
+        ] {
             let q: Quota = s.parse().unwrap();
             assert_eq!(q.to_string().parse::<Quota>().unwrap(), q, "{s}");
         }
         assert_eq!("1000/h".parse::<Quota>().unwrap(), Quota::per_hour(1000));
-        assert_eq!("2 / 30 min".parse::<Quota>().unwrap(), Quota::new(2, Duration::from_secs(1800)));
+        assert_eq!(
+            "2 / 30 min".parse::<Quota>().unwrap(),
+            Quota::new(2, Duration::from_secs(1800))
+        );
     }
 
     #[test]
     fn errors_name_the_input() {
-        for s in ["", "5", "x/s", "5/fortnight", "5/s burst x", "5/99999999999999999d"] {
+        for s in [
+            "",
+            "5",
+            "x/s",
+            "5/fortnight",
+            "5/s burst x",
+            "5/99999999999999999d",
+        ] {
             let e = s.parse::<Quota>().unwrap_err().to_string();
             assert!(e.contains(&format!("{s:?}")), "{e}");
         }

@@ -92,13 +92,25 @@ type Predicate = Arc<dyn Fn(&RequestInfo<'_>) -> bool + Send + Sync>;
 pub struct Rule {
     priority: i32,
     policy: String,
-    #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "Option::is_none"))]
+    #[cfg_attr(
+        feature = "serde",
+        serde(default, skip_serializing_if = "Option::is_none")
+    )]
     tenant: Option<String>,
-    #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "Option::is_none"))]
+    #[cfg_attr(
+        feature = "serde",
+        serde(default, skip_serializing_if = "Option::is_none")
+    )]
     tier: Option<String>,
-    #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "Option::is_none"))]
+    #[cfg_attr(
+        feature = "serde",
+        serde(default, skip_serializing_if = "Option::is_none")
+    )]
     path_prefix: Option<String>,
-    #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "Vec::is_empty"))]
+    #[cfg_attr(
+        feature = "serde",
+        serde(default, skip_serializing_if = "Vec::is_empty")
+    )]
     methods: Vec<String>,
     #[cfg_attr(feature = "serde", serde(skip))]
     predicate: Option<Predicate>,
@@ -374,7 +386,11 @@ pub(crate) fn compile<Bk: Backend>(
         .policies
         .iter()
         .map(|p| {
-            let p = if set.shadow { p.clone().shadow(true) } else { p.clone() };
+            let p = if set.shadow {
+                p.clone().shadow(true)
+            } else {
+                p.clone()
+            };
             prepare(backend, p).map(Arc::new)
         })
         .collect::<Result<Vec<_>, _>>()?;

@@ -16,9 +16,9 @@ use crate::backend::{Backend, Decision};
 use crate::body::ResponseBody;
 use crate::future::ResponseFuture;
 use crate::key::{KeyError, KeyExtractor};
-use crate::rules::LiveRules;
 use crate::layer::OnMissingKey;
 use crate::response::{self, HeaderAdds, PolicyHeaders, Rejection, RejectionKind, Responder};
+use crate::rules::LiveRules;
 use crate::{BackendError, Key, Policy, RequestInfo};
 
 /// Rate-limits requests to the inner service. Made by [`RateLimitLayer`](crate::RateLimitLayer).
@@ -175,7 +175,9 @@ where
     }
 }
 
-/// Where a request stands once `call` has asked the backend.
+/// Where a request stands once `call` has asked the backend. A short-lived stack value, so the
+/// size difference between variants does not matter.
+#[allow(clippy::large_enum_variant)]
 enum Step<F, P> {
     Done(Verdict),
     Pending(F, Arc<Prepared<P>>, bool),
