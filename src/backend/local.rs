@@ -231,6 +231,9 @@ where
         let weak = Arc::downgrade(&self.inner);
         let every = self.inner.sweep_interval;
         handle.spawn(async move {
+            // If the runtime shuts down (or the task ends), let the next `prepare` start a
+            // sweeper on whatever runtime it runs in.
+            let _restart = RestartSweeper(weak.clone());
             let mut ticks = tokio::time::interval(every);
             ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             ticks.tick().await;
@@ -241,6 +244,16 @@ where
                 inner.sweep();
             }
         });
+    }
+}
+
+struct RestartSweeper<C: Clock>(Weak<Inner<C>>);
+
+impl<C: Clock> Drop for RestartSweeper<C> {
+    fn drop(&mut self) {
+        if let Some(inner) = self.0.upgrade() {
+            inner.sweeper_started.store(false, Ordering::Release);
+        }
     }
 }
 
