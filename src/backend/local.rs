@@ -61,13 +61,14 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::future::{Ready, ready};
-use std::hash::RandomState;
 use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use dashmap::DashMap;
+// Randomly seeded per process: keys come from clients, so the hash must resist flooding.
+use foldhash::quality::RandomState;
 use dashmap::mapref::entry::Entry;
 use governor::clock::{Clock, MonotonicClock, Reference};
 use governor::middleware::{NoOpMiddleware, StateInformationMiddleware};
@@ -358,7 +359,7 @@ where
                     })?
                     .allow_burst(p.burst);
                 let store = Arc::new(StoreMap {
-                    map: DashMap::with_hasher(RandomState::new()),
+                    map: DashMap::with_hasher(RandomState::default()),
                     tracked: self.inner.tracked.clone(),
                 });
                 let limiter = Arc::new(
