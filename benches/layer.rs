@@ -39,6 +39,13 @@ use tower::{Layer, Service, service_fn};
 use tower_governor::GovernorLayer;
 use tower_governor::governor::GovernorConfigBuilder;
 
+/// Raw governor, keyed, on its dashmap store and default clock (as tower_governor uses it).
+type GovLimiter = RateLimiter<
+    IpAddr,
+    governor::state::keyed::DashMapStateStore<IpAddr>,
+    governor::clock::DefaultClock,
+>;
+
 const MANY_KEYS: usize = 100_000;
 /// One unit every nanosecond and a burst of a billion: never denied at benchmark speeds.
 const BIG: u32 = 1_000_000_000;
@@ -99,13 +106,7 @@ impl<B> StatusOf for Response<B> {
 #[derive(Clone)]
 struct Governed<S> {
     inner: S,
-    limiter: Arc<
-        RateLimiter<
-            IpAddr,
-            governor::state::keyed::DashMapStateStore<IpAddr>,
-            governor::clock::DefaultClock,
-        >,
-    >,
+    limiter: Arc<GovLimiter>,
 }
 
 impl<S> Service<Request<()>> for Governed<S>
@@ -165,13 +166,7 @@ mod futures_either {
     }
 }
 
-fn governor_limiter() -> Arc<
-    RateLimiter<
-        IpAddr,
-        governor::state::keyed::DashMapStateStore<IpAddr>,
-        governor::clock::DefaultClock,
-    >,
-> {
+fn governor_limiter() -> Arc<GovLimiter> {
     let quota = GQuota::with_period(Duration::from_nanos(1))
         .unwrap()
         .allow_burst(NonZeroU32::new(BIG).unwrap());
