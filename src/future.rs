@@ -36,13 +36,11 @@ pin_project! {
         S: Service<Request<ReqBody>>,
         Bk: Backend,
     {
+        // Boxed: only asynchronous backends (Redis) come here, and they pay a network round
+        // trip anyway, while keeping the request and a service clone inline would make every
+        // future larger and slower to move.
         Deciding {
-            decision: Bk::Future,
-            // The service that was polled ready, and the request for it.
-            inner: Option<(S, Request<ReqBody>)>,
-            shared: Arc<Shared<K, Bk>>,
-            policy: Arc<Prepared<Bk::Policy>>,
-            grpc: bool,
+            deciding: Box<Deciding<S, ReqBody, K, Bk>>,
         },
         Called {
             #[pin]
@@ -50,9 +48,17 @@ pin_project! {
             adds: Option<HeaderAdds>,
         },
         Rejected {
-            response: Option<Response<Bytes>>,
+            response: Option<Box<Response<Bytes>>>,
         },
     }
+}
+
+struct Deciding<S, ReqBody, K, Bk: Backend> {
+    decision: Bk::Future,
+    // The service that was polled ready, and the request for it.
+    inner: Option<(S, Request<ReqBody>)>,
+    shared: Arc<Shared<K, Bk>>,
+    policy: Arc<Prepared<Bk::Policy>>,
 }
 
 impl<S, ReqBody, K, Bk> ResponseFuture<S, ReqBody, K, Bk>
@@ -69,7 +75,7 @@ where
         }
     }
 
-    pub(crate) fn rejected(response: Response<Bytes>) -> Self {
+    pub(crate) fn rejected(response: Box<Response<Bytes>>) -> Self {
         ResponseFuture {
             state: State::Rejected {
                 response: Some(response),
@@ -83,15 +89,15 @@ where
         req: Request<ReqBody>,
         shared: Arc<Shared<K, Bk>>,
         policy: Arc<Prepared<Bk::Policy>>,
-        grpc: bool,
     ) -> Self {
         ResponseFuture {
             state: State::Deciding {
-                decision,
-                inner: Some((inner, req)),
-                shared,
-                policy,
-                grpc,
+                deciding: Box::new(Deciding {
+                    decision,
+                    inner: Some((inner, req)),
+                    shared,
+                    policy,
+                }),
             },
         }
     }
@@ -108,16 +114,14 @@ where
         let mut state = self.project().state;
         loop {
             match state.as_mut().project() {
-                StateProj::Deciding {
-                    decision,
-                    inner,
-                    shared,
-                    policy,
-                    grpc,
-                } => {
-                    let result = ready!(Pin::new(decision).poll(cx));
-                    let next = match shared.verdict(policy, result, *grpc) {
-                        Verdict::Pass(adds) => match inner.take() {
+                StateProj::Deciding { deciding } => {
+                    let d = &mut **deciding;
+                    let result = ready!(Pin::new(&mut d.decision).poll(cx));
+                    let Some((_, req)) = &d.inner else {
+                        panic!("ResponseFuture polled after completion");
+                    };
+                    let next = match d.shared.verdict(&d.policy, result, req.headers()) {
+                        Verdict::Pass(adds) => match d.inner.take() {
                             Some((mut svc, req)) => State::Called {
                                 fut: svc.call(req),
                                 adds: Some(adds),
@@ -141,7 +145,7 @@ where
                     let res = response
                         .take()
                         .expect("ResponseFuture polled after completion");
-                    return Poll::Ready(Ok(res.map(ResponseBody::full)));
+                    return Poll::Ready(Ok((*res).map(ResponseBody::full)));
                 }
             }
         }

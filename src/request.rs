@@ -66,8 +66,12 @@ impl<'a> RequestInfo<'a> {
 
     /// Whether this is a gRPC request (`content-type: application/grpc*`).
     pub fn is_grpc(&self) -> bool {
-        self.headers
-            .get(http::header::CONTENT_TYPE)
-            .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
+        is_grpc(self.headers)
     }
+}
+
+pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
+    headers
+        .get(http::header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
 }

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll, Waker};
 
 use bytes::Bytes;
-use http::{Request, Response, StatusCode};
+use http::{HeaderMap, Request, Response, StatusCode};
 use tower_service::Service;
 
 use crate::backend::{Backend, Decision};
@@ -17,6 +17,7 @@ use crate::body::ResponseBody;
 use crate::future::ResponseFuture;
 use crate::key::{KeyError, KeyExtractor};
 use crate::layer::OnMissingKey;
+use crate::request::is_grpc;
 use crate::response::{self, HeaderAdds, PolicyHeaders, Rejection, RejectionKind, Responder};
 use crate::rules::LiveRules;
 use crate::{BackendError, Key, Policy, RequestInfo};
@@ -79,7 +80,7 @@ impl<Bk: Backend> Policies<Bk> {
 /// What to do with a request once the backend has answered.
 pub(crate) enum Verdict {
     Pass(HeaderAdds),
-    Reject(Response<Bytes>),
+    Reject(Box<Response<Bytes>>),
 }
 
 impl<S, K, Bk: Backend> RateLimit<S, K, Bk> {
@@ -139,14 +140,13 @@ where
         let shared = &self.shared;
         let step = {
             let info = RequestInfo::new(&req);
-            let grpc = info.is_grpc();
             // 1. key
             let key = shared.key.extract(&info);
             // 2. policy
             shared.policies.with(&info, key.as_ref().ok(), |policy| {
                 let key = match &key {
                     Ok(key) => key,
-                    Err(err) => return shared.missing_key(policy, err, grpc),
+                    Err(err) => return shared.missing_key(policy, err, info.headers()),
                 };
                 let Some(cost) = NonZeroU32::new(policy.policy.cost_of(&info)) else {
                     return Step::Done(Verdict::Pass(HeaderAdds::new()));
@@ -155,8 +155,10 @@ where
                 // response future.
                 let mut decision = shared.backend.decide(&policy.backend, key, cost);
                 match Pin::new(&mut decision).poll(&mut Context::from_waker(Waker::noop())) {
-                    Poll::Ready(result) => Step::Done(shared.verdict(policy, result, grpc)),
-                    Poll::Pending => Step::Pending(decision, policy.clone(), grpc),
+                    Poll::Ready(result) => {
+                        Step::Done(shared.verdict(policy, result, info.headers()))
+                    }
+                    Poll::Pending => Step::Pending(decision, policy.clone()),
                 }
             })
         };
@@ -164,23 +166,21 @@ where
         match step {
             Step::Done(Verdict::Pass(adds)) => ResponseFuture::called(self.inner.call(req), adds),
             Step::Done(Verdict::Reject(res)) => ResponseFuture::rejected(res),
-            Step::Pending(decision, policy, grpc) => {
+            Step::Pending(decision, policy) => {
                 // Keep the service that was polled ready for this request (tower's
                 // ready-clone rule); a fresh clone takes its place.
                 let clone = self.inner.clone();
                 let ready = std::mem::replace(&mut self.inner, clone);
-                ResponseFuture::deciding(decision, ready, req, self.shared.clone(), policy, grpc)
+                ResponseFuture::deciding(decision, ready, req, self.shared.clone(), policy)
             }
         }
     }
 }
 
-/// Where a request stands once `call` has asked the backend. A short-lived stack value, so the
-/// size difference between variants does not matter.
-#[allow(clippy::large_enum_variant)]
+/// Where a request stands once `call` has asked the backend.
 enum Step<F, P> {
     Done(Verdict),
-    Pending(F, Arc<Prepared<P>>, bool),
+    Pending(F, Arc<Prepared<P>>),
 }
 
 impl<K, Bk: Backend> Shared<K, Bk> {
@@ -188,7 +188,7 @@ impl<K, Bk: Backend> Shared<K, Bk> {
         &self,
         prepared: &Prepared<Bk::Policy>,
         err: &KeyError,
-        grpc: bool,
+        headers: &HeaderMap,
     ) -> Step<F, Bk::Policy> {
         if *err == KeyError::NoPeerAddr {
             static WARNED: AtomicBool = AtomicBool::new(false);
@@ -213,8 +213,10 @@ impl<K, Bk: Backend> Shared<K, Bk> {
                     status,
                     retry_after: None,
                 };
-                let res = self.responder.reject(&rejection, grpc, HeaderAdds::new());
-                Step::Done(Verdict::Reject(res))
+                let res = self
+                    .responder
+                    .reject(&rejection, is_grpc(headers), HeaderAdds::new());
+                Step::Done(Verdict::Reject(Box::new(res)))
             }
         }
     }
@@ -224,7 +226,7 @@ impl<K, Bk: Backend> Shared<K, Bk> {
         &self,
         prepared: &Prepared<Bk::Policy>,
         result: Result<Decision, BackendError>,
-        grpc: bool,
+        headers: &HeaderMap,
     ) -> Verdict {
         let policy = prepared.policy.name();
         match result {
@@ -261,7 +263,11 @@ impl<K, Bk: Backend> Shared<K, Bk> {
                     status: StatusCode::TOO_MANY_REQUESTS,
                     retry_after,
                 };
-                Verdict::Reject(self.responder.reject(&rejection, grpc, adds))
+                Verdict::Reject(Box::new(self.responder.reject(
+                    &rejection,
+                    is_grpc(headers),
+                    adds,
+                )))
             }
             Err(error) => {
                 tracing::warn!(policy, %error, "rate-limit backend failed; answering 503");
@@ -271,7 +277,11 @@ impl<K, Bk: Backend> Shared<K, Bk> {
                     status: StatusCode::SERVICE_UNAVAILABLE,
                     retry_after: Some(std::time::Duration::from_secs(1)),
                 };
-                Verdict::Reject(self.responder.reject(&rejection, grpc, HeaderAdds::new()))
+                Verdict::Reject(Box::new(self.responder.reject(
+                    &rejection,
+                    is_grpc(headers),
+                    HeaderAdds::new(),
+                )))
             }
         }
     }

@@ -68,8 +68,8 @@ use std::time::Duration;
 
 use dashmap::DashMap;
 // Randomly seeded per process: keys come from clients, so the hash must resist flooding.
-use foldhash::quality::RandomState;
 use dashmap::mapref::entry::Entry;
+use foldhash::quality::RandomState;
 use governor::clock::{Clock, MonotonicClock, Reference};
 use governor::middleware::{NoOpMiddleware, StateInformationMiddleware};
 use governor::nanos::Nanos;
