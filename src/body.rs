@@ -74,7 +74,22 @@ where
     fn size_hint(&self) -> SizeHint {
         match &self.kind {
             Kind::Inner { body } => body.size_hint(),
-            Kind::Full { data } => SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64)),
+            Kind::Full { data } => {
+                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+            }
+        }
+    }
+}
+
+impl<B> std::fmt::Debug for ResponseBody<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.kind {
+            Kind::Inner { .. } => f.write_str("ResponseBody::Inner"),
+            Kind::Full { data } => write!(
+                f,
+                "ResponseBody::Full({} bytes)",
+                data.as_ref().map_or(0, Bytes::len)
+            ),
         }
     }
 }

@@ -67,9 +67,9 @@ impl fmt::Display for ConfigError {
                 "policy `{policy}` has {count} quotas; a policy needs 1 to {} quotas",
                 crate::Policy::MAX_QUOTAS
             ),
-            ConfigError::MissingPolicy => {
-                f.write_str("no policy configured: call `.policy(Policy::new(..))` before `build()`")
-            }
+            ConfigError::MissingPolicy => f.write_str(
+                "no policy configured: call `.policy(Policy::new(..))` before `build()`",
+            ),
             ConfigError::Invalid { option, reason } => write!(f, "invalid `{option}`: {reason}"),
         }
     }

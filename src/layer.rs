@@ -189,13 +189,13 @@ fn build<K: KeyExtractor, Bk: Backend>(
     b: RateLimitLayerBuilder<K, Bk>,
 ) -> Result<RateLimitLayer<K, Bk>, ConfigError> {
     b.key.validate()?;
-    if let OnMissingKey::Reject(status) = b.on_missing_key {
-        if !(status.is_client_error() || status.is_server_error()) {
-            return Err(ConfigError::Invalid {
-                option: "on_missing_key",
-                reason: format!("{status} is not an error status"),
-            });
-        }
+    if let OnMissingKey::Reject(status) = b.on_missing_key
+        && !(status.is_client_error() || status.is_server_error())
+    {
+        return Err(ConfigError::Invalid {
+            option: "on_missing_key",
+            reason: format!("{status} is not an error status"),
+        });
     }
     let policy = b.policy.ok_or(ConfigError::MissingPolicy)?;
     let prepared = prepare(&b.backend, policy)?;

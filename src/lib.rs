@@ -48,7 +48,7 @@ pub mod future;
 pub mod key;
 mod layer;
 mod policy;
-mod quota;
+pub mod quota;
 mod request;
 pub mod response;
 mod service;

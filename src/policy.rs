@@ -167,7 +167,11 @@ mod tests {
                 Err(ConfigError::InvalidPolicyName { .. })
             ));
         }
-        assert!(Policy::new("api.v1-login", Quota::per_second(1)).validate().is_ok());
+        assert!(
+            Policy::new("api.v1-login", Quota::per_second(1))
+                .validate()
+                .is_ok()
+        );
     }
 
     #[test]
@@ -176,6 +180,9 @@ mod tests {
         for _ in 0..Policy::MAX_QUOTAS {
             p = p.and(Quota::per_hour(10));
         }
-        assert!(matches!(p.validate(), Err(ConfigError::QuotaCount { count: 9, .. })));
+        assert!(matches!(
+            p.validate(),
+            Err(ConfigError::QuotaCount { count: 9, .. })
+        ));
     }
 }

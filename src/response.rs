@@ -187,12 +187,12 @@ pub(crate) fn rate_limit_headers(
             out.push((RATELIMIT, v));
         }
     }
-    if style.legacy() {
-        if let Some(q) = decision.tightest() {
-            out.push((X_LIMIT, int_value(u64::from(q.limit))));
-            out.push((X_REMAINING, int_value(u64::from(q.remaining))));
-            out.push((X_RESET, int_value(ceil_secs(q.reset_after))));
-        }
+    if style.legacy()
+        && let Some(q) = decision.tightest()
+    {
+        out.push((X_LIMIT, int_value(u64::from(q.limit))));
+        out.push((X_REMAINING, int_value(u64::from(q.remaining))));
+        out.push((X_RESET, int_value(ceil_secs(q.reset_after))));
     }
     out
 }
@@ -365,7 +365,10 @@ mod tests {
                 .find(|(k, _)| k == n)
                 .map(|(_, v)| v.to_str().unwrap().to_owned())
         };
-        assert_eq!(get("ratelimit").unwrap(), r#""api-0";r=9;t=1, "api-1";r=999;t=4"#);
+        assert_eq!(
+            get("ratelimit").unwrap(),
+            r#""api-0";r=9;t=1, "api-1";r=999;t=4"#
+        );
         assert_eq!(get("x-ratelimit-remaining").unwrap(), "9");
         assert_eq!(get("x-ratelimit-limit").unwrap(), "10");
         assert!(rate_limit_headers(HeaderStyle::None, &h, &d).is_empty());

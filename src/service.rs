@@ -209,8 +209,11 @@ impl<K, Bk: Backend> Shared<K, Bk> {
                     never_fits = decision.never_fits(),
                     "request rate limited"
                 );
-                let adds =
-                    response::rate_limit_headers(self.responder.style, &prepared.headers, &decision);
+                let adds = response::rate_limit_headers(
+                    self.responder.style,
+                    &prepared.headers,
+                    &decision,
+                );
                 let rejection = Rejection {
                     kind: RejectionKind::RateLimited(&decision),
                     policy,

@@ -1,6 +1,6 @@
 //! The in-process backend: GCRA buckets from the `governor` crate.
 //!
-//! Each quota of a policy is a keyed governor [`RateLimiter`](governor::RateLimiter) over a
+//! Each quota of a policy is a keyed governor [`RateLimiter`] over a
 //! bounded store owned by this crate. Limits are per process: behind a load balancer with `n`
 //! replicas a client gets up to `n` times the quota. Use the Redis backend for one shared limit.
 //!
@@ -115,12 +115,15 @@ struct Inner<C: Clock> {
     tracked: Arc<AtomicUsize>,
     /// Limiters by (policy name, quota index, parameters), so that layers sharing a backend
     /// and a policy name share buckets, as they would in Redis.
-    limiters: Mutex<HashMap<LimiterId, (Weak<Limiter<C>>, Weak<StoreMap>)>>,
+    limiters: Mutex<HashMap<LimiterId, Registered<C>>>,
     sweeper_started: AtomicBool,
     /// Nanoseconds (on `clock`) after which a capacity-triggered sweep may run again.
     next_forced_sweep: AtomicU64,
     origin: C::Instant,
 }
+
+/// A limiter and its store, held weakly so that dropped policies free their buckets.
+type Registered<C> = (Weak<Limiter<C>>, Weak<StoreMap>);
 
 #[derive(Clone, PartialEq, Eq, Hash)]
 struct LimiterId {
@@ -265,7 +268,12 @@ impl<C: Clock> Inner<C> {
         if now >= next
             && self
                 .next_forced_sweep
-                .compare_exchange(next, now + 1_000_000_000, Ordering::AcqRel, Ordering::Relaxed)
+                .compare_exchange(
+                    next,
+                    now + 1_000_000_000,
+                    Ordering::AcqRel,
+                    Ordering::Relaxed,
+                )
                 .is_ok()
         {
             self.sweep();
@@ -300,9 +308,17 @@ where
     type Policy = LocalPolicy<C>;
     type Future = Ready<Result<Decision, BackendError>>;
 
-    fn prepare(&self, policy: &Policy, params: &[QuotaParams]) -> Result<LocalPolicy<C>, ConfigError> {
+    fn prepare(
+        &self,
+        policy: &Policy,
+        params: &[QuotaParams],
+    ) -> Result<LocalPolicy<C>, ConfigError> {
         self.start_sweeper();
-        let mut map = self.inner.limiters.lock().unwrap_or_else(|p| p.into_inner());
+        let mut map = self
+            .inner
+            .limiters
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         let limiters = params
             .iter()
             .enumerate()
@@ -338,7 +354,7 @@ where
                         Store(store.clone()),
                         self.inner.clock.clone(),
                     )
-                        .with_middleware::<StateInformationMiddleware>(),
+                    .with_middleware::<StateInformationMiddleware>(),
                 );
                 map.insert(id, (Arc::downgrade(&limiter), Arc::downgrade(&store)));
                 Ok(PreparedQuota {
@@ -361,7 +377,10 @@ where
             {
                 self.inner.sweep_when_full();
                 if self.inner.tracked.load(Ordering::Relaxed) >= self.inner.max_keys {
-                    tracing::debug!(max_keys = self.inner.max_keys, "local rate-limit table full");
+                    tracing::debug!(
+                        max_keys = self.inner.max_keys,
+                        "local rate-limit table full"
+                    );
                     states.push(QuotaState {
                         index,
                         outcome: Outcome::Denied {

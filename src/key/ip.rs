@@ -371,7 +371,10 @@ mod tests {
                 r#"for=192.0.2.60;proto=http, for="[2001:db8:cafe::17]:4711";by=10.0.0.9"#,
             ),
         ]);
-        assert_eq!(proxied().client(ip("10.0.0.1"), &h), ip("2001:db8:cafe::17"));
+        assert_eq!(
+            proxied().client(ip("10.0.0.1"), &h),
+            ip("2001:db8:cafe::17")
+        );
         let h = headers(&[("forwarded", r#"For="_hidden", for=10.0.0.5"#)]);
         assert_eq!(proxied().client(ip("10.0.0.1"), &h), ip("10.0.0.5"));
         let h = headers(&[("forwarded", "for=198.51.100.17:8080")]);

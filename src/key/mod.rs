@@ -203,7 +203,10 @@ impl fmt::Display for KeyError {
         match self {
             KeyError::Missing(what) => write!(f, "no rate-limit key: missing {what}"),
             KeyError::TooLong { len, max } => {
-                write!(f, "rate-limit key is {len} bytes, more than the {max} allowed")
+                write!(
+                    f,
+                    "rate-limit key is {len} bytes, more than the {max} allowed"
+                )
             }
             KeyError::NoPeerAddr => f.write_str(
                 "no peer address in the request: serve axum with \
@@ -235,7 +238,9 @@ where
     F: Fn(&RequestInfo<'_>) -> Option<Key> + Send + Sync + 'static,
 {
     fn extract(&self, req: &RequestInfo<'_>) -> Result<Key, KeyError> {
-        self(req).ok_or(KeyError::Missing("key (the custom extractor returned None)"))
+        self(req).ok_or(KeyError::Missing(
+            "key (the custom extractor returned None)",
+        ))
     }
 }
 
@@ -313,8 +318,14 @@ mod tests {
 
     #[test]
     fn composites_are_unambiguous() {
-        let ab_c = Key::composite([&Key::from_bytes("ab").unwrap(), &Key::from_bytes("c").unwrap()]);
-        let a_bc = Key::composite([&Key::from_bytes("a").unwrap(), &Key::from_bytes("bc").unwrap()]);
+        let ab_c = Key::composite([
+            &Key::from_bytes("ab").unwrap(),
+            &Key::from_bytes("c").unwrap(),
+        ]);
+        let a_bc = Key::composite([
+            &Key::from_bytes("a").unwrap(),
+            &Key::from_bytes("bc").unwrap(),
+        ]);
         assert_ne!(ab_c, a_bc);
         assert_ne!(ab_c.unwrap(), Key::from_bytes("abc").unwrap());
     }
@@ -333,7 +344,10 @@ mod tests {
 
     #[test]
     fn display_escapes() {
-        assert_eq!(Key::from_bytes("a b{c}").unwrap().to_string(), "a%20b%7Bc%7D");
+        assert_eq!(
+            Key::from_bytes("a b{c}").unwrap().to_string(),
+            "a%20b%7Bc%7D"
+        );
         assert_eq!(Key::global().to_string(), "*");
     }
 }

@@ -1,0 +1,226 @@
+//! The local backend's guarantees, on an injected clock (no sleeping).
+
+use std::num::NonZeroU32;
+use std::time::Duration;
+
+use governor::clock::FakeRelativeClock;
+use tollgate::backend::{Backend, Decision, LocalBackend, Outcome};
+use tollgate::{Key, Policy, Quota};
+
+fn cost(n: u32) -> NonZeroU32 {
+    NonZeroU32::new(n).unwrap()
+}
+
+fn key(s: &str) -> Key {
+    Key::from_bytes(s).unwrap()
+}
+
+struct Setup {
+    clock: FakeRelativeClock,
+    backend: LocalBackend<FakeRelativeClock>,
+}
+
+fn setup() -> Setup {
+    let clock = FakeRelativeClock::default();
+    let backend = LocalBackend::builder().clock(clock.clone()).build();
+    Setup { clock, backend }
+}
+
+fn prepare(
+    b: &LocalBackend<FakeRelativeClock>,
+    p: &Policy,
+) -> <LocalBackend<FakeRelativeClock> as Backend>::Policy {
+    b.prepare(p, &p.validate().unwrap()).unwrap()
+}
+
+async fn decide(
+    s: &Setup,
+    p: &<LocalBackend<FakeRelativeClock> as Backend>::Policy,
+    k: &Key,
+    n: u32,
+) -> Decision {
+    s.backend.decide(p, k, cost(n)).await.unwrap()
+}
+
+/// The redis-cell `CL.THROTTLE` vectors: max_burst 4 (5 requests fit) at 1 per second.
+#[tokio::test]
+async fn redis_cell_vectors() {
+    let s = setup();
+    let p = prepare(
+        &s.backend,
+        &Policy::new("cell", Quota::per_second(1).burst(5)),
+    );
+    let k = key("user123");
+    // A volume of 6 can never fit.
+    let d = decide(&s, &p, &k, 6).await;
+    assert!(d.never_fits());
+    assert_eq!(d.retry_after(), None);
+    for expected in [4, 3, 2, 1, 0] {
+        let d = decide(&s, &p, &k, 1).await;
+        assert!(d.is_allowed());
+        assert_eq!(d.quotas()[0].remaining, expected);
+        assert_eq!(d.quotas()[0].limit, 5);
+    }
+    let d = decide(&s, &p, &k, 1).await;
+    assert!(!d.is_allowed());
+    assert_eq!(d.retry_after(), Some(Duration::from_secs(1)));
+    s.clock.advance(Duration::from_secs(3));
+    let d = decide(&s, &p, &k, 1).await;
+    assert!(d.is_allowed());
+    assert_eq!(d.quotas()[0].remaining, 2);
+}
+
+#[tokio::test]
+async fn denied_single_quota_requests_consume_nothing() {
+    let s = setup();
+    let p = prepare(&s.backend, &Policy::new("p", Quota::per_second(1).burst(3)));
+    let k = key("k");
+    assert!(decide(&s, &p, &k, 3).await.is_allowed());
+    for _ in 0..100 {
+        let d = decide(&s, &p, &k, 1).await;
+        assert!(!d.is_allowed());
+    }
+    // Exactly one emission interval later, exactly one unit is back despite 100 denials.
+    s.clock.advance(Duration::from_secs(1));
+    assert!(decide(&s, &p, &k, 1).await.is_allowed());
+    assert!(!decide(&s, &p, &k, 1).await.is_allowed());
+}
+
+#[tokio::test]
+async fn cost_counts_and_denied_remaining_is_what_would_fit() {
+    let s = setup();
+    let p = prepare(
+        &s.backend,
+        &Policy::new("p", Quota::per_second(1).burst(10)),
+    );
+    let k = key("k");
+    let d = decide(&s, &p, &k, 7).await;
+    assert_eq!(d.quotas()[0].remaining, 3);
+    let d = decide(&s, &p, &k, 5).await;
+    assert!(!d.is_allowed());
+    // 3 units are there: 3 cost-1 requests would pass; cost 5 waits 2 s.
+    assert_eq!(d.quotas()[0].remaining, 3);
+    assert_eq!(d.retry_after(), Some(Duration::from_secs(2)));
+}
+
+/// What the docs promise for multi-quota policies on the local backend: quotas are checked in
+/// order and checking stops at the first denial; units taken from earlier quotas stay taken.
+#[tokio::test]
+async fn multi_quota_guarantee() {
+    let s = setup();
+    let policy = Policy::new("m", Quota::per_second(1).burst(5)).and(Quota::per_hour(3));
+    let p = prepare(&s.backend, &policy);
+    let k = key("k");
+    for _ in 0..3 {
+        assert!(decide(&s, &p, &k, 1).await.is_allowed());
+    }
+    // The hourly quota denies the 4th; the per-second quota lost a unit to it.
+    let d = decide(&s, &p, &k, 1).await;
+    assert!(!d.is_allowed());
+    assert_eq!(d.quotas().len(), 2);
+    assert_eq!(d.quotas()[0].outcome, Outcome::Allowed);
+    assert_eq!(d.quotas()[0].remaining, 1);
+    assert!(matches!(d.quotas()[1].outcome, Outcome::Denied { .. }));
+    // Never more than either quota allows: nothing passes until the hour has refilled.
+    for _ in 0..10 {
+        s.clock.advance(Duration::from_secs(1));
+        assert!(!decide(&s, &p, &k, 1).await.is_allowed());
+    }
+    // A denial by the first quota touches nothing else.
+    let s = setup();
+    let policy = Policy::new("m2", Quota::per_hour(1)).and(Quota::per_hour(2));
+    let p = prepare(&s.backend, &policy);
+    assert!(decide(&s, &p, &k, 1).await.is_allowed());
+    let d = decide(&s, &p, &k, 1).await;
+    assert_eq!(d.quotas().len(), 1, "stopped at the first quota");
+}
+
+#[tokio::test]
+async fn idle_keys_are_evicted_by_the_sweep() {
+    let s = setup();
+    let p = prepare(
+        &s.backend,
+        &Policy::new("p", Quota::per_second(10).burst(10)),
+    );
+    for i in 0..1000 {
+        decide(&s, &p, &key(&format!("k{i}")), 1).await;
+    }
+    assert_eq!(s.backend.tracked_keys(), 1000);
+    s.backend.sweep();
+    assert_eq!(s.backend.tracked_keys(), 1000, "buckets not yet full stay");
+    s.clock.advance(Duration::from_secs(1));
+    s.backend.sweep();
+    assert_eq!(s.backend.tracked_keys(), 0);
+}
+
+#[tokio::test]
+async fn the_key_table_is_bounded() {
+    let clock = FakeRelativeClock::default();
+    let backend = LocalBackend::builder()
+        .clock(clock.clone())
+        .max_keys(10)
+        .build();
+    let s = Setup { clock, backend };
+    let p = prepare(&s.backend, &Policy::new("p", Quota::per_hour(2)));
+    for i in 0..10 {
+        assert!(decide(&s, &p, &key(&format!("k{i}")), 1).await.is_allowed());
+    }
+    // Full: a new key is denied (and told to retry soon) instead of growing the table...
+    let d = decide(&s, &p, &key("new"), 1).await;
+    assert!(!d.is_allowed());
+    assert_eq!(d.retry_after(), Some(Duration::from_secs(1)));
+    assert_eq!(s.backend.tracked_keys(), 10);
+    // ...while tracked keys keep their limits.
+    assert!(decide(&s, &p, &key("k0"), 1).await.is_allowed());
+    assert!(!decide(&s, &p, &key("k0"), 1).await.is_allowed());
+    // Once buckets refill, the sweep frees room for new keys.
+    s.clock.advance(Duration::from_secs(3 * 3600));
+    assert!(decide(&s, &p, &key("new"), 1).await.is_allowed());
+}
+
+#[tokio::test]
+async fn same_policy_name_shares_buckets_on_one_backend() {
+    let s = setup();
+    let policy = Policy::new("shared", Quota::per_hour(2));
+    let a = prepare(&s.backend, &policy);
+    let b = prepare(&s.backend, &policy);
+    let k = key("k");
+    assert!(decide(&s, &a, &k, 1).await.is_allowed());
+    assert!(decide(&s, &b, &k, 1).await.is_allowed());
+    assert!(!decide(&s, &a, &k, 1).await.is_allowed());
+    // A different policy name is a different bucket.
+    let c = prepare(&s.backend, &Policy::new("other", Quota::per_hour(2)));
+    assert!(decide(&s, &c, &k, 1).await.is_allowed());
+}
+
+#[tokio::test]
+async fn concurrent_decisions_on_one_key_are_exact() {
+    let backend = LocalBackend::new();
+    let policy = Policy::new("p", Quota::per_day(1).burst(1000));
+    let p = std::sync::Arc::new(
+        backend
+            .prepare(&policy, &policy.validate().unwrap())
+            .unwrap(),
+    );
+    let threads: Vec<_> = (0..4)
+        .map(|_| {
+            let backend = backend.clone();
+            let p = p.clone();
+            std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .build()
+                    .unwrap();
+                let k = Key::from_bytes("hot").unwrap();
+                (0..1000)
+                    .filter(|_| {
+                        rt.block_on(backend.decide(&p, &k, cost(1)))
+                            .unwrap()
+                            .is_allowed()
+                    })
+                    .count()
+            })
+        })
+        .collect();
+    let allowed: usize = threads.into_iter().map(|t| t.join().unwrap()).sum();
+    assert_eq!(allowed, 1000);
+}
