@@ -573,3 +573,18 @@ fn decisions_are_send_and_the_future_is_unpin() {
     fn check<F: Future<Output = Result<Decision, tollgate::BackendError>> + Send + Unpin>() {}
     check::<<RedisBackend as Backend>::Future>();
 }
+
+#[tokio::test]
+async fn an_existing_connection_manager_can_be_used() {
+    let server = RedisServer::start();
+    let client = redis::Client::open(server.url()).unwrap();
+    let manager = redis::aio::ConnectionManager::new(client).await.unwrap();
+    let b = RedisBackend::builder()
+        .connection_manager(manager)
+        .prefix("myapp:rl")
+        .build()
+        .unwrap();
+    let p = prepare(&b, &Policy::new("api", no_refill(3)));
+    assert!(b.decide(&p, &key("k"), cost(1)).await.unwrap().is_allowed());
+    assert_eq!(server.cmd(&["EXISTS", "myapp:rl:{api:bk}:0"]).trim(), ":1");
+}
