@@ -80,14 +80,30 @@ fn redis_cell_vectors() -> (Policy, Vec<Step>) {
         step(0, 1, Allowed, 2, 3000),
         step(0, 1, Allowed, 1, 4000),
         step(0, 1, Allowed, 0, 5000),
-        step(0, 1, Denied { retry_after_ms: 1000 }, 0, 5000),
+        step(
+            0,
+            1,
+            Denied {
+                retry_after_ms: 1000,
+            },
+            0,
+            5000,
+        ),
         step(3000, 1, Allowed, 2, 3000),
         step(3100, 1, Allowed, 1, 4000),
         step(4000, 1, Allowed, 1, 4000),
         step(8000, 1, Allowed, 4, 1000),
         step(9500, 1, Allowed, 4, 1000),
         step(9500, 2, Allowed, 2, 3000),
-        step(9500, 5, Denied { retry_after_ms: 3000 }, 2, 3000),
+        step(
+            9500,
+            5,
+            Denied {
+                retry_after_ms: 3000,
+            },
+            2,
+            3000,
+        ),
     ];
     (Policy::new("cell", Quota::per_second(1).burst(5)), steps)
 }
@@ -97,7 +113,15 @@ fn refill_vectors() -> (Policy, Vec<Step>) {
     use Expect::*;
     let steps = vec![
         step(0, 2, Allowed, 1, 200),
-        step(0, 2, Denied { retry_after_ms: 100 }, 1, 200),
+        step(
+            0,
+            2,
+            Denied {
+                retry_after_ms: 100,
+            },
+            1,
+            200,
+        ),
         step(50, 2, Denied { retry_after_ms: 50 }, 1, 200),
         step(100, 2, Allowed, 0, 300),
         step(150, 1, Denied { retry_after_ms: 50 }, 0, 300),
@@ -137,7 +161,11 @@ where
         }
         assert_eq!(q.limit, policy.quotas()[0].burst_size(), "{ctx}");
         assert_eq!(q.remaining, s.remaining, "{ctx}");
-        assert_eq!(q.reset_after, Duration::from_millis(s.reset_after_ms), "{ctx}");
+        assert_eq!(
+            q.reset_after,
+            Duration::from_millis(s.reset_after_ms),
+            "{ctx}"
+        );
     }
 }
 
@@ -199,7 +227,10 @@ async fn one_request_on_a_fresh_burst_10_bucket_leaves_exactly_9_and_the_key_exp
         .unwrap();
     assert!((1..=200).contains(&pttl), "PTTL {pttl}");
     tokio::time::sleep(Duration::from_millis(400)).await;
-    assert_eq!(server.cmd(&["EXISTS", "tollgate:{api:balice}:0"]).trim(), ":0");
+    assert_eq!(
+        server.cmd(&["EXISTS", "tollgate:{api:balice}:0"]).trim(),
+        ":0"
+    );
     assert_eq!(server.cmd(&["DBSIZE"]).trim(), ":0", "nothing left behind");
 }
 
@@ -224,7 +255,10 @@ async fn two_backends_with_separate_connections_allow_exactly_the_burst() {
     for i in 0..400 {
         let (b, p) = replicas[i % 2].clone();
         tasks.push(tokio::spawn(async move {
-            b.decide(&p, &key("hot"), cost(1)).await.unwrap().is_allowed()
+            b.decide(&p, &key("hot"), cost(1))
+                .await
+                .unwrap()
+                .is_allowed()
         }));
     }
     let mut allowed = 0;
@@ -240,10 +274,7 @@ async fn two_backends_with_separate_connections_allow_exactly_the_burst() {
 async fn multi_quota_is_all_or_nothing() {
     let server = RedisServer::start();
     let b = backend(&server);
-    let p = prepare(
-        &b,
-        &Policy::new("multi", no_refill(5)).and(no_refill(3)),
-    );
+    let p = prepare(&b, &Policy::new("multi", no_refill(5)).and(no_refill(3)));
     let k = key("tenant");
     for left in [2, 1, 0] {
         let d = b.decide(&p, &k, cost(1)).await.unwrap();
@@ -297,7 +328,10 @@ async fn script_flush_is_survived() {
     let server = RedisServer::start();
     let b = backend(&server);
     let p = prepare(&b, &Policy::new("flush", no_refill(10)));
-    assert_eq!(b.decide(&p, &key("k"), cost(1)).await.unwrap().quotas()[0].remaining, 9);
+    assert_eq!(
+        b.decide(&p, &key("k"), cost(1)).await.unwrap().quotas()[0].remaining,
+        9
+    );
     assert_eq!(server.cmd(&["SCRIPT", "FLUSH"]).trim(), "+OK");
     let d = b.decide(&p, &key("k"), cost(1)).await.unwrap();
     assert_eq!(d.quotas()[0].remaining, 8, "state kept, script reloaded");
@@ -331,7 +365,12 @@ async fn deny_cache_answers_until_the_retry_time_then_asks_redis() {
     assert_eq!(s.deny_cache_hits, 100);
     assert_eq!(s.deny_cache_entries, 1);
     // Other keys are not affected.
-    assert!(b.decide(&p, &key("other"), cost(1)).await.unwrap().is_allowed());
+    assert!(
+        b.decide(&p, &key("other"), cost(1))
+            .await
+            .unwrap()
+            .is_allowed()
+    );
     // At the retry time, Redis decides again, and allows.
     clock.advance(Duration::from_millis(400));
     assert!(b.decide(&p, &k, cost(1)).await.unwrap().is_allowed());
@@ -410,7 +449,10 @@ async fn until_redis_decides(b: &RedisBackend, p: &<RedisBackend as Backend>::Po
 async fn killed_redis_fails_open_opens_the_breaker_and_recovers() {
     let mut server = RedisServer::start();
     let b = failing_backend(&server, FailurePolicy::FailOpen);
-    let p = prepare(&b, &Policy::new("outage", Quota::per_second(100).burst(100)));
+    let p = prepare(
+        &b,
+        &Policy::new("outage", Quota::per_second(100).burst(100)),
+    );
     let k = key("k");
     assert_eq!(b.decide(&p, &k, cost(1)).await.unwrap().quotas().len(), 1);
 
@@ -418,13 +460,19 @@ async fn killed_redis_fails_open_opens_the_breaker_and_recovers() {
     for _ in 0..20 {
         let d = timed(b.decide(&p, &k, cost(1))).await.unwrap();
         assert!(d.is_allowed());
-        assert!(d.quotas().is_empty(), "fail-open decisions carry no quota state");
+        assert!(
+            d.quotas().is_empty(),
+            "fail-open decisions carry no quota state"
+        );
     }
     let s = b.stats();
     assert_eq!(s.fail_open, 20);
     assert!(s.breaker_open, "{s:?}");
     assert_eq!(s.breaker_trips, 1);
-    assert!(s.redis_errors >= 3 && s.redis_errors < 20, "breaker stops the calls: {s:?}");
+    assert!(
+        s.redis_errors >= 3 && s.redis_errors < 20,
+        "breaker stops the calls: {s:?}"
+    );
 
     // While the breaker is open, answers are immediate.
     let started = Instant::now();
@@ -448,7 +496,10 @@ async fn killed_redis_fails_closed() {
     for _ in 0..10 {
         let err = timed(b.decide(&p, &k, cost(1))).await.unwrap_err();
         assert!(
-            matches!(err.kind(), BackendErrorKind::Unavailable | BackendErrorKind::Timeout),
+            matches!(
+                err.kind(),
+                BackendErrorKind::Unavailable | BackendErrorKind::Timeout
+            ),
             "{err}"
         );
     }
@@ -473,7 +524,10 @@ async fn killed_redis_falls_back_to_local_limits() {
         assert_eq!(d.quotas().len(), 1, "local decisions carry quota state");
         allowed += usize::from(d.is_allowed());
     }
-    assert_eq!(allowed, 3, "the local twin enforces the same quota per instance");
+    assert_eq!(
+        allowed, 3,
+        "the local twin enforces the same quota per instance"
+    );
     assert_eq!(b.stats().fallback_local, 10);
     server.restart();
     until_redis_decides(&b, &p, &k).await;
@@ -534,9 +588,12 @@ async fn replica(redis_url: &str) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
-        axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>())
-            .await
-            .unwrap();
+        axum::serve(
+            listener,
+            app.into_make_service_with_connect_info::<SocketAddr>(),
+        )
+        .await
+        .unwrap();
     });
     format!("http://{addr}")
 }
@@ -553,7 +610,11 @@ async fn two_replicas_behind_a_load_balancer_share_one_limit() {
     let mut statuses = Vec::new();
     for i in 0..30 {
         let base = if i % 2 == 0 { &a } else { &b };
-        let res = client.get(format!("{base}/api/hello")).send().await.unwrap();
+        let res = client
+            .get(format!("{base}/api/hello"))
+            .send()
+            .await
+            .unwrap();
         if res.status() == 200 {
             assert_eq!(res.headers()["ratelimit-policy"], r#""e2e";q=10;w=864000"#);
         } else {
@@ -562,7 +623,11 @@ async fn two_replicas_behind_a_load_balancer_share_one_limit() {
         }
         statuses.push(res.status().as_u16());
     }
-    assert_eq!(statuses.iter().filter(|s| **s == 200).count(), 10, "{statuses:?}");
+    assert_eq!(
+        statuses.iter().filter(|s| **s == 200).count(),
+        10,
+        "{statuses:?}"
+    );
     assert!(statuses[..10].iter().all(|s| *s == 200), "{statuses:?}");
     let res = client.get(format!("{a}/")).send().await.unwrap();
     assert_eq!(res.status(), 200);

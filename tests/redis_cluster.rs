@@ -48,7 +48,11 @@ async fn cluster_multi_quota_keys_and_shared_exact_limits() {
         }
         let d = b.decide(&p, &k, cost(1)).await.unwrap();
         assert!(!d.is_allowed());
-        assert_eq!(d.quotas()[0].remaining, 2, "all-or-nothing on the cluster too");
+        assert_eq!(
+            d.quotas()[0].remaining,
+            2,
+            "all-or-nothing on the cluster too"
+        );
     }
     assert_eq!(b.stats().redis_errors, 0, "{:?}", b.stats());
     // The buckets are spread over the three primaries.
@@ -113,7 +117,10 @@ async fn an_existing_cluster_connection_can_be_used() {
     let cluster = RedisCluster::start();
     let client = redis::cluster::ClusterClient::new(cluster.urls()).unwrap();
     let conn = client.get_async_connection().await.unwrap();
-    let b = RedisBackend::builder().cluster_connection(conn).build().unwrap();
+    let b = RedisBackend::builder()
+        .cluster_connection(conn)
+        .build()
+        .unwrap();
     let p = p_fresh(&b);
     let d = b
         .decide(&p, &Key::ip("192.0.2.7".parse().unwrap()), cost(1))

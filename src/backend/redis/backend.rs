@@ -170,7 +170,10 @@ struct PolicyInner {
 impl fmt::Debug for RedisPolicy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisPolicy")
-            .field("key_prefix", &String::from_utf8_lossy(&self.inner.key_prefix))
+            .field(
+                "key_prefix",
+                &String::from_utf8_lossy(&self.inner.key_prefix),
+            )
             .field("quotas", &self.inner.params)
             .field("deny_cache_entries", &self.inner.deny.len())
             .finish()

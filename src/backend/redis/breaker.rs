@@ -44,7 +44,10 @@ impl Breaker {
     /// A call failed. Returns `true` when this failure opened the breaker: the caller then
     /// starts the probe (exactly one caller sees `true` per opening).
     pub(crate) fn failure(&self) -> bool {
-        let n = self.failures.fetch_add(1, Ordering::AcqRel).saturating_add(1);
+        let n = self
+            .failures
+            .fetch_add(1, Ordering::AcqRel)
+            .saturating_add(1);
         if n >= self.threshold && !self.open.swap(true, Ordering::AcqRel) {
             self.trips.fetch_add(1, Ordering::Relaxed);
             return true;

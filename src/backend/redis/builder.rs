@@ -157,10 +157,11 @@ impl RedisBackendBuilder {
                 });
             }
             Some(Target::Url(url)) => {
-                let client = redis::Client::open(url.as_str()).map_err(|e| ConfigError::Invalid {
-                    option: "url",
-                    reason: format!("{url:?}: {e}"),
-                })?;
+                let client =
+                    redis::Client::open(url.as_str()).map_err(|e| ConfigError::Invalid {
+                        option: "url",
+                        reason: format!("{url:?}: {e}"),
+                    })?;
                 Conn::Single(Lazy::from_source((client, manager_config(self.timeout))))
             }
             Some(Target::Cluster(nodes)) => {

@@ -103,7 +103,9 @@ fn make_single(
     ConnectionManager::new_lazy_with_config(client.clone(), config.clone())
 }
 
-fn make_cluster((client, config): &(ClusterClient, ClusterConfig)) -> RedisResult<ClusterConnection> {
+fn make_cluster(
+    (client, config): &(ClusterClient, ClusterConfig),
+) -> RedisResult<ClusterConnection> {
     Ok(client.get_pending_async_connection_with_config(config.clone()))
 }
 

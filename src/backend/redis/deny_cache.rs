@@ -154,7 +154,12 @@ impl DenyCache {
         if now_ns >= next
             && self
                 .next_sweep_ns
-                .compare_exchange(next, now_ns + 100_000_000, Ordering::AcqRel, Ordering::Relaxed)
+                .compare_exchange(
+                    next,
+                    now_ns + 100_000_000,
+                    Ordering::AcqRel,
+                    Ordering::Relaxed,
+                )
                 .is_ok()
         {
             let before = self.map.len();
@@ -267,7 +272,12 @@ mod tests {
         }
         assert_eq!(cache.len(), 2);
         // Once the first entries expired, the sweep makes room.
-        cache.insert(&Key::from_bytes("late").unwrap(), one, 3_000_000_000, &denied);
+        cache.insert(
+            &Key::from_bytes("late").unwrap(),
+            one,
+            3_000_000_000,
+            &denied,
+        );
         assert!(
             cache
                 .get(&Key::from_bytes("late").unwrap(), one, 3_000_000_001, &p)

@@ -60,6 +60,8 @@ impl fmt::Debug for RedisFuture {
             State::Ready(_) => "Ready",
             State::Call(_) => "Call",
         };
-        f.debug_struct("RedisFuture").field("state", &state).finish()
+        f.debug_struct("RedisFuture")
+            .field("state", &state)
+            .finish()
     }
 }

@@ -109,7 +109,11 @@ mod tests {
     fn bounded_length() {
         let long = Key::from_bytes(vec![0xFF; Key::MAX_LEN]).unwrap();
         let k = keys("api", &Key::composite([&long, &long, &long]).unwrap());
-        assert!(k[0].len() < 3 * 4 * (Key::MAX_LEN + 3) + 64, "{}", k[0].len());
+        assert!(
+            k[0].len() < 3 * 4 * (Key::MAX_LEN + 3) + 64,
+            "{}",
+            k[0].len()
+        );
     }
 
     #[test]
