@@ -18,9 +18,9 @@
 //! ```
 //!
 //! `/api/hello` is limited per client IP to 5 requests per second with bursts of 10; no proxy
-//! is trusted. The app starts even when Redis is down, and then fails open (requests pass,
-//! without rate-limit headers, and a warning is logged) until Redis answers; limits apply again
-//! within about a second of Redis coming back.
+//! is trusted. The app starts even when Redis is down, and then fails open (requests pass
+//! unlimited, and a warning is logged) until Redis answers; limits apply again within about a
+//! second of Redis coming back.
 
 use std::net::SocketAddr;
 

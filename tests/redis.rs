@@ -474,12 +474,13 @@ async fn killed_redis_fails_open_opens_the_breaker_and_recovers() {
         "breaker stops the calls: {s:?}"
     );
 
-    // While the breaker is open, answers are immediate.
+    // While the breaker is open, answers are immediate (at most one of them may be a trial
+    // call, bounded by the timeout).
     let started = Instant::now();
     for _ in 0..100 {
         b.decide(&p, &k, cost(1)).await.unwrap();
     }
-    assert!(started.elapsed() < TIMEOUT);
+    assert!(started.elapsed() < 3 * TIMEOUT, "{:?}", started.elapsed());
 
     server.restart();
     until_redis_decides(&b, &p, &k).await;

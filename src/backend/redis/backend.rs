@@ -24,8 +24,8 @@ use crate::{BackendError, BackendErrorKind, ConfigError, Key, Policy};
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum FailurePolicy {
-    /// Let the request through, without rate-limit headers, log a warning and count it in
-    /// [`RedisStats::fail_open`]. The default: a rate limiter should not take an application
+    /// Let the request through, log a warning and count it in [`RedisStats::fail_open`]. The
+    /// decision carries no quota state, so no remaining counts are sent. The default: a rate limiter should not take an application
     /// down with it.
     #[default]
     FailOpen,
@@ -217,7 +217,7 @@ impl Backend for RedisBackend {
             bump(&inner.counters.deny_cache_hits);
             return RedisFuture::ready(Ok(decision));
         }
-        if inner.breaker.is_open() {
+        if inner.breaker.blocks(inner.clock.now_ns()) {
             let err = BackendError::new(BackendErrorKind::Unavailable, "circuit breaker open");
             return RedisFuture::ready(inner.degrade(p, key, cost, err));
         }
@@ -236,7 +236,18 @@ impl Backend for RedisBackend {
             let outcome = tokio::time::timeout(inner.timeout, inner.conn.invoke(&invocation)).await;
             let result = match outcome {
                 Ok(Ok(reply)) => script::decision(&reply, &p.params, cost),
-                Ok(Err(err)) => Err(BackendError::new(BackendErrorKind::Unavailable, err)),
+                Ok(Err(err)) => {
+                    let kind = if err.is_io_error()
+                        || err.is_connection_dropped()
+                        || err.is_connection_refusal()
+                        || err.is_timeout()
+                    {
+                        BackendErrorKind::Unavailable
+                    } else {
+                        BackendErrorKind::Protocol
+                    };
+                    Err(BackendError::new(kind, err))
+                }
                 Err(_elapsed) => {
                     bump(&inner.counters.timeouts);
                     Err(BackendError::from_kind(BackendErrorKind::Timeout))
@@ -252,7 +263,7 @@ impl Backend for RedisBackend {
                 }
                 Err(err) => {
                     bump(&inner.counters.errors);
-                    if inner.breaker.failure() {
+                    if inner.breaker.failure(inner.clock.now_ns()) {
                         tracing::warn!(
                             failures = inner.breaker.threshold,
                             "tollgate: Redis failed repeatedly; circuit breaker open, \

@@ -80,6 +80,9 @@
 //! second of Redis coming back, without restarting anything. [`RedisBackend::stats`] counts
 //! calls, errors, timeouts, fail-open and fallback answers, deny-cache hits and breaker trips.
 //!
+//! The backend needs a Tokio runtime with its time driver (as `#[tokio::main]` sets up): the
+//! connections, the timeouts and the probe run on it.
+//!
 //! What this cannot do: a timed-out call may still reach Redis and take its units; while failing
 //! open, limits are not enforced; a fallback to local limits allows up to `n` times the quota
 //! with `n` instances, and its buckets start full; if Redis loses data (a restart without
