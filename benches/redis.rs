@@ -4,6 +4,8 @@
 //! `scripts/bench-redis-ceiling.sh` runs `redis-benchmark` with `EVALSHA` of the same script on
 //! the same machine: the ceiling these numbers are to be compared with.
 
+#![allow(missing_docs)]
+
 #[path = "../tests/support/mod.rs"]
 mod support;
 

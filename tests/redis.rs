@@ -426,14 +426,15 @@ async fn until_redis_decides(b: &RedisBackend, p: &<RedisBackend as Backend>::Po
     let started = Instant::now();
     loop {
         let d = timed(b.decide(p, k, cost(1))).await;
-        if let Ok(d) = d {
-            if d.quotas().len() == 1 && !b.stats().breaker_open {
-                let calls = b.stats().redis_calls;
-                // Make sure it is Redis answering, not a fallback.
-                let again = b.decide(p, k, cost(1)).await.unwrap();
-                if b.stats().redis_calls > calls && again.quotas().len() == 1 {
-                    return;
-                }
+        if let Ok(d) = d
+            && d.quotas().len() == 1
+            && !b.stats().breaker_open
+        {
+            let calls = b.stats().redis_calls;
+            // Make sure it is Redis answering, not a fallback.
+            let again = b.decide(p, k, cost(1)).await.unwrap();
+            if b.stats().redis_calls > calls && again.quotas().len() == 1 {
+                return;
             }
         }
         assert!(
