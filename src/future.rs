@@ -13,7 +13,7 @@ use tower_service::Service;
 use crate::backend::Backend;
 use crate::body::ResponseBody;
 use crate::response::{HeaderAdds, add_headers};
-use crate::service::{Shared, Verdict};
+use crate::service::{Prepared, Shared, Verdict};
 
 pin_project! {
     /// The future returned by [`RateLimit`](crate::RateLimit): waits for the backend's
@@ -41,6 +41,7 @@ pin_project! {
             // The service that was polled ready, and the request for it.
             inner: Option<(S, Request<ReqBody>)>,
             shared: Arc<Shared<K, Bk>>,
+            policy: Arc<Prepared<Bk::Policy>>,
             grpc: bool,
         },
         Called {
@@ -81,6 +82,7 @@ where
         inner: S,
         req: Request<ReqBody>,
         shared: Arc<Shared<K, Bk>>,
+        policy: Arc<Prepared<Bk::Policy>>,
         grpc: bool,
     ) -> Self {
         ResponseFuture {
@@ -88,6 +90,7 @@ where
                 decision,
                 inner: Some((inner, req)),
                 shared,
+                policy,
                 grpc,
             },
         }
@@ -109,10 +112,11 @@ where
                     decision,
                     inner,
                     shared,
+                    policy,
                     grpc,
                 } => {
                     let result = ready!(Pin::new(decision).poll(cx));
-                    let next = match shared.verdict(&shared.policy, result, *grpc) {
+                    let next = match shared.verdict(policy, result, *grpc) {
                         Verdict::Pass(adds) => match inner.take() {
                             Some((mut svc, req)) => State::Called {
                                 fut: svc.call(req),

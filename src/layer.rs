@@ -9,7 +9,8 @@ use tower_layer::Layer;
 use crate::backend::Backend;
 use crate::key::{ClientIp, KeyExtractor};
 use crate::response::{HeaderStyle, PolicyHeaders, RejectionBody, Responder};
-use crate::service::{Prepared, RateLimit, Shared};
+use crate::rules::{LiveRules, RuleSet, RulesHandle};
+use crate::service::{Policies, Prepared, RateLimit, Shared};
 use crate::{ConfigError, Policy};
 
 /// What happens to a request from which no key can be extracted.
@@ -50,8 +51,19 @@ impl<K: fmt::Debug, Bk: Backend + fmt::Debug> fmt::Debug for RateLimitLayer<K, B
         f.debug_struct("RateLimitLayer")
             .field("key", &self.shared.key)
             .field("backend", &self.shared.backend)
-            .field("policy", &self.shared.policy.policy)
+            .field("policy", &self.shared.policies.default_name())
             .finish()
+    }
+}
+
+impl<K, Bk: Backend> RateLimitLayer<K, Bk> {
+    /// The handle that replaces this layer's rules at run time, when it was built with
+    /// [`rules`](RateLimitLayerBuilder::rules); `None` for a single fixed policy.
+    pub fn rules_handle(&self) -> Option<RulesHandle> {
+        match &self.shared.policies {
+            Policies::Rules(live) => Some(RulesHandle::new(live.clone())),
+            Policies::Fixed(_) => None,
+        }
     }
 }
 
@@ -98,12 +110,17 @@ impl Default for RateLimitLayerBuilder<ClientIp, Unset> {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Unset;
 
+enum Source {
+    Fixed(Policy),
+    Rules(RuleSet),
+}
+
 /// Configures a [`RateLimitLayer`]. Methods take and return the builder by value.
 #[must_use = "call `.build()` to get a layer"]
 pub struct RateLimitLayerBuilder<K, Bk> {
     key: K,
     backend: Bk,
-    policy: Option<Policy>,
+    policy: Option<Source>,
     headers: HeaderStyle,
     body: RejectionBody,
     on_missing_key: OnMissingKey,
@@ -112,7 +129,14 @@ pub struct RateLimitLayerBuilder<K, Bk> {
 impl<K, Bk> RateLimitLayerBuilder<K, Bk> {
     /// The policy every request is checked against.
     pub fn policy(mut self, policy: Policy) -> Self {
-        self.policy = Some(policy);
+        self.policy = Some(Source::Fixed(policy));
+        self
+    }
+
+    /// Rules choose the policy per request, and can be replaced while serving through
+    /// [`RateLimitLayer::rules_handle`] (see [`rules`](crate::rules)).
+    pub fn rules(mut self, rules: RuleSet) -> Self {
+        self.policy = Some(Source::Rules(rules));
         self
     }
 
@@ -197,13 +221,16 @@ fn build<K: KeyExtractor, Bk: Backend>(
             reason: format!("{status} is not an error status"),
         });
     }
-    let policy = b.policy.ok_or(ConfigError::MissingPolicy)?;
-    let prepared = prepare(&b.backend, policy)?;
+    let backend = Arc::new(b.backend);
+    let policies = match b.policy.ok_or(ConfigError::MissingPolicy)? {
+        Source::Fixed(policy) => Policies::Fixed(Arc::new(prepare(&*backend, policy)?)),
+        Source::Rules(rules) => Policies::Rules(Arc::new(LiveRules::new(backend.clone(), rules)?)),
+    };
     Ok(RateLimitLayer {
         shared: Arc::new(Shared {
             key: b.key,
-            backend: b.backend,
-            policy: Arc::new(prepared),
+            backend,
+            policies,
             responder: Responder {
                 style: b.headers,
                 body: b.body,

@@ -52,6 +52,7 @@ mod policy;
 pub mod quota;
 mod request;
 pub mod response;
+pub mod rules;
 mod service;
 
 pub use body::ResponseBody;

@@ -138,6 +138,54 @@ impl Policy {
     }
 }
 
+#[cfg(feature = "serde")]
+#[derive(serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PolicySpec {
+    name: String,
+    quotas: Vec<Quota>,
+    #[serde(default = "one", skip_serializing_if = "Option::is_none")]
+    cost: Option<u32>,
+    #[serde(default)]
+    shadow: bool,
+}
+
+#[cfg(feature = "serde")]
+fn one() -> Option<u32> {
+    Some(1)
+}
+
+/// Serialized as `{ name, quotas = ["5/s burst 10", ...], cost, shadow }`. A cost computed by a
+/// closure cannot be serialized and is left out.
+#[cfg(feature = "serde")]
+impl serde::Serialize for Policy {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        PolicySpec {
+            name: self.name.to_string(),
+            quotas: self.quotas.to_vec(),
+            cost: match self.cost {
+                Cost::Fixed(c) => Some(c),
+                Cost::Fn(_) => None,
+            },
+            shadow: self.shadow,
+        }
+        .serialize(s)
+    }
+}
+
+#[cfg(feature = "serde")]
+impl<'de> serde::Deserialize<'de> for Policy {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let spec = PolicySpec::deserialize(d)?;
+        Ok(Policy {
+            name: spec.name.into(),
+            quotas: spec.quotas.into_iter().collect(),
+            cost: Cost::Fixed(spec.cost.unwrap_or(1)),
+            shadow: spec.shadow,
+        })
+    }
+}
+
 impl fmt::Debug for Policy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Policy")

@@ -193,3 +193,153 @@ mod tests {
         }
     }
 }
+
+/// Parses `"100/s"`, `"1000/h"`, `"5/min burst 10"`, `"3/10s"`, `"10/500ms"`: a count, a slash,
+/// a period (an optional number and a unit: `ms`, `s`, `m`/`min`, `h`, `d`, or their long
+/// names), and an optional `burst N`.
+///
+/// ```
+/// use std::time::Duration;
+/// use tollgate::Quota;
+///
+/// assert_eq!("100/s".parse(), Ok(Quota::per_second(100)));
+/// assert_eq!("5/min burst 10".parse(), Ok(Quota::per_minute(5).burst(10)));
+/// assert_eq!("3/10s".parse(), Ok(Quota::new(3, Duration::from_secs(10))));
+/// assert!("5 per second".parse::<Quota>().is_err());
+/// ```
+impl std::str::FromStr for Quota {
+    type Err = ConfigError;
+
+    fn from_str(s: &str) -> Result<Self, ConfigError> {
+        let bad = |reason: &str| ConfigError::Invalid {
+            option: "quota",
+            reason: format!(
+                "{s:?}: {reason} (expected e.g. \"100/s\", \"1000/h\", \"5/min burst 10\")"
+            ),
+        };
+        let (rate, burst) = match s.split_once("burst") {
+            Some((rate, burst)) => {
+                let b = burst
+                    .trim()
+                    .parse::<u32>()
+                    .map_err(|_| bad("the burst is not a number"))?;
+                (rate, Some(b))
+            }
+            None => (s, None),
+        };
+        let (count, period) = rate.split_once('/').ok_or_else(|| bad("missing `/`"))?;
+        let count = count
+            .trim()
+            .parse::<u32>()
+            .map_err(|_| bad("the count is not a number"))?;
+        let period = period.trim();
+        let digits = period
+            .find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(period.len());
+        let (n, unit) = period.split_at(digits);
+        let n = if n.is_empty() {
+            1
+        } else {
+            n.parse::<u64>()
+                .map_err(|_| bad("the period is not a number"))?
+        };
+        let unit_ns: u64 = match unit.trim() {
+            "ms" | "millisecond" | "milliseconds" => 1_000_000,
+            "s" | "sec" | "second" | "seconds" => 1_000_000_000,
+            "m" | "min" | "minute" | "minutes" => 60_000_000_000,
+            "h" | "hr" | "hour" | "hours" => 3_600_000_000_000,
+            "d" | "day" | "days" => 86_400_000_000_000,
+            _ => return Err(bad("unknown period unit")),
+        };
+        let ns = n
+            .checked_mul(unit_ns)
+            .ok_or_else(|| bad("the period is too long"))?;
+        let q = Quota::new(count, Duration::from_nanos(ns));
+        Ok(match burst {
+            Some(b) => q.burst(b),
+            None => q,
+        })
+    }
+}
+
+/// Formats as [`FromStr`](std::str::FromStr) parses: `"5/s burst 10"`.
+impl std::fmt::Display for Quota {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ns = self.period.as_nanos();
+        let (n, unit) = [
+            (86_400_000_000_000u128, "d"),
+            (3_600_000_000_000, "h"),
+            (60_000_000_000, "min"),
+            (1_000_000_000, "s"),
+            (1_000_000, "ms"),
+        ]
+        .into_iter()
+        .find(|(u, _)| ns >= *u && ns.is_multiple_of(*u))
+        .map_or((ns, "ns"), |(u, name)| (ns / u, name));
+        write!(f, "{}/", self.count)?;
+        if n != 1 {
+            write!(f, "{n}")?;
+        }
+        f.write_str(unit)?;
+        if let Some(b) = self.burst {
+            write!(f, " burst {b}")?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(feature = "serde")]
+impl serde::Serialize for Quota {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+#[cfg(feature = "serde")]
+impl<'de> serde::Deserialize<'de> for Quota {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+#[cfg(test)]
+mod parse_tests {
+    use super::*;
+
+    #[test]
+    fn round_trips() {
+        for s in [
+            "100/s",
+            "1000/h",
+            "5/min burst 10",
+            "3/10s",
+            "10/500ms",
+            "7/d",
+            "1/90s",
+        ] {
+            let q: Quota = s.parse().unwrap();
+            assert_eq!(q.to_string().parse::<Quota>().unwrap(), q, "{s}");
+        }
+        assert_eq!("1000/h".parse::<Quota>().unwrap(), Quota::per_hour(1000));
+        assert_eq!(
+            "2 / 30 min".parse::<Quota>().unwrap(),
+            Quota::new(2, Duration::from_secs(1800))
+        );
+    }
+
+    #[test]
+    fn errors_name_the_input() {
+        for s in [
+            "",
+            "5",
+            "x/s",
+            "5/fortnight",
+            "5/s burst x",
+            "5/99999999999999999d",
+        ] {
+            let e = s.parse::<Quota>().unwrap_err().to_string();
+            assert!(e.contains(&format!("{s:?}")), "{e}");
+        }
+    }
+}

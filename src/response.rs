@@ -143,8 +143,21 @@ impl PolicyHeaders {
     }
 }
 
-/// Headers to add to a response, computed from a decision.
-pub(crate) type HeaderAdds = SmallVec<[(HeaderName, HeaderValue); 4]>;
+/// Headers to add to a response, computed from a decision. Kept small: it travels in the
+/// response future.
+#[derive(Debug, Default)]
+pub(crate) struct HeaderAdds {
+    /// `RateLimit-Policy` and `RateLimit`.
+    ietf: Option<(HeaderValue, HeaderValue)>,
+    /// `X-RateLimit-Limit`, `-Remaining`, `-Reset`.
+    legacy: Option<Box<[HeaderValue; 3]>>,
+}
+
+impl HeaderAdds {
+    pub(crate) fn new() -> Self {
+        Self::default()
+    }
+}
 
 const X_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
 const X_REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining");
@@ -182,24 +195,32 @@ pub(crate) fn rate_limit_headers(
             buf.extend_from_slice(b";t=");
             buf.extend_from_slice(num.format(ceil_secs(q.reset_after)).as_bytes());
         }
-        out.push((RATELIMIT_POLICY, headers.policy.clone()));
         if let Ok(v) = HeaderValue::from_bytes(&buf) {
-            out.push((RATELIMIT, v));
+            out.ietf = Some((headers.policy.clone(), v));
         }
     }
     if style.legacy()
         && let Some(q) = decision.tightest()
     {
-        out.push((X_LIMIT, int_value(u64::from(q.limit))));
-        out.push((X_REMAINING, int_value(u64::from(q.remaining))));
-        out.push((X_RESET, int_value(ceil_secs(q.reset_after))));
+        out.legacy = Some(Box::new([
+            int_value(u64::from(q.limit)),
+            int_value(u64::from(q.remaining)),
+            int_value(ceil_secs(q.reset_after)),
+        ]));
     }
     out
 }
 
 pub(crate) fn add_headers(map: &mut http::HeaderMap, adds: HeaderAdds) {
-    for (name, value) in adds {
-        map.entry(name).or_insert(value);
+    if let Some((policy, limit)) = adds.ietf {
+        map.entry(RATELIMIT_POLICY).or_insert(policy);
+        map.entry(RATELIMIT).or_insert(limit);
+    }
+    if let Some(legacy) = adds.legacy {
+        let [limit, remaining, reset] = *legacy;
+        map.entry(X_LIMIT).or_insert(limit);
+        map.entry(X_REMAINING).or_insert(remaining);
+        map.entry(X_RESET).or_insert(reset);
     }
 }
 
@@ -359,18 +380,16 @@ mod tests {
                 reset_after: Duration::from_millis(3600),
             },
         ]);
-        let adds = rate_limit_headers(HeaderStyle::Both, &h, &d);
-        let get = |n: &str| {
-            adds.iter()
-                .find(|(k, _)| k == n)
-                .map(|(_, v)| v.to_str().unwrap().to_owned())
-        };
+        let mut map = http::HeaderMap::new();
+        add_headers(&mut map, rate_limit_headers(HeaderStyle::Both, &h, &d));
+        let get = |n: &str| map.get(n).map(|v| v.to_str().unwrap().to_owned());
         assert_eq!(
             get("ratelimit").unwrap(),
             r#""api-0";r=9;t=1, "api-1";r=999;t=4"#
         );
         assert_eq!(get("x-ratelimit-remaining").unwrap(), "9");
         assert_eq!(get("x-ratelimit-limit").unwrap(), "10");
-        assert!(rate_limit_headers(HeaderStyle::None, &h, &d).is_empty());
+        let none = rate_limit_headers(HeaderStyle::None, &h, &d);
+        assert!(none.ietf.is_none() && none.legacy.is_none());
     }
 }

@@ -18,7 +18,8 @@ use crate::future::ResponseFuture;
 use crate::key::{KeyError, KeyExtractor};
 use crate::layer::OnMissingKey;
 use crate::response::{self, HeaderAdds, PolicyHeaders, Rejection, RejectionKind, Responder};
-use crate::{BackendError, Policy, RequestInfo};
+use crate::rules::LiveRules;
+use crate::{BackendError, Key, Policy, RequestInfo};
 
 /// Rate-limits requests to the inner service. Made by [`RateLimitLayer`](crate::RateLimitLayer).
 ///
@@ -32,8 +33,8 @@ pub struct RateLimit<S, K, Bk: Backend> {
 /// Everything the services of one layer share.
 pub(crate) struct Shared<K, Bk: Backend> {
     pub(crate) key: K,
-    pub(crate) backend: Bk,
-    pub(crate) policy: Arc<Prepared<Bk::Policy>>,
+    pub(crate) backend: Arc<Bk>,
+    pub(crate) policies: Policies<Bk>,
     pub(crate) responder: Responder,
     pub(crate) on_missing_key: OnMissingKey,
 }
@@ -43,6 +44,36 @@ pub(crate) struct Prepared<P> {
     pub(crate) policy: Policy,
     pub(crate) backend: P,
     pub(crate) headers: PolicyHeaders,
+}
+
+/// The policy of a layer: one, or chosen by live rules.
+pub(crate) enum Policies<Bk: Backend> {
+    Fixed(Arc<Prepared<Bk::Policy>>),
+    Rules(Arc<LiveRules<Bk>>),
+}
+
+impl<Bk: Backend> Policies<Bk> {
+    /// Runs `f` with the policy for this request. The rules are read through an atomic
+    /// pointer: no lock, no allocation.
+    fn with<R>(
+        &self,
+        req: &RequestInfo<'_>,
+        key: Option<&Key>,
+        f: impl FnOnce(&Arc<Prepared<Bk::Policy>>) -> R,
+    ) -> R {
+        match self {
+            Policies::Fixed(p) => f(p),
+            Policies::Rules(live) => f(live.current.load().select(req, key)),
+        }
+    }
+
+    /// The name of the default policy, for logs.
+    pub(crate) fn default_name(&self) -> String {
+        match self {
+            Policies::Fixed(p) => p.policy.name().to_owned(),
+            Policies::Rules(live) => live.current.load().default_name().to_owned(),
+        }
+    }
 }
 
 /// What to do with a request once the backend has answered.
@@ -85,7 +116,7 @@ impl<S: fmt::Debug, K, Bk: Backend> fmt::Debug for RateLimit<S, K, Bk> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RateLimit")
             .field("inner", &self.inner)
-            .field("policy", &self.shared.policy.policy.name())
+            .field("policy", &self.shared.policies.default_name())
             .finish()
     }
 }
@@ -106,44 +137,59 @@ where
 
     fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
         let shared = &self.shared;
-        let info = RequestInfo::new(&req);
-        let grpc = info.is_grpc();
-        let policy = &shared.policy;
-        let key = match shared.key.extract(&info) {
-            Ok(key) => key,
-            Err(err) => return self.missing_key(req, &err, grpc),
+        let step = {
+            let info = RequestInfo::new(&req);
+            let grpc = info.is_grpc();
+            // 1. key
+            let key = shared.key.extract(&info);
+            // 2. policy
+            shared.policies.with(&info, key.as_ref().ok(), |policy| {
+                let key = match &key {
+                    Ok(key) => key,
+                    Err(err) => return shared.missing_key(policy, err, grpc),
+                };
+                let Some(cost) = NonZeroU32::new(policy.policy.cost_of(&info)) else {
+                    return Step::Done(Verdict::Pass(HeaderAdds::new()));
+                };
+                // 3. backend. In-memory backends answer at once; others go on in the
+                // response future.
+                let mut decision = shared.backend.decide(&policy.backend, key, cost);
+                match Pin::new(&mut decision).poll(&mut Context::from_waker(Waker::noop())) {
+                    Poll::Ready(result) => Step::Done(shared.verdict(policy, result, grpc)),
+                    Poll::Pending => Step::Pending(decision, policy.clone(), grpc),
+                }
+            })
         };
-        let Some(cost) = NonZeroU32::new(policy.policy.cost_of(&info)) else {
-            return ResponseFuture::called(self.inner.call(req), HeaderAdds::new());
-        };
-        let mut decision = shared.backend.decide(&policy.backend, &key, cost);
-        // Local backends answer at once: then the inner service, polled ready, is called
-        // right here. Otherwise the decision goes on in the response future with a clone of
-        // the inner service, and the ready one stays in the future (tower's ready-clone rule).
-        match Pin::new(&mut decision).poll(&mut Context::from_waker(Waker::noop())) {
-            Poll::Ready(result) => match shared.verdict(policy, result, grpc) {
-                Verdict::Pass(adds) => ResponseFuture::called(self.inner.call(req), adds),
-                Verdict::Reject(res) => ResponseFuture::rejected(res),
-            },
-            Poll::Pending => {
+        // 4. pass or reject
+        match step {
+            Step::Done(Verdict::Pass(adds)) => ResponseFuture::called(self.inner.call(req), adds),
+            Step::Done(Verdict::Reject(res)) => ResponseFuture::rejected(res),
+            Step::Pending(decision, policy, grpc) => {
+                // Keep the service that was polled ready for this request (tower's
+                // ready-clone rule); a fresh clone takes its place.
                 let clone = self.inner.clone();
                 let ready = std::mem::replace(&mut self.inner, clone);
-                ResponseFuture::deciding(decision, ready, req, shared.clone(), grpc)
+                ResponseFuture::deciding(decision, ready, req, self.shared.clone(), policy, grpc)
             }
         }
     }
 }
 
-impl<S, K, Bk: Backend> RateLimit<S, K, Bk> {
-    fn missing_key<ReqBody, ResBody>(
-        &mut self,
-        req: Request<ReqBody>,
+/// Where a request stands once `call` has asked the backend. A short-lived stack value, so the
+/// size difference between variants does not matter.
+#[allow(clippy::large_enum_variant)]
+enum Step<F, P> {
+    Done(Verdict),
+    Pending(F, Arc<Prepared<P>>, bool),
+}
+
+impl<K, Bk: Backend> Shared<K, Bk> {
+    fn missing_key<F>(
+        &self,
+        prepared: &Prepared<Bk::Policy>,
         err: &KeyError,
         grpc: bool,
-    ) -> ResponseFuture<S, ReqBody, K, Bk>
-    where
-        S: Service<Request<ReqBody>, Response = Response<ResBody>>,
-    {
+    ) -> Step<F, Bk::Policy> {
         if *err == KeyError::NoPeerAddr {
             static WARNED: AtomicBool = AtomicBool::new(false);
             if !WARNED.swap(true, Ordering::Relaxed) {
@@ -153,11 +199,11 @@ impl<S, K, Bk: Backend> RateLimit<S, K, Bk> {
                 );
             }
         }
-        let policy = self.shared.policy.policy.name();
-        match self.shared.on_missing_key {
+        let policy = prepared.policy.name();
+        match self.on_missing_key {
             OnMissingKey::Allow => {
                 tracing::trace!(policy, reason = %err, "no rate-limit key; allowed");
-                ResponseFuture::called(self.inner.call(req), HeaderAdds::new())
+                Step::Done(Verdict::Pass(HeaderAdds::new()))
             }
             OnMissingKey::Reject(status) => {
                 tracing::debug!(policy, reason = %err, "no rate-limit key; rejected");
@@ -167,17 +213,12 @@ impl<S, K, Bk: Backend> RateLimit<S, K, Bk> {
                     status,
                     retry_after: None,
                 };
-                let res = self
-                    .shared
-                    .responder
-                    .reject(&rejection, grpc, HeaderAdds::new());
-                ResponseFuture::rejected(res)
+                let res = self.responder.reject(&rejection, grpc, HeaderAdds::new());
+                Step::Done(Verdict::Reject(res))
             }
         }
     }
-}
 
-impl<K, Bk: Backend> Shared<K, Bk> {
     /// Turns a backend's answer into a verdict, logging rejections and failures.
     pub(crate) fn verdict(
         &self,

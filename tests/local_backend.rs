@@ -224,3 +224,23 @@ async fn concurrent_decisions_on_one_key_are_exact() {
     let allowed: usize = threads.into_iter().map(|t| t.join().unwrap()).sum();
     assert_eq!(allowed, 1000);
 }
+
+/// Eviction needs no thread or task of the user's: the backend's own task sweeps.
+#[tokio::test(start_paused = true)]
+async fn the_backend_sweeps_by_itself() {
+    let clock = FakeRelativeClock::default();
+    let backend = LocalBackend::builder()
+        .clock(clock.clone())
+        .sweep_interval(Duration::from_secs(30))
+        .build();
+    let s = Setup { clock, backend };
+    let p = prepare(&s.backend, &Policy::new("p", Quota::per_second(10)));
+    for i in 0..100 {
+        decide(&s, &p, &key(&format!("k{i}")), 1).await;
+    }
+    assert_eq!(s.backend.tracked_keys(), 100);
+    s.clock.advance(Duration::from_secs(5));
+    // Let the sweeper's timer fire (Tokio's clock is paused and auto-advances).
+    tokio::time::sleep(Duration::from_secs(31)).await;
+    assert_eq!(s.backend.tracked_keys(), 0);
+}

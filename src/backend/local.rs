@@ -61,13 +61,14 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::future::{Ready, ready};
-use std::hash::RandomState;
 use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use dashmap::DashMap;
+// Randomly seeded per process: keys come from clients, so the hash must resist flooding.
+use foldhash::quality::RandomState;
 use dashmap::mapref::entry::Entry;
 use governor::clock::{Clock, MonotonicClock, Reference};
 use governor::middleware::{NoOpMiddleware, StateInformationMiddleware};
@@ -231,6 +232,9 @@ where
         let weak = Arc::downgrade(&self.inner);
         let every = self.inner.sweep_interval;
         handle.spawn(async move {
+            // If the runtime shuts down (or the task ends), let the next `prepare` start a
+            // sweeper on whatever runtime it runs in.
+            let _restart = RestartSweeper(weak.clone());
             let mut ticks = tokio::time::interval(every);
             ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             ticks.tick().await;
@@ -241,6 +245,16 @@ where
                 inner.sweep();
             }
         });
+    }
+}
+
+struct RestartSweeper<C: Clock>(Weak<Inner<C>>);
+
+impl<C: Clock> Drop for RestartSweeper<C> {
+    fn drop(&mut self) {
+        if let Some(inner) = self.0.upgrade() {
+            inner.sweeper_started.store(false, Ordering::Release);
+        }
     }
 }
 
@@ -345,7 +359,7 @@ where
                     })?
                     .allow_burst(p.burst);
                 let store = Arc::new(StoreMap {
-                    map: DashMap::with_hasher(RandomState::new()),
+                    map: DashMap::with_hasher(RandomState::default()),
                     tracked: self.inner.tracked.clone(),
                 });
                 let limiter = Arc::new(

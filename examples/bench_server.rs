@@ -1,0 +1,163 @@
+//! Run with: cargo run --release --example bench_server
+//!
+//! The server the HTTP load benchmark (`scripts/bench-http.sh`) measures: axum, `GET /hello`
+//! answers `ok`, on `127.0.0.1:3000` (`PORT` picks another port). Then, e.g.
+//! `curl -i -H 'x-key: alice' localhost:3000/hello` shows `ok` with `RateLimit` headers.
+//!
+//! Environment:
+//! - `BACKEND=none|local|tower_governor|redis` (default `local`):
+//!   - `none`: bare axum;
+//!   - `local`: tollgate's `RateLimitLayer` on the in-process backend, default configuration
+//!     (IETF `RateLimit`/`RateLimit-Policy` headers on every response);
+//!   - `tower_governor`: tower_governor 0.8's `GovernorLayer`, same key, default configuration
+//!     (no rate-limit headers on allowed responses: that is its default);
+//!   - `redis`: not in this build yet (the Redis backend is being added); it exits with an error.
+//! - The key is the `x-key` request header, falling back to the client IP.
+//! - The quota is so large (1 000 000 per second sustained, a burst of 3.6 billion) that nothing
+//!   is ever denied, so every mode does the same work per request.
+//! - `DENY_KEY=<value>`: that one key (an `x-key` value, or an IP address) gets one request per
+//!   hour with a burst of 1, to measure a flood of denied requests (tollgate modes only).
+//!
+//! # How `DENY_KEY` works: one layer, a key-dependent cost
+//!
+//! Stacking a second layer for the denied key would make every request pay for two key
+//! extractions and two decisions, and answer with two sets of headers. Instead the one policy
+//! charges the deny key the whole bucket: the bucket holds `N` units and refills `N` per hour,
+//! so a request costing `N` passes once, and the next one fits an hour later — exactly a
+//! burst of 1 at 1 per hour, while every other key costs 1 unit and is never limited. The
+//! cost function runs only when `DENY_KEY` is set.
+
+use std::net::{IpAddr, SocketAddr};
+
+use axum::Router;
+use axum::routing::get;
+use http::{HeaderValue, Request};
+use tollgate::backend::{Backend, LocalBackend};
+use tollgate::key::{ClientIp, Header, KeyExtractor, KeyExtractorExt, Or};
+use tollgate::{
+    ConfigError, Key, Policy, Quota, RateLimitLayer, RateLimitLayerBuilder, RequestInfo,
+};
+use tower_governor::GovernorError;
+use tower_governor::GovernorLayer;
+use tower_governor::governor::GovernorConfigBuilder;
+
+/// Units per hour and bucket size: 1 per microsecond sustained.
+const UNITS: u32 = 3_600_000_000;
+
+type BenchKey = Or<Header, ClientIp>;
+
+/// `x-key`, else the client IP (no trusted proxies: forwarding headers are ignored).
+fn bench_key() -> BenchKey {
+    Header::new("x-key").or(ClientIp::new())
+}
+
+/// The policy: nothing is ever denied, except `deny_key` after its first request.
+fn policy(deny_key: Option<Key>) -> Policy {
+    let policy = Policy::new("bench", Quota::per_hour(UNITS).burst(UNITS));
+    let Some(deny_key) = deny_key else {
+        return policy;
+    };
+    let key = bench_key();
+    policy.cost_fn(move |req: &RequestInfo<'_>| match key.extract(req) {
+        Ok(k) if k == deny_key => UNITS,
+        _ => 1,
+    })
+}
+
+/// The tollgate layer on any backend: the one place a Redis backend plugs in.
+fn tollgate_layer<Bk: Backend>(
+    backend: Bk,
+    deny_key: Option<Key>,
+) -> Result<RateLimitLayer<BenchKey, Bk>, ConfigError> {
+    RateLimitLayerBuilder::new()
+        .backend(backend)
+        .key(bench_key())
+        .policy(policy(deny_key))
+        .build()
+}
+
+/// tower_governor's key: the `x-key` header, else the peer IP (as `ConnectInfo`).
+#[derive(Clone)]
+struct XKeyOrIp;
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+enum GovKey {
+    Header(HeaderValue),
+    Ip(IpAddr),
+}
+
+impl tower_governor::key_extractor::KeyExtractor for XKeyOrIp {
+    type Key = GovKey;
+
+    fn extract<T>(&self, req: &Request<T>) -> Result<GovKey, GovernorError> {
+        if let Some(v) = req.headers().get("x-key") {
+            return Ok(GovKey::Header(v.clone()));
+        }
+        req.extensions()
+            .get::<axum::extract::ConnectInfo<SocketAddr>>()
+            .map(|ci| GovKey::Ip(ci.0.ip()))
+            .ok_or(GovernorError::UnableToExtractKey)
+    }
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let port: u16 = match std::env::var("PORT") {
+        Ok(p) => p.parse()?,
+        Err(_) => 3000,
+    };
+    let backend = std::env::var("BACKEND").unwrap_or_else(|_| "local".to_owned());
+    let deny_key = std::env::var("DENY_KEY")
+        .ok()
+        .map(|v| match v.parse::<IpAddr>() {
+            Ok(ip) => Ok(Key::ip(ip)),
+            Err(_) => Key::from_bytes(v),
+        });
+    let deny_key = deny_key.transpose()?;
+
+    let app = Router::new().route("/hello", get(|| async { "ok" }));
+    let app = match backend.as_str() {
+        "none" => app,
+        "local" => app.layer(tollgate_layer(LocalBackend::new(), deny_key)?),
+        "tower_governor" => {
+            if deny_key.is_some() {
+                return Err("DENY_KEY is only supported with the tollgate backends".into());
+            }
+            let config = GovernorConfigBuilder::default()
+                .per_nanosecond(1_000)
+                .burst_size(UNITS)
+                .key_extractor(XKeyOrIp)
+                .finish()
+                .ok_or("invalid tower_governor configuration")?;
+            app.layer(GovernorLayer::new(config))
+        }
+        // When `tollgate::backend::redis` lands, this arm becomes, behind
+        // `#[cfg(feature = "redis")]`:
+        // `app.layer(tollgate_layer(RedisBackend::connect(&redis_url).await?, deny_key)?)`.
+        "redis" => {
+            return Err(
+                "BACKEND=redis: this build of tollgate has no Redis backend yet \
+                 (tollgate::backend::redis); use none, local or tower_governor"
+                    .into(),
+            );
+        }
+        other => {
+            return Err(format!(
+                "unknown BACKEND={other:?}: use none, local, tower_governor or redis"
+            )
+            .into());
+        }
+    };
+
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
+    println!(
+        "bench_server ({backend}) on http://{}/hello",
+        listener.local_addr()?
+    );
+    axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .await?;
+    Ok(())
+}

@@ -1,0 +1,142 @@
+#!/usr/bin/env bash
+# HTTP load benchmark: bare axum vs tollgate (local) vs tower_governor (vs tollgate-redis when
+# available), with wrk, in interleaved rounds, server pinned to core 0 and wrk to core 1.
+#
+# Usage: scripts/bench-http.sh
+# Environment (all optional):
+#   ROUNDS=5          rounds; each runs every mode once, in a rotated order
+#   DURATION=10s      wrk duration per run (after a 2 s warm-up)
+#   CONNECTIONS=64    wrk connections (one wrk thread)
+#   MODES="none local tower_governor"   add "redis" to include it (needs REDIS_URL and a
+#                     build with the Redis backend; a mode whose server does not start is skipped)
+#   PORT=3901         server port
+#   CARGO_TARGET_DIR  where cargo builds (default: target)
+#
+# Prints req/s, p50 and p99 latency and the ratio of req/s to bare axum for each run, then
+# the medians over the rounds. Ratios are only meaningful within one run of this script.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+ROUNDS=${ROUNDS:-5}
+DURATION=${DURATION:-10s}
+CONNECTIONS=${CONNECTIONS:-64}
+MODES=${MODES:-"none local tower_governor"}
+PORT=${PORT:-3901}
+TARGET=${CARGO_TARGET_DIR:-target}
+
+if ! command -v wrk >/dev/null; then
+    echo "installing wrk..." >&2
+    SUDO=""
+    [ "$(id -u)" -ne 0 ] && SUDO=sudo
+    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq wrk >/dev/null
+fi
+if [ "$(nproc)" -lt 2 ]; then
+    echo "warning: fewer than 2 cores; server and wrk will share a core" >&2
+    PIN_SERVER=""
+    PIN_WRK=""
+else
+    PIN_SERVER="taskset -c 0"
+    PIN_WRK="taskset -c 1"
+fi
+
+features="local axum"
+case " $MODES " in *" redis "*) features="$features redis" ;; esac
+echo "building bench_server (release, features: $features)..." >&2
+cargo build --release --quiet --example bench_server --features "$features"
+BIN="$TARGET/release/examples/bench_server"
+
+RESULTS=$(mktemp)
+SERVER_PID=""
+cleanup() {
+    if [ -n "$SERVER_PID" ]; then kill "$SERVER_PID" 2>/dev/null || true; fi
+    rm -f "$RESULTS"
+}
+trap cleanup EXIT
+
+# Latency from wrk ("245.00us", "1.20ms", "2.00s") in microseconds.
+to_us() {
+    awk -v v="$1" 'BEGIN {
+        n = v + 0
+        if (v ~ /us$/) print n; else if (v ~ /ms$/) print n * 1000;
+        else if (v ~ /s$/) print n * 1000000; else print n }'
+}
+
+wait_up() {
+    for _ in $(seq 1 100); do
+        if (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null; then return 0; fi
+        if ! kill -0 "$SERVER_PID" 2>/dev/null; then return 1; fi
+        sleep 0.05
+    done
+    return 1
+}
+
+run_mode() { # round mode
+    local round=$1 mode=$2
+    BACKEND=$mode PORT=$PORT $PIN_SERVER "$BIN" >/dev/null 2>/tmp/bench_server.err &
+    SERVER_PID=$!
+    if ! wait_up; then
+        echo "  $mode: server did not start ($(tail -1 /tmp/bench_server.err)); skipped" >&2
+        kill "$SERVER_PID" 2>/dev/null || true
+        wait "$SERVER_PID" 2>/dev/null || true
+        SERVER_PID=""
+        return
+    fi
+    $PIN_WRK wrk -t1 -c"$CONNECTIONS" -d2s "http://127.0.0.1:$PORT/hello" >/dev/null
+    local out
+    out=$($PIN_WRK wrk -t1 -c"$CONNECTIONS" -d"$DURATION" --latency "http://127.0.0.1:$PORT/hello")
+    kill "$SERVER_PID"
+    wait "$SERVER_PID" 2>/dev/null || true
+    SERVER_PID=""
+    local rps p50 p99 non2xx
+    rps=$(echo "$out" | awk '/^Requests\/sec:/ {print $2}')
+    p50=$(to_us "$(echo "$out" | awk '$1 == "50%" {print $2}')")
+    p99=$(to_us "$(echo "$out" | awk '$1 == "99%" {print $2}')")
+    non2xx=$(echo "$out" | awk '/Non-2xx/ {print $NF}')
+    if [ -n "$non2xx" ]; then
+        echo "  warning: $mode answered $non2xx non-2xx responses" >&2
+    fi
+    echo "$round $mode $rps $p50 $p99" >>"$RESULTS"
+}
+
+read -r -a modes <<<"$MODES"
+n=${#modes[@]}
+echo "rounds=$ROUNDS duration=$DURATION connections=$CONNECTIONS cores: server=0 wrk=1"
+for round in $(seq 1 "$ROUNDS"); do
+    # Rotate the order each round so no mode always runs first or last.
+    order=()
+    for i in $(seq 0 $((n - 1))); do
+        order+=("${modes[$(((i + round - 1) % n))]}")
+    done
+    echo "round $round: ${order[*]}" >&2
+    for mode in "${order[@]}"; do
+        run_mode "$round" "$mode"
+    done
+done
+
+echo
+printf '%-6s %-15s %12s %10s %10s %8s\n' round mode req/s p50_us p99_us ratio
+awk '
+    { rps[$1, $2] = $3; p50[$1, $2] = $4; p99[$1, $2] = $5; rounds[$1] = 1; modes[$2] = 1; order[++k] = $1 SUBSEP $2 }
+    END {
+        for (i = 1; i <= k; i++) {
+            split(order[i], a, SUBSEP); r = a[1]; m = a[2]
+            bare = rps[r, "none"]
+            ratio = bare > 0 ? sprintf("%.3f", rps[r, m] / bare) : "-"
+            printf "%-6s %-15s %12.0f %10.1f %10.1f %8s\n", r, m, rps[r, m], p50[r, m], p99[r, m], ratio
+        }
+    }' "$RESULTS"
+
+echo
+echo "medians over $ROUNDS rounds (ratio = median of the per-round ratios):"
+printf '%-15s %12s %10s %10s %8s\n' mode req/s p50_us p99_us ratio
+median() { sort -g | awk '{ v[NR] = $1 } END { if (NR == 0) { print "-"; exit } if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
+for mode in "${modes[@]}"; do
+    grep -q " $mode " "$RESULTS" || continue
+    rps=$(awk -v m="$mode" '$2 == m {print $3}' "$RESULTS" | median)
+    p50=$(awk -v m="$mode" '$2 == m {print $4}' "$RESULTS" | median)
+    p99=$(awk -v m="$mode" '$2 == m {print $5}' "$RESULTS" | median)
+    ratio=$(awk -v m="$mode" '
+        $2 == "none" { bare[$1] = $3 } $2 == m { mine[$1] = $3 }
+        END { for (r in mine) if (bare[r] > 0) print mine[r] / bare[r] }' "$RESULTS" | median)
+    printf '%-15s %12.0f %10.1f %10.1f %8.3f\n' "$mode" "$rps" "$p50" "$p99" "$ratio"
+done

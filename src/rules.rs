@@ -1,0 +1,503 @@
+//! Rules: pick a policy per request (tenant, tier, route, method, predicate), and replace the
+//! rules while serving.
+//!
+//! A [`RuleSet`] holds named policies, rules and a default policy. For each request the
+//! matching rule with the highest priority names the policy (ties go to the rule declared
+//! first); when none matches, the default applies. Selection takes no lock and allocates
+//! nothing: the compiled rule set is read through an atomic pointer
+//! ([`arc-swap`](https://docs.rs/arc-swap)).
+//!
+//! A rule matches when **all** its conditions hold:
+//!
+//! - `tenant`: the request's key equals this string (byte keys such as a header or a
+//!   `String` extension) or this IP address (IP keys);
+//! - `tier`: the key's tenant is listed under this tier in the rule set's `tiers` map;
+//! - `path_prefix`: the path starts with this prefix;
+//! - `methods`: the method is one of these;
+//! - a predicate closure (code only, see [`Rule::when`]).
+//!
+//! The application replaces rules at run time through a [`RulesHandle`]: the new set is
+//! validated and prepared first, and swapped in atomically only if all of it is valid; an
+//! invalid update returns the error and leaves the old rules in force. A request sees either
+//! the old set or the new one, never a mix. Changed limits apply from the next request on,
+//! including for keys held in a backend's deny cache (prepared policies are new objects, and
+//! deny caches are scoped to them).
+//!
+//! ```
+//! use tollgate::rules::{Rule, RuleSet};
+//! use tollgate::{Policy, Quota, RateLimitLayer, key::Header};
+//!
+//! # fn main() -> Result<(), tollgate::ConfigError> {
+//! let rules = RuleSet::new(Policy::new("free", Quota::per_second(5).burst(10)))
+//!     .policy(Policy::new("pro", Quota::per_second(50).burst(100)))
+//!     .policy(Policy::new("login", Quota::per_minute(5)))
+//!     .tier("merchant-42", "pro")
+//!     .rule(Rule::new(10, "pro").tier("pro"))
+//!     .rule(Rule::new(100, "login").path_prefix("/login"));
+//! let layer = RateLimitLayer::builder()
+//!     .rules(rules)
+//!     .key(Header::new("x-merchant-id"))
+//!     .build()?;
+//!
+//! // Later, while serving: raise merchant 7 to "pro".
+//! let handle = layer.rules_handle().unwrap();
+//! let updated = handle.current().tier("merchant-7", "pro");
+//! handle.replace(updated)?;
+//! # Ok(()) }
+//! ```
+//!
+//! With the `serde` feature, a [`RuleSet`] (de)serializes from TOML, YAML or JSON, with quotas
+//! written as strings like `"100/s"`, `"1000/h"` or `"5/min burst 10"`:
+//!
+//! ```toml
+//! default = "free"
+//!
+//! [[policies]]
+//! name = "free"
+//! quotas = ["5/s burst 10", "1000/h"]
+//!
+//! [[policies]]
+//! name = "pro"
+//! quotas = ["50/s burst 100"]
+//!
+//! [tiers]
+//! merchant-42 = "pro"
+//!
+//! [[rules]]
+//! priority = 10
+//! tier = "pro"
+//! policy = "pro"
+//! ```
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use http::Method;
+use smallvec::SmallVec;
+
+use crate::backend::Backend;
+use crate::layer::prepare;
+use crate::service::Prepared;
+use crate::{ConfigError, Key, Policy, RequestInfo};
+
+type Predicate = Arc<dyn Fn(&RequestInfo<'_>) -> bool + Send + Sync>;
+
+/// A rule: conditions, a priority, and the policy it names.
+#[derive(Clone)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(deny_unknown_fields))]
+pub struct Rule {
+    priority: i32,
+    policy: String,
+    #[cfg_attr(
+        feature = "serde",
+        serde(default, skip_serializing_if = "Option::is_none")
+    )]
+    tenant: Option<String>,
+    #[cfg_attr(
+        feature = "serde",
+        serde(default, skip_serializing_if = "Option::is_none")
+    )]
+    tier: Option<String>,
+    #[cfg_attr(
+        feature = "serde",
+        serde(default, skip_serializing_if = "Option::is_none")
+    )]
+    path_prefix: Option<String>,
+    #[cfg_attr(
+        feature = "serde",
+        serde(default, skip_serializing_if = "Vec::is_empty")
+    )]
+    methods: Vec<String>,
+    #[cfg_attr(feature = "serde", serde(skip))]
+    predicate: Option<Predicate>,
+}
+
+impl Rule {
+    /// A rule naming `policy`, with `priority` (higher wins) and no condition yet: it matches
+    /// every request until conditions are added.
+    pub fn new(priority: i32, policy: impl Into<String>) -> Self {
+        Rule {
+            priority,
+            policy: policy.into(),
+            tenant: None,
+            tier: None,
+            path_prefix: None,
+            methods: Vec::new(),
+            predicate: None,
+        }
+    }
+
+    /// Matches requests whose key is this tenant (a byte key, or an IP key when `tenant` is an
+    /// IP address).
+    pub fn tenant(mut self, tenant: impl Into<String>) -> Self {
+        self.tenant = Some(tenant.into());
+        self
+    }
+
+    /// Matches requests whose tenant is in this tier (see [`RuleSet::tier`]).
+    pub fn tier(mut self, tier: impl Into<String>) -> Self {
+        self.tier = Some(tier.into());
+        self
+    }
+
+    /// Matches request paths starting with `prefix`.
+    pub fn path_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.path_prefix = Some(prefix.into());
+        self
+    }
+
+    /// Matches this method (call again to allow several).
+    pub fn method(mut self, method: Method) -> Self {
+        self.methods.push(method.as_str().to_owned());
+        self
+    }
+
+    /// Matches when `f` returns true. Predicates exist in code only: they are not serialized,
+    /// so a rule set read back through [`RulesHandle::current`] and serialized loses them.
+    pub fn when<F>(mut self, f: F) -> Self
+    where
+        F: Fn(&RequestInfo<'_>) -> bool + Send + Sync + 'static,
+    {
+        self.predicate = Some(Arc::new(f));
+        self
+    }
+
+    /// The rule's priority.
+    pub fn priority(&self) -> i32 {
+        self.priority
+    }
+
+    /// The name of the policy it selects.
+    pub fn policy_name(&self) -> &str {
+        &self.policy
+    }
+}
+
+impl fmt::Debug for Rule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Rule")
+            .field("priority", &self.priority)
+            .field("policy", &self.policy)
+            .field("tenant", &self.tenant)
+            .field("tier", &self.tier)
+            .field("path_prefix", &self.path_prefix)
+            .field("methods", &self.methods)
+            .field("predicate", &self.predicate.as_ref().map(|_| "<fn>"))
+            .finish()
+    }
+}
+
+/// Policies, rules choosing among them, tiers, and a default.
+#[derive(Clone, Debug)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(deny_unknown_fields))]
+pub struct RuleSet {
+    default: String,
+    #[cfg_attr(feature = "serde", serde(default))]
+    shadow: bool,
+    policies: Vec<Policy>,
+    #[cfg_attr(feature = "serde", serde(default))]
+    tiers: BTreeMap<String, String>,
+    #[cfg_attr(feature = "serde", serde(default))]
+    rules: Vec<Rule>,
+}
+
+impl RuleSet {
+    /// A rule set whose default policy is `default`.
+    pub fn new(default: Policy) -> Self {
+        RuleSet {
+            default: default.name().to_owned(),
+            shadow: false,
+            policies: vec![default],
+            tiers: BTreeMap::new(),
+            rules: Vec::new(),
+        }
+    }
+
+    /// Adds a policy that rules can name; a policy of the same name is replaced.
+    pub fn policy(mut self, policy: Policy) -> Self {
+        self.policies.retain(|p| p.name() != policy.name());
+        self.policies.push(policy);
+        self
+    }
+
+    /// Adds a rule.
+    pub fn rule(mut self, rule: Rule) -> Self {
+        self.rules.push(rule);
+        self
+    }
+
+    /// Puts `tenant` in `tier` (replacing its previous tier).
+    pub fn tier(mut self, tenant: impl Into<String>, tier: impl Into<String>) -> Self {
+        self.tiers.insert(tenant.into(), tier.into());
+        self
+    }
+
+    /// Shadow mode for every policy of the set: decide and log, never reject.
+    pub fn shadow(mut self, shadow: bool) -> Self {
+        self.shadow = shadow;
+        self
+    }
+
+    /// The policies.
+    pub fn policies(&self) -> &[Policy] {
+        &self.policies
+    }
+
+    /// The rules, as declared.
+    pub fn rules(&self) -> &[Rule] {
+        &self.rules
+    }
+
+    /// The tenant → tier map.
+    pub fn tiers(&self) -> &BTreeMap<String, String> {
+        &self.tiers
+    }
+
+    /// The default policy's name.
+    pub fn default_policy(&self) -> &str {
+        &self.default
+    }
+
+    /// Checks the rule set without building anything: unique and valid policies, rules
+    /// naming defined policies, valid methods. Errors name the offending entry.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.check().map(drop)
+    }
+
+    /// Validates and returns the index of each policy by name.
+    fn check(&self) -> Result<HashMap<&str, usize>, ConfigError> {
+        let mut by_name = HashMap::new();
+        for (i, p) in self.policies.iter().enumerate() {
+            p.validate().map_err(|e| ConfigError::Invalid {
+                option: "policies",
+                reason: format!("policies[{i}]: {e}"),
+            })?;
+            if by_name.insert(p.name(), i).is_some() {
+                return Err(ConfigError::Invalid {
+                    option: "policies",
+                    reason: format!("policies[{i}]: policy `{}` is defined twice", p.name()),
+                });
+            }
+        }
+        if !by_name.contains_key(self.default.as_str()) {
+            return Err(ConfigError::Invalid {
+                option: "default",
+                reason: format!("default policy `{}` is not defined", self.default),
+            });
+        }
+        for (i, r) in self.rules.iter().enumerate() {
+            let bad = |reason: String| ConfigError::Invalid {
+                option: "rules",
+                reason: format!("rules[{i}] (priority {}): {reason}", r.priority),
+            };
+            if !by_name.contains_key(r.policy.as_str()) {
+                return Err(bad(format!("policy `{}` is not defined", r.policy)));
+            }
+            for m in &r.methods {
+                Method::from_bytes(m.as_bytes())
+                    .map_err(|_| bad(format!("{m:?} is not an HTTP method")))?;
+            }
+            if let Some(t) = &r.tenant {
+                tenant_keys(t).map_err(|e| bad(format!("tenant: {e}")))?;
+            }
+        }
+        for tenant in self.tiers.keys() {
+            tenant_keys(tenant).map_err(|e| ConfigError::Invalid {
+                option: "tiers",
+                reason: format!("tenant {tenant:?}: {e}"),
+            })?;
+        }
+        Ok(by_name)
+    }
+}
+
+/// The keys a tenant string stands for: its bytes, and its IP when it is one.
+fn tenant_keys(tenant: &str) -> Result<SmallVec<[Key; 2]>, crate::KeyError> {
+    let mut keys = SmallVec::new();
+    keys.push(Key::from_bytes(tenant)?);
+    if let Ok(ip) = tenant.parse::<IpAddr>() {
+        keys.push(Key::ip(ip));
+    }
+    Ok(keys)
+}
+
+struct CompiledRule {
+    policy: usize,
+    tenant: SmallVec<[Key; 2]>,
+    tier: Option<usize>,
+    path_prefix: Option<Box<str>>,
+    methods: SmallVec<[Method; 2]>,
+    predicate: Option<Predicate>,
+}
+
+impl CompiledRule {
+    fn matches(&self, req: &RequestInfo<'_>, key: Option<&Key>, tier: Option<usize>) -> bool {
+        (self.tenant.is_empty() || key.is_some_and(|k| self.tenant.contains(k)))
+            && (self.tier.is_none() || self.tier == tier)
+            && self
+                .path_prefix
+                .as_deref()
+                .is_none_or(|p| req.uri().path().starts_with(p))
+            && (self.methods.is_empty() || self.methods.contains(req.method()))
+            && self.predicate.as_ref().is_none_or(|f| f(req))
+    }
+}
+
+/// A rule set prepared for a backend.
+pub(crate) struct Compiled<P> {
+    source: RuleSet,
+    policies: Vec<Arc<Prepared<P>>>,
+    default: usize,
+    rules: Vec<CompiledRule>,
+    /// Tenant key → tier id; empty when no rule looks at tiers.
+    tiers: HashMap<Key, usize>,
+}
+
+impl<P> Compiled<P> {
+    pub(crate) fn default_name(&self) -> &str {
+        &self.source.default
+    }
+
+    pub(crate) fn select(&self, req: &RequestInfo<'_>, key: Option<&Key>) -> &Arc<Prepared<P>> {
+        let tier = match key {
+            Some(k) if !self.tiers.is_empty() => self.tiers.get(k).copied(),
+            _ => None,
+        };
+        let chosen = self
+            .rules
+            .iter()
+            .find(|r| r.matches(req, key, tier))
+            .map_or(self.default, |r| r.policy);
+        &self.policies[chosen]
+    }
+}
+
+pub(crate) fn compile<Bk: Backend>(
+    backend: &Bk,
+    set: RuleSet,
+) -> Result<Compiled<Bk::Policy>, ConfigError> {
+    let by_name = set.check()?;
+    let policies = set
+        .policies
+        .iter()
+        .map(|p| {
+            let p = if set.shadow {
+                p.clone().shadow(true)
+            } else {
+                p.clone()
+            };
+            prepare(backend, p).map(Arc::new)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut tier_ids: HashMap<&str, usize> = HashMap::new();
+    let mut rules = Vec::with_capacity(set.rules.len());
+    for r in &set.rules {
+        let next = tier_ids.len();
+        rules.push((
+            r.priority,
+            CompiledRule {
+                policy: by_name[r.policy.as_str()],
+                tenant: match &r.tenant {
+                    Some(t) => tenant_keys(t).unwrap_or_default(),
+                    None => SmallVec::new(),
+                },
+                tier: r
+                    .tier
+                    .as_deref()
+                    .map(|t| *tier_ids.entry(t).or_insert(next)),
+                path_prefix: r.path_prefix.as_deref().map(Into::into),
+                methods: r
+                    .methods
+                    .iter()
+                    .filter_map(|m| Method::from_bytes(m.as_bytes()).ok())
+                    .collect(),
+                predicate: r.predicate.clone(),
+            },
+        ));
+    }
+    // Highest priority first; the sort is stable, so ties keep declaration order.
+    rules.sort_by_key(|(priority, _)| std::cmp::Reverse(*priority));
+    let mut tiers = HashMap::new();
+    for (tenant, tier) in &set.tiers {
+        // Tiers no rule mentions cannot change a decision: skip them.
+        if let Some(&id) = tier_ids.get(tier.as_str()) {
+            for k in tenant_keys(tenant).unwrap_or_default() {
+                tiers.insert(k, id);
+            }
+        }
+    }
+    Ok(Compiled {
+        default: by_name[set.default.as_str()],
+        policies,
+        rules: rules.into_iter().map(|(_, r)| r).collect(),
+        tiers,
+        source: set,
+    })
+}
+
+/// The live rules of a layer.
+pub(crate) struct LiveRules<Bk: Backend> {
+    backend: Arc<Bk>,
+    pub(crate) current: ArcSwap<Compiled<Bk::Policy>>,
+}
+
+impl<Bk: Backend> LiveRules<Bk> {
+    pub(crate) fn new(backend: Arc<Bk>, set: RuleSet) -> Result<Self, ConfigError> {
+        let compiled = compile(&*backend, set)?;
+        Ok(LiveRules {
+            backend,
+            current: ArcSwap::from_pointee(compiled),
+        })
+    }
+}
+
+trait RulesControl: Send + Sync {
+    fn replace(&self, set: RuleSet) -> Result<(), ConfigError>;
+    fn current(&self) -> RuleSet;
+}
+
+impl<Bk: Backend> RulesControl for LiveRules<Bk> {
+    fn replace(&self, set: RuleSet) -> Result<(), ConfigError> {
+        let compiled = compile(&*self.backend, set)?;
+        self.current.store(Arc::new(compiled));
+        Ok(())
+    }
+
+    fn current(&self) -> RuleSet {
+        self.current.load().source.clone()
+    }
+}
+
+/// Replaces a layer's rules while it serves. Cheap to clone; get one from
+/// [`RateLimitLayer::rules_handle`](crate::RateLimitLayer::rules_handle).
+#[derive(Clone)]
+pub struct RulesHandle {
+    inner: Arc<dyn RulesControl>,
+}
+
+impl RulesHandle {
+    pub(crate) fn new<Bk: Backend>(live: Arc<LiveRules<Bk>>) -> Self {
+        RulesHandle { inner: live }
+    }
+
+    /// Validates and prepares `set`, then swaps it in atomically. On error nothing changes.
+    pub fn replace(&self, set: RuleSet) -> Result<(), ConfigError> {
+        self.inner.replace(set)
+    }
+
+    /// The rule set in force.
+    pub fn current(&self) -> RuleSet {
+        self.inner.current()
+    }
+}
+
+impl fmt::Debug for RulesHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RulesHandle").finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,264 @@
+//! Rules: priorities, live updates, invalid updates, shadow mode.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use http::{Method, Request, Response};
+use http_body_util::Full;
+use tollgate::key::Header;
+use tollgate::rules::{Rule, RuleSet};
+use tollgate::{Policy, Quota, RateLimitLayer};
+use tower::{Layer, Service, ServiceExt};
+
+fn ok_service() -> impl Service<
+    Request<Full<Bytes>>,
+    Response = Response<Full<Bytes>>,
+    Error = std::convert::Infallible,
+    Future = impl Send,
+> + Clone
++ Send
++ 'static {
+    tower::service_fn(|_req: Request<Full<Bytes>>| async {
+        Ok(Response::new(Full::new(Bytes::from_static(b"ok"))))
+    })
+}
+
+fn req(method: Method, path: &str, tenant: &str) -> Request<Full<Bytes>> {
+    let mut r = Request::builder()
+        .method(method)
+        .uri(path)
+        .header("x-tenant", tenant)
+        .body(Full::default())
+        .unwrap();
+    r.extensions_mut()
+        .insert("192.0.2.1:1".parse::<SocketAddr>().unwrap());
+    r
+}
+
+fn generous(name: &str) -> Policy {
+    Policy::new(name, Quota::per_second(1000).burst(1000))
+}
+
+async fn status<S>(svc: &mut S) -> u16
+where
+    S: Service<Request<Full<Bytes>>, Response = Response<tollgate::ResponseBody<Full<Bytes>>>>,
+    S::Error: std::fmt::Debug,
+{
+    let res = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(req(Method::GET, "/", "t"))
+        .await
+        .unwrap();
+    res.status().as_u16()
+}
+
+async fn policy_of<S>(svc: &mut S, r: Request<Full<Bytes>>) -> String
+where
+    S: Service<Request<Full<Bytes>>, Response = Response<tollgate::ResponseBody<Full<Bytes>>>>,
+    S::Error: std::fmt::Debug,
+{
+    let res = svc.ready().await.unwrap().call(r).await.unwrap();
+    let v = res.headers()["ratelimit-policy"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    v.split('"').nth(1).unwrap().to_owned()
+}
+
+#[tokio::test]
+async fn highest_priority_match_wins() {
+    let rules = RuleSet::new(generous("default"))
+        .policy(generous("pro"))
+        .policy(generous("login"))
+        .policy(generous("vip"))
+        .policy(generous("writes"))
+        .policy(generous("first"))
+        .policy(generous("second"))
+        .tier("t-pro", "pro")
+        .rule(Rule::new(10, "pro").tier("pro"))
+        .rule(Rule::new(50, "login").path_prefix("/login"))
+        .rule(Rule::new(100, "vip").tenant("t-vip"))
+        .rule(
+            Rule::new(20, "writes")
+                .method(Method::POST)
+                .path_prefix("/api"),
+        )
+        .rule(Rule::new(5, "first").when(|r| r.uri().query() == Some("tie")))
+        .rule(Rule::new(5, "second").when(|r| r.uri().query() == Some("tie")));
+    let layer = RateLimitLayer::builder()
+        .rules(rules)
+        .key(Header::new("x-tenant"))
+        .build()
+        .unwrap();
+    let mut svc = layer.layer(ok_service());
+    let cases = [
+        (Method::GET, "/api", "anyone", "default"),
+        (Method::GET, "/api", "t-pro", "pro"),
+        (Method::GET, "/login", "t-pro", "login"),
+        (Method::GET, "/login", "t-vip", "vip"),
+        (Method::POST, "/api/items", "t-pro", "writes"),
+        (Method::POST, "/other", "anyone", "default"),
+        (Method::GET, "/x?tie", "anyone", "first"),
+    ];
+    for (method, path, tenant, expected) in cases {
+        assert_eq!(
+            policy_of(&mut svc, req(method.clone(), path, tenant)).await,
+            expected,
+            "{method} {path} as {tenant}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn invalid_updates_are_rejected_and_the_old_rules_stay() {
+    let layer = RateLimitLayer::builder()
+        .rules(RuleSet::new(generous("a")))
+        .key(Header::new("x-tenant"))
+        .build()
+        .unwrap();
+    let handle = layer.rules_handle().unwrap();
+    let mut svc = layer.layer(ok_service());
+    let invalid = [
+        RuleSet::new(generous("b")).rule(Rule::new(1, "missing")),
+        RuleSet::new(Policy::new("b", Quota::per_second(0))),
+        RuleSet::new(Policy::new("bad name", Quota::per_second(1))),
+    ];
+    for set in invalid {
+        assert!(handle.replace(set).is_err());
+        assert_eq!(policy_of(&mut svc, req(Method::GET, "/", "t")).await, "a");
+        assert_eq!(handle.current().default_policy(), "a");
+    }
+    // A fixed-policy layer has no handle.
+    let fixed = RateLimitLayer::builder()
+        .policy(generous("x"))
+        .build()
+        .unwrap();
+    assert!(fixed.rules_handle().is_none());
+}
+
+#[tokio::test]
+async fn raising_a_limit_applies_to_the_next_request_of_a_denied_key() {
+    let layer = RateLimitLayer::builder()
+        .rules(RuleSet::new(Policy::new("api", Quota::per_hour(1))))
+        .key(Header::new("x-tenant"))
+        .build()
+        .unwrap();
+    let handle = layer.rules_handle().unwrap();
+    let mut svc = layer.layer(ok_service());
+    assert_eq!(status(&mut svc).await, 200);
+    assert_eq!(status(&mut svc).await, 429);
+    handle
+        .replace(RuleSet::new(Policy::new("api", Quota::per_hour(100))))
+        .unwrap();
+    assert_eq!(status(&mut svc).await, 200);
+}
+
+/// Requests racing rule updates see one whole rule set or the other, and none is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_updates_under_concurrent_load() {
+    let set = |tag: &str| {
+        RuleSet::new(generous(&format!("{tag}-default")))
+            .policy(generous(&format!("{tag}-search")))
+            .rule(Rule::new(1, format!("{tag}-search")).path_prefix("/search"))
+    };
+    let layer = RateLimitLayer::builder()
+        .rules(set("a"))
+        .key(Header::new("x-tenant"))
+        .build()
+        .unwrap();
+    let handle = layer.rules_handle().unwrap();
+    let svc = layer.layer(ok_service());
+    let flipper = tokio::spawn(async move {
+        for i in 0..200 {
+            handle
+                .replace(set(if i % 2 == 0 { "b" } else { "a" }))
+                .unwrap();
+            tokio::task::yield_now().await;
+        }
+    });
+    let workers: Vec<_> = (0..4)
+        .map(|w| {
+            let mut svc = svc.clone();
+            tokio::spawn(async move {
+                let mut seen = 0;
+                for i in 0..500 {
+                    let path = if i % 2 == 0 { "/search" } else { "/" };
+                    let tenant = format!("w{w}-{i}");
+                    let name = policy_of(&mut svc, req(Method::GET, path, &tenant)).await;
+                    let expected_suffix = if path == "/search" {
+                        "-search"
+                    } else {
+                        "-default"
+                    };
+                    assert!(name.ends_with(expected_suffix), "{path} got {name}");
+                    assert!(name.starts_with("a-") || name.starts_with("b-"), "{name}");
+                    seen += 1;
+                }
+                seen
+            })
+        })
+        .collect();
+    let mut total = 0;
+    for w in workers {
+        total += w.await.unwrap();
+    }
+    flipper.await.unwrap();
+    assert_eq!(total, 2000);
+}
+
+/// Collects tracing output so tests can see what operators would see.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn shadow_mode_never_rejects_but_records_would_be_denials() {
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .with_max_level(tracing::Level::INFO)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    for rules in [
+        // Per policy...
+        RuleSet::new(Policy::new("new-limit", Quota::per_hour(2)).shadow(true)),
+        // ...or for the whole rule set.
+        RuleSet::new(Policy::new("new-limit", Quota::per_hour(2))).shadow(true),
+    ] {
+        let layer = RateLimitLayer::builder()
+            .rules(rules)
+            .key(Header::new("x-tenant"))
+            .build()
+            .unwrap();
+        let mut svc = layer.layer(ok_service());
+        for _ in 0..5 {
+            let res = svc
+                .ready()
+                .await
+                .unwrap()
+                .call(req(Method::GET, "/", "t"))
+                .await
+                .unwrap();
+            assert_eq!(res.status(), 200);
+        }
+    }
+    let logs = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+    let would = logs.matches("would have been rate limited").count();
+    assert_eq!(would, 6, "3 would-be denials per layer:\n{logs}");
+    assert!(logs.contains("policy=\"new-limit\""), "{logs}");
+}

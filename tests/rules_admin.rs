@@ -1,0 +1,130 @@
+//! The `rules_admin` example's admin API over real HTTP.
+
+#[allow(dead_code)]
+#[path = "../examples/rules_admin.rs"]
+mod example;
+
+use std::net::SocketAddr;
+
+async fn serve(token: Option<&str>) -> String {
+    let app = example::app(example::default_rules().unwrap(), token.map(str::to_owned)).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        axum::serve(
+            listener,
+            app.into_make_service_with_connect_info::<SocketAddr>(),
+        )
+        .await
+        .unwrap()
+    });
+    format!("http://{addr}")
+}
+
+#[tokio::test]
+async fn admin_raises_a_merchants_limit_live() {
+    let base = serve(Some("s3cret")).await;
+    let client = reqwest::Client::new();
+    let orders = || {
+        client
+            .get(format!("{base}/api/orders"))
+            .header("x-merchant-id", "merchant-9")
+            .send()
+    };
+    // Free tier: burst 5.
+    for _ in 0..5 {
+        assert_eq!(orders().await.unwrap().status(), 200);
+    }
+    let res = orders().await.unwrap();
+    assert_eq!(res.status(), 429);
+
+    // Read, change, write back.
+    let rules: serde_json::Value = client
+        .get(format!("{base}/admin/rules"))
+        .bearer_auth("s3cret")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(rules["default"], "free");
+    let mut rules = rules;
+    rules["tiers"]["merchant-9"] = "pro".into();
+    let res = client
+        .put(format!("{base}/admin/rules"))
+        .bearer_auth("s3cret")
+        .json(&rules)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 200, "{}", res.text().await.unwrap());
+
+    // The very next request is under the pro policy.
+    let res = orders().await.unwrap();
+    assert_eq!(res.status(), 200);
+    assert!(
+        res.headers()["ratelimit-policy"]
+            .to_str()
+            .unwrap()
+            .starts_with(r#""pro-0";q=50"#)
+    );
+}
+
+#[tokio::test]
+async fn wrong_or_missing_token_and_invalid_rules_change_nothing() {
+    let base = serve(Some("s3cret")).await;
+    let client = reqwest::Client::new();
+    let bogus =
+        serde_json::json!({"default": "free", "policies": [{"name": "free", "quotas": ["1/h"]}]});
+    for auth in [None, Some("wrong"), Some("s3cret-but-longer")] {
+        let mut req = client.put(format!("{base}/admin/rules")).json(&bogus);
+        if let Some(t) = auth {
+            req = req.bearer_auth(t);
+        }
+        assert_eq!(req.send().await.unwrap().status(), 401);
+        let mut req = client.get(format!("{base}/admin/rules"));
+        if let Some(t) = auth {
+            req = req.bearer_auth(t);
+        }
+        assert_eq!(req.send().await.unwrap().status(), 401);
+    }
+    // Authorized but invalid: a rule names a policy that does not exist.
+    let invalid = serde_json::json!({
+        "default": "free",
+        "policies": [{"name": "free", "quotas": ["1/h"]}],
+        "rules": [{"priority": 1, "policy": "gold"}]
+    });
+    let res = client
+        .put(format!("{base}/admin/rules"))
+        .bearer_auth("s3cret")
+        .json(&invalid)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 422);
+    let text = res.text().await.unwrap();
+    assert!(text.contains("rules[0]") && text.contains("gold"), "{text}");
+    // The shipped rules are still in force: free tier allows a burst of 5.
+    for _ in 0..5 {
+        let res = client
+            .get(format!("{base}/api/orders"))
+            .header("x-merchant-id", "m-x")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 200);
+    }
+}
+
+#[tokio::test]
+async fn admin_api_is_off_without_a_token() {
+    let base = serve(None).await;
+    let res = reqwest::Client::new()
+        .get(format!("{base}/admin/rules"))
+        .bearer_auth("")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 404);
+}
