@@ -36,6 +36,7 @@
 //! | `local` | yes | [`LocalBackend`](backend::LocalBackend): in-process GCRA on governor |
 //! | `axum` | yes | [`PeerIp`](key::PeerIp)/[`ClientIp`](key::ClientIp) read axum's `ConnectInfo<SocketAddr>` |
 //! | `tonic` | no | [`PeerIp`](key::PeerIp)/[`ClientIp`](key::ClientIp) read tonic's `TcpConnectInfo` |
+//! | `redis` | no | [`RedisBackend`](backend::redis::RedisBackend): one limit shared by every instance, on Redis or Redis Cluster (implies `local`) |
 //!
 //! [tower]: https://docs.rs/tower
 //! [governor]: https://docs.rs/governor

@@ -6,9 +6,14 @@
 //!
 //! - [`LocalBackend`] (feature `local`, on by default): in-process GCRA buckets from the
 //!   [`governor`](https://docs.rs/governor) crate. Limits are per instance.
+//! - [`RedisBackend`](redis::RedisBackend) (feature `redis`): buckets in Redis or Redis
+//!   Cluster, one limit shared by every instance.
 
 #[cfg(feature = "local")]
 pub mod local;
+#[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+pub mod redis;
 
 use std::future::Future;
 use std::num::NonZeroU32;

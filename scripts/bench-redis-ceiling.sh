@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The ceiling for the Redis backend: redis-benchmark running EVALSHA of tollgate's GCRA script
+# (src/backend/redis/gcra.lua) on a redis-server started here, on a free port, with the same
+# arguments the backend sends for a one-quota policy. Compare with `cargo bench --bench redis
+# --features redis`.
+#
+#   ./scripts/bench-redis-ceiling.sh [requests] [clients]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+requests="${1:-200000}"
+clients="${2:-64}"
+
+dir="$(mktemp -d)"
+port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
+redis-server --port "$port" --bind 127.0.0.1 --save "" --appendonly no --dir "$dir" >/dev/null &
+pid=$!
+trap 'kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; rm -rf "$dir"' EXIT
+for _ in $(seq 1 100); do
+  redis-cli -p "$port" ping >/dev/null 2>&1 && break
+  sleep 0.05
+done
+
+sha="$(redis-cli -p "$port" -x script load < src/backend/redis/gcra.lua)"
+echo "script sha1: $sha"
+# KEYS[1] one bucket per random client; ARGV: cost 1, Redis TIME, 1 us emission, huge burst.
+# redis-benchmark -q redraws a progress line with \r: keep the final summary only.
+summary() { tr '\r' '\n' | grep 'requests per second'; }
+args=(EVALSHA "$sha" 1 "tollgate:{bench:b__rand_int__}:0" 1 "" 1000 1000000000)
+echo "allowed decisions, $clients clients, no pipelining:"
+redis-benchmark -p "$port" -n "$requests" -c "$clients" -r 100000 -q "${args[@]}" | summary
+echo "allowed decisions, $clients clients, pipeline 16 (what a busy multiplexed connection approaches):"
+redis-benchmark -p "$port" -n "$requests" -c "$clients" -r 100000 -P 16 -q "${args[@]}" | summary
+echo "plain SET for reference:"
+redis-benchmark -p "$port" -n "$requests" -c "$clients" -r 100000 -q SET "k__rand_int__" v | summary

@@ -1,0 +1,336 @@
+//! The backend: prepare policies, decide, and degrade as configured when Redis fails.
+
+use std::fmt;
+use std::num::NonZeroU32;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use smallvec::SmallVec;
+
+use super::breaker::Breaker;
+use super::clock::Clock;
+use super::conn::Conn;
+use super::deny_cache::{Budget, DenyCache};
+use super::future::RedisFuture;
+use super::{keys, script};
+use crate::backend::local::LocalPolicy;
+use crate::backend::{Backend, Decision, LocalBackend};
+use crate::quota::QuotaParams;
+use crate::{BackendError, BackendErrorKind, ConfigError, Key, Policy};
+
+/// What a request gets while Redis cannot decide (an error, a timeout, or an open circuit
+/// breaker).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum FailurePolicy {
+    /// Let the request through, log a warning and count it in [`RedisStats::fail_open`]. The
+    /// decision carries no quota state, so no remaining counts are sent. The default: a rate limiter should not take an application
+    /// down with it.
+    #[default]
+    FailOpen,
+    /// Return a [`BackendError`]: the layer answers `503 Service Unavailable` with
+    /// `Retry-After: 1` (gRPC: `UNAVAILABLE`). Choose this where letting requests through
+    /// unlimited is worse than refusing them, e.g. for an expensive upstream.
+    FailClosed,
+    /// Decide with an in-process [`LocalBackend`] holding the same policy: limits hold per
+    /// instance (with `n` replicas a client gets up to `n` times the quota) until Redis is back.
+    /// The local buckets start full when Redis fails, and are not copied back to Redis.
+    FallbackLocal,
+}
+
+/// Counters of a [`RedisBackend`], from [`RedisBackend::stats`]. All counts are since the
+/// backend was built.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RedisStats {
+    /// Script calls sent to Redis.
+    pub redis_calls: u64,
+    /// Calls that failed: errors, timeouts and bad replies.
+    pub redis_errors: u64,
+    /// Of those, calls that timed out.
+    pub timeouts: u64,
+    /// Requests let through by [`FailurePolicy::FailOpen`].
+    pub fail_open: u64,
+    /// Requests refused by [`FailurePolicy::FailClosed`].
+    pub fail_closed: u64,
+    /// Requests decided by the local backend under [`FailurePolicy::FallbackLocal`].
+    pub fallback_local: u64,
+    /// Requests denied by the local deny cache without a Redis call.
+    pub deny_cache_hits: u64,
+    /// Denials held in the deny caches now.
+    pub deny_cache_entries: usize,
+    /// Whether the circuit breaker is open (Redis is not being called).
+    pub breaker_open: bool,
+    /// How many times the circuit breaker opened.
+    pub breaker_trips: u64,
+}
+
+/// A [`Backend`] keeping buckets in Redis or Redis Cluster: one limit shared by every instance
+/// of an application. Cheap to clone: clones share connections, breaker and counters.
+///
+/// See the [module docs](super) for guarantees and failure modes, and
+/// [`RedisBackend::builder`] for the options.
+#[derive(Clone)]
+pub struct RedisBackend {
+    pub(crate) inner: Arc<Inner>,
+}
+
+pub(crate) struct Inner {
+    pub(crate) conn: Conn,
+    pub(crate) prefix: String,
+    pub(crate) timeout: Duration,
+    pub(crate) on_failure: FailurePolicy,
+    pub(crate) breaker: Breaker,
+    pub(crate) budget: Arc<Budget>,
+    pub(crate) clock: Clock,
+    pub(crate) local: Option<LocalBackend>,
+    pub(crate) warmed: AtomicBool,
+    pub(crate) counters: Counters,
+}
+
+#[derive(Default)]
+pub(crate) struct Counters {
+    calls: AtomicU64,
+    errors: AtomicU64,
+    timeouts: AtomicU64,
+    fail_open: AtomicU64,
+    fail_closed: AtomicU64,
+    fallback_local: AtomicU64,
+    deny_cache_hits: AtomicU64,
+}
+
+fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+impl RedisBackend {
+    /// The backend's counters now.
+    pub fn stats(&self) -> RedisStats {
+        let c = &self.inner.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        RedisStats {
+            redis_calls: get(&c.calls),
+            redis_errors: get(&c.errors),
+            timeouts: get(&c.timeouts),
+            fail_open: get(&c.fail_open),
+            fail_closed: get(&c.fail_closed),
+            fallback_local: get(&c.fallback_local),
+            deny_cache_hits: get(&c.deny_cache_hits),
+            deny_cache_entries: self.inner.budget.used.load(Ordering::Relaxed),
+            breaker_open: self.inner.breaker.is_open(),
+            breaker_trips: self.inner.breaker.trips(),
+        }
+    }
+
+    /// Starts connecting in the background, once, when called inside a Tokio runtime, so that
+    /// the first request does not pay for the connection.
+    fn warm_up(&self) {
+        let Ok(handle) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if self.inner.warmed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let weak = Arc::downgrade(&self.inner);
+        handle.spawn(async move {
+            let Some(inner) = weak.upgrade() else { return };
+            let probe_timeout = inner.probe_timeout();
+            let _ = tokio::time::timeout(probe_timeout, inner.conn.ping()).await;
+        });
+    }
+}
+
+impl fmt::Debug for RedisBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisBackend")
+            .field("conn", &self.inner.conn)
+            .field("prefix", &self.inner.prefix)
+            .field("timeout", &self.inner.timeout)
+            .field("on_failure", &self.inner.on_failure)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+/// A policy prepared for the [`RedisBackend`]: its quotas as script arguments, its key prefix,
+/// its own deny cache and, with [`FailurePolicy::FallbackLocal`], its local twin.
+pub struct RedisPolicy {
+    inner: Arc<PolicyInner>,
+}
+
+struct PolicyInner {
+    params: SmallVec<[QuotaParams; 2]>,
+    key_prefix: Vec<u8>,
+    args: Vec<Vec<u8>>,
+    deny: DenyCache,
+    local: Option<LocalPolicy>,
+}
+
+impl fmt::Debug for RedisPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisPolicy")
+            .field(
+                "key_prefix",
+                &String::from_utf8_lossy(&self.inner.key_prefix),
+            )
+            .field("quotas", &self.inner.params)
+            .field("deny_cache_entries", &self.inner.deny.len())
+            .finish()
+    }
+}
+
+impl Backend for RedisBackend {
+    type Policy = RedisPolicy;
+    type Future = RedisFuture;
+
+    fn prepare(&self, policy: &Policy, params: &[QuotaParams]) -> Result<RedisPolicy, ConfigError> {
+        if params.is_empty() {
+            return Err(ConfigError::QuotaCount {
+                policy: policy.name().to_owned(),
+                count: 0,
+            });
+        }
+        let local = match &self.inner.local {
+            Some(local) => Some(local.prepare(policy, params)?),
+            None => None,
+        };
+        self.warm_up();
+        Ok(RedisPolicy {
+            inner: Arc::new(PolicyInner {
+                params: params.iter().copied().collect(),
+                key_prefix: keys::policy_prefix(&self.inner.prefix, policy.name()),
+                args: script::quota_args(params),
+                deny: DenyCache::new(self.inner.budget.clone()),
+                local,
+            }),
+        })
+    }
+
+    fn decide(&self, policy: &RedisPolicy, key: &Key, cost: NonZeroU32) -> RedisFuture {
+        let p = &policy.inner;
+        if let Some(decision) = script::never_fits(&p.params, cost) {
+            return RedisFuture::ready(Ok(decision));
+        }
+        let inner = &self.inner;
+        if let Some(decision) = p.deny.get(key, cost, inner.clock.now_ns(), &p.params) {
+            bump(&inner.counters.deny_cache_hits);
+            return RedisFuture::ready(Ok(decision));
+        }
+        if inner.breaker.blocks(inner.clock.now_ns()) {
+            let err = BackendError::new(BackendErrorKind::Unavailable, "circuit breaker open");
+            return RedisFuture::ready(inner.degrade(p, key, cost, err));
+        }
+        let bucket_keys = keys::bucket_keys(&p.key_prefix, key, p.params.len());
+        let (inner, p, key) = (inner.clone(), policy.inner.clone(), key.clone());
+        RedisFuture::call(Box::pin(async move {
+            let mut invocation = script::SCRIPT.prepare_invoke();
+            invocation.key(bucket_keys).arg(cost.get());
+            match inner.clock.script_time() {
+                Some(ns) => invocation.arg(ns),
+                None => invocation.arg(""),
+            };
+            invocation.arg(&p.args);
+            bump(&inner.counters.calls);
+            let sent_ns = inner.clock.now_ns();
+            let outcome = tokio::time::timeout(inner.timeout, inner.conn.invoke(&invocation)).await;
+            let result = match outcome {
+                Ok(Ok(reply)) => script::decision(&reply, &p.params, cost),
+                Ok(Err(err)) => {
+                    let kind = if err.is_io_error()
+                        || err.is_connection_dropped()
+                        || err.is_connection_refusal()
+                        || err.is_timeout()
+                    {
+                        BackendErrorKind::Unavailable
+                    } else {
+                        BackendErrorKind::Protocol
+                    };
+                    Err(BackendError::new(kind, err))
+                }
+                Err(_elapsed) => {
+                    bump(&inner.counters.timeouts);
+                    Err(BackendError::from_kind(BackendErrorKind::Timeout))
+                }
+            };
+            match result {
+                Ok(decision) => {
+                    inner.breaker.success();
+                    if !decision.is_allowed() {
+                        p.deny.insert(&key, cost, sent_ns, &decision);
+                    }
+                    Ok(decision)
+                }
+                Err(err) => {
+                    bump(&inner.counters.errors);
+                    if inner.breaker.failure(inner.clock.now_ns()) {
+                        tracing::warn!(
+                            failures = inner.breaker.threshold,
+                            "tollgate: Redis failed repeatedly; circuit breaker open, \
+                             probing every {:?}",
+                            inner.breaker.probe_interval
+                        );
+                        Inner::start_probe(&inner);
+                    } else {
+                        tracing::warn!(%err, on_failure = ?inner.on_failure, "tollgate: Redis call failed");
+                    }
+                    inner.degrade(&p, &key, cost, err)
+                }
+            }
+        }))
+    }
+}
+
+impl Inner {
+    /// The answer for a request Redis could not decide.
+    fn degrade(
+        &self,
+        p: &PolicyInner,
+        key: &Key,
+        cost: NonZeroU32,
+        err: BackendError,
+    ) -> Result<Decision, BackendError> {
+        match (self.on_failure, &self.local, &p.local) {
+            (FailurePolicy::FailClosed, _, _) => {
+                bump(&self.counters.fail_closed);
+                Err(err)
+            }
+            (FailurePolicy::FallbackLocal, Some(local), Some(policy)) => {
+                bump(&self.counters.fallback_local);
+                local.decide(policy, key, cost).into_inner()
+            }
+            _ => {
+                bump(&self.counters.fail_open);
+                tracing::trace!(%err, "tollgate: Redis unavailable; request allowed (fail-open)");
+                Ok(Decision::new([]))
+            }
+        }
+    }
+
+    fn probe_timeout(&self) -> Duration {
+        self.timeout.max(Duration::from_millis(250))
+    }
+
+    /// Probes Redis in the background until it answers, then closes the breaker.
+    fn start_probe(this: &Arc<Inner>) {
+        let Ok(handle) = tokio::runtime::Handle::try_current() else {
+            // No runtime to probe from: close at once, the next calls will test Redis.
+            this.breaker.close();
+            return;
+        };
+        let weak: Weak<Inner> = Arc::downgrade(this);
+        let every = this.breaker.probe_interval;
+        handle.spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                let Some(inner) = weak.upgrade() else { return };
+                let answer = tokio::time::timeout(inner.probe_timeout(), inner.conn.ping()).await;
+                if let Ok(Ok(())) = answer {
+                    inner.breaker.close();
+                    tracing::info!("tollgate: Redis answers again; circuit breaker closed");
+                    return;
+                }
+            }
+        });
+    }
+}

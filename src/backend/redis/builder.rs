@@ -1,0 +1,252 @@
+//! Configuring a [`RedisBackend`].
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize};
+use std::time::{Duration, Instant};
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::{ClusterClient, ClusterConfig};
+use redis::cluster_async::ClusterConnection;
+
+use super::backend::{Counters, FailurePolicy, Inner, RedisBackend};
+use super::breaker::Breaker;
+use super::clock::{Clock, TestClock};
+use super::conn::{Conn, Lazy};
+use super::deny_cache::Budget;
+use super::keys;
+use crate::ConfigError;
+use crate::backend::LocalBackend;
+
+/// Configures a [`RedisBackend`]: where Redis is, and how to behave when it fails. Methods take
+/// and return the builder by value.
+///
+/// | option | default |
+/// |---|---|
+/// | connection | none: one of [`url`](Self::url), [`cluster_nodes`](Self::cluster_nodes), [`connection_manager`](Self::connection_manager), [`cluster_connection`](Self::cluster_connection) |
+/// | [`prefix`](Self::prefix) | `tollgate` |
+/// | [`timeout`](Self::timeout) | 100 ms |
+/// | [`on_failure`](Self::on_failure) | [`FailurePolicy::FailOpen`] |
+/// | [`circuit_breaker`](Self::circuit_breaker) | open after 5 consecutive failures, probe every 500 ms |
+/// | [`deny_cache_capacity`](Self::deny_cache_capacity) | 65 536 denials |
+#[must_use = "call `.build()` to get a backend"]
+pub struct RedisBackendBuilder {
+    target: Option<Target>,
+    prefix: String,
+    timeout: Duration,
+    on_failure: FailurePolicy,
+    breaker_threshold: u32,
+    probe_interval: Duration,
+    deny_cache_capacity: usize,
+    test_clock: Option<TestClock>,
+}
+
+enum Target {
+    Url(String),
+    Cluster(Vec<String>),
+    Manager(ConnectionManager),
+    ClusterConnection(ClusterConnection),
+}
+
+impl RedisBackend {
+    /// Starts configuring a backend; see [`RedisBackendBuilder`] for the defaults.
+    pub fn builder() -> RedisBackendBuilder {
+        RedisBackendBuilder {
+            target: None,
+            prefix: "tollgate".to_owned(),
+            timeout: Duration::from_millis(100),
+            on_failure: FailurePolicy::default(),
+            breaker_threshold: 5,
+            probe_interval: Duration::from_millis(500),
+            deny_cache_capacity: 65_536,
+            test_clock: None,
+        }
+    }
+}
+
+impl RedisBackendBuilder {
+    /// A single Redis server, e.g. `redis://127.0.0.1:6379` or `redis://:password@host/2`
+    /// (`redis+unix:///path` for a Unix socket). One multiplexed connection carries every
+    /// decision and is re-established in the background when it breaks.
+    pub fn url(mut self, url: impl Into<String>) -> Self {
+        self.target = Some(Target::Url(url.into()));
+        self
+    }
+
+    /// A Redis Cluster, from the URLs of some of its nodes (the others are discovered).
+    pub fn cluster_nodes<I, S>(mut self, nodes: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.target = Some(Target::Cluster(nodes.into_iter().map(Into::into).collect()));
+        self
+    }
+
+    /// A connection you made, shared with the rest of your application. Its own timeouts and
+    /// reconnection settings apply; [`timeout`](Self::timeout) still bounds every call.
+    pub fn connection_manager(mut self, conn: ConnectionManager) -> Self {
+        self.target = Some(Target::Manager(conn));
+        self
+    }
+
+    /// A cluster connection you made, shared with the rest of your application.
+    pub fn cluster_connection(mut self, conn: ClusterConnection) -> Self {
+        self.target = Some(Target::ClusterConnection(conn));
+        self
+    }
+
+    /// The first part of every key (default `tollgate`): 1 to 64 visible ASCII characters,
+    /// without `{` or `}`. Keys are `<prefix>:{<policy>:<client key>}:<quota index>`.
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// How long one decision may wait for Redis (default 100 ms, at least 1 ms) before the
+    /// [failure policy](Self::on_failure) answers instead. A call that timed out may still
+    /// reach Redis and take its units.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    /// What requests get while Redis cannot decide (default [`FailurePolicy::FailOpen`]).
+    pub fn on_failure(mut self, policy: FailurePolicy) -> Self {
+        self.on_failure = policy;
+        self
+    }
+
+    /// After `consecutive_failures` failed calls in a row (at least 1), stop calling Redis and
+    /// apply the failure policy at once; probe Redis with `PING` every `probe_interval` (at
+    /// least 10 ms) and resume on the first answer.
+    pub fn circuit_breaker(mut self, consecutive_failures: u32, probe_interval: Duration) -> Self {
+        self.breaker_threshold = consecutive_failures.max(1);
+        self.probe_interval = probe_interval.max(Duration::from_millis(10));
+        self
+    }
+
+    /// The most denials kept in the local deny cache, over all policies (default 65 536);
+    /// `0` turns the cache off.
+    pub fn deny_cache_capacity(mut self, capacity: usize) -> Self {
+        self.deny_cache_capacity = capacity;
+        self
+    }
+
+    /// **Tests only.** Makes the script use `clock`'s time instead of Redis `TIME`, and the
+    /// deny cache use it instead of the monotonic clock, so that a test can script time as
+    /// with governor's `FakeRelativeClock`. Keys still expire on Redis's real clock.
+    #[doc(hidden)]
+    pub fn test_clock(mut self, clock: TestClock) -> Self {
+        self.test_clock = Some(clock);
+        self
+    }
+
+    /// Checks the options and builds the backend. Nothing is connected yet, so this neither
+    /// blocks nor fails when Redis is down: connections are made in the background from the
+    /// first prepared policy (or the first decision) on, inside the Tokio runtime.
+    pub fn build(self) -> Result<RedisBackend, ConfigError> {
+        keys::validate_prefix(&self.prefix)?;
+        let conn = match self.target {
+            None => {
+                return Err(ConfigError::Invalid {
+                    option: "connection",
+                    reason: "no Redis configured: call `url(..)`, `cluster_nodes(..)`, \
+                             `connection_manager(..)` or `cluster_connection(..)`"
+                        .to_owned(),
+                });
+            }
+            Some(Target::Url(url)) => {
+                let client =
+                    redis::Client::open(url.as_str()).map_err(|e| ConfigError::Invalid {
+                        option: "url",
+                        reason: format!("{url:?}: {e}"),
+                    })?;
+                Conn::Single(Lazy::from_source((client, manager_config(self.timeout))))
+            }
+            Some(Target::Cluster(nodes)) => {
+                if nodes.is_empty() {
+                    return Err(ConfigError::Invalid {
+                        option: "cluster_nodes",
+                        reason: "no node URL given".to_owned(),
+                    });
+                }
+                let client = ClusterClient::builder(nodes.iter().map(String::as_str))
+                    .retries(2)
+                    .min_retry_wait(10)
+                    .max_retry_wait(100)
+                    .build()
+                    .map_err(|e| ConfigError::Invalid {
+                        option: "cluster_nodes",
+                        reason: format!("{nodes:?}: {e}"),
+                    })?;
+                let config = ClusterConfig::new()
+                    .set_connection_timeout(connect_timeout(self.timeout))
+                    .set_response_timeout(self.timeout.max(Duration::from_millis(250)));
+                Conn::Cluster(Lazy::from_source((client, config)))
+            }
+            Some(Target::Manager(c)) => Conn::Single(Lazy::ready(c)),
+            Some(Target::ClusterConnection(c)) => Conn::Cluster(Lazy::ready(c)),
+        };
+        let local = (self.on_failure == FailurePolicy::FallbackLocal).then(LocalBackend::new);
+        Ok(RedisBackend {
+            inner: Arc::new(Inner {
+                conn,
+                prefix: self.prefix,
+                timeout: self.timeout,
+                on_failure: self.on_failure,
+                breaker: Breaker::new(self.breaker_threshold, self.probe_interval),
+                budget: Arc::new(Budget {
+                    capacity: self.deny_cache_capacity,
+                    used: AtomicUsize::new(0),
+                }),
+                clock: match self.test_clock {
+                    Some(c) => Clock::Test(c),
+                    None => Clock::Real(Instant::now()),
+                },
+                local,
+                warmed: AtomicBool::new(false),
+                counters: Counters::default(),
+            }),
+        })
+    }
+}
+
+/// Connection attempts get more time than a decision (a TLS or cross-zone handshake takes a
+/// few round trips), but stay short so that reconnection keeps trying often.
+fn connect_timeout(timeout: Duration) -> Duration {
+    (timeout * 5).clamp(Duration::from_millis(250), Duration::from_secs(2))
+}
+
+/// Reconnect quickly and keep trying: backoff from 50 ms, capped at 250 ms, so that shared
+/// limiting resumes well within the breaker's probe rhythm once Redis is back.
+fn manager_config(timeout: Duration) -> ConnectionManagerConfig {
+    ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(connect_timeout(timeout)))
+        .set_response_timeout(Some(timeout.max(Duration::from_millis(250))))
+        .set_min_delay(Duration::from_millis(50))
+        .set_max_delay(Duration::from_millis(250))
+        .set_number_of_retries(4)
+}
+
+impl fmt::Debug for RedisBackendBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let target = match &self.target {
+            None => "none".to_owned(),
+            // URLs may hold passwords: print the kind only.
+            Some(Target::Url(_)) => "url".to_owned(),
+            Some(Target::Cluster(n)) => format!("cluster ({} nodes)", n.len()),
+            Some(Target::Manager(_)) => "connection manager".to_owned(),
+            Some(Target::ClusterConnection(_)) => "cluster connection".to_owned(),
+        };
+        f.debug_struct("RedisBackendBuilder")
+            .field("target", &target)
+            .field("prefix", &self.prefix)
+            .field("timeout", &self.timeout)
+            .field("on_failure", &self.on_failure)
+            .field("breaker_threshold", &self.breaker_threshold)
+            .field("probe_interval", &self.probe_interval)
+            .field("deny_cache_capacity", &self.deny_cache_capacity)
+            .finish()
+    }
+}

@@ -1,0 +1,288 @@
+//! The local deny cache: once Redis denied a key, answer it here until the retry time.
+//!
+//! # Why it never denies what Redis would allow
+//!
+//! GCRA keeps one number per bucket, its theoretical arrival time (TAT), and a request of cost
+//! `c` fits at time `now` exactly when `now >= TAT + (c - 1)·T - τ`. Every change Redis makes to
+//! a TAT moves it *later* (an allowed request sets it to `max(TAT, now) + c·T`), and a bucket
+//! whose key expired is one whose TAT has passed, which is the same as a fresh one. So the
+//! earliest time at which a given request fits never moves earlier: when Redis says at time
+//! `t_r` that the request must wait `W`, it is denied until `t_r + W` whatever other requests,
+//! replicas or clients do. The cache stores `t_send + W`, where `t_send` (taken before the call
+//! left) is not later than `t_r`, and answers requests of the same or a larger cost until then;
+//! a larger cost `c'` fits `(c' - c)·T` later still, so its exact wait is computed too.
+//!
+//! The argument needs the buckets to be changed only by this script. It breaks when someone
+//! deletes the keys by hand, or when Redis loses them (a restart without persistence, a
+//! failover to a replica that had not received the last writes): Redis would then allow again
+//! while the cache still denies, for at most the retry time it had given.
+//!
+//! Entries belong to one prepared policy (each [`RedisPolicy`](super::RedisPolicy) owns its
+//! cache), so when a policy is replaced at run time, for instance by one with a higher limit,
+//! the old denials no longer apply.
+//!
+//! # Memory
+//!
+//! All caches of one backend share one capacity. When it is reached, expired entries of the
+//! cache being written are swept (at most every 100 ms); if there is still no room, the denial
+//! is simply not cached. Expired entries are also dropped when they are looked up.
+
+use std::hash::RandomState;
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use dashmap::DashMap;
+use smallvec::SmallVec;
+
+use crate::Key;
+use crate::backend::{Decision, Outcome, QuotaState};
+use crate::quota::QuotaParams;
+
+/// The denials of one prepared policy.
+#[derive(Debug)]
+pub(crate) struct DenyCache {
+    map: DashMap<Key, Entry, RandomState>,
+    budget: Arc<Budget>,
+    next_sweep_ns: AtomicU64,
+}
+
+/// Capacity shared by the caches of one backend.
+#[derive(Debug)]
+pub(crate) struct Budget {
+    pub(crate) capacity: usize,
+    pub(crate) used: AtomicUsize,
+}
+
+#[derive(Debug)]
+struct Entry {
+    /// Until when (clock ns) the key is denied.
+    until_ns: u64,
+    /// When the denied call was sent (clock ns).
+    sent_ns: u64,
+    /// The cost that was denied: requests costing less may fit sooner and are not answered.
+    cost: NonZeroU32,
+    states: SmallVec<[QuotaState; 2]>,
+}
+
+impl DenyCache {
+    pub(crate) fn new(budget: Arc<Budget>) -> Self {
+        DenyCache {
+            map: DashMap::with_hasher(RandomState::new()),
+            budget,
+            next_sweep_ns: AtomicU64::new(0),
+        }
+    }
+
+    /// The cached denial of `key` for a request of `cost` at `now_ns`, with its waits counted
+    /// from now.
+    pub(crate) fn get(
+        &self,
+        key: &Key,
+        cost: NonZeroU32,
+        now_ns: u64,
+        params: &[QuotaParams],
+    ) -> Option<Decision> {
+        if self.budget.capacity == 0 {
+            return None;
+        }
+        let expired = {
+            let entry = self.map.get(key)?;
+            if now_ns < entry.until_ns {
+                if cost < entry.cost {
+                    return None;
+                }
+                return Some(replay(&entry, cost, now_ns, params));
+            }
+            true
+        };
+        if expired
+            && self
+                .map
+                .remove_if(key, |_, e| now_ns >= e.until_ns)
+                .is_some()
+        {
+            self.budget.used.fetch_sub(1, Ordering::Relaxed);
+        }
+        None
+    }
+
+    /// Records that Redis denied `key` for `cost`, in a call sent at `sent_ns`.
+    pub(crate) fn insert(&self, key: &Key, cost: NonZeroU32, sent_ns: u64, decision: &Decision) {
+        if self.budget.capacity == 0 || decision.never_fits() {
+            return;
+        }
+        let Some(wait) = decision.retry_after() else {
+            return;
+        };
+        let until_ns = sent_ns.saturating_add(u64::try_from(wait.as_nanos()).unwrap_or(u64::MAX));
+        let reserved = !self.map.contains_key(key);
+        if reserved && !self.reserve(sent_ns) {
+            return;
+        }
+        let entry = Entry {
+            until_ns,
+            sent_ns,
+            cost,
+            states: decision.quotas().iter().copied().collect(),
+        };
+        let replaced = self.map.insert(key.clone(), entry).is_some();
+        // Keep `used` equal to the number of entries when another task raced us.
+        match (reserved, replaced) {
+            (true, true) => {
+                self.budget.used.fetch_sub(1, Ordering::Relaxed);
+            }
+            (false, false) => {
+                self.budget.used.fetch_add(1, Ordering::Relaxed);
+            }
+            _ => {}
+        }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Takes one unit of the shared capacity, sweeping this cache first when it is exhausted.
+    fn reserve(&self, now_ns: u64) -> bool {
+        if self.budget.used.fetch_add(1, Ordering::AcqRel) < self.budget.capacity {
+            return true;
+        }
+        self.budget.used.fetch_sub(1, Ordering::AcqRel);
+        let next = self.next_sweep_ns.load(Ordering::Relaxed);
+        if now_ns >= next
+            && self
+                .next_sweep_ns
+                .compare_exchange(
+                    next,
+                    now_ns + 100_000_000,
+                    Ordering::AcqRel,
+                    Ordering::Relaxed,
+                )
+                .is_ok()
+        {
+            let before = self.map.len();
+            self.map.retain(|_, e| now_ns < e.until_ns);
+            let removed = before.saturating_sub(self.map.len());
+            self.budget.used.fetch_sub(removed, Ordering::AcqRel);
+            if self.budget.used.fetch_add(1, Ordering::AcqRel) < self.budget.capacity {
+                return true;
+            }
+            self.budget.used.fetch_sub(1, Ordering::AcqRel);
+        }
+        false
+    }
+}
+
+impl Drop for DenyCache {
+    fn drop(&mut self) {
+        self.budget
+            .used
+            .fetch_sub(self.map.len(), Ordering::Relaxed);
+    }
+}
+
+/// The stored decision as it stands at `now_ns` for a request of `cost`.
+fn replay(entry: &Entry, cost: NonZeroU32, now_ns: u64, params: &[QuotaParams]) -> Decision {
+    let elapsed = now_ns.saturating_sub(entry.sent_ns);
+    let extra_units = u64::from(cost.get() - entry.cost.get());
+    Decision::new(entry.states.iter().map(|s| {
+        let Outcome::Denied { retry_after } = s.outcome else {
+            return *s;
+        };
+        let Some(p) = params.get(s.index) else {
+            return *s;
+        };
+        let t = p.emission_ns.max(1);
+        let wait = u64::try_from(retry_after.as_nanos())
+            .unwrap_or(u64::MAX)
+            .saturating_sub(elapsed)
+            .saturating_add(extra_units.saturating_mul(t))
+            .max(1);
+        let remaining = u64::from(cost.get()).saturating_sub(wait.div_ceil(t));
+        let remaining = u32::try_from(remaining).unwrap_or(0).min(cost.get() - 1);
+        QuotaState {
+            outcome: Outcome::Denied {
+                retry_after: Duration::from_nanos(wait),
+            },
+            remaining,
+            reset_after: Duration::from_nanos(t.saturating_mul(u64::from(s.limit - remaining))),
+            ..*s
+        }
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn setup(capacity: usize) -> (DenyCache, [QuotaParams; 1], Decision) {
+        let budget = Arc::new(Budget {
+            capacity,
+            used: AtomicUsize::new(0),
+        });
+        let params = [QuotaParams {
+            emission_ns: 1_000_000_000,
+            burst: NonZeroU32::new(5).unwrap(),
+        }];
+        let denied = Decision::new([QuotaState {
+            index: 0,
+            outcome: Outcome::Denied {
+                retry_after: Duration::from_secs(2),
+            },
+            limit: 5,
+            remaining: 0,
+            reset_after: Duration::from_secs(5),
+        }]);
+        (DenyCache::new(budget), params, denied)
+    }
+
+    #[test]
+    fn answers_until_the_retry_time() {
+        let (cache, p, denied) = setup(10);
+        let key = Key::from_bytes("k").unwrap();
+        let one = NonZeroU32::MIN;
+        cache.insert(&key, one, 0, &denied);
+        let hit = cache.get(&key, one, 500_000_000, &p).unwrap();
+        assert_eq!(hit.retry_after(), Some(Duration::from_millis(1500)));
+        // A bigger request waits one more emission interval per extra unit.
+        let two = NonZeroU32::new(2).unwrap();
+        let hit = cache.get(&key, two, 500_000_000, &p).unwrap();
+        assert_eq!(hit.retry_after(), Some(Duration::from_millis(2500)));
+        assert_eq!(hit.quotas()[0].remaining, 0);
+        assert!(cache.get(&key, one, 2_000_000_000, &p).is_none());
+        assert_eq!(cache.len(), 0, "expired entries are dropped on lookup");
+    }
+
+    #[test]
+    fn smaller_costs_go_to_redis() {
+        let (cache, p, denied) = setup(10);
+        let key = Key::from_bytes("k").unwrap();
+        cache.insert(&key, NonZeroU32::new(3).unwrap(), 0, &denied);
+        assert!(cache.get(&key, NonZeroU32::MIN, 1, &p).is_none());
+    }
+
+    #[test]
+    fn bounded() {
+        let (cache, p, denied) = setup(2);
+        let one = NonZeroU32::MIN;
+        for i in 0..5u8 {
+            cache.insert(&Key::from_bytes([i]).unwrap(), one, 0, &denied);
+        }
+        assert_eq!(cache.len(), 2);
+        // Once the first entries expired, the sweep makes room.
+        cache.insert(
+            &Key::from_bytes("late").unwrap(),
+            one,
+            3_000_000_000,
+            &denied,
+        );
+        assert!(
+            cache
+                .get(&Key::from_bytes("late").unwrap(), one, 3_000_000_001, &p)
+                .is_some()
+        );
+        assert_eq!(cache.len(), 1);
+    }
+}

@@ -1,0 +1,102 @@
+-- tollgate: GCRA for every quota of one policy, in one atomic call, all-or-nothing.
+--
+-- KEYS[i]            the bucket of quota i (all keys share one {hash tag}, so that Redis
+--                    Cluster runs the script on one node)
+-- ARGV[1]            cost of the request in units (>= 1)
+-- ARGV[2]            "" to read the time from Redis TIME; otherwise a fixed time in integer
+--                    nanoseconds (test hook, settable only through a hidden builder method)
+-- ARGV[1 + 2i]       emission interval of quota i, integer nanoseconds (>= 1)
+-- ARGV[2 + 2i]       burst of quota i, units (>= 1)
+--
+-- A bucket stores its theoretical arrival time (TAT) as "<unix seconds> <nanoseconds>", two
+-- integers: Lua numbers are doubles, exact only up to 2^53, and nanoseconds since 1970 are
+-- past that. All arithmetic below is on times relative to now, in integer nanoseconds, exact
+-- while they stay under 2^53 ns (104 days); no float seconds anywhere.
+--
+-- Reply: three integers per quota, in order:
+--   code   0 allowed (units taken), 1 denied, 2 cost larger than burst (never fits),
+--          3 would have allowed but another quota denied (nothing taken)
+--   tat    the bucket's TAT after the decision, relative to now, ns (0: bucket full)
+--   wait   denied only: ns until this request's cost fits
+
+-- Scripts that read TIME and then write must be replicated by effects; Redis 5+ does this by
+-- default, Redis 3.2 and 4 need to be asked.
+if redis.replicate_commands then
+  pcall(redis.replicate_commands)
+end
+
+local cost = tonumber(ARGV[1])
+local now_s, now_ns
+if ARGV[2] == '' then
+  local t = redis.call('TIME')
+  now_s = tonumber(t[1])
+  now_ns = tonumber(t[2]) * 1000
+else
+  local fixed = tonumber(ARGV[2])
+  now_s = math.floor(fixed / 1000000000)
+  now_ns = fixed - now_s * 1000000000
+end
+
+local CLAMP = 9000000000000000000
+local n = #KEYS
+local code, tat, wait, period = {}, {}, {}, {}
+local denied = false
+
+for i = 1, n do
+  local t = tonumber(ARGV[1 + 2 * i])
+  local burst = tonumber(ARGV[2 + 2 * i])
+  local tau = t * (burst - 1)
+  period[i] = t
+  local rel = 0
+  local stored = redis.call('GET', KEYS[i])
+  if stored then
+    local s, ns = string.match(stored, '^(%d+) (%d+)$')
+    if s then
+      rel = (tonumber(s) - now_s) * 1000000000 + (tonumber(ns) - now_ns)
+    end
+    if rel < 0 then
+      rel = 0
+    end
+  end
+  tat[i] = rel
+  wait[i] = 0
+  if cost > burst then
+    code[i] = 2
+    denied = true
+  else
+    -- The request fits when now >= TAT + (cost - 1) * T - tau.
+    local w = rel + t * (cost - 1) - tau
+    if w > 0 then
+      code[i] = 1
+      wait[i] = w
+      denied = true
+    else
+      code[i] = 0
+    end
+  end
+end
+
+for i = 1, n do
+  if denied then
+    if code[i] == 0 then
+      code[i] = 3
+    end
+  else
+    local next_tat = tat[i] + cost * period[i]
+    tat[i] = next_tat
+    local total = now_ns + next_tat
+    local carry = math.floor(total / 1000000000)
+    -- Expire the key when the bucket is full again: a missing key is a full bucket.
+    redis.call('SET', KEYS[i],
+      string.format('%d %d', now_s + carry, total - carry * 1000000000),
+      'PX', string.format('%d', math.ceil(next_tat / 1000000)))
+  end
+end
+
+local reply = {}
+for i = 1, n do
+  reply[3 * i - 2] = code[i]
+  reply[3 * i - 1] = math.min(tat[i], CLAMP)
+  reply[3 * i] = math.min(wait[i], CLAMP)
+end
+return reply

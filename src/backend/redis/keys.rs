@@ -1,0 +1,127 @@
+//! Where a bucket lives in Redis.
+//!
+//! A bucket's key is `<prefix>:{<policy>:<key>}:<quota index>`:
+//!
+//! - the part in braces is the Redis Cluster hash tag, the same for every quota of one decision,
+//!   so that the script's keys live in one slot (Redis Cluster refuses scripts whose keys span
+//!   slots), while different clients and policies spread over the cluster;
+//! - `<policy>` and `<key>` are percent-escaped: every byte outside `[A-Za-z0-9._-]` becomes
+//!   `%XX`. The escaping is injective and produces no `{`, `}` or `:`, so no key material can
+//!   close the hash tag, inject a separator, or spell another tenant's key; `<key>` is
+//!   [`Key::encode`], which is itself unambiguous and bounded (at most 1 025 bytes, so at most
+//!   3 075 characters escaped).
+
+use crate::{ConfigError, Key};
+
+/// The key bytes before the escaped client key: `<prefix>:{<policy>:`.
+pub(crate) fn policy_prefix(prefix: &str, policy: &str) -> Vec<u8> {
+    let mut out = Vec::with_capacity(prefix.len() + policy.len() + 3);
+    out.extend_from_slice(prefix.as_bytes());
+    out.extend_from_slice(b":{");
+    escape(policy.as_bytes(), &mut out);
+    out.push(b':');
+    out
+}
+
+/// Checks a user-chosen key prefix: non-empty, printable, no braces (which would move the hash
+/// tag), bounded.
+pub(crate) fn validate_prefix(prefix: &str) -> Result<(), ConfigError> {
+    let ok = !prefix.is_empty()
+        && prefix.len() <= 64
+        && prefix
+            .bytes()
+            .all(|b| b.is_ascii_graphic() && b != b'{' && b != b'}');
+    if ok {
+        Ok(())
+    } else {
+        Err(ConfigError::Invalid {
+            option: "prefix",
+            reason: format!(
+                "{prefix:?}: use 1 to 64 visible ASCII characters without `{{` or `}}`"
+            ),
+        })
+    }
+}
+
+/// The keys of one decision, one per quota.
+pub(crate) fn bucket_keys(policy_prefix: &[u8], key: &Key, quotas: usize) -> Vec<Vec<u8>> {
+    let mut encoded = Vec::with_capacity(32);
+    key.encode(&mut encoded);
+    let mut base = Vec::with_capacity(policy_prefix.len() + 3 * encoded.len() + 4);
+    base.extend_from_slice(policy_prefix);
+    escape(&encoded, &mut base);
+    base.extend_from_slice(b"}:");
+    let mut index = itoa::Buffer::new();
+    (0..quotas)
+        .map(|i| {
+            let mut k = Vec::with_capacity(base.len() + 2);
+            k.extend_from_slice(&base);
+            k.extend_from_slice(index.format(i).as_bytes());
+            k
+        })
+        .collect()
+}
+
+fn escape(bytes: &[u8], out: &mut Vec<u8>) {
+    const HEX: &[u8; 16] = b"0123456789ABCDEF";
+    for &b in bytes {
+        if b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-' {
+            out.push(b);
+        } else {
+            out.extend_from_slice(&[b'%', HEX[usize::from(b >> 4)], HEX[usize::from(b & 15)]]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keys(policy: &str, key: &Key) -> Vec<String> {
+        bucket_keys(&policy_prefix("tollgate", policy), key, 2)
+            .into_iter()
+            .map(|k| String::from_utf8(k).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn layout() {
+        let k = keys("api", &Key::from_bytes("alice").unwrap());
+        assert_eq!(k, ["tollgate:{api:balice}:0", "tollgate:{api:balice}:1"]);
+        let ip = keys("api", &Key::ip("127.0.0.1".parse().unwrap()));
+        assert_eq!(ip[0], "tollgate:{api:4%7F%00%00%01}:0");
+    }
+
+    #[test]
+    fn no_key_material_escapes_its_slot() {
+        // A client choosing its key cannot close the hash tag or forge another tenant's key.
+        let evil = keys("api", &Key::from_bytes("x}:0:{api:bbob").unwrap());
+        let bob = keys("api", &Key::from_bytes("bob").unwrap());
+        assert_ne!(evil[0], bob[0]);
+        assert_eq!(evil[0].matches('{').count(), 1);
+        assert_eq!(evil[0].matches('}').count(), 1);
+        // Policy names may hold braces too.
+        let p = keys("a{b}", &Key::global());
+        assert_eq!(p[0], "tollgate:{a%7Bb%7D:g}:0");
+    }
+
+    #[test]
+    fn bounded_length() {
+        let long = Key::from_bytes(vec![0xFF; Key::MAX_LEN]).unwrap();
+        let k = keys("api", &Key::composite([&long, &long, &long]).unwrap());
+        assert!(
+            k[0].len() < 3 * 4 * (Key::MAX_LEN + 3) + 64,
+            "{}",
+            k[0].len()
+        );
+    }
+
+    #[test]
+    fn prefixes_are_checked() {
+        assert!(validate_prefix("tollgate").is_ok());
+        assert!(validate_prefix("app:rl").is_ok());
+        for bad in ["", "a{b", "a}b", "a b", &"x".repeat(65)] {
+            assert!(validate_prefix(bad).is_err(), "{bad:?}");
+        }
+    }
+}

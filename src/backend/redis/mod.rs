@@ -1,0 +1,137 @@
+//! The Redis backend (feature `redis`): one limit shared by every instance of an application,
+//! on a single Redis server or a Redis Cluster.
+//!
+//! ```
+//! use std::time::Duration;
+//! use tollgate::backend::redis::{FailurePolicy, RedisBackend};
+//! use tollgate::{Policy, Quota, RateLimitLayer, key::ClientIp};
+//!
+//! # fn main() -> Result<(), tollgate::ConfigError> {
+//! // Nothing connects here: this works, and the app starts, even when Redis is down.
+//! let backend = RedisBackend::builder()
+//!     .url("redis://127.0.0.1:1") // a port where nothing listens
+//!     .timeout(Duration::from_millis(50))
+//!     .on_failure(FailurePolicy::FailOpen)
+//!     .build()?;
+//! let layer = RateLimitLayer::builder()
+//!     .policy(Policy::new("api", Quota::per_second(5).burst(10)))
+//!     .key(ClientIp::new())
+//!     .backend(backend.clone())
+//!     .build()?;
+//! # drop(layer);
+//! assert_eq!(backend.stats().redis_calls, 0);
+//! # Ok(()) }
+//! ```
+//!
+//! A decision is one `EVALSHA` of a Lua script (loaded again by itself after `SCRIPT FLUSH`, a
+//! restart or a failover) that runs GCRA over every quota of the policy. Connect with
+//! [`url`](RedisBackendBuilder::url) (one node), [`cluster_nodes`](RedisBackendBuilder::cluster_nodes)
+//! (Redis Cluster), or hand over your own redis-rs
+//! [`ConnectionManager`](redis::aio::ConnectionManager) or
+//! [`ClusterConnection`](redis::cluster_async::ClusterConnection):
+//!
+//! ```no_run
+//! use std::num::NonZeroU32;
+//! use tollgate::backend::{Backend, redis::RedisBackend};
+//! use tollgate::{Key, Policy, Quota};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let backend = RedisBackend::builder()
+//!     .cluster_nodes(["redis://10.0.0.1:7000", "redis://10.0.0.2:7000"])
+//!     .build()?;
+//! let policy = Policy::new("api", Quota::per_second(5).burst(10));
+//! let prepared = backend.prepare(&policy, &policy.validate()?)?;
+//! let decision = backend.decide(&prepared, &Key::from_bytes("alice")?, NonZeroU32::MIN).await?;
+//! assert_eq!(decision.quotas()[0].remaining, 9); // on a fresh bucket
+//! # Ok(()) }
+//! ```
+//!
+//! # Guarantees
+//!
+//! - **Atomic and shared.** A decision is one script run; Redis runs scripts one at a time, so
+//!   concurrent requests from any number of instances never take more than a bucket holds.
+//! - **All-or-nothing across quotas.** Every quota of the policy is checked before any is
+//!   updated: a denied request takes nothing from any bucket. Its [`Decision`] lists every
+//!   quota; those that had room are reported as allowed with the units they still hold.
+//! - **Same semantics as the local backend.** Both run GCRA with the same parameters and
+//!   compute `remaining`, `retry_after` and `reset_after` the same way; one conformance suite
+//!   (the redis-cell `CL.THROTTLE` vectors among others) runs against both.
+//! - **Exact integer time.** Time comes from Redis `TIME` (never the instances' clocks, which
+//!   may disagree) and is kept in integer nanoseconds: after one request on a fresh burst-10
+//!   bucket, `remaining` is exactly 9. Arithmetic is exact for buckets that refill within
+//!   104 days (burst × period / count); longer ones may be off by a few nanoseconds.
+//! - **Nothing left behind.** A bucket's key expires when the bucket would be full again.
+//! - **Cost larger than the burst** is answered [`NeverFits`](crate::backend::Outcome::NeverFits)
+//!   without a round trip.
+//! - **Keys** are `<prefix>:{<policy>:<client key>}:<quota index>`, escaped so that no client
+//!   key can reach another's bucket, of bounded length, and with all quotas of one decision in
+//!   one Redis Cluster hash slot.
+//!
+//! # When Redis fails
+//!
+//! Every call is bounded by a [timeout](RedisBackendBuilder::timeout) (100 ms by default). A
+//! call that errs or times out is answered by the [`FailurePolicy`]: fail open (the default),
+//! fail closed (the layer answers `503`), or fall back to a per-instance [`LocalBackend`]
+//! holding the same policy. After 5 consecutive failures a circuit breaker opens: requests stop
+//! calling Redis and get the failure policy at once, without waiting for a timeout, while a
+//! background task sends `PING` every 500 ms and closes the breaker on the first answer. The
+//! connection itself reconnects in the background, so shared limiting resumes within about a
+//! second of Redis coming back, without restarting anything. [`RedisBackend::stats`] counts
+//! calls, errors, timeouts, fail-open and fallback answers, deny-cache hits and breaker trips.
+//!
+//! The backend needs a Tokio runtime with its time driver (as `#[tokio::main]` sets up): the
+//! connections, the timeouts and the probe run on it.
+//!
+//! What this cannot do: a timed-out call may still reach Redis and take its units; while failing
+//! open, limits are not enforced; a fallback to local limits allows up to `n` times the quota
+//! with `n` instances, and its buckets start full; if Redis loses data (a restart without
+//! persistence, a failover before replication), buckets start full again.
+//!
+//! # Local deny cache
+//!
+//! Once Redis denied a key with a retry time `T`, the instance answers that key itself until
+//! `T`, so a denied client hammering the API costs Redis nothing. For GCRA this is exact: see
+//! below why no request Redis would allow is denied by the cache. Its size is bounded
+//! ([`deny_cache_capacity`](RedisBackendBuilder::deny_cache_capacity)), and its entries belong
+//! to the prepared policy, so a policy replaced at run time starts with an empty cache.
+//!
+//! A request of cost `c` passes quota `q` at time `now` exactly when
+//! `now ≥ TAT_q + (c − 1)·T_q − τ_q`, where `TAT_q` is the bucket's theoretical arrival time.
+//! The script only ever moves a `TAT` later (an allowed request sets it to
+//! `max(TAT, now) + c·T`), and an expired key is a `TAT` in the past, which behaves as a fresh
+//! bucket. So the earliest time a denied request can pass never moves earlier, whatever other
+//! instances do: Redis's `retry_after` is a lower bound that stays valid, and the cache counts
+//! it from the moment the call was sent (not later than Redis's own `now`). The only exceptions
+//! are outside changes to the keys (deleting them, or Redis losing them): then the cache may
+//! deny for at most the retry time it had been given.
+//!
+//! # Testing hook
+//!
+//! [`RedisBackendBuilder::test_clock`] (hidden from the docs) makes the script use a
+//! manually advanced time instead of `TIME`, so that the conformance suite can script time for
+//! this backend as it does with governor's `FakeRelativeClock` for the local one. It is passed
+//! as one extra script argument; production builders never set it.
+//!
+//! [`Decision`]: crate::backend::Decision
+//! [`LocalBackend`]: crate::backend::LocalBackend
+
+mod backend;
+mod breaker;
+mod builder;
+mod clock;
+mod conn;
+mod deny_cache;
+mod future;
+mod keys;
+mod script;
+
+pub use backend::{FailurePolicy, RedisBackend, RedisPolicy, RedisStats};
+pub use builder::RedisBackendBuilder;
+#[doc(hidden)]
+pub use clock::TestClock;
+pub use future::RedisFuture;
+
+/// The Lua script the backend runs, for tools that want to load or benchmark it
+/// (`scripts/bench-redis-ceiling.sh` runs it with `redis-benchmark`).
+pub const SCRIPT_SOURCE: &str = script::SOURCE;

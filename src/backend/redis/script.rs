@@ -1,0 +1,179 @@
+//! The GCRA Lua script, its arguments, and how its reply becomes a [`Decision`].
+
+use std::num::NonZeroU32;
+use std::sync::LazyLock;
+use std::time::Duration;
+
+use smallvec::SmallVec;
+
+use crate::backend::{Decision, Outcome, QuotaState};
+use crate::quota::QuotaParams;
+use crate::{BackendError, BackendErrorKind};
+
+/// The script source, also used by `scripts/bench-redis-ceiling.sh`.
+pub(crate) const SOURCE: &str = include_str!("gcra.lua");
+
+/// One script object for the process: redis-rs computes its SHA-1 once, sends `EVALSHA`, and on
+/// `NOSCRIPT` (after a restart, a failover or `SCRIPT FLUSH`) loads it and retries once.
+pub(crate) static SCRIPT: LazyLock<redis::Script> = LazyLock::new(|| redis::Script::new(SOURCE));
+
+const ALLOWED: i64 = 0;
+const DENIED: i64 = 1;
+const NEVER_FITS: i64 = 2;
+const UNTOUCHED: i64 = 3;
+
+/// The per-quota script arguments, formatted once in `prepare()`.
+pub(crate) fn quota_args(params: &[QuotaParams]) -> Vec<Vec<u8>> {
+    let mut buf = itoa::Buffer::new();
+    params
+        .iter()
+        .flat_map(|p| [p.emission_ns, u64::from(p.burst.get())])
+        .map(|n| buf.format(n).as_bytes().to_vec())
+        .collect()
+}
+
+/// The decision for a request whose cost exceeds the burst of some quota: made without a
+/// round trip, reporting only the quotas it can never fit.
+pub(crate) fn never_fits(params: &[QuotaParams], cost: NonZeroU32) -> Option<Decision> {
+    let states: SmallVec<[QuotaState; 2]> = params
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| cost > p.burst)
+        .map(|(index, p)| QuotaState {
+            index,
+            outcome: Outcome::NeverFits,
+            limit: p.burst.get(),
+            remaining: 0,
+            reset_after: Duration::ZERO,
+        })
+        .collect();
+    (!states.is_empty()).then(|| Decision::new(states))
+}
+
+/// Turns the script's reply (three integers per quota) into a decision, with the same
+/// arithmetic as the local backend.
+pub(crate) fn decision(
+    reply: &[i64],
+    params: &[QuotaParams],
+    cost: NonZeroU32,
+) -> Result<Decision, BackendError> {
+    if reply.len() != 3 * params.len() {
+        return Err(protocol(format!(
+            "script replied {} integers, expected {}",
+            reply.len(),
+            3 * params.len()
+        )));
+    }
+    let mut states = SmallVec::<[QuotaState; 2]>::new();
+    for (index, (p, r)) in params.iter().zip(reply.chunks_exact(3)).enumerate() {
+        let (code, tat, wait) = (r[0], nonneg(r[1]), nonneg(r[2]));
+        states.push(state(index, p, cost, code, tat, wait)?);
+    }
+    Ok(Decision::new(states))
+}
+
+fn state(
+    index: usize,
+    p: &QuotaParams,
+    cost: NonZeroU32,
+    code: i64,
+    tat: u64,
+    wait: u64,
+) -> Result<QuotaState, BackendError> {
+    let limit = p.burst.get();
+    let t = p.emission_ns.max(1);
+    // Capacity of a full bucket, as governor counts it: tau + T = burst * T.
+    let full = t.saturating_mul(u64::from(limit));
+    let (outcome, remaining) = match code {
+        ALLOWED | UNTOUCHED => {
+            let remaining = full.saturating_sub(tat) / t;
+            (Outcome::Allowed, clamp_u32(remaining, limit))
+        }
+        DENIED => {
+            // The request lacks ceil(wait / T) units, so that many fewer than `cost` are there.
+            let lacking = wait.div_ceil(t);
+            let remaining = u64::from(cost.get()).saturating_sub(lacking);
+            let retry_after = Duration::from_nanos(wait);
+            (
+                Outcome::Denied { retry_after },
+                clamp_u32(remaining, cost.get() - 1),
+            )
+        }
+        NEVER_FITS => (Outcome::NeverFits, 0),
+        other => return Err(protocol(format!("script replied unknown code {other}"))),
+    };
+    let reset_after = match outcome {
+        Outcome::NeverFits => Duration::ZERO,
+        _ => Duration::from_nanos(t.saturating_mul(u64::from(limit - remaining))),
+    };
+    Ok(QuotaState {
+        index,
+        outcome,
+        limit,
+        remaining,
+        reset_after,
+    })
+}
+
+fn nonneg(n: i64) -> u64 {
+    u64::try_from(n).unwrap_or(0)
+}
+
+fn clamp_u32(n: u64, max: u32) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX).min(max)
+}
+
+fn protocol(msg: String) -> BackendError {
+    BackendError::new(BackendErrorKind::Protocol, msg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(per_second: u64, burst: u32) -> QuotaParams {
+        QuotaParams {
+            emission_ns: 1_000_000_000 / per_second,
+            burst: NonZeroU32::new(burst).unwrap(),
+        }
+    }
+
+    #[test]
+    fn one_request_on_a_fresh_bucket_leaves_burst_minus_one() {
+        let p = [params(5, 10)];
+        let d = decision(&[0, 200_000_000, 0], &p, NonZeroU32::MIN).unwrap();
+        assert!(d.is_allowed());
+        assert_eq!(d.quotas()[0].remaining, 9);
+        assert_eq!(d.quotas()[0].reset_after, Duration::from_millis(200));
+    }
+
+    #[test]
+    fn denied_remaining_counts_what_is_there() {
+        // Burst 5 at 1/s, cost 5, three units missing.
+        let p = [params(1, 5)];
+        let cost = NonZeroU32::new(5).unwrap();
+        let d = decision(&[1, 7_000_000_000, 3_000_000_000], &p, cost).unwrap();
+        assert_eq!(d.retry_after(), Some(Duration::from_secs(3)));
+        assert_eq!(d.quotas()[0].remaining, 2);
+        assert_eq!(d.quotas()[0].reset_after, Duration::from_secs(3));
+    }
+
+    #[test]
+    fn malformed_replies_are_protocol_errors() {
+        let p = [params(1, 5)];
+        for reply in [&[0, 0][..], &[9, 0, 0][..], &[][..]] {
+            let err = decision(reply, &p, NonZeroU32::MIN).unwrap_err();
+            assert_eq!(err.kind(), BackendErrorKind::Protocol);
+        }
+    }
+
+    #[test]
+    fn never_fits_is_decided_without_redis() {
+        let p = [params(1, 5), params(1, 2)];
+        assert!(never_fits(&p, NonZeroU32::new(2).unwrap()).is_none());
+        let d = never_fits(&p, NonZeroU32::new(3).unwrap()).unwrap();
+        assert!(d.never_fits());
+        assert_eq!(d.quotas().len(), 1);
+        assert_eq!(d.quotas()[0].index, 1);
+    }
+}

@@ -1,0 +1,657 @@
+//! The Redis backend against real `redis-server` processes started by the tests.
+#![cfg(feature = "redis")]
+
+mod support;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::{Router, routing::get};
+use governor::clock::FakeRelativeClock;
+use support::RedisServer;
+use tollgate::backend::redis::{FailurePolicy, RedisBackend, TestClock};
+use tollgate::backend::{Backend, Decision, LocalBackend, Outcome};
+use tollgate::key::Global;
+use tollgate::{BackendErrorKind, Key, Policy, Quota, RateLimitLayer};
+
+fn cost(n: u32) -> NonZeroU32 {
+    NonZeroU32::new(n).unwrap()
+}
+
+fn key(s: &str) -> Key {
+    Key::from_bytes(s).unwrap()
+}
+
+fn prepare<B: Backend>(b: &B, p: &Policy) -> B::Policy {
+    b.prepare(p, &p.validate().unwrap()).unwrap()
+}
+
+/// A quota that does not refill during a test.
+fn no_refill(burst: u32) -> Quota {
+    Quota::per_day(1).burst(burst)
+}
+
+fn backend(server: &RedisServer) -> RedisBackend {
+    RedisBackend::builder().url(server.url()).build().unwrap()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Conformance: the same scripted sequences against the local and the Redis backend.
+// ---------------------------------------------------------------------------------------------
+
+/// One step: advance the clock to `at_ms`, ask for `cost`, expect this.
+struct Step {
+    at_ms: u64,
+    cost: u32,
+    expect: Expect,
+    remaining: u32,
+    reset_after_ms: u64,
+}
+
+enum Expect {
+    Allowed,
+    Denied { retry_after_ms: u64 },
+    NeverFits,
+}
+
+fn step(at_ms: u64, cost: u32, expect: Expect, remaining: u32, reset_after_ms: u64) -> Step {
+    Step {
+        at_ms,
+        cost,
+        expect,
+        remaining,
+        reset_after_ms,
+    }
+}
+
+/// The redis-cell `CL.THROTTLE` test vectors: `max_burst` 4 (so 5 requests fit) at 1 per
+/// second. Differences from redis-cell, shared by both backends: a request that can never fit
+/// reports `remaining` 0, and `reset_after` counts whole emission intervals (4 s instead of
+/// redis-cell's 3.9 s at t = 3.1 s), an upper bound as documented on the local backend.
+fn redis_cell_vectors() -> (Policy, Vec<Step>) {
+    use Expect::*;
+    let steps = vec![
+        step(0, 6, NeverFits, 0, 0),
+        step(0, 1, Allowed, 4, 1000),
+        step(0, 1, Allowed, 3, 2000),
+        step(0, 1, Allowed, 2, 3000),
+        step(0, 1, Allowed, 1, 4000),
+        step(0, 1, Allowed, 0, 5000),
+        step(
+            0,
+            1,
+            Denied {
+                retry_after_ms: 1000,
+            },
+            0,
+            5000,
+        ),
+        step(3000, 1, Allowed, 2, 3000),
+        step(3100, 1, Allowed, 1, 4000),
+        step(4000, 1, Allowed, 1, 4000),
+        step(8000, 1, Allowed, 4, 1000),
+        step(9500, 1, Allowed, 4, 1000),
+        step(9500, 2, Allowed, 2, 3000),
+        step(
+            9500,
+            5,
+            Denied {
+                retry_after_ms: 3000,
+            },
+            2,
+            3000,
+        ),
+    ];
+    (Policy::new("cell", Quota::per_second(1).burst(5)), steps)
+}
+
+/// Costs, partial refills and sub-second emission intervals: 10 per second, burst 3.
+fn refill_vectors() -> (Policy, Vec<Step>) {
+    use Expect::*;
+    let steps = vec![
+        step(0, 2, Allowed, 1, 200),
+        step(
+            0,
+            2,
+            Denied {
+                retry_after_ms: 100,
+            },
+            1,
+            200,
+        ),
+        step(50, 2, Denied { retry_after_ms: 50 }, 1, 200),
+        step(100, 2, Allowed, 0, 300),
+        step(150, 1, Denied { retry_after_ms: 50 }, 0, 300),
+        step(400, 3, Allowed, 0, 300),
+        step(1000, 1, Allowed, 2, 100),
+        step(1000, 4, NeverFits, 0, 0),
+    ];
+    (Policy::new("refill", Quota::per_second(10).burst(3)), steps)
+}
+
+async fn run_vectors<B, F>(backend: &B, set_time_ms: F, vectors: (Policy, Vec<Step>), who: &str)
+where
+    B: Backend,
+    F: Fn(u64),
+{
+    let (policy, steps) = vectors;
+    let prepared = prepare(backend, &policy);
+    let k = key(&format!("conformance-{}", policy.name()));
+    for (i, s) in steps.iter().enumerate() {
+        set_time_ms(s.at_ms);
+        let d = backend.decide(&prepared, &k, cost(s.cost)).await.unwrap();
+        let q = d.quotas()[0];
+        let ctx = format!("{who} {} step {i}: {d:?}", policy.name());
+        match s.expect {
+            Expect::Allowed => assert_eq!(q.outcome, Outcome::Allowed, "{ctx}"),
+            Expect::Denied { retry_after_ms } => assert_eq!(
+                q.outcome,
+                Outcome::Denied {
+                    retry_after: Duration::from_millis(retry_after_ms)
+                },
+                "{ctx}"
+            ),
+            Expect::NeverFits => {
+                assert_eq!(q.outcome, Outcome::NeverFits, "{ctx}");
+                assert_eq!(d.retry_after(), None, "{ctx}");
+            }
+        }
+        assert_eq!(q.limit, policy.quotas()[0].burst_size(), "{ctx}");
+        assert_eq!(q.remaining, s.remaining, "{ctx}");
+        assert_eq!(
+            q.reset_after,
+            Duration::from_millis(s.reset_after_ms),
+            "{ctx}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn conformance_local() {
+    for vectors in [redis_cell_vectors(), refill_vectors()] {
+        let clock = FakeRelativeClock::default();
+        let backend = LocalBackend::builder().clock(clock.clone()).build();
+        let start = std::cell::Cell::new(0u64);
+        let set = |ms: u64| {
+            clock.advance(Duration::from_millis(ms - start.get()));
+            start.set(ms);
+        };
+        run_vectors(&backend, set, vectors, "local").await;
+    }
+}
+
+#[tokio::test]
+async fn conformance_redis() {
+    let server = RedisServer::start();
+    for vectors in [redis_cell_vectors(), refill_vectors()] {
+        let clock = TestClock::new();
+        let backend = RedisBackend::builder()
+            .url(server.url())
+            .test_clock(clock.clone())
+            .build()
+            .unwrap();
+        let start = std::cell::Cell::new(0u64);
+        let set = |ms: u64| {
+            clock.advance(Duration::from_millis(ms - start.get()));
+            start.set(ms);
+        };
+        run_vectors(&backend, set, vectors, "redis").await;
+        // The denials were answered by the deny cache while their time had not come, by Redis
+        // otherwise: the outcome is the same either way.
+        assert_eq!(backend.stats().redis_errors, 0);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Exactness on Redis's own clock.
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn one_request_on_a_fresh_burst_10_bucket_leaves_exactly_9_and_the_key_expires() {
+    let server = RedisServer::start();
+    let b = backend(&server);
+    let p = prepare(&b, &Policy::new("api", Quota::per_second(5).burst(10)));
+    let d = b.decide(&p, &key("alice"), cost(1)).await.unwrap();
+    assert!(d.is_allowed());
+    assert_eq!(d.quotas()[0].remaining, 9);
+    assert_eq!(d.quotas()[0].reset_after, Duration::from_millis(200));
+    // The key lives until the bucket is full again: 200 ms.
+    let pttl: i64 = server
+        .cmd(&["PTTL", "tollgate:{api:balice}:0"])
+        .trim_start_matches(':')
+        .trim()
+        .parse()
+        .unwrap();
+    assert!((1..=200).contains(&pttl), "PTTL {pttl}");
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(
+        server.cmd(&["EXISTS", "tollgate:{api:balice}:0"]).trim(),
+        ":0"
+    );
+    assert_eq!(server.cmd(&["DBSIZE"]).trim(), ":0", "nothing left behind");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_backends_with_separate_connections_allow_exactly_the_burst() {
+    let server = RedisServer::start();
+    let policy = Policy::new("shared", no_refill(50));
+    let replicas: Vec<_> = (0..2)
+        .map(|_| {
+            // No deny cache, so that every request really reaches Redis.
+            let b = RedisBackend::builder()
+                .url(server.url())
+                .timeout(Duration::from_secs(2))
+                .deny_cache_capacity(0)
+                .build()
+                .unwrap();
+            let p = Arc::new(prepare(&b, &policy));
+            (b, p)
+        })
+        .collect();
+    let mut tasks = Vec::new();
+    for i in 0..400 {
+        let (b, p) = replicas[i % 2].clone();
+        tasks.push(tokio::spawn(async move {
+            b.decide(&p, &key("hot"), cost(1))
+                .await
+                .unwrap()
+                .is_allowed()
+        }));
+    }
+    let mut allowed = 0;
+    for t in tasks {
+        allowed += usize::from(t.await.unwrap());
+    }
+    assert_eq!(allowed, 50);
+    let calls: u64 = replicas.iter().map(|(b, _)| b.stats().redis_calls).sum();
+    assert_eq!(calls, 400);
+}
+
+#[tokio::test]
+async fn multi_quota_is_all_or_nothing() {
+    let server = RedisServer::start();
+    let b = backend(&server);
+    let p = prepare(&b, &Policy::new("multi", no_refill(5)).and(no_refill(3)));
+    let k = key("tenant");
+    for left in [2, 1, 0] {
+        let d = b.decide(&p, &k, cost(1)).await.unwrap();
+        assert!(d.is_allowed());
+        assert_eq!(d.quotas()[1].remaining, left);
+    }
+    // The second quota is empty: the first one must not lose units to the denied requests.
+    for _ in 0..3 {
+        let d = b.decide(&p, &k, cost(1)).await.unwrap();
+        assert!(!d.is_allowed());
+        assert_eq!(d.quotas().len(), 2, "every quota is reported");
+        assert_eq!(d.quotas()[0].outcome, Outcome::Allowed);
+        assert_eq!(d.quotas()[0].remaining, 2, "untouched by denials");
+        assert!(matches!(d.quotas()[1].outcome, Outcome::Denied { .. }));
+    }
+    // Both keys of the decision share one hash tag.
+    let keys = server.cmd(&["KEYS", "*"]);
+    assert!(keys.contains("tollgate:{multi:btenant}:0"), "{keys}");
+    assert!(keys.contains("tollgate:{multi:btenant}:1"), "{keys}");
+
+    // A cost that fits the first quota but not the second takes nothing from the first.
+    let p2 = prepare(&b, &Policy::new("multi2", no_refill(10)).and(no_refill(4)));
+    assert!(b.decide(&p2, &k, cost(3)).await.unwrap().is_allowed());
+    let d = b.decide(&p2, &k, cost(3)).await.unwrap();
+    assert!(!d.is_allowed());
+    assert_eq!(d.quotas()[0].remaining, 7);
+    let d = b.decide(&p2, &k, cost(1)).await.unwrap();
+    assert!(d.is_allowed());
+    assert_eq!(d.quotas()[0].remaining, 6);
+}
+
+#[tokio::test]
+async fn cost_larger_than_burst_never_fits_without_a_round_trip() {
+    let server = RedisServer::start();
+    let b = backend(&server);
+    let p = prepare(&b, &Policy::new("big", no_refill(5)).and(no_refill(2)));
+    let started = Instant::now();
+    let d = b.decide(&p, &key("k"), cost(3)).await.unwrap();
+    assert!(d.never_fits());
+    assert_eq!(d.retry_after(), None);
+    assert_eq!(d.quotas()[0].index, 1);
+    assert!(started.elapsed() < Duration::from_millis(50));
+    assert_eq!(b.stats().redis_calls, 0);
+    // And it took nothing.
+    let d = b.decide(&p, &key("k"), cost(2)).await.unwrap();
+    assert!(d.is_allowed());
+}
+
+#[tokio::test]
+async fn script_flush_is_survived() {
+    let server = RedisServer::start();
+    let b = backend(&server);
+    let p = prepare(&b, &Policy::new("flush", no_refill(10)));
+    assert_eq!(
+        b.decide(&p, &key("k"), cost(1)).await.unwrap().quotas()[0].remaining,
+        9
+    );
+    assert_eq!(server.cmd(&["SCRIPT", "FLUSH"]).trim(), "+OK");
+    let d = b.decide(&p, &key("k"), cost(1)).await.unwrap();
+    assert_eq!(d.quotas()[0].remaining, 8, "state kept, script reloaded");
+    assert_eq!(b.stats().redis_errors, 0);
+}
+
+#[tokio::test]
+async fn deny_cache_answers_until_the_retry_time_then_asks_redis() {
+    let server = RedisServer::start();
+    let clock = TestClock::new();
+    let b = RedisBackend::builder()
+        .url(server.url())
+        .test_clock(clock.clone())
+        .build()
+        .unwrap();
+    let p = prepare(&b, &Policy::new("deny", Quota::per_second(1).burst(2)));
+    let k = key("flood");
+    for _ in 0..2 {
+        assert!(b.decide(&p, &k, cost(1)).await.unwrap().is_allowed());
+    }
+    let first = b.decide(&p, &k, cost(1)).await.unwrap();
+    assert_eq!(first.retry_after(), Some(Duration::from_secs(1)));
+    let calls = b.stats().redis_calls;
+    clock.advance(Duration::from_millis(600));
+    for _ in 0..100 {
+        let d = b.decide(&p, &k, cost(1)).await.unwrap();
+        assert_eq!(d.retry_after(), Some(Duration::from_millis(400)));
+    }
+    let s = b.stats();
+    assert_eq!(s.redis_calls, calls, "a denied flood costs Redis nothing");
+    assert_eq!(s.deny_cache_hits, 100);
+    assert_eq!(s.deny_cache_entries, 1);
+    // Other keys are not affected.
+    assert!(
+        b.decide(&p, &key("other"), cost(1))
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+    // At the retry time, Redis decides again, and allows.
+    clock.advance(Duration::from_millis(400));
+    assert!(b.decide(&p, &k, cost(1)).await.unwrap().is_allowed());
+    assert_eq!(b.stats().redis_calls, calls + 2);
+}
+
+#[tokio::test]
+async fn deny_cache_is_scoped_to_the_prepared_policy() {
+    let server = RedisServer::start();
+    let b = backend(&server);
+    let k = key("upgraded");
+    let small = prepare(&b, &Policy::new("plan", no_refill(2)));
+    for _ in 0..2 {
+        assert!(b.decide(&small, &k, cost(1)).await.unwrap().is_allowed());
+    }
+    assert!(!b.decide(&small, &k, cost(1)).await.unwrap().is_allowed());
+    assert!(!b.decide(&small, &k, cost(1)).await.unwrap().is_allowed());
+    assert_eq!(b.stats().deny_cache_hits, 1);
+    // The application raises the limit at run time: the old denial must not apply.
+    let big = prepare(&b, &Policy::new("plan", no_refill(10)));
+    let d = b.decide(&big, &k, cost(1)).await.unwrap();
+    assert!(d.is_allowed(), "{d:?}");
+    assert_eq!(d.quotas()[0].remaining, 7, "the bucket is shared by name");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Failures.
+// ---------------------------------------------------------------------------------------------
+
+const TIMEOUT: Duration = Duration::from_millis(100);
+
+fn failing_backend(server: &RedisServer, on_failure: FailurePolicy) -> RedisBackend {
+    RedisBackend::builder()
+        .url(server.url())
+        .timeout(TIMEOUT)
+        .on_failure(on_failure)
+        .circuit_breaker(3, Duration::from_millis(100))
+        .build()
+        .unwrap()
+}
+
+/// Decides and checks that the answer came within ten timeouts.
+async fn timed<F: Future<Output = T>, T>(f: F) -> T {
+    let started = Instant::now();
+    let out = f.await;
+    let took = started.elapsed();
+    assert!(took < 10 * TIMEOUT, "a request waited {took:?}");
+    out
+}
+
+/// Polls until a decision comes from Redis again (bounded).
+async fn until_redis_decides(b: &RedisBackend, p: &<RedisBackend as Backend>::Policy, k: &Key) {
+    let started = Instant::now();
+    loop {
+        let d = timed(b.decide(p, k, cost(1))).await;
+        if let Ok(d) = d
+            && d.quotas().len() == 1
+            && !b.stats().breaker_open
+        {
+            let calls = b.stats().redis_calls;
+            // Make sure it is Redis answering, not a fallback.
+            let again = b.decide(p, k, cost(1)).await.unwrap();
+            if b.stats().redis_calls > calls && again.quotas().len() == 1 {
+                return;
+            }
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "shared limiting did not resume: {:?}",
+            b.stats()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn killed_redis_fails_open_opens_the_breaker_and_recovers() {
+    let mut server = RedisServer::start();
+    let b = failing_backend(&server, FailurePolicy::FailOpen);
+    let p = prepare(
+        &b,
+        &Policy::new("outage", Quota::per_second(100).burst(100)),
+    );
+    let k = key("k");
+    assert_eq!(b.decide(&p, &k, cost(1)).await.unwrap().quotas().len(), 1);
+
+    server.kill();
+    for _ in 0..20 {
+        let d = timed(b.decide(&p, &k, cost(1))).await.unwrap();
+        assert!(d.is_allowed());
+        assert!(
+            d.quotas().is_empty(),
+            "fail-open decisions carry no quota state"
+        );
+    }
+    let s = b.stats();
+    assert_eq!(s.fail_open, 20);
+    assert!(s.breaker_open, "{s:?}");
+    assert_eq!(s.breaker_trips, 1);
+    assert!(
+        s.redis_errors >= 3 && s.redis_errors < 20,
+        "breaker stops the calls: {s:?}"
+    );
+
+    // While the breaker is open, answers are immediate (at most one of them may be a trial
+    // call, bounded by the timeout).
+    let started = Instant::now();
+    for _ in 0..100 {
+        b.decide(&p, &k, cost(1)).await.unwrap();
+    }
+    assert!(started.elapsed() < 3 * TIMEOUT, "{:?}", started.elapsed());
+
+    server.restart();
+    until_redis_decides(&b, &p, &k).await;
+}
+
+#[tokio::test]
+async fn killed_redis_fails_closed() {
+    let mut server = RedisServer::start();
+    let b = failing_backend(&server, FailurePolicy::FailClosed);
+    let p = prepare(&b, &Policy::new("closed", no_refill(100)));
+    let k = key("k");
+    assert!(b.decide(&p, &k, cost(1)).await.unwrap().is_allowed());
+    server.kill();
+    for _ in 0..10 {
+        let err = timed(b.decide(&p, &k, cost(1))).await.unwrap_err();
+        assert!(
+            matches!(
+                err.kind(),
+                BackendErrorKind::Unavailable | BackendErrorKind::Timeout
+            ),
+            "{err}"
+        );
+    }
+    let s = b.stats();
+    assert_eq!(s.fail_closed, 10);
+    assert!(s.breaker_open);
+    server.restart();
+    until_redis_decides(&b, &p, &k).await;
+}
+
+#[tokio::test]
+async fn killed_redis_falls_back_to_local_limits() {
+    let mut server = RedisServer::start();
+    let b = failing_backend(&server, FailurePolicy::FallbackLocal);
+    let p = prepare(&b, &Policy::new("fallback", no_refill(3)));
+    let k = key("k");
+    assert!(b.decide(&p, &k, cost(1)).await.unwrap().is_allowed());
+    server.kill();
+    let mut allowed = 0;
+    for _ in 0..10 {
+        let d = timed(b.decide(&p, &k, cost(1))).await.unwrap();
+        assert_eq!(d.quotas().len(), 1, "local decisions carry quota state");
+        allowed += usize::from(d.is_allowed());
+    }
+    assert_eq!(
+        allowed, 3,
+        "the local twin enforces the same quota per instance"
+    );
+    assert_eq!(b.stats().fallback_local, 10);
+    server.restart();
+    until_redis_decides(&b, &p, &k).await;
+}
+
+#[tokio::test]
+async fn frozen_redis_costs_at_most_the_timeout() {
+    let server = RedisServer::start();
+    let b = failing_backend(&server, FailurePolicy::FailOpen);
+    let p = prepare(&b, &Policy::new("frozen", no_refill(100)));
+    let k = key("k");
+    assert!(b.decide(&p, &k, cost(1)).await.unwrap().is_allowed());
+    server.pause();
+    for _ in 0..5 {
+        assert!(timed(b.decide(&p, &k, cost(1))).await.unwrap().is_allowed());
+    }
+    let s = b.stats();
+    assert!(s.timeouts >= 3, "{s:?}");
+    assert!(s.breaker_open, "{s:?}");
+    server.resume();
+    until_redis_decides(&b, &p, &k).await;
+}
+
+#[tokio::test]
+async fn building_while_redis_is_down_neither_blocks_nor_fails() {
+    // Find a free port, then leave it empty.
+    let mut server = RedisServer::start();
+    server.kill();
+    let started = Instant::now();
+    let b = failing_backend(&server, FailurePolicy::FailOpen);
+    let p = prepare(&b, &Policy::new("late", no_refill(5)));
+    assert!(started.elapsed() < Duration::from_millis(50));
+    let k = key("k");
+    for _ in 0..5 {
+        assert!(timed(b.decide(&p, &k, cost(1))).await.unwrap().is_allowed());
+    }
+    // Redis comes up: limits start to apply without rebuilding anything.
+    server.restart();
+    until_redis_decides(&b, &p, &k).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// End to end: two "replicas" (separate layers, backends and listeners) share one limit.
+// ---------------------------------------------------------------------------------------------
+
+async fn replica(redis_url: &str) -> String {
+    let backend = RedisBackend::builder().url(redis_url).build().unwrap();
+    let layer = RateLimitLayer::builder()
+        .policy(Policy::new("e2e", no_refill(10)))
+        .key(Global)
+        .backend(backend)
+        .build()
+        .unwrap();
+    let app = Router::new()
+        .route("/api/hello", get(|| async { "hello" }))
+        .route_layer(layer)
+        .route("/", get(|| async { "free" }));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        axum::serve(
+            listener,
+            app.into_make_service_with_connect_info::<SocketAddr>(),
+        )
+        .await
+        .unwrap();
+    });
+    format!("http://{addr}")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_behind_a_load_balancer_share_one_limit() {
+    let server = RedisServer::start();
+    let a = replica(&server.url()).await;
+    let b = replica(&server.url()).await;
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .build()
+        .unwrap();
+    let mut statuses = Vec::new();
+    for i in 0..30 {
+        let base = if i % 2 == 0 { &a } else { &b };
+        let res = client
+            .get(format!("{base}/api/hello"))
+            .send()
+            .await
+            .unwrap();
+        if res.status() == 200 {
+            assert_eq!(res.headers()["ratelimit-policy"], r#""e2e";q=10;w=864000"#);
+        } else {
+            assert_eq!(res.status(), 429);
+            assert!(res.headers().contains_key("retry-after"));
+        }
+        statuses.push(res.status().as_u16());
+    }
+    assert_eq!(
+        statuses.iter().filter(|s| **s == 200).count(),
+        10,
+        "{statuses:?}"
+    );
+    assert!(statuses[..10].iter().all(|s| *s == 200), "{statuses:?}");
+    let res = client.get(format!("{a}/")).send().await.unwrap();
+    assert_eq!(res.status(), 200);
+}
+
+#[test]
+fn decisions_are_send_and_the_future_is_unpin() {
+    fn check<F: Future<Output = Result<Decision, tollgate::BackendError>> + Send + Unpin>() {}
+    check::<<RedisBackend as Backend>::Future>();
+}
+
+#[tokio::test]
+async fn an_existing_connection_manager_can_be_used() {
+    let server = RedisServer::start();
+    let client = redis::Client::open(server.url()).unwrap();
+    let manager = redis::aio::ConnectionManager::new(client).await.unwrap();
+    let b = RedisBackend::builder()
+        .connection_manager(manager)
+        .prefix("myapp:rl")
+        .build()
+        .unwrap();
+    let p = prepare(&b, &Policy::new("api", no_refill(3)));
+    assert!(b.decide(&p, &key("k"), cost(1)).await.unwrap().is_allowed());
+    assert_eq!(server.cmd(&["EXISTS", "myapp:rl:{api:bk}:0"]).trim(), ":1");
+}

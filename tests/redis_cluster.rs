@@ -1,0 +1,130 @@
+//! The Redis backend on a real three-primary Redis Cluster started by the tests.
+#![cfg(feature = "redis")]
+
+mod support;
+
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::time::Duration;
+
+use support::RedisCluster;
+use tollgate::backend::Backend;
+use tollgate::backend::redis::RedisBackend;
+use tollgate::{Key, Policy, Quota};
+
+fn cost(n: u32) -> NonZeroU32 {
+    NonZeroU32::new(n).unwrap()
+}
+
+fn prepare<B: Backend>(b: &B, p: &Policy) -> B::Policy {
+    b.prepare(p, &p.validate().unwrap()).unwrap()
+}
+
+fn cluster_backend(cluster: &RedisCluster) -> RedisBackend {
+    RedisBackend::builder()
+        .cluster_nodes(cluster.urls())
+        .timeout(Duration::from_secs(2))
+        .build()
+        .unwrap()
+}
+
+/// One cluster for all tests of this binary would be faster, but nextest runs each test in its
+/// own process; this file keeps to one test per concern, sharing one cluster per test.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_multi_quota_keys_and_shared_exact_limits() {
+    let cluster = RedisCluster::start();
+    let b = cluster_backend(&cluster);
+    let policy = Policy::new("multi", Quota::per_day(1).burst(5)).and(Quota::per_day(1).burst(3));
+    let p = prepare(&b, &policy);
+
+    // Many clients, spread over all slots: every multi-quota script runs (no CROSSSLOT), and
+    // each client gets exactly its quota.
+    for i in 0..60 {
+        let k = Key::from_bytes(format!("client-{i}")).unwrap();
+        for left in [2, 1, 0] {
+            let d = b.decide(&p, &k, cost(1)).await.unwrap();
+            assert!(d.is_allowed(), "client {i}: {d:?}");
+            assert_eq!(d.quotas()[1].remaining, left);
+        }
+        let d = b.decide(&p, &k, cost(1)).await.unwrap();
+        assert!(!d.is_allowed());
+        assert_eq!(
+            d.quotas()[0].remaining,
+            2,
+            "all-or-nothing on the cluster too"
+        );
+    }
+    assert_eq!(b.stats().redis_errors, 0, "{:?}", b.stats());
+    // The buckets are spread over the three primaries.
+    let per_node: Vec<usize> = cluster
+        .nodes
+        .iter()
+        .map(|n| {
+            n.cmd(&["DBSIZE"])
+                .trim()
+                .trim_start_matches(':')
+                .parse()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(per_node.iter().sum::<usize>(), 120, "{per_node:?}");
+    assert!(per_node.iter().all(|n| *n > 0), "{per_node:?}");
+
+    // Two backends with their own cluster connections hammer one key: exactly the burst.
+    let policy = Policy::new("hot", Quota::per_day(1).burst(40));
+    let replicas: Vec<_> = (0..2)
+        .map(|_| {
+            let b = RedisBackend::builder()
+                .cluster_nodes(cluster.urls())
+                .timeout(Duration::from_secs(2))
+                .deny_cache_capacity(0)
+                .build()
+                .unwrap();
+            let p = Arc::new(prepare(&b, &policy));
+            (b, p)
+        })
+        .collect();
+    let mut tasks = Vec::new();
+    for i in 0..300 {
+        let (b, p) = replicas[i % 2].clone();
+        tasks.push(tokio::spawn(async move {
+            let k = Key::from_bytes("hot").unwrap();
+            b.decide(&p, &k, cost(1)).await.unwrap().is_allowed()
+        }));
+    }
+    let mut allowed = 0;
+    for t in tasks {
+        allowed += usize::from(t.await.unwrap());
+    }
+    assert_eq!(allowed, 40);
+
+    // SCRIPT FLUSH on every node: scripts are loaded again where needed.
+    for n in &cluster.nodes {
+        assert_eq!(n.cmd(&["SCRIPT", "FLUSH"]).trim(), "+OK");
+    }
+    let k = Key::from_bytes("after-flush").unwrap();
+    let d = b.decide(&p_fresh(&b), &k, cost(1)).await.unwrap();
+    assert_eq!(d.quotas()[0].remaining, 9);
+    assert_eq!(b.stats().redis_errors, 0);
+}
+
+fn p_fresh(b: &RedisBackend) -> <RedisBackend as Backend>::Policy {
+    prepare(b, &Policy::new("fresh", Quota::per_second(5).burst(10)))
+}
+
+#[tokio::test]
+async fn an_existing_cluster_connection_can_be_used() {
+    let cluster = RedisCluster::start();
+    let client = redis::cluster::ClusterClient::new(cluster.urls()).unwrap();
+    let conn = client.get_async_connection().await.unwrap();
+    let b = RedisBackend::builder()
+        .cluster_connection(conn)
+        .build()
+        .unwrap();
+    let p = p_fresh(&b);
+    let d = b
+        .decide(&p, &Key::ip("192.0.2.7".parse().unwrap()), cost(1))
+        .await
+        .unwrap();
+    assert_eq!(d.quotas()[0].remaining, 9);
+}

@@ -1,0 +1,208 @@
+//! Real Redis servers for tests and benches: each starts its own `redis-server` on a free port
+//! in a temporary directory (no persistence), and kills it when dropped. Nothing here talks to
+//! a Redis that happens to run on the machine.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::time::{Duration, Instant};
+
+use tempfile::TempDir;
+
+/// One `redis-server` process.
+pub struct RedisServer {
+    pub port: u16,
+    child: Option<Child>,
+    dir: TempDir,
+    extra: Vec<String>,
+}
+
+impl RedisServer {
+    /// A standalone server on a free port, ready to answer.
+    pub fn start() -> RedisServer {
+        Self::start_with(&[])
+    }
+
+    fn start_with(extra: &[&str]) -> RedisServer {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let mut server = RedisServer {
+            port: free_port(),
+            child: None,
+            dir,
+            extra: extra.iter().map(|s| s.to_string()).collect(),
+        };
+        server.spawn();
+        server
+    }
+
+    fn spawn(&mut self) {
+        let child = Command::new("redis-server")
+            .arg("--port")
+            .arg(self.port.to_string())
+            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(self.dir.path())
+            .args(&self.extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect(
+                "cannot start `redis-server`: install it (Debian: apt-get install redis-server), \
+                 or run ./scripts/test.sh, which does",
+            );
+        self.child = Some(child);
+        wait_until(Duration::from_secs(10), || {
+            command(self.port, &["PING"]).is_some_and(|r| r.starts_with("+PONG"))
+        })
+        .unwrap_or_else(|| panic!("redis-server on port {} did not start", self.port));
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Kills the server (SIGKILL: no goodbye to clients).
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Freezes the server (SIGSTOP): connections stay open, nothing answers.
+    pub fn pause(&self) {
+        self.signal("-STOP");
+    }
+
+    /// Thaws a paused server.
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, sig: &str) {
+        if let Some(child) = &self.child {
+            let _ = Command::new("kill")
+                .arg(sig)
+                .arg(child.id().to_string())
+                .status();
+        }
+    }
+
+    /// Starts the server again on the same port, with no data.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+
+    /// Sends one command and returns the raw reply.
+    pub fn cmd(&self, args: &[&str]) -> String {
+        command(self.port, args).unwrap_or_default()
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.resume();
+        self.kill();
+    }
+}
+
+/// A Redis Cluster of three primaries and no replicas.
+pub struct RedisCluster {
+    pub nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    pub fn start() -> RedisCluster {
+        let nodes: Vec<RedisServer> = (0..3)
+            .map(|_| {
+                RedisServer::start_with(&[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "2000",
+                ])
+            })
+            .collect();
+        let mut create = Command::new("redis-cli");
+        create.arg("--cluster").arg("create");
+        for n in &nodes {
+            create.arg(format!("127.0.0.1:{}", n.port));
+        }
+        let out = create
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .output()
+            .expect("cannot run `redis-cli` (Debian: apt-get install redis-tools)");
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster create failed: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        wait_until(Duration::from_secs(20), || {
+            nodes
+                .iter()
+                .all(|n| n.cmd(&["CLUSTER", "INFO"]).contains("cluster_state:ok"))
+        })
+        .expect("cluster did not become ready");
+        RedisCluster { nodes }
+    }
+
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(RedisServer::url).collect()
+    }
+}
+
+/// A port that is free, and whose cluster bus port (+10000) is free too.
+fn free_port() -> u16 {
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    let seed = ((std::process::id() ^ nanos) % 30_000) as u16;
+    let _ = NEXT.compare_exchange(0, 20_000 + seed, Ordering::AcqRel, Ordering::Relaxed);
+    loop {
+        let p = NEXT.fetch_add(1, Ordering::AcqRel);
+        let p = if p >= 50_000 { 20_000 + p % 30_000 } else { p };
+        if TcpListener::bind(("127.0.0.1", p)).is_ok()
+            && TcpListener::bind(("127.0.0.1", p + 10_000)).is_ok()
+        {
+            return p;
+        }
+    }
+}
+
+fn wait_until(limit: Duration, mut ok: impl FnMut() -> bool) -> Option<()> {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if ok() {
+            return Some(());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    None
+}
+
+/// One RESP command over a fresh connection; the reply's raw text.
+fn command(port: u16, args: &[&str]) -> Option<String> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    let mut req = format!("*{}\r\n", args.len());
+    for a in args {
+        req.push_str(&format!("${}\r\n{a}\r\n", a.len()));
+    }
+    s.write_all(req.as_bytes()).ok()?;
+    let mut buf = vec![0; 64 * 1024];
+    let n = s.read(&mut buf).ok()?;
+    Some(String::from_utf8_lossy(&buf[..n]).into_owned())
+}
