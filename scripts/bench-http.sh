@@ -11,6 +11,8 @@
 #                     build with the Redis backend; a mode whose server does not start is skipped)
 #   PORT=3901         server port
 #   CARGO_TARGET_DIR  where cargo builds (default: target)
+#   CSV=target/bench-http.csv   where the raw results go (round,mode,rps,p50_us,p99_us), for
+#                     scripts/plot-bench.py
 #
 # Prints req/s, p50 and p99 latency and the ratio of req/s to bare axum for each run, then
 # the medians over the rounds. Ratios are only meaningful within one run of this script.
@@ -23,6 +25,7 @@ CONNECTIONS=${CONNECTIONS:-64}
 MODES=${MODES:-"none local tower_governor"}
 PORT=${PORT:-3901}
 TARGET=${CARGO_TARGET_DIR:-target}
+CSV=${CSV:-$TARGET/bench-http.csv}
 
 if ! command -v wrk >/dev/null; then
     echo "installing wrk..." >&2
@@ -49,6 +52,10 @@ RESULTS=$(mktemp)
 SERVER_PID=""
 cleanup() {
     if [ -n "$SERVER_PID" ]; then kill "$SERVER_PID" 2>/dev/null || true; fi
+    if [ -s "$RESULTS" ]; then
+        { echo "round,mode,rps,p50_us,p99_us"; tr ' ' ',' <"$RESULTS"; } >"$CSV"
+        echo "raw results: $CSV" >&2
+    fi
     rm -f "$RESULTS"
 }
 trap cleanup EXIT

@@ -180,6 +180,10 @@ pub(crate) fn rate_limit_headers(
     decision: &Decision,
 ) -> HeaderAdds {
     let mut out = HeaderAdds::new();
+    // A decision without quota states (a backend failing open) has nothing to report.
+    if decision.quotas().is_empty() {
+        return out;
+    }
     if style.ietf() {
         let mut buf = SmallVec::<[u8; 96]>::new();
         let mut num = itoa::Buffer::new();
