@@ -11,7 +11,8 @@
 //!     (IETF `RateLimit`/`RateLimit-Policy` headers on every response);
 //!   - `tower_governor`: tower_governor 0.8's `GovernorLayer`, same key, default configuration
 //!     (no rate-limit headers on allowed responses: that is its default);
-//!   - `redis`: not in this build yet (the Redis backend is being added); it exits with an error.
+//!   - `redis`: tollgate on the Redis backend (`REDIS_URL`, default `redis://127.0.0.1:6379`;
+//!     build with `--features redis`), default configuration (fail-open, deny cache on).
 //! - The key is the `x-key` request header, falling back to the client IP.
 //! - The quota is so large (1 000 000 per second sustained, a burst of 3.6 billion) that nothing
 //!   is ever denied, so every mode does the same work per request.
@@ -131,15 +132,18 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .ok_or("invalid tower_governor configuration")?;
             app.layer(GovernorLayer::new(config))
         }
-        // When `tollgate::backend::redis` lands, this arm becomes, behind
-        // `#[cfg(feature = "redis")]`:
-        // `app.layer(tollgate_layer(RedisBackend::connect(&redis_url).await?, deny_key)?)`.
+        #[cfg(feature = "redis")]
         "redis" => {
-            return Err(
-                "BACKEND=redis: this build of tollgate has no Redis backend yet \
-                 (tollgate::backend::redis); use none, local or tower_governor"
-                    .into(),
-            );
+            let url =
+                std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+            let backend = tollgate::backend::redis::RedisBackend::builder()
+                .url(url)
+                .build()?;
+            app.layer(tollgate_layer(backend, deny_key)?)
+        }
+        #[cfg(not(feature = "redis"))]
+        "redis" => {
+            return Err("BACKEND=redis needs a build with `--features redis`".into());
         }
         other => {
             return Err(format!(

@@ -7,8 +7,11 @@
 #   ROUNDS=5          rounds; each runs every mode once, in a rotated order
 #   DURATION=10s      wrk duration per run (after a 2 s warm-up)
 #   CONNECTIONS=64    wrk connections (one wrk thread)
-#   MODES="none local tower_governor"   add "redis" to include it (needs REDIS_URL and a
-#                     build with the Redis backend; a mode whose server does not start is skipped)
+#   MODES="none local tower_governor redis local_deny redis_deny"
+#                     `*_deny` modes flood one key that is always denied (DENY_KEY); the
+#                     redis modes use REDIS_URL, or a redis-server this script starts on a free
+#                     port, pinned to the server's core. A mode whose server does not start is
+#                     skipped.
 #   PORT=3901         server port
 #   CARGO_TARGET_DIR  where cargo builds (default: target)
 #   CSV=target/bench-http.csv   where the raw results go (round,mode,rps,p50_us,p99_us), for
@@ -22,7 +25,7 @@ cd "$(dirname "$0")/.."
 ROUNDS=${ROUNDS:-5}
 DURATION=${DURATION:-10s}
 CONNECTIONS=${CONNECTIONS:-64}
-MODES=${MODES:-"none local tower_governor"}
+MODES=${MODES:-"none local tower_governor redis local_deny redis_deny"}
 PORT=${PORT:-3901}
 TARGET=${CARGO_TARGET_DIR:-target}
 CSV=${CSV:-$TARGET/bench-http.csv}
@@ -43,14 +46,18 @@ else
 fi
 
 features="local axum"
-case " $MODES " in *" redis "*) features="$features redis" ;; esac
+case " $MODES " in *" redis"*) features="$features redis" ;; esac
 echo "building bench_server (release, features: $features)..." >&2
 cargo build --release --quiet --example bench_server --features "$features"
 BIN="$TARGET/release/examples/bench_server"
 
 RESULTS=$(mktemp)
 SERVER_PID=""
+REDIS_PID=""
+REDIS_DIR=""
 cleanup() {
+    if [ -n "$REDIS_PID" ]; then kill "$REDIS_PID" 2>/dev/null || true; fi
+    if [ -n "$REDIS_DIR" ]; then rm -rf "$REDIS_DIR"; fi
     if [ -n "$SERVER_PID" ]; then kill "$SERVER_PID" 2>/dev/null || true; fi
     if [ -s "$RESULTS" ]; then
         { echo "round,mode,rps,p50_us,p99_us"; tr ' ' ',' <"$RESULTS"; } >"$CSV"
@@ -77,9 +84,39 @@ wait_up() {
     return 1
 }
 
+case " $MODES " in
+*" redis"*)
+    if [ -z "${REDIS_URL:-}" ]; then
+        command -v redis-server >/dev/null || {
+            SUDO=""
+            [ "$(id -u)" -ne 0 ] && SUDO=sudo
+            $SUDO apt-get install -y -qq redis-server >/dev/null
+        }
+        REDIS_PORT=$((PORT + 1000))
+        REDIS_DIR=$(mktemp -d)
+        $PIN_SERVER redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no \
+            --dir "$REDIS_DIR" --daemonize no >/dev/null &
+        REDIS_PID=$!
+        REDIS_URL="redis://127.0.0.1:$REDIS_PORT"
+        for _ in $(seq 1 50); do
+            redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1 && break
+            sleep 0.1
+        done
+        echo "redis-server on port $REDIS_PORT (core 0)" >&2
+    fi
+    export REDIS_URL
+    ;;
+esac
+
 run_mode() { # round mode
     local round=$1 mode=$2
-    BACKEND=$mode PORT=$PORT $PIN_SERVER "$BIN" >/dev/null 2>/tmp/bench_server.err &
+    local backend=${mode%_deny} deny_env=() wrk_header=()
+    if [ "$backend" != "$mode" ]; then
+        # Every request carries the one key that is always denied.
+        deny_env=(DENY_KEY=flood)
+        wrk_header=(-H "x-key: flood")
+    fi
+    env "${deny_env[@]}" BACKEND=$backend PORT=$PORT $PIN_SERVER "$BIN" >/dev/null 2>/tmp/bench_server.err &
     SERVER_PID=$!
     if ! wait_up; then
         echo "  $mode: server did not start ($(tail -1 /tmp/bench_server.err)); skipped" >&2
@@ -88,9 +125,9 @@ run_mode() { # round mode
         SERVER_PID=""
         return
     fi
-    $PIN_WRK wrk -t1 -c"$CONNECTIONS" -d2s "http://127.0.0.1:$PORT/hello" >/dev/null
+    $PIN_WRK wrk -t1 -c"$CONNECTIONS" -d2s "${wrk_header[@]}" "http://127.0.0.1:$PORT/hello" >/dev/null
     local out
-    out=$($PIN_WRK wrk -t1 -c"$CONNECTIONS" -d"$DURATION" --latency "http://127.0.0.1:$PORT/hello")
+    out=$($PIN_WRK wrk -t1 -c"$CONNECTIONS" -d"$DURATION" --latency "${wrk_header[@]}" "http://127.0.0.1:$PORT/hello")
     kill "$SERVER_PID"
     wait "$SERVER_PID" 2>/dev/null || true
     SERVER_PID=""
@@ -99,7 +136,7 @@ run_mode() { # round mode
     p50=$(to_us "$(echo "$out" | awk '$1 == "50%" {print $2}')")
     p99=$(to_us "$(echo "$out" | awk '$1 == "99%" {print $2}')")
     non2xx=$(echo "$out" | awk '/Non-2xx/ {print $NF}')
-    if [ -n "$non2xx" ]; then
+    if [ -n "$non2xx" ] && [ "$backend" = "$mode" ]; then
         echo "  warning: $mode answered $non2xx non-2xx responses" >&2
     fi
     echo "$round $mode $rps $p50 $p99" >>"$RESULTS"
