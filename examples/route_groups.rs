@@ -12,6 +12,10 @@
 //! $ curl -i -H 'x-api-key: k1' localhost:3000/api/items        # ratelimit: "api-0";r=19;t=1, "api-1";r=999;t=4
 //! $ curl -i localhost:3000/health                              # no rate-limit headers
 //! ```
+//!
+//! The API key is taken as the client sends it: a client that invents a new key per request
+//! gets a new bucket each time. In production, key by an identity an authentication layer has
+//! checked (`tollgate::key::Extension<UserId>`), or validate keys before this layer.
 
 use std::net::SocketAddr;
 

@@ -27,6 +27,10 @@
 //! $ curl -si -X PUT -H 'authorization: Bearer secret' -H 'content-type: application/json' \
 //!        -d '{"default":"gold","policies":[]}' localhost:3000/admin/rules        # 422
 //! ```
+//!
+//! The merchant id is taken from a header as the client sends it, to keep the example short:
+//! in production, key by the merchant an authentication layer has verified
+//! (`tollgate::key::Extension<MerchantId>`), or any client could claim another's tier.
 
 use std::net::SocketAddr;
 

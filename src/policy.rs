@@ -107,13 +107,7 @@ impl Policy {
 
     /// Checks the policy and returns its quotas in integer nanoseconds.
     pub fn validate(&self) -> Result<SmallVec<[QuotaParams; 2]>, ConfigError> {
-        let name_ok = !self.name.is_empty()
-            && self.name.len() <= 64
-            && self
-                .name
-                .bytes()
-                .all(|b| b.is_ascii_graphic() && b != b'"' && b != b'\\');
-        if !name_ok {
+        if !valid_name(&self.name) || self.name.len() > 64 {
             return Err(ConfigError::InvalidPolicyName {
                 name: self.name.to_string(),
             });
@@ -123,6 +117,19 @@ impl Policy {
                 policy: self.name.to_string(),
                 count: self.quotas.len(),
             });
+        }
+        let mut labels = std::collections::HashSet::new();
+        for i in 0..self.quotas.len() {
+            let label = self.quota_label(i);
+            if !valid_name(&label) || !labels.insert(label.clone()) {
+                return Err(ConfigError::Invalid {
+                    option: "Quota::named",
+                    reason: format!(
+                        "policy `{}`: quota name {label:?} is invalid or used twice",
+                        self.name
+                    ),
+                });
+            }
         }
         self.quotas.iter().map(|q| q.params(&self.name)).collect()
     }
@@ -156,7 +163,8 @@ fn one() -> Option<u32> {
 }
 
 /// Serialized as `{ name, quotas = ["5/s burst 10", ...], cost, shadow }`. A cost computed by a
-/// closure cannot be serialized and is left out.
+/// closure cannot be serialized and is left out, and so are quota names given with
+/// [`Quota::named`] (the headers then use the default `<policy>-<index>` names).
 #[cfg(feature = "serde")]
 impl serde::Serialize for Policy {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
@@ -184,6 +192,15 @@ impl<'de> serde::Deserialize<'de> for Policy {
             shadow: spec.shadow,
         })
     }
+}
+
+/// 1 to 64 visible ASCII characters without `"` or `\`: safe in a header string and in JSON.
+fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 72
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_graphic() && b != b'"' && b != b'\\')
 }
 
 impl fmt::Debug for Policy {
@@ -232,5 +249,22 @@ mod tests {
             p.validate(),
             Err(ConfigError::QuotaCount { count: 9, .. })
         ));
+    }
+}
+
+#[cfg(test)]
+mod label_tests {
+    use super::*;
+
+    #[test]
+    fn quota_names_are_checked() {
+        let bad = Policy::new("p", Quota::per_second(1).named("a\"b"));
+        assert!(bad.validate().is_err());
+        let twice =
+            Policy::new("p", Quota::per_second(1).named("x")).and(Quota::per_hour(9).named("x"));
+        assert!(twice.validate().is_err());
+        let ok = Policy::new("p", Quota::per_second(1).named("burst"))
+            .and(Quota::per_hour(9).named("hourly"));
+        assert!(ok.validate().is_ok());
     }
 }

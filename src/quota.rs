@@ -244,6 +244,8 @@ impl std::str::FromStr for Quota {
                 .map_err(|_| bad("the period is not a number"))?
         };
         let unit_ns: u64 = match unit.trim() {
+            "ns" | "nanosecond" | "nanoseconds" => 1,
+            "us" | "µs" | "microsecond" | "microseconds" => 1_000,
             "ms" | "millisecond" | "milliseconds" => 1_000_000,
             "s" | "sec" | "second" | "seconds" => 1_000_000_000,
             "m" | "min" | "minute" | "minutes" => 60_000_000_000,
@@ -272,6 +274,7 @@ impl std::fmt::Display for Quota {
             (60_000_000_000, "min"),
             (1_000_000_000, "s"),
             (1_000_000, "ms"),
+            (1_000, "us"),
         ]
         .into_iter()
         .find(|(u, _)| ns >= *u && ns.is_multiple_of(*u))

@@ -82,6 +82,23 @@ pub struct Rejection<'a> {
     pub status: StatusCode,
     /// When the client may retry, if known.
     pub retry_after: Option<Duration>,
+    /// The names of the policy's quotas as the headers show them, by quota index (empty when
+    /// no decision was made).
+    pub quota_names: &'a [Box<str>],
+}
+
+impl Rejection<'_> {
+    /// The names of the quotas that denied the request (the draft's `violated-policies`).
+    pub fn violated(&self) -> impl Iterator<Item = &str> {
+        let quotas = match self.kind {
+            RejectionKind::RateLimited(d) => d.quotas(),
+            _ => &[],
+        };
+        quotas
+            .iter()
+            .filter(|q| q.outcome != crate::backend::Outcome::Allowed)
+            .filter_map(|q| self.quota_names.get(q.index).map(|n| &**n))
+    }
 }
 
 /// A function building the response for a rejection.
@@ -119,12 +136,15 @@ pub(crate) struct PolicyHeaders {
     policy: HeaderValue,
     /// `"label";r=` per quota.
     prefixes: Vec<Box<[u8]>>,
+    /// The quota labels.
+    pub(crate) labels: Vec<Box<str>>,
 }
 
 impl PolicyHeaders {
     pub(crate) fn new(policy: &Policy, params: &[QuotaParams]) -> Self {
         let mut value = String::new();
         let mut prefixes = Vec::with_capacity(params.len());
+        let mut labels = Vec::with_capacity(params.len());
         for (i, p) in params.iter().enumerate() {
             let label = policy.quota_label(i);
             if i > 0 {
@@ -133,12 +153,14 @@ impl PolicyHeaders {
             let w = ceil_secs(p.window()).max(1);
             value.push_str(&format!("\"{label}\";q={};w={w}", p.burst));
             prefixes.push(format!("\"{label}\";r=").into_bytes().into_boxed_slice());
+            labels.push(label.into_boxed_str());
         }
         PolicyHeaders {
             // Labels are visible ASCII without quotes or backslashes (checked by
             // `Policy::validate`), so the value is always valid.
             policy: HeaderValue::from_str(&value).unwrap_or(HeaderValue::from_static("")),
             prefixes,
+            labels,
         }
     }
 }
@@ -217,8 +239,10 @@ pub(crate) fn rate_limit_headers(
 
 pub(crate) fn add_headers(map: &mut http::HeaderMap, adds: HeaderAdds) {
     if let Some((policy, limit)) = adds.ietf {
-        map.entry(RATELIMIT_POLICY).or_insert(policy);
-        map.entry(RATELIMIT).or_insert(limit);
+        // Appended, not replaced: with nested layers (a global limit and a route limit) each
+        // adds its items, and the draft lets a list span several fields.
+        map.append(RATELIMIT_POLICY, policy);
+        map.append(RATELIMIT, limit);
     }
     if let Some(legacy) = adds.legacy {
         let [limit, remaining, reset] = *legacy;
@@ -285,7 +309,7 @@ fn text_response(rejection: &Rejection<'_>, retry: Option<u64>) -> Response<Byte
 }
 
 fn problem_response(rejection: &Rejection<'_>, retry: Option<u64>) -> Response<Bytes> {
-    // Policy names cannot contain `"` or `\` (see `Policy::validate`), so they embed safely.
+    // Quota names cannot contain `"` or `\` (see `Policy::validate`), so they embed safely.
     let (ty, title) = match rejection.kind {
         RejectionKind::RateLimited(_) => (
             "https://iana.org/assignments/http-problem-types#quota-exceeded",
@@ -298,10 +322,21 @@ fn problem_response(rejection: &Rejection<'_>, retry: Option<u64>) -> Response<B
         ),
     };
     let mut json = format!(
-        r#"{{"type":"{ty}","title":"{title}","status":{},"violated-policies":["{}"]"#,
+        r#"{{"type":"{ty}","title":"{title}","status":{}"#,
         rejection.status.as_u16(),
-        rejection.policy
     );
+    if let RejectionKind::RateLimited(_) = rejection.kind {
+        json.push_str(r#","violated-policies":["#);
+        for (i, name) in rejection.violated().enumerate() {
+            if i > 0 {
+                json.push(',');
+            }
+            json.push('"');
+            json.push_str(name);
+            json.push('"');
+        }
+        json.push(']');
+    }
     if let Some(s) = retry {
         json.push_str(&format!(r#","retry-after":{s}"#));
     }

@@ -212,6 +212,7 @@ impl<K, Bk: Backend> Shared<K, Bk> {
                     policy,
                     status,
                     retry_after: None,
+                    quota_names: &[],
                 };
                 let res = self
                     .responder
@@ -262,6 +263,7 @@ impl<K, Bk: Backend> Shared<K, Bk> {
                     policy,
                     status: StatusCode::TOO_MANY_REQUESTS,
                     retry_after,
+                    quota_names: &prepared.headers.labels,
                 };
                 Verdict::Reject(Box::new(self.responder.reject(
                     &rejection,
@@ -276,6 +278,7 @@ impl<K, Bk: Backend> Shared<K, Bk> {
                     policy,
                     status: StatusCode::SERVICE_UNAVAILABLE,
                     retry_after: Some(std::time::Duration::from_secs(1)),
+                    quota_names: &prepared.headers.labels,
                 };
                 Verdict::Reject(Box::new(self.responder.reject(
                     &rejection,

@@ -101,7 +101,8 @@ async fn burst_passes_with_headers_then_resource_exhausted() {
         .expect("retry-after on the rejection")
         .parse()
         .unwrap();
-    assert!((1..=60).contains(&retry), "retry-after {retry}");
+    // One unit comes back a minute after the burst began: within a second of 60 s.
+    assert!((59..=60).contains(&retry), "retry-after {retry}");
     assert!(
         meta(status.metadata(), "ratelimit")
             .unwrap()
@@ -162,7 +163,7 @@ async fn non_grpc_requests_get_http_429() {
         .unwrap()
         .parse()
         .unwrap();
-    assert!((1..=60).contains(&retry));
+    assert!((59..=60).contains(&retry), "retry-after {retry}");
     assert!(res.headers().contains_key("ratelimit"));
     let body = res.into_body().collect().await.unwrap().to_bytes();
     assert!(body.starts_with(b"Too Many Requests"), "{body:?}");

@@ -146,6 +146,8 @@ async fn headers_follow_the_ietf_draft_and_retry_after_is_never_zero() {
         "the local backend stops at the denying quota"
     );
     assert_eq!(items[0].1, 0);
+    // The draft: Retry-After should not point earlier than the reset parameter.
+    assert!(items[0].2 <= retry, "t={} Retry-After={retry}", items[0].2);
     assert_eq!(res.headers()["content-type"], "text/plain; charset=utf-8");
     assert!(res.text().await.unwrap().starts_with("Too Many Requests"));
 }

@@ -161,9 +161,16 @@ where
         }
         assert_eq!(q.limit, policy.quotas()[0].burst_size(), "{ctx}");
         assert_eq!(q.remaining, s.remaining, "{ctx}");
+        // A denial's `reset_after` is its `retry_after` (the header's `t` must not point past
+        // `Retry-After`); the vectors' `reset_after_ms` is the time until full, for allowed
+        // steps.
+        let expected_reset = match s.expect {
+            Expect::Denied { retry_after_ms } => retry_after_ms,
+            _ => s.reset_after_ms,
+        };
         assert_eq!(
             q.reset_after,
-            Duration::from_millis(s.reset_after_ms),
+            Duration::from_millis(expected_reset),
             "{ctx}"
         );
     }
@@ -220,7 +227,7 @@ async fn one_request_on_a_fresh_burst_10_bucket_leaves_exactly_9_and_the_key_exp
     assert_eq!(d.quotas()[0].reset_after, Duration::from_millis(200));
     // The key lives until the bucket is full again: 200 ms.
     let pttl: i64 = server
-        .cmd(&["PTTL", "tollgate:{api:balice}:0"])
+        .cmd(&["PTTL", "tollgate:{api:balice}:0:200000000x10"])
         .trim_start_matches(':')
         .trim()
         .parse()
@@ -228,7 +235,9 @@ async fn one_request_on_a_fresh_burst_10_bucket_leaves_exactly_9_and_the_key_exp
     assert!((1..=200).contains(&pttl), "PTTL {pttl}");
     tokio::time::sleep(Duration::from_millis(400)).await;
     assert_eq!(
-        server.cmd(&["EXISTS", "tollgate:{api:balice}:0"]).trim(),
+        server
+            .cmd(&["EXISTS", "tollgate:{api:balice}:0:200000000x10"])
+            .trim(),
         ":0"
     );
     assert_eq!(server.cmd(&["DBSIZE"]).trim(), ":0", "nothing left behind");
@@ -292,8 +301,8 @@ async fn multi_quota_is_all_or_nothing() {
     }
     // Both keys of the decision share one hash tag.
     let keys = server.cmd(&["KEYS", "*"]);
-    assert!(keys.contains("tollgate:{multi:btenant}:0"), "{keys}");
-    assert!(keys.contains("tollgate:{multi:btenant}:1"), "{keys}");
+    assert!(keys.contains("tollgate:{multi:btenant}:0:"), "{keys}");
+    assert!(keys.contains("tollgate:{multi:btenant}:1:"), "{keys}");
 
     // A cost that fits the first quota but not the second takes nothing from the first.
     let p2 = prepare(&b, &Policy::new("multi2", no_refill(10)).and(no_refill(4)));
@@ -393,7 +402,31 @@ async fn deny_cache_is_scoped_to_the_prepared_policy() {
     let big = prepare(&b, &Policy::new("plan", no_refill(10)));
     let d = b.decide(&big, &k, cost(1)).await.unwrap();
     assert!(d.is_allowed(), "{d:?}");
-    assert_eq!(d.quotas()[0].remaining, 7, "the bucket is shared by name");
+    // A changed quota starts from a fresh bucket (as on the local backend).
+    assert_eq!(d.quotas()[0].remaining, 9);
+    // The same quota under the same name shares the bucket, whoever prepared it.
+    let again = prepare(&b, &Policy::new("plan", no_refill(10)));
+    assert_eq!(
+        b.decide(&again, &k, cost(1)).await.unwrap().quotas()[0].remaining,
+        8
+    );
+}
+
+/// Raising a rate (not just a burst) applies at once to a client that was denied, even when
+/// the old bucket's timestamp lies far in the future.
+#[tokio::test]
+async fn raising_a_rate_applies_at_once() {
+    let server = RedisServer::start();
+    let b = backend(&server);
+    let k = key("merchant");
+    let daily = prepare(&b, &Policy::new("tier", Quota::per_day(1)));
+    assert!(b.decide(&daily, &k, cost(1)).await.unwrap().is_allowed());
+    assert!(!b.decide(&daily, &k, cost(1)).await.unwrap().is_allowed());
+    let hourly = prepare(&b, &Policy::new("tier", Quota::per_hour(100)));
+    for _ in 0..100 {
+        assert!(b.decide(&hourly, &k, cost(1)).await.unwrap().is_allowed());
+    }
+    assert!(!b.decide(&hourly, &k, cost(1)).await.unwrap().is_allowed());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -412,12 +445,16 @@ fn failing_backend(server: &RedisServer, on_failure: FailurePolicy) -> RedisBack
         .unwrap()
 }
 
-/// Decides and checks that the answer came within ten timeouts.
+/// Decides and checks that no request waits past the timeout (plus scheduling slack for a
+/// loaded 2-core CI machine, far less than a second timeout).
 async fn timed<F: Future<Output = T>, T>(f: F) -> T {
     let started = Instant::now();
     let out = f.await;
     let took = started.elapsed();
-    assert!(took < 10 * TIMEOUT, "a request waited {took:?}");
+    assert!(
+        took < TIMEOUT + Duration::from_millis(60),
+        "a request waited {took:?}"
+    );
     out
 }
 
@@ -653,5 +690,8 @@ async fn an_existing_connection_manager_can_be_used() {
         .unwrap();
     let p = prepare(&b, &Policy::new("api", no_refill(3)));
     assert!(b.decide(&p, &key("k"), cost(1)).await.unwrap().is_allowed());
-    assert_eq!(server.cmd(&["EXISTS", "myapp:rl:{api:bk}:0"]).trim(), ":1");
+    assert!(
+        server.cmd(&["KEYS", "*"]).contains("myapp:rl:{api:bk}:0:"),
+        "keys under the custom prefix"
+    );
 }

@@ -55,6 +55,29 @@ where
     res.status().as_u16()
 }
 
+async fn policy_and_q<S>(svc: &mut S, r: Request<Full<Bytes>>) -> (String, u32)
+where
+    S: Service<Request<Full<Bytes>>, Response = Response<tollgate::ResponseBody<Full<Bytes>>>>,
+    S::Error: std::fmt::Debug,
+{
+    let res = svc.ready().await.unwrap().call(r).await.unwrap();
+    let v = res.headers()["ratelimit-policy"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let name = v.split('"').nth(1).unwrap().to_owned();
+    let q = v
+        .split(";q=")
+        .nth(1)
+        .unwrap()
+        .split(';')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    (name, q)
+}
+
 async fn policy_of<S>(svc: &mut S, r: Request<Full<Bytes>>) -> String
 where
     S: Service<Request<Full<Bytes>>, Response = Response<tollgate::ResponseBody<Full<Bytes>>>>,
@@ -159,9 +182,13 @@ async fn raising_a_limit_applies_to_the_next_request_of_a_denied_key() {
 /// Requests racing rule updates see one whole rule set or the other, and none is lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn live_updates_under_concurrent_load() {
+    // The two sets differ in names *and* quotas, so a request served by the rules of one set
+    // and the policies of the other would show a mismatched name and `q`.
     let set = |tag: &str| {
-        RuleSet::new(generous(&format!("{tag}-default")))
-            .policy(generous(&format!("{tag}-search")))
+        let q = if tag == "a" { 1000 } else { 2000 };
+        let p = |name: String| Policy::new(name, Quota::per_second(q).burst(q));
+        RuleSet::new(p(format!("{tag}-default")))
+            .policy(p(format!("{tag}-search")))
             .rule(Rule::new(1, format!("{tag}-search")).path_prefix("/search"))
     };
     let layer = RateLimitLayer::builder()
@@ -187,14 +214,18 @@ async fn live_updates_under_concurrent_load() {
                 for i in 0..500 {
                     let path = if i % 2 == 0 { "/search" } else { "/" };
                     let tenant = format!("w{w}-{i}");
-                    let name = policy_of(&mut svc, req(Method::GET, path, &tenant)).await;
+                    let (name, q) = policy_and_q(&mut svc, req(Method::GET, path, &tenant)).await;
                     let expected_suffix = if path == "/search" {
                         "-search"
                     } else {
                         "-default"
                     };
                     assert!(name.ends_with(expected_suffix), "{path} got {name}");
-                    assert!(name.starts_with("a-") || name.starts_with("b-"), "{name}");
+                    match &name[..2] {
+                        "a-" => assert_eq!(q, 1000, "{name}"),
+                        "b-" => assert_eq!(q, 2000, "{name}"),
+                        _ => panic!("{name}"),
+                    }
                     seen += 1;
                 }
                 seen

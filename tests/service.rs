@@ -53,10 +53,20 @@ impl Backend for SlowBackend {
 
 /// An inner service that insists on `poll_ready` before every `call`, and whose readiness is
 /// per clone (like a `Buffer` or a connection pool slot).
-#[derive(Clone, Default)]
+#[derive(Default)]
 struct Strict {
     ready: bool,
     calls: Arc<AtomicUsize>,
+}
+
+/// A clone has not been polled ready: readiness belongs to the instance that was polled.
+impl Clone for Strict {
+    fn clone(&self) -> Self {
+        Strict {
+            ready: false,
+            calls: self.calls.clone(),
+        }
+    }
 }
 
 #[derive(Debug, PartialEq)]

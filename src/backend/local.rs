@@ -26,11 +26,15 @@
 //!   [`sweep_interval`](LocalBackendBuilder::sweep_interval) (60 s by default), run by a task
 //!   the backend spawns on the Tokio runtime it is first used in; no thread of yours is needed.
 //!   At most [`max_keys`](LocalBackendBuilder::max_keys) buckets (1 000 000 by default, summed
-//!   over all quotas) are tracked: when the table is full, a sweep runs at once, and a new key
-//!   that still finds no room is denied (`Retry-After: 1`) rather than tracked, while keys
-//!   already tracked keep their limits.
-//! - **Header timing.** `remaining` is exact; `reset_after` (time until the bucket is full) is
-//!   an upper bound, early by less than one emission interval (`period / count`).
+//!   over all quotas; concurrent inserts may overshoot by a few) are tracked: when the table is
+//!   full, a sweep starts at once (on a blocking thread), and a new key that finds no room is
+//!   denied (`Retry-After: 1`) rather than tracked, while keys already tracked keep their
+//!   limits. A bucket costs about 70 bytes plus its key: IP keys are stored inline, byte keys
+//!   (headers, up to [`Key::MAX_LEN`] bytes) on the heap, so the worst case at the default cap
+//!   with 256-byte keys is about 330 MB; lower `max_keys` when keys come from clients.
+//! - **Header timing.** `remaining` and `retry_after` are exact; for allowed requests
+//!   `reset_after` (time until the bucket is full) may be late by less than one emission
+//!   interval (`period / count`), as governor reports remaining units, not its timestamp.
 //!
 //! ```
 //! use std::time::Duration;
@@ -70,12 +74,12 @@ use dashmap::DashMap;
 // Randomly seeded per process: keys come from clients, so the hash must resist flooding.
 use dashmap::mapref::entry::Entry;
 use foldhash::quality::RandomState;
+use governor::RateLimiter;
 use governor::clock::{Clock, MonotonicClock, Reference};
 use governor::middleware::{NoOpMiddleware, StateInformationMiddleware};
 use governor::nanos::Nanos;
 use governor::state::StateStore;
 use governor::state::keyed::ShrinkableKeyedStateStore;
-use governor::{NotUntil, RateLimiter};
 
 use super::{Backend, Decision, Outcome, QuotaState};
 use crate::quota::QuotaParams;
@@ -275,11 +279,16 @@ impl<C: Clock> Inner<C> {
         self.clock.now().duration_since(self.origin).as_u64()
     }
 
-    /// Called when the table is full: sweep now, at most once a second.
-    fn sweep_when_full(&self) {
+    /// Called when the table is full: sweep now, at most once a second, off the request
+    /// path when a Tokio runtime is there to run it.
+    fn sweep_when_full(self: &Arc<Self>)
+    where
+        C: Send + Sync + 'static,
+        C::Instant: Send + Sync,
+    {
         let now = self.elapsed_ns();
         let next = self.next_forced_sweep.load(Ordering::Relaxed);
-        if now >= next
+        let due = now >= next
             && self
                 .next_forced_sweep
                 .compare_exchange(
@@ -288,9 +297,15 @@ impl<C: Clock> Inner<C> {
                     Ordering::AcqRel,
                     Ordering::Relaxed,
                 )
-                .is_ok()
-        {
-            self.sweep();
+                .is_ok();
+        if due {
+            match tokio::runtime::Handle::try_current() {
+                Ok(handle) => {
+                    let inner = self.clone();
+                    handle.spawn_blocking(move || inner.sweep());
+                }
+                Err(_) => self.sweep(),
+            }
         }
     }
 }
@@ -382,10 +397,18 @@ where
     }
 
     fn decide(&self, policy: &LocalPolicy<C>, key: &Key, cost: NonZeroU32) -> Self::Future {
+        if !self.inner.sweeper_started.load(Ordering::Relaxed) {
+            // Built outside a runtime: start sweeping from the first request inside one.
+            self.start_sweeper();
+        }
         let mut states = smallvec::SmallVec::<[QuotaState; 2]>::new();
         for (index, quota) in policy.limiters.iter().enumerate() {
-            let limit = quota.params.burst.get();
-            let t = quota.params.emission_ns;
+            let params = &quota.params;
+            // Checked here, not left to governor: its `t * (cost - 1)` overflows for huge costs.
+            if cost > params.burst {
+                states.push(QuotaState::never_fits(index, params));
+                break;
+            }
             if self.inner.tracked.load(Ordering::Relaxed) >= self.inner.max_keys
                 && !quota.store.map.contains_key(key)
             {
@@ -395,37 +418,26 @@ where
                         max_keys = self.inner.max_keys,
                         "local rate-limit table full"
                     );
-                    states.push(QuotaState {
+                    states.push(QuotaState::denied(
                         index,
-                        outcome: Outcome::Denied {
-                            retry_after: Duration::from_secs(1),
-                        },
-                        limit,
-                        remaining: 0,
-                        reset_after: Duration::from_secs(1),
-                    });
+                        params,
+                        cost,
+                        Duration::from_secs(1),
+                    ));
                     break;
                 }
             }
             let state = match quota.limiter.check_key_n(key, cost) {
                 Ok(Ok(snapshot)) => {
-                    let remaining = snapshot.remaining_burst_capacity();
-                    QuotaState {
-                        index,
-                        outcome: Outcome::Allowed,
-                        limit,
-                        remaining,
-                        reset_after: units(limit - remaining, t),
-                    }
+                    QuotaState::allowed(index, params, snapshot.remaining_burst_capacity())
                 }
-                Ok(Err(not_until)) => denied(index, limit, t, cost, &not_until, &self.inner.clock),
-                Err(_insufficient) => QuotaState {
+                Ok(Err(not_until)) => QuotaState::denied(
                     index,
-                    outcome: Outcome::NeverFits,
-                    limit,
-                    remaining: 0,
-                    reset_after: Duration::ZERO,
-                },
+                    params,
+                    cost,
+                    not_until.wait_time_from(self.inner.clock.now()),
+                ),
+                Err(_insufficient) => QuotaState::never_fits(index, params),
             };
             let stop = state.outcome != Outcome::Allowed;
             states.push(state);
@@ -434,33 +446,6 @@ where
             }
         }
         ready(Ok(Decision { quotas: states }))
-    }
-}
-
-fn units(n: u32, emission_ns: u64) -> Duration {
-    Duration::from_nanos(emission_ns.saturating_mul(u64::from(n)))
-}
-
-fn denied<C: Clock>(
-    index: usize,
-    limit: u32,
-    t: u64,
-    cost: NonZeroU32,
-    not_until: &NotUntil<C::Instant>,
-    clock: &C,
-) -> QuotaState {
-    let retry_after = not_until.wait_time_from(clock.now());
-    // The request lacks ceil(wait / t) units, so that many fewer than `cost` are available.
-    let wait = u64::try_from(retry_after.as_nanos()).unwrap_or(u64::MAX);
-    let lacking = wait.div_ceil(t.max(1));
-    let remaining = u64::from(cost.get()).saturating_sub(lacking);
-    let remaining = u32::try_from(remaining).unwrap_or(0).min(cost.get() - 1);
-    QuotaState {
-        index,
-        outcome: Outcome::Denied { retry_after },
-        limit,
-        remaining,
-        reset_after: units(limit - remaining, t),
     }
 }
 

@@ -114,8 +114,62 @@ pub struct QuotaState {
     pub limit: u32,
     /// How many cost-1 requests would pass right now, after this decision.
     pub remaining: u32,
-    /// Time until the bucket is full again.
+    /// For an allowed quota, the time until the bucket is full again; for a denied one, the
+    /// time until the request fits (its `retry_after`), so that the `RateLimit` header's `t`
+    /// never points later than `Retry-After`; zero when the request can never fit.
     pub reset_after: Duration,
+}
+
+impl QuotaState {
+    /// An allowed quota with `remaining` units left.
+    pub fn allowed(index: usize, params: &QuotaParams, remaining: u32) -> Self {
+        let limit = params.burst.get();
+        let remaining = remaining.min(limit);
+        QuotaState {
+            index,
+            outcome: Outcome::Allowed,
+            limit,
+            remaining,
+            reset_after: Duration::from_nanos(
+                params
+                    .emission_ns
+                    .saturating_mul(u64::from(limit - remaining)),
+            ),
+        }
+    }
+
+    /// A quota that denied a request of `cost` units, which would fit after `wait`.
+    ///
+    /// The request lacks `ceil(wait / emission)` units, so that many fewer than `cost` are in
+    /// the bucket: that is how many cost-1 requests would pass now. Both backends (and the
+    /// Redis deny cache) build denials here, so they cannot drift apart.
+    pub fn denied(index: usize, params: &QuotaParams, cost: NonZeroU32, wait: Duration) -> Self {
+        let t = params.emission_ns.max(1);
+        let wait_ns = u64::try_from(wait.as_nanos()).unwrap_or(u64::MAX);
+        let available = u64::from(cost.get()).saturating_sub(wait_ns.div_ceil(t));
+        let remaining = u32::try_from(available)
+            .unwrap_or(0)
+            .min(cost.get() - 1)
+            .min(params.burst.get());
+        QuotaState {
+            index,
+            outcome: Outcome::Denied { retry_after: wait },
+            limit: params.burst.get(),
+            remaining,
+            reset_after: wait,
+        }
+    }
+
+    /// A quota whose burst is smaller than the request's cost.
+    pub fn never_fits(index: usize, params: &QuotaParams) -> Self {
+        QuotaState {
+            index,
+            outcome: Outcome::NeverFits,
+            limit: params.burst.get(),
+            remaining: 0,
+            reset_after: Duration::ZERO,
+        }
+    }
 }
 
 /// One quota's verdict.

@@ -109,20 +109,20 @@ impl KeyExtractor for PeerIp {
 /// bucket by sending `X-Forwarded-For`. With no trusted proxies (the default) this is
 /// [`PeerIp`].
 ///
-/// When the peer is trusted, the client address is found in this order:
-/// 1. RFC 7239 `Forwarded` (`for=` parameters), walked right to left;
-/// 2. else `X-Forwarded-For`, walked right to left;
-/// 3. else `X-Real-IP`;
-/// 4. else the peer address.
+/// When the peer is trusted, exactly **one** header is read, the one your proxies set
+/// ([`ForwardedHeader`], `X-Forwarded-For` by default); the others are ignored, because a proxy
+/// passes through the headers it does not manage, and a client could otherwise choose its
+/// address by sending one of those. Without that header, the peer address is the key.
 ///
-/// Walking right to left skips every hop that is itself a trusted proxy; the first untrusted
-/// address is the client. If all hops are trusted, the leftmost is used. An entry that is not an
-/// IP address (`unknown`, an obfuscated identifier, garbage) stops the walk at the last trusted
+/// Lists (`X-Forwarded-For`, RFC 7239 `Forwarded` with its `for=` parameters) are walked right
+/// to left, skipping every hop that is itself a trusted proxy; the first untrusted address is
+/// the client. If all hops are trusted, the leftmost is used. An entry that is not an IP
+/// address (`unknown`, an obfuscated identifier, garbage) stops the walk at the last trusted
 /// hop, which then becomes the key: such requests share one bucket rather than escaping limits.
 ///
 /// ```
 /// use std::net::SocketAddr;
-/// use tollgate::key::{ClientIp, KeyExtractor};
+/// use tollgate::key::{ClientIp, ForwardedHeader, KeyExtractor};
 /// use tollgate::{Key, RequestInfo};
 ///
 /// let key = ClientIp::new().trust_proxies(["10.0.0.0/8"]).unwrap();
@@ -130,12 +130,17 @@ impl KeyExtractor for PeerIp {
 /// // From the trusted load balancer: the forwarded client address counts.
 /// let mut req = http::Request::get("/")
 ///     .header("x-forwarded-for", "203.0.113.9, 10.1.2.3")
+///     .header("forwarded", "for=192.0.2.1") // not the configured header: ignored
 ///     .body(())
 ///     .unwrap();
 /// req.extensions_mut().insert("10.0.0.1:443".parse::<SocketAddr>().unwrap());
 /// assert_eq!(key.extract(&RequestInfo::new(&req)), Ok(Key::ip("203.0.113.9".parse().unwrap())));
 ///
-/// // From anyone else: the header is ignored.
+/// // A proxy that sets RFC 7239 `Forwarded` instead:
+/// let rfc = key.clone().forwarded_header(ForwardedHeader::Forwarded);
+/// assert_eq!(rfc.extract(&RequestInfo::new(&req)), Ok(Key::ip("192.0.2.1".parse().unwrap())));
+///
+/// // From anyone else: the headers are ignored.
 /// req.extensions_mut().insert("198.51.100.7:5555".parse::<SocketAddr>().unwrap());
 /// assert_eq!(key.extract(&RequestInfo::new(&req)), Ok(Key::ip("198.51.100.7".parse().unwrap())));
 /// ```
@@ -143,6 +148,20 @@ impl KeyExtractor for PeerIp {
 pub struct ClientIp {
     trusted: Vec<IpNet>,
     v6_prefix: u8,
+    header: ForwardedHeader,
+}
+
+/// The header trusted proxies put the client address in (see [`ClientIp`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum ForwardedHeader {
+    /// `X-Forwarded-For: client, proxy1, proxy2` (the default; AWS ALB, nginx, HAProxy, ...).
+    #[default]
+    XForwardedFor,
+    /// RFC 7239 `Forwarded: for=client;proto=https, for=proxy1`.
+    Forwarded,
+    /// `X-Real-IP: client` (a single address, e.g. nginx `proxy_set_header X-Real-IP`).
+    XRealIp,
 }
 
 impl ClientIp {
@@ -151,7 +170,14 @@ impl ClientIp {
         ClientIp {
             trusted: Vec::new(),
             v6_prefix: DEFAULT_V6_PREFIX,
+            header: ForwardedHeader::default(),
         }
+    }
+
+    /// The header trusted proxies set (default `X-Forwarded-For`). Only this one is read.
+    pub fn forwarded_header(mut self, header: ForwardedHeader) -> Self {
+        self.header = header;
+        self
     }
 
     /// Trusts the proxies in these CIDR ranges (`"10.0.0.0/8"`, `"::1/128"`; a bare address
@@ -197,32 +223,31 @@ impl ClientIp {
         if self.trusted.is_empty() || !self.is_trusted(peer) {
             return peer;
         }
-        if headers.contains_key(http::header::FORWARDED) {
-            let values = headers.get_all(http::header::FORWARDED);
-            let hops = values
-                .iter()
-                .filter_map(|v| v.to_str().ok())
-                .flat_map(split_outside_quotes)
-                .map(forwarded_for);
-            return self.walk(peer, hops);
+        match self.header {
+            ForwardedHeader::Forwarded => {
+                let values = headers.get_all(http::header::FORWARDED);
+                let hops = values
+                    .iter()
+                    .filter_map(|v| v.to_str().ok())
+                    .flat_map(split_outside_quotes)
+                    .map(forwarded_for);
+                self.walk(peer, hops)
+            }
+            ForwardedHeader::XForwardedFor => {
+                let values = headers.get_all("x-forwarded-for");
+                let hops = values
+                    .iter()
+                    .filter_map(|v| v.to_str().ok())
+                    .flat_map(|v| v.split(','))
+                    .map(parse_node);
+                self.walk(peer, hops)
+            }
+            ForwardedHeader::XRealIp => headers
+                .get("x-real-ip")
+                .and_then(|v| v.to_str().ok())
+                .and_then(parse_node)
+                .unwrap_or(peer),
         }
-        if headers.contains_key("x-forwarded-for") {
-            let values = headers.get_all("x-forwarded-for");
-            let hops = values
-                .iter()
-                .filter_map(|v| v.to_str().ok())
-                .flat_map(|v| v.split(','))
-                .map(parse_node);
-            return self.walk(peer, hops);
-        }
-        if let Some(ip) = headers
-            .get("x-real-ip")
-            .and_then(|v| v.to_str().ok())
-            .and_then(parse_node)
-        {
-            return ip;
-        }
-        peer
     }
 
     /// Walks `hops` (left to right as sent) from the right, starting at the trusted `peer`.
@@ -363,7 +388,25 @@ mod tests {
     }
 
     #[test]
-    fn forwarded_takes_precedence_and_parses_rfc7239() {
+    fn only_the_configured_header_is_read() {
+        // Behind an X-Forwarded-For proxy, a client-sent `Forwarded` or `X-Real-IP` is ignored.
+        let h = headers(&[
+            ("forwarded", "for=6.6.6.6"),
+            ("x-real-ip", "7.7.7.7"),
+            ("x-forwarded-for", "1.1.1.1"),
+        ]);
+        assert_eq!(proxied().client(ip("10.0.0.1"), &h), ip("1.1.1.1"));
+        let h = headers(&[("forwarded", "for=6.6.6.6"), ("x-real-ip", "7.7.7.7")]);
+        assert_eq!(proxied().client(ip("10.0.0.1"), &h), ip("10.0.0.1"));
+        // Behind an X-Real-IP proxy, a client-sent X-Forwarded-For is ignored.
+        let real = proxied().forwarded_header(ForwardedHeader::XRealIp);
+        let h = headers(&[("x-forwarded-for", "6.6.6.6"), ("x-real-ip", "3.3.3.3")]);
+        assert_eq!(real.client(ip("10.0.0.1"), &h), ip("3.3.3.3"));
+    }
+
+    #[test]
+    fn rfc7239_forwarded() {
+        let proxied = || proxied().forwarded_header(ForwardedHeader::Forwarded);
         let h = headers(&[
             ("x-forwarded-for", "9.9.9.9"),
             (
@@ -383,9 +426,10 @@ mod tests {
 
     #[test]
     fn real_ip_only_from_trusted_peer() {
+        let real = proxied().forwarded_header(ForwardedHeader::XRealIp);
         let h = headers(&[("x-real-ip", "3.3.3.3")]);
-        assert_eq!(proxied().client(ip("10.0.0.1"), &h), ip("3.3.3.3"));
-        assert_eq!(proxied().client(ip("4.4.4.4"), &h), ip("4.4.4.4"));
+        assert_eq!(real.client(ip("10.0.0.1"), &h), ip("3.3.3.3"));
+        assert_eq!(real.client(ip("4.4.4.4"), &h), ip("4.4.4.4"));
     }
 
     #[test]

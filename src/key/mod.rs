@@ -7,7 +7,7 @@
 //! |---|---|
 //! | [`Global`] | one bucket for every request |
 //! | [`PeerIp`] | the TCP peer's address (axum `ConnectInfo`, tonic `TcpConnectInfo`) |
-//! | [`ClientIp`] | the client's address behind trusted proxies (`Forwarded`, `X-Forwarded-For`, `X-Real-IP`) |
+//! | [`ClientIp`] | the client's address behind trusted proxies (the one header they set: `X-Forwarded-For`, `Forwarded` or `X-Real-IP`) |
 //! | [`Header`] | a request header, e.g. an API key |
 //! | [`Extension`] | a value an earlier layer put in the request extensions, e.g. a user id |
 //! | `(A, B)` | both keys together (a composite) |
@@ -43,7 +43,7 @@ use std::fmt;
 use std::net::IpAddr;
 
 pub use header::{Extension, Header, ToKey};
-pub use ip::{ClientIp, PeerIp};
+pub use ip::{ClientIp, ForwardedHeader, PeerIp};
 
 use crate::RequestInfo;
 

@@ -135,8 +135,8 @@ impl RedisBackend {
         let weak = Arc::downgrade(&self.inner);
         handle.spawn(async move {
             let Some(inner) = weak.upgrade() else { return };
-            let probe_timeout = inner.probe_timeout();
-            let _ = tokio::time::timeout(probe_timeout, inner.conn.ping()).await;
+            let connect_timeout = inner.connect_timeout();
+            let _ = tokio::time::timeout(connect_timeout, inner.conn.ping()).await;
         });
     }
 }
@@ -162,6 +162,8 @@ pub struct RedisPolicy {
 struct PolicyInner {
     params: SmallVec<[QuotaParams; 2]>,
     key_prefix: Vec<u8>,
+    /// Per quota: `<index>:<emission>x<burst>` (see `keys::quota_suffixes`).
+    key_suffixes: Vec<Box<[u8]>>,
     args: Vec<Vec<u8>>,
     deny: DenyCache,
     local: Option<LocalPolicy>,
@@ -200,6 +202,7 @@ impl Backend for RedisBackend {
             inner: Arc::new(PolicyInner {
                 params: params.iter().copied().collect(),
                 key_prefix: keys::policy_prefix(&self.inner.prefix, policy.name()),
+                key_suffixes: keys::quota_suffixes(params),
                 args: script::quota_args(params),
                 deny: DenyCache::new(self.inner.budget.clone()),
                 local,
@@ -221,7 +224,7 @@ impl Backend for RedisBackend {
             let err = BackendError::new(BackendErrorKind::Unavailable, "circuit breaker open");
             return RedisFuture::ready(inner.degrade(p, key, cost, err));
         }
-        let bucket_keys = keys::bucket_keys(&p.key_prefix, key, p.params.len());
+        let bucket_keys = keys::bucket_keys(&p.key_prefix, key, &p.key_suffixes);
         let (inner, p, key) = (inner.clone(), policy.inner.clone(), key.clone());
         RedisFuture::call(Box::pin(async move {
             let mut invocation = script::SCRIPT.prepare_invoke();
@@ -307,7 +310,9 @@ impl Inner {
         }
     }
 
-    fn probe_timeout(&self) -> Duration {
+    /// The warm-up connection may take longer than a decision's timeout (a TLS or cluster
+    /// handshake); nothing waits for it.
+    fn connect_timeout(&self) -> Duration {
         self.timeout.max(Duration::from_millis(250))
     }
 
@@ -324,7 +329,9 @@ impl Inner {
             loop {
                 tokio::time::sleep(every).await;
                 let Some(inner) = weak.upgrade() else { return };
-                let answer = tokio::time::timeout(inner.probe_timeout(), inner.conn.ping()).await;
+                // The probe must meet the same timeout as a decision: a Redis slow enough to
+                // fail decisions must not close the breaker just to reopen it.
+                let answer = tokio::time::timeout(inner.timeout, inner.conn.ping()).await;
                 if let Ok(Ok(())) = answer {
                     inner.breaker.close();
                     tracing::info!("tollgate: Redis answers again; circuit breaker closed");

@@ -200,16 +200,7 @@ fn replay(entry: &Entry, cost: NonZeroU32, now_ns: u64, params: &[QuotaParams]) 
             .saturating_sub(elapsed)
             .saturating_add(extra_units.saturating_mul(t))
             .max(1);
-        let remaining = u64::from(cost.get()).saturating_sub(wait.div_ceil(t));
-        let remaining = u32::try_from(remaining).unwrap_or(0).min(cost.get() - 1);
-        QuotaState {
-            outcome: Outcome::Denied {
-                retry_after: Duration::from_nanos(wait),
-            },
-            remaining,
-            reset_after: Duration::from_nanos(t.saturating_mul(u64::from(s.limit - remaining))),
-            ..*s
-        }
+        QuotaState::denied(s.index, p, cost, Duration::from_nanos(wait))
     }))
 }
 

@@ -44,20 +44,36 @@ pub(crate) fn validate_prefix(prefix: &str) -> Result<(), ConfigError> {
 }
 
 /// The keys of one decision, one per quota.
-pub(crate) fn bucket_keys(policy_prefix: &[u8], key: &Key, quotas: usize) -> Vec<Vec<u8>> {
+pub(crate) fn bucket_keys(policy_prefix: &[u8], key: &Key, suffixes: &[Box<[u8]>]) -> Vec<Vec<u8>> {
     let mut encoded = Vec::with_capacity(32);
     key.encode(&mut encoded);
     let mut base = Vec::with_capacity(policy_prefix.len() + 3 * encoded.len() + 4);
     base.extend_from_slice(policy_prefix);
     escape(&encoded, &mut base);
     base.extend_from_slice(b"}:");
-    let mut index = itoa::Buffer::new();
-    (0..quotas)
-        .map(|i| {
-            let mut k = Vec::with_capacity(base.len() + 2);
+    suffixes
+        .iter()
+        .map(|suffix| {
+            let mut k = Vec::with_capacity(base.len() + suffix.len());
             k.extend_from_slice(&base);
-            k.extend_from_slice(index.format(i).as_bytes());
+            k.extend_from_slice(suffix);
             k
+        })
+        .collect()
+}
+
+/// The per-quota key suffixes: `<index>:<emission ns>x<burst>`. The parameters are part of the
+/// key so that a changed quota (a raised limit, a reordered policy) starts from a fresh bucket,
+/// as on the local backend, instead of reading a timestamp computed under other parameters;
+/// the old bucket expires by itself. Outside the hash tag: they do not move the slot.
+pub(crate) fn quota_suffixes(params: &[crate::quota::QuotaParams]) -> Vec<Box<[u8]>> {
+    params
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            format!("{i}:{}x{}", p.emission_ns, p.burst)
+                .into_bytes()
+                .into_boxed_slice()
         })
         .collect()
 }
@@ -78,18 +94,32 @@ mod tests {
     use super::*;
 
     fn keys(policy: &str, key: &Key) -> Vec<String> {
-        bucket_keys(&policy_prefix("tollgate", policy), key, 2)
-            .into_iter()
-            .map(|k| String::from_utf8(k).unwrap())
-            .collect()
+        let params = crate::Policy::new("p", crate::Quota::per_second(5).burst(10))
+            .and(crate::Quota::per_hour(100))
+            .validate()
+            .unwrap();
+        bucket_keys(
+            &policy_prefix("tollgate", policy),
+            key,
+            &quota_suffixes(&params),
+        )
+        .into_iter()
+        .map(|k| String::from_utf8(k).unwrap())
+        .collect()
     }
 
     #[test]
     fn layout() {
         let k = keys("api", &Key::from_bytes("alice").unwrap());
-        assert_eq!(k, ["tollgate:{api:balice}:0", "tollgate:{api:balice}:1"]);
+        assert_eq!(
+            k,
+            [
+                "tollgate:{api:balice}:0:200000000x10",
+                "tollgate:{api:balice}:1:36000000000x100"
+            ]
+        );
         let ip = keys("api", &Key::ip("127.0.0.1".parse().unwrap()));
-        assert_eq!(ip[0], "tollgate:{api:4%7F%00%00%01}:0");
+        assert_eq!(ip[0], "tollgate:{api:4%7F%00%00%01}:0:200000000x10");
     }
 
     #[test]
@@ -102,7 +132,7 @@ mod tests {
         assert_eq!(evil[0].matches('}').count(), 1);
         // Policy names may hold braces too.
         let p = keys("a{b}", &Key::global());
-        assert_eq!(p[0], "tollgate:{a%7Bb%7D:g}:0");
+        assert_eq!(p[0], "tollgate:{a%7Bb%7D:g}:0:200000000x10");
     }
 
     #[test]

@@ -54,9 +54,12 @@
 //! - **All-or-nothing across quotas.** Every quota of the policy is checked before any is
 //!   updated: a denied request takes nothing from any bucket. Its [`Decision`] lists every
 //!   quota; those that had room are reported as allowed with the units they still hold.
-//! - **Same semantics as the local backend.** Both run GCRA with the same parameters and
-//!   compute `remaining`, `retry_after` and `reset_after` the same way; one conformance suite
-//!   (the redis-cell `CL.THROTTLE` vectors among others) runs against both.
+//! - **Same single-quota semantics as the local backend.** Both run GCRA with the same
+//!   parameters and build `remaining`, `retry_after` and `reset_after` with the same code; one
+//!   conformance suite (the redis-cell `CL.THROTTLE` vectors among others) runs against both.
+//!   Multi-quota policies differ: all-or-nothing here, checked in order and stopping at the
+//!   first denial there. A changed quota starts from a fresh bucket on both (the quota's
+//!   parameters are part of its Redis key).
 //! - **Exact integer time.** Time comes from Redis `TIME` (never the instances' clocks, which
 //!   may disagree) and is kept in integer nanoseconds: after one request on a fresh burst-10
 //!   bucket, `remaining` is exactly 9. Arithmetic is exact for buckets that refill within
@@ -103,8 +106,11 @@
 //! bucket. So the earliest time a denied request can pass never moves earlier, whatever other
 //! instances do: Redis's `retry_after` is a lower bound that stays valid, and the cache counts
 //! it from the moment the call was sent (not later than Redis's own `now`). The only exceptions
-//! are outside changes to the keys (deleting them, or Redis losing them): then the cache may
-//! deny for at most the retry time it had been given.
+//! are outside changes to the keys (deleting them, or Redis losing them), and clocks: the
+//! cache times entries on this instance's monotonic clock while Redis decides on its `TIME`,
+//! so if Redis's clock steps forward by Δ (NTP, a failover to a node whose clock is ahead) it
+//! would allow a denied client up to Δ earlier than the cache. In those cases the cache denies
+//! for at most the retry time it had been given.
 //!
 //! # Testing hook
 //!

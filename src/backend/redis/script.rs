@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use smallvec::SmallVec;
 
-use crate::backend::{Decision, Outcome, QuotaState};
+use crate::backend::{Decision, QuotaState};
 use crate::quota::QuotaParams;
 use crate::{BackendError, BackendErrorKind};
 
@@ -39,13 +39,7 @@ pub(crate) fn never_fits(params: &[QuotaParams], cost: NonZeroU32) -> Option<Dec
         .iter()
         .enumerate()
         .filter(|(_, p)| cost > p.burst)
-        .map(|(index, p)| QuotaState {
-            index,
-            outcome: Outcome::NeverFits,
-            limit: p.burst.get(),
-            remaining: 0,
-            reset_after: Duration::ZERO,
-        })
+        .map(|(index, p)| QuotaState::never_fits(index, p))
         .collect();
     (!states.is_empty()).then(|| Decision::new(states))
 }
@@ -80,38 +74,17 @@ fn state(
     tat: u64,
     wait: u64,
 ) -> Result<QuotaState, BackendError> {
-    let limit = p.burst.get();
     let t = p.emission_ns.max(1);
     // Capacity of a full bucket, as governor counts it: tau + T = burst * T.
-    let full = t.saturating_mul(u64::from(limit));
-    let (outcome, remaining) = match code {
+    let full = t.saturating_mul(u64::from(p.burst.get()));
+    Ok(match code {
         ALLOWED | UNTOUCHED => {
             let remaining = full.saturating_sub(tat) / t;
-            (Outcome::Allowed, clamp_u32(remaining, limit))
+            QuotaState::allowed(index, p, clamp_u32(remaining, p.burst.get()))
         }
-        DENIED => {
-            // The request lacks ceil(wait / T) units, so that many fewer than `cost` are there.
-            let lacking = wait.div_ceil(t);
-            let remaining = u64::from(cost.get()).saturating_sub(lacking);
-            let retry_after = Duration::from_nanos(wait);
-            (
-                Outcome::Denied { retry_after },
-                clamp_u32(remaining, cost.get() - 1),
-            )
-        }
-        NEVER_FITS => (Outcome::NeverFits, 0),
+        DENIED => QuotaState::denied(index, p, cost, Duration::from_nanos(wait)),
+        NEVER_FITS => QuotaState::never_fits(index, p),
         other => return Err(protocol(format!("script replied unknown code {other}"))),
-    };
-    let reset_after = match outcome {
-        Outcome::NeverFits => Duration::ZERO,
-        _ => Duration::from_nanos(t.saturating_mul(u64::from(limit - remaining))),
-    };
-    Ok(QuotaState {
-        index,
-        outcome,
-        limit,
-        remaining,
-        reset_after,
     })
 }
 
