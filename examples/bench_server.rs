@@ -14,6 +14,8 @@
 //!   - `redis`: tollgate on the Redis backend (`REDIS_URL`, default `redis://127.0.0.1:6379`;
 //!     build with `--features redis`), default configuration (fail-open, deny cache on).
 //! - The key is the `x-key` request header, falling back to the client IP.
+//! - `HEADERS=ietf|legacy|both|none` (default `ietf`): tollgate's header style, to measure what
+//!   the headers cost.
 //! - The quota is so large (1 000 000 per second sustained, a burst of 3.6 billion) that nothing
 //!   is ever denied, so every mode does the same work per request.
 //! - `DENY_KEY=<value>`: that one key (an `x-key` value, or an IP address) gets one request per
@@ -36,7 +38,8 @@ use http::{HeaderValue, Request};
 use tollgate::backend::{Backend, LocalBackend};
 use tollgate::key::{ClientIp, Header, KeyExtractor, KeyExtractorExt, Or};
 use tollgate::{
-    ConfigError, Key, Policy, Quota, RateLimitLayer, RateLimitLayerBuilder, RequestInfo,
+    ConfigError, HeaderStyle, Key, Policy, Quota, RateLimitLayer, RateLimitLayerBuilder,
+    RequestInfo,
 };
 use tower_governor::GovernorError;
 use tower_governor::GovernorLayer;
@@ -70,10 +73,17 @@ fn tollgate_layer<Bk: Backend>(
     backend: Bk,
     deny_key: Option<Key>,
 ) -> Result<RateLimitLayer<BenchKey, Bk>, ConfigError> {
+    let headers = match std::env::var("HEADERS").as_deref() {
+        Ok("none") => HeaderStyle::None,
+        Ok("legacy") => HeaderStyle::Legacy,
+        Ok("both") => HeaderStyle::Both,
+        _ => HeaderStyle::Ietf,
+    };
     RateLimitLayerBuilder::new()
         .backend(backend)
         .key(bench_key())
         .policy(policy(deny_key))
+        .headers(headers)
         .build()
 }
 
