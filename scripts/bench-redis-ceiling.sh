@@ -5,6 +5,9 @@
 # --features redis`.
 #
 #   ./scripts/bench-redis-ceiling.sh [requests] [clients]
+#
+# On 2+ cores redis-server is pinned to core 0 and redis-benchmark to core 1, as
+# scripts/bench-http.sh pins the HTTP server (and its Redis) and wrk.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 requests="${1:-200000}"
@@ -12,7 +15,13 @@ clients="${2:-64}"
 
 dir="$(mktemp -d)"
 port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
-redis-server --port "$port" --bind 127.0.0.1 --save "" --appendonly no --dir "$dir" >/dev/null &
+pin_server=""
+pin_client=""
+if [ "$(nproc)" -ge 2 ]; then
+  pin_server="taskset -c 0"
+  pin_client="taskset -c 1"
+fi
+$pin_server redis-server --port "$port" --bind 127.0.0.1 --save "" --appendonly no --dir "$dir" >/dev/null &
 pid=$!
 trap 'kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; rm -rf "$dir"' EXIT
 for _ in $(seq 1 100); do
@@ -27,8 +36,8 @@ echo "script sha1: $sha"
 summary() { tr '\r' '\n' | grep 'requests per second'; }
 args=(EVALSHA "$sha" 1 "tollgate:{bench:b__rand_int__}:0" 1 "" 1000 1000000000)
 echo "allowed decisions, $clients clients, no pipelining:"
-redis-benchmark -p "$port" -n "$requests" -c "$clients" -r 100000 -q "${args[@]}" | summary
+$pin_client redis-benchmark -p "$port" -n "$requests" -c "$clients" -r 100000 -q "${args[@]}" | summary
 echo "allowed decisions, $clients clients, pipeline 16 (what a busy multiplexed connection approaches):"
-redis-benchmark -p "$port" -n "$requests" -c "$clients" -r 100000 -P 16 -q "${args[@]}" | summary
+$pin_client redis-benchmark -p "$port" -n "$requests" -c "$clients" -r 100000 -P 16 -q "${args[@]}" | summary
 echo "plain SET for reference:"
-redis-benchmark -p "$port" -n "$requests" -c "$clients" -r 100000 -q SET "k__rand_int__" v | summary
+$pin_client redis-benchmark -p "$port" -n "$requests" -c "$clients" -r 100000 -q SET "k__rand_int__" v | summary
