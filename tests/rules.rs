@@ -83,12 +83,7 @@ where
     S: Service<Request<Full<Bytes>>, Response = Response<tollgate::ResponseBody<Full<Bytes>>>>,
     S::Error: std::fmt::Debug,
 {
-    let res = svc.ready().await.unwrap().call(r).await.unwrap();
-    let v = res.headers()["ratelimit-policy"]
-        .to_str()
-        .unwrap()
-        .to_owned();
-    v.split('"').nth(1).unwrap().to_owned()
+    policy_and_q(svc, r).await.0
 }
 
 #[tokio::test]
