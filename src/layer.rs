@@ -176,8 +176,9 @@ impl<K, Bk> RateLimitLayerBuilder<K, Bk> {
         self
     }
 
-    /// Rejections are built by `f`; tollgate adds `Retry-After` and the rate-limit headers
-    /// unless `f` set them. gRPC requests still get a gRPC status.
+    /// Rejections are built by `f`; tollgate adds `Retry-After` unless `f` set it, and its
+    /// rate-limit headers (legacy ones unless set; IETF ones appended, as list items may span
+    /// several fields). gRPC requests still get a gRPC status.
     pub fn rejection_response<F>(mut self, f: F) -> Self
     where
         F: Fn(&crate::Rejection<'_>) -> http::Response<bytes::Bytes> + Send + Sync + 'static,

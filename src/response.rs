@@ -114,8 +114,8 @@ pub enum RejectionBody {
     /// An RFC 9457 `application/problem+json` document with the draft's `quota-exceeded`
     /// problem type and `violated-policies`.
     ProblemJson,
-    /// A response of your own; tollgate still adds `Retry-After` and the rate-limit headers
-    /// unless the response already has them.
+    /// A response of your own; tollgate still adds `Retry-After` (unless set) and its
+    /// rate-limit headers.
     Custom(RejectFn),
 }
 
