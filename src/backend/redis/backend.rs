@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use smallvec::SmallVec;
 
+use super::batch::{Batcher, Job};
 use super::breaker::Breaker;
 use super::clock::Clock;
 use super::conn::Conn;
@@ -87,6 +88,7 @@ pub(crate) struct Inner {
     pub(crate) local: Option<LocalBackend>,
     pub(crate) warmed: AtomicBool,
     pub(crate) counters: Counters,
+    pub(crate) batcher: Batcher,
 }
 
 #[derive(Default)]
@@ -164,7 +166,7 @@ struct PolicyInner {
     key_prefix: Vec<u8>,
     /// Per quota: `<index>:<emission>x<burst>` (see `keys::quota_suffixes`).
     key_suffixes: Vec<Box<[u8]>>,
-    args: Vec<Vec<u8>>,
+    args: Arc<[Vec<u8>]>,
     deny: DenyCache,
     local: Option<LocalPolicy>,
 }
@@ -203,7 +205,7 @@ impl Backend for RedisBackend {
                 params: params.iter().copied().collect(),
                 key_prefix: keys::policy_prefix(&self.inner.prefix, policy.name()),
                 key_suffixes: keys::quota_suffixes(params),
-                args: script::quota_args(params),
+                args: script::quota_args(params).into(),
                 deny: DenyCache::new(self.inner.budget.clone()),
                 local,
             }),
@@ -227,16 +229,9 @@ impl Backend for RedisBackend {
         let bucket_keys = keys::bucket_keys(&p.key_prefix, key, &p.key_suffixes);
         let (inner, p, key) = (inner.clone(), policy.inner.clone(), key.clone());
         RedisFuture::call(Box::pin(async move {
-            let mut invocation = script::SCRIPT.prepare_invoke();
-            invocation.key(bucket_keys).arg(cost.get());
-            match inner.clock.script_time() {
-                Some(ns) => invocation.arg(ns),
-                None => invocation.arg(""),
-            };
-            invocation.arg(&p.args);
             bump(&inner.counters.calls);
             let sent_ns = inner.clock.now_ns();
-            let outcome = tokio::time::timeout(inner.timeout, inner.conn.invoke(&invocation)).await;
+            let outcome = tokio::time::timeout(inner.timeout, inner.run(&p, bucket_keys, cost)).await;
             let result = match outcome {
                 Ok(Ok(reply)) => script::decision(&reply, &p.params, cost),
                 Ok(Err(err)) => {
@@ -285,6 +280,50 @@ impl Backend for RedisBackend {
 }
 
 impl Inner {
+    /// Runs the script for one decision: queued with concurrent ones on a single node, alone
+    /// on a cluster.
+    async fn run(
+        self: &Arc<Self>,
+        p: &PolicyInner,
+        keys: Vec<Vec<u8>>,
+        cost: NonZeroU32,
+    ) -> redis::RedisResult<Vec<i64>> {
+        match &self.conn {
+            Conn::Single(_) => {
+                let (reply, answer) = tokio::sync::oneshot::channel();
+                self.batcher.submit(
+                    self,
+                    Job {
+                        keys,
+                        cost: cost.get(),
+                        args: p.args.clone(),
+                        reply,
+                    },
+                );
+                answer.await.unwrap_or_else(|_| {
+                    Err(redis::RedisError::from((
+                        redis::ErrorKind::Io,
+                        "the batch call was abandoned",
+                    )))
+                })
+            }
+            Conn::Cluster(_) => {
+                let mut invocation = script::SCRIPT.prepare_invoke();
+                match self.clock.script_time() {
+                    Some(ns) => invocation.arg(ns),
+                    None => invocation.arg(""),
+                };
+                invocation
+                    .arg(1)
+                    .key(&keys)
+                    .arg(keys.len())
+                    .arg(cost.get())
+                    .arg(&*p.args);
+                self.conn.invoke(&invocation).await
+            }
+        }
+    }
+
     /// The answer for a request Redis could not decide.
     fn degrade(
         &self,

@@ -207,6 +207,7 @@ impl RedisBackendBuilder {
                 local,
                 warmed: AtomicBool::new(false),
                 counters: Counters::default(),
+                batcher: Default::default(),
             }),
         })
     }

@@ -123,6 +123,7 @@
 //! [`LocalBackend`]: crate::backend::LocalBackend
 
 mod backend;
+mod batch;
 mod breaker;
 mod builder;
 mod clock;

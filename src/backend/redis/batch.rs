@@ -1,0 +1,114 @@
+//! Batching: concurrent decisions on a single node share one script call.
+//!
+//! Every decision sent while a call is in flight waits in a queue; when the call returns, the
+//! whole queue (up to [`MAX_BATCH`] decisions) goes out as the next call. An idle backend
+//! therefore sends each decision at once, and a busy one pays Redis's per-command cost (parsing,
+//! script lookup, the round trip through redis-rs) once per batch instead of once per request.
+//! Each decision is still atomic and all-or-nothing on its own: the script runs them one after
+//! another inside one call. Redis Cluster calls are not batched (the decisions of one call must
+//! share a hash slot).
+
+use std::sync::{Arc, Weak};
+
+use arc_swap::ArcSwapOption;
+use redis::RedisResult;
+use tokio::sync::{mpsc, oneshot};
+
+use super::backend::Inner;
+use super::script;
+
+/// The most decisions in one call: bounds how long one script call keeps Redis busy.
+pub(crate) const MAX_BATCH: usize = 64;
+
+/// One decision waiting for a call.
+pub(crate) struct Job {
+    pub(crate) keys: Vec<Vec<u8>>,
+    pub(crate) cost: u32,
+    /// The policy's formatted quota parameters (two per quota).
+    pub(crate) args: Arc<[Vec<u8>]>,
+    pub(crate) reply: oneshot::Sender<RedisResult<Vec<i64>>>,
+}
+
+/// The queue to the task that makes the calls; the task is started on first use, and again if
+/// its runtime went away.
+#[derive(Default)]
+pub(crate) struct Batcher {
+    tx: ArcSwapOption<mpsc::UnboundedSender<Job>>,
+}
+
+impl Batcher {
+    /// Queues `job`. Must be called inside a Tokio runtime.
+    pub(crate) fn submit(&self, inner: &Arc<Inner>, job: Job) {
+        let job = match self.tx.load().as_deref() {
+            Some(tx) => match tx.send(job) {
+                Ok(()) => return,
+                // The task is gone (its runtime shut down): start another.
+                Err(mpsc::error::SendError(job)) => job,
+            },
+            None => job,
+        };
+        let (tx, rx) = mpsc::unbounded_channel();
+        tokio::spawn(drive(Arc::downgrade(inner), rx));
+        // Cannot fail: the receiver was just made.
+        let _ = tx.send(job);
+        self.tx.store(Some(Arc::new(tx)));
+    }
+}
+
+/// Sends the queued decisions, a batch per call, until the backend is dropped.
+async fn drive(inner: Weak<Inner>, mut rx: mpsc::UnboundedReceiver<Job>) {
+    let mut batch = Vec::with_capacity(MAX_BATCH);
+    while rx.recv_many(&mut batch, MAX_BATCH).await > 0 {
+        let Some(inner) = inner.upgrade() else { return };
+        // Requests that gave up (timed out) need no answer.
+        batch.retain(|job: &Job| !job.reply.is_closed());
+        if !batch.is_empty() {
+            call(&inner, &mut batch).await;
+        }
+        batch.clear();
+    }
+}
+
+async fn call(inner: &Inner, batch: &mut Vec<Job>) {
+    let mut invocation = script::SCRIPT.prepare_invoke();
+    match inner.clock.script_time() {
+        Some(ns) => invocation.arg(ns),
+        None => invocation.arg(""),
+    };
+    invocation.arg(batch.len());
+    for job in batch.iter() {
+        invocation
+            .key(&job.keys)
+            .arg(job.keys.len())
+            .arg(job.cost)
+            .arg(&*job.args);
+    }
+    // A call that outlives the timeout answers nobody: every waiting request has timed out
+    // by then, and dropping the senders tells any that has not.
+    let Ok(result) = tokio::time::timeout(inner.timeout, inner.conn.invoke(&invocation)).await
+    else {
+        return;
+    };
+    match result {
+        Ok(reply) => {
+            let mut rest = reply.as_slice();
+            for job in batch.drain(..) {
+                let n = 3 * job.keys.len();
+                if rest.len() < n {
+                    // A malformed reply: the decision sees a length mismatch and reports it.
+                    let _ = job.reply.send(Ok(rest.to_vec()));
+                    rest = &[];
+                    continue;
+                }
+                let (mine, tail) = rest.split_at(n);
+                rest = tail;
+                let _ = job.reply.send(Ok(mine.to_vec()));
+            }
+        }
+        Err(err) => {
+            for job in batch.drain(..) {
+                let _ = job.reply.send(Err(err.clone()));
+            }
+        }
+    }
+}
