@@ -277,6 +277,66 @@ async fn two_backends_with_separate_connections_allow_exactly_the_burst() {
     assert_eq!(allowed, 50);
     let calls: u64 = replicas.iter().map(|(b, _)| b.stats().redis_calls).sum();
     assert_eq!(calls, 400);
+    // Concurrent decisions shared script calls (one call in flight per backend at a time).
+    let script_calls: u64 = replicas.iter().map(|(b, _)| b.stats().script_calls).sum();
+    assert!(
+        script_calls < 400,
+        "{script_calls} script calls for 400 decisions"
+    );
+}
+
+/// Decisions batched into one call are still each atomic and all-or-nothing, with their own
+/// costs and policies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batched_decisions_keep_their_own_costs_and_policies() {
+    let server = RedisServer::start();
+    let b = RedisBackend::builder()
+        .url(server.url())
+        .timeout(Duration::from_secs(2))
+        .deny_cache_capacity(0)
+        .build()
+        .unwrap();
+    let small = Arc::new(prepare(&b, &Policy::new("small", no_refill(10))));
+    let multi = Arc::new(prepare(
+        &b,
+        &Policy::new("multi", no_refill(100)).and(Quota::per_day(1).burst(30)),
+    ));
+    let mut tasks = Vec::new();
+    for i in 0..300u32 {
+        let b = b.clone();
+        let (p, c) = if i % 2 == 0 {
+            (small.clone(), 1)
+        } else {
+            (multi.clone(), 1 + i % 3)
+        };
+        tasks.push(tokio::spawn(async move {
+            let d = b.decide(&p, &key("k"), cost(c)).await.unwrap();
+            (i % 2 == 0, c, d.is_allowed())
+        }));
+    }
+    let (mut small_units, mut multi_units) = (0, 0);
+    for t in tasks {
+        let (is_small, c, allowed) = t.await.unwrap();
+        if allowed {
+            if is_small {
+                small_units += c;
+            } else {
+                multi_units += c;
+            }
+        }
+    }
+    assert_eq!(small_units, 10);
+    // The 30-unit daily quota bounds the multi policy; nothing denied took any unit, so the
+    // units that passed fill it exactly unless the last requests were too big to fit.
+    assert!((28..=30).contains(&multi_units), "{multi_units}");
+    let left = b.decide(&multi, &key("k"), cost(1)).await.unwrap();
+    // Units taken are exactly the units allowed (plus this check's own, when it passed).
+    assert_eq!(
+        multi_units + left.quotas()[1].remaining + u32::from(left.is_allowed()),
+        30,
+        "{left:?}"
+    );
+    assert!(b.stats().script_calls < 301, "{:?}", b.stats());
 }
 
 #[tokio::test]

@@ -45,8 +45,10 @@ pub enum FailurePolicy {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RedisStats {
-    /// Script calls sent to Redis.
+    /// Decisions sent to Redis.
     pub redis_calls: u64,
+    /// Script calls those took: concurrent decisions on a single node share one call.
+    pub script_calls: u64,
     /// Calls that failed: errors, timeouts and bad replies.
     pub redis_errors: u64,
     /// Of those, calls that timed out.
@@ -94,6 +96,7 @@ pub(crate) struct Inner {
 #[derive(Default)]
 pub(crate) struct Counters {
     calls: AtomicU64,
+    pub(crate) script_calls: AtomicU64,
     errors: AtomicU64,
     timeouts: AtomicU64,
     fail_open: AtomicU64,
@@ -102,7 +105,7 @@ pub(crate) struct Counters {
     deny_cache_hits: AtomicU64,
 }
 
-fn bump(c: &AtomicU64) {
+pub(crate) fn bump(c: &AtomicU64) {
     c.fetch_add(1, Ordering::Relaxed);
 }
 
@@ -113,6 +116,7 @@ impl RedisBackend {
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
         RedisStats {
             redis_calls: get(&c.calls),
+            script_calls: get(&c.script_calls),
             redis_errors: get(&c.errors),
             timeouts: get(&c.timeouts),
             fail_open: get(&c.fail_open),
@@ -231,7 +235,8 @@ impl Backend for RedisBackend {
         RedisFuture::call(Box::pin(async move {
             bump(&inner.counters.calls);
             let sent_ns = inner.clock.now_ns();
-            let outcome = tokio::time::timeout(inner.timeout, inner.run(&p, bucket_keys, cost)).await;
+            let outcome =
+                tokio::time::timeout(inner.timeout, inner.run(&p, bucket_keys, cost)).await;
             let result = match outcome {
                 Ok(Ok(reply)) => script::decision(&reply, &p.params, cost),
                 Ok(Err(err)) => {
@@ -319,6 +324,7 @@ impl Inner {
                     .arg(keys.len())
                     .arg(cost.get())
                     .arg(&*p.args);
+                bump(&self.counters.script_calls);
                 self.conn.invoke(&invocation).await
             }
         }

@@ -14,7 +14,7 @@ use arc_swap::ArcSwapOption;
 use redis::RedisResult;
 use tokio::sync::{mpsc, oneshot};
 
-use super::backend::Inner;
+use super::backend::{Inner, bump};
 use super::script;
 
 /// The most decisions in one call: bounds how long one script call keeps Redis busy.
@@ -83,6 +83,7 @@ async fn call(inner: &Inner, batch: &mut Vec<Job>) {
             .arg(job.cost)
             .arg(&*job.args);
     }
+    bump(&inner.counters.script_calls);
     // A call that outlives the timeout answers nobody: every waiting request has timed out
     // by then, and dropping the senders tells any that has not.
     let Ok(result) = tokio::time::timeout(inner.timeout, inner.conn.invoke(&invocation)).await

@@ -23,8 +23,11 @@
 //! # Ok(()) }
 //! ```
 //!
-//! A decision is one `EVALSHA` of a Lua script (loaded again by itself after `SCRIPT FLUSH`, a
-//! restart or a failover) that runs GCRA over every quota of the policy. Connect with
+//! A decision is one run of a Lua script (`EVALSHA`, loaded again by itself after
+//! `SCRIPT FLUSH`, a restart or a failover) that runs GCRA over every quota of the policy. On a
+//! single node, decisions made while a call is in flight are sent together in the next call
+//! (up to 64), each still atomic and all-or-nothing on its own: a busy backend pays Redis's
+//! per-call cost once per batch. Connect with
 //! [`url`](RedisBackendBuilder::url) (one node), [`cluster_nodes`](RedisBackendBuilder::cluster_nodes)
 //! (Redis Cluster), or hand over your own redis-rs
 //! [`ConnectionManager`](redis::aio::ConnectionManager) or
