@@ -120,23 +120,28 @@ impl Key {
     /// Appends an unambiguous binary encoding of the key to `out`: different keys always give
     /// different encodings. Backends that store keys elsewhere (Redis) use this.
     pub fn encode(&self, out: &mut Vec<u8>) {
+        self.encode_into(out);
+    }
+
+    /// [`encode`](Self::encode) into any byte buffer.
+    pub(crate) fn encode_into(&self, out: &mut impl Extend<u8>) {
         match &self.0 {
-            Repr::Global => out.push(b'g'),
+            Repr::Global => out.extend([b'g']),
             Repr::Ip(IpAddr::V4(v4)) => {
-                out.push(b'4');
-                out.extend_from_slice(&v4.octets());
+                out.extend([b'4']);
+                out.extend(v4.octets());
             }
             Repr::Ip(IpAddr::V6(v6)) => {
-                out.push(b'6');
-                out.extend_from_slice(&v6.octets());
+                out.extend([b'6']);
+                out.extend(v6.octets());
             }
             Repr::Bytes(b) => {
-                out.push(b'b');
-                out.extend_from_slice(b);
+                out.extend([b'b']);
+                out.extend(b.iter().copied());
             }
             Repr::Composite(b) => {
-                out.push(b'c');
-                out.extend_from_slice(b);
+                out.extend([b'c']);
+                out.extend(b.iter().copied());
             }
         }
     }

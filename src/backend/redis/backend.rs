@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use smallvec::SmallVec;
 
-use super::batch::{Batcher, Job};
+use super::batch::{Batcher, Job, Reply};
 use super::breaker::Breaker;
 use super::clock::Clock;
 use super::conn::Conn;
@@ -292,7 +292,7 @@ impl Inner {
         p: &PolicyInner,
         keys: Vec<Vec<u8>>,
         cost: NonZeroU32,
-    ) -> redis::RedisResult<Vec<i64>> {
+    ) -> redis::RedisResult<Reply> {
         match &self.conn {
             Conn::Single(_) => {
                 let (reply, answer) = tokio::sync::oneshot::channel();
@@ -325,7 +325,7 @@ impl Inner {
                     .arg(cost.get())
                     .arg(&*p.args);
                 bump(&self.counters.script_calls);
-                self.conn.invoke(&invocation).await
+                self.conn.invoke(&invocation).await.map(Reply::whole)
             }
         }
     }

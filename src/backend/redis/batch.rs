@@ -26,7 +26,32 @@ pub(crate) struct Job {
     pub(crate) cost: u32,
     /// The policy's formatted quota parameters (two per quota).
     pub(crate) args: Arc<[Vec<u8>]>,
-    pub(crate) reply: oneshot::Sender<RedisResult<Vec<i64>>>,
+    pub(crate) reply: oneshot::Sender<RedisResult<Reply>>,
+}
+
+/// One decision's part of a call's reply, shared without copying.
+pub(crate) struct Reply {
+    all: Arc<[i64]>,
+    range: std::ops::Range<usize>,
+}
+
+impl Reply {
+    /// A whole reply.
+    pub(crate) fn whole(all: Vec<i64>) -> Self {
+        let range = 0..all.len();
+        Reply {
+            all: all.into(),
+            range,
+        }
+    }
+}
+
+impl std::ops::Deref for Reply {
+    type Target = [i64];
+
+    fn deref(&self) -> &[i64] {
+        &self.all[self.range.clone()]
+    }
 }
 
 /// The queue to the task that makes the calls; the task is started on first use, and again if
@@ -92,18 +117,17 @@ async fn call(inner: &Inner, batch: &mut Vec<Job>) {
     };
     match result {
         Ok(reply) => {
-            let mut rest = reply.as_slice();
+            let all: Arc<[i64]> = reply.into();
+            let mut start = 0;
             for job in batch.drain(..) {
-                let n = 3 * job.keys.len();
-                if rest.len() < n {
-                    // A malformed reply: the decision sees a length mismatch and reports it.
-                    let _ = job.reply.send(Ok(rest.to_vec()));
-                    rest = &[];
-                    continue;
-                }
-                let (mine, tail) = rest.split_at(n);
-                rest = tail;
-                let _ = job.reply.send(Ok(mine.to_vec()));
+                // A short reply gives the last decisions a short slice: they report a length
+                // mismatch as a protocol error.
+                let end = (start + 3 * job.keys.len()).min(all.len());
+                let _ = job.reply.send(Ok(Reply {
+                    all: all.clone(),
+                    range: start..end,
+                }));
+                start = end;
             }
         }
         Err(err) => {

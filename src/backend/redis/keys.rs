@@ -45,17 +45,17 @@ pub(crate) fn validate_prefix(prefix: &str) -> Result<(), ConfigError> {
 
 /// The keys of one decision, one per quota.
 pub(crate) fn bucket_keys(policy_prefix: &[u8], key: &Key, suffixes: &[Box<[u8]>]) -> Vec<Vec<u8>> {
-    let mut encoded = Vec::with_capacity(32);
-    key.encode(&mut encoded);
-    let mut base = Vec::with_capacity(policy_prefix.len() + 3 * encoded.len() + 4);
-    base.extend_from_slice(policy_prefix);
-    escape(&encoded, &mut base);
-    base.extend_from_slice(b"}:");
+    // The encoding is escaped byte by byte straight into each key: one allocation per quota.
+    let mut encoded = smallvec::SmallVec::<[u8; 64]>::new();
+    key.encode_into(&mut encoded);
+    let base_len = policy_prefix.len() + 3 * encoded.len() + 2;
     suffixes
         .iter()
         .map(|suffix| {
-            let mut k = Vec::with_capacity(base.len() + suffix.len());
-            k.extend_from_slice(&base);
+            let mut k = Vec::with_capacity(base_len + suffix.len());
+            k.extend_from_slice(policy_prefix);
+            escape(&encoded, &mut k);
+            k.extend_from_slice(b"}:");
             k.extend_from_slice(suffix);
             k
         })
