@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use smallvec::SmallVec;
 
-use super::batch::{Batcher, Job, Reply};
+use super::batch::{Batcher, Reply};
 use super::breaker::Breaker;
 use super::clock::Clock;
 use super::conn::Conn;
@@ -239,6 +239,10 @@ impl Backend for RedisBackend {
                 tokio::time::timeout(inner.timeout, inner.run(&p, bucket_keys, cost)).await;
             let result = match outcome {
                 Ok(Ok(reply)) => script::decision(&reply, &p.params, cost),
+                Ok(Err(err)) if err.is_timeout() => {
+                    bump(&inner.counters.timeouts);
+                    Err(BackendError::new(BackendErrorKind::Timeout, err))
+                }
                 Ok(Err(err)) => {
                     let kind = if err.is_io_error()
                         || err.is_connection_dropped()
@@ -294,24 +298,7 @@ impl Inner {
         cost: NonZeroU32,
     ) -> redis::RedisResult<Reply> {
         match &self.conn {
-            Conn::Single(_) => {
-                let (reply, answer) = tokio::sync::oneshot::channel();
-                self.batcher.submit(
-                    self,
-                    Job {
-                        keys,
-                        cost: cost.get(),
-                        args: p.args.clone(),
-                        reply,
-                    },
-                );
-                answer.await.unwrap_or_else(|_| {
-                    Err(redis::RedisError::from((
-                        redis::ErrorKind::Io,
-                        "the batch call was abandoned",
-                    )))
-                })
-            }
+            Conn::Single(_) => Batcher::run(self, keys, cost.get(), p.args.clone()).await,
             Conn::Cluster(_) => {
                 let mut invocation = script::SCRIPT.prepare_invoke();
                 match self.clock.script_time() {
