@@ -5,9 +5,12 @@
 //!
 //! 1. extracts a **key** ([`key`]): the client IP behind trusted proxies, an API key header, a
 //!    user id from an extension, a closure, or one global key;
-//! 2. takes the **policy**: one or more [`Quota`]s that must all pass, and a cost;
+//! 2. takes the **policy**: one or more [`Quota`]s that must all pass, and a cost — one
+//!    [`Policy`] for the layer, or one picked per request by [`rules`] that can be replaced
+//!    while serving;
 //! 3. asks a **backend** ([`backend`]) for a decision: in process with [governor]'s GCRA
-//!    ([`LocalBackend`](backend::LocalBackend), the default);
+//!    ([`LocalBackend`](backend::LocalBackend), the default), or in Redis for a limit shared
+//!    by every replica (feature `redis`);
 //! 4. passes the request on, or answers `429 Too Many Requests` (gRPC: `RESOURCE_EXHAUSTED`)
 //!    with `Retry-After`; both carry the IETF `RateLimit` and `RateLimit-Policy` headers
 //!    ([`response`]).
@@ -36,6 +39,7 @@
 //! | `local` | yes | [`LocalBackend`](backend::LocalBackend): in-process GCRA on governor |
 //! | `axum` | yes | [`PeerIp`](key::PeerIp)/[`ClientIp`](key::ClientIp) read axum's `ConnectInfo<SocketAddr>` |
 //! | `tonic` | no | [`PeerIp`](key::PeerIp)/[`ClientIp`](key::ClientIp) read tonic's `TcpConnectInfo` |
+//! | `serde` | no | [`RuleSet`](rules::RuleSet), [`Policy`] and [`Quota`] from TOML / YAML / JSON |
 //! | `redis` | no | [`RedisBackend`](backend::redis::RedisBackend): one limit shared by every instance, on Redis or Redis Cluster (implies `local`) |
 //!
 //! [tower]: https://docs.rs/tower
