@@ -29,8 +29,9 @@
 //!   over all quotas; concurrent inserts may overshoot by a few) are tracked: when the table is
 //!   full, a sweep starts at once (on a blocking thread), and a new key that finds no room is
 //!   denied (`Retry-After: 1`) rather than tracked, while keys already tracked keep their
-//!   limits. A bucket costs about 70 bytes plus its key: IP keys are stored inline, byte keys
-//!   (headers, up to [`Key::MAX_LEN`] bytes) on the heap, so the worst case at the default cap
+//!   limits. A bucket costs about 86 bytes with its key (measured: `benches/memory.rs`): IP
+//!   keys and byte keys of up to 30 bytes are stored inline, longer ones (up to
+//!   [`Key::MAX_LEN`] bytes) on the heap, so the worst case at the default cap
 //!   with 256-byte keys is about 330 MB; lower `max_keys` when keys come from clients.
 //! - **Header timing.** `remaining` and `retry_after` are exact; for allowed requests
 //!   `reset_after` (time until the bucket is full) may be late by less than one emission

@@ -52,6 +52,7 @@ use crate::RequestInfo;
 ///
 /// Keys are bounded: byte keys longer than [`Key::MAX_LEN`] are refused with
 /// [`KeyError::TooLong`], so a client cannot make the limiter store arbitrarily long strings.
+/// IP keys and byte keys of up to 30 bytes are stored inline, without allocating.
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct Key(Repr);
 
@@ -59,8 +60,27 @@ pub struct Key(Repr);
 enum Repr {
     Global,
     Ip(IpAddr),
+    /// Byte keys of up to [`INLINE`] bytes, without an allocation (most API keys and ids).
+    Short(Inline),
+    /// Longer byte keys. A key is `Short` exactly when it fits, so equal keys are equal
+    /// variants and the derived `Eq` and `Hash` hold.
     Bytes(Box<[u8]>),
     Composite(Box<[u8]>),
+}
+
+/// The longest byte key stored inline.
+const INLINE: usize = 30;
+
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct Inline {
+    len: u8,
+    bytes: [u8; INLINE],
+}
+
+impl Inline {
+    fn as_slice(&self) -> &[u8] {
+        &self.bytes[..usize::from(self.len)]
+    }
 }
 
 impl Key {
@@ -85,6 +105,14 @@ impl Key {
                 len: bytes.len(),
                 max: Self::MAX_LEN,
             });
+        }
+        if bytes.len() <= INLINE {
+            let mut inline = Inline {
+                len: bytes.len() as u8,
+                bytes: [0; INLINE],
+            };
+            inline.bytes[..bytes.len()].copy_from_slice(bytes);
+            return Ok(Key(Repr::Short(inline)));
         }
         Ok(Key(Repr::Bytes(bytes.into())))
     }
@@ -135,6 +163,10 @@ impl Key {
                 out.extend([b'6']);
                 out.extend(v6.octets());
             }
+            Repr::Short(b) => {
+                out.extend([b'b']);
+                out.extend(b.as_slice().iter().copied());
+            }
             Repr::Bytes(b) => {
                 out.extend([b'b']);
                 out.extend(b.iter().copied());
@@ -170,6 +202,7 @@ impl fmt::Display for Key {
         match &self.0 {
             Repr::Global => f.write_str("*"),
             Repr::Ip(ip) => write!(f, "{ip}"),
+            Repr::Short(b) => escaped(f, b.as_slice()),
             Repr::Bytes(b) => escaped(f, b),
             Repr::Composite(b) => {
                 f.write_str("composite:")?;
@@ -333,6 +366,20 @@ mod tests {
         ]);
         assert_ne!(ab_c, a_bc);
         assert_ne!(ab_c.unwrap(), Key::from_bytes("abc").unwrap());
+    }
+
+    #[test]
+    fn short_and_long_byte_keys_behave_alike() {
+        let short = Key::from_bytes("k".repeat(INLINE)).unwrap();
+        let long = Key::from_bytes("k".repeat(INLINE + 1)).unwrap();
+        assert_ne!(short, long);
+        assert_eq!(short, Key::from_bytes("k".repeat(INLINE)).unwrap());
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        short.encode(&mut a);
+        long.encode(&mut b);
+        assert_eq!(a.len() + 1, b.len());
+        assert_eq!(&b[..a.len()], &a[..]);
+        assert_eq!(short.to_string(), "k".repeat(INLINE));
     }
 
     #[test]
