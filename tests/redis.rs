@@ -755,3 +755,75 @@ async fn an_existing_connection_manager_can_be_used() {
         "keys under the custom prefix"
     );
 }
+
+/// A decision whose key Redis refuses fails alone: the decisions sharing its script call go
+/// on, and nothing is taken for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_key_fails_only_its_own_decision() {
+    let server = RedisServer::start();
+    let b = RedisBackend::builder()
+        .url(server.url())
+        .timeout(Duration::from_secs(2))
+        .on_failure(FailurePolicy::FailClosed)
+        .deny_cache_capacity(0)
+        .build()
+        .unwrap();
+    let p = Arc::new(prepare(&b, &Policy::new("iso", no_refill(1000))));
+    // Another program wrote a list where the "bad" bucket lives.
+    let bad_key = format!("tollgate:{{iso:bbad}}:0:{}x1000", 86_400_000_000_000u64);
+    server.cmd(&["RPUSH", &bad_key, "x"]);
+    let mut tasks = Vec::new();
+    for i in 0..200 {
+        let (b, p) = (b.clone(), p.clone());
+        tasks.push(tokio::spawn(async move {
+            let k = if i % 10 == 0 { "bad" } else { "good" };
+            (
+                k,
+                b.decide(&p, &key(k), cost(1)).await.map(|d| d.is_allowed()),
+            )
+        }));
+    }
+    let (mut good, mut bad_errors) = (0, 0);
+    for t in tasks {
+        match t.await.unwrap() {
+            ("good", Ok(true)) => good += 1,
+            ("bad", Err(e)) => {
+                assert_eq!(e.kind(), tollgate::BackendErrorKind::Protocol, "{e}");
+                bad_errors += 1;
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!((good, bad_errors), (180, 20));
+    assert!(b.stats().script_calls < 200, "{:?}", b.stats());
+    // The list is untouched.
+    assert_eq!(server.cmd(&["LLEN", &bad_key]).trim(), ":1");
+}
+
+/// Without batching (e.g. behind a sharding proxy), every decision is its own call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batching_can_be_turned_off() {
+    let server = RedisServer::start();
+    let b = RedisBackend::builder()
+        .url(server.url())
+        .timeout(Duration::from_secs(2))
+        .batching(false)
+        .build()
+        .unwrap();
+    let p = Arc::new(prepare(&b, &Policy::new("solo", no_refill(30))));
+    let tasks: Vec<_> = (0..100)
+        .map(|_| {
+            let (b, p) = (b.clone(), p.clone());
+            tokio::spawn(
+                async move { b.decide(&p, &key("k"), cost(1)).await.unwrap().is_allowed() },
+            )
+        })
+        .collect();
+    let mut allowed = 0;
+    for t in tasks {
+        allowed += usize::from(t.await.unwrap());
+    }
+    assert_eq!(allowed, 30);
+    let s = b.stats();
+    assert_eq!(s.script_calls, s.redis_calls, "{s:?}");
+}

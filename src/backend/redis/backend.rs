@@ -91,6 +91,7 @@ pub(crate) struct Inner {
     pub(crate) warmed: AtomicBool,
     pub(crate) counters: Counters,
     pub(crate) batcher: Batcher,
+    pub(crate) batching: bool,
 }
 
 #[derive(Default)]
@@ -298,8 +299,10 @@ impl Inner {
         cost: NonZeroU32,
     ) -> redis::RedisResult<Reply> {
         match &self.conn {
-            Conn::Single(_) => Batcher::run(self, keys, cost.get(), p.args.clone()).await,
-            Conn::Cluster(_) => {
+            Conn::Single(_) if self.batching => {
+                Batcher::run(self, keys, cost.get(), p.args.clone()).await
+            }
+            _ => {
                 let mut invocation = script::SCRIPT.prepare_invoke();
                 match self.clock.script_time() {
                     Some(ns) => invocation.arg(ns),

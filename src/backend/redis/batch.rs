@@ -1,26 +1,31 @@
-//! Batching: concurrent decisions on a single node share one script call.
+//! Batching: concurrent decisions on a single node share script calls.
 //!
-//! At most one call is in flight per backend. The request that finds none in flight makes the
-//! call itself, at once, with whatever is queued (so an idle backend adds no hop and no wait);
-//! requests arriving meanwhile queue up, and when the call returns the queue (up to
-//! [`MAX_BATCH`] decisions) goes out as the next call, made by the request that led, or by a
-//! task once that request has its own answer. A busy backend therefore pays Redis's per-call
-//! cost (parsing, script lookup, the round trip through redis-rs) once per batch instead of
-//! once per request. Each decision is still atomic and all-or-nothing on its own: the script
-//! runs them one after another inside one call. Redis Cluster calls are not batched (the
-//! decisions of one call must share a hash slot).
+//! Requests queue their decisions for a task of the backend, which sends whatever is queued as
+//! one call (up to [`MAX_BATCH`] decisions) as soon as one of [`MAX_IN_FLIGHT`] call slots is
+//! free. An idle backend therefore sends each decision at once, and a busy one pays Redis's
+//! per-call cost (parsing, script lookup, the round trip through redis-rs) once per batch
+//! instead of once per request. Calls belong to that task, not to the requests: a request that
+//! gives up (times out, is dropped) affects no other. Each decision is still atomic and
+//! all-or-nothing on its own: the script runs them one after another inside one call, and a
+//! decision whose keys Redis refuses fails alone. Redis Cluster calls are not batched (the
+//! decisions of one call must share a hash slot), and batching can be turned off
+//! ([`batching`](super::RedisBackendBuilder::batching)) for proxies that shard one endpoint.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Weak};
 
+use arc_swap::ArcSwapOption;
 use redis::RedisResult;
-use tokio::sync::oneshot;
+use tokio::sync::{Semaphore, mpsc, oneshot};
 
 use super::backend::{Inner, bump};
 use super::script;
 
 /// The most decisions in one call: bounds how long one script call keeps Redis busy.
-pub(crate) const MAX_BATCH: usize = 64;
+pub(crate) const MAX_BATCH: usize = 128;
+
+/// Calls in flight at once per backend: while all are busy, decisions queue up into the next
+/// batch; more slots keep a distant Redis busy.
+pub(crate) const MAX_IN_FLIGHT: usize = 4;
 
 /// One decision waiting for a call.
 pub(crate) struct Job {
@@ -56,96 +61,81 @@ impl std::ops::Deref for Reply {
     }
 }
 
-/// The queue, and whether some request or task is making calls.
+/// The queue to the task that makes the calls; the task is started on first use, and again if
+/// its runtime went away.
 #[derive(Default)]
 pub(crate) struct Batcher {
-    queue: Mutex<Vec<Job>>,
-    leading: AtomicBool,
+    tx: ArcSwapOption<mpsc::UnboundedSender<Job>>,
 }
 
 impl Batcher {
-    /// Runs one decision's script call: queued, and sent by whoever leads; this request leads
-    /// when nobody does.
+    /// Runs one decision's script call through the batching task. Must be called inside a
+    /// Tokio runtime.
     pub(crate) async fn run(
         inner: &Arc<Inner>,
         keys: Vec<Vec<u8>>,
         cost: u32,
         args: Arc<[Vec<u8>]>,
     ) -> RedisResult<Reply> {
-        let (reply, mut answer) = oneshot::channel();
-        let batcher = &inner.batcher;
-        batcher.lock().push(Job {
-            keys,
-            cost,
-            args,
-            reply,
-        });
-        if !batcher.leading.swap(true, Ordering::SeqCst) {
-            // Hands the lead on when this request is done, or dropped (timed out) mid-call.
-            let _lead = Lead(inner.clone());
-            loop {
-                match answer.try_recv() {
-                    Ok(result) => return result,
-                    Err(oneshot::error::TryRecvError::Closed) => return Err(abandoned()),
-                    Err(oneshot::error::TryRecvError::Empty) => {}
-                }
-                let mut batch = batcher.take();
-                if batch.is_empty() {
-                    break;
-                }
-                call(inner, &mut batch).await;
-            }
-        }
-        answer.await.unwrap_or_else(|_| Err(abandoned()))
+        let (reply, answer) = oneshot::channel();
+        inner.batcher.submit(
+            inner,
+            Job {
+                keys,
+                cost,
+                args,
+                reply,
+            },
+        );
+        answer.await.unwrap_or_else(|_| {
+            Err(redis::RedisError::from((
+                redis::ErrorKind::Io,
+                "the batched call was abandoned",
+            )))
+        })
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Job>> {
-        self.queue.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// The next batch: up to [`MAX_BATCH`] queued decisions whose requests still wait.
-    fn take(&self) -> Vec<Job> {
-        let mut queue = self.lock();
-        queue.retain(|job| !job.reply.is_closed());
-        let n = queue.len().min(MAX_BATCH);
-        queue.drain(..n).collect()
+    fn submit(&self, inner: &Arc<Inner>, job: Job) {
+        let job = match self.tx.load().as_deref() {
+            Some(tx) => match tx.send(job) {
+                Ok(()) => return,
+                // The task is gone (its runtime shut down): start another.
+                Err(mpsc::error::SendError(job)) => job,
+            },
+            None => job,
+        };
+        let (tx, rx) = mpsc::unbounded_channel();
+        tokio::spawn(drive(Arc::downgrade(inner), rx));
+        // Cannot fail: the receiver was just made.
+        let _ = tx.send(job);
+        self.tx.store(Some(Arc::new(tx)));
     }
 }
 
-/// The answer of a decision whose call was given up (it timed out, or its leader was dropped).
-fn abandoned() -> redis::RedisError {
-    redis::RedisError::from((redis::ErrorKind::Io, "the batched call was abandoned"))
-}
-
-/// The lead: while held, its holder makes the calls. Dropping it gives the lead up, and, when
-/// decisions still wait, hands it to a task.
-struct Lead(Arc<Inner>);
-
-impl Drop for Lead {
-    fn drop(&mut self) {
-        let batcher = &self.0.batcher;
-        batcher.leading.store(false, Ordering::SeqCst);
-        // A request that queued after the last batch was taken, and found the lead held,
-        // waits for us: take the lead back for it (unless it already took it).
-        if !batcher.lock().is_empty() && !batcher.leading.swap(true, Ordering::SeqCst) {
-            match tokio::runtime::Handle::try_current() {
-                Ok(handle) => {
-                    handle.spawn(lead(Lead(self.0.clone())));
-                }
-                Err(_) => batcher.leading.store(false, Ordering::SeqCst),
-            }
-        }
-    }
-}
-
-/// Makes calls until the queue is empty.
-async fn lead(lead: Lead) {
+/// Sends the queued decisions, a batch per call, at most [`MAX_IN_FLIGHT`] calls at a time,
+/// until the backend is dropped.
+async fn drive(inner: Weak<Inner>, mut rx: mpsc::UnboundedReceiver<Job>) {
+    let slots = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
+    let mut batch = Vec::with_capacity(MAX_BATCH);
     loop {
-        let mut batch = lead.0.batcher.take();
-        if batch.is_empty() {
+        let Ok(slot) = slots.clone().acquire_owned().await else {
+            return;
+        };
+        if rx.recv_many(&mut batch, MAX_BATCH).await == 0 {
             return;
         }
-        call(&lead.0, &mut batch).await;
+        let Some(inner) = inner.upgrade() else { return };
+        // Requests that gave up (timed out) need no answer.
+        batch.retain(|job: &Job| !job.reply.is_closed());
+        if batch.is_empty() {
+            continue;
+        }
+        let jobs = std::mem::replace(&mut batch, Vec::with_capacity(MAX_BATCH));
+        tokio::spawn(async move {
+            let mut jobs = jobs;
+            call(&inner, &mut jobs).await;
+            drop(slot);
+        });
     }
 }
 

@@ -38,6 +38,7 @@ pub struct RedisBackendBuilder {
     breaker_threshold: u32,
     probe_interval: Duration,
     deny_cache_capacity: usize,
+    batching: bool,
     test_clock: Option<TestClock>,
 }
 
@@ -59,6 +60,7 @@ impl RedisBackend {
             breaker_threshold: 5,
             probe_interval: Duration::from_millis(500),
             deny_cache_capacity: 65_536,
+            batching: true,
             test_clock: None,
         }
     }
@@ -130,6 +132,15 @@ impl RedisBackendBuilder {
     /// `0` turns the cache off.
     pub fn deny_cache_capacity(mut self, capacity: usize) -> Self {
         self.deny_cache_capacity = capacity;
+        self
+    }
+
+    /// Whether concurrent decisions share script calls on a single node (default `true`; see
+    /// the [module docs](super#batching)). Turn it off behind a proxy that shards one endpoint
+    /// over several Redis nodes (decisions of different clients live in different slots).
+    /// Redis Cluster connections never batch.
+    pub fn batching(mut self, on: bool) -> Self {
+        self.batching = on;
         self
     }
 
@@ -208,6 +219,7 @@ impl RedisBackendBuilder {
                 warmed: AtomicBool::new(false),
                 counters: Counters::default(),
                 batcher: Default::default(),
+                batching: self.batching,
             }),
         })
     }

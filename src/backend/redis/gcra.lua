@@ -19,6 +19,8 @@
 -- Reply: three integers per quota, decision after decision:
 --   code   0 allowed (units taken), 1 denied, 2 cost larger than burst (never fits),
 --          3 would have allowed but another quota denied (nothing taken)
+--          4 Redis refused one of the decision's keys (e.g. a key of another type): this
+--            decision fails alone, having taken nothing; the others of the call go on
 --   tat    the bucket's TAT after the decision, relative to now, ns (0: bucket full)
 --   wait   denied only: ns until this request's cost fits
 
@@ -52,7 +54,16 @@ local function decide(k0, a0, n, cost)
     local tau = t * (burst - 1)
     period[i] = t
     local rel = 0
-    local stored = redis.call('GET', KEYS[k0 + i])
+    -- pcall: a refused key fails this decision, not the whole call.
+    local stored = redis.pcall('GET', KEYS[k0 + i])
+    if type(stored) == 'table' and stored.err then
+      for j = 1, n do
+        reply[#reply + 1] = 4
+        reply[#reply + 1] = 0
+        reply[#reply + 1] = 0
+      end
+      return
+    end
     if stored then
       local s, ns = string.match(stored, '^(%d+) (%d+)$')
       if s then

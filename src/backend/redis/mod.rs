@@ -25,9 +25,8 @@
 //!
 //! A decision is one run of a Lua script (`EVALSHA`, loaded again by itself after
 //! `SCRIPT FLUSH`, a restart or a failover) that runs GCRA over every quota of the policy. On a
-//! single node, decisions made while a call is in flight are sent together in the next call
-//! (up to 64), each still atomic and all-or-nothing on its own: a busy backend pays Redis's
-//! per-call cost once per batch. Connect with
+//! single node, concurrent decisions share calls (see [Batching](#batching) below). Connect
+//! with
 //! [`url`](RedisBackendBuilder::url) (one node), [`cluster_nodes`](RedisBackendBuilder::cluster_nodes)
 //! (Redis Cluster), or hand over your own redis-rs
 //! [`ConnectionManager`](redis::aio::ConnectionManager) or
@@ -114,6 +113,18 @@
 //! so if Redis's clock steps forward by Δ (NTP, a failover to a node whose clock is ahead) it
 //! would allow a denied client up to Δ earlier than the cache. In those cases the cache denies
 //! for at most the retry time it had been given.
+//!
+//! # Batching
+//!
+//! On a single node, requests queue their decisions for a task of the backend, which sends
+//! whatever is queued as one script call (up to 128 decisions) as soon as one of 4 call slots
+//! is free: an idle backend sends each decision at once, a busy one pays Redis's per-call cost
+//! once per batch. Calls belong to that task, so a request that times out or is dropped affects
+//! no other. Inside a call the script runs the decisions one after another, each atomic and
+//! all-or-nothing on its own; a decision whose keys Redis refuses (a key of the wrong type)
+//! fails alone, as a protocol error, before touching any bucket. Redis Cluster connections do
+//! not batch, and [`batching(false)`](RedisBackendBuilder::batching) turns it off for proxies
+//! that shard one endpoint.
 //!
 //! # Testing hook
 //!

@@ -21,6 +21,7 @@ const ALLOWED: i64 = 0;
 const DENIED: i64 = 1;
 const NEVER_FITS: i64 = 2;
 const UNTOUCHED: i64 = 3;
+const REFUSED: i64 = 4;
 
 /// The per-quota script arguments, formatted once in `prepare()`.
 pub(crate) fn quota_args(params: &[QuotaParams]) -> Vec<Vec<u8>> {
@@ -84,6 +85,12 @@ fn state(
         }
         DENIED => QuotaState::denied(index, p, cost, Duration::from_nanos(wait)),
         NEVER_FITS => QuotaState::never_fits(index, p),
+        REFUSED => {
+            return Err(protocol(
+                "Redis refused a key of this decision (is another program writing under the prefix?)"
+                    .to_owned(),
+            ));
+        }
         other => return Err(protocol(format!("script replied unknown code {other}"))),
     })
 }
