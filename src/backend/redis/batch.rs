@@ -2,7 +2,7 @@
 //!
 //! Requests queue their decisions for a task of the backend, which sends whatever is queued as
 //! one call (up to [`MAX_BATCH`] decisions) as soon as one of [`MAX_IN_FLIGHT`] call slots is
-//! free. An idle backend therefore sends each decision at once, and a busy one pays Redis's
+//! free; the calls run inside that task. An idle backend therefore sends each decision at once, and a busy one pays Redis's
 //! per-call cost (parsing, script lookup, the round trip through redis-rs) once per batch
 //! instead of once per request. Calls belong to that task, not to the requests: a request that
 //! gives up (times out, is dropped) affects no other. Each decision is still atomic and
@@ -11,11 +11,15 @@
 //! decisions of one call must share a hash slot), and batching can be turned off
 //! ([`batching`](super::RedisBackendBuilder::batching)) for proxies that shard one endpoint.
 
+use std::future::poll_fn;
 use std::sync::{Arc, Weak};
+use std::task::Poll;
 
 use arc_swap::ArcSwapOption;
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
 use redis::RedisResult;
-use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot};
 
 use super::backend::{Inner, bump};
 use super::script;
@@ -113,28 +117,39 @@ impl Batcher {
 }
 
 /// Sends the queued decisions, a batch per call, at most [`MAX_IN_FLIGHT`] calls at a time,
-/// until the backend is dropped.
+/// until the backend is dropped. The calls run inside this task (no task per call).
 async fn drive(inner: Weak<Inner>, mut rx: mpsc::UnboundedReceiver<Job>) {
-    let slots = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
+    let mut calls = FuturesUnordered::new();
     let mut batch = Vec::with_capacity(MAX_BATCH);
     loop {
-        let Ok(slot) = slots.clone().acquire_owned().await else {
-            return;
+        // Wait for queued decisions while a call slot is free, finishing calls meanwhile.
+        let open = poll_fn(|cx| {
+            while let Poll::Ready(Some(())) = calls.poll_next_unpin(cx) {}
+            if calls.len() < MAX_IN_FLIGHT
+                && let Poll::Ready(n) = rx.poll_recv_many(cx, &mut batch, MAX_BATCH)
+            {
+                return Poll::Ready(n > 0);
+            }
+            Poll::Pending
+        })
+        .await;
+        let inner = match inner.upgrade() {
+            Some(inner) if open => inner,
+            // The backend is gone: let the calls in flight answer their requests, then stop.
+            _ => {
+                while calls.next().await.is_some() {}
+                return;
+            }
         };
-        if rx.recv_many(&mut batch, MAX_BATCH).await == 0 {
-            return;
-        }
-        let Some(inner) = inner.upgrade() else { return };
         // Requests that gave up (timed out) need no answer.
         batch.retain(|job: &Job| !job.reply.is_closed());
         if batch.is_empty() {
             continue;
         }
         let jobs = std::mem::replace(&mut batch, Vec::with_capacity(MAX_BATCH));
-        tokio::spawn(async move {
+        calls.push(async move {
             let mut jobs = jobs;
             call(&inner, &mut jobs).await;
-            drop(slot);
         });
     }
 }
