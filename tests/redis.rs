@@ -796,6 +796,18 @@ async fn a_refused_key_fails_only_its_own_decision() {
     }
     assert_eq!((good, bad_errors), (180, 20));
     assert!(b.stats().script_calls < 200, "{:?}", b.stats());
+    // Refused keys say nothing about Redis being reachable: the breaker stays closed, even
+    // after more refusals in a row than its threshold.
+    for _ in 0..10 {
+        assert!(b.decide(&p, &key("bad"), cost(1)).await.is_err());
+    }
+    assert!(!b.stats().breaker_open, "{:?}", b.stats());
+    assert!(
+        b.decide(&p, &key("good"), cost(1))
+            .await
+            .unwrap()
+            .is_allowed()
+    );
     // The list is untouched.
     assert_eq!(server.cmd(&["LLEN", &bad_key]).trim(), ":1");
 }

@@ -271,7 +271,11 @@ impl Backend for RedisBackend {
                 }
                 Err(err) => {
                     bump(&inner.counters.errors);
-                    if inner.breaker.failure(inner.clock.now_ns()) {
+                    // A reply Redis gave (a refused key, a malformed reply) says nothing about
+                    // whether Redis is reachable: only timeouts and connection errors trip the
+                    // breaker.
+                    let unreachable = err.kind() != BackendErrorKind::Protocol;
+                    if unreachable && inner.breaker.failure(inner.clock.now_ns()) {
                         tracing::warn!(
                             failures = inner.breaker.threshold,
                             "tollgate: Redis failed repeatedly; circuit breaker open, \

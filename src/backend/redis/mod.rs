@@ -122,9 +122,10 @@
 //! once per batch. Calls belong to that task, so a request that times out or is dropped affects
 //! no other. Inside a call the script runs the decisions one after another, each atomic and
 //! all-or-nothing on its own; a decision whose keys Redis refuses (a key of the wrong type)
-//! fails alone, as a protocol error, before touching any bucket. Redis Cluster connections do
-//! not batch, and [`batching(false)`](RedisBackendBuilder::batching) turns it off for proxies
-//! that shard one endpoint.
+//! fails alone, as a protocol error, before touching any bucket (and does not count toward the
+//! circuit breaker, which only counts timeouts and connection failures). Redis Cluster
+//! connections do not batch, and [`batching(false)`](RedisBackendBuilder::batching) turns it
+//! off for proxies that shard one endpoint.
 //!
 //! # Testing hook
 //!
