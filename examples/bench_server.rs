@@ -33,6 +33,7 @@
 use std::net::{IpAddr, SocketAddr};
 
 use axum::Router;
+use axum::body::Body;
 use axum::routing::get;
 use http::{HeaderValue, Request};
 use tollgate::backend::{Backend, LocalBackend};
@@ -111,6 +112,46 @@ impl tower_governor::key_extractor::KeyExtractor for XKeyOrIp {
     }
 }
 
+/// Serves `app` on `listener`, recording the peer address (which both keys fall back to).
+async fn serve<S>(listener: tokio::net::TcpListener, app: S) -> std::io::Result<()>
+where
+    S: tower::Service<
+            axum::extract::Request,
+            Response = axum::response::Response,
+            Error = std::convert::Infallible,
+        > + Clone
+        + Send
+        + 'static,
+    S::Future: Send,
+{
+    axum::serve(
+        listener,
+        axum::ServiceExt::<axum::extract::Request>::into_make_service_with_connect_info::<
+            SocketAddr,
+        >(app),
+    )
+    .await
+}
+
+/// Serves `app` with `layer` applied where `outer` says: around the whole router, or on its
+/// routes (`Router::layer`, which boxes the layered service and its future per request).
+macro_rules! serve_layered {
+    ($listener:expr, $app:expr, $layer:expr, $outer:expr) => {{
+        let layer = $layer;
+        if $outer {
+            // `with_state` turns the handlers into services once; a `Router` called as a plain
+            // service without it converts them on every request.
+            let svc = tower::Layer::layer(&layer, $app.with_state::<()>(()));
+            let svc = tower::ServiceExt::<axum::extract::Request>::map_response(svc, |res| {
+                res.map(Body::from)
+            });
+            serve($listener, svc).await
+        } else {
+            serve($listener, $app.layer(layer)).await
+        }
+    }};
+}
+
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let port: u16 = match std::env::var("PORT") {
@@ -118,6 +159,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         Err(_) => 3000,
     };
     let backend = std::env::var("BACKEND").unwrap_or_else(|_| "local".to_owned());
+    let outer = match std::env::var("LAYER").as_deref() {
+        Ok("outer") => true,
+        Ok("route") | Err(_) => false,
+        Ok(other) => return Err(format!("unknown LAYER={other:?}: use route or outer").into()),
+    };
     let deny_key = std::env::var("DENY_KEY")
         .ok()
         .map(|v| match v.parse::<IpAddr>() {
@@ -125,22 +171,33 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             Err(_) => Key::from_bytes(v),
         });
     let deny_key = deny_key.transpose()?;
+    if deny_key.is_some() && !matches!(backend.as_str(), "local" | "redis") {
+        return Err("DENY_KEY is only supported with the tollgate backends".into());
+    }
 
     let app = Router::new().route("/hello", get(|| async { "ok" }));
-    let app = match backend.as_str() {
-        "none" => app,
-        "local" => app.layer(tollgate_layer(LocalBackend::new(), deny_key)?),
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
+    let placement = if outer { "outer" } else { "route" };
+    println!(
+        "bench_server ({backend}, layer {placement}) on http://{}/hello",
+        listener.local_addr()?
+    );
+    match backend.as_str() {
+        "none" => serve(listener, app).await?,
+        "local" => serve_layered!(
+            listener,
+            app,
+            tollgate_layer(LocalBackend::new(), deny_key)?,
+            outer
+        )?,
         "tower_governor" => {
-            if deny_key.is_some() {
-                return Err("DENY_KEY is only supported with the tollgate backends".into());
-            }
             let config = GovernorConfigBuilder::default()
                 .per_nanosecond(1_000)
                 .burst_size(UNITS)
                 .key_extractor(XKeyOrIp)
                 .finish()
                 .ok_or("invalid tower_governor configuration")?;
-            app.layer(GovernorLayer::new(config))
+            serve_layered!(listener, app, GovernorLayer::new(config), outer)?
         }
         #[cfg(feature = "redis")]
         "redis" => {
@@ -149,7 +206,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             let backend = tollgate::backend::redis::RedisBackend::builder()
                 .url(url)
                 .build()?;
-            app.layer(tollgate_layer(backend, deny_key)?)
+            serve_layered!(listener, app, tollgate_layer(backend, deny_key)?, outer)?
         }
         #[cfg(not(feature = "redis"))]
         "redis" => {
@@ -161,17 +218,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             )
             .into());
         }
-    };
-
-    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
-    println!(
-        "bench_server ({backend}) on http://{}/hello",
-        listener.local_addr()?
-    );
-    axum::serve(
-        listener,
-        app.into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .await?;
+    }
     Ok(())
 }

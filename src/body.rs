@@ -93,3 +93,32 @@ impl<B> std::fmt::Debug for ResponseBody<B> {
         }
     }
 }
+
+/// Unwraps to axum's body without boxing: the inner service's body as it was, or the rejection
+/// text. Use it where the layer wraps a whole axum [`Router`](axum::Router) (the cheapest place
+/// for it), since `axum::serve` takes services answering `Response<axum::body::Body>`:
+///
+/// ```
+/// use axum::{Router, ServiceExt, body::Body, routing::get};
+/// use tollgate::{Policy, Quota, RateLimitLayer};
+/// use tower::{Layer, ServiceExt as _};
+///
+/// let router = Router::new().route("/", get(|| async { "ok" }));
+/// let layer = RateLimitLayer::builder()
+///     .policy(Policy::new("api", Quota::per_second(10)))
+///     .build()
+///     .unwrap();
+/// let app = layer.layer(router).map_response(|res| res.map(Body::from));
+/// // axum::serve(listener, app.into_make_service_with_connect_info::<std::net::SocketAddr>())
+/// let _make_service = app.into_make_service_with_connect_info::<std::net::SocketAddr>();
+/// ```
+#[cfg(feature = "axum")]
+impl From<ResponseBody<axum::body::Body>> for axum::body::Body {
+    fn from(body: ResponseBody<axum::body::Body>) -> Self {
+        match body.kind {
+            Kind::Inner { body } => body,
+            Kind::Full { data: Some(data) } => axum::body::Body::from(data),
+            Kind::Full { data: None } => axum::body::Body::empty(),
+        }
+    }
+}

@@ -28,9 +28,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Response, StatusCode, header};
-use smallvec::SmallVec;
 
-use crate::backend::Decision;
+use crate::backend::{Decision, QuotaState};
 use crate::quota::QuotaParams;
 use crate::{KeyError, Policy};
 
@@ -206,24 +205,10 @@ pub(crate) fn rate_limit_headers(
     if decision.quotas().is_empty() {
         return out;
     }
-    if style.ietf() {
-        let mut buf = SmallVec::<[u8; 96]>::new();
-        let mut num = itoa::Buffer::new();
-        for (i, q) in decision.quotas().iter().enumerate() {
-            let Some(prefix) = headers.prefixes.get(q.index) else {
-                continue;
-            };
-            if i > 0 {
-                buf.extend_from_slice(b", ");
-            }
-            buf.extend_from_slice(prefix);
-            buf.extend_from_slice(num.format(q.remaining).as_bytes());
-            buf.extend_from_slice(b";t=");
-            buf.extend_from_slice(num.format(ceil_secs(q.reset_after)).as_bytes());
-        }
-        if let Ok(v) = HeaderValue::from_bytes(&buf) {
-            out.ietf = Some((headers.policy.clone(), v));
-        }
+    if style.ietf()
+        && let Some(value) = ietf_value(headers, decision.quotas())
+    {
+        out.ietf = Some((headers.policy.clone(), value));
     }
     if style.legacy()
         && let Some(q) = decision.tightest()
@@ -235,6 +220,53 @@ pub(crate) fn rate_limit_headers(
         ]));
     }
     out
+}
+
+/// The `RateLimit` value, `"label";r=<remaining>;t=<seconds>` per quota, formatted on the
+/// stack when it fits (it does for one or two quotas with short labels).
+fn ietf_value(headers: &PolicyHeaders, quotas: &[QuotaState]) -> Option<HeaderValue> {
+    const STACK: usize = 128;
+    // Per item at most: ", " + prefix + u32 digits (10) + ";t=" + u64 digits (20).
+    let bound: usize = quotas
+        .iter()
+        .map(|q| headers.prefixes.get(q.index).map_or(0, |p| p.len() + 35))
+        .sum();
+    if bound <= STACK {
+        let mut buf = [0u8; STACK];
+        let len = write_items(&mut buf, headers, quotas);
+        HeaderValue::from_bytes(buf.get(..len)?).ok()
+    } else {
+        let mut buf = vec![0u8; bound];
+        let len = write_items(&mut buf, headers, quotas);
+        buf.truncate(len);
+        HeaderValue::from_maybe_shared(Bytes::from(buf)).ok()
+    }
+}
+
+/// Writes the `RateLimit` items into `buf`, which holds at least 35 bytes plus the prefix per
+/// item; returns the length written (short, never a panic, if `buf` were too small).
+fn write_items(buf: &mut [u8], headers: &PolicyHeaders, quotas: &[QuotaState]) -> usize {
+    let mut at = 0;
+    let mut put = |bytes: &[u8]| {
+        if let Some(dst) = buf.get_mut(at..at + bytes.len()) {
+            dst.copy_from_slice(bytes);
+            at += bytes.len();
+        }
+    };
+    let mut num = itoa::Buffer::new();
+    for (i, q) in quotas.iter().enumerate() {
+        let Some(prefix) = headers.prefixes.get(q.index) else {
+            continue;
+        };
+        if i > 0 {
+            put(b", ");
+        }
+        put(prefix);
+        put(num.format(q.remaining).as_bytes());
+        put(b";t=");
+        put(num.format(ceil_secs(q.reset_after)).as_bytes());
+    }
+    at
 }
 
 pub(crate) fn add_headers(map: &mut http::HeaderMap, adds: HeaderAdds) {
