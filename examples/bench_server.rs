@@ -18,6 +18,8 @@
 //!   the headers cost.
 //! - The quota is so large (1 000 000 per second sustained, a burst of 3.6 billion) that nothing
 //!   is ever denied, so every mode does the same work per request.
+//! - `STATS=1` (Redis only): print the backend's counters (`RedisStats`) to stderr every
+//!   second, e.g. to see how many decisions share a script call.
 //! - `DENY_KEY=<value>`: that one key (an `x-key` value, or an IP address) gets one request per
 //!   hour with a burst of 1, to measure a flood of denied requests (tollgate modes only).
 //!
@@ -206,6 +208,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             let backend = tollgate::backend::redis::RedisBackend::builder()
                 .url(url)
                 .build()?;
+            if std::env::var_os("STATS").is_some() {
+                // Every second, how the backend's decisions went (calls, batching, failures).
+                let backend = backend.clone();
+                tokio::spawn(async move {
+                    loop {
+                        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                        eprintln!("{:?}", backend.stats());
+                    }
+                });
+            }
             serve_layered!(listener, app, tollgate_layer(backend, deny_key)?, outer)?
         }
         #[cfg(not(feature = "redis"))]

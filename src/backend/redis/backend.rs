@@ -166,12 +166,13 @@ pub struct RedisPolicy {
     inner: Arc<PolicyInner>,
 }
 
-struct PolicyInner {
+pub(crate) struct PolicyInner {
     params: SmallVec<[QuotaParams; 2]>,
-    key_prefix: Vec<u8>,
+    pub(crate) key_prefix: Vec<u8>,
     /// Per quota: `<index>:<emission>x<burst>` (see `keys::quota_suffixes`).
-    key_suffixes: Vec<Box<[u8]>>,
-    args: Arc<[Vec<u8>]>,
+    pub(crate) key_suffixes: Vec<Box<[u8]>>,
+    /// The quota parameters as script arguments, two per quota.
+    pub(crate) args: Arc<[Vec<u8>]>,
     deny: DenyCache,
     local: Option<LocalPolicy>,
 }
@@ -231,20 +232,19 @@ impl Backend for RedisBackend {
             let err = BackendError::new(BackendErrorKind::Unavailable, "circuit breaker open");
             return RedisFuture::ready(inner.degrade(p, key, cost, err));
         }
-        let bucket_keys = keys::bucket_keys(&p.key_prefix, key, &p.key_suffixes);
         let (inner, p, key) = (inner.clone(), policy.inner.clone(), key.clone());
         RedisFuture::call(Box::pin(async move {
             bump(&inner.counters.calls);
             let sent_ns = inner.clock.now_ns();
-            let outcome =
-                tokio::time::timeout(inner.timeout, inner.run(&p, bucket_keys, cost)).await;
+            // `run` holds the call to the backend's timeout.
+            let outcome = inner.run(&p, &key, cost).await;
             let result = match outcome {
-                Ok(Ok(reply)) => script::decision(&reply, &p.params, cost),
-                Ok(Err(err)) if err.is_timeout() => {
+                Ok(reply) => script::decision(&reply, &p.params, cost),
+                Err(err) if err.is_timeout() => {
                     bump(&inner.counters.timeouts);
                     Err(BackendError::new(BackendErrorKind::Timeout, err))
                 }
-                Ok(Err(err)) => {
+                Err(err) => {
                     let kind = if err.is_io_error()
                         || err.is_connection_dropped()
                         || err.is_connection_refusal()
@@ -255,10 +255,6 @@ impl Backend for RedisBackend {
                         BackendErrorKind::Protocol
                     };
                     Err(BackendError::new(kind, err))
-                }
-                Err(_elapsed) => {
-                    bump(&inner.counters.timeouts);
-                    Err(BackendError::from_kind(BackendErrorKind::Timeout))
                 }
             };
             match result {
@@ -294,33 +290,38 @@ impl Backend for RedisBackend {
 }
 
 impl Inner {
-    /// Runs the script for one decision: queued with concurrent ones on a single node, alone
-    /// on a cluster.
+    /// Runs the script for one decision, within the backend's timeout: queued with concurrent
+    /// ones on a single node, alone on a cluster.
     async fn run(
         self: &Arc<Self>,
-        p: &PolicyInner,
-        keys: Vec<Vec<u8>>,
+        p: &Arc<PolicyInner>,
+        key: &Key,
         cost: NonZeroU32,
     ) -> redis::RedisResult<Reply> {
-        match &self.conn {
-            Conn::Single(_) if self.batching => {
-                Batcher::run(self, keys, cost.get(), p.args.clone()).await
-            }
-            _ => {
-                let mut invocation = script::SCRIPT.prepare_invoke();
-                match self.clock.script_time() {
-                    Some(ns) => invocation.arg(ns),
-                    None => invocation.arg(""),
-                };
-                invocation
-                    .arg(1)
-                    .key(&keys)
-                    .arg(keys.len())
-                    .arg(cost.get())
-                    .arg(&*p.args);
-                bump(&self.counters.script_calls);
-                self.conn.invoke(&invocation).await.map(Reply::whole)
-            }
+        if let Conn::Single(_) = &self.conn
+            && self.batching
+        {
+            return Batcher::run(self, p.clone(), key.clone(), cost.get()).await;
+        }
+        let keys = keys::bucket_keys(&p.key_prefix, key, &p.key_suffixes);
+        let mut invocation = script::SCRIPT.prepare_invoke();
+        match self.clock.script_time() {
+            Some(ns) => invocation.arg(ns),
+            None => invocation.arg(""),
+        };
+        invocation
+            .arg(1)
+            .key(&keys)
+            .arg(keys.len())
+            .arg(cost.get())
+            .arg(&*p.args);
+        bump(&self.counters.script_calls);
+        match tokio::time::timeout(self.timeout, self.conn.invoke(&invocation)).await {
+            Ok(reply) => reply.map(Reply::whole),
+            Err(_elapsed) => Err(redis::RedisError::from(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "the script call timed out",
+            ))),
         }
     }
 

@@ -20,9 +20,11 @@ use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
 use redis::RedisResult;
 use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
 
-use super::backend::{Inner, bump};
-use super::script;
+use super::backend::{Inner, PolicyInner, bump};
+use super::{keys, script};
+use crate::Key;
 
 /// The most decisions in one call: bounds how long one script call keeps Redis busy.
 pub(crate) const MAX_BATCH: usize = 128;
@@ -31,13 +33,16 @@ pub(crate) const MAX_BATCH: usize = 128;
 /// batch; more slots keep a distant Redis busy.
 pub(crate) const MAX_IN_FLIGHT: usize = 4;
 
-/// One decision waiting for a call.
+/// One decision waiting for a call. Its keys are written straight into the call's command by
+/// the batching task: a queued decision holds no formatted strings.
 pub(crate) struct Job {
-    pub(crate) keys: Vec<Vec<u8>>,
-    pub(crate) cost: u32,
-    /// The policy's formatted quota parameters (two per quota).
-    pub(crate) args: Arc<[Vec<u8>]>,
-    pub(crate) reply: oneshot::Sender<RedisResult<Reply>>,
+    policy: Arc<PolicyInner>,
+    key: Key,
+    cost: u32,
+    /// When the request gives up: the call carrying it may not outlast the earliest deadline
+    /// of its decisions, and a decision still queued at its deadline is answered at once.
+    deadline: Instant,
+    reply: oneshot::Sender<RedisResult<Reply>>,
 }
 
 /// One decision's part of a call's reply, shared without copying.
@@ -73,21 +78,22 @@ pub(crate) struct Batcher {
 }
 
 impl Batcher {
-    /// Runs one decision's script call through the batching task. Must be called inside a
-    /// Tokio runtime.
+    /// Runs one decision through the batching task, which also enforces the backend's timeout
+    /// (one timer per call, not one per request). Must be called inside a Tokio runtime.
     pub(crate) async fn run(
         inner: &Arc<Inner>,
-        keys: Vec<Vec<u8>>,
+        policy: Arc<PolicyInner>,
+        key: Key,
         cost: u32,
-        args: Arc<[Vec<u8>]>,
     ) -> RedisResult<Reply> {
         let (reply, answer) = oneshot::channel();
         inner.batcher.submit(
             inner,
             Job {
-                keys,
+                policy,
+                key,
                 cost,
-                args,
+                deadline: Instant::now() + inner.timeout,
                 reply,
             },
         );
@@ -116,6 +122,13 @@ impl Batcher {
     }
 }
 
+fn timed_out() -> redis::RedisError {
+    redis::RedisError::from(std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        "the script call timed out",
+    ))
+}
+
 /// Sends the queued decisions, a batch per call, at most [`MAX_IN_FLIGHT`] calls at a time,
 /// until the backend is dropped. The calls run inside this task (no task per call).
 async fn drive(inner: Weak<Inner>, mut rx: mpsc::UnboundedReceiver<Job>) {
@@ -141,8 +154,12 @@ async fn drive(inner: Weak<Inner>, mut rx: mpsc::UnboundedReceiver<Job>) {
                 return;
             }
         };
-        // Requests that gave up (timed out) need no answer.
-        batch.retain(|job: &Job| !job.reply.is_closed());
+        // Requests that gave up need no call; those whose deadline passed while queued behind
+        // busy calls get their timeout now.
+        let now = Instant::now();
+        for job in batch.extract_if(.., |job| job.reply.is_closed() || job.deadline <= now) {
+            let _ = job.reply.send(Err(timed_out()));
+        }
         if batch.is_empty() {
             continue;
         }
@@ -154,28 +171,54 @@ async fn drive(inner: Weak<Inner>, mut rx: mpsc::UnboundedReceiver<Job>) {
     }
 }
 
-async fn call(inner: &Inner, batch: &mut Vec<Job>) {
-    let mut invocation = script::SCRIPT.prepare_invoke();
-    match inner.clock.script_time() {
-        Some(ns) => invocation.arg(ns),
-        None => invocation.arg(""),
-    };
-    invocation.arg(batch.len());
-    for job in batch.iter() {
-        invocation
-            .key(&job.keys)
-            .arg(job.keys.len())
-            .arg(job.cost)
-            .arg(&*job.args);
+/// The `EVALSHA` command for a batch, written in one buffer: keys of every decision, then the
+/// arguments (see `gcra.lua`).
+fn command(inner: &Inner, batch: &[Job]) -> redis::Cmd {
+    let mut cmd = redis::cmd("EVALSHA");
+    cmd.arg(script::SCRIPT.get_hash());
+    cmd.arg(
+        batch
+            .iter()
+            .map(|j| j.policy.key_suffixes.len())
+            .sum::<usize>(),
+    );
+    let mut base = Vec::with_capacity(128);
+    let mut key = Vec::with_capacity(160);
+    for job in batch {
+        keys::key_base(&job.policy.key_prefix, &job.key, &mut base);
+        for suffix in &job.policy.key_suffixes {
+            key.clear();
+            key.extend_from_slice(&base);
+            key.extend_from_slice(suffix);
+            cmd.arg(&key[..]);
+        }
     }
+    match inner.clock.script_time() {
+        Some(ns) => cmd.arg(ns),
+        None => cmd.arg(""),
+    };
+    cmd.arg(batch.len());
+    for job in batch {
+        cmd.arg(job.policy.key_suffixes.len())
+            .arg(job.cost)
+            .arg(&*job.policy.args);
+    }
+    cmd
+}
+
+async fn call(inner: &Inner, batch: &mut Vec<Job>) {
+    let cmd = command(inner, batch);
+    // The call may not outlast the first deadline of its decisions: a frozen Redis must not
+    // hold requests past the timeout.
+    let deadline = batch
+        .iter()
+        .map(|job| job.deadline)
+        .min()
+        .unwrap_or_else(Instant::now);
     bump(&inner.counters.script_calls);
-    // A call may not outlive the timeout: a frozen Redis must not hold the queue.
-    let result = match tokio::time::timeout(inner.timeout, inner.conn.invoke(&invocation)).await {
+    let result = match tokio::time::timeout_at(deadline, inner.conn.eval(&cmd)).await {
         Ok(result) => result,
-        Err(_elapsed) => Err(redis::RedisError::from(std::io::Error::new(
-            std::io::ErrorKind::TimedOut,
-            "the script call timed out",
-        ))),
+        Err(_elapsed) => Err(timed_out()),
     };
     match result {
         Ok(reply) => {
@@ -184,7 +227,7 @@ async fn call(inner: &Inner, batch: &mut Vec<Job>) {
             for job in batch.drain(..) {
                 // A short reply gives the last decisions a short slice: they report a length
                 // mismatch as a protocol error.
-                let end = (start + 3 * job.keys.len()).min(all.len());
+                let end = (start + 3 * job.policy.key_suffixes.len()).min(all.len());
                 let _ = job.reply.send(Ok(Reply {
                     all: all.clone(),
                     range: start..end,

@@ -81,6 +81,30 @@ impl Conn {
         }
     }
 
+    /// Sends an `EVALSHA` of the script, built by the caller, to a single node; on `NOSCRIPT`
+    /// loads the script and sends it again.
+    pub(crate) async fn eval(&self, cmd: &redis::Cmd) -> RedisResult<Vec<i64>> {
+        let Conn::Single(lazy) = self else {
+            return Err(redis::RedisError::from((
+                redis::ErrorKind::Client,
+                "batched calls need a single-node connection",
+            )));
+        };
+        let mut c = lazy.get(make_single)?;
+        match cmd.query_async(&mut c).await {
+            Err(err)
+                if err.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
+            {
+                super::script::SCRIPT
+                    .prepare_invoke()
+                    .load_async(&mut c)
+                    .await?;
+                cmd.query_async(&mut c).await
+            }
+            result => result,
+        }
+    }
+
     /// `PING` (on a cluster: every primary), used by the circuit breaker's probe.
     pub(crate) async fn ping(&self) -> RedisResult<()> {
         let ping = redis::cmd("PING");

@@ -24,6 +24,12 @@
 --   tat    the bucket's TAT after the decision, relative to now, ns (0: bucket full)
 --   wait   denied only: ns until this request's cost fits
 
+-- Library functions in locals: global lookups cost a table access each in Redis's sandbox.
+local tonumber, floor, ceil, format, match = tonumber, math.floor, math.ceil, string.format,
+  string.match
+local call, pcall_redis = redis.call, redis.pcall
+local KEYS, ARGV = KEYS, ARGV
+
 -- Scripts that read TIME and then write must be replicated by effects; Redis 5+ does this by
 -- default, Redis 3.2 and 4 need to be asked.
 if redis.replicate_commands then
@@ -32,40 +38,53 @@ end
 
 local now_s, now_ns
 if ARGV[1] == '' then
-  local t = redis.call('TIME')
+  local t = call('TIME')
   now_s = tonumber(t[1])
   now_ns = tonumber(t[2]) * 1000
 else
   local fixed = tonumber(ARGV[1])
-  now_s = math.floor(fixed / 1000000000)
+  now_s = floor(fixed / 1000000000)
   now_ns = fixed - now_s * 1000000000
 end
 
 local CLAMP = 9000000000000000000
 local reply = {}
+local nr = 0
 
--- One decision: quotas KEYS[k0 + 1 .. k0 + n], parameters from ARGV[a0 + 1 ..].
-local function decide(k0, a0, n, cost)
-  local code, tat, wait, period = {}, {}, {}, {}
-  local denied = false
-  for i = 1, n do
-    local t = tonumber(ARGV[a0 + 2 * i - 1])
-    local burst = tonumber(ARGV[a0 + 2 * i])
-    local tau = t * (burst - 1)
-    period[i] = t
-    local rel = 0
-    -- pcall: a refused key fails this decision, not the whole call.
-    local stored = redis.pcall('GET', KEYS[k0 + i])
-    if type(stored) == 'table' and stored.err then
-      for j = 1, n do
-        reply[#reply + 1] = 4
-        reply[#reply + 1] = 0
-        reply[#reply + 1] = 0
-      end
-      return
-    end
+-- Numbers by their argument string: decisions of one policy repeat the same parameters, and
+-- Lua strings are interned, so a lookup is cheaper than parsing again.
+local numbers = {}
+local function number(s)
+  local v = numbers[s]
+  if v == nil then
+    v = tonumber(s)
+    numbers[s] = v
+  end
+  return v
+end
+
+-- The buckets this call has read, by key: TAT relative to now (ns), or false when Redis
+-- refused the key. Decisions of one call on the same key (a hot key, a global limit) read it
+-- once and see each other's updates, exactly as if they ran one after another; each bucket
+-- changed is written once, at the end. The script is atomic, so deferring the writes is
+-- invisible to every other client.
+local tats = {}
+local dirty_keys = {}
+local ndirty = 0
+
+local function load(key)
+  local rel = tats[key]
+  if rel ~= nil then
+    return rel
+  end
+  -- pcall: a refused key fails its decisions, not the whole call.
+  local stored = pcall_redis('GET', key)
+  if type(stored) == 'table' and stored.err then
+    rel = false
+  else
+    rel = 0
     if stored then
-      local s, ns = string.match(stored, '^(%d+) (%d+)$')
+      local s, ns = match(stored, '^(%d+) (%d+)$')
       if s then
         rel = (tonumber(s) - now_s) * 1000000000 + (tonumber(ns) - now_ns)
       end
@@ -73,14 +92,37 @@ local function decide(k0, a0, n, cost)
         rel = 0
       end
     end
+  end
+  tats[key] = rel
+  return rel
+end
+
+-- Per-quota scratch of the decision being made, reused by every decision of the call.
+local code, tat, wait, period = {}, {}, {}, {}
+
+-- One decision: quotas KEYS[k0 + 1 .. k0 + n], parameters from ARGV[a0 + 1 ..].
+local function decide(k0, a0, n, cost)
+  local denied = false
+  for i = 1, n do
+    local t = number(ARGV[a0 + 2 * i - 1])
+    local burst = number(ARGV[a0 + 2 * i])
+    period[i] = t
+    local rel = load(KEYS[k0 + i])
+    if rel == false then
+      for _ = 1, n do
+        reply[nr + 1], reply[nr + 2], reply[nr + 3] = 4, 0, 0
+        nr = nr + 3
+      end
+      return
+    end
     tat[i] = rel
     wait[i] = 0
     if cost > burst then
       code[i] = 2
       denied = true
     else
-      -- The request fits when now >= TAT + (cost - 1) * T - tau.
-      local w = rel + t * (cost - 1) - tau
+      -- The request fits when now >= TAT + (cost - 1) * T - tau, with tau = T * (burst - 1).
+      local w = rel + t * (cost - burst)
       if w > 0 then
         code[i] = 1
         wait[i] = w
@@ -97,30 +139,49 @@ local function decide(k0, a0, n, cost)
         code[i] = 3
       end
     else
+      local key = KEYS[k0 + i]
       local next_tat = tat[i] + cost * period[i]
       tat[i] = next_tat
-      local total = now_ns + next_tat
-      local carry = math.floor(total / 1000000000)
-      -- Expire the key when the bucket is full again: a missing key is a full bucket.
-      redis.call('SET', KEYS[k0 + i],
-        string.format('%d %d', now_s + carry, total - carry * 1000000000),
-        'PX', string.format('%d', math.ceil(next_tat / 1000000)))
+      -- First change of this bucket in this call: remember to write it.
+      if not dirty_keys[key] then
+        dirty_keys[key] = true
+        ndirty = ndirty + 1
+        dirty_keys[ndirty] = key
+      end
+      tats[key] = next_tat
     end
   end
 
   for i = 1, n do
-    reply[#reply + 1] = code[i]
-    reply[#reply + 1] = math.min(tat[i], CLAMP)
-    reply[#reply + 1] = math.min(wait[i], CLAMP)
+    local r, w = tat[i], wait[i]
+    if r > CLAMP then
+      r = CLAMP
+    end
+    if w > CLAMP then
+      w = CLAMP
+    end
+    reply[nr + 1], reply[nr + 2], reply[nr + 3] = code[i], r, w
+    nr = nr + 3
   end
 end
 
 local k, a = 0, 2
 for _ = 1, tonumber(ARGV[2]) do
-  local n = tonumber(ARGV[a + 1])
-  local cost = tonumber(ARGV[a + 2])
+  local n = number(ARGV[a + 1])
+  local cost = number(ARGV[a + 2])
   decide(k, a + 2, n, cost)
   k = k + n
   a = a + 2 + 2 * n
+end
+
+-- Write each changed bucket once; it expires when it is full again (a missing key is a full
+-- bucket).
+for i = 1, ndirty do
+  local key = dirty_keys[i]
+  local rel = tats[key]
+  local total = now_ns + rel
+  local carry = floor(total / 1000000000)
+  call('SET', key, format('%d %d', now_s + carry, total - carry * 1000000000),
+    'PX', format('%d', ceil(rel / 1000000)))
 end
 return reply

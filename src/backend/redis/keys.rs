@@ -45,21 +45,30 @@ pub(crate) fn validate_prefix(prefix: &str) -> Result<(), ConfigError> {
 
 /// The keys of one decision, one per quota.
 pub(crate) fn bucket_keys(policy_prefix: &[u8], key: &Key, suffixes: &[Box<[u8]>]) -> Vec<Vec<u8>> {
-    // The encoding is escaped byte by byte straight into each key: one allocation per quota.
-    let mut encoded = smallvec::SmallVec::<[u8; 64]>::new();
-    key.encode_into(&mut encoded);
-    let base_len = policy_prefix.len() + 3 * encoded.len() + 2;
+    let mut base = Vec::new();
+    key_base(policy_prefix, key, &mut base);
     suffixes
         .iter()
         .map(|suffix| {
-            let mut k = Vec::with_capacity(base_len + suffix.len());
-            k.extend_from_slice(policy_prefix);
-            escape(&encoded, &mut k);
-            k.extend_from_slice(b"}:");
+            let mut k = Vec::with_capacity(base.len() + suffix.len());
+            k.extend_from_slice(&base);
             k.extend_from_slice(suffix);
             k
         })
         .collect()
+}
+
+/// Writes the part of a decision's keys shared by its quotas, `<prefix>:{<policy>:<key>}:`,
+/// into `out` (cleared first); each quota's key is this followed by its suffix.
+pub(crate) fn key_base(policy_prefix: &[u8], key: &Key, out: &mut Vec<u8>) {
+    // The encoding is escaped byte by byte straight into `out`.
+    let mut encoded = smallvec::SmallVec::<[u8; 64]>::new();
+    key.encode_into(&mut encoded);
+    out.clear();
+    out.reserve(policy_prefix.len() + 3 * encoded.len() + 2);
+    out.extend_from_slice(policy_prefix);
+    escape(&encoded, out);
+    out.extend_from_slice(b"}:");
 }
 
 /// The per-quota key suffixes: `<index>:<emission ns>x<burst>`. The parameters are part of the
