@@ -171,8 +171,8 @@ pub(crate) struct PolicyInner {
     pub(crate) key_prefix: Vec<u8>,
     /// Per quota: `<index>:<emission>x<burst>` (see `keys::quota_suffixes`).
     pub(crate) key_suffixes: Vec<Box<[u8]>>,
-    /// The quota parameters as script arguments, two per quota.
-    pub(crate) args: Arc<[Vec<u8>]>,
+    /// The policy's entry in the script's arguments (`script::policy_args`).
+    pub(crate) args: Vec<Vec<u8>>,
     deny: DenyCache,
     local: Option<LocalPolicy>,
 }
@@ -211,7 +211,7 @@ impl Backend for RedisBackend {
                 params: params.iter().copied().collect(),
                 key_prefix: keys::policy_prefix(&self.inner.prefix, policy.name()),
                 key_suffixes: keys::quota_suffixes(params),
-                args: script::quota_args(params).into(),
+                args: script::policy_args(params),
                 deny: DenyCache::new(self.inner.budget.clone()),
                 local,
             }),
@@ -224,97 +224,129 @@ impl Backend for RedisBackend {
             return RedisFuture::ready(Ok(decision));
         }
         let inner = &self.inner;
-        if let Some(decision) = p.deny.get(key, cost, inner.clock.now_ns(), &p.params) {
+        let now_ns = inner.clock.now_ns();
+        if let Some(decision) = p.deny.get(key, cost, now_ns, &p.params) {
             bump(&inner.counters.deny_cache_hits);
             return RedisFuture::ready(Ok(decision));
         }
-        if inner.breaker.blocks(inner.clock.now_ns()) {
+        if inner.breaker.blocks(now_ns) {
             let err = BackendError::new(BackendErrorKind::Unavailable, "circuit breaker open");
             return RedisFuture::ready(inner.degrade(p, key, cost, err));
         }
-        let (inner, p, key) = (inner.clone(), policy.inner.clone(), key.clone());
+        bump(&inner.counters.calls);
+        let call = Call {
+            inner: inner.clone(),
+            policy: policy.inner.clone(),
+            key: key.clone(),
+            cost,
+            sent_ns: now_ns,
+        };
+        // On a single node the decision joins the batching task's queue now, and the future
+        // only waits for its answer: nothing boxed.
+        if let Conn::Single(_) = &inner.conn
+            && inner.batching
+            && let Some(answer) = Batcher::submit(inner, &call.policy, key, cost.get())
+        {
+            return RedisFuture::batched(answer, call);
+        }
         RedisFuture::call(Box::pin(async move {
-            bump(&inner.counters.calls);
-            let sent_ns = inner.clock.now_ns();
-            // `run` holds the call to the backend's timeout.
-            let outcome = inner.run(&p, &key, cost).await;
-            let result = match outcome {
-                Ok(reply) => script::decision(&reply, &p.params, cost),
-                Err(err) if err.is_timeout() => {
-                    bump(&inner.counters.timeouts);
-                    Err(BackendError::new(BackendErrorKind::Timeout, err))
-                }
-                Err(err) => {
-                    let kind = if err.is_io_error()
-                        || err.is_connection_dropped()
-                        || err.is_connection_refusal()
-                        || err.is_timeout()
-                    {
-                        BackendErrorKind::Unavailable
-                    } else {
-                        BackendErrorKind::Protocol
-                    };
-                    Err(BackendError::new(kind, err))
-                }
-            };
-            match result {
-                Ok(decision) => {
-                    inner.breaker.success();
-                    if !decision.is_allowed() {
-                        p.deny.insert(&key, cost, sent_ns, &decision);
-                    }
-                    Ok(decision)
-                }
-                Err(err) => {
-                    bump(&inner.counters.errors);
-                    // A reply Redis gave (a refused key, a malformed reply) says nothing about
-                    // whether Redis is reachable: only timeouts and connection errors trip the
-                    // breaker.
-                    let unreachable = err.kind() != BackendErrorKind::Protocol;
-                    if unreachable && inner.breaker.failure(inner.clock.now_ns()) {
-                        tracing::warn!(
-                            failures = inner.breaker.threshold,
-                            "tollgate: Redis failed repeatedly; circuit breaker open, \
-                             probing every {:?}",
-                            inner.breaker.probe_interval
-                        );
-                        Inner::start_probe(&inner);
-                    } else {
-                        tracing::warn!(%err, on_failure = ?inner.on_failure, "tollgate: Redis call failed");
-                    }
-                    inner.degrade(&p, &key, cost, err)
-                }
-            }
+            let outcome = call.inner.run_alone(&call.policy, &call.key, cost).await;
+            call.finish(outcome)
         }))
     }
 }
 
+/// A decision sent to Redis, and what is needed to finish it when the answer comes.
+pub(crate) struct Call {
+    inner: Arc<Inner>,
+    policy: Arc<PolicyInner>,
+    key: Key,
+    cost: NonZeroU32,
+    /// When the decision was sent, for the deny cache.
+    sent_ns: u64,
+}
+
+impl Call {
+    /// Turns Redis's answer into the decision: the deny cache and circuit breaker learn from
+    /// it, and failures degrade as configured.
+    pub(crate) fn finish(
+        &self,
+        outcome: redis::RedisResult<Reply>,
+    ) -> Result<Decision, BackendError> {
+        let (inner, p, key, cost) = (&self.inner, &self.policy, &self.key, self.cost);
+        let result = match outcome {
+            Ok(reply) => script::decision(&reply, &p.params, cost),
+            Err(err) if err.is_timeout() => {
+                bump(&inner.counters.timeouts);
+                Err(BackendError::new(BackendErrorKind::Timeout, err))
+            }
+            Err(err) => {
+                let kind = if err.is_io_error()
+                    || err.is_connection_dropped()
+                    || err.is_connection_refusal()
+                    || err.is_timeout()
+                {
+                    BackendErrorKind::Unavailable
+                } else {
+                    BackendErrorKind::Protocol
+                };
+                Err(BackendError::new(kind, err))
+            }
+        };
+        match result {
+            Ok(decision) => {
+                inner.breaker.success();
+                if !decision.is_allowed() {
+                    p.deny.insert(key, cost, self.sent_ns, &decision);
+                }
+                Ok(decision)
+            }
+            Err(err) => {
+                bump(&inner.counters.errors);
+                // A reply Redis gave (a refused key, a malformed reply) says nothing about
+                // whether Redis is reachable: only timeouts and connection errors trip the
+                // breaker.
+                let unreachable = err.kind() != BackendErrorKind::Protocol;
+                if unreachable && inner.breaker.failure(inner.clock.now_ns()) {
+                    tracing::warn!(
+                        failures = inner.breaker.threshold,
+                        "tollgate: Redis failed repeatedly; circuit breaker open, \
+                         probing every {:?}",
+                        inner.breaker.probe_interval
+                    );
+                    Inner::start_probe(inner);
+                } else {
+                    tracing::warn!(%err, on_failure = ?inner.on_failure, "tollgate: Redis call failed");
+                }
+                inner.degrade(p, key, cost, err)
+            }
+        }
+    }
+}
+
 impl Inner {
-    /// Runs the script for one decision, within the backend's timeout: queued with concurrent
-    /// ones on a single node, alone on a cluster.
-    async fn run(
+    /// Runs the script for one decision alone (a cluster, or batching off), within the
+    /// backend's timeout.
+    async fn run_alone(
         self: &Arc<Self>,
         p: &Arc<PolicyInner>,
         key: &Key,
         cost: NonZeroU32,
     ) -> redis::RedisResult<Reply> {
-        if let Conn::Single(_) = &self.conn
-            && self.batching
-        {
-            return Batcher::run(self, p.clone(), key.clone(), cost.get()).await;
-        }
         let keys = keys::bucket_keys(&p.key_prefix, key, &p.key_suffixes);
         let mut invocation = script::SCRIPT.prepare_invoke();
         match self.clock.script_time() {
             Some(ns) => invocation.arg(ns),
             None => invocation.arg(""),
         };
+        // One policy, one decision.
         invocation
             .arg(1)
-            .key(&keys)
-            .arg(keys.len())
+            .arg(&p.args)
+            .arg(1)
+            .arg(1)
             .arg(cost.get())
-            .arg(&*p.args);
+            .key(&keys);
         bump(&self.counters.script_calls);
         match tokio::time::timeout(self.timeout, self.conn.invoke(&invocation)).await {
             Ok(reply) => reply.map(Reply::whole),

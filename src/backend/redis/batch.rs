@@ -19,6 +19,7 @@ use arc_swap::ArcSwapOption;
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
 use redis::RedisResult;
+use smallvec::SmallVec;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
@@ -78,48 +79,45 @@ pub(crate) struct Batcher {
 }
 
 impl Batcher {
-    /// Runs one decision through the batching task, which also enforces the backend's timeout
-    /// (one timer per call, not one per request). Must be called inside a Tokio runtime.
-    pub(crate) async fn run(
+    /// Queues one decision for the batching task, which also enforces the backend's timeout
+    /// (one timer per call, not one per request). `None` outside a Tokio runtime (the task
+    /// could not be started).
+    pub(crate) fn submit(
         inner: &Arc<Inner>,
-        policy: Arc<PolicyInner>,
-        key: Key,
+        policy: &Arc<PolicyInner>,
+        key: &Key,
         cost: u32,
-    ) -> RedisResult<Reply> {
+    ) -> Option<oneshot::Receiver<RedisResult<Reply>>> {
         let (reply, answer) = oneshot::channel();
-        inner.batcher.submit(
-            inner,
-            Job {
-                policy,
-                key,
-                cost,
-                deadline: Instant::now() + inner.timeout,
-                reply,
-            },
-        );
-        answer.await.unwrap_or_else(|_| {
-            Err(redis::RedisError::from((
-                redis::ErrorKind::Io,
-                "the batched call was abandoned",
-            )))
-        })
-    }
-
-    fn submit(&self, inner: &Arc<Inner>, job: Job) {
-        let job = match self.tx.load().as_deref() {
+        let job = Job {
+            policy: policy.clone(),
+            key: key.clone(),
+            cost,
+            deadline: Instant::now() + inner.timeout,
+            reply,
+        };
+        let batcher = &inner.batcher;
+        let job = match batcher.tx.load().as_deref() {
             Some(tx) => match tx.send(job) {
-                Ok(()) => return,
+                Ok(()) => return Some(answer),
                 // The task is gone (its runtime shut down): start another.
                 Err(mpsc::error::SendError(job)) => job,
             },
             None => job,
         };
+        let handle = tokio::runtime::Handle::try_current().ok()?;
         let (tx, rx) = mpsc::unbounded_channel();
-        tokio::spawn(drive(Arc::downgrade(inner), rx));
+        handle.spawn(drive(Arc::downgrade(inner), rx));
         // Cannot fail: the receiver was just made.
         let _ = tx.send(job);
-        self.tx.store(Some(Arc::new(tx)));
+        batcher.tx.store(Some(Arc::new(tx)));
+        Some(answer)
     }
+}
+
+/// The answer of a call that never came (the batching task is gone).
+pub(crate) fn abandoned() -> redis::RedisError {
+    redis::RedisError::from((redis::ErrorKind::Io, "the batched call was abandoned"))
 }
 
 fn timed_out() -> redis::RedisError {
@@ -134,10 +132,14 @@ fn timed_out() -> redis::RedisError {
 async fn drive(inner: Weak<Inner>, mut rx: mpsc::UnboundedReceiver<Job>) {
     let mut calls = FuturesUnordered::new();
     let mut batch = Vec::with_capacity(MAX_BATCH);
+    // Batches come back empty from their calls and are used again: no allocation per call.
+    let mut spare: Vec<Vec<Job>> = Vec::with_capacity(MAX_IN_FLIGHT);
     loop {
         // Wait for queued decisions while a call slot is free, finishing calls meanwhile.
         let open = poll_fn(|cx| {
-            while let Poll::Ready(Some(())) = calls.poll_next_unpin(cx) {}
+            while let Poll::Ready(Some(done)) = calls.poll_next_unpin(cx) {
+                spare.push(done);
+            }
             if calls.len() < MAX_IN_FLIGHT
                 && let Poll::Ready(n) = rx.poll_recv_many(cx, &mut batch, MAX_BATCH)
             {
@@ -163,25 +165,38 @@ async fn drive(inner: Weak<Inner>, mut rx: mpsc::UnboundedReceiver<Job>) {
         if batch.is_empty() {
             continue;
         }
-        let jobs = std::mem::replace(&mut batch, Vec::with_capacity(MAX_BATCH));
+        let next = spare.pop().unwrap_or_else(|| Vec::with_capacity(MAX_BATCH));
+        let mut jobs = std::mem::replace(&mut batch, next);
         calls.push(async move {
-            let mut jobs = jobs;
             call(&inner, &mut jobs).await;
+            jobs
         });
     }
 }
 
-/// The `EVALSHA` command for a batch, written in one buffer: keys of every decision, then the
-/// arguments (see `gcra.lua`).
+/// The `EVALSHA` command for a batch, written in one buffer sized up front: the keys of every
+/// decision, then each distinct policy's quotas once, then each decision's policy and cost
+/// (see `gcra.lua`).
 fn command(inner: &Inner, batch: &[Job]) -> redis::Cmd {
-    let mut cmd = redis::cmd("EVALSHA");
-    cmd.arg(script::SCRIPT.get_hash());
-    cmd.arg(
-        batch
-            .iter()
-            .map(|j| j.policy.key_suffixes.len())
-            .sum::<usize>(),
-    );
+    // The batch's distinct policies (usually one or two), and each decision's, 1-based.
+    let mut policies: SmallVec<[&PolicyInner; 4]> = SmallVec::new();
+    let mut of_job: SmallVec<[usize; MAX_BATCH]> = SmallVec::new();
+    for job in batch {
+        let p = &*job.policy;
+        let i = match policies.iter().position(|q| std::ptr::eq(*q, p)) {
+            Some(i) => i,
+            None => {
+                policies.push(p);
+                policies.len() - 1
+            }
+        };
+        of_job.push(i + 1);
+    }
+    let nkeys: usize = batch.iter().map(|j| j.policy.key_suffixes.len()).sum();
+    let policy_args: usize = policies.iter().map(|p| p.args.len()).sum();
+    let nargs = 6 + nkeys + policy_args + 2 * batch.len();
+    let mut cmd = redis::Cmd::with_capacity(nargs, 64 + nkeys * 96 + nargs * 12);
+    cmd.arg("EVALSHA").arg(script::SCRIPT.get_hash()).arg(nkeys);
     let mut base = Vec::with_capacity(128);
     let mut key = Vec::with_capacity(160);
     for job in batch {
@@ -197,11 +212,13 @@ fn command(inner: &Inner, batch: &[Job]) -> redis::Cmd {
         Some(ns) => cmd.arg(ns),
         None => cmd.arg(""),
     };
+    cmd.arg(policies.len());
+    for p in &policies {
+        cmd.arg(&p.args);
+    }
     cmd.arg(batch.len());
-    for job in batch {
-        cmd.arg(job.policy.key_suffixes.len())
-            .arg(job.cost)
-            .arg(&*job.policy.args);
+    for (job, policy) in batch.iter().zip(&of_job) {
+        cmd.arg(*policy).arg(job.cost);
     }
     cmd
 }

@@ -5,6 +5,13 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
+use std::task::ready;
+
+use redis::RedisResult;
+use tokio::sync::oneshot;
+
+use super::backend::Call as Sent;
+use super::batch::{Reply, abandoned};
 use crate::BackendError;
 use crate::backend::Decision;
 
@@ -13,7 +20,8 @@ type Call = Pin<Box<dyn Future<Output = Result<Decision, BackendError>> + Send>>
 /// The future returned by [`RedisBackend::decide`](crate::backend::Backend::decide).
 ///
 /// Decisions made without a round trip (a cached denial, a cost larger than the burst, an open
-/// circuit breaker) are ready at once and allocate nothing; the others box the Redis call.
+/// circuit breaker) are ready at once and allocate nothing; batched decisions (a single node)
+/// wait for their share of a call without boxing; the others box the Redis call.
 #[must_use = "futures do nothing unless polled"]
 pub struct RedisFuture {
     state: State,
@@ -21,6 +29,10 @@ pub struct RedisFuture {
 
 enum State {
     Ready(Option<Result<Decision, BackendError>>),
+    Batched {
+        answer: oneshot::Receiver<RedisResult<Reply>>,
+        sent: Sent,
+    },
     Call(Call),
 }
 
@@ -28,6 +40,12 @@ impl RedisFuture {
     pub(crate) fn ready(result: Result<Decision, BackendError>) -> Self {
         RedisFuture {
             state: State::Ready(Some(result)),
+        }
+    }
+
+    pub(crate) fn batched(answer: oneshot::Receiver<RedisResult<Reply>>, sent: Sent) -> Self {
+        RedisFuture {
+            state: State::Batched { answer, sent },
         }
     }
 
@@ -49,6 +67,14 @@ impl Future for RedisFuture {
                     crate::BackendErrorKind::Protocol,
                 ))),
             },
+            State::Batched { answer, sent } => {
+                let outcome =
+                    ready!(Pin::new(answer).poll(cx)).unwrap_or_else(|_| Err(abandoned()));
+                let decision = sent.finish(outcome);
+                // Polled again, it answers an error instead of polling a finished receiver.
+                self.state = State::Ready(None);
+                Poll::Ready(decision)
+            }
             State::Call(fut) => fut.as_mut().poll(cx),
         }
     }
@@ -58,6 +84,7 @@ impl fmt::Debug for RedisFuture {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let state = match self.state {
             State::Ready(_) => "Ready",
+            State::Batched { .. } => "Batched",
             State::Call(_) => "Call",
         };
         f.debug_struct("RedisFuture")

@@ -3,11 +3,12 @@
 --
 -- ARGV[1]            "" to read the time from Redis TIME; otherwise a fixed time in integer
 --                    nanoseconds (test hook, settable only through a hidden builder method)
--- ARGV[2]            number of decisions in this call, D >= 1
--- then, per decision d, in order:
---   n                number of quotas (its keys are the next n KEYS, in order)
---   cost             cost of the request in units (>= 1)
+-- ARGV[2]            number of policies in this call, P >= 1; then per policy p, in order:
+--   n                number of quotas
 --   then per quota i: emission interval (integer ns >= 1), burst (units >= 1)
+-- then               number of decisions in this call, D >= 1; then per decision, in order:
+--   p                its policy, 1..P (its keys are the next n_p KEYS, in order)
+--   cost             cost of the request in units (>= 1)
 -- KEYS               the buckets of every quota of every decision, in the order above (on a
 --                    Redis Cluster a call holds one decision, whose keys share one {hash tag})
 --
@@ -25,8 +26,8 @@
 --   wait   denied only: ns until this request's cost fits
 
 -- Library functions in locals: global lookups cost a table access each in Redis's sandbox.
-local tonumber, floor, ceil, format, match = tonumber, math.floor, math.ceil, string.format,
-  string.match
+local tonumber, type, floor, ceil = tonumber, type, math.floor, math.ceil
+local format, match = string.format, string.match
 local call, pcall_redis = redis.call, redis.pcall
 local KEYS, ARGV = KEYS, ARGV
 
@@ -48,136 +49,142 @@ else
 end
 
 local CLAMP = 9000000000000000000
-local reply = {}
-local nr = 0
 
--- Numbers by their argument string: decisions of one policy repeat the same parameters, and
--- Lua strings are interned, so a lookup is cheaper than parsing again.
-local numbers = {}
-local function number(s)
-  local v = numbers[s]
-  if v == nil then
-    v = tonumber(s)
-    numbers[s] = v
+-- Written flat, without closures and with few tables: every table and closure a call creates
+-- is garbage for Redis's Lua collector, which costs more than the arithmetic.
+
+-- The policies' quotas, parsed once per call, flat: policy p has n = q[p] quotas, whose
+-- emission intervals and bursts are at[first[p] + 2 * i - 1] and at[first[p] + 2 * i].
+local a = 2
+local q, first, at = {}, {}, {}
+local na = 0
+for p = 1, tonumber(ARGV[a]) do
+  local n = tonumber(ARGV[a + 1])
+  q[p] = n
+  first[p] = na
+  for j = a + 2, a + 1 + 2 * n do
+    na = na + 1
+    at[na] = tonumber(ARGV[j])
   end
-  return v
+  a = a + 1 + 2 * n
 end
 
 -- The buckets this call has read, by key: TAT relative to now (ns), or false when Redis
 -- refused the key. Decisions of one call on the same key (a hot key, a global limit) read it
 -- once and see each other's updates, exactly as if they ran one after another; each bucket
--- changed is written once, at the end. The script is atomic, so deferring the writes is
--- invisible to every other client.
-local tats = {}
-local dirty_keys = {}
-local ndirty = 0
+-- changed is written once, at the end (dirty[1..nd]). The script is atomic, so deferring the
+-- writes is invisible to every other client.
+local tats, dirty = {}, {}
+local nd = 0
+-- Per quota of the decision being made (reused): code, TAT and wait, 3 slots per quota.
+local cur = {}
+local reply = {}
+local nr = 0
 
-local function load(key)
-  local rel = tats[key]
-  if rel ~= nil then
-    return rel
+-- Numbers by their argument string: decisions repeat the same policy indices and costs, and
+-- Lua strings are interned, so a lookup is much cheaper than parsing (strtod) again.
+local nums = {}
+
+a = a + 1
+local k = 0
+for _ = 1, tonumber(ARGV[a]) do
+  local ps, cs = ARGV[a + 1], ARGV[a + 2]
+  local p, cost = nums[ps], nums[cs]
+  if p == nil then
+    p = tonumber(ps)
+    nums[ps] = p
   end
-  -- pcall: a refused key fails its decisions, not the whole call.
-  local stored = pcall_redis('GET', key)
-  if type(stored) == 'table' and stored.err then
-    rel = false
-  else
-    rel = 0
-    if stored then
-      local s, ns = match(stored, '^(%d+) (%d+)$')
-      if s then
-        rel = (tonumber(s) - now_s) * 1000000000 + (tonumber(ns) - now_ns)
-      end
-      if rel < 0 then
-        rel = 0
-      end
-    end
+  if cost == nil then
+    cost = tonumber(cs)
+    nums[cs] = cost
   end
-  tats[key] = rel
-  return rel
-end
-
--- Per-quota scratch of the decision being made, reused by every decision of the call.
-local code, tat, wait, period = {}, {}, {}, {}
-
--- One decision: quotas KEYS[k0 + 1 .. k0 + n], parameters from ARGV[a0 + 1 ..].
-local function decide(k0, a0, n, cost)
-  local denied = false
+  a = a + 2
+  local n, f = q[p], first[p]
+  local denied, refused = false, false
   for i = 1, n do
-    local t = number(ARGV[a0 + 2 * i - 1])
-    local burst = number(ARGV[a0 + 2 * i])
-    period[i] = t
-    local rel = load(KEYS[k0 + i])
-    if rel == false then
-      for _ = 1, n do
-        reply[nr + 1], reply[nr + 2], reply[nr + 3] = 4, 0, 0
-        nr = nr + 3
+    local key = KEYS[k + i]
+    local rel = tats[key]
+    if rel == nil then
+      -- pcall: a refused key fails its decisions, not the whole call.
+      local stored = pcall_redis('GET', key)
+      if type(stored) == 'table' and stored.err then
+        rel = false
+      else
+        rel = 0
+        if stored then
+          local sec, ns = match(stored, '^(%d+) (%d+)$')
+          if sec then
+            rel = (tonumber(sec) - now_s) * 1000000000 + (tonumber(ns) - now_ns)
+          end
+          if rel < 0 then
+            rel = 0
+          end
+        end
       end
-      return
+      tats[key] = rel
     end
-    tat[i] = rel
-    wait[i] = 0
+    if rel == false then
+      refused = true
+      break
+    end
+    local t, burst = at[f + 2 * i - 1], at[f + 2 * i]
+    local c, w = 0, 0
     if cost > burst then
-      code[i] = 2
+      c = 2
       denied = true
     else
       -- The request fits when now >= TAT + (cost - 1) * T - tau, with tau = T * (burst - 1).
-      local w = rel + t * (cost - burst)
+      w = rel + t * (cost - burst)
       if w > 0 then
-        code[i] = 1
-        wait[i] = w
+        c = 1
         denied = true
       else
-        code[i] = 0
+        w = 0
       end
     end
+    cur[3 * i - 2], cur[3 * i - 1], cur[3 * i] = c, rel, w
   end
 
-  for i = 1, n do
-    if denied then
-      if code[i] == 0 then
-        code[i] = 3
+  if refused then
+    for _ = 1, n do
+      reply[nr + 1], reply[nr + 2], reply[nr + 3] = 4, 0, 0
+      nr = nr + 3
+    end
+  else
+    for i = 1, n do
+      local c, tat, w = cur[3 * i - 2], cur[3 * i - 1], cur[3 * i]
+      if denied then
+        if c == 0 then
+          c = 3
+        end
+      else
+        local key = KEYS[k + i]
+        tat = tat + cost * at[f + 2 * i - 1]
+        -- First change of this bucket in this call: remember to write it.
+        if not dirty[key] then
+          dirty[key] = true
+          nd = nd + 1
+          dirty[nd] = key
+        end
+        tats[key] = tat
       end
-    else
-      local key = KEYS[k0 + i]
-      local next_tat = tat[i] + cost * period[i]
-      tat[i] = next_tat
-      -- First change of this bucket in this call: remember to write it.
-      if not dirty_keys[key] then
-        dirty_keys[key] = true
-        ndirty = ndirty + 1
-        dirty_keys[ndirty] = key
+      if tat > CLAMP then
+        tat = CLAMP
       end
-      tats[key] = next_tat
+      if w > CLAMP then
+        w = CLAMP
+      end
+      reply[nr + 1], reply[nr + 2], reply[nr + 3] = c, tat, w
+      nr = nr + 3
     end
   end
-
-  for i = 1, n do
-    local r, w = tat[i], wait[i]
-    if r > CLAMP then
-      r = CLAMP
-    end
-    if w > CLAMP then
-      w = CLAMP
-    end
-    reply[nr + 1], reply[nr + 2], reply[nr + 3] = code[i], r, w
-    nr = nr + 3
-  end
-end
-
-local k, a = 0, 2
-for _ = 1, tonumber(ARGV[2]) do
-  local n = number(ARGV[a + 1])
-  local cost = number(ARGV[a + 2])
-  decide(k, a + 2, n, cost)
   k = k + n
-  a = a + 2 + 2 * n
 end
 
 -- Write each changed bucket once; it expires when it is full again (a missing key is a full
 -- bucket).
-for i = 1, ndirty do
-  local key = dirty_keys[i]
+for i = 1, nd do
+  local key = dirty[i]
   local rel = tats[key]
   local total = now_ns + rel
   local carry = floor(total / 1000000000)

@@ -23,12 +23,16 @@ const NEVER_FITS: i64 = 2;
 const UNTOUCHED: i64 = 3;
 const REFUSED: i64 = 4;
 
-/// The per-quota script arguments, formatted once in `prepare()`.
-pub(crate) fn quota_args(params: &[QuotaParams]) -> Vec<Vec<u8>> {
+/// A policy's entry in the script's arguments, formatted once in `prepare()`: the number of
+/// quotas, then the emission interval and burst of each.
+pub(crate) fn policy_args(params: &[QuotaParams]) -> Vec<Vec<u8>> {
     let mut buf = itoa::Buffer::new();
-    params
-        .iter()
-        .flat_map(|p| [p.emission_ns, u64::from(p.burst.get())])
+    std::iter::once(params.len() as u64)
+        .chain(
+            params
+                .iter()
+                .flat_map(|p| [p.emission_ns, u64::from(p.burst.get())]),
+        )
         .map(|n| buf.format(n).as_bytes().to_vec())
         .collect()
 }
