@@ -7,15 +7,19 @@
 #   ROUNDS=5          rounds; each runs every mode once, in a rotated order
 #   DURATION=10s      wrk duration per run (after a 2 s warm-up)
 #   CONNECTIONS=64    wrk connections (one wrk thread)
-#   MODES="none local tower_governor redis local_deny redis_deny"
-#                     `*_deny` modes flood one key that is always denied (DENY_KEY); the
+#   MODES="none local tower_governor redis local_outer tower_governor_outer redis_outer local_deny redis_deny"
+#                     `*_outer` modes wrap the whole router (LAYER=outer) instead of
+#                     `Router::layer`; `*_deny` modes flood one key that is always denied (DENY_KEY); the
 #                     redis modes use REDIS_URL, or a redis-server this script starts on a free
 #                     port, pinned to the server's core. A mode whose server does not start is
 #                     skipped.
 #   PORT=3901         server port
 #   CARGO_TARGET_DIR  where cargo builds (default: target)
-#   CSV=target/bench-http.csv   where the raw results go (round,mode,rps,p50_us,p99_us), for
-#                     scripts/plot-bench.py
+#   CSV=target/bench-http.csv   where the raw results go (round,mode,rps,p50_us,p99_us,cpu_us),
+#                     for scripts/plot-bench.py
+#
+# cpu_us is the CPU time the server (and, in Redis modes, redis-server) used per request during
+# the measured run, from /proc: less disturbed by a noisy machine than req/s.
 #
 # Prints req/s, p50 and p99 latency and the ratio of req/s to bare axum for each run, then
 # the medians over the rounds. Ratios are only meaningful within one run of this script.
@@ -25,7 +29,7 @@ cd "$(dirname "$0")/.."
 ROUNDS=${ROUNDS:-5}
 DURATION=${DURATION:-10s}
 CONNECTIONS=${CONNECTIONS:-64}
-MODES=${MODES:-"none local tower_governor redis local_deny redis_deny"}
+MODES=${MODES:-"none local tower_governor redis local_outer tower_governor_outer redis_outer local_deny redis_deny"}
 PORT=${PORT:-3901}
 TARGET=${CARGO_TARGET_DIR:-target}
 CSV=${CSV:-$TARGET/bench-http.csv}
@@ -60,7 +64,7 @@ cleanup() {
     if [ -n "$REDIS_DIR" ]; then rm -rf "$REDIS_DIR"; fi
     if [ -n "$SERVER_PID" ]; then kill "$SERVER_PID" 2>/dev/null || true; fi
     if [ -s "$RESULTS" ]; then
-        { echo "round,mode,rps,p50_us,p99_us"; tr ' ' ',' <"$RESULTS"; } >"$CSV"
+        { echo "round,mode,rps,p50_us,p99_us,cpu_us"; tr ' ' ',' <"$RESULTS"; } >"$CSV"
         echo "raw results: $CSV" >&2
     fi
     rm -f "$RESULTS"
@@ -108,15 +112,30 @@ case " $MODES " in
     ;;
 esac
 
+CLK_TCK=$(getconf CLK_TCK)
+# CPU ticks (user + system) used so far by the server, plus redis-server in Redis modes.
+cpu_ticks() { # backend
+    local t
+    t=$(awk '{print $14 + $15}' "/proc/$SERVER_PID/stat")
+    if [ "$1" = redis ] && [ -n "$REDIS_PID" ]; then
+        t=$((t + $(awk '{print $14 + $15}' "/proc/$REDIS_PID/stat")))
+    fi
+    echo "$t"
+}
+
 run_mode() { # round mode
     local round=$1 mode=$2
-    local backend=${mode%_deny} deny_env=() wrk_header=()
-    if [ "$backend" != "$mode" ]; then
+    local backend=${mode%_deny} deny_env=() wrk_header=() layer=route
+    if [ "${backend%_outer}" != "$backend" ]; then
+        backend=${backend%_outer}
+        layer=outer
+    fi
+    if [ "${mode%_deny}" != "$mode" ]; then
         # Every request carries the one key that is always denied.
         deny_env=(DENY_KEY=flood)
         wrk_header=(-H "x-key: flood")
     fi
-    env "${deny_env[@]}" BACKEND=$backend PORT=$PORT $PIN_SERVER "$BIN" >/dev/null 2>/tmp/bench_server.err &
+    env "${deny_env[@]}" BACKEND=$backend LAYER=$layer PORT=$PORT $PIN_SERVER "$BIN" >/dev/null 2>/tmp/bench_server.err &
     SERVER_PID=$!
     if ! wait_up; then
         echo "  $mode: server did not start ($(tail -1 /tmp/bench_server.err)); skipped" >&2
@@ -126,20 +145,25 @@ run_mode() { # round mode
         return
     fi
     $PIN_WRK wrk -t1 -c"$CONNECTIONS" -d2s "${wrk_header[@]}" "http://127.0.0.1:$PORT/hello" >/dev/null
-    local out
+    local out ticks0 ticks1
+    ticks0=$(cpu_ticks "$backend")
     out=$($PIN_WRK wrk -t1 -c"$CONNECTIONS" -d"$DURATION" --latency "${wrk_header[@]}" "http://127.0.0.1:$PORT/hello")
+    ticks1=$(cpu_ticks "$backend")
     kill "$SERVER_PID"
     wait "$SERVER_PID" 2>/dev/null || true
     SERVER_PID=""
-    local rps p50 p99 non2xx
+    local rps p50 p99 non2xx requests cpu
     rps=$(echo "$out" | awk '/^Requests\/sec:/ {print $2}')
+    requests=$(echo "$out" | awk '/requests in/ {print $1}')
+    cpu=$(awk -v t="$((ticks1 - ticks0))" -v n="$requests" -v hz="$CLK_TCK" \
+        'BEGIN { printf "%.2f", (n > 0 ? t * 1000000 / hz / n : 0) }')
     p50=$(to_us "$(echo "$out" | awk '$1 == "50%" {print $2}')")
     p99=$(to_us "$(echo "$out" | awk '$1 == "99%" {print $2}')")
     non2xx=$(echo "$out" | awk '/Non-2xx/ {print $NF}')
-    if [ -n "$non2xx" ] && [ "$backend" = "$mode" ]; then
+    if [ -n "$non2xx" ] && [ "${mode%_deny}" = "$mode" ]; then
         echo "  warning: $mode answered $non2xx non-2xx responses" >&2
     fi
-    echo "$round $mode $rps $p50 $p99" >>"$RESULTS"
+    echo "$round $mode $rps $p50 $p99 $cpu" >>"$RESULTS"
 }
 
 read -r -a modes <<<"$MODES"
@@ -158,21 +182,21 @@ for round in $(seq 1 "$ROUNDS"); do
 done
 
 echo
-printf '%-6s %-15s %12s %10s %10s %8s\n' round mode req/s p50_us p99_us ratio
+printf '%-6s %-21s %12s %10s %10s %8s %8s\n' round mode req/s p50_us p99_us ratio cpu_us
 awk '
-    { rps[$1, $2] = $3; p50[$1, $2] = $4; p99[$1, $2] = $5; rounds[$1] = 1; modes[$2] = 1; order[++k] = $1 SUBSEP $2 }
+    { rps[$1, $2] = $3; p50[$1, $2] = $4; p99[$1, $2] = $5; cpu[$1, $2] = $6; order[++k] = $1 SUBSEP $2 }
     END {
         for (i = 1; i <= k; i++) {
             split(order[i], a, SUBSEP); r = a[1]; m = a[2]
             bare = rps[r, "none"]
             ratio = bare > 0 ? sprintf("%.3f", rps[r, m] / bare) : "-"
-            printf "%-6s %-15s %12.0f %10.1f %10.1f %8s\n", r, m, rps[r, m], p50[r, m], p99[r, m], ratio
+            printf "%-6s %-21s %12.0f %10.1f %10.1f %8s %8.2f\n", r, m, rps[r, m], p50[r, m], p99[r, m], ratio, cpu[r, m]
         }
     }' "$RESULTS"
 
 echo
 echo "medians over $ROUNDS rounds (ratio = median of the per-round ratios):"
-printf '%-15s %12s %10s %10s %8s\n' mode req/s p50_us p99_us ratio
+printf '%-21s %12s %10s %10s %8s %8s %10s\n' mode req/s p50_us p99_us ratio cpu_us cpu_ratio
 median() { sort -g | awk '{ v[NR] = $1 } END { if (NR == 0) { print "-"; exit } if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
 for mode in "${modes[@]}"; do
     grep -q " $mode " "$RESULTS" || continue
@@ -182,5 +206,11 @@ for mode in "${modes[@]}"; do
     ratio=$(awk -v m="$mode" '
         $2 == "none" { bare[$1] = $3 } $2 == m { mine[$1] = $3 }
         END { for (r in mine) if (bare[r] > 0) print mine[r] / bare[r] }' "$RESULTS" | median)
-    printf '%-15s %12.0f %10.1f %10.1f %8.3f\n' "$mode" "$rps" "$p50" "$p99" "$ratio"
+    cpu=$(awk -v m="$mode" '$2 == m {print $6}' "$RESULTS" | median)
+    # Bare axum's CPU per request over this mode's, per round: the throughput ratio a
+    # CPU-bound core would give, less disturbed by a noisy machine.
+    cpu_ratio=$(awk -v m="$mode" '
+        $2 == "none" { bare[$1] = $6 } $2 == m { mine[$1] = $6 }
+        END { for (r in mine) if (mine[r] > 0) print bare[r] / mine[r] }' "$RESULTS" | median)
+    printf '%-21s %12.0f %10.1f %10.1f %8.3f %8.2f %10.3f\n' "$mode" "$rps" "$p50" "$p99" "$ratio" "$cpu" "$cpu_ratio"
 done

@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# CPU instructions per request of the HTTP benchmark server, counted by valgrind's callgrind:
+# repeatable to a fraction of a percent whatever else the machine is doing, where the req/s of
+# scripts/bench-http.sh can move by ±10 % between rounds on a shared VM. It counts the
+# server's own (user-space) instructions only: not the kernel's share (about two thirds of a
+# request's time on the machine of BENCHMARKS.md, the same in every mode), nor redis-server's
+# in Redis modes (measured separately below).
+#
+# Usage: scripts/bench-instructions.sh
+# Environment (all optional):
+#   MODES="none local tower_governor local_outer tower_governor_outer redis redis_outer"
+#   DURATION=8s      wrk load per mode (the server runs ~50x slower under callgrind)
+#   PORT=3911
+#
+# For each mode: (instructions with load - instructions of a start and stop with no load)
+# / requests served. Under callgrind the server is slow and Redis (not instrumented) is not,
+# so Redis calls carry fewer decisions each than at full speed: per-request numbers of the
+# Redis modes are upper bounds. Then redis-server's instructions per decision, for script calls
+# of 1 and of 16 decisions on one hot key and on 16 different keys.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+MODES=${MODES:-"none local tower_governor local_outer tower_governor_outer redis redis_outer"}
+DURATION=${DURATION:-8s}
+PORT=${PORT:-3911}
+TARGET=${CARGO_TARGET_DIR:-target}
+
+need() { command -v "$1" >/dev/null || {
+    SUDO=""
+    [ "$(id -u)" -ne 0 ] && SUDO=sudo
+    $SUDO apt-get install -y -qq "$2" >/dev/null
+}; }
+need valgrind valgrind
+need wrk wrk
+need redis-server redis-server
+
+echo "building bench_server (release)..." >&2
+cargo build --release --quiet --example bench_server --features "local axum redis"
+BIN="$TARGET/release/examples/bench_server"
+
+WORK=$(mktemp -d)
+REDIS_PORT=$((PORT + 1000))
+redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no --dir "$WORK" \
+    --daemonize no >/dev/null &
+REDIS_PID=$!
+trap 'kill "$REDIS_PID" 2>/dev/null || true; rm -rf "$WORK"' EXIT
+for _ in $(seq 1 50); do
+    redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1 && break
+    sleep 0.1
+done
+
+total() { callgrind_annotate "$1" 2>/dev/null | awk '/PROGRAM TOTALS/ { gsub(",", "", $1); print $1 }'; }
+
+# Instructions of one server run, with `wrk` for $DURATION when $2 is 1; prints "Ir requests".
+run() { # mode load
+    local mode=$1 load=$2 backend=$1 layer=route requests=0
+    if [ "${backend%_outer}" != "$backend" ]; then
+        backend=${backend%_outer}
+        layer=outer
+    fi
+    BACKEND=$backend LAYER=$layer PORT=$PORT REDIS_URL="redis://127.0.0.1:$REDIS_PORT" \
+        valgrind --tool=callgrind --callgrind-out-file="$WORK/cg.out" "$BIN" >/dev/null 2>&1 &
+    local pid=$!
+    for _ in $(seq 1 300); do
+        (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null && break
+        sleep 0.1
+    done
+    if [ "$load" = 1 ]; then
+        requests=$(wrk -t1 -c8 -d"$DURATION" "http://127.0.0.1:$PORT/hello" |
+            awk '/requests in/ { print $1 }')
+    fi
+    # SIGTERM: background jobs of a non-interactive shell ignore SIGINT.
+    kill "$pid"
+    wait "$pid" 2>/dev/null || true
+    echo "$(total "$WORK/cg.out") $requests"
+}
+
+printf '%-22s %14s %12s\n' mode instr/request vs_bare
+bare=""
+for mode in $MODES; do
+    read -r idle _ < <(run "$mode" 0)
+    read -r loaded requests < <(run "$mode" 1)
+    per=$(((loaded - idle) / requests))
+    [ -z "$bare" ] && [ "$mode" = none ] && bare=$per
+    extra="-"
+    [ -n "$bare" ] && extra=$(awk -v p="$per" -v b="$bare" 'BEGIN { printf "%+d", p - b }')
+    printf '%-22s %14d %12s\n' "$mode" "$per" "$extra"
+done
+
+# redis-server's own instructions per script call, under callgrind, fed by redis-benchmark.
+sha=$(redis-cli -p "$REDIS_PORT" -x script load <src/backend/redis/gcra.lua)
+redis_run() { # calls decisions distinct(0|1)
+    local port=$((REDIS_PORT + 1)) args=()
+    valgrind --tool=callgrind --callgrind-out-file="$WORK/r.out" redis-server --port "$port" \
+        --bind 127.0.0.1 --save "" --appendonly no --dir "$WORK" >/dev/null 2>&1 &
+    local pid=$!
+    for _ in $(seq 1 100); do
+        redis-cli -p "$port" ping >/dev/null 2>&1 && break
+        sleep 0.1
+    done
+    redis-cli -p "$port" -x script load <src/backend/redis/gcra.lua >/dev/null
+    args=(EVALSHA "$sha" "$2")
+    for i in $(seq "$2"); do
+        if [ "$3" = 1 ]; then args+=("tollgate:{bench:k$i}:0"); else args+=("tollgate:{bench:hot}:0"); fi
+    done
+    args+=("" 1 1 1000 3600000000 "$2")
+    for _ in $(seq "$2"); do args+=(1 1); done
+    redis-benchmark -p "$port" -n "$1" -c 1 -q "${args[@]}" >/dev/null 2>&1
+    redis-cli -p "$port" shutdown nosave >/dev/null 2>&1 || true
+    wait "$pid" 2>/dev/null || true
+    total "$WORK/r.out"
+}
+echo
+printf '%-34s %14s\n' "redis-server, one call of" instr/decision
+for spec in "1 0" "16 0" "16 1"; do
+    read -r n distinct <<<"$spec"
+    base=$(redis_run 100 "$n" "$distinct")
+    more=$(redis_run 1100 "$n" "$distinct")
+    label="$n decision(s), one key"
+    [ "$distinct" = 1 ] && label="$n decisions, $n keys"
+    printf '%-34s %14d\n' "$label" $(((more - base) / 1000 / n))
+done
