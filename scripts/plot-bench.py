@@ -27,12 +27,15 @@ labels = {
     "local": "tollgate local",
     "tower_governor": "tower_governor",
     "redis": "tollgate redis",
+    "local_outer": "tollgate local, whole router",
+    "tower_governor_outer": "tower_governor, whole router",
+    "redis_outer": "tollgate redis, whole router",
     "local_deny": "local, denied key",
     "redis_deny": "redis, denied key",
 }
 bare = statistics.median(rps["none"]) if rps.get("none") else None
 
-W, H, pad, bar_h, gap = 900, 80 + 2 * 40 * len(order), 190, 22, 18
+W, H, pad, bar_h, gap = 940, 80 + 2 * 40 * len(order), 230, 22, 18
 out = [
     f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="13">',
     f'<rect width="{W}" height="{H}" fill="white"/>',

@@ -99,18 +99,21 @@ impl<B> std::fmt::Debug for ResponseBody<B> {
 /// for it), since `axum::serve` takes services answering `Response<axum::body::Body>`:
 ///
 /// ```
-/// use axum::{Router, ServiceExt, body::Body, routing::get};
-/// use tollgate::{Policy, Quota, RateLimitLayer};
-/// use tower::{Layer, ServiceExt as _};
+/// use std::net::SocketAddr;
 ///
-/// let router = Router::new().route("/", get(|| async { "ok" }));
+/// use axum::{Router, body::Body, extract::Request, routing::get};
+/// use tollgate::{Policy, Quota, RateLimitLayer};
+/// use tower::{Layer, ServiceExt};
+///
+/// // `with_state` turns the handlers into services once, instead of on every request.
+/// let router = Router::new().route("/", get(|| async { "ok" })).with_state::<()>(());
 /// let layer = RateLimitLayer::builder()
 ///     .policy(Policy::new("api", Quota::per_second(10)))
 ///     .build()
 ///     .unwrap();
-/// let app = layer.layer(router).map_response(|res| res.map(Body::from));
-/// // axum::serve(listener, app.into_make_service_with_connect_info::<std::net::SocketAddr>())
-/// let _make_service = app.into_make_service_with_connect_info::<std::net::SocketAddr>();
+/// let app = ServiceExt::<Request>::map_response(layer.layer(router), |res| res.map(Body::from));
+/// let make = axum::ServiceExt::<Request>::into_make_service_with_connect_info::<SocketAddr>(app);
+/// // axum::serve(listener, make).await?;
 /// ```
 #[cfg(feature = "axum")]
 impl From<ResponseBody<axum::body::Body>> for axum::body::Body {

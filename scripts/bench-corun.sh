@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Throughput ratios to bare axum measured side by side: the bare server and the server under
+# test run at the same time, both pinned to core 0, each loaded by its own wrk on core 1. The
+# kernel shares core 0 fairly between the two busy servers, so the ratio of their req/s is the
+# ratio of their CPU cost per request, and whatever slows the machine down during a run slows
+# both alike. On a shared VM whose speed drifts by ±10 % from one run to the next (which makes
+# the sequential rounds of scripts/bench-http.sh noisy), this resolves a few percent.
+#
+# Usage: scripts/bench-corun.sh
+# Environment (all optional):
+#   MODES="local tower_governor local_outer tower_governor_outer"
+#   PAIRS=6          runs per mode, alternating which port and wrk gets the bare server
+#   DURATION=8s      per run
+#   CONNECTIONS=32   per wrk
+#
+# Control: `none` against `none` must give 1.000. Redis modes are left out: redis-server would
+# be a third process competing for core 0 (use scripts/bench-http.sh's cpu_us for them).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+MODES=${MODES:-"local tower_governor local_outer tower_governor_outer"}
+PAIRS=${PAIRS:-6}
+DURATION=${DURATION:-8s}
+CONNECTIONS=${CONNECTIONS:-32}
+TARGET=${CARGO_TARGET_DIR:-target}
+PORT_A=3921
+PORT_B=3922
+
+if [ "$(nproc)" -lt 2 ]; then
+    echo "needs 2 cores: the servers on one, the load generators on the other" >&2
+    exit 1
+fi
+command -v wrk >/dev/null || {
+    SUDO=""
+    [ "$(id -u)" -ne 0 ] && SUDO=sudo
+    $SUDO apt-get install -y -qq wrk >/dev/null
+}
+echo "building bench_server (release)..." >&2
+cargo build --release --quiet --example bench_server --features "local axum"
+BIN="$TARGET/release/examples/bench_server"
+
+PIDS=()
+OUT=$(mktemp -d)
+trap 'kill "${PIDS[@]}" 2>/dev/null || true; rm -rf "$OUT"' EXIT
+
+start() { # mode port
+    local backend=$1 layer=route
+    if [ "${backend%_outer}" != "$backend" ]; then
+        backend=${backend%_outer}
+        layer=outer
+    fi
+    BACKEND=$backend LAYER=$layer PORT=$2 taskset -c 0 "$BIN" >/dev/null 2>&1 &
+    PIDS+=($!)
+    for _ in $(seq 1 100); do
+        (exec 3<>"/dev/tcp/127.0.0.1/$2") 2>/dev/null && return 0
+        sleep 0.05
+    done
+    echo "server $1 did not start" >&2
+    exit 1
+}
+
+# One side-by-side run; prints req/s of the server on port A, then on port B.
+corun() { # mode_a mode_b
+    PIDS=()
+    start "$1" "$PORT_A"
+    start "$2" "$PORT_B"
+    taskset -c 1 wrk -t1 -c"$CONNECTIONS" -d"$DURATION" "http://127.0.0.1:$PORT_A/hello" >"$OUT/a" &
+    local wa=$!
+    taskset -c 1 wrk -t1 -c"$CONNECTIONS" -d"$DURATION" "http://127.0.0.1:$PORT_B/hello" >"$OUT/b" &
+    local wb=$!
+    wait "$wa" "$wb"
+    kill "${PIDS[@]}"
+    wait "${PIDS[@]}" 2>/dev/null || true
+    echo "$(awk '/^Requests\/sec:/ { print $2 }' "$OUT/a") $(awk '/^Requests\/sec:/ { print $2 }' "$OUT/b")"
+}
+
+median() { sort -g | awk '{ v[NR] = $1 } END { if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
+
+printf '%-22s %8s %8s %8s   %s\n' mode median min max "ratios (mode req/s / bare req/s, run by run)"
+for mode in none $MODES; do
+    ratios=()
+    for pair in $(seq 1 "$PAIRS"); do
+        # Alternate sides so that neither port nor wrk order favours one server.
+        if [ $((pair % 2)) = 1 ]; then
+            read -r bare mine < <(corun none "$mode")
+        else
+            read -r mine bare < <(corun "$mode" none)
+        fi
+        ratios+=("$(awk -v m="$mine" -v b="$bare" 'BEGIN { printf "%.3f", m / b }')")
+    done
+    sorted=$(printf '%s\n' "${ratios[@]}" | sort -g)
+    printf '%-22s %8.3f %8.3f %8.3f   %s\n' "$mode" \
+        "$(printf '%s\n' "${ratios[@]}" | median)" "$(echo "$sorted" | head -1)" \
+        "$(echo "$sorted" | tail -1)" "${ratios[*]}"
+done
