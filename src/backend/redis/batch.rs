@@ -30,9 +30,12 @@ use crate::Key;
 /// The most decisions in one call: bounds how long one script call keeps Redis busy.
 pub(crate) const MAX_BATCH: usize = 128;
 
-/// Calls in flight at once per backend: while all are busy, decisions queue up into the next
-/// batch; more slots keep a distant Redis busy.
-pub(crate) const MAX_IN_FLIGHT: usize = 4;
+/// Calls in flight at once per backend: while both are busy, decisions queue up into the next
+/// batch. Two keep a distant Redis busy (up to 2 × [`MAX_BATCH`] decisions per round trip)
+/// while batches stay large; with Redis on the application's own core, 4 slots cost about a
+/// quarter more CPU per request than 2 (smaller batches, more switches between the two
+/// processes; BENCHMARKS.md), and 1 measured the same as 2.
+pub(crate) const MAX_IN_FLIGHT: usize = 2;
 
 /// One decision waiting for a call. Its keys are written straight into the call's command by
 /// the batching task: a queued decision holds no formatted strings.
