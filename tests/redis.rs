@@ -288,15 +288,13 @@ async fn two_backends_with_separate_connections_allow_exactly_the_burst() {
     );
 }
 
-/// Decisions of one call on the same (hot) key read the bucket once and write it once: Redis
-/// does one `GET` and one `SET` per call, not per request, and the limit stays exact.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_hot_key_is_read_and_written_once_per_call() {
-    let server = RedisServer::start();
-    let b = uncached(&server).build().unwrap();
-    let p = Arc::new(prepare(&b, &Policy::new("hot", no_refill(100))));
-    server.cmd(&["CONFIG", "RESETSTAT"]);
-    let tasks: Vec<_> = (0..400)
+/// Makes `n` concurrent cost-1 decisions on key `k`; returns how many were allowed.
+async fn allowed_of_concurrent(
+    b: &RedisBackend,
+    p: &Arc<<RedisBackend as Backend>::Policy>,
+    n: usize,
+) -> usize {
+    let tasks: Vec<_> = (0..n)
         .map(|_| {
             let (b, p) = (b.clone(), p.clone());
             tokio::spawn(
@@ -308,7 +306,18 @@ async fn a_hot_key_is_read_and_written_once_per_call() {
     for t in tasks {
         allowed += usize::from(t.await.unwrap());
     }
-    assert_eq!(allowed, 100);
+    allowed
+}
+
+/// Decisions of one call on the same (hot) key read the bucket once and write it once: Redis
+/// does one `GET` and one `SET` per call, not per request, and the limit stays exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_key_is_read_and_written_once_per_call() {
+    let server = RedisServer::start();
+    let b = uncached(&server).build().unwrap();
+    let p = Arc::new(prepare(&b, &Policy::new("hot", no_refill(100))));
+    server.cmd(&["CONFIG", "RESETSTAT"]);
+    assert_eq!(allowed_of_concurrent(&b, &p, 400).await, 100);
     let stats = b.stats();
     assert!(stats.script_calls < 400, "{stats:?}");
     let info = server.cmd(&["INFO", "commandstats"]);
@@ -859,19 +868,7 @@ async fn batching_can_be_turned_off() {
     let server = RedisServer::start();
     let b = uncached(&server).batching(false).build().unwrap();
     let p = Arc::new(prepare(&b, &Policy::new("solo", no_refill(30))));
-    let tasks: Vec<_> = (0..100)
-        .map(|_| {
-            let (b, p) = (b.clone(), p.clone());
-            tokio::spawn(
-                async move { b.decide(&p, &key("k"), cost(1)).await.unwrap().is_allowed() },
-            )
-        })
-        .collect();
-    let mut allowed = 0;
-    for t in tasks {
-        allowed += usize::from(t.await.unwrap());
-    }
-    assert_eq!(allowed, 30);
+    assert_eq!(allowed_of_concurrent(&b, &p, 100).await, 30);
     let s = b.stats();
     assert_eq!(s.script_calls, s.redis_calls, "{s:?}");
 }
