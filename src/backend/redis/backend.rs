@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use smallvec::SmallVec;
 
-use super::batch::{Batcher, Reply};
+use super::batch::{Batcher, Reply, timed_out};
 use super::breaker::Breaker;
 use super::clock::Clock;
 use super::conn::Conn;
@@ -350,10 +350,7 @@ impl Inner {
         bump(&self.counters.script_calls);
         match tokio::time::timeout(self.timeout, self.conn.invoke(&invocation)).await {
             Ok(reply) => reply.map(Reply::whole),
-            Err(_elapsed) => Err(redis::RedisError::from(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                "the script call timed out",
-            ))),
+            Err(_elapsed) => Err(timed_out()),
         }
     }
 

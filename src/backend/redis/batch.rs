@@ -123,7 +123,8 @@ pub(crate) fn abandoned() -> redis::RedisError {
     redis::RedisError::from((redis::ErrorKind::Io, "the batched call was abandoned"))
 }
 
-fn timed_out() -> redis::RedisError {
+/// A script call that outlasted the backend's timeout.
+pub(crate) fn timed_out() -> redis::RedisError {
     redis::RedisError::from(std::io::Error::new(
         std::io::ErrorKind::TimedOut,
         "the script call timed out",
