@@ -22,8 +22,11 @@
 //!
 //! [draft-ietf-httpapi-ratelimit-headers]: https://datatracker.ietf.org/doc/draft-ietf-httpapi-ratelimit-headers/
 
+mod cache;
+
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -131,6 +134,8 @@ impl fmt::Debug for RejectionBody {
 /// A policy's header material, built once.
 #[derive(Debug, Clone)]
 pub(crate) struct PolicyHeaders {
+    /// Unique per policy built (clones share it): the header cache's key.
+    id: u64,
     /// `"name";q=..;w=..` items, comma-separated.
     policy: HeaderValue,
     /// `"label";r=` per quota.
@@ -154,7 +159,9 @@ impl PolicyHeaders {
             prefixes.push(format!("\"{label}\";r=").into_bytes().into_boxed_slice());
             labels.push(label.into_boxed_str());
         }
+        static NEXT_ID: AtomicU64 = AtomicU64::new(0);
         PolicyHeaders {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             // Labels are visible ASCII without quotes or backslashes (checked by
             // `Policy::validate`), so the value is always valid.
             policy: HeaderValue::from_str(&value).unwrap_or(HeaderValue::from_static("")),
@@ -205,10 +212,18 @@ pub(crate) fn rate_limit_headers(
     if decision.quotas().is_empty() {
         return out;
     }
-    if style.ietf()
-        && let Some(value) = ietf_value(headers, decision.quotas())
-    {
-        out.ietf = Some((headers.policy.clone(), value));
+    if style.ietf() {
+        let quotas = decision.quotas();
+        let items = quotas
+            .iter()
+            .map(|q| (q.index, q.remaining, ceil_secs(q.reset_after)));
+        let value = match cache::ValueKey::new(headers.id, items) {
+            Some(key) => cache::value(key, || ietf_value(headers, quotas)),
+            None => ietf_value(headers, quotas),
+        };
+        if let Some(value) = value {
+            out.ietf = Some((cache::policy(headers.id, &headers.policy), value));
+        }
     }
     if style.legacy()
         && let Some(q) = decision.tightest()
@@ -462,5 +477,70 @@ mod tests {
         assert_eq!(get("x-ratelimit-limit").unwrap(), "10");
         let none = rate_limit_headers(HeaderStyle::None, &h, &d);
         assert!(none.ietf.is_none() && none.legacy.is_none());
+    }
+
+    fn allowed(index: usize, remaining: u32, reset_ms: u64) -> QuotaState {
+        QuotaState {
+            index,
+            outcome: Outcome::Allowed,
+            limit: 1000,
+            remaining,
+            reset_after: Duration::from_millis(reset_ms),
+        }
+    }
+
+    fn ratelimit(h: &PolicyHeaders, d: &Decision) -> String {
+        let adds = rate_limit_headers(HeaderStyle::Ietf, h, d);
+        let (policy, value) = adds.ietf.unwrap();
+        assert_eq!(policy, h.policy);
+        value.to_str().unwrap().to_owned()
+    }
+
+    #[test]
+    fn cached_values_are_what_formatting_gives() {
+        // Two policies whose numbers collide: each must get its own labels back.
+        let a = Policy::new("a", Quota::per_second(5).burst(10)).and(Quota::per_hour(1000));
+        let b = Policy::new("b", Quota::per_second(5).burst(10));
+        let ha = PolicyHeaders::new(&a, &a.validate().unwrap());
+        let hb = PolicyHeaders::new(&b, &b.validate().unwrap());
+        // Repeats (hits), changes (misses) and slot collisions, in a mixed order.
+        let mut seed = 7u64;
+        for _ in 0..5000 {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let r = (seed >> 33) as u32 % 12;
+            let t = (seed >> 50) % 4000;
+            let two = Decision::new([allowed(0, r, t), allowed(1, 999 - r, t * 3)]);
+            let one = Decision::new([allowed(0, r, t)]);
+            assert_eq!(
+                ratelimit(&ha, &two),
+                ietf_value(&ha, two.quotas()).unwrap().to_str().unwrap()
+            );
+            assert_eq!(
+                ratelimit(&hb, &one),
+                format!(r#""b";r={r};t={}"#, t.div_ceil(1000))
+            );
+            // The same numbers under policy `a`, denied after its first quota.
+            let first = Decision::new([allowed(0, r, t)]);
+            assert_eq!(
+                ratelimit(&ha, &first),
+                format!(r#""a-0";r={r};t={}"#, t.div_ceil(1000))
+            );
+        }
+    }
+
+    #[test]
+    fn values_of_many_quotas_are_formatted_uncached() {
+        let mut policy = Policy::new("m", Quota::per_second(1));
+        for _ in 0..3 {
+            policy = policy.and(Quota::per_minute(100));
+        }
+        let h = PolicyHeaders::new(&policy, &policy.validate().unwrap());
+        let d = Decision::new((0..4).map(|i| allowed(i, 7, 1500)));
+        assert_eq!(
+            ratelimit(&h, &d),
+            r#""m-0";r=7;t=2, "m-1";r=7;t=2, "m-2";r=7;t=2, "m-3";r=7;t=2"#
+        );
     }
 }
