@@ -35,7 +35,6 @@
 use std::net::{IpAddr, SocketAddr};
 
 use axum::Router;
-use axum::body::Body;
 use axum::routing::get;
 use http::{HeaderValue, Request};
 use tollgate::backend::{Backend, LocalBackend};
@@ -144,9 +143,6 @@ macro_rules! serve_layered {
             // `with_state` turns the handlers into services once; a `Router` called as a plain
             // service without it converts them on every request.
             let svc = tower::Layer::layer(&layer, $app.with_state::<()>(()));
-            let svc = tower::ServiceExt::<axum::extract::Request>::map_response(svc, |res| {
-                res.map(Body::from)
-            });
             serve($listener, svc).await
         } else {
             serve($listener, $app.layer(layer)).await

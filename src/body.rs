@@ -1,5 +1,34 @@
-//! The response body type of the rate-limit service.
+//! The response bodies of the rate-limit service.
+//!
+//! By default ([`KeepBody`]) the service answers with the inner service's own body type, and
+//! writes rejections in it through [`RateLimitBody`]: an axum `Router` or a tonic server gets
+//! back the body type it gave, which they then pass on without boxing it again. Bodies without
+//! a [`RateLimitBody`] impl use [`WrapBody`] (see
+//! [`RateLimitLayer::wrap_body`](crate::RateLimitLayer::wrap_body)): responses are then
+//! [`ResponseBody<B>`], the inner body or the rejection's.
+//!
+//! So a layer can wrap a whole axum `Router`, the cheapest place for a limit every route
+//! shares, and the result goes straight to `axum::serve`:
+//!
+//! ```
+//! use std::net::SocketAddr;
+//!
+//! use axum::{Router, extract::Request, routing::get};
+//! use tollgate::{Policy, Quota, RateLimitLayer};
+//! use tower::Layer;
+//!
+//! // `with_state` turns the handlers into services once, instead of on every request.
+//! let router = Router::new().route("/", get(|| async { "ok" })).with_state::<()>(());
+//! let layer = RateLimitLayer::builder()
+//!     .policy(Policy::new("api", Quota::per_second(10)))
+//!     .build()
+//!     .unwrap();
+//! let app = layer.layer(router); // answers `Response<axum::body::Body>`
+//! let make = axum::ServiceExt::<Request>::into_make_service_with_connect_info::<SocketAddr>(app);
+//! // axum::serve(listener, make).await?;
+//! ```
 
+use std::convert::Infallible;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
@@ -95,26 +124,8 @@ impl<B> std::fmt::Debug for ResponseBody<B> {
 }
 
 /// Unwraps to axum's body without boxing: the inner service's body as it was, or the rejection
-/// text. Use it where the layer wraps a whole axum [`Router`](axum::Router) (the cheapest place
-/// for it), since `axum::serve` takes services answering `Response<axum::body::Body>`:
-///
-/// ```
-/// use std::net::SocketAddr;
-///
-/// use axum::{Router, body::Body, extract::Request, routing::get};
-/// use tollgate::{Policy, Quota, RateLimitLayer};
-/// use tower::{Layer, ServiceExt};
-///
-/// // `with_state` turns the handlers into services once, instead of on every request.
-/// let router = Router::new().route("/", get(|| async { "ok" })).with_state::<()>(());
-/// let layer = RateLimitLayer::builder()
-///     .policy(Policy::new("api", Quota::per_second(10)))
-///     .build()
-///     .unwrap();
-/// let app = ServiceExt::<Request>::map_response(layer.layer(router), |res| res.map(Body::from));
-/// let make = axum::ServiceExt::<Request>::into_make_service_with_connect_info::<SocketAddr>(app);
-/// // axum::serve(listener, make).await?;
-/// ```
+/// text. For layers built with [`wrap_body`](crate::RateLimitLayer::wrap_body); by default the
+/// layer already answers with axum's body.
 #[cfg(feature = "axum")]
 impl From<ResponseBody<axum::body::Body>> for axum::body::Body {
     fn from(body: ResponseBody<axum::body::Body>) -> Self {
@@ -123,5 +134,163 @@ impl From<ResponseBody<axum::body::Body>> for axum::body::Body {
             Kind::Full { data: Some(data) } => axum::body::Body::from(data),
             Kind::Full { data: None } => axum::body::Body::empty(),
         }
+    }
+}
+
+/// A response body type that tollgate can write its rejections in (a short text, or nothing
+/// for gRPC), so that the rate-limit service can answer with the inner service's own body type
+/// ([`KeepBody`], the default).
+///
+/// Implemented for axum's and tonic's bodies, http-body-util's `Full<Bytes>` and boxed bodies,
+/// and [`ResponseBody`]. For any other body, build the layer with
+/// [`wrap_body`](crate::RateLimitLayer::wrap_body), or implement this trait. Without either,
+/// the layered service is not a `Service` (and the compiler says which of the two to do):
+///
+/// ```compile_fail
+/// use bytes::Bytes;
+/// use http::{Request, Response};
+/// use http_body_util::Empty;
+/// use tollgate::{Policy, Quota, RateLimitLayer, key::Global};
+/// use tower::{Layer, Service};
+///
+/// fn is_service<S: Service<Request<()>>>(_: &S) {}
+///
+/// let inner = tower::service_fn(|_req: Request<()>| async {
+///     Ok::<_, std::convert::Infallible>(Response::new(Empty::<Bytes>::new()))
+/// });
+/// let layer = RateLimitLayer::builder()
+///     .key(Global)
+///     .policy(Policy::new("api", Quota::per_second(1)))
+///     .build()
+///     .unwrap();
+/// is_service(&layer.layer(inner)); // `Empty` cannot hold a rejection
+/// ```
+#[diagnostic::on_unimplemented(
+    message = "tollgate cannot write a rejection in a `{Self}` response body",
+    note = "call `.wrap_body()` on the `RateLimitLayer` to answer with `tollgate::ResponseBody<{Self}>` instead"
+)]
+pub trait RateLimitBody: Sized {
+    /// A body holding `data` (empty for gRPC rejections).
+    fn rejection(data: Bytes) -> Self;
+}
+
+/// The body of a rejection, for bodies built from another body.
+struct Rejected(Option<Bytes>);
+
+impl Rejected {
+    fn new(data: Bytes) -> Self {
+        Rejected((!data.is_empty()).then_some(data))
+    }
+}
+
+impl Body for Rejected {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        Poll::Ready(self.0.take().map(|d| Ok(Frame::data(d))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.0.is_none()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::with_exact(self.0.as_ref().map_or(0, |d| d.len() as u64))
+    }
+}
+
+#[cfg(feature = "axum")]
+impl RateLimitBody for axum::body::Body {
+    fn rejection(data: Bytes) -> Self {
+        axum::body::Body::from(data)
+    }
+}
+
+#[cfg(feature = "tonic")]
+impl RateLimitBody for tonic::body::Body {
+    fn rejection(data: Bytes) -> Self {
+        tonic::body::Body::new(Rejected::new(data))
+    }
+}
+
+impl RateLimitBody for http_body_util::Full<Bytes> {
+    fn rejection(data: Bytes) -> Self {
+        http_body_util::Full::new(data)
+    }
+}
+
+impl<E: 'static> RateLimitBody for http_body_util::combinators::BoxBody<Bytes, E> {
+    fn rejection(data: Bytes) -> Self {
+        use http_body_util::BodyExt;
+        Rejected::new(data).map_err(|never| match never {}).boxed()
+    }
+}
+
+impl<E: 'static> RateLimitBody for http_body_util::combinators::UnsyncBoxBody<Bytes, E> {
+    fn rejection(data: Bytes) -> Self {
+        use http_body_util::BodyExt;
+        Rejected::new(data)
+            .map_err(|never| match never {})
+            .boxed_unsync()
+    }
+}
+
+impl<B> RateLimitBody for ResponseBody<B> {
+    fn rejection(data: Bytes) -> Self {
+        ResponseBody::full(data)
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for super::KeepBody {}
+    impl Sealed for super::WrapBody {}
+}
+
+/// How the rate-limit service answers with bodies: [`KeepBody`] or [`WrapBody`]. Sealed.
+pub trait BodyMode<B>: sealed::Sealed {
+    /// The body type of the service's responses when the inner service answers with `B`.
+    type Body;
+    /// The body of a response of the inner service.
+    fn pass(body: B) -> Self::Body;
+    /// The body of a rejection.
+    fn reject(data: Bytes) -> Self::Body;
+}
+
+/// Responses keep the inner service's body type, which must implement [`RateLimitBody`]. The
+/// default.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct KeepBody;
+
+/// Responses have a [`ResponseBody<B>`] around the inner service's body type `B`, which can be
+/// any body. See [`RateLimitLayer::wrap_body`](crate::RateLimitLayer::wrap_body).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct WrapBody;
+
+impl<B: RateLimitBody> BodyMode<B> for KeepBody {
+    type Body = B;
+
+    fn pass(body: B) -> B {
+        body
+    }
+
+    fn reject(data: Bytes) -> B {
+        B::rejection(data)
+    }
+}
+
+impl<B> BodyMode<B> for WrapBody {
+    type Body = ResponseBody<B>;
+
+    fn pass(body: B) -> ResponseBody<B> {
+        ResponseBody::inner(body)
+    }
+
+    fn reject(data: Bytes) -> ResponseBody<B> {
+        ResponseBody::full(data)
     }
 }

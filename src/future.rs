@@ -1,6 +1,7 @@
 //! The response future of [`RateLimit`](crate::RateLimit).
 
 use std::future::Future;
+use std::marker::PhantomData;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, ready};
@@ -11,7 +12,7 @@ use pin_project_lite::pin_project;
 use tower_service::Service;
 
 use crate::backend::Backend;
-use crate::body::ResponseBody;
+use crate::body::{BodyMode, KeepBody};
 use crate::response::{HeaderAdds, add_headers};
 use crate::service::{Prepared, Shared, Verdict};
 
@@ -19,13 +20,14 @@ pin_project! {
     /// The future returned by [`RateLimit`](crate::RateLimit): waits for the backend's
     /// decision when it is not immediate, then calls the inner service or answers the
     /// rejection.
-    pub struct ResponseFuture<S, ReqBody, K, Bk>
+    pub struct ResponseFuture<S, ReqBody, K, Bk, M = KeepBody>
     where
         S: Service<Request<ReqBody>>,
         Bk: Backend,
     {
         #[pin]
         state: State<S, ReqBody, K, Bk>,
+        mode: PhantomData<fn() -> M>,
     }
 }
 
@@ -61,7 +63,7 @@ struct Deciding<S, ReqBody, K, Bk: Backend> {
     policy: Arc<Prepared<Bk::Policy>>,
 }
 
-impl<S, ReqBody, K, Bk> ResponseFuture<S, ReqBody, K, Bk>
+impl<S, ReqBody, K, Bk, M> ResponseFuture<S, ReqBody, K, Bk, M>
 where
     S: Service<Request<ReqBody>>,
     Bk: Backend,
@@ -72,6 +74,7 @@ where
                 fut,
                 adds: Some(adds),
             },
+            mode: PhantomData,
         }
     }
 
@@ -80,6 +83,7 @@ where
             state: State::Rejected {
                 response: Some(response),
             },
+            mode: PhantomData,
         }
     }
 
@@ -99,16 +103,18 @@ where
                     policy,
                 }),
             },
+            mode: PhantomData,
         }
     }
 }
 
-impl<S, ReqBody, ResBody, K, Bk> Future for ResponseFuture<S, ReqBody, K, Bk>
+impl<S, ReqBody, ResBody, K, Bk, M> Future for ResponseFuture<S, ReqBody, K, Bk, M>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>>,
     Bk: Backend,
+    M: BodyMode<ResBody>,
 {
-    type Output = Result<Response<ResponseBody<ResBody>>, S::Error>;
+    type Output = Result<Response<M::Body>, S::Error>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut state = self.project().state;
@@ -135,7 +141,7 @@ where
                     state.set(next);
                 }
                 StateProj::Called { fut, adds } => {
-                    let mut res = ready!(fut.poll(cx))?.map(ResponseBody::inner);
+                    let mut res = ready!(fut.poll(cx))?.map(M::pass);
                     if let Some(adds) = adds.take() {
                         add_headers(res.headers_mut(), adds);
                     }
@@ -145,7 +151,7 @@ where
                     let res = response
                         .take()
                         .expect("ResponseFuture polled after completion");
-                    return Poll::Ready(Ok((*res).map(ResponseBody::full)));
+                    return Poll::Ready(Ok((*res).map(M::reject)));
                 }
             }
         }

@@ -1,12 +1,14 @@
 //! The layer and its builder.
 
 use std::fmt;
+use std::marker::PhantomData;
 use std::sync::Arc;
 
 use http::StatusCode;
 use tower_layer::Layer;
 
 use crate::backend::Backend;
+use crate::body::{KeepBody, WrapBody};
 use crate::key::{ClientIp, KeyExtractor};
 use crate::response::{HeaderStyle, PolicyHeaders, RejectionBody, Responder};
 use crate::rules::{LiveRules, RuleSet, RulesHandle};
@@ -34,19 +36,27 @@ impl Default for OnMissingKey {
 ///
 /// Build one with [`RateLimitLayer::builder`]. Cloning is cheap (one `Arc`), and every service
 /// made by one layer shares its buckets.
-pub struct RateLimitLayer<K, Bk: Backend> {
+///
+/// `M` says how responses carry their body ([`BodyMode`](crate::body::BodyMode)): by default
+/// ([`KeepBody`]) in the
+/// inner service's own body type, so that axum and tonic pass them on without boxing them
+/// again; [`wrap_body`](Self::wrap_body) switches to [`WrapBody`] for body types tollgate
+/// cannot write a rejection in.
+pub struct RateLimitLayer<K, Bk: Backend, M = KeepBody> {
     shared: Arc<Shared<K, Bk>>,
+    mode: PhantomData<fn() -> M>,
 }
 
-impl<K, Bk: Backend> Clone for RateLimitLayer<K, Bk> {
+impl<K, Bk: Backend, M> Clone for RateLimitLayer<K, Bk, M> {
     fn clone(&self) -> Self {
         RateLimitLayer {
             shared: self.shared.clone(),
+            mode: PhantomData,
         }
     }
 }
 
-impl<K: fmt::Debug, Bk: Backend + fmt::Debug> fmt::Debug for RateLimitLayer<K, Bk> {
+impl<K: fmt::Debug, Bk: Backend + fmt::Debug, M> fmt::Debug for RateLimitLayer<K, Bk, M> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RateLimitLayer")
             .field("key", &self.shared.key)
@@ -57,6 +67,45 @@ impl<K: fmt::Debug, Bk: Backend + fmt::Debug> fmt::Debug for RateLimitLayer<K, B
 }
 
 impl<K, Bk: Backend> RateLimitLayer<K, Bk> {
+    /// Answers with [`ResponseBody<B>`](crate::ResponseBody) around the inner service's body
+    /// type `B`, instead of `B` itself: for inner services whose body type does not implement
+    /// [`RateLimitBody`](crate::body::RateLimitBody) (the compiler says so).
+    ///
+    /// ```
+    /// use bytes::Bytes;
+    /// use http::{Request, Response};
+    /// use http_body_util::Empty;
+    /// use tollgate::{Policy, Quota, RateLimitLayer, ResponseBody, key::Global};
+    /// use tower::{Layer, Service, ServiceExt};
+    ///
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// // `Empty` cannot hold a rejection's text: wrap it.
+    /// let inner = tower::service_fn(|_req: Request<()>| async {
+    ///     Ok::<_, std::convert::Infallible>(Response::new(Empty::<Bytes>::new()))
+    /// });
+    /// let layer = RateLimitLayer::builder()
+    ///     .key(Global)
+    ///     .policy(Policy::new("api", Quota::per_second(1)))
+    ///     .build()
+    ///     .unwrap()
+    ///     .wrap_body();
+    /// let mut svc = layer.layer(inner);
+    /// let res: Response<ResponseBody<Empty<Bytes>>> =
+    ///     svc.ready().await.unwrap().call(Request::new(())).await.unwrap();
+    /// assert_eq!(res.status(), 200);
+    /// let res = svc.ready().await.unwrap().call(Request::new(())).await.unwrap();
+    /// assert_eq!(res.status(), 429);
+    /// # });
+    /// ```
+    pub fn wrap_body(self) -> RateLimitLayer<K, Bk, WrapBody> {
+        RateLimitLayer {
+            shared: self.shared,
+            mode: PhantomData,
+        }
+    }
+}
+
+impl<K, Bk: Backend, M> RateLimitLayer<K, Bk, M> {
     /// The handle that replaces this layer's rules at run time, when it was built with
     /// [`rules`](RateLimitLayerBuilder::rules); `None` for a single fixed policy.
     pub fn rules_handle(&self) -> Option<RulesHandle> {
@@ -67,8 +116,8 @@ impl<K, Bk: Backend> RateLimitLayer<K, Bk> {
     }
 }
 
-impl<S, K, Bk: Backend> Layer<S> for RateLimitLayer<K, Bk> {
-    type Service = RateLimit<S, K, Bk>;
+impl<S, K, Bk: Backend, M> Layer<S> for RateLimitLayer<K, Bk, M> {
+    type Service = RateLimit<S, K, Bk, M>;
 
     fn layer(&self, inner: S) -> Self::Service {
         RateLimit::from_shared(inner, self.shared.clone())
@@ -228,6 +277,7 @@ fn build<K: KeyExtractor, Bk: Backend>(
         Source::Rules(rules) => Policies::Rules(Arc::new(LiveRules::new(backend.clone(), rules)?)),
     };
     Ok(RateLimitLayer {
+        mode: PhantomData,
         shared: Arc::new(Shared {
             key: b.key,
             backend,

@@ -47,7 +47,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod backend;
-mod body;
+pub mod body;
 mod error;
 pub mod future;
 pub mod key;

@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::future::Future;
+use std::marker::PhantomData;
 use std::num::NonZeroU32;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -13,7 +14,7 @@ use http::{HeaderMap, Request, Response, StatusCode};
 use tower_service::Service;
 
 use crate::backend::{Backend, Decision};
-use crate::body::ResponseBody;
+use crate::body::{BodyMode, KeepBody};
 use crate::future::ResponseFuture;
 use crate::key::{KeyError, KeyExtractor};
 use crate::layer::OnMissingKey;
@@ -26,9 +27,12 @@ use crate::{BackendError, Key, Policy, RequestInfo};
 ///
 /// Rejections are responses (`429`, gRPC `RESOURCE_EXHAUSTED`); the error type is the inner
 /// service's, untouched.
-pub struct RateLimit<S, K, Bk: Backend> {
+///
+/// `M` is the layer's [`BodyMode`]: responses keep the inner service's body type by default.
+pub struct RateLimit<S, K, Bk: Backend, M = KeepBody> {
     inner: S,
     shared: Arc<Shared<K, Bk>>,
+    mode: PhantomData<fn() -> M>,
 }
 
 /// Everything the services of one layer share.
@@ -83,9 +87,13 @@ pub(crate) enum Verdict {
     Reject(Box<Response<Bytes>>),
 }
 
-impl<S, K, Bk: Backend> RateLimit<S, K, Bk> {
+impl<S, K, Bk: Backend, M> RateLimit<S, K, Bk, M> {
     pub(crate) fn from_shared(inner: S, shared: Arc<Shared<K, Bk>>) -> Self {
-        RateLimit { inner, shared }
+        RateLimit {
+            inner,
+            shared,
+            mode: PhantomData,
+        }
     }
 
     /// The inner service.
@@ -104,16 +112,17 @@ impl<S, K, Bk: Backend> RateLimit<S, K, Bk> {
     }
 }
 
-impl<S: Clone, K, Bk: Backend> Clone for RateLimit<S, K, Bk> {
+impl<S: Clone, K, Bk: Backend, M> Clone for RateLimit<S, K, Bk, M> {
     fn clone(&self) -> Self {
         RateLimit {
             inner: self.inner.clone(),
             shared: self.shared.clone(),
+            mode: PhantomData,
         }
     }
 }
 
-impl<S: fmt::Debug, K, Bk: Backend> fmt::Debug for RateLimit<S, K, Bk> {
+impl<S: fmt::Debug, K, Bk: Backend, M> fmt::Debug for RateLimit<S, K, Bk, M> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RateLimit")
             .field("inner", &self.inner)
@@ -122,15 +131,16 @@ impl<S: fmt::Debug, K, Bk: Backend> fmt::Debug for RateLimit<S, K, Bk> {
     }
 }
 
-impl<S, K, Bk, ReqBody, ResBody> Service<Request<ReqBody>> for RateLimit<S, K, Bk>
+impl<S, K, Bk, M, ReqBody, ResBody> Service<Request<ReqBody>> for RateLimit<S, K, Bk, M>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
     K: KeyExtractor,
     Bk: Backend,
+    M: BodyMode<ResBody>,
 {
-    type Response = Response<ResponseBody<ResBody>>;
+    type Response = Response<M::Body>;
     type Error = S::Error;
-    type Future = ResponseFuture<S, ReqBody, K, Bk>;
+    type Future = ResponseFuture<S, ReqBody, K, Bk, M>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)

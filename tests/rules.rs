@@ -42,7 +42,7 @@ fn generous(name: &str) -> Policy {
 
 async fn status<S>(svc: &mut S) -> u16
 where
-    S: Service<Request<Full<Bytes>>, Response = Response<tollgate::ResponseBody<Full<Bytes>>>>,
+    S: Service<Request<Full<Bytes>>, Response = Response<Full<Bytes>>>,
     S::Error: std::fmt::Debug,
 {
     let res = svc
@@ -57,7 +57,7 @@ where
 
 async fn policy_and_q<S>(svc: &mut S, r: Request<Full<Bytes>>) -> (String, u32)
 where
-    S: Service<Request<Full<Bytes>>, Response = Response<tollgate::ResponseBody<Full<Bytes>>>>,
+    S: Service<Request<Full<Bytes>>, Response = Response<Full<Bytes>>>,
     S::Error: std::fmt::Debug,
 {
     let res = svc.ready().await.unwrap().call(r).await.unwrap();
@@ -80,7 +80,7 @@ where
 
 async fn policy_of<S>(svc: &mut S, r: Request<Full<Bytes>>) -> String
 where
-    S: Service<Request<Full<Bytes>>, Response = Response<tollgate::ResponseBody<Full<Bytes>>>>,
+    S: Service<Request<Full<Bytes>>, Response = Response<Full<Bytes>>>,
     S::Error: std::fmt::Debug,
 {
     policy_and_q(svc, r).await.0

@@ -198,15 +198,49 @@ async fn works_with_infallible_services_and_any_body() {
         .policy(Policy::new("p", Quota::per_day(1)))
         .build()
         .unwrap();
+    let request = || {
+        let mut req = Request::new(String::from("body"));
+        req.extensions_mut()
+            .insert("192.0.2.1:1".parse::<SocketAddr>().unwrap());
+        req
+    };
+    // The inner service's own body type comes back, for passes and rejections alike.
     let svc = tower::service_fn(|_req: Request<String>| async {
         Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"hi"))))
     });
-    let mut svc = layer.layer(svc);
-    let mut req = Request::new(String::from("body"));
-    req.extensions_mut()
-        .insert("192.0.2.1:1".parse::<SocketAddr>().unwrap());
-    let res = svc.ready().await.unwrap().call(req).await.unwrap();
+    let mut svc = layer.clone().layer(svc);
+    let res: Response<Full<Bytes>> = svc.ready().await.unwrap().call(request()).await.unwrap();
     assert_eq!(res.status(), 200);
+    assert_eq!(res.into_body().collect().await.unwrap().to_bytes(), "hi");
+    let res = svc.ready().await.unwrap().call(request()).await.unwrap();
+    assert_eq!(res.status(), 429);
+    let text = res.into_body().collect().await.unwrap().to_bytes();
+    assert!(text.starts_with(b"Too Many Requests"), "{text:?}");
+
+    // A body that cannot hold a rejection, wrapped (a new layer: its own buckets).
+    let layer = RateLimitLayer::builder()
+        .policy(Policy::new("p", Quota::per_day(1)))
+        .build()
+        .unwrap()
+        .wrap_body();
+    let svc = tower::service_fn(|_req: Request<String>| async {
+        Ok::<_, Infallible>(Response::new(http_body_util::Empty::<Bytes>::new()))
+    });
+    let mut svc = layer.layer(svc);
+    let res = svc.ready().await.unwrap().call(request()).await.unwrap();
+    assert_eq!(res.status(), 200);
+    assert!(
+        res.into_body()
+            .collect()
+            .await
+            .unwrap()
+            .to_bytes()
+            .is_empty()
+    );
+    let res = svc.ready().await.unwrap().call(request()).await.unwrap();
+    assert_eq!(res.status(), 429);
+    let text = res.into_body().collect().await.unwrap().to_bytes();
+    assert!(text.starts_with(b"Too Many Requests"), "{text:?}");
 }
 
 #[test]
