@@ -12,6 +12,8 @@
 #   PAIRS=6          runs per mode, alternating which port and wrk gets the bare server
 #   DURATION=8s      per run
 #   CONNECTIONS=32   per wrk
+#   BASE=none        the mode every mode is compared with (e.g. tower_governor_outer, to
+#                    compare tollgate with its peer directly rather than each with bare axum)
 #
 # Control: `none` against `none` must give 1.000. Redis modes are left out: redis-server would
 # be a third process competing for core 0 (use scripts/bench-http.sh's cpu_us for them).
@@ -22,6 +24,7 @@ MODES=${MODES:-"local tower_governor local_outer tower_governor_outer"}
 PAIRS=${PAIRS:-6}
 DURATION=${DURATION:-8s}
 CONNECTIONS=${CONNECTIONS:-32}
+BASE=${BASE:-none}
 TARGET=${CARGO_TARGET_DIR:-target}
 PORT_A=3921
 PORT_B=3922
@@ -76,15 +79,15 @@ corun() { # mode_a mode_b
 
 median() { sort -g | awk '{ v[NR] = $1 } END { if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
 
-printf '%-22s %8s %8s %8s   %s\n' mode median min max "ratios (mode req/s / bare req/s, run by run)"
-for mode in none $MODES; do
+printf '%-22s %8s %8s %8s   %s\n' mode median min max "ratios (mode req/s / $BASE req/s, run by run)"
+for mode in "$BASE" $MODES; do
     ratios=()
     for pair in $(seq 1 "$PAIRS"); do
         # Alternate sides so that neither port nor wrk order favours one server.
         if [ $((pair % 2)) = 1 ]; then
-            read -r bare mine < <(corun none "$mode")
+            read -r bare mine < <(corun "$BASE" "$mode")
         else
-            read -r mine bare < <(corun "$mode" none)
+            read -r mine bare < <(corun "$mode" "$BASE")
         fi
         ratios+=("$(awk -v m="$mine" -v b="$bare" 'BEGIN { printf "%.3f", m / b }')")
     done

@@ -37,8 +37,9 @@ use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
 pin_project! {
-    /// The body of a response from [`RateLimit`](crate::RateLimit): the inner service's body,
-    /// or the short body of a rejection.
+    /// The body of a response from [`RateLimit`](crate::RateLimit) built with
+    /// [`wrap_body`](crate::RateLimitLayer::wrap_body): the inner service's body, or the
+    /// short body of a rejection.
     ///
     /// Its error type is the inner body's: a rejection body cannot fail.
     pub struct ResponseBody<B> {
