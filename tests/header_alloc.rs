@@ -1,0 +1,86 @@
+//! The `RateLimit` header value is not rebuilt when it repeats: while a key's numbers stay the
+//! same from one response to the next (the common case, a key well under its limit), the value
+//! comes from the per-thread cache and costs no allocation; only responses whose numbers
+//! changed format and allocate a new one, as they would without the cache.
+//!
+//! One test in its own file: it counts the allocations of the whole process.
+
+use std::alloc::System;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::Bytes;
+use governor::clock::FakeRelativeClock;
+use http::{Request, Response};
+use http_body_util::Full;
+use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
+use tollgate::backend::LocalBackend;
+use tollgate::key::PeerIp;
+use tollgate::{Policy, Quota, RateLimitLayer};
+use tower::{Layer, Service, ServiceExt};
+
+#[global_allocator]
+static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
+
+fn request() -> Request<()> {
+    let mut r = Request::new(());
+    r.extensions_mut()
+        .insert("192.0.2.1:1".parse::<SocketAddr>().unwrap());
+    r
+}
+
+/// Allocations of 99 requests after a warm-up, with the clock moved by `step` before each
+/// (the values are checked to repeat, or not, as `repeat` says).
+fn allocations(step: Duration, repeat: bool) -> usize {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let clock = FakeRelativeClock::default();
+        let layer = RateLimitLayer::builder()
+            .backend(LocalBackend::builder().clock(clock.clone()).build())
+            .key(PeerIp::new())
+            // One unit every millisecond, a bucket of 1000: IETF headers on (the default).
+            .policy(Policy::new("api", Quota::per_second(1000).burst(1000)))
+            .build()
+            .unwrap();
+        let inner = tower::service_fn(|_req: Request<()>| async {
+            Ok::<_, std::convert::Infallible>(Response::new(Full::new(Bytes::from_static(b"ok"))))
+        });
+        let mut svc = layer.layer(inner);
+        let mut last = None;
+        for _ in 0..2 {
+            clock.advance(step);
+            let res = svc.ready().await.unwrap().call(request()).await.unwrap();
+            last = Some(res.headers()["ratelimit"].clone());
+        }
+
+        let region = Region::new(GLOBAL);
+        for _ in 0..99 {
+            clock.advance(step);
+            let res = svc.ready().await.unwrap().call(request()).await.unwrap();
+            assert_eq!(res.status(), 200);
+            let value = res.headers()["ratelimit"].clone();
+            assert_eq!(last.as_ref() == Some(&value), repeat, "{value:?}");
+            last = Some(value);
+            drop(res);
+        }
+        region.change().allocations
+    })
+}
+
+#[test]
+fn a_repeated_ratelimit_value_is_not_rebuilt() {
+    // The bucket refills one unit per request: `"api";r=999;t=1` every time.
+    let repeating = allocations(Duration::from_millis(1), true);
+    // A frozen clock: each request leaves one unit fewer, so every value is new.
+    let changing = allocations(Duration::ZERO, false);
+    // The header maps of the responses allocate alike in both runs. A new value costs at least
+    // one allocation, a repeated one none (measured: 7 and 5 allocations per request; 7 with
+    // the cache bypassed, whatever the numbers).
+    assert!(
+        changing >= repeating + 99,
+        "repeating: {repeating}, changing: {changing} allocations for 99 requests"
+    );
+}
