@@ -13,9 +13,13 @@
 //! ```
 //! use std::net::SocketAddr;
 //!
-//! use axum::{Router, extract::Request, routing::get};
+//! use std::convert::Infallible;
+//!
+//! use axum::{Router, extract::Request, response::Response, routing::get};
 //! use tollgate::{Policy, Quota, RateLimitLayer};
-//! use tower::Layer;
+//! use tower::{Layer, Service};
+//!
+//! fn answers_axum_responses<S: Service<Request, Response = Response, Error = Infallible>>(_: &S) {}
 //!
 //! // `with_state` turns the handlers into services once, instead of on every request.
 //! let router = Router::new().route("/", get(|| async { "ok" })).with_state::<()>(());
@@ -23,7 +27,8 @@
 //!     .policy(Policy::new("api", Quota::per_second(10)))
 //!     .build()
 //!     .unwrap();
-//! let app = layer.layer(router); // answers `Response<axum::body::Body>`
+//! let app = layer.layer(router);
+//! answers_axum_responses(&app); // `Response<axum::body::Body>`, as `axum::serve` wants
 //! let make = axum::ServiceExt::<Request>::into_make_service_with_connect_info::<SocketAddr>(app);
 //! // axum::serve(listener, make).await?;
 //! ```
@@ -142,12 +147,13 @@ impl From<ResponseBody<axum::body::Body>> for axum::body::Body {
 /// for gRPC), so that the rate-limit service can answer with the inner service's own body type
 /// ([`KeepBody`], the default).
 ///
-/// Implemented for axum's and tonic's bodies, http-body-util's `Full<Bytes>` and boxed bodies,
-/// and [`ResponseBody`]. For any other body, build the layer with
+/// Implemented for axum's body (feature `axum`, on by default), tonic's body (feature
+/// `tonic`), http-body-util's `Full<Bytes>`, `BoxBody` and `UnsyncBoxBody`, and
+/// [`ResponseBody`]. For any other body (`String`, `Empty`, your own), build the layer with
 /// [`wrap_body`](crate::RateLimitLayer::wrap_body), or implement this trait. Without either,
 /// the layered service is not a `Service` (and the compiler says which of the two to do):
 ///
-/// ```compile_fail
+/// ```compile_fail,E0277
 /// use bytes::Bytes;
 /// use http::{Request, Response};
 /// use http_body_util::Empty;
@@ -168,7 +174,7 @@ impl From<ResponseBody<axum::body::Body>> for axum::body::Body {
 /// ```
 #[diagnostic::on_unimplemented(
     message = "tollgate cannot write a rejection in a `{Self}` response body",
-    note = "call `.wrap_body()` on the `RateLimitLayer` to answer with `tollgate::ResponseBody<{Self}>` instead"
+    note = "for axum's or tonic's body, enable tollgate's `axum` or `tonic` feature; for any other body, call `.wrap_body()` on the `RateLimitLayer` to answer with `tollgate::ResponseBody<{Self}>`"
 )]
 pub trait RateLimitBody: Sized {
     /// A body holding `data` (empty for gRPC rejections).
@@ -257,8 +263,10 @@ pub trait BodyMode<B>: sealed::Sealed {
     /// The body type of the service's responses when the inner service answers with `B`.
     type Body;
     /// The body of a response of the inner service.
+    #[doc(hidden)]
     fn pass(body: B) -> Self::Body;
     /// The body of a rejection.
+    #[doc(hidden)]
     fn reject(data: Bytes) -> Self::Body;
 }
 

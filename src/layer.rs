@@ -37,11 +37,10 @@ impl Default for OnMissingKey {
 /// Build one with [`RateLimitLayer::builder`]. Cloning is cheap (one `Arc`), and every service
 /// made by one layer shares its buckets.
 ///
-/// `M` says how responses carry their body ([`BodyMode`](crate::body::BodyMode)): by default
-/// ([`KeepBody`]) in the
-/// inner service's own body type, so that axum and tonic pass them on without boxing them
-/// again; [`wrap_body`](Self::wrap_body) switches to [`WrapBody`] for body types tollgate
-/// cannot write a rejection in.
+/// `M` says how responses carry their body ([`BodyMode`](crate::body::BodyMode)): by
+/// default ([`KeepBody`]) in the inner service's own body type, so that axum and tonic pass
+/// them on without boxing them again; [`wrap_body`](Self::wrap_body) switches to
+/// [`WrapBody`] for body types tollgate cannot write a rejection in.
 pub struct RateLimitLayer<K, Bk: Backend, M = KeepBody> {
     shared: Arc<Shared<K, Bk>>,
     mode: PhantomData<fn() -> M>,

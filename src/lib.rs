@@ -37,8 +37,8 @@
 //! | feature | default | what |
 //! |---|---|---|
 //! | `local` | yes | [`LocalBackend`](backend::LocalBackend): in-process GCRA on governor |
-//! | `axum` | yes | [`PeerIp`](key::PeerIp)/[`ClientIp`](key::ClientIp) read axum's `ConnectInfo<SocketAddr>` |
-//! | `tonic` | no | [`PeerIp`](key::PeerIp)/[`ClientIp`](key::ClientIp) read tonic's `TcpConnectInfo` |
+//! | `axum` | yes | [`PeerIp`](key::PeerIp)/[`ClientIp`](key::ClientIp) read axum's `ConnectInfo<SocketAddr>`; rejections in axum's body type ([`body`]) |
+//! | `tonic` | no | [`PeerIp`](key::PeerIp)/[`ClientIp`](key::ClientIp) read tonic's `TcpConnectInfo`; rejections in tonic's body type ([`body`]) |
 //! | `serde` | no | [`RuleSet`](rules::RuleSet), [`Policy`] and [`Quota`] from TOML / YAML / JSON |
 //! | `redis` | no | [`RedisBackend`](backend::redis::RedisBackend): one limit shared by every instance, on Redis or Redis Cluster (implies `local`) |
 //!

@@ -12,7 +12,9 @@
 //!
 //! Entries are keyed by the policy's unique id (never reused, unlike an address) and the exact
 //! numbers of the value, so a hit is always byte-for-byte what formatting would produce. The
-//! table is small and direct-mapped: a miss just replaces the slot.
+//! table is small and direct-mapped. A value is kept only when it is seen a second time in a
+//! row in its slot: keeping it means sharing it (one more allocation), which only pays when it
+//! repeats, so numbers that change with every response cost what they would without a cache.
 
 use std::cell::RefCell;
 
@@ -63,18 +65,18 @@ impl ValueKey {
 
     fn slot(&self) -> usize {
         // A multiply-shift mix: the low bits of `remaining` and `reset` vary the most.
-        let mut h = self.policy.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let mut h = (self.policy ^ u64::from(self.len)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
         for i in 0..2 {
             h = (h ^ u64::from(self.remaining[i]) ^ self.reset[i].rotate_left(32))
                 .wrapping_mul(0x9E37_79B9_7F4A_7C15);
         }
-        h ^= u64::from(self.len);
         (h >> 58) as usize & (VALUE_SLOTS - 1)
     }
 }
 
 struct Cache {
-    values: [Option<(ValueKey, HeaderValue)>; VALUE_SLOTS],
+    /// The last key seen in each slot, with its value once it has been seen twice in a row.
+    values: [Option<(ValueKey, Option<HeaderValue>)>; VALUE_SLOTS],
     policies: [Option<(u64, HeaderValue)>; POLICY_SLOTS],
 }
 
@@ -87,39 +89,58 @@ thread_local! {
     };
 }
 
-/// The `RateLimit` value for `key`, made by `make` on a miss (and then kept). Works without
-/// the cache (e.g. while the thread is being torn down) by calling `make`.
+/// What the slot of a key holds for it.
+enum Lookup {
+    Hit(HeaderValue),
+    /// Seen last time too: keep the value this time.
+    Again,
+    Miss,
+}
+
+/// The `RateLimit` value for `key`, made by `make` on a miss (and kept when the same key was
+/// the slot's last). Works without the cache (e.g. while the thread is being torn down) by
+/// calling `make`.
 pub(super) fn value(
     key: ValueKey,
     make: impl FnOnce() -> Option<HeaderValue>,
 ) -> Option<HeaderValue> {
     let slot = key.slot();
-    let hit = CACHE.try_with(|c| {
-        let c = c.try_borrow().ok()?;
-        match &c.values[slot] {
-            Some((k, v)) if *k == key => Some(v.clone()),
-            _ => None,
-        }
-    });
-    if let Ok(Some(v)) = hit {
-        return Some(v);
-    }
+    let lookup = CACHE
+        .try_with(|c| {
+            let Ok(c) = c.try_borrow() else {
+                return Lookup::Miss;
+            };
+            match &c.values[slot] {
+                Some((k, Some(v))) if *k == key => Lookup::Hit(v.clone()),
+                Some((k, None)) if *k == key => Lookup::Again,
+                _ => Lookup::Miss,
+            }
+        })
+        .unwrap_or(Lookup::Miss);
+    let again = match lookup {
+        Lookup::Hit(v) => return Some(v),
+        Lookup::Again => true,
+        Lookup::Miss => false,
+    };
     let value = make()?;
     let _ = CACHE.try_with(|c| {
         if let Ok(mut c) = c.try_borrow_mut() {
-            c.values[slot] = Some((key, value.clone()));
+            c.values[slot] = Some((key, again.then(|| value.clone())));
         }
     });
     Some(value)
 }
 
-/// This thread's copy of a policy's `RateLimit-Policy` value `shared`.
+/// This thread's copy of a policy's `RateLimit-Policy` value `shared`. When two policies
+/// share a slot the newer one (ids only grow: after a rules reload, the live one) keeps it and
+/// the older uses `shared`, so that two hot policies never evict each other on every request.
 pub(super) fn policy(id: u64, shared: &HeaderValue) -> HeaderValue {
-    let slot = (id as usize) & (POLICY_SLOTS - 1);
+    let slot = (id.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 60) as usize & (POLICY_SLOTS - 1);
     let found = CACHE.try_with(|c| {
         let mut c = c.try_borrow_mut().ok()?;
         match &mut c.policies[slot] {
             Some((k, v)) if *k == id => Some(v.clone()),
+            Some((k, _)) if *k > id => None,
             entry => {
                 // A copy with its own allocation, so that its reference count is this
                 // thread's alone.
