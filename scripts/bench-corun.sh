@@ -14,6 +14,9 @@
 #   CONNECTIONS=32   per wrk
 #   BASE=none        the mode every mode is compared with (e.g. tower_governor_outer, to
 #                    compare tollgate with its peer directly rather than each with bare axum)
+#   BASE_BIN=...     the bench_server binary that runs BASE (default: the one built here): an
+#                    older build, to measure a change side by side, e.g.
+#                    BASE=local_outer BASE_BIN=old/bench_server MODES=local_outer
 #
 # Control: `none` against `none` must give 1.000. Redis modes are left out: redis-server would
 # be a third process competing for core 0 (use scripts/bench-http.sh's cpu_us for them).
@@ -25,6 +28,7 @@ PAIRS=${PAIRS:-6}
 DURATION=${DURATION:-8s}
 CONNECTIONS=${CONNECTIONS:-32}
 BASE=${BASE:-none}
+BASE_BIN=${BASE_BIN:-}
 TARGET=${CARGO_TARGET_DIR:-target}
 PORT_A=3921
 PORT_B=3922
@@ -41,18 +45,19 @@ command -v wrk >/dev/null || {
 echo "building bench_server (release)..." >&2
 cargo build --release --quiet --example bench_server --features "local axum"
 BIN="$TARGET/release/examples/bench_server"
+BASE_BIN=${BASE_BIN:-$BIN}
 
 PIDS=()
 OUT=$(mktemp -d)
 trap 'kill "${PIDS[@]}" 2>/dev/null || true; rm -rf "$OUT"' EXIT
 
-start() { # mode port
+start() { # mode port binary
     local backend=$1 layer=route
     if [ "${backend%_outer}" != "$backend" ]; then
         backend=${backend%_outer}
         layer=outer
     fi
-    BACKEND=$backend LAYER=$layer PORT=$2 taskset -c 0 "$BIN" >/dev/null 2>&1 &
+    BACKEND=$backend LAYER=$layer PORT=$2 taskset -c 0 "$3" >/dev/null 2>&1 &
     PIDS+=($!)
     for _ in $(seq 1 100); do
         (exec 3<>"/dev/tcp/127.0.0.1/$2") 2>/dev/null && return 0
@@ -63,10 +68,10 @@ start() { # mode port
 }
 
 # One side-by-side run; prints req/s of the server on port A, then on port B.
-corun() { # mode_a mode_b
+corun() { # mode_a binary_a mode_b binary_b
     PIDS=()
-    start "$1" "$PORT_A"
-    start "$2" "$PORT_B"
+    start "$1" "$PORT_A" "$2"
+    start "$3" "$PORT_B" "$4"
     taskset -c 1 wrk -t1 -c"$CONNECTIONS" -d"$DURATION" "http://127.0.0.1:$PORT_A/hello" >"$OUT/a" &
     local wa=$!
     taskset -c 1 wrk -t1 -c"$CONNECTIONS" -d"$DURATION" "http://127.0.0.1:$PORT_B/hello" >"$OUT/b" &
@@ -80,14 +85,19 @@ corun() { # mode_a mode_b
 median() { sort -g | awk '{ v[NR] = $1 } END { if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
 
 printf '%-22s %8s %8s %8s   %s\n' mode median min max "ratios (mode req/s / $BASE req/s, run by run)"
+control=1
 for mode in "$BASE" $MODES; do
+    # The first row is the control: the base against itself.
+    mine_bin=$BIN
+    [ "$control" = 1 ] && mine_bin=$BASE_BIN
+    control=0
     ratios=()
     for pair in $(seq 1 "$PAIRS"); do
         # Alternate sides so that neither port nor wrk order favours one server.
         if [ $((pair % 2)) = 1 ]; then
-            read -r bare mine < <(corun "$BASE" "$mode")
+            read -r bare mine < <(corun "$BASE" "$BASE_BIN" "$mode" "$mine_bin")
         else
-            read -r mine bare < <(corun "$mode" "$BASE")
+            read -r mine bare < <(corun "$mode" "$mine_bin" "$BASE" "$BASE_BIN")
         fi
         ratios+=("$(awk -v m="$mine" -v b="$bare" 'BEGIN { printf "%.3f", m / b }')")
     done
