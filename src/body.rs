@@ -33,7 +33,6 @@
 //! // axum::serve(listener, make).await?;
 //! ```
 
-use std::convert::Infallible;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
@@ -181,35 +180,6 @@ pub trait RateLimitBody: Sized {
     fn rejection(data: Bytes) -> Self;
 }
 
-/// The body of a rejection, for bodies built from another body.
-struct Rejected(Option<Bytes>);
-
-impl Rejected {
-    fn new(data: Bytes) -> Self {
-        Rejected((!data.is_empty()).then_some(data))
-    }
-}
-
-impl Body for Rejected {
-    type Data = Bytes;
-    type Error = Infallible;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        _cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        Poll::Ready(self.0.take().map(|d| Ok(Frame::data(d))))
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.0.is_none()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        SizeHint::with_exact(self.0.as_ref().map_or(0, |d| d.len() as u64))
-    }
-}
-
 #[cfg(feature = "axum")]
 impl RateLimitBody for axum::body::Body {
     fn rejection(data: Bytes) -> Self {
@@ -220,7 +190,7 @@ impl RateLimitBody for axum::body::Body {
 #[cfg(feature = "tonic")]
 impl RateLimitBody for tonic::body::Body {
     fn rejection(data: Bytes) -> Self {
-        tonic::body::Body::new(Rejected::new(data))
+        tonic::body::Body::new(http_body_util::Full::new(data))
     }
 }
 
@@ -233,14 +203,16 @@ impl RateLimitBody for http_body_util::Full<Bytes> {
 impl<E: 'static> RateLimitBody for http_body_util::combinators::BoxBody<Bytes, E> {
     fn rejection(data: Bytes) -> Self {
         use http_body_util::BodyExt;
-        Rejected::new(data).map_err(|never| match never {}).boxed()
+        http_body_util::Full::new(data)
+            .map_err(|never| match never {})
+            .boxed()
     }
 }
 
 impl<E: 'static> RateLimitBody for http_body_util::combinators::UnsyncBoxBody<Bytes, E> {
     fn rejection(data: Bytes) -> Self {
         use http_body_util::BodyExt;
-        Rejected::new(data)
+        http_body_util::Full::new(data)
             .map_err(|never| match never {})
             .boxed_unsync()
     }

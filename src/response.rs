@@ -522,9 +522,8 @@ mod tests {
                 format!(r#""b";r={r};t={}"#, t.div_ceil(1000))
             );
             // The same numbers under policy `a`, denied after its first quota.
-            let first = Decision::new([allowed(0, r, t)]);
             assert_eq!(
-                ratelimit(&ha, &first),
+                ratelimit(&ha, &one),
                 format!(r#""a-0";r={r};t={}"#, t.div_ceil(1000))
             );
         }

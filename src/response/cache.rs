@@ -20,6 +20,8 @@ use std::cell::RefCell;
 
 use http::HeaderValue;
 
+/// The multiplier of the slot hashes (2^64 / the golden ratio).
+const MIX: u64 = 0x9E37_79B9_7F4A_7C15;
 /// Value slots per thread (a power of two).
 const VALUE_SLOTS: usize = 64;
 /// `RateLimit-Policy` slots per thread (a power of two).
@@ -65,10 +67,10 @@ impl ValueKey {
 
     fn slot(&self) -> usize {
         // A multiply-shift mix: the low bits of `remaining` and `reset` vary the most.
-        let mut h = (self.policy ^ u64::from(self.len)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let mut h = (self.policy ^ u64::from(self.len)).wrapping_mul(MIX);
         for i in 0..2 {
             h = (h ^ u64::from(self.remaining[i]) ^ self.reset[i].rotate_left(32))
-                .wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                .wrapping_mul(MIX);
         }
         (h >> 58) as usize & (VALUE_SLOTS - 1)
     }
@@ -89,14 +91,6 @@ thread_local! {
     };
 }
 
-/// What the slot of a key holds for it.
-enum Lookup {
-    Hit(HeaderValue),
-    /// Seen last time too: keep the value this time.
-    Again,
-    Miss,
-}
-
 /// The `RateLimit` value for `key`, made by `make` on a miss (and kept when the same key was
 /// the slot's last). Works without the cache (e.g. while the thread is being torn down) by
 /// calling `make`.
@@ -105,37 +99,34 @@ pub(super) fn value(
     make: impl FnOnce() -> Option<HeaderValue>,
 ) -> Option<HeaderValue> {
     let slot = key.slot();
-    let lookup = CACHE
-        .try_with(|c| {
-            let Ok(c) = c.try_borrow() else {
-                return Lookup::Miss;
-            };
-            match &c.values[slot] {
-                Some((k, Some(v))) if *k == key => Lookup::Hit(v.clone()),
-                Some((k, None)) if *k == key => Lookup::Again,
-                _ => Lookup::Miss,
-            }
-        })
-        .unwrap_or(Lookup::Miss);
-    let again = match lookup {
-        Lookup::Hit(v) => return Some(v),
-        Lookup::Again => true,
-        Lookup::Miss => false,
-    };
-    let value = make()?;
-    let _ = CACHE.try_with(|c| {
-        if let Ok(mut c) = c.try_borrow_mut() {
-            c.values[slot] = Some((key, again.then(|| value.clone())));
-        }
+    let mut make = Some(make);
+    let cached = CACHE.try_with(|c| {
+        let mut c = c.try_borrow_mut().ok()?;
+        let entry = &mut c.values[slot];
+        // Seen last time too: keep the value this time.
+        let again = match entry {
+            Some((k, Some(v))) if *k == key => return Some(v.clone()),
+            Some((k, None)) => *k == key,
+            _ => false,
+        };
+        let value = make.take()?()?;
+        *entry = Some((key, again.then(|| value.clone())));
+        Some(value)
     });
-    Some(value)
+    match (cached, make) {
+        (Ok(Some(value)), _) => Some(value),
+        // No cache on this thread now: make the value without it.
+        (_, Some(make)) => make(),
+        // `make` ran and failed.
+        (_, None) => None,
+    }
 }
 
 /// This thread's copy of a policy's `RateLimit-Policy` value `shared`. When two policies
 /// share a slot the newer one (ids only grow: after a rules reload, the live one) keeps it and
 /// the older uses `shared`, so that two hot policies never evict each other on every request.
 pub(super) fn policy(id: u64, shared: &HeaderValue) -> HeaderValue {
-    let slot = (id.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 60) as usize & (POLICY_SLOTS - 1);
+    let slot = (id.wrapping_mul(MIX) >> 60) as usize & (POLICY_SLOTS - 1);
     let found = CACHE.try_with(|c| {
         let mut c = c.try_borrow_mut().ok()?;
         match &mut c.policies[slot] {
