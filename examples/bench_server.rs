@@ -11,6 +11,9 @@
 //!     (IETF `RateLimit`/`RateLimit-Policy` headers on every response);
 //!   - `tower_governor`: tower_governor 0.8's `GovernorLayer`, same key, default configuration
 //!     (no rate-limit headers on allowed responses: that is its default);
+//!   - `tower_governor_headers`: the same with `.use_headers()`, which adds
+//!     `x-ratelimit-limit` and `x-ratelimit-remaining` to allowed responses: the peer's
+//!     configuration that, like tollgate's default, sends two rate-limit fields per response;
 //!   - `redis`: tollgate on the Redis backend (`REDIS_URL`, default `redis://127.0.0.1:6379`;
 //!     build with `--features redis`), default configuration (fail-open, deny cache on).
 //! - The key is the `x-key` request header, falling back to the client IP.
@@ -197,6 +200,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .ok_or("invalid tower_governor configuration")?;
             serve_layered!(listener, app, GovernorLayer::new(config), outer)?
         }
+        "tower_governor_headers" => {
+            let config = GovernorConfigBuilder::default()
+                .per_nanosecond(1_000)
+                .burst_size(UNITS)
+                .key_extractor(XKeyOrIp)
+                .use_headers()
+                .finish()
+                .ok_or("invalid tower_governor configuration")?;
+            serve_layered!(listener, app, GovernorLayer::new(config), outer)?
+        }
         #[cfg(feature = "redis")]
         "redis" => {
             let url =
@@ -222,7 +235,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         other => {
             return Err(format!(
-                "unknown BACKEND={other:?}: use none, local, tower_governor or redis"
+                "unknown BACKEND={other:?}: use none, local, tower_governor, \
+                 tower_governor_headers or redis"
             )
             .into());
         }
