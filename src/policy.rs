@@ -75,8 +75,10 @@ impl Policy {
         self
     }
 
-    /// Shadow mode: decisions are made, counted and logged, but requests are never rejected.
-    /// Use it to roll out a new limit and watch what it would do.
+    /// Shadow mode: decisions are made, counted and logged, but requests are never rejected:
+    /// not when a quota denies, not when the request has no key (whatever
+    /// [`OnMissingKey`](crate::OnMissingKey) says), and not when the backend fails. Use it to
+    /// roll out a new limit and watch what it would do.
     pub fn shadow(mut self, shadow: bool) -> Self {
         self.shadow = shadow;
         self

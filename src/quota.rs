@@ -133,11 +133,17 @@ impl Quota {
                 "more than one request per nanosecond cannot be represented",
             ));
         }
+        // The bucket's time span (burst * emission) is capped well inside u64 nanoseconds
+        // (~584 years): the backends add it to the current time, and to one more emission
+        // interval, and must never overflow.
+        const MAX_WINDOW_NS: u128 = 100 * 365 * 24 * 3600 * 1_000_000_000;
+        if emission * u128::from(burst.get()) > MAX_WINDOW_NS {
+            return Err(bad(
+                "burst * period / count is longer than 100 years, the longest bucket supported",
+            ));
+        }
+        // Fits: at most MAX_WINDOW_NS.
         let emission = u64::try_from(emission).map_err(|_| bad("the period is too long"))?;
-        // The bucket's time span (burst * emission) must fit in u64 nanoseconds (~584 years).
-        emission
-            .checked_mul(u64::from(burst.get()))
-            .ok_or_else(|| bad("burst * period / count overflows 584 years"))?;
         Ok(QuotaParams {
             emission_ns: emission,
             burst,
@@ -190,6 +196,22 @@ mod tests {
         ] {
             let err = q.params("api").unwrap_err().to_string();
             assert!(err.contains("api"), "{err}");
+        }
+    }
+
+    #[test]
+    fn buckets_longer_than_a_century_are_errors() {
+        let year = Duration::from_secs(365 * 24 * 3600);
+        assert!(Quota::new(1, year * 100).params("p").is_ok());
+        assert!(Quota::new(2, year * 100).burst(2).params("p").is_ok());
+        for q in [
+            Quota::new(1, year * 101),
+            Quota::new(1, year * 60).burst(2),
+            Quota::new(1, Duration::from_nanos(u64::MAX / 2)).burst(2),
+            Quota::new(1, Duration::MAX),
+        ] {
+            let err = q.params("p").unwrap_err().to_string();
+            assert!(err.contains("100 years"), "{q:?}: {err}");
         }
     }
 }

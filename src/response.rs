@@ -9,9 +9,11 @@
 //! RateLimit: "api";r=7;t=1
 //! ```
 //!
-//! - `q` is the bucket size (burst) and `w` the seconds an empty bucket takes to fill, so
-//!   `q / w` is the sustained rate. `w` is rounded to whole seconds (at least 1), as the draft
-//!   allows no fractions.
+//! - `q` is the bucket size (burst) and `w` the seconds an empty bucket takes to fill,
+//!   rounded up to whole seconds (at least 1), as the draft allows no fractions. So `q / w` is
+//!   the sustained rate when the bucket fills in whole seconds (`10/s burst 20`: `q=20;w=2`),
+//!   and less than it otherwise (`5/s burst 1`: `q=1;w=1`): a client pacing itself by
+//!   `q / w` is never denied, and `q` is never more than it may send at once.
 //! - `r` is how many more cost-1 requests would pass right now.
 //! - `t` is the seconds until the bucket is full again, rounded up.
 //!

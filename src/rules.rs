@@ -10,7 +10,10 @@
 //! A rule matches when **all** its conditions hold:
 //!
 //! - `tenant`: the request's key equals this string (byte keys such as a header or a
-//!   `String` extension) or this IP address (IP keys);
+//!   `String` extension) or this IP address (IP keys). An IPv6 address also matches the key
+//!   of its /64, as [`PeerIp`](crate::key::PeerIp) and [`ClientIp`](crate::key::ClientIp)
+//!   group IPv6 clients by /64; with another grouping, write the group's first address
+//!   (`2001:db8:aa00::` for its /56);
 //! - `tier`: the key's tenant is listed under this tier in the rule set's `tiers` map;
 //! - `path_prefix`: the path starts with this prefix;
 //! - `methods`: the method is one of these;
@@ -132,7 +135,8 @@ impl Rule {
     }
 
     /// Matches requests whose key is this tenant (a byte key, or an IP key when `tenant` is an
-    /// IP address).
+    /// IP address; an IPv6 address also matches the key of its /64, the grouping of the IP
+    /// key extractors).
     pub fn tenant(mut self, tenant: impl Into<String>) -> Self {
         self.tenant = Some(tenant.into());
         self
@@ -299,8 +303,7 @@ impl RuleSet {
                 return Err(bad(format!("policy `{}` is not defined", r.policy)));
             }
             for m in &r.methods {
-                Method::from_bytes(m.as_bytes())
-                    .map_err(|_| bad(format!("{m:?} is not an HTTP method")))?;
+                parse_method(m).map_err(|_| bad(format!("{m:?} is not an HTTP method")))?;
             }
             if let Some(t) = &r.tenant {
                 tenant_keys(t).map_err(|e| bad(format!("tenant: {e}")))?;
@@ -316,19 +319,49 @@ impl RuleSet {
     }
 }
 
-/// The keys a tenant string stands for: its bytes, and its IP when it is one.
-fn tenant_keys(tenant: &str) -> Result<SmallVec<[Key; 2]>, crate::KeyError> {
+/// A method as written in a rule. Methods are case-sensitive, but `post` in a config file
+/// means `POST`, not an extension method no client sends: the standard methods are matched
+/// whatever their case.
+fn parse_method(m: &str) -> Result<Method, http::method::InvalidMethod> {
+    match Method::from_bytes(m.to_ascii_uppercase().as_bytes()) {
+        Ok(method) if is_standard(&method) => Ok(method),
+        _ => Method::from_bytes(m.as_bytes()),
+    }
+}
+
+fn is_standard(m: &Method) -> bool {
+    [
+        Method::GET,
+        Method::HEAD,
+        Method::POST,
+        Method::PUT,
+        Method::DELETE,
+        Method::CONNECT,
+        Method::OPTIONS,
+        Method::TRACE,
+        Method::PATCH,
+    ]
+    .contains(m)
+}
+
+/// The keys a tenant string stands for: its bytes, and, when it is an IP address, its IP key
+/// and (IPv6) the key of its /64, which is what the IP extractors give its clients.
+fn tenant_keys(tenant: &str) -> Result<SmallVec<[Key; 3]>, String> {
     let mut keys = SmallVec::new();
-    keys.push(Key::from_bytes(tenant)?);
+    keys.push(Key::from_bytes(tenant).map_err(|e| e.to_string())?);
     if let Ok(ip) = tenant.parse::<IpAddr>() {
+        let ip = ip.to_canonical();
         keys.push(Key::ip(ip));
+        if ip.is_ipv6() {
+            keys.push(crate::key::group(ip, crate::key::DEFAULT_V6_PREFIX));
+        }
     }
     Ok(keys)
 }
 
 struct CompiledRule {
     policy: usize,
-    tenant: SmallVec<[Key; 2]>,
+    tenant: SmallVec<[Key; 3]>,
     tier: Option<usize>,
     path_prefix: Option<Box<str>>,
     methods: SmallVec<[Method; 2]>,
@@ -414,7 +447,7 @@ pub(crate) fn compile<Bk: Backend>(
                 methods: r
                     .methods
                     .iter()
-                    .filter_map(|m| Method::from_bytes(m.as_bytes()).ok())
+                    .filter_map(|m| parse_method(m).ok())
                     .collect(),
                 predicate: r.predicate.clone(),
             },

@@ -215,6 +215,15 @@ impl<K, Bk: Backend> Shared<K, Bk> {
                 tracing::trace!(policy, reason = %err, "no rate-limit key; allowed");
                 Step::Done(Verdict::Pass(HeaderAdds::new()))
             }
+            OnMissingKey::Reject(_) if prepared.policy.is_shadow() => {
+                tracing::info!(
+                    policy,
+                    shadow = true,
+                    reason = %err,
+                    "request without a rate-limit key would have been rejected (shadow mode)"
+                );
+                Step::Done(Verdict::Pass(HeaderAdds::new()))
+            }
             OnMissingKey::Reject(status) => {
                 tracing::debug!(policy, reason = %err, "no rate-limit key; rejected");
                 let rejection = Rejection {
@@ -280,6 +289,15 @@ impl<K, Bk: Backend> Shared<K, Bk> {
                     is_grpc(headers),
                     adds,
                 )))
+            }
+            Err(error) if prepared.policy.is_shadow() => {
+                tracing::warn!(
+                    policy,
+                    shadow = true,
+                    %error,
+                    "rate-limit backend failed; allowed (shadow mode)"
+                );
+                Verdict::Pass(HeaderAdds::new())
             }
             Err(error) => {
                 tracing::warn!(policy, %error, "rate-limit backend failed; answering 503");

@@ -268,3 +268,87 @@ async fn huge_costs_never_fit_and_never_panic() {
     let d = decide(&s, &p, &key("k"), 100).await;
     assert!(d.is_allowed());
 }
+
+/// Refusals that need no bucket (a cost the policy can never fit, a new key when the table is
+/// full) are made before any quota is charged, so an oversized request sent again and again
+/// cannot drain the earlier quotas of a multi-quota policy.
+#[tokio::test]
+async fn refusals_before_charging_leave_every_quota_untouched() {
+    let s = setup();
+    let policy = Policy::new("m", Quota::per_hour(10)).and(Quota::per_hour(5));
+    let p = prepare(&s.backend, &policy);
+    let k = key("k");
+    for _ in 0..3 {
+        let d = decide(&s, &p, &k, 6).await;
+        assert!(d.never_fits(), "{d:?}");
+        assert_eq!(d.quotas().len(), 1);
+        assert_eq!(d.quotas()[0].index, 1, "the quota the cost can never fit");
+    }
+    // All 10 and all 5 units are still there.
+    let d = decide(&s, &p, &k, 5).await;
+    assert!(d.is_allowed(), "{d:?}");
+    assert_eq!(d.quotas()[0].remaining, 5);
+    assert_eq!(d.quotas()[1].remaining, 0);
+
+    // Room for one more bucket, but a new key needs two: refused before the first quota
+    // takes a bucket (and a unit) for it.
+    let clock = FakeRelativeClock::default();
+    let backend = LocalBackend::builder()
+        .clock(clock.clone())
+        .max_keys(3)
+        .build();
+    let s = Setup { clock, backend };
+    let p = prepare(&s.backend, &policy);
+    assert!(decide(&s, &p, &key("a"), 1).await.is_allowed());
+    assert_eq!(s.backend.tracked_keys(), 2);
+    let d = decide(&s, &p, &key("b"), 1).await;
+    assert!(!d.is_allowed(), "table full: {d:?}");
+    assert_eq!(d.retry_after(), Some(Duration::from_secs(1)));
+    assert_eq!(d.quotas().len(), 1);
+    assert_eq!(s.backend.tracked_keys(), 2, "nothing was added for b");
+    // A tracked key is still served.
+    assert!(decide(&s, &p, &key("a"), 1).await.is_allowed());
+}
+
+/// The longest bucket a quota may have (100 years) is served without overflow, however long
+/// the process has run.
+#[tokio::test]
+async fn the_longest_buckets_never_overflow() {
+    let s = setup();
+    let century = Duration::from_secs(100 * 365 * 24 * 3600);
+    let p = prepare(&s.backend, &Policy::new("p", Quota::new(1, century)));
+    s.clock.advance(century * 2);
+    let k = key("k");
+    assert!(decide(&s, &p, &k, 1).await.is_allowed());
+    let d = decide(&s, &p, &k, 1).await;
+    assert!(!d.is_allowed());
+    assert_eq!(d.retry_after(), Some(century));
+}
+
+/// On a denial, the quota a client should watch (the legacy `X-RateLimit-*` headers) is the
+/// one that denied, with the longest wait, even when an allowing quota has as few units left.
+#[tokio::test]
+async fn the_tightest_quota_of_a_denial_is_the_denying_one() {
+    let s = setup();
+    let policy = Policy::new("m", Quota::per_second(1).burst(2)).and(Quota::per_hour(3));
+    let p = prepare(&s.backend, &policy);
+    let k = key("k");
+    for _ in 0..2 {
+        assert!(decide(&s, &p, &k, 1).await.is_allowed());
+    }
+    s.clock.advance(Duration::from_secs(2));
+    assert!(decide(&s, &p, &k, 1).await.is_allowed());
+    let d = decide(&s, &p, &k, 1).await;
+    assert!(!d.is_allowed());
+    // The per-second quota allowed it with 0 left; the hourly one denied it.
+    assert_eq!(d.quotas()[0].remaining, 0);
+    let tightest = d.tightest().unwrap();
+    assert_eq!(tightest.index, 1, "{d:?}");
+    assert_eq!(tightest.limit, 3);
+    assert_eq!(Some(tightest.reset_after), d.retry_after());
+    // Allowed: the quota with the fewest units left.
+    let s = setup();
+    let p = prepare(&s.backend, &policy);
+    let d = decide(&s, &p, &k, 2).await;
+    assert_eq!(d.tightest().unwrap().index, 0, "{d:?}");
+}

@@ -130,6 +130,54 @@ async fn highest_priority_match_wins() {
     }
 }
 
+/// IP tenants match the keys the IP extractors give: an IPv6 address its /64.
+#[tokio::test]
+async fn ip_tenants_match_grouped_ipv6_keys() {
+    use tollgate::key::ClientIp;
+    let from = |peer: &str| {
+        let mut r = Request::get("/").body(Full::default()).unwrap();
+        r.extensions_mut()
+            .insert(peer.parse::<SocketAddr>().unwrap());
+        r
+    };
+    let rules = || {
+        RuleSet::new(generous("free"))
+            .policy(generous("vip"))
+            .policy(generous("net"))
+            .rule(Rule::new(10, "vip").tenant("2001:db8::1"))
+            .rule(Rule::new(10, "vip").tenant("192.0.2.7"))
+            .rule(Rule::new(5, "net").tenant("2001:db8:aa00::"))
+    };
+    let layer = RateLimitLayer::builder()
+        .rules(rules())
+        .key(ClientIp::new())
+        .build()
+        .unwrap();
+    let mut svc = layer.layer(ok_service());
+    for (peer, expected) in [
+        ("[2001:db8::1]:1", "vip"),
+        // The same /64: the same key, so the same tenant.
+        ("[2001:db8::2]:1", "vip"),
+        ("[2001:db8:0:1::1]:1", "free"),
+        ("192.0.2.7:1", "vip"),
+        ("192.0.2.8:1", "free"),
+        ("[2001:db8:aa00:ff::1]:1", "free"),
+    ] {
+        assert_eq!(policy_of(&mut svc, from(peer)).await, expected, "{peer}");
+    }
+    // Grouped by /56, a client anywhere in 2001:db8:aa00::/56 is that tenant.
+    let layer = RateLimitLayer::builder()
+        .rules(rules())
+        .key(ClientIp::new().ipv6_prefix(56))
+        .build()
+        .unwrap();
+    let mut svc = layer.layer(ok_service());
+    assert_eq!(
+        policy_of(&mut svc, from("[2001:db8:aa00:ff::1]:1")).await,
+        "net"
+    );
+}
+
 #[tokio::test]
 async fn invalid_updates_are_rejected_and_the_old_rules_stay() {
     let layer = RateLimitLayer::builder()

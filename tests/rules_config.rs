@@ -64,6 +64,55 @@ policies:
     set.validate().unwrap();
 }
 
+/// `methods = ["post"]` in a config file means POST: a rule that silently never matched
+/// would be worse (say, a strict limit on logins).
+#[tokio::test]
+async fn standard_methods_match_whatever_their_case() {
+    use bytes::Bytes;
+    use http::{Method, Request, Response};
+    use http_body_util::Full;
+    use tollgate::RateLimitLayer;
+    use tollgate::key::Global;
+    use tower::{Layer, ServiceExt};
+
+    let toml = r#"
+default = "free"
+[[policies]]
+name = "free"
+quotas = ["5/s"]
+[[policies]]
+name = "writes"
+quotas = ["1/s"]
+[[rules]]
+priority = 1
+policy = "writes"
+methods = ["post", "Patch", "PURGE"]
+"#;
+    let set: RuleSet = toml::from_str(toml).unwrap();
+    let layer = RateLimitLayer::builder()
+        .rules(set)
+        .key(Global)
+        .build()
+        .unwrap();
+    let svc = layer.layer(tower::service_fn(|_req: Request<Full<Bytes>>| async {
+        Ok::<_, std::convert::Infallible>(Response::new(Full::new(Bytes::new())))
+    }));
+    for (method, expected) in [
+        (&b"POST"[..], "writes"),
+        (b"PATCH", "writes"),
+        (b"PURGE", "writes"),
+        (b"GET", "free"),
+    ] {
+        let req = Request::builder()
+            .method(Method::from_bytes(method).unwrap())
+            .body(Full::default())
+            .unwrap();
+        let res = svc.clone().oneshot(req).await.unwrap();
+        let policy = res.headers()["ratelimit-policy"].to_str().unwrap();
+        assert_eq!(policy.split('"').nth(1), Some(expected), "{policy}");
+    }
+}
+
 #[test]
 fn parse_errors_point_at_the_entry() {
     // A malformed quota: TOML reports the line, and the message names the quota.

@@ -192,6 +192,44 @@ async fn backend_failure_is_a_503_response() {
     assert_eq!(res.headers()["retry-after"], "1");
 }
 
+/// Shadow mode never rejects: not on a quota's denial (tests/rules.rs), not when the backend
+/// fails, and not when the request has no key.
+#[tokio::test(start_paused = true)]
+async fn shadow_mode_passes_backend_failures_and_missing_keys() {
+    let failing = SlowBackend {
+        local: LocalBackend::new(),
+        delay: Duration::from_millis(1),
+        fail: true,
+    };
+    let layer = RateLimitLayer::builder()
+        .backend(failing)
+        .policy(Policy::new("p", Quota::per_second(10)).shadow(true))
+        .build()
+        .unwrap();
+    let mut svc = layer.layer(Strict::default());
+    let res = svc.ready().await.unwrap().call(request("/")).await.unwrap();
+    assert_eq!(res.status(), 200);
+
+    // The peer address is not wired in: every request lacks its key.
+    let layer = RateLimitLayer::builder()
+        .policy(Policy::new("p", Quota::per_second(10)).shadow(true))
+        .build()
+        .unwrap();
+    let mut svc = layer.layer(Strict::default());
+    let no_peer = Request::get("/").body(Full::default()).unwrap();
+    let res = svc.ready().await.unwrap().call(no_peer).await.unwrap();
+    assert_eq!(res.status(), 200);
+    // The same layer out of shadow mode rejects it.
+    let layer = RateLimitLayer::builder()
+        .policy(Policy::new("p", Quota::per_second(10)))
+        .build()
+        .unwrap();
+    let mut svc = layer.layer(Strict::default());
+    let no_peer = Request::get("/").body(Full::default()).unwrap();
+    let res = svc.ready().await.unwrap().call(no_peer).await.unwrap();
+    assert_eq!(res.status(), 400);
+}
+
 #[tokio::test]
 async fn works_with_infallible_services_and_any_body() {
     let layer = RateLimitLayer::builder()

@@ -402,32 +402,15 @@ where
             // Built outside a runtime: start sweeping from the first request inside one.
             self.start_sweeper();
         }
+        // Refusals that need no bucket come first, before any bucket is charged: a request
+        // that can never fit, or a new key when the table is full, must not use up the
+        // earlier quotas of a multi-quota policy.
+        if let Some(refused) = self.refuse_before_charging(policy, key, cost) {
+            return ready(Ok(Decision::new([refused])));
+        }
         let mut states = smallvec::SmallVec::<[QuotaState; 2]>::new();
         for (index, quota) in policy.limiters.iter().enumerate() {
             let params = &quota.params;
-            // Checked here, not left to governor: its `t * (cost - 1)` overflows for huge costs.
-            if cost > params.burst {
-                states.push(QuotaState::never_fits(index, params));
-                break;
-            }
-            if self.inner.tracked.load(Ordering::Relaxed) >= self.inner.max_keys
-                && !quota.store.map.contains_key(key)
-            {
-                self.inner.sweep_when_full();
-                if self.inner.tracked.load(Ordering::Relaxed) >= self.inner.max_keys {
-                    tracing::debug!(
-                        max_keys = self.inner.max_keys,
-                        "local rate-limit table full"
-                    );
-                    states.push(QuotaState::denied(
-                        index,
-                        params,
-                        cost,
-                        Duration::from_secs(1),
-                    ));
-                    break;
-                }
-            }
             let state = match quota.limiter.check_key_n(key, cost) {
                 Ok(Ok(snapshot)) => {
                     QuotaState::allowed(index, params, snapshot.remaining_burst_capacity())
@@ -447,6 +430,58 @@ where
             }
         }
         ready(Ok(Decision { quotas: states }))
+    }
+}
+
+impl<C> LocalBackend<C>
+where
+    C: Clock + Clone + Send + Sync + 'static,
+    C::Instant: Send + Sync,
+{
+    /// The state of the first quota that refuses `cost` on `key` without looking at its
+    /// bucket: one the cost can never fit (governor's `t * (cost - 1)` would also overflow
+    /// for huge costs), or, when the buckets `key` still lacks would not fit in the table,
+    /// the first quota lacking one.
+    fn refuse_before_charging(
+        &self,
+        policy: &LocalPolicy<C>,
+        key: &Key,
+        cost: NonZeroU32,
+    ) -> Option<QuotaState> {
+        if let Some((index, quota)) =
+            (policy.limiters.iter().enumerate()).find(|(_, quota)| cost > quota.params.burst)
+        {
+            return Some(QuotaState::never_fits(index, &quota.params));
+        }
+        let inner = &self.inner;
+        let quotas = policy.limiters.len();
+        // Only near the cap is it worth looking the key up before charging.
+        if inner.tracked.load(Ordering::Relaxed).saturating_add(quotas) <= inner.max_keys {
+            return None;
+        }
+        let lacking = || {
+            (policy.limiters.iter().enumerate())
+                .filter(|(_, quota)| !quota.store.map.contains_key(key))
+        };
+        let (first, quota) = lacking().next()?;
+        let overflows = || {
+            let needed = lacking().count();
+            inner.tracked.load(Ordering::Relaxed).saturating_add(needed) > inner.max_keys
+        };
+        if !overflows() {
+            return None;
+        }
+        inner.sweep_when_full();
+        if !overflows() {
+            return None;
+        }
+        tracing::debug!(max_keys = inner.max_keys, "local rate-limit table full");
+        Some(QuotaState::denied(
+            first,
+            &quota.params,
+            cost,
+            Duration::from_secs(1),
+        ))
     }
 }
 

@@ -71,7 +71,9 @@ impl Decision {
     }
 
     /// The evaluated quotas. A backend that stops at the first denying quota (the local
-    /// backend) reports only the quotas up to and including it.
+    /// backend) reports only the quotas up to and including it, or only the refusing quota
+    /// when it refuses before charging any bucket (a cost larger than a quota's burst, a full
+    /// key table).
     pub fn quotas(&self) -> &[QuotaState] {
         &self.quotas
     }
@@ -97,9 +99,18 @@ impl Decision {
         self.quotas.iter().any(|q| q.outcome == Outcome::NeverFits)
     }
 
-    /// The quota with the fewest remaining units (the one a client should watch).
+    /// The quota a client should watch: for a denial, the denying quota with the longest
+    /// wait (the one `Retry-After` comes from); otherwise the quota with the fewest remaining
+    /// units.
     pub fn tightest(&self) -> Option<&QuotaState> {
-        self.quotas.iter().min_by_key(|q| (q.remaining, q.limit))
+        if self.is_allowed() {
+            self.quotas.iter().min_by_key(|q| (q.remaining, q.limit))
+        } else {
+            self.quotas
+                .iter()
+                .filter(|q| q.outcome != Outcome::Allowed)
+                .max_by_key(|q| q.reset_after)
+        }
     }
 }
 

@@ -7,12 +7,13 @@ use super::{Key, KeyError, KeyExtractor};
 use crate::{ConfigError, RequestInfo};
 
 /// The default IPv6 grouping: a /64, the usual allocation for one host or site.
-const DEFAULT_V6_PREFIX: u8 = 64;
+pub(crate) const DEFAULT_V6_PREFIX: u8 = 64;
 
 /// The TCP peer's address as recorded by the server, if any.
 ///
 /// Looks for axum's `ConnectInfo<SocketAddr>` (feature `axum`), tonic's `TcpConnectInfo`
-/// (feature `tonic`), and a plain `SocketAddr` extension (for custom servers).
+/// (feature `tonic`; plain TCP only, as tonic records `TlsConnectInfo` over TLS), and a plain
+/// `SocketAddr` extension (for custom servers).
 pub(crate) fn peer_addr(req: &RequestInfo<'_>) -> Option<IpAddr> {
     let ext = req.extensions();
     #[cfg(feature = "axum")]
@@ -29,7 +30,8 @@ pub(crate) fn peer_addr(req: &RequestInfo<'_>) -> Option<IpAddr> {
     ext.get::<SocketAddr>().map(SocketAddr::ip)
 }
 
-fn group(ip: IpAddr, v6_prefix: u8) -> Key {
+/// The key of `ip`: IPv4 as is, IPv6 grouped by its first `v6_prefix` bits.
+pub(crate) fn group(ip: IpAddr, v6_prefix: u8) -> Key {
     match ip.to_canonical() {
         IpAddr::V6(v6) if v6_prefix < 128 => {
             let mask = if v6_prefix == 0 {
@@ -196,14 +198,14 @@ impl ClientIp {
                     option: "ClientIp::trust_proxies",
                     reason: format!("{s:?} is not a CIDR range or an IP address"),
                 })?;
-            self.trusted.push(net.trunc());
+            self.trusted.push(canonical_net(net));
         }
         Ok(self)
     }
 
     /// Trusts the proxies in these already-parsed ranges.
     pub fn trust_nets(mut self, nets: impl IntoIterator<Item = IpNet>) -> Self {
-        self.trusted.extend(nets.into_iter().map(|n| n.trunc()));
+        self.trusted.extend(nets.into_iter().map(canonical_net));
         self
     }
 
@@ -224,24 +226,18 @@ impl ClientIp {
             return peer;
         }
         match self.header {
-            ForwardedHeader::Forwarded => {
-                let values = headers.get_all(http::header::FORWARDED);
-                let hops = values
-                    .iter()
-                    .filter_map(|v| v.to_str().ok())
-                    .flat_map(split_outside_quotes)
-                    .map(forwarded_for);
-                self.walk(peer, hops)
-            }
-            ForwardedHeader::XForwardedFor => {
-                let values = headers.get_all("x-forwarded-for");
-                let hops = values
-                    .iter()
-                    .filter_map(|v| v.to_str().ok())
-                    .flat_map(|v| v.split(','))
-                    .map(parse_node);
-                self.walk(peer, hops)
-            }
+            ForwardedHeader::Forwarded => self.walk(
+                peer,
+                hops(headers, http::header::FORWARDED, |line, hops| {
+                    hops.extend(split_outside_quotes(line).map(forwarded_for));
+                }),
+            ),
+            ForwardedHeader::XForwardedFor => self.walk(
+                peer,
+                hops(headers, "x-forwarded-for", |line, hops| {
+                    hops.extend(line.split(',').map(parse_node));
+                }),
+            ),
             ForwardedHeader::XRealIp => headers
                 .get("x-real-ip")
                 .and_then(|v| v.to_str().ok())
@@ -251,9 +247,7 @@ impl ClientIp {
     }
 
     /// Walks `hops` (left to right as sent) from the right, starting at the trusted `peer`.
-    fn walk(&self, peer: IpAddr, hops: impl Iterator<Item = Option<IpAddr>>) -> IpAddr {
-        // Header lists are short: keep them on the stack in the common case.
-        let hops: smallvec::SmallVec<[Option<IpAddr>; 8]> = hops.collect();
+    fn walk(&self, peer: IpAddr, hops: Hops) -> IpAddr {
         let mut client = peer;
         for hop in hops.iter().rev() {
             match hop {
@@ -284,6 +278,43 @@ impl KeyExtractor for ClientIp {
 
     fn validate(&self) -> Result<(), ConfigError> {
         check_prefix(self.v6_prefix)
+    }
+}
+
+/// The hops of a forwarding header, in the order sent. Header lists are short: they stay on
+/// the stack in the common case.
+type Hops = smallvec::SmallVec<[Option<IpAddr>; 8]>;
+
+/// Collects the hops of every `name` line, left to right, parsing each line with `parse`.
+fn hops<K: http::header::AsHeaderName>(
+    headers: &HeaderMap,
+    name: K,
+    parse: impl Fn(&str, &mut Hops),
+) -> Hops {
+    let mut hops = Hops::new();
+    for line in headers.get_all(name) {
+        match line.to_str() {
+            Ok(line) => parse(line, &mut hops),
+            // A line that is not visible ASCII is garbage, like an entry that is not an
+            // address: one hop that stops the walk. Skipping it would walk on into the
+            // earlier lines, which the client wrote.
+            Err(_) => hops.push(None),
+        }
+    }
+    hops
+}
+
+/// A trusted range as the peer addresses it is compared with are written: IPv4-mapped IPv6
+/// ranges (`::ffff:10.0.0.0/104`) become IPv4 ranges, as peers are compared in canonical form.
+fn canonical_net(net: IpNet) -> IpNet {
+    match net {
+        IpNet::V6(v6) if v6.prefix_len() >= 96 => match v6.addr().to_ipv4_mapped() {
+            Some(v4) => ipnet::Ipv4Net::new(v4, v6.prefix_len() - 96)
+                .map(|n| IpNet::V4(n.trunc()))
+                .unwrap_or(net.trunc()),
+            None => net.trunc(),
+        },
+        _ => net.trunc(),
     }
 }
 
@@ -385,6 +416,43 @@ mod tests {
         // Garbage stops the walk at the last trusted hop.
         let h = headers(&[("x-forwarded-for", "1.1.1.1, nonsense, 10.0.0.2")]);
         assert_eq!(proxied().client(ip("10.0.0.1"), &h), ip("10.0.0.2"));
+    }
+
+    #[test]
+    fn a_line_that_is_not_ascii_stops_the_walk() {
+        // The proxy appended the real client (1.2.3.4) to a line the client started with
+        // bytes that are not visible ASCII; an earlier line is the client's too. Skipping the
+        // unreadable line would key the request by the client's choice, 9.9.9.9.
+        for name in ["x-forwarded-for", "forwarded"] {
+            let mut h = HeaderMap::new();
+            let (spoof, garbage) = if name == "forwarded" {
+                ("for=9.9.9.9", &b"for=x\xff, for=1.2.3.4"[..])
+            } else {
+                ("9.9.9.9", &b"x\xff, 1.2.3.4"[..])
+            };
+            h.append(name, http::HeaderValue::from_static(spoof));
+            h.append(name, http::HeaderValue::from_bytes(garbage).unwrap());
+            let client = proxied()
+                .forwarded_header(if name == "forwarded" {
+                    ForwardedHeader::Forwarded
+                } else {
+                    ForwardedHeader::XForwardedFor
+                })
+                .client(ip("10.0.0.1"), &h);
+            // The walk stops at the garbage: the last trusted hop, the peer.
+            assert_eq!(client, ip("10.0.0.1"), "{name}");
+        }
+    }
+
+    #[test]
+    fn ipv4_mapped_trusted_ranges_match_ipv4_peers() {
+        let client = ClientIp::new()
+            .trust_proxies(["::ffff:10.0.0.0/104"])
+            .unwrap();
+        let h = headers(&[("x-forwarded-for", "1.1.1.1")]);
+        assert_eq!(client.client(ip("10.1.2.3"), &h), ip("1.1.1.1"));
+        assert_eq!(client.client(ip("::ffff:10.1.2.3"), &h), ip("1.1.1.1"));
+        assert_eq!(client.client(ip("11.0.0.1"), &h), ip("11.0.0.1"));
     }
 
     #[test]

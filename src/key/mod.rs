@@ -44,6 +44,7 @@ use std::net::IpAddr;
 
 pub use header::{Extension, Header, ToKey};
 pub use ip::{ClientIp, ForwardedHeader, PeerIp};
+pub(crate) use ip::{DEFAULT_V6_PREFIX, group};
 
 use crate::RequestInfo;
 
@@ -231,8 +232,10 @@ pub enum KeyError {
     /// No peer address in the request extensions: the server was not set up to record it.
     ///
     /// With axum, serve with
-    /// `app.into_make_service_with_connect_info::<SocketAddr>()`; tonic's `Server` records it
-    /// by itself.
+    /// `app.into_make_service_with_connect_info::<SocketAddr>()`. tonic's `Server` records it
+    /// by itself over plain TCP; over TLS it records `TlsConnectInfo<TcpConnectInfo>`, which
+    /// tollgate does not read (it exists only with tonic's TLS features): key such services
+    /// with a closure that reads it, `.remote_addr()` of its `.get_ref()`.
     NoPeerAddr,
 }
 
