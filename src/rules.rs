@@ -148,7 +148,9 @@ impl Rule {
         self
     }
 
-    /// Matches request paths starting with `prefix`.
+    /// Matches request paths starting with `prefix`. The path is the one the layer sees:
+    /// inside an axum `Router::nest("/api", ..)` the nest's prefix is already stripped, so
+    /// match `/users` there, not `/api/users` (or put the layer on the outer router).
     pub fn path_prefix(mut self, prefix: impl Into<String>) -> Self {
         self.path_prefix = Some(prefix.into());
         self
