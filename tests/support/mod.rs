@@ -27,7 +27,8 @@ impl RedisServer {
         Self::start_with(&[])
     }
 
-    fn start_with(extra: &[&str]) -> RedisServer {
+    /// A standalone server on a free port with extra `redis-server` arguments, ready to answer.
+    pub fn start_with(extra: &[&str]) -> RedisServer {
         let dir = tempfile::tempdir().expect("temp dir");
         let mut server = RedisServer {
             port: free_port(),

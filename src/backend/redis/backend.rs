@@ -25,9 +25,10 @@ use crate::{BackendError, BackendErrorKind, ConfigError, Key, Policy};
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum FailurePolicy {
-    /// Let the request through, log a warning and count it in [`RedisStats::fail_open`]. The
-    /// decision carries no quota state, so no remaining counts are sent. The default: a rate limiter should not take an application
-    /// down with it.
+    /// Let the request through and count it in [`RedisStats::fail_open`] (the failed call
+    /// itself is logged as a warning). The decision carries no quota state, so no remaining
+    /// counts are sent. The default: a rate limiter should not take an application down with
+    /// it.
     #[default]
     FailOpen,
     /// Return a [`BackendError`]: the layer answers `503 Service Unavailable` with
@@ -36,7 +37,11 @@ pub enum FailurePolicy {
     FailClosed,
     /// Decide with an in-process [`LocalBackend`] holding the same policy: limits hold per
     /// instance (with `n` replicas a client gets up to `n` times the quota) until Redis is back.
-    /// The local buckets start full when Redis fails, and are not copied back to Redis.
+    /// The local buckets only see the requests Redis could not decide, and nothing is copied
+    /// between them and Redis in either direction. They live as long as the backend: a client's
+    /// local bucket is full at its first outage; at a later one it holds what was left at the
+    /// end of the previous outage, refilled at the quota's rate since (full again if enough
+    /// time passed).
     FallbackLocal,
 }
 
@@ -45,13 +50,19 @@ pub enum FailurePolicy {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RedisStats {
-    /// Decisions sent to Redis.
+    /// Decisions sent to Redis (requests, not script calls).
     pub redis_calls: u64,
     /// Script calls those took: concurrent decisions on a single node share one call.
     pub script_calls: u64,
-    /// Calls that failed: errors, timeouts and bad replies.
+    /// Script calls that failed (an error, a timeout, a reply that could not be read), each
+    /// counted once however many decisions it carried; plus single decisions Redis refused
+    /// inside a call that succeeded (a key of the wrong type). Requests that got the failure
+    /// policy are counted in [`fail_open`](Self::fail_open),
+    /// [`fail_closed`](Self::fail_closed) or [`fallback_local`](Self::fallback_local).
     pub redis_errors: u64,
-    /// Of those, calls that timed out.
+    /// Of those, script calls that timed out. A batched call runs until the last deadline of
+    /// its decisions; a request whose own deadline passed earlier, or while it was still
+    /// queued, gets the failure policy without counting here.
     pub timeouts: u64,
     /// Requests let through by [`FailurePolicy::FailOpen`].
     pub fail_open: u64,
@@ -267,60 +278,44 @@ pub(crate) struct Call {
 }
 
 impl Call {
-    /// Turns Redis's answer into the decision: the deny cache and circuit breaker learn from
-    /// it, and failures degrade as configured.
+    /// Turns Redis's answer into the decision: the deny cache learns from it, and failures
+    /// degrade as configured. The breaker and the call counters have already heard of the call
+    /// that carried it (once per call, not once per decision).
     pub(crate) fn finish(
         &self,
         outcome: redis::RedisResult<Reply>,
     ) -> Result<Decision, BackendError> {
         let (inner, p, key, cost) = (&self.inner, &self.policy, &self.key, self.cost);
         let result = match outcome {
-            Ok(reply) => script::decision(&reply, &p.params, cost),
-            Err(err) if err.is_timeout() => {
-                bump(&inner.counters.timeouts);
-                Err(BackendError::new(BackendErrorKind::Timeout, err))
-            }
-            Err(err) => {
-                let kind = if err.is_io_error()
-                    || err.is_connection_dropped()
-                    || err.is_connection_refusal()
-                    || err.is_timeout()
-                {
-                    BackendErrorKind::Unavailable
-                } else {
-                    BackendErrorKind::Protocol
-                };
-                Err(BackendError::new(kind, err))
-            }
+            Ok(reply) => script::decision(&reply, &p.params, cost).inspect_err(|err| {
+                // Redis answered the call but refused this decision's keys (or the reply does
+                // not fit the policy): this decision's own error, counted here.
+                bump(&inner.counters.errors);
+                tracing::warn!(%err, on_failure = ?inner.on_failure, "tollgate: Redis refused a decision");
+            }),
+            Err(err) => Err(BackendError::new(error_kind(&err), err)),
         };
         match result {
             Ok(decision) => {
-                inner.breaker.success();
                 if !decision.is_allowed() {
                     p.deny.insert(key, cost, self.sent_ns, &decision);
                 }
                 Ok(decision)
             }
-            Err(err) => {
-                bump(&inner.counters.errors);
-                // A reply Redis gave (a refused key, a malformed reply) says nothing about
-                // whether Redis is reachable: only timeouts and connection errors trip the
-                // breaker.
-                let unreachable = err.kind() != BackendErrorKind::Protocol;
-                if unreachable && inner.breaker.failure(inner.clock.now_ns()) {
-                    tracing::warn!(
-                        failures = inner.breaker.threshold,
-                        "tollgate: Redis failed repeatedly; circuit breaker open, \
-                         probing every {:?}",
-                        inner.breaker.probe_interval
-                    );
-                    Inner::start_probe(inner);
-                } else {
-                    tracing::warn!(%err, on_failure = ?inner.on_failure, "tollgate: Redis call failed");
-                }
-                inner.degrade(p, key, cost, err)
-            }
+            Err(err) => inner.degrade(p, key, cost, err),
         }
+    }
+}
+
+/// How a failed call is reported: a timeout, Redis out of reach, or a reply Redis did give (an
+/// error, or one that could not be read).
+pub(crate) fn error_kind(err: &redis::RedisError) -> BackendErrorKind {
+    if err.is_timeout() {
+        BackendErrorKind::Timeout
+    } else if err.is_io_error() || err.is_connection_dropped() || err.is_connection_refusal() {
+        BackendErrorKind::Unavailable
+    } else {
+        BackendErrorKind::Protocol
     }
 }
 
@@ -334,23 +329,54 @@ impl Inner {
         cost: NonZeroU32,
     ) -> redis::RedisResult<Reply> {
         let keys = keys::bucket_keys(&p.key_prefix, key, &p.key_suffixes);
-        let mut invocation = script::SCRIPT.prepare_invoke();
+        // The same `EVALSHA` as a batched call (see `gcra.lua`), holding one decision.
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(script::SCRIPT.get_hash())
+            .arg(keys.len())
+            .arg(&keys);
         match self.clock.script_time() {
-            Some(ns) => invocation.arg(ns),
-            None => invocation.arg(""),
+            Some(ns) => cmd.arg(ns),
+            None => cmd.arg(""),
         };
-        // One policy, one decision.
-        invocation
-            .arg(1)
-            .arg(&p.args)
-            .arg(1)
-            .arg(1)
-            .arg(cost.get())
-            .key(&keys);
+        cmd.arg(1).arg(&p.args).arg(1).arg(1).arg(cost.get());
         bump(&self.counters.script_calls);
-        match tokio::time::timeout(self.timeout, self.conn.invoke(&invocation)).await {
+        let result = match tokio::time::timeout(self.timeout, self.conn.eval(&cmd)).await {
             Ok(reply) => reply.map(Reply::whole),
             Err(_elapsed) => Err(timed_out()),
+        };
+        match &result {
+            Ok(_) => self.call_answered(),
+            Err(err) => self.call_failed(err, 1),
+        }
+        result
+    }
+
+    /// A script call got Redis's answer: Redis is reachable, whatever the answer says.
+    pub(crate) fn call_answered(&self) {
+        self.breaker.success();
+    }
+
+    /// A script call carrying `decisions` decisions failed: counted once, and one failure for
+    /// the circuit breaker, however many requests shared the call (a frozen Redis fails a call
+    /// of 100 decisions once, not 100 times).
+    pub(crate) fn call_failed(self: &Arc<Self>, err: &redis::RedisError, decisions: usize) {
+        bump(&self.counters.errors);
+        let kind = error_kind(err);
+        if kind == BackendErrorKind::Timeout {
+            bump(&self.counters.timeouts);
+        }
+        // A reply Redis gave (an error, a malformed reply) says nothing about whether Redis is
+        // reachable: only timeouts and connection errors trip the breaker.
+        if kind != BackendErrorKind::Protocol && self.breaker.failure(self.clock.now_ns()) {
+            tracing::warn!(
+                %err,
+                failures = self.breaker.threshold,
+                "tollgate: Redis calls failed repeatedly; circuit breaker open, probing every {:?}",
+                self.breaker.probe_interval
+            );
+            Inner::start_probe(self);
+        } else {
+            tracing::warn!(%err, decisions, on_failure = ?self.on_failure, "tollgate: Redis call failed");
         }
     }
 

@@ -2,16 +2,26 @@
 //!
 //! Requests queue their decisions for a task of the backend, which sends whatever is queued as
 //! one call (up to [`MAX_BATCH`] decisions) as soon as one of [`MAX_IN_FLIGHT`] call slots is
-//! free; the calls run inside that task. An idle backend therefore sends each decision at once, and a busy one pays Redis's
-//! per-call cost (parsing, script lookup, the round trip through redis-rs) once per batch
-//! instead of once per request. Calls belong to that task, not to the requests: a request that
-//! gives up (times out, is dropped) affects no other. Each decision is still atomic and
-//! all-or-nothing on its own: the script runs them one after another inside one call, and a
-//! decision whose keys Redis refuses fails alone. Redis Cluster calls are not batched (the
-//! decisions of one call must share a hash slot), and batching can be turned off
-//! ([`batching`](super::RedisBackendBuilder::batching)) for proxies that shard one endpoint.
+//! free; the calls run inside that task. An idle backend therefore sends each decision at once,
+//! and a busy one pays Redis's per-call cost (parsing, script lookup, the round trip through
+//! redis-rs) once per batch instead of once per request. Calls belong to that task, not to the
+//! requests: a request that gives up (times out, is dropped) affects no other.
+//!
+//! Every decision keeps its own deadline (the backend's timeout, counted from when it was
+//! queued): a call runs until the last deadline of its decisions, and answers each decision
+//! whose deadline passes in the meantime with a timeout, so a decision queued just before the
+//! call left still gets its whole timeout, and none waits longer than its own. The circuit
+//! breaker and the error counters learn from the call once, when it ends, however many
+//! decisions it carried.
+//!
+//! Each decision is still atomic and all-or-nothing on its own: the script runs them one after
+//! another inside one call, and a decision whose keys Redis refuses fails alone. Redis Cluster
+//! calls are not batched (the decisions of one call must share a hash slot), and batching can
+//! be turned off ([`batching`](super::RedisBackendBuilder::batching)) for proxies that shard
+//! one endpoint.
 
 use std::future::poll_fn;
+use std::pin::pin;
 use std::sync::{Arc, Weak};
 use std::task::Poll;
 
@@ -43,10 +53,26 @@ pub(crate) struct Job {
     policy: Arc<PolicyInner>,
     key: Key,
     cost: u32,
-    /// When the request gives up: the call carrying it may not outlast the earliest deadline
-    /// of its decisions, and a decision still queued at its deadline is answered at once.
+    /// When the request gives up: a decision still queued at its deadline is answered at once,
+    /// one in a call at its deadline even if the call goes on for later decisions.
     deadline: Instant,
-    reply: oneshot::Sender<RedisResult<Reply>>,
+    /// Taken when the decision is answered.
+    reply: Option<oneshot::Sender<RedisResult<Reply>>>,
+}
+
+impl Job {
+    /// Answers the decision, unless it already was.
+    fn answer(&mut self, result: RedisResult<Reply>) {
+        if let Some(reply) = self.reply.take() {
+            // The request may have given up (its future dropped): nobody to tell.
+            let _ = reply.send(result);
+        }
+    }
+
+    /// Whether the request stopped waiting: it was answered, or its future was dropped.
+    fn gave_up(&self) -> bool {
+        self.reply.as_ref().is_none_or(|r| r.is_closed())
+    }
 }
 
 /// One decision's part of a call's reply, shared without copying.
@@ -92,12 +118,15 @@ impl Batcher {
         cost: u32,
     ) -> Option<oneshot::Receiver<RedisResult<Reply>>> {
         let (reply, answer) = oneshot::channel();
+        let now = Instant::now();
         let job = Job {
             policy: policy.clone(),
             key: key.clone(),
             cost,
-            deadline: Instant::now() + inner.timeout,
-            reply,
+            // The builder caps the timeout at an hour, so this cannot overflow; were it to,
+            // an immediate timeout is better than a panic.
+            deadline: now.checked_add(inner.timeout).unwrap_or(now),
+            reply: Some(reply),
         };
         let batcher = &inner.batcher;
         let job = match batcher.tx.load().as_deref() {
@@ -161,10 +190,11 @@ async fn drive(inner: Weak<Inner>, mut rx: mpsc::UnboundedReceiver<Job>) {
             }
         };
         // Requests that gave up need no call; those whose deadline passed while queued behind
-        // busy calls get their timeout now.
+        // busy calls get their timeout now. They never reached Redis, so the breaker does not
+        // hear of them (the calls that kept the slots busy report their own outcome).
         let now = Instant::now();
-        for job in batch.extract_if(.., |job| job.reply.is_closed() || job.deadline <= now) {
-            let _ = job.reply.send(Err(timed_out()));
+        for mut job in batch.extract_if(.., |job| job.gave_up() || job.deadline <= now) {
+            job.answer(Err(timed_out()));
         }
         if batch.is_empty() {
             continue;
@@ -227,29 +257,54 @@ fn command(inner: &Inner, batch: &[Job]) -> redis::Cmd {
     cmd
 }
 
-async fn call(inner: &Inner, batch: &mut Vec<Job>) {
+/// Runs one batch's call and answers its decisions: each at its own deadline if the call is
+/// still running then, all the others with the call's outcome. The outcome is reported to the
+/// breaker and the counters once.
+async fn call(inner: &Arc<Inner>, batch: &mut Vec<Job>) {
     let cmd = command(inner, batch);
-    // The call may not outlast the first deadline of its decisions: a frozen Redis must not
-    // hold requests past the timeout.
-    let deadline = batch
-        .iter()
-        .map(|job| job.deadline)
-        .min()
-        .unwrap_or_else(Instant::now);
     bump(&inner.counters.script_calls);
-    let result = match tokio::time::timeout_at(deadline, inner.conn.eval(&cmd)).await {
-        Ok(result) => result,
-        Err(_elapsed) => Err(timed_out()),
+    let mut eval = pin!(inner.conn.eval(&cmd));
+    // One timer per call, set to the earliest deadline of the decisions still waiting: a frozen
+    // Redis holds no request past its own timeout, and the call lasts as long as the request
+    // that came last may wait.
+    let first = next_deadline(batch).unwrap_or_else(Instant::now);
+    let mut timer = pin!(tokio::time::sleep_until(first));
+    let result = loop {
+        let answered = poll_fn(|cx| {
+            if let Poll::Ready(result) = eval.as_mut().poll(cx) {
+                return Poll::Ready(Some(result));
+            }
+            timer.as_mut().poll(cx).map(|()| None)
+        })
+        .await;
+        if let Some(result) = answered {
+            break result;
+        }
+        let now = Instant::now();
+        for job in batch.iter_mut().filter(|job| job.deadline <= now) {
+            job.answer(Err(timed_out()));
+        }
+        match next_deadline(batch) {
+            Some(next) => timer.as_mut().reset(next),
+            // Every decision got its timeout: the call has failed.
+            None => break Err(timed_out()),
+        }
     };
+    match &result {
+        Ok(_) => inner.call_answered(),
+        Err(err) => inner.call_failed(err, batch.len()),
+    }
     match result {
         Ok(reply) => {
             let all: Arc<[i64]> = reply.into();
             let mut start = 0;
-            for job in batch.drain(..) {
+            // Decisions answered already (timed out) still own their part of the reply: the
+            // offsets of the others depend on it.
+            for mut job in batch.drain(..) {
                 // A short reply gives the last decisions a short slice: they report a length
                 // mismatch as a protocol error.
                 let end = (start + 3 * job.policy.key_suffixes.len()).min(all.len());
-                let _ = job.reply.send(Ok(Reply {
+                job.answer(Ok(Reply {
                     all: all.clone(),
                     range: start..end,
                 }));
@@ -257,9 +312,18 @@ async fn call(inner: &Inner, batch: &mut Vec<Job>) {
             }
         }
         Err(err) => {
-            for job in batch.drain(..) {
-                let _ = job.reply.send(Err(err.clone()));
+            for mut job in batch.drain(..) {
+                job.answer(Err(err.clone()));
             }
         }
     }
+}
+
+/// The earliest deadline of the decisions of `batch` not answered yet.
+fn next_deadline(batch: &[Job]) -> Option<Instant> {
+    batch
+        .iter()
+        .filter(|job| job.reply.is_some())
+        .map(|job| job.deadline)
+        .min()
 }

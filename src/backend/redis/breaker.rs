@@ -3,8 +3,8 @@
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
-/// Counts consecutive failures; after `threshold` of them the breaker opens and requests no
-/// longer call Redis (they get the failure policy at once, without paying the timeout). The
+/// Counts consecutive failed calls (a batched call counts once, however many requests it
+/// carried); after `threshold` of them the breaker opens and requests no longer call Redis (they get the failure policy at once, without paying the timeout). The
 /// backend then probes Redis every `probe_interval` and closes the breaker on the first answer.
 ///
 /// In case the probe task is gone (its runtime shut down), one request every four probe
@@ -61,7 +61,8 @@ impl Breaker {
     }
 
     fn trial_gap(&self) -> u64 {
-        u64::try_from((self.probe_interval * 4).as_nanos()).unwrap_or(u64::MAX)
+        // Saturating: the interval is a user setting, and no setting may panic a request.
+        u64::try_from(self.probe_interval.saturating_mul(4).as_nanos()).unwrap_or(u64::MAX)
     }
 
     /// A call succeeded: a trial call closes an open breaker.
@@ -124,5 +125,15 @@ mod tests {
         assert!(b.blocks(400_000_001), "only one");
         b.success();
         assert!(!b.is_open(), "a successful trial closes the breaker");
+    }
+
+    #[test]
+    fn the_longest_probe_interval_does_not_overflow() {
+        let b = Breaker::new(1, Duration::MAX);
+        assert!(b.failure(0));
+        assert!(
+            b.blocks(u64::MAX - 1),
+            "no trial before the (saturated) gap"
+        );
     }
 }

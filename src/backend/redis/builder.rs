@@ -27,7 +27,7 @@ use crate::backend::LocalBackend;
 /// | [`prefix`](Self::prefix) | `tollgate` |
 /// | [`timeout`](Self::timeout) | 100 ms |
 /// | [`on_failure`](Self::on_failure) | [`FailurePolicy::FailOpen`] |
-/// | [`circuit_breaker`](Self::circuit_breaker) | open after 5 consecutive failures, probe every 500 ms |
+/// | [`circuit_breaker`](Self::circuit_breaker) | open after 5 consecutive failed calls, probe every 500 ms |
 /// | [`deny_cache_capacity`](Self::deny_cache_capacity) | 65 536 denials |
 #[must_use = "call `.build()` to get a backend"]
 pub struct RedisBackendBuilder {
@@ -76,6 +76,12 @@ impl RedisBackendBuilder {
     }
 
     /// A Redis Cluster, from the URLs of some of its nodes (the others are discovered).
+    ///
+    /// The backend's cluster client resends nothing after a dropped connection (Redis may have
+    /// run the script already, and running it twice would charge the request twice); it
+    /// follows `MOVED` and `ASK` redirections and waits out `TRYAGAIN`, `CLUSTERDOWN` and
+    /// similar replies, which Redis gives before running anything, within the
+    /// [timeout](Self::timeout).
     pub fn cluster_nodes<I, S>(mut self, nodes: I) -> Self
     where
         I: IntoIterator<Item = S>,
@@ -93,23 +99,30 @@ impl RedisBackendBuilder {
     }
 
     /// A cluster connection you made, shared with the rest of your application.
+    ///
+    /// Its client's retry settings apply, and redis-rs retries by default (16 times), including
+    /// after a dropped connection, when Redis may already have run the script: a request may
+    /// then be charged twice. Build the `ClusterClient` with `.retries(0)` to avoid that; the
+    /// backend then follows redirections itself, as with [`cluster_nodes`](Self::cluster_nodes).
     pub fn cluster_connection(mut self, conn: ClusterConnection) -> Self {
         self.target = Some(Target::ClusterConnection(conn));
         self
     }
 
     /// The first part of every key (default `tollgate`): 1 to 64 visible ASCII characters,
-    /// without `{` or `}`. Keys are `<prefix>:{<policy>:<client key>}:<quota index>`.
+    /// without `{` or `}`. Keys are
+    /// `<prefix>:{<policy>:<client key>}:<quota index>:<emission interval in ns>x<burst>`
+    /// (see the [module docs](super#guarantees)).
     pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
         self
     }
 
-    /// How long one decision may wait for Redis (default 100 ms, at least 1 ms) before the
-    /// [failure policy](Self::on_failure) answers instead. A call that timed out may still
-    /// reach Redis and take its units.
+    /// How long one decision may wait for Redis (default 100 ms, at least 1 ms, at most an
+    /// hour) before the [failure policy](Self::on_failure) answers instead, counted from the
+    /// moment it is asked for. A call that timed out may still reach Redis and take its units.
     pub fn timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout.max(Duration::from_millis(1));
+        self.timeout = timeout.clamp(Duration::from_millis(1), MAX_DURATION);
         self
     }
 
@@ -121,10 +134,15 @@ impl RedisBackendBuilder {
 
     /// After `consecutive_failures` failed calls in a row (at least 1), stop calling Redis and
     /// apply the failure policy at once; probe Redis with `PING` every `probe_interval` (at
-    /// least 10 ms) and resume on the first answer.
+    /// least 10 ms, at most an hour) and resume on the first answer.
+    ///
+    /// A call is one script call: on a single node, concurrent decisions share calls, and a
+    /// failed call counts once however many requests it carried. Timeouts and connection
+    /// errors count; errors Redis answers with (a refused key) do not. There is one breaker per
+    /// backend, also on a Redis Cluster: see the [module docs](super#when-redis-fails).
     pub fn circuit_breaker(mut self, consecutive_failures: u32, probe_interval: Duration) -> Self {
         self.breaker_threshold = consecutive_failures.max(1);
-        self.probe_interval = probe_interval.max(Duration::from_millis(10));
+        self.probe_interval = probe_interval.clamp(Duration::from_millis(10), MAX_DURATION);
         self
     }
 
@@ -182,10 +200,13 @@ impl RedisBackendBuilder {
                         reason: "no node URL given".to_owned(),
                     });
                 }
+                // No retries inside redis-rs: it would also resend a script after a dropped
+                // connection, when Redis may already have run it, charging the request twice
+                // (the script is not idempotent). The backend retries by itself only the
+                // replies that prove the script did not run: redirections and cluster state
+                // errors (see `Conn::eval_cluster`).
                 let client = ClusterClient::builder(nodes.iter().map(String::as_str))
-                    .retries(2)
-                    .min_retry_wait(10)
-                    .max_retry_wait(100)
+                    .retries(0)
                     .build()
                     .map_err(|e| ConfigError::Invalid {
                         option: "cluster_nodes",
@@ -225,10 +246,16 @@ impl RedisBackendBuilder {
     }
 }
 
+/// The longest timeout and probe interval: longer ones are not useful for a rate limiter, and
+/// the cap keeps every deadline computed from them far from overflowing.
+const MAX_DURATION: Duration = Duration::from_secs(3600);
+
 /// Connection attempts get more time than a decision (a TLS or cross-zone handshake takes a
 /// few round trips), but stay short so that reconnection keeps trying often.
 fn connect_timeout(timeout: Duration) -> Duration {
-    (timeout * 5).clamp(Duration::from_millis(250), Duration::from_secs(2))
+    timeout
+        .saturating_mul(5)
+        .clamp(Duration::from_millis(250), Duration::from_secs(2))
 }
 
 /// Reconnect quickly and keep trying: backoff from 50 ms, capped at 250 ms, so that shared

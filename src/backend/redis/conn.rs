@@ -5,14 +5,32 @@
 //! concurrent requests over shared sockets and reconnect by themselves: redis-rs's
 //! [`ConnectionManager`] replaces a broken connection in the background, and its
 //! [`ClusterConnection`] refreshes slots and reconnects to nodes.
+//!
+//! A script call is never sent twice when Redis may have run it: the script is not idempotent,
+//! and a second run would charge the request again. The connection manager does not resend
+//! failed commands; the cluster client the backend builds has redis-rs's retries turned off,
+//! and [`Conn::eval`] retries only on replies that Redis gives before running a script
+//! (`MOVED`, `ASK`, `TRYAGAIN`, `CLUSTERDOWN`, `MASTERDOWN`, `LOADING`, `READONLY`) or when no
+//! connection to the node existed.
 
 use std::fmt;
 use std::sync::OnceLock;
+use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::{ClusterClient, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
-use redis::{RedisResult, ScriptInvocation};
+use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+use redis::{ErrorKind, RedisError, RedisResult, ServerErrorKind};
+
+use super::script;
+
+/// Attempts after the first on a Redis Cluster, for replies that prove the script did not run.
+const CLUSTER_RETRIES: u32 = 3;
+
+/// The first wait before trying a cluster again after `TRYAGAIN` and the like (doubled each
+/// time); the backend's timeout bounds the whole.
+const CLUSTER_RETRY_WAIT: Duration = Duration::from_millis(10);
 
 /// Where decisions are sent.
 pub(crate) enum Conn {
@@ -67,41 +85,20 @@ impl<C: Clone, Src> Lazy<C, Src> {
 }
 
 impl Conn {
-    /// Runs the script with `invocation`'s keys and arguments.
-    pub(crate) async fn invoke(&self, invocation: &ScriptInvocation<'_>) -> RedisResult<Vec<i64>> {
+    /// Sends an `EVALSHA` of the script, built by the caller; on `NOSCRIPT` loads the script
+    /// and sends it again. On a cluster, follows redirections and waits out transient cluster
+    /// states (see the module docs); nothing is resent after an error that may have come after
+    /// the script ran.
+    pub(crate) async fn eval(&self, cmd: &redis::Cmd) -> RedisResult<Vec<i64>> {
         match self {
             Conn::Single(lazy) => {
                 let mut c = lazy.get(make_single)?;
-                invocation.invoke_async(&mut c).await
+                eval_loading(&mut c, cmd).await
             }
             Conn::Cluster(lazy) => {
                 let mut c = lazy.get(make_cluster)?;
-                invocation.invoke_async(&mut c).await
+                eval_cluster(&mut c, cmd).await
             }
-        }
-    }
-
-    /// Sends an `EVALSHA` of the script, built by the caller, to a single node; on `NOSCRIPT`
-    /// loads the script and sends it again.
-    pub(crate) async fn eval(&self, cmd: &redis::Cmd) -> RedisResult<Vec<i64>> {
-        let Conn::Single(lazy) = self else {
-            return Err(redis::RedisError::from((
-                redis::ErrorKind::Client,
-                "batched calls need a single-node connection",
-            )));
-        };
-        let mut c = lazy.get(make_single)?;
-        match cmd.query_async(&mut c).await {
-            Err(err)
-                if err.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
-            {
-                super::script::SCRIPT
-                    .prepare_invoke()
-                    .load_async(&mut c)
-                    .await?;
-                cmd.query_async(&mut c).await
-            }
-            result => result,
         }
     }
 
@@ -119,6 +116,132 @@ impl Conn {
             }
         }
     }
+}
+
+/// `EVALSHA`; on `NOSCRIPT` (nothing ran) loads the script and sends it again.
+async fn eval_loading<C: redis::aio::ConnectionLike>(
+    c: &mut C,
+    cmd: &redis::Cmd,
+) -> RedisResult<Vec<i64>> {
+    match cmd.query_async(c).await {
+        Err(err) if err.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+            script::SCRIPT.prepare_invoke().load_async(c).await?;
+            cmd.query_async(c).await
+        }
+        result => result,
+    }
+}
+
+/// What to do after a failed call on a cluster.
+#[derive(Debug, PartialEq, Eq)]
+enum Next {
+    /// Give up: Redis may have run the script, or the error will not go away.
+    Fail,
+    /// Send the script straight to this node (`MOVED`), after `ASKING` (`ASK`).
+    Redirect {
+        host: String,
+        port: u16,
+        asking: bool,
+    },
+    /// Wait, then route as usual again (the slot map is being refreshed, a failover or a
+    /// migration is under way).
+    Wait,
+}
+
+/// Only errors Redis gives *before* running a command lead to another attempt.
+fn next_step(err: &RedisError) -> Next {
+    match err.kind() {
+        ErrorKind::Server(kind @ (ServerErrorKind::Moved | ServerErrorKind::Ask)) => {
+            match err.redirect_node().and_then(|(node, _slot)| node_address(node)) {
+                Some((host, port)) => Next::Redirect {
+                    host,
+                    port,
+                    asking: kind == ServerErrorKind::Ask,
+                },
+                // redis-rs refreshes its slot map after a `MOVED`: route again.
+                None => Next::Wait,
+            }
+        }
+        ErrorKind::Server(
+            ServerErrorKind::TryAgain
+            | ServerErrorKind::ClusterDown
+            | ServerErrorKind::MasterDown
+            | ServerErrorKind::BusyLoading
+            | ServerErrorKind::ReadOnly,
+        )
+        // No connection to the node: nothing was sent, redis-rs reconnects.
+        | ErrorKind::ClusterConnectionNotFound => Next::Wait,
+        _ => Next::Fail,
+    }
+}
+
+/// `host:port` of a redirection (an IPv6 host may come in brackets).
+fn node_address(node: &str) -> Option<(String, u16)> {
+    let (host, port) = node.rsplit_once(':')?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let port = port.parse().ok()?;
+    (!host.is_empty()).then(|| (host.to_owned(), port))
+}
+
+/// A cluster call: redis-rs does not retry (the backend's own client has `retries(0)`), so a
+/// dropped connection fails the call instead of running the script a second time.
+async fn eval_cluster(c: &mut ClusterConnection, cmd: &redis::Cmd) -> RedisResult<Vec<i64>> {
+    let mut result = eval_loading(c, cmd).await;
+    let mut wait = CLUSTER_RETRY_WAIT;
+    for _ in 0..CLUSTER_RETRIES {
+        let Err(err) = &result else { break };
+        result = match next_step(err) {
+            Next::Fail => break,
+            Next::Redirect { host, port, asking } => eval_at(c, cmd, host, port, asking).await,
+            Next::Wait => {
+                tokio::time::sleep(wait).await;
+                wait = wait.saturating_mul(2);
+                eval_loading(c, cmd).await
+            }
+        };
+    }
+    result
+}
+
+/// Runs the script on the node a redirection named. With `EVAL` and the source rather than
+/// `EVALSHA`: the node may not have the script yet (a new primary, a slot being imported), and
+/// `EVAL` caches it there.
+async fn eval_at(
+    c: &mut ClusterConnection,
+    cmd: &redis::Cmd,
+    host: String,
+    port: u16,
+    asking: bool,
+) -> RedisResult<Vec<i64>> {
+    let route = SingleNodeRoutingInfo::ByAddress { host, port };
+    let eval = with_source(cmd);
+    let value = if asking {
+        // `ASKING` lets the next command on the same connection reach a slot being imported;
+        // a pipeline keeps the two together.
+        let mut pipe = redis::pipe();
+        pipe.cmd("ASKING").add_command(eval);
+        c.route_pipeline(pipe, 1, 1, route)
+            .await?
+            .pop()
+            .ok_or_else(|| RedisError::from((ErrorKind::Parse, "no reply to the script")))?
+    } else {
+        c.route_command(eval, RoutingInfo::SingleNode(route))
+            .await?
+    };
+    Ok(redis::from_redis_value(value.extract_error()?)?)
+}
+
+/// The `EVAL` form of an `EVALSHA` command: the same keys and arguments after the script.
+fn with_source(evalsha: &redis::Cmd) -> redis::Cmd {
+    let mut eval = redis::cmd("EVAL");
+    eval.arg(script::SOURCE);
+    // The backend's commands hold plain arguments only (no `SCAN` cursors).
+    for arg in evalsha.args_iter().skip(2) {
+        if let redis::Arg::Simple(bytes) = arg {
+            eval.arg(bytes);
+        }
+    }
+    eval
 }
 
 fn make_single(
@@ -139,5 +262,42 @@ impl fmt::Debug for Conn {
             Conn::Single(_) => f.write_str("Single"),
             Conn::Cluster(_) => f.write_str("Cluster"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redirection_addresses() {
+        assert_eq!(
+            node_address("127.0.0.1:7001"),
+            Some(("127.0.0.1".to_owned(), 7001))
+        );
+        assert_eq!(node_address("[::1]:7001"), Some(("::1".to_owned(), 7001)));
+        assert_eq!(node_address("::1:7001"), Some(("::1".to_owned(), 7001)));
+        assert_eq!(node_address(":7001"), None);
+        assert_eq!(node_address("host"), None);
+    }
+
+    #[test]
+    fn the_eval_form_keeps_keys_and_arguments() {
+        let mut evalsha = redis::cmd("EVALSHA");
+        evalsha
+            .arg(script::SCRIPT.get_hash())
+            .arg(1)
+            .arg("k")
+            .arg("");
+        let eval = with_source(&evalsha);
+        let args: Vec<Vec<u8>> = eval
+            .args_iter()
+            .map(|a| match a {
+                redis::Arg::Simple(b) => b.to_vec(),
+                _ => b"<cursor>".to_vec(),
+            })
+            .collect();
+        let expected: [&[u8]; 5] = [b"EVAL", script::SOURCE.as_bytes(), b"1", b"k", b""];
+        assert_eq!(args, expected.map(<[u8]>::to_vec));
     }
 }

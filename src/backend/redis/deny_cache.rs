@@ -52,7 +52,25 @@ pub(crate) struct DenyCache {
 #[derive(Debug)]
 pub(crate) struct Budget {
     pub(crate) capacity: usize,
+    /// Entries held by all caches: every insertion and every removal adjusts it by exactly
+    /// the entries it added or removed.
     pub(crate) used: AtomicUsize,
+}
+
+impl Budget {
+    /// Gives back `n` units. Saturating: were the count ever to drift below the true number of
+    /// entries, wrapping would leave it near `usize::MAX` and turn the cache off for good;
+    /// stopping at zero only lets the caches hold a few entries more than the capacity.
+    fn release(&self, n: usize) {
+        if n == 0 {
+            return;
+        }
+        let _ = self
+            .used
+            .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |used| {
+                Some(used.saturating_sub(n))
+            });
+    }
 }
 
 #[derive(Debug)]
@@ -103,7 +121,7 @@ impl DenyCache {
                 .remove_if(key, |_, e| now_ns >= e.until_ns)
                 .is_some()
         {
-            self.budget.used.fetch_sub(1, Ordering::Relaxed);
+            self.budget.release(1);
         }
         None
     }
@@ -130,9 +148,7 @@ impl DenyCache {
         let replaced = self.map.insert(key.clone(), entry).is_some();
         // Keep `used` equal to the number of entries when another task raced us.
         match (reserved, replaced) {
-            (true, true) => {
-                self.budget.used.fetch_sub(1, Ordering::Relaxed);
-            }
+            (true, true) => self.budget.release(1),
             (false, false) => {
                 self.budget.used.fetch_add(1, Ordering::Relaxed);
             }
@@ -149,7 +165,7 @@ impl DenyCache {
         if self.budget.used.fetch_add(1, Ordering::AcqRel) < self.budget.capacity {
             return true;
         }
-        self.budget.used.fetch_sub(1, Ordering::AcqRel);
+        self.budget.release(1);
         let next = self.next_sweep_ns.load(Ordering::Relaxed);
         if now_ns >= next
             && self
@@ -162,14 +178,19 @@ impl DenyCache {
                 )
                 .is_ok()
         {
-            let before = self.map.len();
-            self.map.retain(|_, e| now_ns < e.until_ns);
-            let removed = before.saturating_sub(self.map.len());
-            self.budget.used.fetch_sub(removed, Ordering::AcqRel);
+            // Count what this sweep removes, not the change in length: other tasks insert and
+            // remove (and account for it themselves) while it runs.
+            let mut removed = 0;
+            self.map.retain(|_, e| {
+                let keep = now_ns < e.until_ns;
+                removed += usize::from(!keep);
+                keep
+            });
+            self.budget.release(removed);
             if self.budget.used.fetch_add(1, Ordering::AcqRel) < self.budget.capacity {
                 return true;
             }
-            self.budget.used.fetch_sub(1, Ordering::AcqRel);
+            self.budget.release(1);
         }
         false
     }
@@ -177,9 +198,7 @@ impl DenyCache {
 
 impl Drop for DenyCache {
     fn drop(&mut self) {
-        self.budget
-            .used
-            .fetch_sub(self.map.len(), Ordering::Relaxed);
+        self.budget.release(self.map.len());
     }
 }
 
@@ -275,5 +294,52 @@ mod tests {
                 .is_some()
         );
         assert_eq!(cache.len(), 1);
+    }
+
+    /// Were the shared count ever below the true number of entries, a removal must stop it at
+    /// zero: wrapping around would leave it near `usize::MAX`, and no denial would be cached
+    /// again.
+    #[test]
+    fn the_count_never_wraps_below_zero() {
+        let (cache, p, denied) = setup(2);
+        let one = NonZeroU32::MIN;
+        let k = Key::from_bytes("k").unwrap();
+        cache.insert(&k, one, 0, &denied);
+        cache.budget.used.store(0, Ordering::Relaxed);
+        // The entry expired: the lookup removes it and gives its unit back.
+        assert!(cache.get(&k, one, 3_000_000_000, &p).is_none());
+        assert_eq!(cache.budget.used.load(Ordering::Relaxed), 0);
+        let late = Key::from_bytes("late").unwrap();
+        cache.insert(&late, one, 3_000_000_000, &denied);
+        assert!(cache.get(&late, one, 3_000_000_001, &p).is_some());
+    }
+
+    /// Lookups remove expired entries while sweeps run on other threads: the shared count
+    /// stays equal to the number of entries (a sweep counts what it removes itself, not the
+    /// change in length, which includes the lookups' removals).
+    #[test]
+    fn the_count_stays_exact_under_concurrent_sweeps() {
+        let (cache, p, denied) = setup(32);
+        let one = NonZeroU32::MIN;
+        let clock = AtomicU64::new(0);
+        std::thread::scope(|s| {
+            for t in 0..4u64 {
+                let (cache, p, denied, clock) = (&cache, &p, &denied, &clock);
+                s.spawn(move || {
+                    for i in 0..20_000u64 {
+                        // 1 ms per operation: entries (denied for 2 s) expire, and sweeps
+                        // (at most every 100 ms) run often.
+                        let now = clock.fetch_add(1_000_000, Ordering::Relaxed);
+                        let k = Key::from_bytes(((i * 7 + t) % 64).to_le_bytes()).unwrap();
+                        if i % 2 == 0 {
+                            cache.insert(&k, one, now, denied);
+                        } else {
+                            let _ = cache.get(&k, one, now, p);
+                        }
+                    }
+                });
+            }
+        });
+        assert_eq!(cache.budget.used.load(Ordering::Relaxed), cache.len());
     }
 }

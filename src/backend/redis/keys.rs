@@ -1,6 +1,6 @@
 //! Where a bucket lives in Redis.
 //!
-//! A bucket's key is `<prefix>:{<policy>:<key>}:<quota index>`:
+//! A bucket's key is `<prefix>:{<policy>:<key>}:<quota index>:<emission ns>x<burst>`:
 //!
 //! - the part in braces is the Redis Cluster hash tag, the same for every quota of one decision,
 //!   so that the script's keys live in one slot (Redis Cluster refuses scripts whose keys span
@@ -9,7 +9,9 @@
 //!   `%XX`. The escaping is injective and produces no `{`, `}` or `:`, so no key material can
 //!   close the hash tag, inject a separator, or spell another tenant's key; `<key>` is
 //!   [`Key::encode`], which is itself unambiguous and bounded (at most 1 025 bytes, so at most
-//!   3 075 characters escaped).
+//!   3 075 characters escaped);
+//! - the suffix after the hash tag names the quota by its place in the policy and its
+//!   parameters (see [`quota_suffixes`]).
 
 use crate::{ConfigError, Key};
 

@@ -69,29 +69,57 @@
 //! - **Nothing left behind.** A bucket's key expires when the bucket would be full again.
 //! - **Cost larger than the burst** is answered [`NeverFits`](crate::backend::Outcome::NeverFits)
 //!   without a round trip.
-//! - **Keys** are `<prefix>:{<policy>:<client key>}:<quota index>`, escaped so that no client
-//!   key can reach another's bucket, of bounded length, and with all quotas of one decision in
-//!   one Redis Cluster hash slot.
+//! - **Keys** are `<prefix>:{<policy>:<client key>}:<quota index>:<emission>x<burst>`
+//!   (`<emission>` is the quota's emission interval in nanoseconds, so a changed quota gets a
+//!   fresh bucket), escaped so that no client key can reach another's bucket, of bounded length,
+//!   and with all quotas of one decision in one Redis Cluster hash slot. For example
+//!   `tollgate:{api:balice}:0:200000000x10` for the key `alice` under a 5 per second, burst 10
+//!   quota.
 //!
 //! # When Redis fails
 //!
-//! Every call is bounded by a [timeout](RedisBackendBuilder::timeout) (100 ms by default). A
-//! call that errs or times out is answered by the [`FailurePolicy`]: fail open (the default),
-//! fail closed (the layer answers `503`), or fall back to a per-instance [`LocalBackend`]
-//! holding the same policy. After 5 consecutive failures a circuit breaker opens: requests stop
-//! calling Redis and get the failure policy at once, without waiting for a timeout, while a
-//! background task sends `PING` every 500 ms and closes the breaker on the first answer. The
-//! connection itself reconnects in the background, so shared limiting resumes within about a
-//! second of Redis coming back, without restarting anything. [`RedisBackend::stats`] counts
-//! calls, errors, timeouts, fail-open and fallback answers, deny-cache hits and breaker trips.
+//! Every decision is bounded by a [timeout](RedisBackendBuilder::timeout) (100 ms by default),
+//! counted from the moment it is asked for. A decision whose call errs or times out is answered
+//! by the [`FailurePolicy`]: fail open (the default), fail closed (the layer answers `503`), or
+//! fall back to a per-instance [`LocalBackend`] holding the same policy. After 5 consecutive
+//! failed calls (timeouts and connection errors; a batched call counts once, however many
+//! requests it carried) a circuit breaker opens: requests stop calling Redis and get the failure
+//! policy at once, without waiting for a timeout, while a background task sends `PING` every
+//! 500 ms and closes the breaker on the first answer. The connection itself reconnects in the
+//! background, so shared limiting resumes within about a second of Redis coming back, without
+//! restarting anything. [`RedisBackend::stats`] counts decisions and script calls, failed calls
+//! and timeouts, fail-open, fail-closed and fallback answers, deny-cache hits and breaker trips.
+//!
+//! A script call is never sent again once Redis may have run it (the script is not idempotent:
+//! a second run would charge the request twice). On a Redis Cluster, the backend follows
+//! `MOVED` and `ASK` redirections and waits out `TRYAGAIN`, `CLUSTERDOWN` and similar replies,
+//! which Redis gives before running anything; after a dropped connection the request gets the
+//! failure policy. A [`ClusterConnection`](redis::cluster_async::ClusterConnection) you hand
+//! over keeps its own retry settings (see
+//! [`cluster_connection`](RedisBackendBuilder::cluster_connection)).
+//!
+//! On a Redis Cluster there is still one circuit breaker for the whole cluster, counting failed
+//! calls in a row whatever node they went to. With one primary out of reach, calls to the
+//! others keep succeeding and resetting the count, so the breaker usually stays closed:
+//! requests whose keys live on the missing primary each wait for the timeout (or a connection
+//! error) and get the failure policy, the others are limited as usual. When failures do come 5
+//! in a row (little traffic, or most of it on that primary's slots), the breaker opens for the
+//! whole cluster, and requests for healthy primaries get the failure policy too. Its `PING`
+//! probe goes to every primary, so it fails as long as one is out of reach; the breaker then
+//! closes through the request it lets through every four probe intervals (2 s by default) as a
+//! trial, once that request reaches a healthy primary, or when the primary answers again (it
+//! is back, or a failover replaced it).
 //!
 //! The backend needs a Tokio runtime with its time driver (as `#[tokio::main]` sets up): the
 //! connections, the timeouts and the probe run on it.
 //!
-//! What this cannot do: a timed-out call may still reach Redis and take its units; while failing
-//! open, limits are not enforced; a fallback to local limits allows up to `n` times the quota
-//! with `n` instances, and its buckets start full; if Redis loses data (a restart without
-//! persistence, a failover before replication), buckets start full again.
+//! What this cannot do: a timed-out decision may still reach Redis and take its units (its
+//! call may even succeed for the other decisions it carries, after it gave up); while
+//! failing open, limits are not enforced; a fallback to local limits allows up to `n` times the
+//! quota with `n` instances, and its buckets know nothing of Redis's (full at a client's first
+//! outage; at a later one, what was left at the end of the previous one, refilled since); if
+//! Redis loses data (a restart without persistence, a failover before replication), buckets
+//! start full again.
 //!
 //! # Local deny cache
 //!
@@ -117,10 +145,11 @@
 //! # Batching
 //!
 //! On a single node, requests queue their decisions for a task of the backend, which sends
-//! whatever is queued as one script call (up to 128 decisions) as soon as one of 4 call slots
+//! whatever is queued as one script call (up to 128 decisions) as soon as one of 2 call slots
 //! is free: an idle backend sends each decision at once, a busy one pays Redis's per-call cost
 //! once per batch. Calls belong to that task, so a request that times out or is dropped affects
-//! no other. Inside a call the script runs the decisions one after another, each atomic and
+//! no other. Each decision keeps its own timeout: a call runs until the last deadline of its
+//! decisions, and a decision whose deadline passes first gets its failure policy then. Inside a call the script runs the decisions one after another, each atomic and
 //! all-or-nothing on its own; a decision whose keys Redis refuses (a key of the wrong type)
 //! fails alone, as a protocol error, before touching any bucket (and does not count toward the
 //! circuit breaker, which only counts timeouts and connection failures). Redis Cluster
