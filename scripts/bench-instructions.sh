@@ -8,7 +8,8 @@
 #
 # Usage: scripts/bench-instructions.sh
 # Environment (all optional):
-#   MODES="none local tower_governor local_outer tower_governor_outer redis redis_outer"
+#   MODES="none local tower_governor tower_governor_headers local_outer tower_governor_outer
+#          tower_governor_headers_outer redis redis_outer"
 #   DURATION=8s      wrk load per mode (the server runs ~50x slower under callgrind)
 #   PORT=3911
 #
@@ -20,7 +21,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-MODES=${MODES:-"none local tower_governor local_outer tower_governor_outer redis redis_outer"}
+MODES=${MODES:-"none local tower_governor tower_governor_headers local_outer tower_governor_outer tower_governor_headers_outer redis redis_outer"}
 DURATION=${DURATION:-8s}
 PORT=${PORT:-3911}
 TARGET=${CARGO_TARGET_DIR:-target}
