@@ -97,7 +97,9 @@ impl Conn {
             }
             Conn::Cluster(lazy) => {
                 let mut c = lazy.get(make_cluster)?;
-                eval_cluster(&mut c, cmd).await
+                // Boxed: its redirections and waits make a large future, which would otherwise
+                // make every single-node call's future (allocated per batch) as large.
+                Box::pin(eval_cluster(&mut c, cmd)).await
             }
         }
     }
