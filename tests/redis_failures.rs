@@ -444,3 +444,41 @@ async fn cluster_redirections_are_followed() {
     assert_eq!(dst.cmd(&["EXISTS", &key]).trim(), ":1");
     assert_eq!(b.stats().redis_errors, 0, "{:?}", b.stats());
 }
+
+/// A cluster with no node left is out of reach like a dead single node: the circuit breaker
+/// opens, and requests stop waiting for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_cluster_opens_the_circuit_breaker() {
+    let mut cluster = RedisCluster::start();
+    let b = RedisBackend::builder()
+        .cluster_nodes(cluster.urls())
+        .timeout(Duration::from_millis(500))
+        .on_failure(FailurePolicy::FailClosed)
+        .circuit_breaker(5, Duration::from_secs(60))
+        .deny_cache_capacity(0)
+        .build()
+        .unwrap();
+    let p = prepare(&b, &Policy::new("dead-cluster", no_refill(1000)));
+    assert!(
+        b.decide(&p, &key("warm"), cost(1))
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+    for node in &mut cluster.nodes {
+        node.kill();
+    }
+    for i in 0..30 {
+        let err = b
+            .decide(&p, &key(&format!("c{i}")), cost(1))
+            .await
+            .expect_err("no node is left to decide");
+        assert_ne!(err.kind(), BackendErrorKind::Protocol, "{err}");
+        if b.stats().breaker_open {
+            break;
+        }
+    }
+    let s = b.stats();
+    assert!(s.breaker_open, "the breaker opened: {s:?}");
+    assert_eq!(s.breaker_trips, 1, "{s:?}");
+}

@@ -309,10 +309,29 @@ impl Call {
 
 /// How a failed call is reported: a timeout, Redis out of reach, or a reply Redis did give (an
 /// error, or one that could not be read).
+///
+/// A cluster that cannot serve the slot (no connected node, `CLUSTERDOWN`, `MASTERDOWN`,
+/// `LOADING`, `TRYAGAIN` still there after the retries) is out of reach too: these trip the
+/// circuit breaker like a dead single node.
 pub(crate) fn error_kind(err: &redis::RedisError) -> BackendErrorKind {
+    use redis::{ErrorKind, ServerErrorKind};
+    let cluster_unavailable = matches!(
+        err.kind(),
+        ErrorKind::ClusterConnectionNotFound
+            | ErrorKind::Server(
+                ServerErrorKind::ClusterDown
+                    | ServerErrorKind::MasterDown
+                    | ServerErrorKind::BusyLoading
+                    | ServerErrorKind::TryAgain
+            )
+    );
     if err.is_timeout() {
         BackendErrorKind::Timeout
-    } else if err.is_io_error() || err.is_connection_dropped() || err.is_connection_refusal() {
+    } else if err.is_io_error()
+        || err.is_connection_dropped()
+        || err.is_connection_refusal()
+        || cluster_unavailable
+    {
         BackendErrorKind::Unavailable
     } else {
         BackendErrorKind::Protocol

@@ -10,8 +10,7 @@
 //! and a second run would charge the request again. The connection manager does not resend
 //! failed commands; the cluster client the backend builds has redis-rs's retries turned off,
 //! and [`Conn::eval`] retries only on replies that Redis gives before running a script
-//! (`MOVED`, `ASK`, `TRYAGAIN`, `CLUSTERDOWN`, `MASTERDOWN`, `LOADING`, `READONLY`) or when no
-//! connection to the node existed.
+//! (`MOVED`, `ASK`, `TRYAGAIN`, `CLUSTERDOWN`, `MASTERDOWN`, `READONLY`).
 
 use std::fmt;
 use std::sync::OnceLock;
@@ -20,7 +19,7 @@ use std::time::Duration;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::{ClusterClient, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+use redis::cluster_routing::SingleNodeRoutingInfo;
 use redis::{ErrorKind, RedisError, RedisResult, ServerErrorKind};
 
 use super::script;
@@ -137,42 +136,42 @@ async fn eval_loading<C: redis::aio::ConnectionLike>(
 /// What to do after a failed call on a cluster.
 #[derive(Debug, PartialEq, Eq)]
 enum Next {
-    /// Give up: Redis may have run the script, or the error will not go away.
+    /// Give up: Redis may have run the script, or the error will not go away soon.
     Fail,
-    /// Send the script straight to this node (`MOVED`), after `ASKING` (`ASK`).
-    Redirect {
-        host: String,
-        port: u16,
-        asking: bool,
-    },
-    /// Wait, then route as usual again (the slot map is being refreshed, a failover or a
-    /// migration is under way).
+    /// Send the script again, routed by slot as usual: after a `MOVED`, which makes redis-rs
+    /// refresh its slot map (holding new requests until it has).
+    Reroute,
+    /// Send the script straight to this node after `ASKING` (an `ASK`: the slot is being
+    /// migrated, and only this one command goes to its new node).
+    Ask { host: String, port: u16 },
+    /// Wait, then route as usual again (a failover or a migration is under way).
     Wait,
 }
 
 /// Only errors Redis gives *before* running a command lead to another attempt.
+///
+/// Not retried: `ClusterConnectionNotFound` and `LOADING`. The first means no node is
+/// connected (retrying only delays the failure the circuit breaker needs to see); and when a
+/// slot-map refresh fails, redis-rs answers the requests it had already sent with the refresh's
+/// error, which is one of the two: the script may have run.
 fn next_step(err: &RedisError) -> Next {
     match err.kind() {
-        ErrorKind::Server(kind @ (ServerErrorKind::Moved | ServerErrorKind::Ask)) => {
-            match err.redirect_node().and_then(|(node, _slot)| node_address(node)) {
-                Some((host, port)) => Next::Redirect {
-                    host,
-                    port,
-                    asking: kind == ServerErrorKind::Ask,
-                },
-                // redis-rs refreshes its slot map after a `MOVED`: route again.
-                None => Next::Wait,
+        ErrorKind::Server(ServerErrorKind::Moved) => Next::Reroute,
+        ErrorKind::Server(ServerErrorKind::Ask) => {
+            match err
+                .redirect_node()
+                .and_then(|(node, _slot)| node_address(node))
+            {
+                Some((host, port)) => Next::Ask { host, port },
+                None => Next::Fail,
             }
         }
         ErrorKind::Server(
             ServerErrorKind::TryAgain
             | ServerErrorKind::ClusterDown
             | ServerErrorKind::MasterDown
-            | ServerErrorKind::BusyLoading
             | ServerErrorKind::ReadOnly,
-        )
-        // No connection to the node: nothing was sent, redis-rs reconnects.
-        | ErrorKind::ClusterConnectionNotFound => Next::Wait,
+        ) => Next::Wait,
         _ => Next::Fail,
     }
 }
@@ -194,7 +193,8 @@ async fn eval_cluster(c: &mut ClusterConnection, cmd: &redis::Cmd) -> RedisResul
         let Err(err) = &result else { break };
         result = match next_step(err) {
             Next::Fail => break,
-            Next::Redirect { host, port, asking } => eval_at(c, cmd, host, port, asking).await,
+            Next::Reroute => eval_loading(c, cmd).await,
+            Next::Ask { host, port } => eval_asking(c, cmd, host, port).await,
             Next::Wait => {
                 tokio::time::sleep(wait).await;
                 wait = wait.saturating_mul(2);
@@ -205,31 +205,26 @@ async fn eval_cluster(c: &mut ClusterConnection, cmd: &redis::Cmd) -> RedisResul
     result
 }
 
-/// Runs the script on the node a redirection named. With `EVAL` and the source rather than
-/// `EVALSHA`: the node may not have the script yet (a new primary, a slot being imported), and
-/// `EVAL` caches it there.
-async fn eval_at(
+/// Runs the script on the node an `ASK` named, after `ASKING`. With `EVAL` and the source
+/// rather than `EVALSHA`: a node importing a slot may not have the script yet, and `EVAL`
+/// caches it there. (A `MOVED` is rerouted by slot instead: routing by address to a node
+/// redis-rs is not connected to makes it rebuild every connection.)
+async fn eval_asking(
     c: &mut ClusterConnection,
     cmd: &redis::Cmd,
     host: String,
     port: u16,
-    asking: bool,
 ) -> RedisResult<Vec<i64>> {
     let route = SingleNodeRoutingInfo::ByAddress { host, port };
-    let eval = with_source(cmd);
-    let value = if asking {
-        // `ASKING` lets the next command on the same connection reach a slot being imported;
-        // a pipeline keeps the two together.
-        let mut pipe = redis::pipe();
-        pipe.cmd("ASKING").add_command(eval);
-        c.route_pipeline(pipe, 1, 1, route)
-            .await?
-            .pop()
-            .ok_or_else(|| RedisError::from((ErrorKind::Parse, "no reply to the script")))?
-    } else {
-        c.route_command(eval, RoutingInfo::SingleNode(route))
-            .await?
-    };
+    // `ASKING` lets the next command on the same connection reach a slot being imported; a
+    // pipeline keeps the two together, and its reply is the script's alone (offset 1, count 1).
+    let mut pipe = redis::pipe();
+    pipe.cmd("ASKING").add_command(with_source(cmd));
+    let value = c
+        .route_pipeline(pipe, 1, 1, route)
+        .await?
+        .pop()
+        .ok_or_else(|| RedisError::from((ErrorKind::Parse, "no reply to the script")))?;
     Ok(redis::from_redis_value(value.extract_error()?)?)
 }
 
