@@ -5,34 +5,16 @@ mod support;
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::{Router, routing::get};
 use governor::clock::FakeRelativeClock;
-use support::RedisServer;
+use support::{RedisServer, cost, key, no_refill, prepare};
 use tollgate::backend::redis::{FailurePolicy, RedisBackend, TestClock};
 use tollgate::backend::{Backend, Decision, LocalBackend, Outcome};
 use tollgate::key::Global;
 use tollgate::{BackendErrorKind, Key, Policy, Quota, RateLimitLayer};
-
-fn cost(n: u32) -> NonZeroU32 {
-    NonZeroU32::new(n).unwrap()
-}
-
-fn key(s: &str) -> Key {
-    Key::from_bytes(s).unwrap()
-}
-
-fn prepare<B: Backend>(b: &B, p: &Policy) -> B::Policy {
-    b.prepare(p, &p.validate().unwrap()).unwrap()
-}
-
-/// A quota that does not refill during a test.
-fn no_refill(burst: u32) -> Quota {
-    Quota::per_day(1).burst(burst)
-}
 
 fn backend(server: &RedisServer) -> RedisBackend {
     RedisBackend::builder().url(server.url()).build().unwrap()

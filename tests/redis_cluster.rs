@@ -3,22 +3,13 @@
 
 mod support;
 
-use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::Duration;
 
-use support::RedisCluster;
+use support::{RedisCluster, cost, prepare};
 use tollgate::backend::Backend;
 use tollgate::backend::redis::RedisBackend;
 use tollgate::{Key, Policy, Quota};
-
-fn cost(n: u32) -> NonZeroU32 {
-    NonZeroU32::new(n).unwrap()
-}
-
-fn prepare<B: Backend>(b: &B, p: &Policy) -> B::Policy {
-    b.prepare(p, &p.validate().unwrap()).unwrap()
-}
 
 fn cluster_backend(cluster: &RedisCluster) -> RedisBackend {
     RedisBackend::builder()

@@ -7,32 +7,14 @@ mod support;
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
-use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use support::{RedisCluster, RedisServer};
+use support::{RedisCluster, RedisServer, cost, key, no_refill, prepare};
 use tollgate::backend::Backend;
 use tollgate::backend::redis::{FailurePolicy, RedisBackend};
-use tollgate::{BackendErrorKind, Key, Policy, Quota};
-
-fn cost(n: u32) -> NonZeroU32 {
-    NonZeroU32::new(n).unwrap()
-}
-
-fn key(s: &str) -> Key {
-    Key::from_bytes(s).unwrap()
-}
-
-fn prepare<B: Backend>(b: &B, p: &Policy) -> B::Policy {
-    b.prepare(p, &p.validate().unwrap()).unwrap()
-}
-
-/// A quota that does not refill during a test.
-fn no_refill(burst: u32) -> Quota {
-    Quota::per_day(1).burst(burst)
-}
+use tollgate::{BackendErrorKind, Policy};
 
 /// The key of the first bucket of `client` under a `no_refill(burst)` policy named `policy`.
 fn bucket(policy: &str, client: &str, burst: u32) -> String {
@@ -58,6 +40,12 @@ async fn until_redis_decides(b: &RedisBackend, p: &<RedisBackend as Backend>::Po
     }
 }
 
+/// A first decision while Redis is up: the backend connects and loads its script.
+async fn warm_up(b: &RedisBackend, p: &<RedisBackend as Backend>::Policy) {
+    let d = b.decide(p, &key("warm"), cost(1)).await.unwrap();
+    assert!(d.is_allowed(), "{d:?}");
+}
+
 /// The integer in a RESP integer reply (`:42`).
 fn int(reply: &str) -> i64 {
     reply.trim().trim_start_matches(':').parse().unwrap()
@@ -81,12 +69,7 @@ async fn a_failed_batched_call_counts_once_for_the_breaker() {
         .build()
         .unwrap();
     let p = Arc::new(prepare(&b, &Policy::new("frozen", no_refill(1000))));
-    assert!(
-        b.decide(&p, &key("warm"), cost(1))
-            .await
-            .unwrap()
-            .is_allowed()
-    );
+    warm_up(&b, &p).await;
     let warm = b.stats();
 
     server.pause();
@@ -145,12 +128,7 @@ async fn a_decision_sharing_a_call_with_an_older_one_keeps_its_own_timeout() {
         .build()
         .unwrap();
     let p = prepare(&b, &Policy::new("deadlines", no_refill(100)));
-    assert!(
-        b.decide(&p, &key("warm"), cost(1))
-            .await
-            .unwrap()
-            .is_allowed()
-    );
+    warm_up(&b, &p).await;
     let warm = b.stats();
 
     server.pause();
@@ -459,12 +437,7 @@ async fn a_dead_cluster_opens_the_circuit_breaker() {
         .build()
         .unwrap();
     let p = prepare(&b, &Policy::new("dead-cluster", no_refill(1000)));
-    assert!(
-        b.decide(&p, &key("warm"), cost(1))
-            .await
-            .unwrap()
-            .is_allowed()
-    );
+    warm_up(&b, &p).await;
     for node in &mut cluster.nodes {
         node.kill();
     }

@@ -196,38 +196,28 @@ async fn backend_failure_is_a_503_response() {
 /// fails, and not when the request has no key.
 #[tokio::test(start_paused = true)]
 async fn shadow_mode_passes_backend_failures_and_missing_keys() {
-    let failing = SlowBackend {
+    async fn status<Bk: Backend>(backend: Bk, shadow: bool, req: Request<Full<Bytes>>) -> u16 {
+        let layer = RateLimitLayer::builder()
+            .backend(backend)
+            .policy(Policy::new("p", Quota::per_second(10)).shadow(shadow))
+            .build()
+            .unwrap();
+        let mut svc = layer.layer(Strict::default());
+        let res = svc.ready().await.unwrap().call(req).await.unwrap();
+        res.status().as_u16()
+    }
+    let failing = || SlowBackend {
         local: LocalBackend::new(),
         delay: Duration::from_millis(1),
         fail: true,
     };
-    let layer = RateLimitLayer::builder()
-        .backend(failing)
-        .policy(Policy::new("p", Quota::per_second(10)).shadow(true))
-        .build()
-        .unwrap();
-    let mut svc = layer.layer(Strict::default());
-    let res = svc.ready().await.unwrap().call(request("/")).await.unwrap();
-    assert_eq!(res.status(), 200);
+    // The peer address is not wired in: the request lacks its key.
+    let no_peer = || Request::get("/").body(Full::default()).unwrap();
 
-    // The peer address is not wired in: every request lacks its key.
-    let layer = RateLimitLayer::builder()
-        .policy(Policy::new("p", Quota::per_second(10)).shadow(true))
-        .build()
-        .unwrap();
-    let mut svc = layer.layer(Strict::default());
-    let no_peer = Request::get("/").body(Full::default()).unwrap();
-    let res = svc.ready().await.unwrap().call(no_peer).await.unwrap();
-    assert_eq!(res.status(), 200);
-    // The same layer out of shadow mode rejects it.
-    let layer = RateLimitLayer::builder()
-        .policy(Policy::new("p", Quota::per_second(10)))
-        .build()
-        .unwrap();
-    let mut svc = layer.layer(Strict::default());
-    let no_peer = Request::get("/").body(Full::default()).unwrap();
-    let res = svc.ready().await.unwrap().call(no_peer).await.unwrap();
-    assert_eq!(res.status(), 400);
+    assert_eq!(status(failing(), true, request("/")).await, 200);
+    assert_eq!(status(failing(), false, request("/")).await, 503);
+    assert_eq!(status(LocalBackend::new(), true, no_peer()).await, 200);
+    assert_eq!(status(LocalBackend::new(), false, no_peer()).await, 400);
 }
 
 #[tokio::test]

@@ -459,15 +459,12 @@ where
         if inner.tracked.load(Ordering::Relaxed).saturating_add(quotas) <= inner.max_keys {
             return None;
         }
-        let lacking = || {
-            (policy.limiters.iter().enumerate())
-                .filter(|(_, quota)| !quota.store.map.contains_key(key))
-        };
-        let (first, quota) = lacking().next()?;
-        let overflows = || {
-            let needed = lacking().count();
-            inner.tracked.load(Ordering::Relaxed).saturating_add(needed) > inner.max_keys
-        };
+        let mut lacking = (policy.limiters.iter().enumerate())
+            .filter(|(_, quota)| !quota.store.map.contains_key(key));
+        let (first, quota) = lacking.next()?;
+        let needed = 1 + lacking.count();
+        let overflows =
+            || inner.tracked.load(Ordering::Relaxed).saturating_add(needed) > inner.max_keys;
         if !overflows() {
             return None;
         }

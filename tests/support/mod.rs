@@ -12,6 +12,28 @@ use std::sync::atomic::{AtomicU16, Ordering};
 use std::time::{Duration, Instant};
 
 use tempfile::TempDir;
+use tollgate::backend::Backend;
+use tollgate::{Key, Policy, Quota};
+
+/// A cost of `n` units.
+pub fn cost(n: u32) -> std::num::NonZeroU32 {
+    std::num::NonZeroU32::new(n).unwrap()
+}
+
+/// A byte key.
+pub fn key(s: &str) -> Key {
+    Key::from_bytes(s).unwrap()
+}
+
+/// `p` validated and prepared for `b`.
+pub fn prepare<B: Backend>(b: &B, p: &Policy) -> B::Policy {
+    b.prepare(p, &p.validate().unwrap()).unwrap()
+}
+
+/// A quota that does not refill during a test.
+pub fn no_refill(burst: u32) -> Quota {
+    Quota::per_day(1).burst(burst)
+}
 
 /// One `redis-server` process.
 pub struct RedisServer {

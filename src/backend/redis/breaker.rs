@@ -4,8 +4,9 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 /// Counts consecutive failed calls (a batched call counts once, however many requests it
-/// carried); after `threshold` of them the breaker opens and requests no longer call Redis (they get the failure policy at once, without paying the timeout). The
-/// backend then probes Redis every `probe_interval` and closes the breaker on the first answer.
+/// carried); after `threshold` of them the breaker opens and requests no longer call Redis
+/// (they get the failure policy at once, without paying the timeout). The backend then probes
+/// Redis every `probe_interval` and closes the breaker on the first answer.
 ///
 /// In case the probe task is gone (its runtime shut down), one request every four probe
 /// intervals is also let through as a trial; its success closes the breaker too.

@@ -204,7 +204,7 @@ impl RedisBackendBuilder {
                 // connection, when Redis may already have run it, charging the request twice
                 // (the script is not idempotent). The backend retries by itself only the
                 // replies that prove the script did not run: redirections and cluster state
-                // errors (see `Conn::eval_cluster`).
+                // errors (see `conn::eval_cluster`).
                 let client = ClusterClient::builder(nodes.iter().map(String::as_str))
                     .retries(0)
                     .build()
