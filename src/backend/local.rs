@@ -30,7 +30,7 @@
 //!   full, a sweep starts at once (on a blocking thread), and a new key that finds no room is
 //!   denied (`Retry-After: 1`) rather than tracked, while keys already tracked keep their
 //!   limits. A bucket costs about 86 bytes with its key (measured: `benches/memory.rs`): IP
-//!   keys and byte keys of up to 30 bytes are stored inline, longer ones (up to
+//!   keys and byte keys of up to 29 bytes are stored inline, longer ones (up to
 //!   [`Key::MAX_LEN`] bytes) on the heap, so the worst case at the default cap
 //!   with 256-byte keys is about 330 MB; lower `max_keys` when keys come from clients.
 //! - **Header timing.** `remaining` and `retry_after` are exact; for allowed requests

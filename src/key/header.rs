@@ -2,16 +2,19 @@ use std::marker::PhantomData;
 use std::net::IpAddr;
 
 use http::HeaderName;
+use siphasher::sip128::SipHasher24;
 
 use super::{Key, KeyError, KeyExtractor};
 use crate::RequestInfo;
 
 /// Keys requests by the value of a header, such as an API key.
 ///
-/// A request without the header (or with an empty value, or one longer than
-/// [`Key::MAX_LEN`]) has no key; combine with [`or`](super::KeyExtractorExt::or) to fall back.
-/// The value is used as it is: validate API keys in an earlier layer if unknown keys must not
-/// get a bucket of their own.
+/// A request without the header (or with an empty value) has no key
+/// ([`KeyError::Missing`]); combine with [`or`](super::KeyExtractorExt::or) to fall back. A
+/// value longer than [`Key::MAX_LEN`] is refused ([`KeyError::TooLong`], no fallback): for
+/// long values, such as bearer tokens, key by their [`hashed`](Header::hashed) value. The
+/// value is used as it is: validate API keys in an earlier layer if unknown keys must not get a
+/// bucket of their own.
 ///
 /// ```
 /// use tollgate::key::{Header, KeyExtractor};
@@ -21,9 +24,20 @@ use crate::RequestInfo;
 /// let req = http::Request::get("/").header("x-api-key", "abc").body(()).unwrap();
 /// assert_eq!(key.extract(&RequestInfo::new(&req)), Key::from_bytes("abc"));
 /// ```
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Header {
     name: Result<HeaderName, String>,
+    hash: Option<SipHasher24>,
+}
+
+impl std::fmt::Debug for Header {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The hash secret is never shown.
+        f.debug_struct("Header")
+            .field("name", &self.name)
+            .field("hashed", &self.hash.is_some())
+            .finish()
+    }
 }
 
 impl Header {
@@ -32,7 +46,38 @@ impl Header {
         Header {
             name: HeaderName::try_from(name)
                 .map_err(|e| format!("{name:?} is not a valid header name: {e}")),
+            hash: None,
         }
+    }
+
+    /// Keys by a keyed hash of the value instead of the value itself: a 16-byte key, whatever
+    /// the value's length, for long client-supplied values (an `Authorization` bearer token, a
+    /// signed session cookie) that would be refused as longer than [`Key::MAX_LEN`].
+    ///
+    /// The hash is SipHash-2-4 with a 128-bit output, keyed with `secret`. Every value is
+    /// hashed (short ones too), so one value always gets one key; without the secret nobody
+    /// can choose values that collide, and the keys stored (in Redis, in logs) do not reveal
+    /// the values. Two different values share a bucket only by a 128-bit hash collision.
+    ///
+    /// Replicas that share a store (Redis) must use the same secret, or each would count a
+    /// client in a bucket of its own; with the local backend a secret made at start-up will
+    /// do. Changing the secret starts every client with a fresh bucket.
+    ///
+    /// ```
+    /// use tollgate::key::{Header, KeyExtractor};
+    /// use tollgate::{Key, RequestInfo};
+    ///
+    /// let secret = *b"sixteen byte key"; // from your configuration, the same on every replica
+    /// let key = Header::new("authorization").hashed(secret);
+    /// let token = format!("Bearer {}", "x".repeat(840));
+    /// let req = http::Request::get("/").header("authorization", &token).body(()).unwrap();
+    /// let got = key.extract(&RequestInfo::new(&req)).unwrap();
+    /// assert_eq!(got, key.extract(&RequestInfo::new(&req)).unwrap());
+    /// assert!(Header::new("authorization").extract(&RequestInfo::new(&req)).is_err());
+    /// ```
+    pub fn hashed(mut self, secret: [u8; 16]) -> Self {
+        self.hash = Some(SipHasher24::new_with_key(&secret));
+        self
     }
 }
 
@@ -42,7 +87,12 @@ impl KeyExtractor for Header {
             return Err(KeyError::Missing("header (invalid header name)"));
         };
         match req.headers().get(name) {
-            Some(v) if !v.is_empty() => Key::from_bytes(v.as_bytes()),
+            Some(v) if !v.is_empty() => match &self.hash {
+                None => Key::from_bytes(v.as_bytes()),
+                Some(hasher) => {
+                    Key::from_bytes(u128::from(hasher.hash(v.as_bytes())).to_be_bytes())
+                }
+            },
             _ => Err(KeyError::Missing("header")),
         }
     }
