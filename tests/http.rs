@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use axum::{Router, routing::get};
-use tollgate::key::{ClientIp, Header, KeyExtractorExt};
+use tollgate::key::{ClientIp, ForwardedHeader, Header, KeyExtractorExt};
 use tollgate::{HeaderStyle, OnMissingKey, Policy, Quota, RateLimitLayer};
 
 /// Serves `app` on a free port, recording peer addresses unless `connect_info` is false.
@@ -236,6 +236,78 @@ async fn trusted_proxy_forwarding_headers_pick_the_client() {
     assert_eq!(get("203.0.113.2").await, 200);
     // ...and a client cannot escape by prepending addresses: the rightmost untrusted hop counts.
     assert_eq!(get("1.1.1.1, 203.0.113.2").await, 429);
+}
+
+#[tokio::test]
+async fn several_x_real_ip_lines_cannot_pick_a_fresh_bucket() {
+    // The test client is the "proxy" (127.0.0.1), one that appends X-Real-IP rather than
+    // replacing it: the client's own line comes first, the proxy's last.
+    let key = ClientIp::new()
+        .trust_proxies(["127.0.0.1/32"])
+        .unwrap()
+        .forwarded_header(ForwardedHeader::XRealIp);
+    let layer = RateLimitLayer::builder()
+        .policy(Policy::new("api", no_refill(1)))
+        .key(key)
+        .build()
+        .unwrap();
+    let base = serve(app(layer), true).await;
+    let client = client();
+    let mut statuses = Vec::new();
+    for i in 0..3 {
+        let res = client
+            .get(format!("{base}/limited"))
+            .header("x-real-ip", format!("198.51.100.{i}"))
+            .header("x-real-ip", "203.0.113.1")
+            .send()
+            .await
+            .unwrap();
+        statuses.push(res.status().as_u16());
+    }
+    // Neither line is believed: all three share the proxy's bucket.
+    assert_eq!(statuses, [200, 429, 429]);
+    let status = |value: &'static str| {
+        let req = client
+            .get(format!("{base}/limited"))
+            .header("x-real-ip", value);
+        async move { req.send().await.unwrap().status().as_u16() }
+    };
+    // A comma-separated value is not an address either: the proxy's bucket.
+    assert_eq!(status("198.51.100.9, 203.0.113.1").await, 429);
+    // One line with one address is the client's own bucket.
+    assert_eq!(status("203.0.113.1").await, 200);
+    assert_eq!(status("203.0.113.1").await, 429);
+}
+
+#[tokio::test]
+async fn forwarded_obfuscated_ports_keep_ipv4_clients_apart() {
+    let key = ClientIp::new()
+        .trust_proxies(["127.0.0.1/32"])
+        .unwrap()
+        .forwarded_header(ForwardedHeader::Forwarded);
+    let layer = RateLimitLayer::builder()
+        .policy(Policy::new("api", no_refill(1)))
+        .key(key)
+        .build()
+        .unwrap();
+    let base = serve(app(layer), true).await;
+    let client = client();
+    let status = |value: &'static str| {
+        let req = client
+            .get(format!("{base}/limited"))
+            .header("forwarded", value);
+        async move { req.send().await.unwrap().status().as_u16() }
+    };
+    // Two clients behind the proxy, each with an obfuscated port: separate buckets.
+    assert_eq!(status(r#"for="203.0.113.1:_a1";proto=http"#).await, 200);
+    assert_eq!(status(r#"for="203.0.113.2:_b2";proto=http"#).await, 200);
+    // The same client on another (obfuscated or numeric) port: its own, used bucket.
+    assert_eq!(status(r#"for="203.0.113.1:_c3""#).await, 429);
+    assert_eq!(status(r#"for="203.0.113.2:4711""#).await, 429);
+    assert_eq!(status(r#"for="[2001:db8::1]:_x""#).await, 200);
+    // A malformed port is unreadable: the proxy's bucket, shared.
+    assert_eq!(status(r#"for="203.0.113.3:_""#).await, 200);
+    assert_eq!(status(r#"for="203.0.113.4:99999""#).await, 429);
 }
 
 #[tokio::test]

@@ -1,4 +1,4 @@
-use std::net::{IpAddr, Ipv6Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use http::HeaderMap;
 use ipnet::IpNet;
@@ -119,8 +119,23 @@ impl KeyExtractor for PeerIp {
 /// Lists (`X-Forwarded-For`, RFC 7239 `Forwarded` with its `for=` parameters) are walked right
 /// to left, skipping every hop that is itself a trusted proxy; the first untrusted address is
 /// the client. If all hops are trusted, the leftmost is used. An entry that is not an IP
-/// address (`unknown`, an obfuscated identifier, garbage) stops the walk at the last trusted
-/// hop, which then becomes the key: such requests share one bucket rather than escaping limits.
+/// address (`unknown`, an obfuscated identifier such as `_hidden`, garbage) stops the walk at
+/// the last trusted hop, which then becomes the key: such requests share one bucket rather than
+/// escaping limits. So does a line that is not visible ASCII, and a `Forwarded` element whose
+/// `for=` is missing or repeated.
+///
+/// An entry may carry a port, which is ignored: numeric or obfuscated, as RFC 7239 §6 writes
+/// nodes, for both families (`1.2.3.4:8080`, `1.2.3.4:_a1`, `[2001:db8::1]:4711`,
+/// `[2001:db8::1]:_a1`). A malformed port (`1.2.3.4:`, `1.2.3.4:_`, `1.2.3.4:99999`) makes the
+/// entry unreadable, like garbage.
+///
+/// `X-Real-IP` holds one address and is only believed as exactly one line with one address.
+/// Several lines, or a comma-separated list, mean that something besides the nearest proxy
+/// wrote it (a proxy that appends rather than replaces passes the client's own line through),
+/// and guessing which line is the proxy's could let the client choose its key: the request is
+/// keyed by the peer instead, the trusted proxy's address, as after an unreadable
+/// `X-Forwarded-For` line. Have the proxy replace the header (nginx
+/// `proxy_set_header X-Real-IP $remote_addr` does).
 ///
 /// ```
 /// use std::net::SocketAddr;
@@ -162,7 +177,9 @@ pub enum ForwardedHeader {
     XForwardedFor,
     /// RFC 7239 `Forwarded: for=client;proto=https, for=proxy1`.
     Forwarded,
-    /// `X-Real-IP: client` (a single address, e.g. nginx `proxy_set_header X-Real-IP`).
+    /// `X-Real-IP: client` (a single address, e.g. nginx `proxy_set_header X-Real-IP`, which
+    /// replaces what the client sent). Several lines or a list are not believed: the peer is
+    /// the key.
     XRealIp,
 }
 
@@ -238,11 +255,7 @@ impl ClientIp {
                     hops.extend(line.split(',').map(parse_node));
                 }),
             ),
-            ForwardedHeader::XRealIp => headers
-                .get("x-real-ip")
-                .and_then(|v| v.to_str().ok())
-                .and_then(parse_node)
-                .unwrap_or(peer),
+            ForwardedHeader::XRealIp => real_ip(headers).unwrap_or(peer),
         }
     }
 
@@ -318,9 +331,34 @@ fn canonical_net(net: IpNet) -> IpNet {
     }
 }
 
+/// The address in the request's `X-Real-IP`, if it has exactly one line holding one address.
+///
+/// The header holds a single address, so several lines (or one with a comma-separated list,
+/// which is how several lines may be folded into one) mean that something besides the nearest
+/// proxy wrote it: a proxy that appends rather than replaces passes the client's own line
+/// through. Which line is whose is a guess about the proxy, so none is believed (`None`), as
+/// with a line that is not visible ASCII or not an address.
+fn real_ip(headers: &HeaderMap) -> Option<IpAddr> {
+    let mut lines = headers.get_all("x-real-ip").into_iter();
+    let line = lines.next()?;
+    if lines.next().is_some() {
+        return None;
+    }
+    let line = line.to_str().ok()?;
+    if line.contains(',') {
+        return None;
+    }
+    parse_node(line)
+}
+
 /// Splits a `Forwarded` field value into its comma-separated elements, ignoring commas inside
 /// quoted strings.
 fn split_outside_quotes(value: &str) -> impl Iterator<Item = &str> {
+    split_unquoted(value, ',')
+}
+
+/// Splits `value` at every `sep` that is not inside a quoted string.
+fn split_unquoted(value: &str, sep: char) -> impl Iterator<Item = &str> {
     let mut in_quotes = false;
     let mut escaped = false;
     value.split(move |c: char| {
@@ -331,40 +369,79 @@ fn split_outside_quotes(value: &str) -> impl Iterator<Item = &str> {
         match c {
             '\\' if in_quotes => escaped = true,
             '"' => in_quotes = !in_quotes,
-            ',' if !in_quotes => return true,
+            c if c == sep && !in_quotes => return true,
             _ => {}
         }
         false
     })
 }
 
-/// The `for=` node of one `Forwarded` element, parsed; `None` when absent or not an IP.
+/// The `for=` node of one `Forwarded` element, parsed; `None` when absent, not an IP, or given
+/// more than once (RFC 7239 §4 allows each parameter once per element: taking either copy would
+/// be a guess). Parameters are split outside quoted strings, so a `;for=` inside another
+/// parameter's quoted value (`host="a;for=6.6.6.6"`) is not read as one.
 fn forwarded_for(element: &str) -> Option<IpAddr> {
-    element.split(';').find_map(|pair| {
+    let mut fors = split_unquoted(element, ';').filter_map(|pair| {
         let (k, v) = pair.split_once('=')?;
-        if !k.trim().eq_ignore_ascii_case("for") {
-            return None;
-        }
-        let v = v.trim();
-        let v = v
-            .strip_prefix('"')
-            .and_then(|v| v.strip_suffix('"'))
-            .unwrap_or(v);
-        parse_node(v)
-    })
+        k.trim().eq_ignore_ascii_case("for").then_some(v)
+    });
+    let v = fors.next()?;
+    if fors.next().is_some() {
+        return None;
+    }
+    let v = v.trim();
+    let v = v
+        .strip_prefix('"')
+        .and_then(|v| v.strip_suffix('"'))
+        .unwrap_or(v);
+    parse_node(v)
 }
 
-/// Parses `1.2.3.4`, `1.2.3.4:80`, `2001:db8::1`, `[2001:db8::1]` or `[2001:db8::1]:80`.
+/// Parses a node with an optional port, as RFC 7239 §6 writes it (`node = nodename [ ":"
+/// node-port ]`), plus a bare IPv6 address as `X-Forwarded-For` writes it: `1.2.3.4`,
+/// `1.2.3.4:80`, `1.2.3.4:_obf`, `2001:db8::1`, `[2001:db8::1]`, `[2001:db8::1]:80` or
+/// `[2001:db8::1]:_obf`. The port is checked and dropped; `None` for anything else, including an
+/// obfuscated node name (`_hidden`), `unknown`, or a malformed port (`1.2.3.4:`, `1.2.3.4:_`,
+/// `1.2.3.4:99999`, `[2001:db8::1]x`).
 fn parse_node(s: &str) -> Option<IpAddr> {
     let s = s.trim();
-    if let Ok(ip) = s.parse::<IpAddr>() {
-        return Some(ip.to_canonical());
+    let (ip, port) = if let Some(bracketed) = s.strip_prefix('[') {
+        let (v6, rest) = bracketed.split_once(']')?;
+        let port = match rest {
+            "" => None,
+            _ => Some(rest.strip_prefix(':')?),
+        };
+        (IpAddr::V6(v6.parse::<Ipv6Addr>().ok()?), port)
+    } else if let Ok(ip) = s.parse::<IpAddr>() {
+        (ip, None)
+    } else {
+        // An IPv4 address and a port: unbracketed IPv6 cannot carry one.
+        let (v4, port) = s.split_once(':')?;
+        (IpAddr::V4(v4.parse::<Ipv4Addr>().ok()?), Some(port))
+    };
+    if port.is_some_and(|port| !is_node_port(port)) {
+        return None;
     }
-    if let Ok(sa) = s.parse::<SocketAddr>() {
-        return Some(sa.ip().to_canonical());
+    Some(ip.to_canonical())
+}
+
+/// RFC 7239 §6 `node-port = port / obfport`: `port = 1*5DIGIT` (here also at most 65535) and
+/// `obfport = "_" 1*(ALPHA / DIGIT / "." / "_" / "-")`.
+fn is_node_port(port: &str) -> bool {
+    match port.strip_prefix('_') {
+        Some(obf) => {
+            !obf.is_empty()
+                && obf
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+        }
+        // Digits only: `u16::from_str` alone would also take a sign (`+80`).
+        None => {
+            (1..=5).contains(&port.len())
+                && port.bytes().all(|b| b.is_ascii_digit())
+                && port.parse::<u16>().is_ok()
+        }
     }
-    let inner = s.strip_prefix('[')?.split(']').next()?;
-    inner.parse::<Ipv6Addr>().ok().map(IpAddr::V6)
 }
 
 #[cfg(test)]
@@ -498,6 +575,152 @@ mod tests {
         let h = headers(&[("x-real-ip", "3.3.3.3")]);
         assert_eq!(real.client(ip("10.0.0.1"), &h), ip("3.3.3.3"));
         assert_eq!(real.client(ip("4.4.4.4"), &h), ip("4.4.4.4"));
+    }
+
+    #[test]
+    fn real_ip_with_several_lines_is_unusable() {
+        let real = proxied().forwarded_header(ForwardedHeader::XRealIp);
+        let peer = ip("10.0.0.1");
+        // The client sent 6.6.6.6 and a proxy appended the real address rather than replacing
+        // the header: neither line is believed, in either order, and the peer is the key.
+        for lines in [["6.6.6.6", "1.2.3.4"], ["1.2.3.4", "6.6.6.6"]] {
+            let h = headers(&[("x-real-ip", lines[0]), ("x-real-ip", lines[1])]);
+            assert_eq!(real.client(peer, &h), peer, "{lines:?}");
+        }
+        // The same folded into one line is not a single address either.
+        for value in ["6.6.6.6, 1.2.3.4", "6.6.6.6,1.2.3.4", "1.2.3.4,"] {
+            let h = headers(&[("x-real-ip", value)]);
+            assert_eq!(real.client(peer, &h), peer, "{value}");
+        }
+        // A line that is not visible ASCII next to a readable one: still several lines.
+        let mut h = headers(&[("x-real-ip", "6.6.6.6")]);
+        h.append(
+            "x-real-ip",
+            http::HeaderValue::from_bytes(b"1.2.3.4\xff").unwrap(),
+        );
+        assert_eq!(real.client(peer, &h), peer);
+        // One line with one address (a port is allowed) is the client.
+        let h = headers(&[("x-real-ip", " 1.2.3.4:8080 ")]);
+        assert_eq!(real.client(peer, &h), ip("1.2.3.4"));
+        let h = headers(&[("x-real-ip", "[2001:db8::7]")]);
+        assert_eq!(real.client(peer, &h), ip("2001:db8::7"));
+        // One unreadable line: the peer, as before.
+        for value in ["", "unknown", "_hidden", "1.2.3.4:_"] {
+            let h = headers(&[("x-real-ip", value)]);
+            assert_eq!(real.client(peer, &h), peer, "{value:?}");
+        }
+    }
+
+    #[test]
+    fn rfc7239_ports_numeric_and_obfuscated_for_both_families() {
+        let fwd = proxied().forwarded_header(ForwardedHeader::Forwarded);
+        let peer = ip("10.0.0.1");
+        for (value, client) in [
+            (r#"for="1.2.3.4:_abc""#, "1.2.3.4"),
+            (r#"for="1.2.3.4:_A.b_c-9""#, "1.2.3.4"),
+            (r#"for="1.2.3.4:_""#, ""),
+            (r#"for="1.2.3.4:8080""#, "1.2.3.4"),
+            (r#"for="1.2.3.4:0""#, "1.2.3.4"),
+            (r#"for="1.2.3.4:65535""#, "1.2.3.4"),
+            ("for=1.2.3.4:_abc", "1.2.3.4"),
+            (r#"for="[2001:db8::1]:_x""#, "2001:db8::1"),
+            (r#"for="[2001:db8::1]:4711""#, "2001:db8::1"),
+            (r#"for="[2001:db8::1]""#, "2001:db8::1"),
+            (r#"for="[::ffff:1.2.3.4]:_p""#, "1.2.3.4"),
+        ] {
+            let h = headers(&[("forwarded", value)]);
+            let want = if client.is_empty() { peer } else { ip(client) };
+            assert_eq!(fwd.client(peer, &h), want, "{value}");
+        }
+        // Malformed ports make the node unreadable: the walk stops at the last trusted hop.
+        for node in [
+            "1.2.3.4:",
+            "1.2.3.4:_",
+            "1.2.3.4:99999",
+            "1.2.3.4:123456",
+            "1.2.3.4:+80",
+            "1.2.3.4:-1",
+            "1.2.3.4:8a",
+            "1.2.3.4:_a b",
+            "1.2.3.4:_a:b",
+            "1.2.3.4:_a/b",
+            "1.2.3.4::80",
+            "1.2.3.4 :80",
+            "[2001:db8::1]:",
+            "[2001:db8::1]:_",
+            "[2001:db8::1]:99999",
+            "[2001:db8::1]_x",
+            "[2001:db8::1]x",
+            "[2001:db8::1",
+            "[1.2.3.4]:80",
+            "[2001:db8::1]:_x]",
+        ] {
+            let h = headers(&[("forwarded", &format!("for=\"{node}\", for=10.0.0.5"))]);
+            assert_eq!(fwd.client(peer, &h), ip("10.0.0.5"), "{node}");
+            let h = headers(&[("forwarded", &format!("for=\"{node}\""))]);
+            assert_eq!(fwd.client(peer, &h), peer, "{node}");
+        }
+    }
+
+    #[test]
+    fn rfc7239_obfuscated_and_unknown_nodes_stop_the_walk() {
+        let fwd = proxied().forwarded_header(ForwardedHeader::Forwarded);
+        let peer = ip("10.0.0.1");
+        for node in [
+            "_hidden",
+            "\"_hidden\"",
+            "unknown",
+            "\"unknown:80\"",
+            "\"_x:_y\"",
+        ] {
+            // The obfuscated or unknown hop is not believed, nor anything left of it.
+            let h = headers(&[(
+                "forwarded",
+                &format!("for=6.6.6.6, for={node}, for=10.0.0.5"),
+            )]);
+            assert_eq!(fwd.client(peer, &h), ip("10.0.0.5"), "{node}");
+            let h = headers(&[("forwarded", &format!("for=6.6.6.6, for={node}"))]);
+            assert_eq!(fwd.client(peer, &h), peer, "{node}");
+        }
+    }
+
+    #[test]
+    fn rfc7239_element_with_a_repeated_or_hidden_for_is_unreadable() {
+        let fwd = proxied().forwarded_header(ForwardedHeader::Forwarded);
+        let peer = ip("10.0.0.1");
+        for element in [
+            // RFC 7239 §4: a parameter occurs at most once per element.
+            "for=_hidden;for=6.6.6.6",
+            "for=1.2.3.4;for=6.6.6.6",
+            // A `for=` inside another parameter's quoted value is not a parameter.
+            r#"host="a;for=6.6.6.6;b";for=_hidden"#,
+            // No `for=` at all.
+            "proto=https",
+        ] {
+            let h = headers(&[("forwarded", element)]);
+            assert_eq!(fwd.client(peer, &h), peer, "{element}");
+        }
+        let h = headers(&[(
+            "forwarded",
+            r#"host="a;for=6.6.6.6, b";for=1.2.3.4;proto=https"#,
+        )]);
+        assert_eq!(fwd.client(peer, &h), ip("1.2.3.4"));
+    }
+
+    #[test]
+    fn xff_entries_with_ports() {
+        let peer = ip("10.0.0.1");
+        for (value, client) in [
+            ("6.6.6.6, 1.2.3.4:8080", "1.2.3.4"),
+            ("6.6.6.6, [2001:db8::1]:8080", "2001:db8::1"),
+            ("6.6.6.6, 2001:db8::1", "2001:db8::1"),
+            ("6.6.6.6, 1.2.3.4:_obf", "1.2.3.4"),
+            ("6.6.6.6, 1.2.3.4:99999", "10.0.0.1"),
+            ("6.6.6.6, [2001:db8::1]junk", "10.0.0.1"),
+        ] {
+            let h = headers(&[("x-forwarded-for", value)]);
+            assert_eq!(proxied().client(peer, &h), ip(client), "{value}");
+        }
     }
 
     #[test]
