@@ -22,6 +22,14 @@
 //! ratelimit-policy: "pro-0";q=50;w=3, "pro-1";q=50000;w=3600
 //! ratelimit: "pro-0";r=49;t=1, "pro-1";r=49999;t=1
 //!
+//! # A typo is refused, naming the rule and the value, and changes nothing:
+//! $ jq '.rules[0].tier = "por"' rules.json |
+//!     curl -s -X PUT -H 'authorization: Bearer secret' -H 'content-type: application/json' \
+//!          --data-binary @- localhost:3000/admin/rules
+//! invalid rules: invalid `rules`: rules[0] (priority 10): tier "por" is not a tier of the rule
+//! set (its tiers are "enterprise", "pro"); a tier is a value of `tiers`, or declared in
+//! `declared_tiers` while no tenant is in it
+//!
 //! # A wrong token, or an invalid rule set, changes nothing:
 //! $ curl -si -X PUT -H 'authorization: Bearer nope' localhost:3000/admin/rules   # 401
 //! $ curl -si -X PUT -H 'authorization: Bearer secret' -H 'content-type: application/json' \

@@ -14,10 +14,48 @@
 //!   of its /64, as [`PeerIp`](crate::key::PeerIp) and [`ClientIp`](crate::key::ClientIp)
 //!   group IPv6 clients by /64; with another grouping, write the group's first address
 //!   (`2001:db8:aa00::` for its /56);
-//! - `tier`: the key's tenant is listed under this tier in the rule set's `tiers` map;
-//! - `path_prefix`: the path starts with this prefix;
-//! - `methods`: the method is one of these;
+//! - `tier`: the key's tenant is listed under this tier in the rule set's `tiers` map. The
+//!   tier must be one of the set's: a value of `tiers`, or declared with
+//!   [`RuleSet::declare_tier`] (`declared_tiers` in a file), which keeps a rule valid while
+//!   its tier has no tenant;
+//! - `path_prefix`: the path is this prefix or lies below it, compared **by whole segments**:
+//!   `/login` matches `/login`, `/login/` and `/login/2fa`, but not `/loginfoo`. A trailing
+//!   `/` changes nothing (`/api/` matches `/api`, `/api/` and `/api/x`), and `/` matches every
+//!   request. The prefix must start with `/`. It is compared with the path as sent, byte for
+//!   byte: case-sensitive, percent-encoded, without the query. So it must be visible ASCII
+//!   (percent-encode the rest, as clients do), and it may not hold `?` or `#`, nor `*`, `{`
+//!   or `}`: it is a prefix, not a route pattern;
+//! - `methods`: the method is one of these. **A rule listing `GET` also matches `HEAD`**:
+//!   axum (like most servers) answers `HEAD` with the `GET` handler, so a `GET` limit that
+//!   skipped `HEAD` could be bypassed. The standard methods (`GET`, `HEAD`, `POST`, `PUT`,
+//!   `DELETE`, `CONNECT`, `OPTIONS`, `TRACE`, `PATCH`) may be written in any case (`post` is
+//!   `POST`). Any other method, such as `PURGE` or WebDAV's `PROPFIND`, must be declared first
+//!   with [`RuleSet::extension_method`] (`extension_methods` in a file), in upper case, and
+//!   is then matched exactly;
 //! - a predicate closure (code only, see [`Rule::when`]).
+//!
+//! Conditions that could never match are configuration errors, not rules that silently do
+//! nothing: an undeclared method (`PSOT`), an unknown tier (`por`), a path prefix without its
+//! leading `/` (`login`). [`RuleSet::validate`], the layer's `build()` and
+//! [`RulesHandle::replace`] all report them, naming the rule and the value:
+//!
+//! ```
+//! use tollgate::rules::{Rule, RuleSet};
+//! use tollgate::{Policy, Quota};
+//!
+//! let set = RuleSet::new(Policy::new("free", Quota::per_second(5)))
+//!     .policy(Policy::new("login", Quota::per_minute(5)))
+//!     .rule(Rule::new(100, "login").path_prefix("login"));
+//! let err = set.validate().unwrap_err().to_string();
+//! assert!(err.contains(r#"rules[0] (priority 100): path_prefix "login" must start with `/`"#));
+//!
+//! // Extension methods are declared once, then named by rules.
+//! let set = RuleSet::new(Policy::new("free", Quota::per_second(5)))
+//!     .policy(Policy::new("purges", Quota::per_minute(1)))
+//!     .extension_method(http::Method::from_bytes(b"PURGE").unwrap())
+//!     .rule(Rule::new(10, "purges").method(http::Method::from_bytes(b"PURGE").unwrap()));
+//! assert!(set.validate().is_ok());
+//! ```
 //!
 //! The application replaces rules at run time through a [`RulesHandle`]: the new set is
 //! validated and prepared first, and swapped in atomically only if all of it is valid; an
@@ -63,6 +101,10 @@
 //! name = "pro"
 //! quotas = ["50/s burst 100"]
 //!
+//! [[policies]]
+//! name = "login"
+//! quotas = ["5/min"]
+//!
 //! [tiers]
 //! merchant-42 = "pro"
 //!
@@ -70,9 +112,19 @@
 //! priority = 10
 //! tier = "pro"
 //! policy = "pro"
+//!
+//! [[rules]]
+//! priority = 100
+//! path_prefix = "/login"
+//! methods = ["post"]
+//! policy = "login"
 //! ```
+//!
+//! Two optional lists declare what rules may name beyond the standard methods and the tiers
+//! in use: `extension_methods = ["PURGE"]`, and `declared_tiers = ["enterprise"]` for a tier
+//! that has no tenant yet (or any more).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -142,21 +194,31 @@ impl Rule {
         self
     }
 
-    /// Matches requests whose tenant is in this tier (see [`RuleSet::tier`]).
+    /// Matches requests whose tenant is in this tier (see [`RuleSet::tier`]). The tier must be
+    /// one of the rule set's, a value of its `tiers` or declared with
+    /// [`RuleSet::declare_tier`]; another is an error.
     pub fn tier(mut self, tier: impl Into<String>) -> Self {
         self.tier = Some(tier.into());
         self
     }
 
-    /// Matches request paths starting with `prefix`. The path is the one the layer sees:
-    /// inside an axum `Router::nest("/api", ..)` the nest's prefix is already stripped, so
-    /// match `/users` there, not `/api/users` (or put the layer on the outer router).
+    /// Matches the request path `prefix` and the paths below it, by whole segments: `/login`
+    /// matches `/login`, `/login/` and `/login/2fa`, not `/loginfoo`; a trailing `/` changes
+    /// nothing, and `/` matches everything. The prefix must start with `/` and be visible
+    /// ASCII without `?`, `#`, `*`, `{` or `}` (see the [module docs](self)); another is an
+    /// error.
+    ///
+    /// The path is the one the layer sees: inside an axum `Router::nest("/api", ..)` the
+    /// nest's prefix is already stripped, so match `/users` there, not `/api/users` (or put
+    /// the layer on the outer router).
     pub fn path_prefix(mut self, prefix: impl Into<String>) -> Self {
         self.path_prefix = Some(prefix.into());
         self
     }
 
-    /// Matches this method (call again to allow several).
+    /// Matches this method (call again to allow several). `GET` also matches `HEAD`, which
+    /// servers answer with the `GET` handler. A method other than the standard ones must be
+    /// declared with [`RuleSet::extension_method`], or the rule set is invalid.
     pub fn method(mut self, method: Method) -> Self {
         self.methods.push(method.as_str().to_owned());
         self
@@ -205,6 +267,18 @@ pub struct RuleSet {
     default: String,
     #[cfg_attr(feature = "serde", serde(default))]
     shadow: bool,
+    /// Methods other than the standard ones that rules may name, in upper case.
+    #[cfg_attr(
+        feature = "serde",
+        serde(default, skip_serializing_if = "Vec::is_empty")
+    )]
+    extension_methods: Vec<String>,
+    /// Tiers that rules may name even when no tenant is in them.
+    #[cfg_attr(
+        feature = "serde",
+        serde(default, skip_serializing_if = "Vec::is_empty")
+    )]
+    declared_tiers: Vec<String>,
     policies: Vec<Policy>,
     #[cfg_attr(feature = "serde", serde(default))]
     tiers: BTreeMap<String, String>,
@@ -218,6 +292,8 @@ impl RuleSet {
         RuleSet {
             default: default.name().to_owned(),
             shadow: false,
+            extension_methods: Vec::new(),
+            declared_tiers: Vec::new(),
             policies: vec![default],
             tiers: BTreeMap::new(),
             rules: Vec::new(),
@@ -240,6 +316,29 @@ impl RuleSet {
     /// Puts `tenant` in `tier` (replacing its previous tier).
     pub fn tier(mut self, tenant: impl Into<String>, tier: impl Into<String>) -> Self {
         self.tiers.insert(tenant.into(), tier.into());
+        self
+    }
+
+    /// Declares `tier`, so that rules may name it while no tenant is in it (a tier in use in
+    /// [`tier`](Self::tier) needs no declaration). Without it, moving a tier's last tenant
+    /// elsewhere would make the rules naming the tier invalid.
+    pub fn declare_tier(mut self, tier: impl Into<String>) -> Self {
+        let tier = tier.into();
+        if !self.declared_tiers.contains(&tier) {
+            self.declared_tiers.push(tier);
+        }
+        self
+    }
+
+    /// Declares an extension method (one other than `GET`, `HEAD`, `POST`, `PUT`, `DELETE`,
+    /// `CONNECT`, `OPTIONS`, `TRACE` and `PATCH`), so that rules may name it. Methods are
+    /// case-sensitive and extension methods must be written in upper case, as clients send
+    /// them: `PURGE`, `PROPFIND`.
+    pub fn extension_method(mut self, method: Method) -> Self {
+        let method = method.as_str().to_owned();
+        if !self.extension_methods.contains(&method) {
+            self.extension_methods.push(method);
+        }
         self
     }
 
@@ -269,8 +368,20 @@ impl RuleSet {
         &self.default
     }
 
+    /// The declared extension methods (see [`extension_method`](Self::extension_method)).
+    pub fn extension_methods(&self) -> &[String] {
+        &self.extension_methods
+    }
+
+    /// The declared tiers (see [`declare_tier`](Self::declare_tier)).
+    pub fn declared_tiers(&self) -> &[String] {
+        &self.declared_tiers
+    }
+
     /// Checks the rule set without building anything: unique and valid policies, rules
-    /// naming defined policies, valid methods. Errors name the offending entry.
+    /// naming defined policies, standard or declared methods, tiers of the set, and path
+    /// prefixes starting with `/` (see the [module docs](self)). Errors name the offending
+    /// entry and value.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.check().map(drop)
     }
@@ -296,6 +407,18 @@ impl RuleSet {
                 reason: format!("default policy `{}` is not defined", self.default),
             });
         }
+        for (i, m) in self.extension_methods.iter().enumerate() {
+            check_extension_method(m).map_err(|reason| ConfigError::Invalid {
+                option: "extension_methods",
+                reason: format!("extension_methods[{i}]: {reason}"),
+            })?;
+        }
+        let tiers: BTreeSet<&str> = self
+            .tiers
+            .values()
+            .chain(&self.declared_tiers)
+            .map(String::as_str)
+            .collect();
         for (i, r) in self.rules.iter().enumerate() {
             let bad = |reason: String| ConfigError::Invalid {
                 option: "rules",
@@ -305,7 +428,15 @@ impl RuleSet {
                 return Err(bad(format!("policy `{}` is not defined", r.policy)));
             }
             for m in &r.methods {
-                parse_method(m).map_err(|_| bad(format!("{m:?} is not an HTTP method")))?;
+                parse_method(m, &self.extension_methods).map_err(bad)?;
+            }
+            if let Some(t) = &r.tier
+                && !tiers.contains(t.as_str())
+            {
+                return Err(bad(unknown_tier(t, &tiers)));
+            }
+            if let Some(p) = &r.path_prefix {
+                check_path_prefix(p).map_err(bad)?;
             }
             if let Some(t) = &r.tenant {
                 tenant_keys(t).map_err(|e| bad(format!("tenant: {e}")))?;
@@ -321,29 +452,109 @@ impl RuleSet {
     }
 }
 
+/// The standard methods (RFC 9110 and PATCH, RFC 5789): written in any case in rules.
+const STANDARD_METHODS: [Method; 9] = [
+    Method::GET,
+    Method::HEAD,
+    Method::POST,
+    Method::PUT,
+    Method::DELETE,
+    Method::CONNECT,
+    Method::OPTIONS,
+    Method::TRACE,
+    Method::PATCH,
+];
+
 /// A method as written in a rule. Methods are case-sensitive, but `post` in a config file
 /// means `POST`, not an extension method no client sends: the standard methods are matched
-/// whatever their case.
-fn parse_method(m: &str) -> Result<Method, http::method::InvalidMethod> {
-    match Method::from_bytes(m.to_ascii_uppercase().as_bytes()) {
-        Ok(method) if is_standard(&method) => Ok(method),
-        _ => Method::from_bytes(m.as_bytes()),
+/// whatever their case. Any other token must be declared in `extension_methods`: otherwise a
+/// typo such as `PSOT`, a valid token, would make a rule that never matches.
+fn parse_method(m: &str, extensions: &[String]) -> Result<Method, String> {
+    if let Some(standard) = STANDARD_METHODS
+        .iter()
+        .find(|s| s.as_str().eq_ignore_ascii_case(m))
+    {
+        return Ok(standard.clone());
     }
+    if extensions.iter().any(|e| e == m) {
+        // Declarations were checked to be valid tokens.
+        return Method::from_bytes(m.as_bytes()).map_err(|e| format!("method {m:?}: {e}"));
+    }
+    let hint = match extensions.iter().find(|e| e.eq_ignore_ascii_case(m)) {
+        Some(e) => format!(" (methods are case-sensitive: `{e}` is declared)"),
+        None => String::new(),
+    };
+    Err(format!(
+        "method {m:?} is not a standard HTTP method (GET, HEAD, POST, PUT, DELETE, CONNECT, \
+         OPTIONS, TRACE or PATCH, in any case) nor declared in `extension_methods`{hint}"
+    ))
 }
 
-fn is_standard(m: &Method) -> bool {
-    [
-        Method::GET,
-        Method::HEAD,
-        Method::POST,
-        Method::PUT,
-        Method::DELETE,
-        Method::CONNECT,
-        Method::OPTIONS,
-        Method::TRACE,
-        Method::PATCH,
-    ]
-    .contains(m)
+/// An extension method declaration: a valid token, in upper case as clients send methods.
+fn check_extension_method(m: &str) -> Result<(), String> {
+    if Method::from_bytes(m.as_bytes()).is_err() {
+        return Err(format!(
+            "{m:?} is not an HTTP method (a token of letters, digits and `!#$%&'*+-.^_`|~`)"
+        ));
+    }
+    if m.bytes().any(|b| b.is_ascii_lowercase()) {
+        return Err(format!(
+            "{m:?}: write extension methods in upper case ({:?}): methods are case-sensitive, \
+             and clients send them in upper case",
+            m.to_ascii_uppercase()
+        ));
+    }
+    Ok(())
+}
+
+fn unknown_tier(tier: &str, tiers: &BTreeSet<&str>) -> String {
+    let known = if tiers.is_empty() {
+        "the rule set has none".to_owned()
+    } else {
+        let list: Vec<String> = tiers.iter().map(|t| format!("{t:?}")).collect();
+        format!("its tiers are {}", list.join(", "))
+    };
+    format!(
+        "tier {tier:?} is not a tier of the rule set ({known}); a tier is a value of `tiers`, \
+         or declared in `declared_tiers` while no tenant is in it"
+    )
+}
+
+/// A path prefix must start with `/` and be written as clients send paths: visible ASCII
+/// (percent-encoded), without a query or fragment, and without route-pattern syntax.
+fn check_path_prefix(p: &str) -> Result<(), String> {
+    if !p.starts_with('/') {
+        let fixed = format!("/{}", p.trim_start_matches('/'));
+        return Err(format!(
+            "path_prefix {p:?} must start with `/` (did you mean {fixed:?}?)"
+        ));
+    }
+    if let Some(c) = p.chars().find(|c| !c.is_ascii_graphic()) {
+        return Err(format!(
+            "path_prefix {p:?} contains {c:?}: paths are matched as sent, so write it \
+             percent-encoded, in visible ASCII"
+        ));
+    }
+    if let Some(c) = p.chars().find(|c| matches!(c, '?' | '#')) {
+        return Err(format!(
+            "path_prefix {p:?} contains `{c}`: only the path is matched, not the query or \
+             fragment"
+        ));
+    }
+    if let Some(c) = p.chars().find(|c| matches!(c, '*' | '{' | '}')) {
+        return Err(format!(
+            "path_prefix {p:?} contains `{c}`: it is a literal prefix matched by whole \
+             segments, not a route pattern"
+        ));
+    }
+    Ok(())
+}
+
+/// Whether `path` is `prefix` or lies below it. `prefix` has no trailing `/` and is not
+/// empty (the root prefix `/` compiles to no condition at all).
+fn under(path: &str, prefix: &str) -> bool {
+    path.strip_prefix(prefix)
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
 }
 
 /// The keys a tenant string stands for: its bytes, and, when it is an IP address, its IP key
@@ -377,10 +588,23 @@ impl CompiledRule {
             && self
                 .path_prefix
                 .as_deref()
-                .is_none_or(|p| req.uri().path().starts_with(p))
+                .is_none_or(|p| under(req.uri().path(), p))
             && (self.methods.is_empty() || self.methods.contains(req.method()))
             && self.predicate.as_ref().is_none_or(|f| f(req))
     }
+}
+
+/// The methods a rule matches: those it names, and `HEAD` with `GET`, because servers answer
+/// `HEAD` with the `GET` handler (axum does): a `GET` limit must not be bypassed with `HEAD`.
+fn compile_methods(methods: &[String], extensions: &[String]) -> SmallVec<[Method; 2]> {
+    let mut compiled: SmallVec<[Method; 2]> = methods
+        .iter()
+        .filter_map(|m| parse_method(m, extensions).ok())
+        .collect();
+    if compiled.contains(&Method::GET) && !compiled.contains(&Method::HEAD) {
+        compiled.push(Method::HEAD);
+    }
+    compiled
 }
 
 /// A rule set prepared for a backend.
@@ -445,12 +669,13 @@ pub(crate) fn compile<Bk: Backend>(
                     .tier
                     .as_deref()
                     .map(|t| *tier_ids.entry(t).or_insert(next)),
-                path_prefix: r.path_prefix.as_deref().map(Into::into),
-                methods: r
-                    .methods
-                    .iter()
-                    .filter_map(|m| parse_method(m).ok())
-                    .collect(),
+                path_prefix: r
+                    .path_prefix
+                    .as_deref()
+                    .map(|p| p.trim_end_matches('/'))
+                    .filter(|p| !p.is_empty())
+                    .map(Into::into),
+                methods: compile_methods(&r.methods, &set.extension_methods),
                 predicate: r.predicate.clone(),
             },
         ));

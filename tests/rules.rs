@@ -336,3 +336,200 @@ async fn shadow_mode_never_rejects_but_records_would_be_denials() {
     assert_eq!(would, 6, "3 would-be denials per layer:\n{logs}");
     assert!(logs.contains("policy=\"new-limit\""), "{logs}");
 }
+
+/// A path prefix matches whole segments: `/login` is not a prefix of `/loginfoo`.
+#[tokio::test]
+async fn path_prefixes_match_whole_segments() {
+    let rules = RuleSet::new(generous("default"))
+        .policy(generous("login"))
+        .policy(generous("api"))
+        .policy(generous("root"))
+        .rule(Rule::new(10, "login").path_prefix("/login"))
+        .rule(Rule::new(10, "api").path_prefix("/api/"));
+    let layer = RateLimitLayer::builder()
+        .rules(rules)
+        .key(Header::new("x-tenant"))
+        .build()
+        .unwrap();
+    let mut svc = layer.layer(ok_service());
+    for (path, expected) in [
+        ("/login", "login"),
+        ("/login/", "login"),
+        ("/login/2fa", "login"),
+        ("/login?next=/", "login"),
+        ("/loginfoo", "default"),
+        ("/log", "default"),
+        ("/Login", "default"),
+        ("/x/login", "default"),
+        // A trailing `/` in the prefix changes nothing.
+        ("/api", "api"),
+        ("/api/", "api"),
+        ("/api/items/7", "api"),
+        ("/apix", "default"),
+        ("/", "default"),
+    ] {
+        assert_eq!(
+            policy_of(&mut svc, req(Method::GET, path, "t")).await,
+            expected,
+            "{path}"
+        );
+    }
+    // `/` matches every path.
+    let layer = RateLimitLayer::builder()
+        .rules(
+            RuleSet::new(generous("default"))
+                .policy(generous("root"))
+                .rule(Rule::new(1, "root").path_prefix("/")),
+        )
+        .key(Header::new("x-tenant"))
+        .build()
+        .unwrap();
+    let mut svc = layer.layer(ok_service());
+    for path in ["/", "/a", "/a/b/"] {
+        assert_eq!(
+            policy_of(&mut svc, req(Method::GET, path, "t")).await,
+            "root",
+            "{path}"
+        );
+    }
+}
+
+/// axum answers HEAD with the GET handler: a GET limit must count HEAD requests too, or
+/// they bypass it. Served over TCP, as a client would see it.
+#[tokio::test]
+async fn get_rules_cover_head_requests_over_http() {
+    use axum::Router;
+    use axum::routing::get;
+
+    let rules = RuleSet::new(generous("default"))
+        .policy(Policy::new("export", Quota::per_hour(1)))
+        .rule(
+            Rule::new(10, "export")
+                .method(Method::GET)
+                .path_prefix("/export"),
+        );
+    let limit = RateLimitLayer::builder()
+        .rules(rules)
+        .key(Header::new("x-tenant"))
+        .build()
+        .unwrap();
+    let app = Router::new()
+        .route(
+            "/export",
+            get(|| async { "expensive\n" }).post(|| async { "posted\n" }),
+        )
+        .layer(limit);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let client = reqwest::Client::new();
+    let url = format!("http://{addr}/export");
+    let send = |method: reqwest::Method, tenant: &'static str| {
+        client
+            .request(method, &url)
+            .header("x-tenant", tenant)
+            .send()
+    };
+
+    // The handler runs for HEAD: the request counts against the GET rule...
+    let res = send(reqwest::Method::HEAD, "a").await.unwrap();
+    assert_eq!(res.status(), 200);
+    assert!(
+        res.headers()["ratelimit-policy"]
+            .to_str()
+            .unwrap()
+            .starts_with(r#""export";q=1;"#),
+        "{:?}",
+        res.headers()
+    );
+    // ...so neither GET nor HEAD gets a second one this hour.
+    assert_eq!(send(reqwest::Method::GET, "a").await.unwrap().status(), 429);
+    assert_eq!(
+        send(reqwest::Method::HEAD, "a").await.unwrap().status(),
+        429
+    );
+    // The other way round too.
+    assert_eq!(send(reqwest::Method::GET, "b").await.unwrap().status(), 200);
+    assert_eq!(
+        send(reqwest::Method::HEAD, "b").await.unwrap().status(),
+        429
+    );
+    // Other methods stay outside the rule.
+    assert_eq!(
+        send(reqwest::Method::POST, "a").await.unwrap().status(),
+        200
+    );
+}
+
+/// Typos are errors from `build()` and from the rules handle, and an update with one leaves
+/// the old rules in force.
+#[tokio::test]
+async fn typos_are_rejected_by_build_and_by_the_handle() {
+    let typos = || {
+        let base = || {
+            RuleSet::new(generous("a"))
+                .policy(generous("b"))
+                .tier("t-pro", "pro")
+        };
+        [
+            (
+                base().rule(Rule::new(1, "b").method(Method::from_bytes(b"PSOT").unwrap())),
+                "method \"PSOT\"",
+            ),
+            (base().rule(Rule::new(2, "b").tier("por")), "tier \"por\""),
+            (
+                base().rule(Rule::new(3, "b").path_prefix("login")),
+                "path_prefix \"login\"",
+            ),
+        ]
+    };
+    for (i, (set, expected)) in typos().into_iter().enumerate() {
+        let err = RateLimitLayer::builder()
+            .rules(set)
+            .key(Header::new("x-tenant"))
+            .build()
+            .unwrap_err()
+            .to_string();
+        let rule = format!("rules[0] (priority {})", i + 1);
+        assert!(err.contains(&rule) && err.contains(expected), "{err}");
+    }
+    let layer = RateLimitLayer::builder()
+        .rules(RuleSet::new(generous("a")))
+        .key(Header::new("x-tenant"))
+        .build()
+        .unwrap();
+    let handle = layer.rules_handle().unwrap();
+    let mut svc = layer.layer(ok_service());
+    for (set, expected) in typos() {
+        let err = handle.replace(set).unwrap_err().to_string();
+        assert!(err.contains(expected), "{err}");
+        assert_eq!(policy_of(&mut svc, req(Method::GET, "/", "t")).await, "a");
+        assert!(handle.current().rules().is_empty());
+    }
+}
+
+/// An extension method is accepted once declared, and matched exactly.
+#[tokio::test]
+async fn declared_extension_methods_match() {
+    let layer = RateLimitLayer::builder()
+        .rules(RuleSet::new(generous("a")))
+        .key(Header::new("x-tenant"))
+        .build()
+        .unwrap();
+    let handle = layer.rules_handle().unwrap();
+    let mut svc = layer.layer(ok_service());
+    let purge = Method::from_bytes(b"PURGE").unwrap();
+    handle
+        .replace(
+            RuleSet::new(generous("a"))
+                .policy(generous("b"))
+                .extension_method(purge.clone())
+                .rule(Rule::new(1, "b").method(purge.clone())),
+        )
+        .unwrap();
+    assert_eq!(policy_of(&mut svc, req(purge, "/", "t")).await, "b");
+    assert_eq!(policy_of(&mut svc, req(Method::GET, "/", "t")).await, "a");
+    // Methods are case-sensitive: `purge` is another method.
+    let lower = Method::from_bytes(b"purge").unwrap();
+    assert_eq!(policy_of(&mut svc, req(lower, "/", "t")).await, "a");
+}

@@ -128,3 +128,81 @@ async fn admin_api_is_off_without_a_token() {
         .unwrap();
     assert_eq!(res.status(), 404);
 }
+
+/// Typos in rules sent to the admin API are rejected with the rule and the value; a declared
+/// tier may lose its last merchant.
+#[tokio::test]
+async fn admin_rejects_typos_and_keeps_declared_tiers() {
+    let base = serve(Some("s3cret")).await;
+    let client = reqwest::Client::new();
+    let current: serde_json::Value = client
+        .get(format!("{base}/admin/rules"))
+        .bearer_auth("s3cret")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let put = |rules: serde_json::Value| {
+        client
+            .put(format!("{base}/admin/rules"))
+            .bearer_auth("s3cret")
+            .json(&rules)
+            .send()
+    };
+    let edit = |f: &dyn Fn(&mut serde_json::Value)| {
+        let mut rules = current.clone();
+        f(&mut rules);
+        rules
+    };
+    for (typo, expected) in [
+        (
+            edit(&|r| r["rules"][0]["tier"] = "por".into()),
+            r#"rules[0] (priority 10): tier "por" is not a tier of the rule set"#,
+        ),
+        (
+            edit(&|r| r["rules"][2]["path_prefix"] = "api/search".into()),
+            r#"rules[2] (priority 20): path_prefix "api/search" must start with `/`"#,
+        ),
+        (
+            edit(&|r| r["rules"][2]["methods"] = serde_json::json!(["GET", "PSOT"])),
+            r#"rules[2] (priority 20): method "PSOT" is not a standard HTTP method"#,
+        ),
+    ] {
+        let res = put(typo).await.unwrap();
+        assert_eq!(res.status(), 422);
+        let text = res.text().await.unwrap();
+        assert!(text.contains(expected), "{text}");
+    }
+    // Nothing changed.
+    let now: serde_json::Value = client
+        .get(format!("{base}/admin/rules"))
+        .bearer_auth("s3cret")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(now, current);
+
+    // Moving the only enterprise merchant to pro leaves the enterprise tier empty: its rules
+    // stay valid, as the example's rules declare the tier.
+    let res = put(edit(&|r| r["tiers"]["merchant-2"] = "pro".into()))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 200, "{}", res.text().await.unwrap());
+    let res = client
+        .get(format!("{base}/api/orders"))
+        .header("x-merchant-id", "merchant-2")
+        .send()
+        .await
+        .unwrap();
+    assert!(
+        res.headers()["ratelimit-policy"]
+            .to_str()
+            .unwrap()
+            .starts_with(r#""pro-0""#)
+    );
+}

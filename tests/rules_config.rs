@@ -65,7 +65,8 @@ policies:
 }
 
 /// `methods = ["post"]` in a config file means POST: a rule that silently never matched
-/// would be worse (say, a strict limit on logins).
+/// would be worse (say, a strict limit on logins). Extension methods are declared, then
+/// matched exactly.
 #[tokio::test]
 async fn standard_methods_match_whatever_their_case() {
     use bytes::Bytes;
@@ -77,6 +78,7 @@ async fn standard_methods_match_whatever_their_case() {
 
     let toml = r#"
 default = "free"
+extension_methods = ["PURGE"]
 [[policies]]
 name = "free"
 quotas = ["5/s"]
@@ -154,7 +156,7 @@ fn semantic_errors_name_the_entry() {
         ),
         (
             TOML.replace("\"POST\"", "\"PO ST\""),
-            "rules[0] (priority 10): \"PO ST\" is not an HTTP method",
+            "rules[0] (priority 10): method \"PO ST\" is not a standard HTTP method",
         ),
     ];
     for (text, expected) in cases {
@@ -165,4 +167,103 @@ fn semantic_errors_name_the_entry() {
             "{err:?} should contain {expected:?}"
         );
     }
+}
+
+/// Typos that made rules which never match are errors naming the rule and the value.
+#[test]
+fn typos_in_conditions_are_errors() {
+    let cases = [
+        (
+            TOML.replace("\"POST\"", "\"PSOT\""),
+            "rules[0] (priority 10): method \"PSOT\" is not a standard HTTP method (GET, HEAD, \
+             POST, PUT, DELETE, CONNECT, OPTIONS, TRACE or PATCH, in any case) nor declared in \
+             `extension_methods`",
+        ),
+        (
+            TOML.replace("tier = \"pro\"", "tier = \"por\""),
+            "rules[0] (priority 10): tier \"por\" is not a tier of the rule set (its tiers are \
+             \"pro\")",
+        ),
+        (
+            TOML.replace("\"/api\"", "\"api\""),
+            "rules[0] (priority 10): path_prefix \"api\" must start with `/` (did you mean \
+             \"/api\"?)",
+        ),
+        (
+            TOML.replace("\"/api\"", "\"/api/*\""),
+            "path_prefix \"/api/*\" contains `*`: it is a literal prefix",
+        ),
+        (
+            TOML.replace("\"/api\"", "\"/api?v=2\""),
+            "path_prefix \"/api?v=2\" contains `?`",
+        ),
+        (
+            TOML.replace("\"/api\"", "\"/café\""),
+            "path_prefix \"/café\" contains 'é'",
+        ),
+        // An extension method must be declared, and declared in upper case.
+        (
+            TOML.replace("\"POST\"", "\"PURGE\""),
+            "method \"PURGE\" is not a standard HTTP method",
+        ),
+        (
+            format!("extension_methods = [\"purge\"]\n{TOML}"),
+            "extension_methods[0]: \"purge\": write extension methods in upper case (\"PURGE\")",
+        ),
+        (
+            format!("extension_methods = [\"PURGE\"]\n{TOML}").replace("\"POST\"", "\"Purge\""),
+            "method \"Purge\" is not a standard HTTP method (GET, HEAD, POST, PUT, DELETE, \
+             CONNECT, OPTIONS, TRACE or PATCH, in any case) nor declared in `extension_methods` \
+             (methods are case-sensitive: `PURGE` is declared)",
+        ),
+    ];
+    for (text, expected) in cases {
+        let set: RuleSet = toml::from_str(&text).unwrap();
+        let err = set.validate().unwrap_err().to_string();
+        assert!(
+            err.contains(expected),
+            "{err:?} should contain {expected:?}"
+        );
+    }
+    // What is allowed: standard methods in any case, declared extension methods, prefixes
+    // with a trailing `/` or percent-encoded bytes, the root.
+    for text in [
+        TOML.replace("\"POST\"", "\"delete\""),
+        format!("extension_methods = [\"PURGE\", \"PROPFIND\"]\n{TOML}")
+            .replace("\"POST\"", "\"PROPFIND\""),
+        TOML.replace("\"/api\"", "\"/api/\""),
+        TOML.replace("\"/api\"", "\"/caf%C3%A9\""),
+        TOML.replace("\"/api\"", "\"/\""),
+    ] {
+        let set: RuleSet = toml::from_str(&text).unwrap();
+        set.validate().unwrap();
+    }
+}
+
+/// A tier may lose its last tenant and keep its rules, when declared.
+#[test]
+fn declared_tiers_may_be_empty() {
+    let emptied = TOML.replace("\"m-1\" = \"pro\"", "");
+    let set: RuleSet = toml::from_str(&emptied).unwrap();
+    let err = set.validate().unwrap_err().to_string();
+    assert!(
+        err.contains("tier \"pro\" is not a tier of the rule set (the rule set has none)"),
+        "{err}"
+    );
+    let declared: RuleSet =
+        toml::from_str(&format!("declared_tiers = [\"pro\"]\n{emptied}")).unwrap();
+    declared.validate().unwrap();
+    assert_eq!(declared.declared_tiers(), ["pro"]);
+    // The declarations survive a round trip, as through an admin API.
+    let json = serde_json::to_string(&declared).unwrap();
+    let back: RuleSet = serde_json::from_str(&json).unwrap();
+    assert_eq!(back.declared_tiers(), ["pro"]);
+    back.validate().unwrap();
+    // Serialized without declarations, a rule set looks as it did before they existed.
+    let plain: RuleSet = toml::from_str(TOML).unwrap();
+    let json = serde_json::to_string(&plain).unwrap();
+    assert!(
+        !json.contains("declared_tiers") && !json.contains("extension_methods"),
+        "{json}"
+    );
 }
