@@ -21,8 +21,14 @@ use crate::{ConfigError, Policy};
 pub enum OnMissingKey {
     /// Answer with this status (gRPC: the closest gRPC code) and a body naming what is
     /// missing. The default is `400 Bad Request`.
+    ///
+    /// A request without a peer address ([`KeyError::NoPeerAddr`](crate::KeyError)) is not
+    /// the client's fault but the server's setup: it gets `500` (gRPC `INTERNAL`) with a
+    /// generic body whatever this status, and the explanation is logged once.
     Reject(StatusCode),
-    /// Let the request through, unlimited and without rate-limit headers.
+    /// Let the request through, unlimited and without rate-limit headers. This also lets
+    /// through requests without a peer address (a server on a Unix socket keyed by IP), with
+    /// the explanation logged once.
     Allow,
 }
 

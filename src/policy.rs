@@ -29,6 +29,7 @@ pub struct Policy {
     quotas: SmallVec<[Quota; 2]>,
     cost: Cost,
     shadow: bool,
+    shadow_headers: bool,
 }
 
 #[derive(Clone)]
@@ -50,6 +51,7 @@ impl Policy {
             quotas,
             cost: Cost::Fixed(1),
             shadow: false,
+            shadow_headers: false,
         }
     }
 
@@ -79,9 +81,27 @@ impl Policy {
     /// not when a quota denies, not when the request has no key (whatever
     /// [`OnMissingKey`](crate::OnMissingKey) says), and not when the backend fails. Use it to
     /// roll out a new limit and watch what it would do.
+    ///
+    /// Responses carry no rate-limit fields for a shadow policy: a client following the IETF
+    /// draft would otherwise back off for a limit that is not enforced. Turn them on with
+    /// [`shadow_headers`](Self::shadow_headers).
     pub fn shadow(mut self, shadow: bool) -> Self {
         self.shadow = shadow;
         self
+    }
+
+    /// In shadow mode, still send the `RateLimit` fields of allowed requests (off by
+    /// default), e.g. to watch them in a staging environment. Would-be denials are let
+    /// through without fields either way.
+    pub fn shadow_headers(mut self, send: bool) -> Self {
+        self.shadow_headers = send;
+        self
+    }
+
+    /// Whether a shadow policy sends its rate-limit fields (see
+    /// [`shadow_headers`](Self::shadow_headers)).
+    pub fn sends_shadow_headers(&self) -> bool {
+        self.shadow_headers
     }
 
     /// The policy's name.
@@ -157,6 +177,8 @@ struct PolicySpec {
     cost: Option<u32>,
     #[serde(default)]
     shadow: bool,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    shadow_headers: bool,
 }
 
 #[cfg(feature = "serde")]
@@ -178,6 +200,7 @@ impl serde::Serialize for Policy {
                 Cost::Fn(_) => None,
             },
             shadow: self.shadow,
+            shadow_headers: self.shadow_headers,
         }
         .serialize(s)
     }
@@ -192,6 +215,7 @@ impl<'de> serde::Deserialize<'de> for Policy {
             quotas: spec.quotas.into_iter().collect(),
             cost: Cost::Fixed(spec.cost.unwrap_or(1)),
             shadow: spec.shadow,
+            shadow_headers: spec.shadow_headers,
         })
     }
 }

@@ -64,14 +64,17 @@ impl<'a> RequestInfo<'a> {
         self.extensions
     }
 
-    /// Whether this is a gRPC request (`content-type: application/grpc*`).
+    /// Whether this is a gRPC request (`content-type: application/grpc*`, gRPC-web
+    /// included).
     pub fn is_grpc(&self) -> bool {
-        is_grpc(self.headers)
+        grpc_content_type(self.headers).is_some()
     }
 }
 
-pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
+/// The request's `content-type` when it is a gRPC flavour (`application/grpc`,
+/// `application/grpc+proto`, `application/grpc-web+proto`, ...): rejections answer in it.
+pub(crate) fn grpc_content_type(headers: &HeaderMap) -> Option<&http::HeaderValue> {
     headers
         .get(http::header::CONTENT_TYPE)
-        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
+        .filter(|v| v.as_bytes().starts_with(b"application/grpc"))
 }

@@ -15,12 +15,24 @@
 //!   and less than it otherwise (`5/s burst 1`: `q=1;w=1`): a client pacing itself by
 //!   `q / w` is never denied, and `q` is never more than it may send at once.
 //! - `r` is how many more cost-1 requests would pass right now.
-//! - `t` is the seconds until the bucket is full again, rounded up.
+//! - `t` is the draft's "time until additional quota is made available": the seconds, rounded
+//!   up, until `r` grows by one (for GCRA, until the next unit is back in the bucket), on
+//!   every response alike; `t=0` when the bucket is full (nothing more will come).
 //!
 //! Denied requests get `429 Too Many Requests` with `Retry-After` in whole seconds, rounded up
-//! and never 0. gRPC requests (`content-type: application/grpc*`) get a trailers-only response
-//! with `grpc-status: 8` (`RESOURCE_EXHAUSTED`), which tonic clients see as
-//! `Status::resource_exhausted`.
+//! and never 0: when the request's whole cost fits again. Their `RateLimit` field lists only
+//! the quotas that refused the request, so `Retry-After` is never earlier than any `t` it
+//! comes with (a quota that allowed would otherwise show a `t` of its own, unrelated to the
+//! wait). A request whose cost is larger than a quota's burst can never pass: it gets
+//! `413 Content Too Large`, without `Retry-After`, with the quota's real state in `RateLimit`
+//! (nothing was taken). gRPC requests (`content-type: application/grpc*`, including
+//! `application/grpc-web*`) get a trailers-only response with `grpc-status: 8`
+//! (`RESOURCE_EXHAUSTED`), which tonic clients see as `Status::resource_exhausted`, or `3`
+//! (`INVALID_ARGUMENT`) for a request that can never pass; the response's `content-type` is
+//! the request's gRPC flavour.
+//!
+//! Shadow policies send no rate-limit fields (their limits are not enforced), unless
+//! [`Policy::shadow_headers`] asks for them.
 //!
 //! [draft-ietf-httpapi-ratelimit-headers]: https://datatracker.ietf.org/doc/draft-ietf-httpapi-ratelimit-headers/
 
@@ -34,7 +46,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Response, StatusCode, header};
 
-use crate::backend::{Decision, QuotaState};
+use smallvec::SmallVec;
+
+use crate::backend::{Decision, Outcome, QuotaState};
 use crate::quota::QuotaParams;
 use crate::{KeyError, Policy};
 
@@ -82,7 +96,9 @@ pub struct Rejection<'a> {
     pub kind: RejectionKind<'a>,
     /// The policy's name.
     pub policy: &'a str,
-    /// The status tollgate would answer with (429, 503, or the missing-key status).
+    /// The status tollgate would answer with: 429, 413 for a request that can never pass (its
+    /// cost is larger than a quota's burst), 503 when the backend failed, 500 when the server
+    /// records no peer address, or the missing-key status.
     pub status: StatusCode,
     /// When the client may retry, if known.
     pub retry_after: Option<Duration>,
@@ -100,7 +116,7 @@ impl Rejection<'_> {
         };
         quotas
             .iter()
-            .filter(|q| q.outcome != crate::backend::Outcome::Allowed)
+            .filter(|q| q.outcome != Outcome::Allowed)
             .filter_map(|q| self.quota_names.get(q.index).map(|n| &**n))
     }
 }
@@ -215,7 +231,18 @@ pub(crate) fn rate_limit_headers(
         return out;
     }
     if style.ietf() {
-        let quotas = decision.quotas();
+        // A denial reports the quotas that refused: their `t` is never later than the
+        // request's `Retry-After`, which an allowing quota's `t` could be.
+        let refusing: SmallVec<[QuotaState; 2]>;
+        let quotas = if decision.is_allowed() {
+            decision.quotas()
+        } else {
+            refusing = (decision.quotas().iter())
+                .filter(|q| q.outcome != Outcome::Allowed)
+                .copied()
+                .collect();
+            &refusing[..]
+        };
         let items = quotas
             .iter()
             .map(|q| (q.index, q.remaining, ceil_secs(q.reset_after)));
@@ -309,15 +336,16 @@ pub(crate) struct Responder {
 }
 
 impl Responder {
+    /// The response for `rejection`; `grpc` is the request's gRPC content type, if any.
     pub(crate) fn reject(
         &self,
         rejection: &Rejection<'_>,
-        grpc: bool,
+        grpc: Option<&HeaderValue>,
         adds: HeaderAdds,
     ) -> Response<Bytes> {
         let retry = rejection.retry_after.map(|d| ceil_secs(d).max(1));
-        let mut res = if grpc {
-            grpc_response(rejection)
+        let mut res = if let Some(content_type) = grpc {
+            grpc_response(rejection, content_type)
         } else {
             match &self.body {
                 RejectionBody::Text => text_response(rejection, retry),
@@ -345,6 +373,9 @@ fn text_response(rejection: &Rejection<'_>, retry: Option<u64>) -> Response<Byte
             format!("Too Many Requests: retry in {s} s\n")
         }
         (RejectionKind::RateLimited(_), None) => "Too Many Requests\n".to_owned(),
+        (RejectionKind::MissingKey(KeyError::NoPeerAddr), _) => {
+            "Internal Server Error\n".to_owned()
+        }
         (RejectionKind::MissingKey(e), _) => format!("{e}\n"),
         (RejectionKind::BackendUnavailable, _) => "Rate limiter unavailable\n".to_owned(),
     };
@@ -358,22 +389,36 @@ fn text_response(rejection: &Rejection<'_>, retry: Option<u64>) -> Response<Byte
 }
 
 fn problem_response(rejection: &Rejection<'_>, retry: Option<u64>) -> Response<Bytes> {
-    // Quota names cannot contain `"` or `\` (see `Policy::validate`), so they embed safely.
-    let (ty, title) = match rejection.kind {
+    // Quota names cannot contain `"` or `\` (see `Policy::validate`), and the details below
+    // are fixed texts or key errors without quotes, so everything embeds safely. RFC 9457: the
+    // title of `about:blank` is the status phrase; the explanation goes in `detail`.
+    let phrase = rejection.status.canonical_reason().unwrap_or("Error");
+    let (ty, title, detail): (&str, &str, String) = match rejection.kind {
+        RejectionKind::RateLimited(d) if d.never_fits() => (
+            "about:blank",
+            phrase,
+            "this request costs more than the rate limit ever allows: it can never pass".into(),
+        ),
         RejectionKind::RateLimited(_) => (
             "https://iana.org/assignments/http-problem-types#quota-exceeded",
             "Request cannot be satisfied as assigned quota has been exceeded",
+            String::new(),
         ),
-        RejectionKind::MissingKey(_) => ("about:blank", "No rate-limit key in the request"),
+        RejectionKind::MissingKey(KeyError::NoPeerAddr) => ("about:blank", phrase, String::new()),
+        RejectionKind::MissingKey(e) => ("about:blank", phrase, escape_json(&e.to_string())),
         RejectionKind::BackendUnavailable => (
             "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity",
             "Rate limiter unavailable",
+            String::new(),
         ),
     };
     let mut json = format!(
         r#"{{"type":"{ty}","title":"{title}","status":{}"#,
         rejection.status.as_u16(),
     );
+    if !detail.is_empty() {
+        json.push_str(&format!(r#","detail":"{detail}""#));
+    }
     if let RejectionKind::RateLimited(_) = rejection.kind {
         json.push_str(r#","violated-policies":["#);
         for (i, name) in rejection.violated().enumerate() {
@@ -399,22 +444,38 @@ fn problem_response(rejection: &Rejection<'_>, retry: Option<u64>) -> Response<B
     res
 }
 
-/// A trailers-only gRPC response: HTTP 200 with the status in the headers and no body.
-fn grpc_response(rejection: &Rejection<'_>) -> Response<Bytes> {
+/// A trailers-only gRPC response: HTTP 200 with the status in the headers and no body, in the
+/// request's gRPC flavour (`content_type`: gRPC-web clients read it the same way).
+fn grpc_response(rejection: &Rejection<'_>, content_type: &HeaderValue) -> Response<Bytes> {
     let (code, message) = match rejection.kind {
-        RejectionKind::RateLimited(_) => (8u8, "rate limit exceeded"),
+        RejectionKind::RateLimited(d) if d.never_fits() => {
+            (3u8, "request costs more than the rate limit ever allows")
+        }
+        RejectionKind::RateLimited(_) => (8, "rate limit exceeded"),
+        RejectionKind::MissingKey(KeyError::NoPeerAddr) => (13, "internal error"),
         RejectionKind::MissingKey(_) => (grpc_code(rejection.status), "no rate-limit key"),
         RejectionKind::BackendUnavailable => (14, "rate limiter unavailable"),
     };
     let mut res = Response::new(Bytes::new());
     let h = res.headers_mut();
-    h.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/grpc"),
-    );
+    h.insert(header::CONTENT_TYPE, content_type.clone());
     h.insert("grpc-status", HeaderValue::from(u16::from(code)));
     h.insert("grpc-message", HeaderValue::from_static(message));
     res
+}
+
+/// `s` with the characters JSON strings cannot hold as they are escaped.
+fn escape_json(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out
 }
 
 /// The gRPC code closest to an HTTP status, for missing-key rejections.

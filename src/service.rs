@@ -18,7 +18,7 @@ use crate::body::{BodyMode, KeepBody};
 use crate::future::ResponseFuture;
 use crate::key::{KeyError, KeyExtractor};
 use crate::layer::OnMissingKey;
-use crate::request::is_grpc;
+use crate::request::grpc_content_type;
 use crate::response::{self, HeaderAdds, PolicyHeaders, Rejection, RejectionKind, Responder};
 use crate::rules::LiveRules;
 use crate::{BackendError, Key, Policy, RequestInfo};
@@ -200,16 +200,35 @@ impl<K, Bk: Backend> Shared<K, Bk> {
         err: &KeyError,
         headers: &HeaderMap,
     ) -> Step<F, Bk::Policy> {
+        let policy = prepared.policy.name();
         if *err == KeyError::NoPeerAddr {
+            // The server's setup, not the client's request, is at fault: a 500 with a generic
+            // body (whatever `on_missing_key` says), and the explanation in the log.
             static WARNED: AtomicBool = AtomicBool::new(false);
             if !WARNED.swap(true, Ordering::Relaxed) {
                 tracing::error!(
-                    "tollgate: no peer address in the request extensions; with axum, serve with \
+                    "tollgate: no peer address in the request extensions, so requests cannot be \
+                     keyed by IP and are answered 500; with axum, serve with \
                      `into_make_service_with_connect_info::<SocketAddr>()` (logged once)"
                 );
             }
+            // `Allow` is an explicit choice to let keyless requests through (a server on a
+            // Unix socket has no peer address at all): kept, with the log above.
+            if prepared.policy.is_shadow() || self.on_missing_key == OnMissingKey::Allow {
+                return Step::Done(Verdict::Pass(HeaderAdds::new()));
+            }
+            let rejection = Rejection {
+                kind: RejectionKind::MissingKey(err),
+                policy,
+                status: StatusCode::INTERNAL_SERVER_ERROR,
+                retry_after: None,
+                quota_names: &[],
+            };
+            let res =
+                self.responder
+                    .reject(&rejection, grpc_content_type(headers), HeaderAdds::new());
+            return Step::Done(Verdict::Reject(Box::new(res)));
         }
-        let policy = prepared.policy.name();
         match self.on_missing_key {
             OnMissingKey::Allow => {
                 tracing::trace!(policy, reason = %err, "no rate-limit key; allowed");
@@ -233,9 +252,11 @@ impl<K, Bk: Backend> Shared<K, Bk> {
                     retry_after: None,
                     quota_names: &[],
                 };
-                let res = self
-                    .responder
-                    .reject(&rejection, is_grpc(headers), HeaderAdds::new());
+                let res = self.responder.reject(
+                    &rejection,
+                    grpc_content_type(headers),
+                    HeaderAdds::new(),
+                );
                 Step::Done(Verdict::Reject(Box::new(res)))
             }
         }
@@ -250,11 +271,18 @@ impl<K, Bk: Backend> Shared<K, Bk> {
     ) -> Verdict {
         let policy = prepared.policy.name();
         match result {
-            Ok(decision) if decision.is_allowed() => Verdict::Pass(response::rate_limit_headers(
-                self.responder.style,
-                &prepared.headers,
-                &decision,
-            )),
+            Ok(decision) if decision.is_allowed() => {
+                // A shadow policy is not enforced: its fields would make clients back off for
+                // nothing, unless asked for.
+                if prepared.policy.is_shadow() && !prepared.policy.sends_shadow_headers() {
+                    return Verdict::Pass(HeaderAdds::new());
+                }
+                Verdict::Pass(response::rate_limit_headers(
+                    self.responder.style,
+                    &prepared.headers,
+                    &decision,
+                ))
+            }
             Ok(decision) if prepared.policy.is_shadow() => {
                 tracing::info!(
                     policy,
@@ -277,16 +305,23 @@ impl<K, Bk: Backend> Shared<K, Bk> {
                     &prepared.headers,
                     &decision,
                 );
+                // A cost larger than a quota's burst can never pass: not "too many", but too
+                // large, and no `Retry-After`.
+                let status = if decision.never_fits() {
+                    StatusCode::PAYLOAD_TOO_LARGE
+                } else {
+                    StatusCode::TOO_MANY_REQUESTS
+                };
                 let rejection = Rejection {
                     kind: RejectionKind::RateLimited(&decision),
                     policy,
-                    status: StatusCode::TOO_MANY_REQUESTS,
+                    status,
                     retry_after,
                     quota_names: &prepared.headers.labels,
                 };
                 Verdict::Reject(Box::new(self.responder.reject(
                     &rejection,
-                    is_grpc(headers),
+                    grpc_content_type(headers),
                     adds,
                 )))
             }
@@ -310,7 +345,7 @@ impl<K, Bk: Backend> Shared<K, Bk> {
                 };
                 Verdict::Reject(Box::new(self.responder.reject(
                     &rejection,
-                    is_grpc(headers),
+                    grpc_content_type(headers),
                     HeaderAdds::new(),
                 )))
             }

@@ -217,7 +217,7 @@ async fn shadow_mode_passes_backend_failures_and_missing_keys() {
     assert_eq!(status(failing(), true, request("/")).await, 200);
     assert_eq!(status(failing(), false, request("/")).await, 503);
     assert_eq!(status(LocalBackend::new(), true, no_peer()).await, 200);
-    assert_eq!(status(LocalBackend::new(), false, no_peer()).await, 400);
+    assert_eq!(status(LocalBackend::new(), false, no_peer()).await, 500);
 }
 
 #[tokio::test]

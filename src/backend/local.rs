@@ -33,9 +33,9 @@
 //!   keys and byte keys of up to 29 bytes are stored inline, longer ones (up to
 //!   [`Key::MAX_LEN`] bytes) on the heap, so the worst case at the default cap
 //!   with 256-byte keys is about 330 MB; lower `max_keys` when keys come from clients.
-//! - **Header timing.** `remaining` and `retry_after` are exact; for allowed requests
-//!   `reset_after` (time until the bucket is full) may be late by less than one emission
-//!   interval (`period / count`), as governor reports remaining units, not its timestamp.
+//! - **Header timing.** `remaining`, `retry_after` and `reset_after` (the time until the next
+//!   unit is back) are exact; for allowed requests `reset_after` is read from the bucket's
+//!   stored time right after the decision, so it may be early by the time the decision took.
 //!
 //! ```
 //! use std::time::Duration;
@@ -128,8 +128,9 @@ struct Inner<C: Clock> {
     origin: C::Instant,
 }
 
-/// A limiter and its store, held weakly so that dropped policies free their buckets.
-type Registered<C> = (Weak<Limiter<C>>, Weak<StoreMap>);
+/// A limiter and its store, held weakly so that dropped policies free their buckets, and the
+/// instant the limiter counts its time from.
+type Registered<C> = (Weak<Limiter<C>>, Weak<StoreMap>, <C as Clock>::Instant);
 
 #[derive(Clone, PartialEq, Eq, Hash)]
 struct LimiterId {
@@ -267,8 +268,8 @@ impl<C: Clock> Inner<C> {
     fn sweep(&self) {
         let limiters: Vec<Arc<Limiter<C>>> = {
             let mut map = self.limiters.lock().unwrap_or_else(|p| p.into_inner());
-            map.retain(|_, (w, _)| w.strong_count() > 0);
-            map.values().filter_map(|(w, _)| w.upgrade()).collect()
+            map.retain(|_, (w, _, _)| w.strong_count() > 0);
+            map.values().filter_map(|(w, _, _)| w.upgrade()).collect()
         };
         for limiter in limiters {
             limiter.retain_recent();
@@ -320,6 +321,9 @@ struct PreparedQuota<C: Clock> {
     limiter: Arc<Limiter<C>>,
     store: Arc<StoreMap>,
     params: QuotaParams,
+    /// Read just before the limiter was made, so never later than the instant governor counts
+    /// the stored times from: times computed from it are never later than governor's.
+    start: C::Instant,
 }
 
 impl<C: Clock> fmt::Debug for LocalPolicy<C> {
@@ -358,14 +362,15 @@ where
                     index,
                     params: *p,
                 };
-                if let Some((limiter, store)) = map
+                if let Some((limiter, store, start)) = map
                     .get(&id)
-                    .and_then(|(l, s)| Some((l.upgrade()?, s.upgrade()?)))
+                    .and_then(|(l, s, start)| Some((l.upgrade()?, s.upgrade()?, *start)))
                 {
                     return Ok(PreparedQuota {
                         limiter,
                         store,
                         params: *p,
+                        start,
                     });
                 }
                 let quota = governor::Quota::with_period(p.emission_interval())
@@ -378,6 +383,7 @@ where
                     map: DashMap::with_hasher(RandomState::default()),
                     tracked: self.inner.tracked.clone(),
                 });
+                let start = self.inner.clock.now();
                 let limiter = Arc::new(
                     RateLimiter::<Key, Store, C, NoOpMiddleware<C::Instant>>::new(
                         quota,
@@ -386,11 +392,15 @@ where
                     )
                     .with_middleware::<StateInformationMiddleware>(),
                 );
-                map.insert(id, (Arc::downgrade(&limiter), Arc::downgrade(&store)));
+                map.insert(
+                    id,
+                    (Arc::downgrade(&limiter), Arc::downgrade(&store), start),
+                );
                 Ok(PreparedQuota {
                     limiter,
                     store,
                     params: *p,
+                    start,
                 })
             })
             .collect::<Result<_, ConfigError>>()?;
@@ -408,20 +418,25 @@ where
         if let Some(refused) = self.refuse_before_charging(policy, key, cost) {
             return ready(Ok(Decision::new([refused])));
         }
+        let clock = &self.inner.clock;
         let mut states = smallvec::SmallVec::<[QuotaState; 2]>::new();
         for (index, quota) in policy.limiters.iter().enumerate() {
             let params = &quota.params;
             let state = match quota.limiter.check_key_n(key, cost) {
                 Ok(Ok(snapshot)) => {
-                    QuotaState::allowed(index, params, snapshot.remaining_burst_capacity())
+                    // The bucket's new arrival time, as the store just wrote it.
+                    let tat = LAST_TAT.get();
+                    let mut state = QuotaState::allowed(index, params, quota.until(tat, &clock));
+                    // governor's count is exact; ours may be one more right at a boundary.
+                    state.remaining = snapshot.remaining_burst_capacity().min(state.limit);
+                    state
                 }
-                Ok(Err(not_until)) => QuotaState::denied(
-                    index,
-                    params,
-                    cost,
-                    not_until.wait_time_from(self.inner.clock.now()),
-                ),
-                Err(_insufficient) => QuotaState::never_fits(index, params),
+                Ok(Err(not_until)) => {
+                    QuotaState::denied(index, params, cost, not_until.wait_time_from(clock.now()))
+                }
+                Err(_insufficient) => {
+                    QuotaState::never_fits(index, params, quota.peek(key, &clock))
+                }
             };
             let stop = state.outcome != Outcome::Allowed;
             states.push(state);
@@ -451,7 +466,12 @@ where
         if let Some((index, quota)) =
             (policy.limiters.iter().enumerate()).find(|(_, quota)| cost > quota.params.burst)
         {
-            return Some(QuotaState::never_fits(index, &quota.params));
+            let clock = &self.inner.clock;
+            return Some(QuotaState::never_fits(
+                index,
+                &quota.params,
+                quota.peek(key, clock),
+            ));
         }
         let inner = &self.inner;
         let quotas = policy.limiters.len();
@@ -482,6 +502,29 @@ where
     }
 }
 
+impl<C: Clock> PreparedQuota<C> {
+    /// How far from now a theoretical arrival time `tat` (governor's nanoseconds since the
+    /// limiter's start) lies: zero when passed. Never more than governor's own reading, by at
+    /// most the time the decision took.
+    fn until(&self, tat: u64, clock: &C) -> Duration {
+        let elapsed = clock.now().duration_since(self.start).as_u64();
+        Duration::from_nanos(tat.saturating_sub(elapsed))
+    }
+
+    /// The arrival time of `key`'s bucket from now, read without changing it (zero: full, or
+    /// not tracked).
+    fn peek(&self, key: &Key, clock: &C) -> Duration {
+        let tat = (self.store.map.get(key)).map_or(0, |tat| tat.load(Ordering::Acquire));
+        self.until(tat, clock)
+    }
+}
+
+thread_local! {
+    /// The arrival time the store last wrote on this thread: governor reports remaining units,
+    /// not the time, and `decide` reads it right after the check it made on this thread.
+    static LAST_TAT: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
 /// Governor state store: one atomic theoretical arrival time per key, counted against the
 /// backend's key cap.
 struct Store(Arc<StoreMap>);
@@ -499,7 +542,10 @@ fn measure<T, E>(
     loop {
         let (result, next) = f((prev != 0).then(|| Nanos::from(prev)))?;
         match tat.compare_exchange_weak(prev, next.as_u64(), Ordering::AcqRel, Ordering::Acquire) {
-            Ok(_) => return Ok(result),
+            Ok(_) => {
+                LAST_TAT.set(next.as_u64());
+                return Ok(result);
+            }
             Err(actual) => prev = actual,
         }
     }

@@ -106,15 +106,23 @@ impl Decision {
         if self.is_allowed() {
             self.quotas.iter().min_by_key(|q| (q.remaining, q.limit))
         } else {
+            // A quota the request can never fit first, then the longest wait.
             self.quotas
                 .iter()
                 .filter(|q| q.outcome != Outcome::Allowed)
-                .max_by_key(|q| q.reset_after)
+                .max_by_key(|q| match q.outcome {
+                    Outcome::Denied { retry_after } => (false, retry_after),
+                    _ => (true, Duration::ZERO),
+                })
         }
     }
 }
 
 /// The state of one quota's bucket after a decision.
+///
+/// Every backend builds its states with the constructors below, from the bucket's theoretical
+/// arrival time or the wait it computed, so that `remaining` and `reset_after` mean the same
+/// on every backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct QuotaState {
     /// The quota's position in the policy.
@@ -125,35 +133,33 @@ pub struct QuotaState {
     pub limit: u32,
     /// How many cost-1 requests would pass right now, after this decision.
     pub remaining: u32,
-    /// For an allowed quota, the time until the bucket is full again; for a denied one, the
-    /// time until the request fits (its `retry_after`), so that the `RateLimit` header's `t`
-    /// never points later than `Retry-After`; zero when the request can never fit.
+    /// The time until more quota becomes available: until `remaining` grows by one (for GCRA,
+    /// the next unit back in the bucket). Zero when the bucket is full: nothing more will
+    /// come. This is the `RateLimit` header's `t`; for a denied quota it is never later than
+    /// the request's `retry_after`, so `Retry-After` never points before it.
     pub reset_after: Duration,
 }
 
 impl QuotaState {
-    /// An allowed quota with `remaining` units left.
-    pub fn allowed(index: usize, params: &QuotaParams, remaining: u32) -> Self {
-        let limit = params.burst.get();
-        let remaining = remaining.min(limit);
+    /// An allowed quota whose bucket, after the decision, has its theoretical arrival time
+    /// `tat` from now (zero or less: full).
+    pub fn allowed(index: usize, params: &QuotaParams, tat: Duration) -> Self {
+        let (remaining, reset_after) = bucket_state(params, tat);
         QuotaState {
             index,
             outcome: Outcome::Allowed,
-            limit,
+            limit: params.burst.get(),
             remaining,
-            reset_after: Duration::from_nanos(
-                params
-                    .emission_ns
-                    .saturating_mul(u64::from(limit - remaining)),
-            ),
+            reset_after,
         }
     }
 
     /// A quota that denied a request of `cost` units, which would fit after `wait`.
     ///
     /// The request lacks `ceil(wait / emission)` units, so that many fewer than `cost` are in
-    /// the bucket: that is how many cost-1 requests would pass now. Both backends (and the
-    /// Redis deny cache) build denials here, so they cannot drift apart.
+    /// the bucket: that is how many cost-1 requests would pass now; and the next unit comes
+    /// back `wait` modulo the emission interval from now. Every backend (and the Redis deny
+    /// cache) builds denials here, so they cannot drift apart.
     pub fn denied(index: usize, params: &QuotaParams, cost: NonZeroU32, wait: Duration) -> Self {
         let t = params.emission_ns.max(1);
         let wait_ns = u64::try_from(wait.as_nanos()).unwrap_or(u64::MAX);
@@ -167,20 +173,46 @@ impl QuotaState {
             outcome: Outcome::Denied { retry_after: wait },
             limit: params.burst.get(),
             remaining,
-            reset_after: wait,
+            reset_after: Duration::from_nanos(next_unit(wait_ns, t)),
         }
     }
 
-    /// A quota whose burst is smaller than the request's cost.
-    pub fn never_fits(index: usize, params: &QuotaParams) -> Self {
+    /// A quota whose burst is smaller than the request's cost, with its bucket as it is
+    /// (nothing was taken): theoretical arrival time `tat` from now.
+    pub fn never_fits(index: usize, params: &QuotaParams, tat: Duration) -> Self {
+        let (remaining, reset_after) = bucket_state(params, tat);
         QuotaState {
             index,
             outcome: Outcome::NeverFits,
             limit: params.burst.get(),
-            remaining: 0,
-            reset_after: Duration::ZERO,
+            remaining,
+            reset_after,
         }
     }
+}
+
+/// `remaining` and `reset_after` of a GCRA bucket whose theoretical arrival time is `tat` from
+/// now: a full bucket holds `burst * T` of time, and a unit comes back every `T`.
+fn bucket_state(params: &QuotaParams, tat: Duration) -> (u32, Duration) {
+    let t = params.emission_ns.max(1);
+    let burst = params.burst.get();
+    let tat = u64::try_from(tat.as_nanos()).unwrap_or(u64::MAX);
+    let full = t.saturating_mul(u64::from(burst));
+    let remaining = u32::try_from(full.saturating_sub(tat) / t)
+        .unwrap_or(u32::MAX)
+        .min(burst);
+    let reset = if remaining == burst {
+        0
+    } else {
+        next_unit(tat, t)
+    };
+    (remaining, Duration::from_nanos(reset))
+}
+
+/// Nanoseconds until the next unit comes back, `ns` from now being a whole number of units
+/// later than it (units come back every `t` ns): `ns` modulo `t`, or `t` when it divides.
+fn next_unit(ns: u64, t: u64) -> u64 {
+    if ns == 0 { 0 } else { (ns - 1) % t + 1 }
 }
 
 /// One quota's verdict.

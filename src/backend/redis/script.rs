@@ -44,7 +44,7 @@ pub(crate) fn never_fits(params: &[QuotaParams], cost: NonZeroU32) -> Option<Dec
         .iter()
         .enumerate()
         .filter(|(_, p)| cost > p.burst)
-        .map(|(index, p)| QuotaState::never_fits(index, p))
+        .map(|(index, p)| QuotaState::never_fits(index, p, Duration::ZERO))
         .collect();
     (!states.is_empty()).then(|| Decision::new(states))
 }
@@ -79,16 +79,10 @@ fn state(
     tat: u64,
     wait: u64,
 ) -> Result<QuotaState, BackendError> {
-    let t = p.emission_ns.max(1);
-    // Capacity of a full bucket, as governor counts it: tau + T = burst * T.
-    let full = t.saturating_mul(u64::from(p.burst.get()));
     Ok(match code {
-        ALLOWED | UNTOUCHED => {
-            let remaining = full.saturating_sub(tat) / t;
-            QuotaState::allowed(index, p, clamp_u32(remaining, p.burst.get()))
-        }
+        ALLOWED | UNTOUCHED => QuotaState::allowed(index, p, Duration::from_nanos(tat)),
         DENIED => QuotaState::denied(index, p, cost, Duration::from_nanos(wait)),
-        NEVER_FITS => QuotaState::never_fits(index, p),
+        NEVER_FITS => QuotaState::never_fits(index, p, Duration::from_nanos(tat)),
         REFUSED => {
             return Err(protocol(
                 "Redis refused a key of this decision (is another program writing under the prefix?)"
@@ -101,10 +95,6 @@ fn state(
 
 fn nonneg(n: i64) -> u64 {
     u64::try_from(n).unwrap_or(0)
-}
-
-fn clamp_u32(n: u64, max: u32) -> u32 {
-    u32::try_from(n).unwrap_or(u32::MAX).min(max)
 }
 
 fn protocol(msg: String) -> BackendError {
@@ -139,7 +129,8 @@ mod tests {
         let d = decision(&[1, 7_000_000_000, 3_000_000_000], &p, cost).unwrap();
         assert_eq!(d.retry_after(), Some(Duration::from_secs(3)));
         assert_eq!(d.quotas()[0].remaining, 2);
-        assert_eq!(d.quotas()[0].reset_after, Duration::from_secs(3));
+        // The next unit is back in a second (`t`); the request fits in three.
+        assert_eq!(d.quotas()[0].reset_after, Duration::from_secs(1));
     }
 
     #[test]
