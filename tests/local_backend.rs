@@ -352,3 +352,82 @@ async fn the_tightest_quota_of_a_denial_is_the_denying_one() {
     let d = decide(&s, &p, &k, 2).await;
     assert_eq!(d.tightest().unwrap().index, 0, "{d:?}");
 }
+
+/// A logger writing into a shared buffer, for tests that count log lines.
+#[derive(Clone, Default)]
+struct Logs(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Logs {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Logs {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+/// A full table turns new keys away visibly: counted, warned about at most once a minute
+/// (not once per request), and, when asked, let through unlimited instead of denied.
+#[tokio::test]
+async fn a_full_table_is_counted_warned_about_and_configurable() {
+    use tollgate::backend::WhenFull;
+    let logs = Logs::default();
+    let writer = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let policy = Policy::new("p", Quota::per_hour(10));
+    for when_full in [WhenFull::Deny, WhenFull::Allow] {
+        let clock = FakeRelativeClock::default();
+        let backend = LocalBackend::builder()
+            .clock(clock.clone())
+            .max_keys(1)
+            .when_full(when_full)
+            .build();
+        let s = Setup { clock, backend };
+        let p = prepare(&s.backend, &policy);
+        assert!(decide(&s, &p, &key("known"), 1).await.is_allowed());
+        for i in 0..20 {
+            let d = decide(&s, &p, &key(&format!("new-{i}")), 1).await;
+            match when_full {
+                WhenFull::Deny => assert_eq!(d.retry_after(), Some(Duration::from_secs(1))),
+                _ => {
+                    assert!(d.is_allowed());
+                    assert!(d.quotas().is_empty(), "untracked: no headers");
+                }
+            }
+        }
+        assert_eq!(s.backend.full_table_refusals(), 20);
+        assert_eq!(s.backend.tracked_keys(), 1);
+        // A minute later, the next refusal warns again, with the count since the last one.
+        s.clock.advance(Duration::from_secs(61));
+        decide(&s, &p, &key("later"), 1).await;
+        assert_eq!(s.backend.full_table_refusals(), 21);
+    }
+    let text = logs.text();
+    let warnings: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("table is full"))
+        .collect();
+    assert_eq!(
+        warnings.len(),
+        4,
+        "two per backend, not one per request:\n{text}"
+    );
+    assert!(
+        warnings[0].contains("denied") && warnings[0].contains("new_keys=1"),
+        "{text}"
+    );
+    assert!(warnings[1].contains("new_keys=20"), "{text}");
+    assert!(warnings[2].contains("let through unlimited"), "{text}");
+}

@@ -28,8 +28,11 @@
 //!   At most [`max_keys`](LocalBackendBuilder::max_keys) buckets (1 000 000 by default, summed
 //!   over all quotas; concurrent inserts may overshoot by a few) are tracked: when the table is
 //!   full, a sweep starts at once (on a blocking thread), and a new key that finds no room is
-//!   denied (`Retry-After: 1`) rather than tracked, while keys already tracked keep their
-//!   limits. A bucket costs about 86 bytes with its key (measured: `benches/memory.rs`): IP
+//!   not tracked, while keys already tracked keep their limits: by default it is denied
+//!   (`Retry-After: 1`); [`when_full`](LocalBackendBuilder::when_full) can let it through
+//!   unlimited instead. Either way the backend counts it
+//!   ([`full_table_refusals`](LocalBackend::full_table_refusals)) and warns, at most once a
+//!   minute, with the number of keys turned away since the last warning. A bucket costs about 86 bytes with its key (measured: `benches/memory.rs`): IP
 //!   keys and byte keys of up to 29 bytes are stored inline, longer ones (up to
 //!   [`Key::MAX_LEN`] bytes) on the heap, so the worst case at the default cap
 //!   with 256-byte keys is about 330 MB; lower `max_keys` when keys come from clients.
@@ -76,7 +79,6 @@ use dashmap::DashMap;
 use dashmap::mapref::entry::Entry;
 use foldhash::quality::RandomState;
 use governor::RateLimiter;
-use governor::clock::{Clock, MonotonicClock, Reference};
 use governor::middleware::{NoOpMiddleware, StateInformationMiddleware};
 use governor::nanos::Nanos;
 use governor::state::StateStore;
@@ -85,6 +87,11 @@ use governor::state::keyed::ShrinkableKeyedStateStore;
 use super::{Backend, Decision, Outcome, QuotaState};
 use crate::quota::QuotaParams;
 use crate::{BackendError, ConfigError, Key, Policy};
+
+/// The governor crate this backend is built on, for its clocks ([`Clock`],
+/// [`FakeRelativeClock`] in tests) without matching its version by hand.
+pub use governor;
+pub use governor::clock::{Clock, FakeRelativeClock, MonotonicClock, Reference};
 
 type Limiter<C> = RateLimiter<Key, Store, C, StateInformationMiddleware>;
 
@@ -108,6 +115,7 @@ impl<C: Clock> fmt::Debug for LocalBackend<C> {
         f.debug_struct("LocalBackend")
             .field("tracked_keys", &self.tracked_keys())
             .field("max_keys", &self.inner.max_keys)
+            .field("when_full", &self.inner.when_full)
             .field("sweep_interval", &self.inner.sweep_interval)
             .finish()
     }
@@ -116,6 +124,13 @@ impl<C: Clock> fmt::Debug for LocalBackend<C> {
 struct Inner<C: Clock> {
     clock: C,
     max_keys: usize,
+    when_full: WhenFull,
+    /// New keys turned away (or let through) because the table was full, in all.
+    full_refusals: AtomicU64,
+    /// The count at the last warning, and when it was given (ns on `clock`, plus one, so that
+    /// 0 means never).
+    warned_refusals: AtomicU64,
+    warned_at: AtomicU64,
     sweep_interval: Duration,
     /// Buckets tracked over all stores of this backend.
     tracked: Arc<AtomicUsize>,
@@ -143,6 +158,7 @@ struct LimiterId {
 pub struct LocalBackendBuilder<C: Clock = MonotonicClock> {
     clock: C,
     max_keys: usize,
+    when_full: WhenFull,
     sweep_interval: Duration,
 }
 
@@ -157,6 +173,7 @@ impl LocalBackend {
         LocalBackendBuilder {
             clock: MonotonicClock,
             max_keys: 1_000_000,
+            when_full: WhenFull::Deny,
             sweep_interval: Duration::from_secs(60),
         }
     }
@@ -174,6 +191,7 @@ impl<C: Clock> LocalBackendBuilder<C> {
         LocalBackendBuilder {
             clock,
             max_keys: self.max_keys,
+            when_full: self.when_full,
             sweep_interval: self.sweep_interval,
         }
     }
@@ -181,6 +199,14 @@ impl<C: Clock> LocalBackendBuilder<C> {
     /// The most buckets tracked at once, over all quotas (at least 1).
     pub fn max_keys(mut self, max_keys: usize) -> Self {
         self.max_keys = max_keys.max(1);
+        self
+    }
+
+    /// What a new key gets when the table is full (after a sweep found no room): denied
+    /// (the default) or let through unlimited. Keys already tracked keep their limits either
+    /// way.
+    pub fn when_full(mut self, action: WhenFull) -> Self {
+        self.when_full = action;
         self
     }
 
@@ -197,6 +223,10 @@ impl<C: Clock> LocalBackendBuilder<C> {
             inner: Arc::new(Inner {
                 clock: self.clock,
                 max_keys: self.max_keys,
+                when_full: self.when_full,
+                full_refusals: AtomicU64::new(0),
+                warned_refusals: AtomicU64::new(0),
+                warned_at: AtomicU64::new(0),
                 sweep_interval: self.sweep_interval,
                 tracked: Arc::new(AtomicUsize::new(0)),
                 limiters: Mutex::new(HashMap::new()),
@@ -212,6 +242,12 @@ impl<C: Clock> LocalBackend<C> {
     /// How many buckets are tracked now, over all quotas.
     pub fn tracked_keys(&self) -> usize {
         self.inner.tracked.load(Ordering::Relaxed)
+    }
+
+    /// How many requests of new keys found the table full (and were denied or let through,
+    /// as [`when_full`](LocalBackendBuilder::when_full) says), since the backend was built.
+    pub fn full_table_refusals(&self) -> u64 {
+        self.inner.full_refusals.load(Ordering::Relaxed)
     }
 }
 
@@ -415,8 +451,11 @@ where
         // Refusals that need no bucket come first, before any bucket is charged: a request
         // that can never fit, or a new key when the table is full, must not use up the
         // earlier quotas of a multi-quota policy.
-        if let Some(refused) = self.refuse_before_charging(policy, key, cost) {
-            return ready(Ok(Decision::new([refused])));
+        match self.refuse_before_charging(policy, key, cost) {
+            None => {}
+            Some(Refusal::Deny(refused)) => return ready(Ok(Decision::new([refused]))),
+            // Untracked, so unlimited: a decision without quota states carries no headers.
+            Some(Refusal::Allow) => return ready(Ok(Decision::new([]))),
         }
         let clock = &self.inner.clock;
         let mut states = smallvec::SmallVec::<[QuotaState; 2]>::new();
@@ -462,16 +501,16 @@ where
         policy: &LocalPolicy<C>,
         key: &Key,
         cost: NonZeroU32,
-    ) -> Option<QuotaState> {
+    ) -> Option<Refusal> {
         if let Some((index, quota)) =
             (policy.limiters.iter().enumerate()).find(|(_, quota)| cost > quota.params.burst)
         {
             let clock = &self.inner.clock;
-            return Some(QuotaState::never_fits(
+            return Some(Refusal::Deny(QuotaState::never_fits(
                 index,
                 &quota.params,
                 quota.peek(key, clock),
-            ));
+            )));
         }
         let inner = &self.inner;
         let quotas = policy.limiters.len();
@@ -492,13 +531,67 @@ where
         if !overflows() {
             return None;
         }
-        tracing::debug!(max_keys = inner.max_keys, "local rate-limit table full");
-        Some(QuotaState::denied(
-            first,
-            &quota.params,
-            cost,
-            Duration::from_secs(1),
-        ))
+        inner.count_full_refusal();
+        Some(match inner.when_full {
+            WhenFull::Deny => Refusal::Deny(QuotaState::denied(
+                first,
+                &quota.params,
+                cost,
+                Duration::from_secs(1),
+            )),
+            WhenFull::Allow => Refusal::Allow,
+        })
+    }
+}
+
+/// What a new key gets when the local backend's table is full.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum WhenFull {
+    /// Denied, `Retry-After: 1` (the default): a flood of new keys cannot lift the limit,
+    /// but new clients are turned away until a sweep makes room.
+    #[default]
+    Deny,
+    /// Let through without a bucket, unlimited and without rate-limit headers: new clients
+    /// are served, and a flood of new keys goes unlimited until a sweep makes room.
+    Allow,
+}
+
+/// A decision made before any bucket is charged.
+enum Refusal {
+    Deny(QuotaState),
+    Allow,
+}
+
+impl<C: Clock> Inner<C> {
+    /// Counts a new key that found the table full, and warns at most once a minute.
+    fn count_full_refusal(&self) {
+        let total = self.full_refusals.fetch_add(1, Ordering::Relaxed) + 1;
+        let now = self.elapsed_ns().saturating_add(1);
+        let last = self.warned_at.load(Ordering::Relaxed);
+        if last != 0 && now < last.saturating_add(60_000_000_000) {
+            return;
+        }
+        if self
+            .warned_at
+            .compare_exchange(last, now, Ordering::AcqRel, Ordering::Relaxed)
+            .is_err()
+        {
+            return;
+        }
+        let since = total - self.warned_refusals.swap(total, Ordering::Relaxed);
+        tracing::warn!(
+            max_keys = self.max_keys,
+            new_keys = since,
+            total,
+            when_full = ?self.when_full,
+            "tollgate: the local rate-limit table is full; new keys are {} (at most one warning \
+             a minute; raise `max_keys` or lower `sweep_interval`)",
+            match self.when_full {
+                WhenFull::Deny => "denied",
+                WhenFull::Allow => "let through unlimited",
+            }
+        );
     }
 }
 

@@ -25,7 +25,7 @@ use crate::quota::QuotaParams;
 use crate::{BackendError, ConfigError, Key, Policy};
 
 #[cfg(feature = "local")]
-pub use local::LocalBackend;
+pub use local::{LocalBackend, WhenFull};
 
 /// A store of rate-limit buckets.
 ///
