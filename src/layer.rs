@@ -12,7 +12,7 @@ use crate::body::{KeepBody, WrapBody};
 use crate::key::{ClientIp, KeyExtractor};
 use crate::response::{HeaderStyle, PolicyHeaders, RejectionBody, Responder};
 use crate::rules::{LiveRules, RuleSet, RulesHandle};
-use crate::service::{Policies, Prepared, RateLimit, Shared};
+use crate::service::{Erased, Policies, Prepared, RateLimit, Shared};
 use crate::{ConfigError, Policy};
 
 /// What happens to a request from which no key can be extracted.
@@ -47,12 +47,24 @@ impl Default for OnMissingKey {
 /// default ([`KeepBody`]) in the inner service's own body type, so that axum and tonic pass
 /// them on without boxing them again; [`wrap_body`](Self::wrap_body) switches to
 /// [`WrapBody`] for body types tollgate cannot write a rejection in.
-pub struct RateLimitLayer<K, Bk: Backend, M = KeepBody> {
-    shared: Arc<Shared<K, Bk>>,
+///
+/// The type has no bounds of its own (as in tower, they are on the impls), so a struct generic
+/// over the backend can hold one:
+///
+/// ```
+/// use tollgate::RateLimitLayer;
+/// use tollgate::key::ClientIp;
+///
+/// struct Limits<B> {
+///     api: RateLimitLayer<ClientIp, B>,
+/// }
+/// ```
+pub struct RateLimitLayer<K, Bk, M = KeepBody> {
+    shared: Erased<K, Bk>,
     mode: PhantomData<fn() -> M>,
 }
 
-impl<K, Bk: Backend, M> Clone for RateLimitLayer<K, Bk, M> {
+impl<K, Bk, M> Clone for RateLimitLayer<K, Bk, M> {
     fn clone(&self) -> Self {
         RateLimitLayer {
             shared: self.shared.clone(),
@@ -61,17 +73,23 @@ impl<K, Bk: Backend, M> Clone for RateLimitLayer<K, Bk, M> {
     }
 }
 
-impl<K: fmt::Debug, Bk: Backend + fmt::Debug, M> fmt::Debug for RateLimitLayer<K, Bk, M> {
+impl<K, Bk, M> fmt::Debug for RateLimitLayer<K, Bk, M>
+where
+    K: KeyExtractor + fmt::Debug,
+    Bk: Backend + fmt::Debug,
+{
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RateLimitLayer")
-            .field("key", &self.shared.key)
-            .field("backend", &self.shared.backend)
-            .field("policy", &self.shared.policies.default_name())
-            .finish()
+        let mut d = f.debug_struct("RateLimitLayer");
+        if let Some(shared) = self.shared.get() {
+            d.field("key", &shared.key)
+                .field("backend", &shared.backend)
+                .field("policy", &shared.policies.default_name());
+        }
+        d.finish()
     }
 }
 
-impl<K, Bk: Backend> RateLimitLayer<K, Bk> {
+impl<K, Bk> RateLimitLayer<K, Bk> {
     /// Answers with [`ResponseBody<B>`](crate::ResponseBody) around the inner service's body
     /// type `B`, instead of `B` itself: for inner services whose body type does not implement
     /// [`RateLimitBody`](crate::body::RateLimitBody) (the compiler says so).
@@ -110,18 +128,18 @@ impl<K, Bk: Backend> RateLimitLayer<K, Bk> {
     }
 }
 
-impl<K, Bk: Backend, M> RateLimitLayer<K, Bk, M> {
+impl<K: KeyExtractor, Bk: Backend, M> RateLimitLayer<K, Bk, M> {
     /// The handle that replaces this layer's rules at run time, when it was built with
     /// [`rules`](RateLimitLayerBuilder::rules); `None` for a single fixed policy.
     pub fn rules_handle(&self) -> Option<RulesHandle> {
-        match &self.shared.policies {
+        match &self.shared.get()?.policies {
             Policies::Rules(live) => Some(RulesHandle::new(live.clone())),
             Policies::Fixed(_) => None,
         }
     }
 }
 
-impl<S, K, Bk: Backend, M> Layer<S> for RateLimitLayer<K, Bk, M> {
+impl<S, K, Bk, M> Layer<S> for RateLimitLayer<K, Bk, M> {
     type Service = RateLimit<S, K, Bk, M>;
 
     fn layer(&self, inner: S) -> Self::Service {
@@ -283,7 +301,7 @@ fn build<K: KeyExtractor, Bk: Backend>(
     };
     Ok(RateLimitLayer {
         mode: PhantomData,
-        shared: Arc::new(Shared {
+        shared: Erased::new(Shared {
             key: b.key,
             backend,
             policies,

@@ -143,7 +143,8 @@ impl Policy {
         let mut labels = std::collections::HashSet::new();
         for i in 0..self.quotas.len() {
             let label = self.quota_label(i);
-            if !valid_name(&label) || !labels.insert(label.clone()) {
+            let too_long = self.quotas[i].name_too_long();
+            if too_long || !valid_name(&label) || !labels.insert(label.clone()) {
                 return Err(ConfigError::Invalid {
                     option: "Quota::named",
                     reason: format!(
@@ -186,9 +187,9 @@ fn one() -> Option<u32> {
     Some(1)
 }
 
-/// Serialized as `{ name, quotas = ["5/s burst 10", ...], cost, shadow }`. A cost computed by a
-/// closure cannot be serialized and is left out, and so are quota names given with
-/// [`Quota::named`] (the headers then use the default `<policy>-<index>` names).
+/// Serialized as `{ name, quotas = ["5/s burst 10", { rate = "1000/h", name = "hourly" }, ...],
+/// cost, shadow }`: a quota with a name is a table. A cost computed by a closure cannot be
+/// serialized and is left out.
 #[cfg(feature = "serde")]
 impl serde::Serialize for Policy {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {

@@ -34,7 +34,48 @@ pub struct Quota {
     count: u32,
     period: Duration,
     burst: Option<u32>,
-    name: Option<&'static str>,
+    name: Option<QuotaName>,
+}
+
+/// A quota's own name, inline so that [`Quota`] stays `Copy`: up to
+/// [`Quota::MAX_NAME_LEN`] bytes; a longer name is kept cut short and marked, and
+/// `Policy::validate` reports it.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+struct QuotaName {
+    len: u8,
+    too_long: bool,
+    bytes: [u8; Quota::MAX_NAME_LEN],
+}
+
+impl QuotaName {
+    fn new(name: &str) -> Self {
+        let mut bytes = [0; Quota::MAX_NAME_LEN];
+        // Cut at a character boundary, so that the stored name is still a `str`.
+        let mut len = name.len().min(Quota::MAX_NAME_LEN);
+        while !name.is_char_boundary(len) {
+            len -= 1;
+        }
+        bytes[..len].copy_from_slice(&name.as_bytes()[..len]);
+        QuotaName {
+            len: len as u8,
+            too_long: len < name.len(),
+            bytes,
+        }
+    }
+
+    fn as_str(&self) -> &str {
+        std::str::from_utf8(&self.bytes[..usize::from(self.len)]).unwrap_or_default()
+    }
+}
+
+impl std::fmt::Debug for QuotaName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}", self.as_str())?;
+        if self.too_long {
+            f.write_str("…")?;
+        }
+        Ok(())
+    }
 }
 
 impl Quota {
@@ -74,10 +115,18 @@ impl Quota {
         self
     }
 
+    /// The longest quota name, in bytes.
+    pub const MAX_NAME_LEN: usize = 64;
+
     /// Names this quota in the `RateLimit` headers. Without a name, a policy with one quota uses
     /// the policy's name, and a policy with several uses `<policy>-<index>`.
-    pub const fn named(mut self, name: &'static str) -> Self {
-        self.name = Some(name);
+    ///
+    /// Any string will do here (from a configuration file, say); a name that is not 1 to
+    /// [`MAX_NAME_LEN`](Self::MAX_NAME_LEN) visible ASCII characters without `"` or `\` is
+    /// reported by `build()`. In TOML / YAML / JSON, a named quota is written as a table:
+    /// `{ rate = "100/h", name = "hourly" }`.
+    pub fn named(mut self, name: &str) -> Self {
+        self.name = Some(QuotaName::new(name));
         self
     }
 
@@ -100,8 +149,14 @@ impl Quota {
     }
 
     /// The name given with [`named`](Self::named), if any.
-    pub const fn name(&self) -> Option<&'static str> {
-        self.name
+    pub fn name(&self) -> Option<&str> {
+        self.name.as_ref().map(QuotaName::as_str)
+    }
+
+    /// Whether the name given was longer than [`MAX_NAME_LEN`](Self::MAX_NAME_LEN) (it is
+    /// then refused by `build()`).
+    pub(crate) fn name_too_long(&self) -> bool {
+        self.name.is_some_and(|n| n.too_long)
     }
 
     /// Time for one unit to come back (`period / count`), or `None` when the count is zero.
@@ -197,6 +252,45 @@ mod tests {
             let err = q.params("api").unwrap_err().to_string();
             assert!(err.contains("api"), "{err}");
         }
+    }
+
+    #[test]
+    fn names_are_any_string_and_quotas_stay_copy() {
+        let owned = String::from("hourly");
+        let q = Quota::per_hour(100).named(&owned);
+        drop(owned);
+        let copy = q;
+        assert_eq!(q.name(), Some("hourly"));
+        assert_eq!(copy, q);
+        let long = "n".repeat(Quota::MAX_NAME_LEN + 1);
+        assert!(Quota::per_hour(1).named(&long).name_too_long());
+        assert!(!Quota::per_hour(1).named(&long[1..]).name_too_long());
+    }
+
+    #[cfg(feature = "serde")]
+    #[test]
+    fn names_survive_configuration_files() {
+        let q: Quota = serde_json::from_str(r#"{"rate":"100/h burst 5","name":"hourly"}"#).unwrap();
+        assert_eq!(q, Quota::per_hour(100).burst(5).named("hourly"));
+        assert_eq!(
+            serde_json::to_string(&q).unwrap(),
+            r#"{"rate":"100/h burst 5","name":"hourly"}"#
+        );
+        let plain: Quota = serde_json::from_str(r#""5/s""#).unwrap();
+        assert_eq!(serde_json::to_string(&plain).unwrap(), r#""5/s""#);
+        #[derive(serde::Deserialize)]
+        struct File {
+            quotas: Vec<Quota>,
+        }
+        let f: File =
+            toml::from_str(r#"quotas = ["5/s burst 10", { rate = "1000/h", name = "hourly" }]"#)
+                .unwrap();
+        assert_eq!(f.quotas[1].name(), Some("hourly"));
+        assert_eq!(f.quotas[0].name(), None);
+        assert!(
+            serde_json::from_str::<Quota>(r#"{"rate":"1/s","nmae":"x"}"#).is_err(),
+            "unknown fields are errors"
+        );
     }
 
     #[test]
@@ -313,18 +407,55 @@ impl std::fmt::Display for Quota {
     }
 }
 
+/// A quota in a configuration file: `"5/s burst 10"`, or a table naming it,
+/// `{ rate = "5/s burst 10", name = "burst" }`.
+#[cfg(feature = "serde")]
+#[derive(serde::Serialize, serde::Deserialize)]
+#[serde(untagged)]
+enum QuotaSpec<'a> {
+    Rate(#[serde(borrow)] std::borrow::Cow<'a, str>),
+    Table(QuotaTable<'a>),
+}
+
+#[cfg(feature = "serde")]
+#[derive(serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct QuotaTable<'a> {
+    #[serde(borrow)]
+    rate: std::borrow::Cow<'a, str>,
+    #[serde(borrow, default, skip_serializing_if = "Option::is_none")]
+    name: Option<std::borrow::Cow<'a, str>>,
+}
+
+/// Written as its rate (`"5/s burst 10"`), or as a table when it has a name:
+/// `{ rate = "5/s burst 10", name = "burst" }`.
 #[cfg(feature = "serde")]
 impl serde::Serialize for Quota {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(self)
+        let rate = std::borrow::Cow::Owned(self.to_string());
+        match self.name() {
+            None => QuotaSpec::Rate(rate),
+            Some(name) => QuotaSpec::Table(QuotaTable {
+                rate,
+                name: Some(name.into()),
+            }),
+        }
+        .serialize(s)
     }
 }
 
 #[cfg(feature = "serde")]
 impl<'de> serde::Deserialize<'de> for Quota {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = <std::borrow::Cow<'de, str>>::deserialize(d)?;
-        s.parse().map_err(serde::de::Error::custom)
+        let (rate, name) = match QuotaSpec::deserialize(d)? {
+            QuotaSpec::Rate(rate) => (rate, None),
+            QuotaSpec::Table(t) => (t.rate, t.name),
+        };
+        let quota: Quota = rate.parse().map_err(serde::de::Error::custom)?;
+        Ok(match name {
+            Some(name) => quota.named(&name),
+            None => quota,
+        })
     }
 }
 

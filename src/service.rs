@@ -1,5 +1,6 @@
 //! The rate-limit service: key → policy → backend → pass or reject.
 
+use std::any::Any;
 use std::fmt;
 use std::future::Future;
 use std::marker::PhantomData;
@@ -29,10 +30,49 @@ use crate::{BackendError, Key, Policy, RequestInfo};
 /// service's, untouched.
 ///
 /// `M` is the layer's [`BodyMode`]: responses keep the inner service's body type by default.
-pub struct RateLimit<S, K, Bk: Backend, M = KeepBody> {
+///
+/// The type has no bounds of its own (as in tower, they are on the impls), so it can be named
+/// in structs generic over the backend.
+pub struct RateLimit<S, K, Bk, M = KeepBody> {
     inner: S,
-    shared: Arc<Shared<K, Bk>>,
+    shared: Erased<K, Bk>,
     mode: PhantomData<fn() -> M>,
+}
+
+/// A layer's [`Shared`] state with its backend's types hidden, so that the public types need
+/// no `Bk: Backend` bound on their definitions. Only [`Erased::new`] makes one, from a
+/// `Shared<K, Bk>`, so [`get`](Erased::get) always finds it.
+pub(crate) struct Erased<K, Bk> {
+    any: Arc<dyn Any + Send + Sync>,
+    types: PhantomData<fn() -> (K, Bk)>,
+}
+
+impl<K, Bk> Clone for Erased<K, Bk> {
+    fn clone(&self) -> Self {
+        Erased {
+            any: self.any.clone(),
+            types: PhantomData,
+        }
+    }
+}
+
+impl<K: KeyExtractor, Bk: Backend> Erased<K, Bk> {
+    pub(crate) fn new(shared: Shared<K, Bk>) -> Self {
+        Erased {
+            any: Arc::new(shared),
+            types: PhantomData,
+        }
+    }
+
+    /// The shared state (a type-id comparison, no allocation).
+    pub(crate) fn get(&self) -> Option<&Shared<K, Bk>> {
+        self.any.downcast_ref()
+    }
+
+    /// The shared state, for a future that outlives the service's borrow.
+    pub(crate) fn arc(&self) -> Option<Arc<Shared<K, Bk>>> {
+        self.any.clone().downcast().ok()
+    }
 }
 
 /// Everything the services of one layer share.
@@ -87,8 +127,8 @@ pub(crate) enum Verdict {
     Reject(Box<Response<Bytes>>),
 }
 
-impl<S, K, Bk: Backend, M> RateLimit<S, K, Bk, M> {
-    pub(crate) fn from_shared(inner: S, shared: Arc<Shared<K, Bk>>) -> Self {
+impl<S, K, Bk, M> RateLimit<S, K, Bk, M> {
+    pub(crate) fn from_shared(inner: S, shared: Erased<K, Bk>) -> Self {
         RateLimit {
             inner,
             shared,
@@ -112,7 +152,7 @@ impl<S, K, Bk: Backend, M> RateLimit<S, K, Bk, M> {
     }
 }
 
-impl<S: Clone, K, Bk: Backend, M> Clone for RateLimit<S, K, Bk, M> {
+impl<S: Clone, K, Bk, M> Clone for RateLimit<S, K, Bk, M> {
     fn clone(&self) -> Self {
         RateLimit {
             inner: self.inner.clone(),
@@ -122,11 +162,12 @@ impl<S: Clone, K, Bk: Backend, M> Clone for RateLimit<S, K, Bk, M> {
     }
 }
 
-impl<S: fmt::Debug, K, Bk: Backend, M> fmt::Debug for RateLimit<S, K, Bk, M> {
+impl<S: fmt::Debug, K: KeyExtractor, Bk: Backend, M> fmt::Debug for RateLimit<S, K, Bk, M> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let policy = self.shared.get().map(|s| s.policies.default_name());
         f.debug_struct("RateLimit")
             .field("inner", &self.inner)
-            .field("policy", &self.shared.policies.default_name())
+            .field("policy", &policy.unwrap_or_default())
             .finish()
     }
 }
@@ -147,7 +188,10 @@ where
     }
 
     fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
-        let shared = &self.shared;
+        let Some(shared) = self.shared.get() else {
+            // Unreachable: `Erased` is only ever made from a `Shared<K, Bk>`.
+            return ResponseFuture::called(self.inner.call(req), HeaderAdds::new());
+        };
         let step = {
             let info = RequestInfo::new(&req);
             // 1. key
@@ -181,7 +225,11 @@ where
                 // ready-clone rule); a fresh clone takes its place.
                 let clone = self.inner.clone();
                 let ready = std::mem::replace(&mut self.inner, clone);
-                ResponseFuture::deciding(decision, ready, req, self.shared.clone(), policy)
+                match self.shared.arc() {
+                    Some(shared) => ResponseFuture::deciding(decision, ready, req, shared, policy),
+                    // Unreachable, as above.
+                    None => ResponseFuture::called({ ready }.call(req), HeaderAdds::new()),
+                }
             }
         }
     }

@@ -465,7 +465,7 @@ where
                 Ok(Ok(snapshot)) => {
                     // The bucket's new arrival time, as the store just wrote it.
                     let tat = LAST_TAT.get();
-                    let mut state = QuotaState::allowed(index, params, quota.until(tat, &clock));
+                    let mut state = QuotaState::allowed(index, params, quota.until(tat, clock));
                     // governor's count is exact; ours may be one more right at a boundary.
                     state.remaining = snapshot.remaining_burst_capacity().min(state.limit);
                     state
@@ -473,9 +473,7 @@ where
                 Ok(Err(not_until)) => {
                     QuotaState::denied(index, params, cost, not_until.wait_time_from(clock.now()))
                 }
-                Err(_insufficient) => {
-                    QuotaState::never_fits(index, params, quota.peek(key, &clock))
-                }
+                Err(_insufficient) => QuotaState::never_fits(index, params, quota.peek(key, clock)),
             };
             let stop = state.outcome != Outcome::Allowed;
             states.push(state);
