@@ -193,6 +193,55 @@ async fn a_wrong_password_is_logged_once_as_an_authentication_failure() {
     assert!(!logs.text().contains("hunter2"), "{}", logs.text());
 }
 
+/// Redis wants a password and none is configured: every command is refused with `NOAUTH`
+/// (the connection itself succeeds; large commands also get the connection closed). Logged
+/// once as an authentication failure, with Redis's own words; the breaker opens instead of
+/// every request calling Redis.
+#[tokio::test]
+async fn a_missing_password_is_logged_once_as_an_authentication_failure() {
+    let (logs, _guard) = Logs::capture();
+    let server = RedisServer::start();
+    assert!(
+        server
+            .cmd(&["CONFIG", "SET", "requirepass", "the-right-one"])
+            .starts_with("+OK")
+    );
+    let b = RedisBackend::builder()
+        .url(server.url())
+        .timeout(Duration::from_secs(2))
+        .circuit_breaker(5, Duration::from_millis(20))
+        .build()
+        .unwrap();
+    let p = prepare(&b, &Policy::new("noauth", no_refill(5)));
+    for i in 0..20 {
+        let d = b.decide(&p, &key(&format!("c{i}")), cost(1)).await.unwrap();
+        assert!(d.quotas().is_empty(), "failed open: {d:?}");
+    }
+    let s = b.stats();
+    assert!(s.breaker_open, "{s:?}");
+    assert_eq!(
+        s.failing,
+        Some(RedisFailure::Authentication),
+        "{s:?}\n{}",
+        logs.text()
+    );
+    let warnings = logs.lines("WARN");
+    assert_eq!(warnings.len(), 1, "{}", logs.text());
+    assert!(
+        warnings[0].contains("unreachable: authentication failed"),
+        "{}",
+        warnings[0]
+    );
+    // Redis's own words: `NOAUTH` for a small command, or, for the script call (a large one
+    // from a client that has not authenticated), a protocol error before closing the
+    // connection; whichever came first.
+    assert!(
+        warnings[0].contains("NOAUTH") || warnings[0].contains("unauthenticated"),
+        "{}",
+        warnings[0]
+    );
+}
+
 /// Nothing listens at the port: at the default 100 ms timeout, the log says "connection
 /// refused" (not "timed out"), once, and the stats name the cause.
 #[tokio::test]

@@ -40,6 +40,9 @@ impl RedisFailure {
     pub(crate) fn of(err: &RedisError) -> RedisFailure {
         if err.kind() == ErrorKind::AuthenticationFailed
             || matches!(err.code(), Some("NOAUTH" | "WRONGPASS" | "NOPERM"))
+            // Redis refuses large commands from a client that has not authenticated
+            // ("Protocol error: unauthenticated multibulk length") and closes its connection.
+            || err.detail().is_some_and(|d| d.contains("unauthenticated"))
         {
             RedisFailure::Authentication
         } else if err.is_timeout() {
@@ -74,8 +77,7 @@ impl RedisFailure {
     ];
 
     /// Causes of one class are one state for the logs: a killed Redis first drops the
-    /// connection, then refuses the next ones, which is one outage and one warning. The cause
-    /// kept (for the stats) is the latest.
+    /// connection, then refuses the next ones, which is one outage and one warning.
     fn class(self) -> u8 {
         match self {
             RedisFailure::ConnectionRefused | RedisFailure::Connection => 0,
@@ -84,6 +86,15 @@ impl RedisFailure {
             RedisFailure::ClusterUnavailable => 3,
             RedisFailure::ErrorReply => 4,
         }
+    }
+
+    /// Whether this is how failures look rather than why they happen: a timeout, a dropped
+    /// connection. A Redis that wants a password closes the connection of a client sending a
+    /// large command unauthenticated; a Redis that went away may time out a call before
+    /// connections are refused. During a failure with a known reason, these neither replace
+    /// it nor make a new warning.
+    fn is_symptom(self) -> bool {
+        matches!(self, RedisFailure::Timeout | RedisFailure::Connection)
     }
 
     fn code(self) -> u8 {
@@ -168,19 +179,33 @@ impl Health {
     }
 
     /// A call or probe failed with `cause`. `degraded` is the failure-policy count now.
-    /// Reports a change when Redis was answering, or failing for a cause of another class.
+    ///
+    /// Reports a change when Redis was answering, or when it was failing and `cause` is a new
+    /// reason (not a symptom, and of another class than the cause before). A symptom never
+    /// replaces a reason: the stats keep telling why.
     pub(crate) fn failed(&self, cause: RedisFailure, degraded: u64) -> Option<Change> {
         let now = cause.code();
-        if self.state.load(Ordering::Relaxed) == now {
-            return None;
-        }
-        let before = self.state.swap(now, Ordering::AcqRel);
-        match RedisFailure::from_code(before) {
-            Some(was) if was.class() == cause.class() => None,
-            Some(_) => Some(Change::Failing { again: true }),
-            None => {
-                self.degraded_at_start.store(degraded, Ordering::Relaxed);
-                Some(Change::Failing { again: false })
+        let mut before = self.state.load(Ordering::Relaxed);
+        loop {
+            let was = RedisFailure::from_code(before);
+            if was.is_some_and(|was| was == cause || (cause.is_symptom() && !was.is_symptom())) {
+                return None;
+            }
+            match self
+                .state
+                .compare_exchange_weak(before, now, Ordering::AcqRel, Ordering::Relaxed)
+            {
+                Ok(_) => {
+                    return match was {
+                        None => {
+                            self.degraded_at_start.store(degraded, Ordering::Relaxed);
+                            Some(Change::Failing { again: false })
+                        }
+                        Some(was) if was.class() == cause.class() || cause.is_symptom() => None,
+                        Some(_) => Some(Change::Failing { again: true }),
+                    };
+                }
+                Err(actual) => before = actual,
             }
         }
     }
@@ -200,14 +225,12 @@ mod tests {
         ));
         assert!(h.failed(RedisFailure::ConnectionRefused, 11).is_none());
         assert_eq!(h.failing(), Some(RedisFailure::ConnectionRefused));
-        assert!(
-            h.failed(RedisFailure::Connection, 11).is_none(),
-            "dropped, then refused: one outage"
-        );
+        assert!(h.failed(RedisFailure::Connection, 11).is_none());
+        assert!(h.failed(RedisFailure::Timeout, 11).is_none());
         assert_eq!(
             h.failing(),
-            Some(RedisFailure::Connection),
-            "the latest cause"
+            Some(RedisFailure::ConnectionRefused),
+            "a symptom does not replace the reason"
         );
         assert!(matches!(
             h.failed(RedisFailure::Authentication, 12),
@@ -219,6 +242,19 @@ mod tests {
         ));
         assert!(h.answered(15).is_none());
         assert_eq!(h.failing(), None);
+
+        // A killed Redis: the connection drops, then connections are refused. One outage.
+        assert!(h.failed(RedisFailure::Connection, 20).is_some());
+        assert!(h.failed(RedisFailure::ConnectionRefused, 21).is_none());
+        assert_eq!(h.failing(), Some(RedisFailure::ConnectionRefused));
+        assert!(h.answered(22).is_some());
+        // Timeouts, then the reason: a new warning, as it tells more.
+        assert!(h.failed(RedisFailure::Timeout, 30).is_some());
+        assert!(h.failed(RedisFailure::Connection, 30).is_none());
+        assert!(matches!(
+            h.failed(RedisFailure::Authentication, 30),
+            Some(Change::Failing { again: true })
+        ));
     }
 
     #[test]
