@@ -19,8 +19,11 @@
 //!
 //! `/api/hello` is limited per client IP to 5 requests per second with bursts of 10; no proxy
 //! is trusted. The app starts even when Redis is down, and then fails open (requests pass
-//! unlimited, and a warning is logged) until Redis answers; limits apply again within about a
-//! second of Redis coming back.
+//! unlimited) until Redis answers; limits apply again within about a second of Redis coming
+//! back. The log (INFO and above, on stdout) has one warning naming the cause when Redis fails
+//! (`connection refused`, `authentication failed`) and one line when it answers again, not a
+//! line per request. The Redis URL is printed with its password masked
+//! (`redis://:***@host:6379`).
 
 use std::net::SocketAddr;
 
@@ -31,6 +34,7 @@ use tollgate::{Policy, Quota, RateLimitLayer};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    tracing_subscriber::fmt().init();
     let backend = match std::env::var("REDIS_CLUSTER_NODES") {
         Ok(nodes) if !nodes.trim().is_empty() => {
             let nodes: Vec<String> = nodes
@@ -38,18 +42,18 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .map(|n| n.trim().to_owned())
                 .filter(|n| !n.is_empty())
                 .collect();
-            println!("Redis Cluster: {nodes:?}");
             RedisBackend::builder().cluster_nodes(nodes)
         }
         _ => {
             let url =
                 std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
-            println!("Redis: {url}");
             RedisBackend::builder().url(url)
         }
     }
     .on_failure(FailurePolicy::FailOpen)
     .build()?;
+    // Never print the URL itself: it may hold the password.
+    println!("Redis: {}", backend.endpoint());
 
     let limit = RateLimitLayer::builder()
         .policy(Policy::new("api", Quota::per_second(5).burst(10)))

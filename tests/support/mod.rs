@@ -229,3 +229,64 @@ fn command(port: u16, args: &[&str]) -> Option<String> {
     let n = s.read(&mut buf).ok()?;
     Some(String::from_utf8_lossy(&buf[..n]).into_owned())
 }
+
+/// Log lines written by a `tracing` subscriber into a shared buffer, for tests that check what
+/// an operator would read.
+#[derive(Clone, Default)]
+pub struct Logs(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl Logs {
+    /// Captures the events of the current thread at `INFO` and above, plain text, until the
+    /// returned guard is dropped. Use a current-thread runtime, so that the backend's tasks log
+    /// on this thread too.
+    pub fn capture() -> (Logs, tracing::subscriber::DefaultGuard) {
+        let logs = Logs::default();
+        let writer = logs.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .with_max_level(tracing::Level::INFO)
+            .finish();
+        (logs, tracing::subscriber::set_default(subscriber))
+    }
+
+    /// Everything captured so far.
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+
+    /// The captured lines at `level` (`"WARN"`, `"INFO"`) that mention tollgate.
+    pub fn lines(&self, level: &str) -> Vec<String> {
+        self.text()
+            .lines()
+            .filter(|l| l.contains(level) && l.contains("tollgate"))
+            .map(str::to_owned)
+            .collect()
+    }
+}
+
+impl Write for Logs {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A local port where nothing listens (connections are refused).
+pub fn closed_port() -> u16 {
+    let listener = TcpListener::bind(("127.0.0.1", 0)).unwrap();
+    listener.local_addr().unwrap().port()
+}
+
+/// Polls `ok` every 10 ms until it holds, for at most 10 s (without blocking the runtime).
+pub async fn eventually(what: &str, mut ok: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !ok() {
+        assert!(start.elapsed() < Duration::from_secs(10), "never: {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}

@@ -14,6 +14,8 @@ use super::clock::Clock;
 use super::conn::Conn;
 use super::deny_cache::{Budget, DenyCache};
 use super::future::RedisFuture;
+use super::health::{Change, Health, RedisFailure};
+use super::redact::Secrets;
 use super::{keys, script};
 use crate::backend::local::LocalPolicy;
 use crate::backend::{Backend, Decision, LocalBackend};
@@ -25,8 +27,8 @@ use crate::{BackendError, BackendErrorKind, ConfigError, Key, Policy};
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum FailurePolicy {
-    /// Let the request through and count it in [`RedisStats::fail_open`] (the failed call
-    /// itself is logged as a warning). The decision carries no quota state, so no remaining
+    /// Let the request through and count it in [`RedisStats::fail_open`] (Redis starting to
+    /// fail is logged as a warning, once, not per request). The decision carries no quota state, so no remaining
     /// counts are sent. The default: a rate limiter should not take an application down with
     /// it.
     #[default]
@@ -78,6 +80,10 @@ pub struct RedisStats {
     pub breaker_open: bool,
     /// How many times the circuit breaker opened.
     pub breaker_trips: u64,
+    /// Why Redis is failing, when the last call or probe failed (the real cause: a refused
+    /// connection or a wrong password, rather than the timeouts requests may see); `None`
+    /// while Redis answers, and before the first call.
+    pub failing: Option<RedisFailure>,
 }
 
 /// A [`Backend`] keeping buckets in Redis or Redis Cluster: one limit shared by every instance
@@ -92,6 +98,13 @@ pub struct RedisBackend {
 
 pub(crate) struct Inner {
     pub(crate) conn: Conn,
+    /// Where Redis is, passwords masked: for [`RedisBackend::endpoint`] and `Debug`.
+    pub(crate) endpoint: String,
+    /// The same in a phrase for logs: `Redis at redis://127.0.0.1:6379`.
+    pub(crate) who: String,
+    /// Passwords of the configured URLs, removed from every error text shown.
+    pub(crate) secrets: Secrets,
+    pub(crate) health: Health,
     pub(crate) prefix: String,
     pub(crate) timeout: Duration,
     pub(crate) on_failure: FailurePolicy,
@@ -138,7 +151,15 @@ impl RedisBackend {
             deny_cache_entries: self.inner.budget.used.load(Ordering::Relaxed),
             breaker_open: self.inner.breaker.is_open(),
             breaker_trips: self.inner.breaker.trips(),
+            failing: self.inner.health.failing(),
         }
+    }
+
+    /// Where the backend connects, with passwords replaced by `***`, for logs: the URL
+    /// (`redis://:***@10.0.0.5:6379/0`), the cluster nodes' URLs separated by `, `, or
+    /// `connection manager` / `cluster connection` for a connection you handed over.
+    pub fn endpoint(&self) -> &str {
+        &self.inner.endpoint
     }
 
     /// Starts connecting in the background, once, when called inside a Tokio runtime, so that
@@ -153,8 +174,13 @@ impl RedisBackend {
         let weak = Arc::downgrade(&self.inner);
         handle.spawn(async move {
             let Some(inner) = weak.upgrade() else { return };
-            let connect_timeout = inner.connect_timeout();
-            let _ = tokio::time::timeout(connect_timeout, inner.conn.ping()).await;
+            // Long enough for redis-rs to report why it could not connect (refused, a wrong
+            // password), rather than this timeout hiding the cause.
+            let result = tokio::time::timeout(inner.warm_up_timeout(), inner.conn.ping()).await;
+            match result.unwrap_or_else(|_elapsed| Err(timed_out())) {
+                Ok(()) => inner.answered(),
+                Err(err) => inner.failed(&err),
+            }
         });
     }
 }
@@ -163,6 +189,7 @@ impl fmt::Debug for RedisBackend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisBackend")
             .field("conn", &self.inner.conn)
+            .field("endpoint", &self.inner.endpoint)
             .field("prefix", &self.inner.prefix)
             .field("timeout", &self.inner.timeout)
             .field("on_failure", &self.inner.on_failure)
@@ -241,7 +268,13 @@ impl Backend for RedisBackend {
             return RedisFuture::ready(Ok(decision));
         }
         if inner.breaker.blocks(now_ns) {
-            let err = BackendError::new(BackendErrorKind::Unavailable, "circuit breaker open");
+            let err = match inner.health.failing() {
+                Some(cause) => BackendError::new(
+                    BackendErrorKind::Unavailable,
+                    format!("circuit breaker open; Redis failing: {cause}"),
+                ),
+                None => BackendError::new(BackendErrorKind::Unavailable, "circuit breaker open"),
+            };
             return RedisFuture::ready(inner.degrade(p, key, cost, err));
         }
         bump(&inner.counters.calls);
@@ -291,9 +324,10 @@ impl Call {
                 // Redis answered the call but refused this decision's keys (or the reply does
                 // not fit the policy): this decision's own error, counted here.
                 bump(&inner.counters.errors);
+                let err = inner.secrets.scrub(&err.to_string()).into_owned();
                 tracing::warn!(%err, on_failure = ?inner.on_failure, "tollgate: Redis refused a decision");
             }),
-            Err(err) => Err(BackendError::new(error_kind(&err), err)),
+            Err(err) => Err(inner.backend_error(err)),
         };
         match result {
             Ok(decision) => {
@@ -312,29 +346,14 @@ impl Call {
 ///
 /// A cluster that cannot serve the slot (no connected node, `CLUSTERDOWN`, `MASTERDOWN`,
 /// `LOADING`, `TRYAGAIN` still there after the retries) is out of reach too: these trip the
-/// circuit breaker like a dead single node.
+/// circuit breaker like a dead single node. So does a refused password (`WRONGPASS`,
+/// `NOAUTH`, `NOPERM`): no call can succeed until the credentials or ACLs change, and calling
+/// again only opens more connections.
 pub(crate) fn error_kind(err: &redis::RedisError) -> BackendErrorKind {
-    use redis::{ErrorKind, ServerErrorKind};
-    let cluster_unavailable = matches!(
-        err.kind(),
-        ErrorKind::ClusterConnectionNotFound
-            | ErrorKind::Server(
-                ServerErrorKind::ClusterDown
-                    | ServerErrorKind::MasterDown
-                    | ServerErrorKind::BusyLoading
-                    | ServerErrorKind::TryAgain
-            )
-    );
-    if err.is_timeout() {
-        BackendErrorKind::Timeout
-    } else if err.is_io_error()
-        || err.is_connection_dropped()
-        || err.is_connection_refusal()
-        || cluster_unavailable
-    {
-        BackendErrorKind::Unavailable
-    } else {
-        BackendErrorKind::Protocol
+    match RedisFailure::of(err) {
+        RedisFailure::Timeout => BackendErrorKind::Timeout,
+        RedisFailure::ErrorReply => BackendErrorKind::Protocol,
+        _ => BackendErrorKind::Unavailable,
     }
 }
 
@@ -373,6 +392,75 @@ impl Inner {
     /// A script call got Redis's answer: Redis is reachable, whatever the answer says.
     pub(crate) fn call_answered(&self) {
         self.breaker.success();
+        self.answered();
+    }
+
+    /// Requests answered by the failure policy so far.
+    fn degraded(&self) -> u64 {
+        let c = &self.counters;
+        [&c.fail_open, &c.fail_closed, &c.fallback_local]
+            .iter()
+            .map(|a| a.load(Ordering::Relaxed))
+            .fold(0, u64::saturating_add)
+    }
+
+    /// A call or probe got Redis's answer: if Redis was failing, say once that it is back.
+    pub(crate) fn answered(&self) {
+        if let Some(Change::Recovered { degraded }) = self.health.answered(self.degraded()) {
+            let meanwhile = match self.on_failure {
+                FailurePolicy::FailOpen => "let through unlimited by fail-open",
+                FailurePolicy::FailClosed => "refused by fail-closed",
+                FailurePolicy::FallbackLocal => "limited per instance by the local fallback",
+            };
+            tracing::info!(
+                degraded,
+                "tollgate: {} answers again; shared limits apply again \
+                 ({degraded} requests were {meanwhile} meanwhile)",
+                self.who
+            );
+        }
+    }
+
+    /// A call or probe failed: if Redis was answering, or failing for another reason, say once
+    /// why, and what requests get until it answers again. Calls and requests failing for the
+    /// same reason afterwards log nothing more (they are counted in the stats).
+    pub(crate) fn failed(&self, err: &redis::RedisError) {
+        let cause = RedisFailure::of(err);
+        let Some(Change::Failing { again }) = self.health.failed(cause, self.degraded()) else {
+            return;
+        };
+        let error = self.secrets.scrub(&err.to_string()).into_owned();
+        let now = if again { "now " } else { "" };
+        let headline = match cause {
+            RedisFailure::ErrorReply => format!("{now}answers with errors"),
+            cause => format!("{now}unreachable: {cause}"),
+        };
+        let until = match self.on_failure {
+            FailurePolicy::FailOpen => "requests are let through unlimited (fail open)",
+            FailurePolicy::FailClosed => "requests are refused (fail closed)",
+            FailurePolicy::FallbackLocal => "requests are limited per instance (local fallback)",
+        };
+        tracing::warn!(
+            %error,
+            %cause,
+            "tollgate: {} {headline}; {until} until it answers",
+            self.who
+        );
+    }
+
+    /// A `BackendError` for a failed call, with no password in its text: the redis-rs error
+    /// itself when its text holds none (so that it can be downcast), its scrubbed text
+    /// otherwise.
+    fn backend_error(&self, err: redis::RedisError) -> BackendError {
+        let kind = error_kind(&err);
+        if self.secrets.is_empty() {
+            return BackendError::new(kind, err);
+        }
+        let text = err.to_string();
+        match self.secrets.scrub(&text) {
+            std::borrow::Cow::Borrowed(_) => BackendError::new(kind, err),
+            std::borrow::Cow::Owned(scrubbed) => BackendError::new(kind, scrubbed),
+        }
     }
 
     /// A script call carrying `decisions` decisions failed: counted once, and one failure for
@@ -384,18 +472,20 @@ impl Inner {
         if kind == BackendErrorKind::Timeout {
             bump(&self.counters.timeouts);
         }
+        // Logged at warn once per change of cause (here), not once per call.
+        self.failed(err);
         // A reply Redis gave (an error, a malformed reply) says nothing about whether Redis is
         // reachable: only timeouts and connection errors trip the breaker.
         if kind != BackendErrorKind::Protocol && self.breaker.failure(self.clock.now_ns()) {
-            tracing::warn!(
-                %err,
+            tracing::debug!(
                 failures = self.breaker.threshold,
                 "tollgate: Redis calls failed repeatedly; circuit breaker open, probing every {:?}",
                 self.breaker.probe_interval
             );
             Inner::start_probe(self);
         } else {
-            tracing::warn!(%err, decisions, on_failure = ?self.on_failure, "tollgate: Redis call failed");
+            let err = self.secrets.scrub(&err.to_string()).into_owned();
+            tracing::debug!(%err, decisions, on_failure = ?self.on_failure, "tollgate: Redis call failed");
         }
     }
 
@@ -425,9 +515,12 @@ impl Inner {
     }
 
     /// The warm-up connection may take longer than a decision's timeout (a TLS or cluster
-    /// handshake); nothing waits for it.
-    fn connect_timeout(&self) -> Duration {
-        self.timeout.max(Duration::from_millis(250))
+    /// handshake); nothing waits for it. It gets a connection attempt and a `PING`'s time, so
+    /// that redis-rs's own error (refused, a wrong password, its connection timeout) comes
+    /// first.
+    fn warm_up_timeout(&self) -> Duration {
+        super::builder::connect_timeout(self.timeout)
+            .saturating_add(self.timeout.max(Duration::from_millis(250)))
     }
 
     /// Probes Redis in the background until it answers, then closes the breaker.
@@ -446,10 +539,16 @@ impl Inner {
                 // The probe must meet the same timeout as a decision: a Redis slow enough to
                 // fail decisions must not close the breaker just to reopen it.
                 let answer = tokio::time::timeout(inner.timeout, inner.conn.ping()).await;
-                if let Ok(Ok(())) = answer {
-                    inner.breaker.close();
-                    tracing::info!("tollgate: Redis answers again; circuit breaker closed");
-                    return;
+                match answer.unwrap_or_else(|_elapsed| Err(timed_out())) {
+                    Ok(()) => {
+                        inner.breaker.close();
+                        tracing::debug!("tollgate: Redis answers again; circuit breaker closed");
+                        inner.answered();
+                        return;
+                    }
+                    // Logged when the cause changes (a restarted Redis that now wants a
+                    // password), not at every probe.
+                    Err(err) => inner.failed(&err),
                 }
             }
         });

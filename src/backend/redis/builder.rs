@@ -14,7 +14,8 @@ use super::breaker::Breaker;
 use super::clock::{Clock, TestClock};
 use super::conn::{Conn, Lazy};
 use super::deny_cache::Budget;
-use super::keys;
+use super::redact::{self, Secrets};
+use super::{health::Health, keys};
 use crate::ConfigError;
 use crate::backend::LocalBackend;
 
@@ -69,7 +70,10 @@ impl RedisBackend {
 impl RedisBackendBuilder {
     /// A single Redis server, e.g. `redis://127.0.0.1:6379` or `redis://:password@host/2`
     /// (`redis+unix:///path` for a Unix socket). One multiplexed connection carries every
-    /// decision and is re-established in the background when it breaks.
+    /// decision and is re-established when it breaks.
+    ///
+    /// The password is never shown: errors, logs, `Debug` and
+    /// [`RedisBackend::endpoint`] print the URL as `redis://:***@host/2`.
     pub fn url(mut self, url: impl Into<String>) -> Self {
         self.target = Some(Target::Url(url.into()));
         self
@@ -176,6 +180,7 @@ impl RedisBackendBuilder {
     /// first prepared policy (or the first decision) on, inside the Tokio runtime.
     pub fn build(self) -> Result<RedisBackend, ConfigError> {
         keys::validate_prefix(&self.prefix)?;
+        let (endpoint, who, secrets) = describe(self.target.as_ref());
         let conn = match self.target {
             None => {
                 return Err(ConfigError::Invalid {
@@ -189,7 +194,7 @@ impl RedisBackendBuilder {
                 let client =
                     redis::Client::open(url.as_str()).map_err(|e| ConfigError::Invalid {
                         option: "url",
-                        reason: format!("{url:?}: {e}"),
+                        reason: format!("{endpoint:?}: {}", secrets.scrub(&e.to_string())),
                     })?;
                 Conn::Single(Lazy::from_source((client, manager_config(self.timeout))))
             }
@@ -210,7 +215,7 @@ impl RedisBackendBuilder {
                     .build()
                     .map_err(|e| ConfigError::Invalid {
                         option: "cluster_nodes",
-                        reason: format!("{nodes:?}: {e}"),
+                        reason: format!("[{endpoint}]: {}", secrets.scrub(&e.to_string())),
                     })?;
                 let config = ClusterConfig::new()
                     .set_connection_timeout(connect_timeout(self.timeout))
@@ -224,6 +229,10 @@ impl RedisBackendBuilder {
         Ok(RedisBackend {
             inner: Arc::new(Inner {
                 conn,
+                endpoint,
+                who,
+                secrets,
+                health: Health::default(),
                 prefix: self.prefix,
                 timeout: self.timeout,
                 on_failure: self.on_failure,
@@ -250,34 +259,65 @@ impl RedisBackendBuilder {
 /// the cap keeps every deadline computed from them far from overflowing.
 const MAX_DURATION: Duration = Duration::from_secs(3600);
 
+/// Where a target is, passwords masked (for `RedisBackend::endpoint`), the same in a phrase for
+/// logs, and the passwords to remove from error texts.
+fn describe(target: Option<&Target>) -> (String, String, Secrets) {
+    match target {
+        None => (String::new(), "Redis".to_owned(), Secrets::default()),
+        Some(Target::Url(url)) => {
+            let shown = redact::url(url);
+            let who = format!("Redis at {shown}");
+            (shown, who, Secrets::of([url.as_str()]))
+        }
+        Some(Target::Cluster(nodes)) => {
+            let shown = nodes
+                .iter()
+                .map(|n| redact::url(n))
+                .collect::<Vec<_>>()
+                .join(", ");
+            let who = format!("Redis Cluster at {shown}");
+            (shown, who, Secrets::of(nodes.iter().map(String::as_str)))
+        }
+        Some(Target::Manager(_)) => (
+            "connection manager".to_owned(),
+            "Redis (through the connection manager given)".to_owned(),
+            Secrets::default(),
+        ),
+        Some(Target::ClusterConnection(_)) => (
+            "cluster connection".to_owned(),
+            "Redis Cluster (through the cluster connection given)".to_owned(),
+            Secrets::default(),
+        ),
+    }
+}
+
 /// Connection attempts get more time than a decision (a TLS or cross-zone handshake takes a
 /// few round trips), but stay short so that reconnection keeps trying often.
-fn connect_timeout(timeout: Duration) -> Duration {
+pub(crate) fn connect_timeout(timeout: Duration) -> Duration {
     timeout
         .saturating_mul(5)
         .clamp(Duration::from_millis(250), Duration::from_secs(2))
 }
 
-/// Reconnect quickly and keep trying: backoff from 50 ms, capped at 250 ms, so that shared
-/// limiting resumes well within the breaker's probe rhythm once Redis is back.
+/// One connection attempt at a time, no retries inside redis-rs: a failed attempt reports its
+/// cause (refused, a wrong password) to the call or probe that waits for it at once, instead of
+/// retrying with backoff until the call times out and hides the cause. Reconnecting is driven
+/// from outside: the next call after a broken connection starts a new attempt, and once the
+/// circuit breaker is open, its probe does every probe interval, so shared limiting resumes
+/// within about a probe interval of Redis coming back.
 fn manager_config(timeout: Duration) -> ConnectionManagerConfig {
     ConnectionManagerConfig::new()
         .set_connection_timeout(Some(connect_timeout(timeout)))
         .set_response_timeout(Some(timeout.max(Duration::from_millis(250))))
-        .set_min_delay(Duration::from_millis(50))
-        .set_max_delay(Duration::from_millis(250))
-        .set_number_of_retries(4)
+        .set_number_of_retries(0)
 }
 
 impl fmt::Debug for RedisBackendBuilder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // URLs may hold passwords: shown masked.
         let target = match &self.target {
             None => "none".to_owned(),
-            // URLs may hold passwords: print the kind only.
-            Some(Target::Url(_)) => "url".to_owned(),
-            Some(Target::Cluster(n)) => format!("cluster ({} nodes)", n.len()),
-            Some(Target::Manager(_)) => "connection manager".to_owned(),
-            Some(Target::ClusterConnection(_)) => "cluster connection".to_owned(),
+            Some(target) => describe(Some(target)).0,
         };
         f.debug_struct("RedisBackendBuilder")
             .field("target", &target)

@@ -3,8 +3,13 @@
 //! Both kinds are created lazily, on the first call made inside a Tokio runtime, so that
 //! building a backend never blocks and never fails because Redis is down. Both pipeline
 //! concurrent requests over shared sockets and reconnect by themselves: redis-rs's
-//! [`ConnectionManager`] replaces a broken connection in the background, and its
+//! [`ConnectionManager`] replaces a broken connection (on the next call), and its
 //! [`ClusterConnection`] refreshes slots and reconnects to nodes.
+//!
+//! One failure the connection manager never recovers from: a connection refused at
+//! authentication (a wrong password) stays its answer to every later call, even once the
+//! password is fixed on the server. A manager the backend made itself is then dropped, and the
+//! next call makes a new one.
 //!
 //! A script call is never sent twice when Redis may have run it: the script is not idempotent,
 //! and a second run would charge the request again. The connection manager does not resend
@@ -13,8 +18,10 @@
 //! (`MOVED`, `ASK`, `TRYAGAIN`, `CLUSTERDOWN`, `MASTERDOWN`, `READONLY`).
 
 use std::fmt;
-use std::sync::OnceLock;
+use std::sync::Arc;
 use std::time::Duration;
+
+use arc_swap::ArcSwapOption;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::{ClusterClient, ClusterConfig};
@@ -37,36 +44,33 @@ pub(crate) enum Conn {
     Cluster(Lazy<ClusterConnection, (ClusterClient, ClusterConfig)>),
 }
 
-/// A connection, or what is needed to make one on first use.
+/// A connection, or what is needed to make one on first use (and again after
+/// [`discard`](Lazy::discard)).
 pub(crate) struct Lazy<C, Src> {
-    conn: OnceLock<C>,
+    conn: ArcSwapOption<C>,
     source: Option<Src>,
 }
 
 impl<C, Src> Lazy<C, Src> {
     pub(crate) fn ready(conn: C) -> Self {
-        let cell = OnceLock::new();
-        let _ = cell.set(conn);
         Lazy {
-            conn: cell,
+            conn: ArcSwapOption::from_pointee(conn),
             source: None,
         }
     }
 
     pub(crate) fn from_source(source: Src) -> Self {
         Lazy {
-            conn: OnceLock::new(),
+            conn: ArcSwapOption::empty(),
             source: Some(source),
         }
     }
-}
 
-impl<C: Clone, Src> Lazy<C, Src> {
     /// The connection, made now if needed. Must be called inside a Tokio runtime (redis-rs
     /// spawns the connection's driver task).
-    fn get(&self, make: impl FnOnce(&Src) -> RedisResult<C>) -> RedisResult<C> {
-        if let Some(c) = self.conn.get() {
-            return Ok(c.clone());
+    fn get(&self, make: impl FnOnce(&Src) -> RedisResult<C>) -> RedisResult<Arc<C>> {
+        if let Some(c) = self.conn.load_full() {
+            return Ok(c);
         }
         let Some(source) = &self.source else {
             return Err(redis::RedisError::from((
@@ -74,12 +78,24 @@ impl<C: Clone, Src> Lazy<C, Src> {
                 "no connection configured",
             )));
         };
-        let made = make(source)?;
+        let made = Arc::new(make(source)?);
         // Two tasks may race here: one connection wins, the other is dropped unused.
-        let _ = self.conn.set(made);
-        self.conn.get().cloned().ok_or_else(|| {
-            redis::RedisError::from((redis::ErrorKind::Client, "connection lost its cell"))
+        let before = self
+            .conn
+            .compare_and_swap(&None::<Arc<C>>, Some(made.clone()));
+        Ok(match &*before {
+            Some(winner) => winner.clone(),
+            None => made,
         })
+    }
+
+    /// Drops `failed`, a connection that will not recover, if this made it (a connection
+    /// handed over is kept): the next call makes a new one.
+    fn discard(&self, failed: &Arc<C>) {
+        if self.source.is_some() {
+            self.conn
+                .compare_and_swap(&Some(failed.clone()), None::<Arc<C>>);
+        }
     }
 }
 
@@ -91,11 +107,14 @@ impl Conn {
     pub(crate) async fn eval(&self, cmd: &redis::Cmd) -> RedisResult<Vec<i64>> {
         match self {
             Conn::Single(lazy) => {
-                let mut c = lazy.get(make_single)?;
-                eval_loading(&mut c, cmd).await
+                let shared = lazy.get(make_single)?;
+                let mut c = ConnectionManager::clone(&shared);
+                let result = eval_loading(&mut c, cmd).await;
+                discard_if_refused(lazy, &shared, &result);
+                result
             }
             Conn::Cluster(lazy) => {
-                let mut c = lazy.get(make_cluster)?;
+                let mut c = ClusterConnection::clone(&*lazy.get(make_cluster)?);
                 // Boxed: its redirections and waits make a large future, which would otherwise
                 // make every single-node call's future (allocated per batch) as large.
                 Box::pin(eval_cluster(&mut c, cmd)).await
@@ -108,14 +127,33 @@ impl Conn {
         let ping = redis::cmd("PING");
         match self {
             Conn::Single(lazy) => {
-                let mut c = lazy.get(make_single)?;
-                ping.query_async::<()>(&mut c).await
+                let shared = lazy.get(make_single)?;
+                let mut c = ConnectionManager::clone(&shared);
+                let result = ping.query_async::<()>(&mut c).await;
+                discard_if_refused(lazy, &shared, &result);
+                result
             }
             Conn::Cluster(lazy) => {
-                let mut c = lazy.get(make_cluster)?;
+                let mut c = ClusterConnection::clone(&*lazy.get(make_cluster)?);
                 ping.query_async::<()>(&mut c).await
             }
         }
+    }
+}
+
+/// A connection manager whose connection was refused at authentication answers every later
+/// call with that error (it reconnects only after I/O errors): make a new one next time, so
+/// that the backend recovers once the password is right (the circuit breaker keeps this to one
+/// attempt per probe interval).
+fn discard_if_refused<T, Src>(
+    lazy: &Lazy<ConnectionManager, Src>,
+    shared: &Arc<ConnectionManager>,
+    result: &RedisResult<T>,
+) {
+    if let Err(err) = result
+        && err.kind() == ErrorKind::AuthenticationFailed
+    {
+        lazy.discard(shared);
     }
 }
 

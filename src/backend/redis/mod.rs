@@ -82,13 +82,23 @@
 //! counted from the moment it is asked for. A decision whose call errs or times out is answered
 //! by the [`FailurePolicy`]: fail open (the default), fail closed (the layer answers `503`), or
 //! fall back to a per-instance [`LocalBackend`] holding the same policy. After 5 consecutive
-//! failed calls (timeouts and connection errors; a batched call counts once, however many
-//! requests it carried) a circuit breaker opens: requests stop calling Redis and get the failure
-//! policy at once, without waiting for a timeout, while a background task sends `PING` every
-//! 500 ms and closes the breaker on the first answer. The connection itself reconnects in the
-//! background, so shared limiting resumes within about a second of Redis coming back, without
-//! restarting anything. [`RedisBackend::stats`] counts decisions and script calls, failed calls
-//! and timeouts, fail-open, fail-closed and fallback answers, deny-cache hits and breaker trips.
+//! failed calls (timeouts, connection errors and refused credentials; a batched call counts
+//! once, however many requests it carried) a circuit breaker opens: requests stop calling Redis
+//! and get the failure policy at once, without waiting for a timeout, while a background task
+//! sends `PING` every 500 ms and closes the breaker on the first answer. The connection is made
+//! again by the next call or probe after it broke, so shared limiting resumes within about a
+//! second of Redis coming back, without restarting anything. [`RedisBackend::stats`] counts
+//! decisions and script calls, failed calls and timeouts, fail-open, fail-closed and fallback
+//! answers, deny-cache hits and breaker trips, and tells why Redis is failing
+//! ([`RedisStats::failing`]).
+//!
+//! The log has one warning when Redis starts failing, naming the real cause (`connection
+//! refused`, `authentication failed`, ...) and what requests get until Redis answers, and one
+//! info line when it answers again; nothing per request or per failed call at these levels. A
+//! failed connection attempt reports its cause at once (redis-rs does not retry it with a
+//! backoff that would outlast the timeout and show only timeouts). Passwords never appear in
+//! errors, logs, `Debug` output or [`RedisBackend::endpoint`]: URLs are shown as
+//! `redis://user:***@host:6379/0`.
 //!
 //! A script call is never sent again once Redis may have run it (the script is not idempotent:
 //! a second run would charge the request twice). On a Redis Cluster, the backend follows
@@ -174,7 +184,9 @@ mod clock;
 mod conn;
 mod deny_cache;
 mod future;
+mod health;
 mod keys;
+mod redact;
 mod script;
 
 pub use backend::{FailurePolicy, RedisBackend, RedisPolicy, RedisStats};
@@ -182,6 +194,7 @@ pub use builder::RedisBackendBuilder;
 #[doc(hidden)]
 pub use clock::TestClock;
 pub use future::RedisFuture;
+pub use health::RedisFailure;
 
 /// The Lua script the backend runs, for tools that want to load or benchmark it
 /// (`scripts/bench-redis-ceiling.sh` runs it with `redis-benchmark`).
