@@ -80,7 +80,9 @@ impl std::error::Error for ConfigError {}
 /// A backend could not reach a decision (for example Redis timed out).
 ///
 /// The layer never turns this into a `Service::Error`: it answers `503 Service Unavailable` and
-/// logs a warning. Backends with their own failure policy (the Redis backend's fail-open or
+/// logs it at `debug` only. A backend logs its own failures, once per change of state (the
+/// Redis backend warns with the cause when Redis starts failing and says when it answers
+/// again), so that an outage does not write a line per request. Backends with their own failure policy (the Redis backend's fail-open or
 /// local fallback) handle failures themselves and only return this error when told to fail
 /// closed.
 #[derive(Debug)]

@@ -116,7 +116,7 @@ impl Quota {
     }
 
     /// The longest quota name, in bytes.
-    pub const MAX_NAME_LEN: usize = 64;
+    pub const MAX_NAME_LEN: usize = 32;
 
     /// Names this quota in the `RateLimit` headers. Without a name, a policy with one quota uses
     /// the policy's name, and a policy with several uses `<policy>-<index>`.

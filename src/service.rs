@@ -374,7 +374,7 @@ impl<K, Bk: Backend> Shared<K, Bk> {
                 )))
             }
             Err(error) if prepared.policy.is_shadow() => {
-                tracing::warn!(
+                tracing::debug!(
                     policy,
                     shadow = true,
                     %error,
@@ -383,7 +383,10 @@ impl<K, Bk: Backend> Shared<K, Bk> {
                 Verdict::Pass(HeaderAdds::new())
             }
             Err(error) => {
-                tracing::warn!(policy, %error, "rate-limit backend failed; answering 503");
+                // Backends log their failures once per change of state (the Redis backend: a
+                // warning naming the cause when it starts failing, one line when it answers
+                // again); a line per rejected request would flood the log during an outage.
+                tracing::debug!(policy, %error, "rate-limit backend failed; answering 503");
                 let rejection = Rejection {
                     kind: RejectionKind::BackendUnavailable,
                     policy,

@@ -59,18 +59,18 @@ fn step(at_ms: u64, cost: u32, expect: Expect, remaining: u32, reset_after_ms: u
 }
 
 /// The redis-cell `CL.THROTTLE` test vectors: `max_burst` 4 (so 5 requests fit) at 1 per
-/// second. Differences from redis-cell, shared by both backends: a request that can never fit
-/// reports `remaining` 0, and `reset_after` counts whole emission intervals (4 s instead of
-/// redis-cell's 3.9 s at t = 3.1 s), an upper bound as documented on the local backend.
+/// second. `reset_after` is the time until more quota is available (the next unit back; 0 when
+/// the bucket is full), the header's `t`, on every outcome; redis-cell reports the time until
+/// the bucket is full instead. A request that can never fit reports the bucket as it is.
 fn redis_cell_vectors() -> (Policy, Vec<Step>) {
     use Expect::*;
     let steps = vec![
-        step(0, 6, NeverFits, 0, 0),
+        step(0, 6, NeverFits, 5, 0),
         step(0, 1, Allowed, 4, 1000),
-        step(0, 1, Allowed, 3, 2000),
-        step(0, 1, Allowed, 2, 3000),
-        step(0, 1, Allowed, 1, 4000),
-        step(0, 1, Allowed, 0, 5000),
+        step(0, 1, Allowed, 3, 1000),
+        step(0, 1, Allowed, 2, 1000),
+        step(0, 1, Allowed, 1, 1000),
+        step(0, 1, Allowed, 0, 1000),
         step(
             0,
             1,
@@ -78,14 +78,14 @@ fn redis_cell_vectors() -> (Policy, Vec<Step>) {
                 retry_after_ms: 1000,
             },
             0,
-            5000,
+            1000,
         ),
-        step(3000, 1, Allowed, 2, 3000),
-        step(3100, 1, Allowed, 1, 4000),
-        step(4000, 1, Allowed, 1, 4000),
+        step(3000, 1, Allowed, 2, 1000),
+        step(3100, 1, Allowed, 1, 900),
+        step(4000, 1, Allowed, 1, 1000),
         step(8000, 1, Allowed, 4, 1000),
         step(9500, 1, Allowed, 4, 1000),
-        step(9500, 2, Allowed, 2, 3000),
+        step(9500, 2, Allowed, 2, 1000),
         step(
             9500,
             5,
@@ -93,7 +93,7 @@ fn redis_cell_vectors() -> (Policy, Vec<Step>) {
                 retry_after_ms: 3000,
             },
             2,
-            3000,
+            1000,
         ),
     ];
     (Policy::new("cell", Quota::per_second(1).burst(5)), steps)
@@ -103,7 +103,7 @@ fn redis_cell_vectors() -> (Policy, Vec<Step>) {
 fn refill_vectors() -> (Policy, Vec<Step>) {
     use Expect::*;
     let steps = vec![
-        step(0, 2, Allowed, 1, 200),
+        step(0, 2, Allowed, 1, 100),
         step(
             0,
             2,
@@ -111,14 +111,14 @@ fn refill_vectors() -> (Policy, Vec<Step>) {
                 retry_after_ms: 100,
             },
             1,
-            200,
+            100,
         ),
-        step(50, 2, Denied { retry_after_ms: 50 }, 1, 200),
-        step(100, 2, Allowed, 0, 300),
-        step(150, 1, Denied { retry_after_ms: 50 }, 0, 300),
-        step(400, 3, Allowed, 0, 300),
+        step(50, 2, Denied { retry_after_ms: 50 }, 1, 50),
+        step(100, 2, Allowed, 0, 100),
+        step(150, 1, Denied { retry_after_ms: 50 }, 0, 50),
+        step(400, 3, Allowed, 0, 100),
         step(1000, 1, Allowed, 2, 100),
-        step(1000, 4, NeverFits, 0, 0),
+        step(1000, 4, NeverFits, 2, 100),
     ];
     (Policy::new("refill", Quota::per_second(10).burst(3)), steps)
 }
@@ -152,16 +152,13 @@ where
         }
         assert_eq!(q.limit, policy.quotas()[0].burst_size(), "{ctx}");
         assert_eq!(q.remaining, s.remaining, "{ctx}");
-        // A denial's `reset_after` is its `retry_after` (the header's `t` must not point past
-        // `Retry-After`); the vectors' `reset_after_ms` is the time until full, for allowed
-        // steps.
-        let expected_reset = match s.expect {
-            Expect::Denied { retry_after_ms } => retry_after_ms,
-            _ => s.reset_after_ms,
-        };
+        // `t` never points past `Retry-After`.
+        if let Some(wait) = d.retry_after() {
+            assert!(q.reset_after <= wait, "{ctx}");
+        }
         assert_eq!(
             q.reset_after,
-            Duration::from_millis(expected_reset),
+            Duration::from_millis(s.reset_after_ms),
             "{ctx}"
         );
     }
@@ -410,21 +407,36 @@ async fn multi_quota_is_all_or_nothing() {
     assert_eq!(d.quotas()[0].remaining, 6);
 }
 
+/// A cost larger than a burst never fits, reports the bucket's real state (not "empty"), and
+/// takes nothing; while Redis is down it is still refused, whatever the failure policy.
 #[tokio::test]
-async fn cost_larger_than_burst_never_fits_without_a_round_trip() {
+async fn cost_larger_than_burst_never_fits_and_reports_the_real_state() {
     let server = RedisServer::start();
     let b = backend(&server);
     let p = prepare(&b, &Policy::new("big", no_refill(5)).and(no_refill(2)));
-    let started = Instant::now();
+    assert!(b.decide(&p, &key("k"), cost(1)).await.unwrap().is_allowed());
     let d = b.decide(&p, &key("k"), cost(3)).await.unwrap();
     assert!(d.never_fits());
     assert_eq!(d.retry_after(), None);
-    assert_eq!(d.quotas()[0].index, 1);
-    assert!(started.elapsed() < Duration::from_millis(50));
-    assert_eq!(b.stats().redis_calls, 0);
+    let refusing: Vec<_> = d
+        .quotas()
+        .iter()
+        .filter(|q| q.outcome != Outcome::Allowed)
+        .collect();
+    assert_eq!(refusing.len(), 1);
+    assert_eq!(refusing[0].index, 1);
+    assert_eq!(
+        refusing[0].remaining, 1,
+        "one of two units left, as in Redis"
+    );
     // And it took nothing.
-    let d = b.decide(&p, &key("k"), cost(2)).await.unwrap();
+    let d = b.decide(&p, &key("k"), cost(1)).await.unwrap();
     assert!(d.is_allowed());
+    assert_eq!(d.quotas()[1].remaining, 0);
+
+    drop(server);
+    let d = b.decide(&p, &key("k"), cost(3)).await.unwrap();
+    assert!(d.never_fits(), "refused without Redis too: {d:?}");
 }
 
 #[tokio::test]

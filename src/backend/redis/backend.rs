@@ -258,9 +258,8 @@ impl Backend for RedisBackend {
 
     fn decide(&self, policy: &RedisPolicy, key: &Key, cost: NonZeroU32) -> RedisFuture {
         let p = &policy.inner;
-        if let Some(decision) = script::never_fits(&p.params, cost) {
-            return RedisFuture::ready(Ok(decision));
-        }
+        // A cost larger than a burst still goes to Redis (a rare request), so that the answer
+        // reports the bucket's real state; the script takes nothing for it.
         let inner = &self.inner;
         let now_ns = inner.clock.now_ns();
         if let Some(decision) = p.deny.get(key, cost, now_ns, &p.params) {
@@ -497,6 +496,11 @@ impl Inner {
         cost: NonZeroU32,
         err: BackendError,
     ) -> Result<Decision, BackendError> {
+        // A request that can never pass is refused whatever the failure policy; its bucket's
+        // state is unknown while Redis cannot be asked, and is shown as full.
+        if let Some(decision) = script::never_fits(&p.params, cost) {
+            return Ok(decision);
+        }
         match (self.on_failure, &self.local, &p.local) {
             (FailurePolicy::FailClosed, _, _) => {
                 bump(&self.counters.fail_closed);

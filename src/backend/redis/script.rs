@@ -37,8 +37,8 @@ pub(crate) fn policy_args(params: &[QuotaParams]) -> Vec<Vec<u8>> {
         .collect()
 }
 
-/// The decision for a request whose cost exceeds the burst of some quota: made without a
-/// round trip, reporting only the quotas it can never fit.
+/// The decision for a request whose cost exceeds the burst of some quota, made without Redis
+/// (when Redis cannot be asked), reporting only the quotas it can never fit, as full buckets.
 pub(crate) fn never_fits(params: &[QuotaParams], cost: NonZeroU32) -> Option<Decision> {
     let states: SmallVec<[QuotaState; 2]> = params
         .iter()
