@@ -1,8 +1,10 @@
 //! The layer and its builder.
 
+use std::any::Any;
+use std::collections::HashMap;
 use std::fmt;
 use std::marker::PhantomData;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
 
 use http::StatusCode;
 use tower_layer::Layer;
@@ -295,23 +297,81 @@ fn build<K: KeyExtractor, Bk: Backend>(
         });
     }
     let backend = Arc::new(b.backend);
-    let policies = match b.policy.ok_or(ConfigError::MissingPolicy)? {
-        Source::Fixed(policy) => Policies::Fixed(Arc::new(prepare(&*backend, policy)?)),
-        Source::Rules(rules) => Policies::Rules(Arc::new(LiveRules::new(backend.clone(), rules)?)),
+    let store = backend.store_id();
+    let (policies, names) = match b.policy.ok_or(ConfigError::MissingPolicy)? {
+        Source::Fixed(policy) => {
+            let names = vec![buckets_of(&policy)];
+            (
+                Policies::Fixed(Arc::new(prepare(&*backend, policy)?)),
+                names,
+            )
+        }
+        Source::Rules(rules) => {
+            let names = rules.policies().iter().map(buckets_of).collect();
+            let live = LiveRules::new(backend.clone(), rules)?;
+            (Policies::Rules(Arc::new(live)), names)
+        }
     };
+    let shared = Erased::new(Shared {
+        key: b.key,
+        backend,
+        policies,
+        responder: Responder {
+            style: b.headers,
+            body: b.body,
+        },
+        on_missing_key: b.on_missing_key,
+    });
+    if let Some(store) = store {
+        warn_on_shared_names(store, names, &shared);
+    }
     Ok(RateLimitLayer {
         mode: PhantomData,
-        shared: Erased::new(Shared {
-            key: b.key,
-            backend,
-            policies,
-            responder: Responder {
-                style: b.headers,
-                body: b.body,
-            },
-            on_missing_key: b.on_missing_key,
-        }),
+        shared,
     })
+}
+
+/// A policy's name, and what identifies its buckets in a store: the name and, per quota, its
+/// rate and burst (quota names aside, which only label headers).
+fn buckets_of(policy: &Policy) -> (String, String) {
+    let mut id = policy.name().to_owned();
+    for q in policy.quotas() {
+        id.push_str(&format!(
+            "|{}/{:?}/{}",
+            q.count(),
+            q.period(),
+            q.burst_size()
+        ));
+    }
+    (policy.name().to_owned(), id)
+}
+
+/// The layers built in this process, by (store, policy name): a name seen in two layers built
+/// separately on one store means shared buckets, which is worth a word in the log.
+type Registry = HashMap<(String, String), Weak<dyn Any + Send + Sync>>;
+
+/// Warns when another layer, built separately and still alive, uses one of `names` on `store`:
+/// the two share those policies' buckets (see "Which layers share buckets" in the crate docs).
+fn warn_on_shared_names<K, Bk>(store: String, names: Vec<(String, String)>, layer: &Erased<K, Bk>) {
+    static LAYERS: Mutex<Option<Registry>> = Mutex::new(None);
+    let mut guard = LAYERS.lock().unwrap_or_else(|p| p.into_inner());
+    let layers = guard.get_or_insert_with(HashMap::new);
+    layers.retain(|_, w| w.strong_count() > 0);
+    for (name, buckets) in names {
+        let other = layers.insert((store.clone(), buckets), layer.downgrade());
+        if let Some(other) = other.and_then(|w| w.upgrade())
+            && !layer.is(&other)
+        {
+            tracing::warn!(
+                policy = %name,
+                store = %store,
+                "tollgate: two layers built separately use policy {name:?} on one store, so \
+                 they share its buckets: a client's requests through either count against one \
+                 limit. If that is meant, build the second layer as a clone of the first (no \
+                 warning then); if not, give the policies different names"
+            );
+        }
+    }
 }
 
 pub(crate) fn prepare<Bk: Backend>(

@@ -32,6 +32,22 @@
 //! # Ok(()) }
 //! ```
 //!
+//! # Where to put the layer
+//!
+//! `Router::route_layer` limits only requests that match a route; `Router::layer` (or a layer
+//! around the whole router) sees every request, so requests that end in `404` spend quota too.
+//!
+//! # Which layers share buckets
+//!
+//! A bucket belongs to a store, a policy name with its quotas, and a [`Key`]. Clones of a
+//! layer share buckets; layers built separately share them when their backends are the same
+//! store ([`Backend::store_id`](backend::Backend::store_id): one
+//! [`LocalBackend`](backend::LocalBackend) and its clones, or one Redis server and key prefix,
+//! from any process) and their policies have the same name and quotas. Each `build()` without
+//! `.backend(...)` makes its own local backend, so separately built layers do not share
+//! locally, but would on Redis: give policies that must stay apart different names. `build()`
+//! warns when two layers built separately in one process share a policy's buckets.
+//!
 //! # Feature flags
 //!
 //! | feature | default | what |

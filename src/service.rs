@@ -56,6 +56,17 @@ impl<K, Bk> Clone for Erased<K, Bk> {
     }
 }
 
+impl<K, Bk> Erased<K, Bk> {
+    pub(crate) fn downgrade(&self) -> std::sync::Weak<dyn Any + Send + Sync> {
+        Arc::downgrade(&self.any)
+    }
+
+    /// Whether `other` is this layer's state.
+    pub(crate) fn is(&self, other: &Arc<dyn Any + Send + Sync>) -> bool {
+        Arc::ptr_eq(&self.any, other)
+    }
+}
+
 impl<K: KeyExtractor, Bk: Backend> Erased<K, Bk> {
     pub(crate) fn new(shared: Shared<K, Bk>) -> Self {
         Erased {

@@ -19,7 +19,7 @@
 //!   all-or-nothing.
 //! - **Monotonic time.** The default clock is [`MonotonicClock`] (`std::time::Instant`), not
 //!   the TSC-based quanta clock that can go backwards between cores (governor#299). Tests
-//!   inject [`FakeRelativeClock`](governor::clock::FakeRelativeClock) with
+//!   inject [`FakeRelativeClock`] with
 //!   [`LocalBackend::builder`].
 //! - **Bounded memory.** A bucket whose theoretical arrival time has passed is indistinguishable
 //!   from a fresh one and is evicted by a sweep every
@@ -441,6 +441,11 @@ where
             })
             .collect::<Result<_, ConfigError>>()?;
         Ok(LocalPolicy { limiters })
+    }
+
+    /// This backend and its clones: `local@<address>`.
+    fn store_id(&self) -> Option<String> {
+        Some(format!("local@{:p}", Arc::as_ptr(&self.inner)))
     }
 
     fn decide(&self, policy: &LocalPolicy<C>, key: &Key, cost: NonZeroU32) -> Self::Future {

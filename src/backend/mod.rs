@@ -48,6 +48,13 @@ pub trait Backend: Send + Sync + 'static {
     /// Decides whether a request of `cost` units on `key` may pass all quotas of `policy`, and
     /// takes the units from every bucket when it may.
     fn decide(&self, policy: &Self::Policy, key: &Key, cost: NonZeroU32) -> Self::Future;
+
+    /// Names the store the buckets live in, for logs, without credentials: layers built on
+    /// backends naming the same store share the buckets of their same-named policies, and
+    /// `build()` warns when two layers built separately do. `None` (the default) when unknown.
+    fn store_id(&self) -> Option<String> {
+        None
+    }
 }
 
 /// What a backend decided for one request, quota by quota.

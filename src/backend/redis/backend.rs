@@ -256,6 +256,16 @@ impl Backend for RedisBackend {
         })
     }
 
+    /// The server (or cluster) and key prefix, password masked: every backend, in any
+    /// process, that names the same store shares its buckets.
+    fn store_id(&self) -> Option<String> {
+        Some(format!(
+            "{} prefix {:?}",
+            self.endpoint(),
+            self.inner.prefix
+        ))
+    }
+
     fn decide(&self, policy: &RedisPolicy, key: &Key, cost: NonZeroU32) -> RedisFuture {
         let p = &policy.inner;
         // A cost larger than a burst still goes to Redis (a rare request), so that the answer
