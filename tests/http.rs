@@ -442,6 +442,28 @@ async fn grpc_requests_get_a_trailers_only_resource_exhausted() {
     assert!(res.bytes().await.unwrap().is_empty());
 }
 
+/// gRPC-web requests (a browser client) are answered in gRPC-web, not plain gRPC.
+#[tokio::test]
+async fn grpc_web_requests_are_answered_in_grpc_web() {
+    let layer = RateLimitLayer::builder()
+        .policy(Policy::new("rpc", no_refill(1)))
+        .build()
+        .unwrap();
+    let base = serve(app(layer), true).await;
+    let client = client();
+    let send = || {
+        client
+            .post(format!("{base}/limited"))
+            .header("content-type", "application/grpc-web+proto")
+            .send()
+    };
+    assert_eq!(send().await.unwrap().status(), 200);
+    let res = send().await.unwrap();
+    assert_eq!(res.status(), 200);
+    assert_eq!(res.headers()["grpc-status"], "8");
+    assert_eq!(res.headers()["content-type"], "application/grpc-web+proto");
+}
+
 #[tokio::test]
 async fn custom_rejection_response() {
     let layer = RateLimitLayer::builder()

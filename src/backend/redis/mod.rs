@@ -195,6 +195,11 @@ pub use builder::RedisBackendBuilder;
 pub use clock::TestClock;
 pub use future::RedisFuture;
 pub use health::RedisFailure;
+/// The redis-rs crate this backend speaks through, so that a connection handed to
+/// [`connection_manager`](RedisBackendBuilder::connection_manager) or
+/// [`cluster_connection`](RedisBackendBuilder::cluster_connection) is of the right version
+/// without matching it by hand: `tollgate::backend::redis::redis::aio::ConnectionManager`.
+pub use redis;
 
 /// The Lua script the backend runs, for tools that want to load or benchmark it
 /// (`scripts/bench-redis-ceiling.sh` runs it with `redis-benchmark`).
