@@ -1,5 +1,7 @@
 //! The local backend's guarantees, on an injected clock (no sleeping).
 
+mod support;
+
 use std::num::NonZeroU32;
 use std::time::Duration;
 
@@ -353,38 +355,12 @@ async fn the_tightest_quota_of_a_denial_is_the_denying_one() {
     assert_eq!(d.tightest().unwrap().index, 0, "{d:?}");
 }
 
-/// A logger writing into a shared buffer, for tests that count log lines.
-#[derive(Clone, Default)]
-struct Logs(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
-
-impl std::io::Write for Logs {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Logs {
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
-    }
-}
-
 /// A full table turns new keys away visibly: counted, warned about at most once a minute
 /// (not once per request), and, when asked, let through unlimited instead of denied.
 #[tokio::test]
 async fn a_full_table_is_counted_warned_about_and_configurable() {
     use tollgate::backend::WhenFull;
-    let logs = Logs::default();
-    let writer = logs.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(move || writer.clone())
-        .with_ansi(false)
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let (logs, _guard) = support::Logs::capture();
 
     let policy = Policy::new("p", Quota::per_hour(10));
     for when_full in [WhenFull::Deny, WhenFull::Allow] {

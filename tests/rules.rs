@@ -1,7 +1,8 @@
 //! Rules: priorities, live updates, invalid updates, shadow mode.
 
+mod support;
+
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use http::{Method, Request, Response};
@@ -283,30 +284,9 @@ async fn live_updates_under_concurrent_load() {
     assert_eq!(total, 2000);
 }
 
-/// Collects tracing output so tests can see what operators would see.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 #[tokio::test]
 async fn shadow_mode_never_rejects_but_records_would_be_denials() {
-    let captured = Captured::default();
-    let writer = captured.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(move || writer.clone())
-        .with_ansi(false)
-        .with_max_level(tracing::Level::INFO)
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let (captured, _guard) = support::Logs::capture();
 
     for rules in [
         // Per policy...
@@ -331,7 +311,7 @@ async fn shadow_mode_never_rejects_but_records_would_be_denials() {
             assert_eq!(res.status(), 200);
         }
     }
-    let logs = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+    let logs = captured.text();
     let would = logs.matches("would have been rate limited").count();
     assert_eq!(would, 6, "3 would-be denials per layer:\n{logs}");
     assert!(logs.contains("policy=\"new-limit\""), "{logs}");
