@@ -34,7 +34,28 @@ pub struct Quota {
     count: u32,
     period: Duration,
     burst: Option<u32>,
+    algorithm: Algorithm,
+    /// A sliding window's sub-window length, as given (checked by `params`).
+    resolution: Option<Duration>,
     name: Option<QuotaName>,
+}
+
+/// How a quota counts (see `docs/algorithms.md` for the three side by side).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum Algorithm {
+    /// A GCRA bucket (the default): it holds `burst` units, and one comes back every
+    /// `period / count`. Smooth: no window edges.
+    #[default]
+    Gcra,
+    /// A fixed window: a counter per key that starts from zero at each window boundary,
+    /// aligned to the Unix epoch ("5 000 per hour, resets on the hour"). Up to twice the
+    /// limit can pass around a boundary (the end of one window and the start of the next).
+    FixedWindow,
+    /// A sliding-window counter: the count of the last `period`, estimated from the counts of
+    /// epoch-aligned sub-windows, the oldest weighted by how much of it is still inside the
+    /// window. With one sub-window (the default) it is the two-counter form.
+    SlidingWindow,
 }
 
 /// A quota's own name, inline so that [`Quota`] stays `Copy`: up to
@@ -85,6 +106,8 @@ impl Quota {
             count,
             period,
             burst: None,
+            algorithm: Algorithm::Gcra,
+            resolution: None,
             name: None,
         }
     }
@@ -109,10 +132,66 @@ impl Quota {
         Self::new(count, Duration::from_secs(86_400))
     }
 
-    /// Sets the bucket size: how many requests may pass at once after a quiet spell.
+    /// Sets the bucket size: how many requests may pass at once after a quiet spell (GCRA
+    /// only: a window's limit is its count, and a burst on a window is refused by `build()`).
     pub const fn burst(mut self, burst: u32) -> Self {
         self.burst = Some(burst);
         self
+    }
+
+    /// Counts in fixed windows of `period`, aligned to the Unix epoch: `count` requests per
+    /// window, the counter back to zero at each boundary ([`Algorithm::FixedWindow`]).
+    ///
+    /// ```
+    /// use tollgate::{Policy, Quota};
+    ///
+    /// // 10/s burst 20, and at most 10 000 a day, resetting at 00:00 UTC.
+    /// let policy = Policy::new("api", Quota::per_second(10).burst(20))
+    ///     .and(Quota::per_day(10_000).fixed_window());
+    /// assert!(policy.validate().is_ok());
+    /// assert_eq!("10000/d fixed".parse(), Ok(Quota::per_day(10_000).fixed_window()));
+    /// ```
+    pub const fn fixed_window(mut self) -> Self {
+        self.algorithm = Algorithm::FixedWindow;
+        self
+    }
+
+    /// Counts in a sliding window of `period` ([`Algorithm::SlidingWindow`]), kept as one
+    /// sub-window unless [`resolution`](Self::resolution) says otherwise.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::Quota;
+    ///
+    /// // 100 per minute, kept as twelve 5-second counts.
+    /// let q = Quota::per_minute(100).sliding_window().resolution(Duration::from_secs(5));
+    /// assert_eq!("100/min sliding 5s".parse(), Ok(q));
+    /// ```
+    pub const fn sliding_window(mut self) -> Self {
+        self.algorithm = Algorithm::SlidingWindow;
+        self
+    }
+
+    /// A sliding window's sub-window length: the window is kept as `period / resolution`
+    /// counts (which must be a whole number, at most [`MAX_SUB_WINDOWS`](Self::MAX_SUB_WINDOWS)),
+    /// the oldest weighted by its overlap with the window. Finer is closer to an exact sliding
+    /// log and costs one counter per sub-window per key. Only for sliding windows.
+    pub const fn resolution(mut self, resolution: Duration) -> Self {
+        self.resolution = Some(resolution);
+        self
+    }
+
+    /// The most sub-windows a sliding window may be kept as.
+    pub const MAX_SUB_WINDOWS: u32 = 1000;
+
+    /// How this quota counts.
+    pub const fn algorithm(&self) -> Algorithm {
+        self.algorithm
+    }
+
+    /// The sub-window length given with [`resolution`](Self::resolution), if any.
+    pub const fn sub_window(&self) -> Option<Duration> {
+        self.resolution
     }
 
     /// The longest quota name, in bytes.
@@ -181,6 +260,14 @@ impl Quota {
         if self.period.is_zero() {
             return Err(bad("the period is zero"));
         }
+        if self.algorithm != Algorithm::Gcra {
+            return self.window_params(bad);
+        }
+        if self.resolution.is_some() {
+            return Err(bad(
+                "a resolution is only for sliding windows (add `.sliding_window()`)",
+            ));
+        }
         let burst = NonZeroU32::new(self.burst_size()).ok_or_else(|| bad("the burst is zero"))?;
         let emission = self.period.as_nanos() / u128::from(self.count);
         if emission == 0 {
@@ -202,23 +289,134 @@ impl Quota {
         Ok(QuotaParams {
             emission_ns: emission,
             burst,
+            kind: QuotaKind::Gcra,
+        })
+    }
+
+    /// The parameters of a fixed or sliding window, in whole microseconds.
+    fn window_params(
+        &self,
+        bad: impl Fn(&'static str) -> ConfigError,
+    ) -> Result<QuotaParams, ConfigError> {
+        if self.burst.is_some() {
+            return Err(bad(
+                "a burst is only for GCRA quotas: a window's limit is its count",
+            ));
+        }
+        let limit = NonZeroU32::new(self.count).ok_or_else(|| bad("the count is zero"))?;
+        let ns = self.period.as_nanos();
+        if !ns.is_multiple_of(1000) {
+            return Err(bad("a window must be a whole number of microseconds"));
+        }
+        const MAX_WINDOW_US: u128 = 100 * 365 * 24 * 3600 * 1_000_000;
+        let window_us = ns / 1000;
+        if window_us > MAX_WINDOW_US {
+            return Err(bad(
+                "the window is longer than 100 years, the longest supported",
+            ));
+        }
+        let window_us = window_us as u64;
+        let emission_ns = u64::try_from(ns / u128::from(self.count))
+            .unwrap_or(u64::MAX)
+            .max(1);
+        let kind = match self.algorithm {
+            Algorithm::SlidingWindow => {
+                let slice_us = match self.resolution {
+                    None => window_us,
+                    Some(r) => {
+                        let r = r.as_nanos();
+                        if r == 0 || !r.is_multiple_of(1000) {
+                            return Err(bad(
+                                "the resolution must be a positive whole number of microseconds",
+                            ));
+                        }
+                        let r = (r / 1000) as u64;
+                        if r > window_us || window_us % r != 0 {
+                            return Err(bad("the resolution must divide the window evenly"));
+                        }
+                        r
+                    }
+                };
+                let slices = u32::try_from(window_us / slice_us).unwrap_or(u32::MAX);
+                if slices > Self::MAX_SUB_WINDOWS {
+                    return Err(bad(
+                        "more sub-windows than Quota::MAX_SUB_WINDOWS (1000); use a coarser resolution",
+                    ));
+                }
+                QuotaKind::SlidingWindow { slice_us, slices }
+            }
+            _ => {
+                if self.resolution.is_some() {
+                    return Err(bad(
+                        "a resolution is only for sliding windows (use `.sliding_window()`)",
+                    ));
+                }
+                QuotaKind::FixedWindow { window_us }
+            }
+        };
+        Ok(QuotaParams {
+            emission_ns,
+            burst: limit,
+            kind,
         })
     }
 }
 
-/// A validated quota in integer nanoseconds, as backends use it.
+/// A validated quota in integer time units, as backends use it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct QuotaParams {
-    /// Nanoseconds for one unit to come back (`period / count`), at least 1.
+    /// Nanoseconds for one unit to come back (`period / count`), at least 1. For a window,
+    /// its length over its limit (informative).
     pub emission_ns: u64,
-    /// Bucket size in units, at least 1.
+    /// Bucket size in units (GCRA), or a window's limit; at least 1.
     pub burst: NonZeroU32,
+    /// How the quota counts, with the algorithm's own parameters.
+    pub kind: QuotaKind,
+}
+
+/// The algorithm of validated [`QuotaParams`], with its parameters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum QuotaKind {
+    /// A GCRA bucket of `burst` units, one back every `emission_ns`.
+    Gcra,
+    /// A fixed window of `window_us` microseconds, aligned to the Unix epoch.
+    FixedWindow {
+        /// The window's length in microseconds.
+        window_us: u64,
+    },
+    /// A sliding window of `slices * slice_us` microseconds, kept as `slices` epoch-aligned
+    /// sub-windows of `slice_us`.
+    SlidingWindow {
+        /// One sub-window's length in microseconds.
+        slice_us: u64,
+        /// How many sub-windows make the window (1 to [`Quota::MAX_SUB_WINDOWS`]).
+        slices: u32,
+    },
 }
 
 impl QuotaParams {
-    /// Time for an empty bucket to fill: `burst * emission`.
+    /// A GCRA quota's parameters.
+    pub const fn gcra(emission_ns: u64, burst: NonZeroU32) -> Self {
+        QuotaParams {
+            emission_ns,
+            burst,
+            kind: QuotaKind::Gcra,
+        }
+    }
+
+    /// The quota's window: for GCRA the time for an empty bucket to fill (`burst *
+    /// emission`), for a window its length.
     pub fn window(&self) -> Duration {
-        Duration::from_nanos(self.emission_ns * u64::from(self.burst.get()))
+        match self.kind {
+            QuotaKind::Gcra => {
+                Duration::from_nanos(self.emission_ns * u64::from(self.burst.get()))
+            }
+            QuotaKind::FixedWindow { window_us } => Duration::from_micros(window_us),
+            QuotaKind::SlidingWindow { slice_us, slices } => {
+                Duration::from_micros(slice_us * u64::from(slices))
+            }
+        }
     }
 
     /// Time for one unit to come back.
@@ -312,7 +510,8 @@ mod tests {
 
 /// Parses `"100/s"`, `"1000/h"`, `"5/min burst 10"`, `"3/10s"`, `"10/500ms"`: a count, a slash,
 /// a period (an optional number and a unit: `ms`, `s`, `m`/`min`, `h`, `d`, or their long
-/// names), and an optional `burst N`.
+/// names), an optional `burst N`, and an optional algorithm: `fixed`, `sliding` with an optional
+/// resolution (`sliding 5s`), or `gcra` (the default).
 ///
 /// ```
 /// use std::time::Duration;
@@ -321,6 +520,8 @@ mod tests {
 /// assert_eq!("100/s".parse(), Ok(Quota::per_second(100)));
 /// assert_eq!("5/min burst 10".parse(), Ok(Quota::per_minute(5).burst(10)));
 /// assert_eq!("3/10s".parse(), Ok(Quota::new(3, Duration::from_secs(10))));
+/// assert_eq!("5000/h fixed".parse(), Ok(Quota::per_hour(5000).fixed_window()));
+/// assert_eq!("100/min sliding".parse(), Ok(Quota::per_minute(100).sliding_window()));
 /// assert!("5 per second".parse::<Quota>().is_err());
 /// ```
 impl std::str::FromStr for Quota {
@@ -330,54 +531,80 @@ impl std::str::FromStr for Quota {
         let bad = |reason: &str| ConfigError::Invalid {
             option: "quota",
             reason: format!(
-                "{s:?}: {reason} (expected e.g. \"100/s\", \"1000/h\", \"5/min burst 10\")"
+                "{s:?}: {reason} (expected e.g. \"100/s\", \"1000/h\", \"5/min burst 10\", \
+                 \"5000/h fixed\", \"100/min sliding 5s\")"
             ),
         };
-        let (rate, burst) = match s.split_once("burst") {
-            Some((rate, burst)) => {
-                let b = burst
-                    .trim()
-                    .parse::<u32>()
-                    .map_err(|_| bad("the burst is not a number"))?;
-                (rate, Some(b))
-            }
-            None => (s, None),
-        };
+        const KEYWORDS: [&str; 4] = ["burst", "fixed", "sliding", "gcra"];
+        let words: Vec<&str> = s.split_whitespace().collect();
+        let rate_len = words
+            .iter()
+            .position(|w| KEYWORDS.contains(w))
+            .unwrap_or(words.len());
+        let rate = words[..rate_len].join(" ");
         let (count, period) = rate.split_once('/').ok_or_else(|| bad("missing `/`"))?;
         let count = count
             .trim()
             .parse::<u32>()
             .map_err(|_| bad("the count is not a number"))?;
-        let period = period.trim();
-        let digits = period
-            .find(|c: char| !c.is_ascii_digit())
-            .unwrap_or(period.len());
-        let (n, unit) = period.split_at(digits);
-        let n = if n.is_empty() {
-            1
-        } else {
-            n.parse::<u64>()
-                .map_err(|_| bad("the period is not a number"))?
-        };
-        let unit_ns: u64 = match unit.trim() {
-            "ns" | "nanosecond" | "nanoseconds" => 1,
-            "us" | "µs" | "microsecond" | "microseconds" => 1_000,
-            "ms" | "millisecond" | "milliseconds" => 1_000_000,
-            "s" | "sec" | "second" | "seconds" => 1_000_000_000,
-            "m" | "min" | "minute" | "minutes" => 60_000_000_000,
-            "h" | "hr" | "hour" | "hours" => 3_600_000_000_000,
-            "d" | "day" | "days" => 86_400_000_000_000,
-            _ => return Err(bad("unknown period unit")),
-        };
-        let ns = n
-            .checked_mul(unit_ns)
-            .ok_or_else(|| bad("the period is too long"))?;
-        let q = Quota::new(count, Duration::from_nanos(ns));
-        Ok(match burst {
-            Some(b) => q.burst(b),
-            None => q,
-        })
+        let period = parse_duration(period.trim(), true).map_err(|e| bad(e))?;
+        let mut q = Quota::new(count, period);
+        let mut rest = words[rate_len..].iter().copied().peekable();
+        let mut algorithm = None;
+        while let Some(word) = rest.next() {
+            match word {
+                "burst" if q.burst.is_none() => {
+                    let b = rest.next().ok_or_else(|| bad("`burst` without a number"))?;
+                    q = q.burst(b.parse().map_err(|_| bad("the burst is not a number"))?);
+                }
+                "fixed" | "sliding" | "gcra" if algorithm.is_none() => {
+                    algorithm = Some(word);
+                    q = match word {
+                        "fixed" => q.fixed_window(),
+                        "sliding" => q.sliding_window(),
+                        _ => q,
+                    };
+                    // A resolution may follow `sliding`.
+                    if word == "sliding"
+                        && let Some(next) = rest.peek()
+                        && !KEYWORDS.contains(next)
+                    {
+                        let r = parse_duration(next, false).map_err(|e| bad(e))?;
+                        q = q.resolution(r);
+                        rest.next();
+                    }
+                }
+                _ => return Err(bad(&format!("unexpected {word:?}"))),
+            }
+        }
+        Ok(q)
     }
+}
+
+/// Parses a duration of the quota syntax: a number (optional in a period: `/s` is `/1s`) and
+/// a unit.
+fn parse_duration(text: &str, number_optional: bool) -> Result<Duration, &'static str> {
+    let digits = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (n, unit) = text.split_at(digits);
+    let n = if n.is_empty() && number_optional {
+        1
+    } else {
+        n.parse::<u64>().map_err(|_| "the period is not a number")?
+    };
+    let unit_ns: u64 = match unit.trim() {
+        "ns" | "nanosecond" | "nanoseconds" => 1,
+        "us" | "µs" | "microsecond" | "microseconds" => 1_000,
+        "ms" | "millisecond" | "milliseconds" => 1_000_000,
+        "s" | "sec" | "second" | "seconds" => 1_000_000_000,
+        "m" | "min" | "minute" | "minutes" => 60_000_000_000,
+        "h" | "hr" | "hour" | "hours" => 3_600_000_000_000,
+        "d" | "day" | "days" => 86_400_000_000_000,
+        _ => return Err("unknown period unit"),
+    };
+    let ns = n.checked_mul(unit_ns).ok_or("the period is too long")?;
+    Ok(Duration::from_nanos(ns))
 }
 
 /// Formats as [`FromStr`](std::str::FromStr) parses: `"5/s burst 10"`.
@@ -403,7 +630,36 @@ impl std::fmt::Display for Quota {
         if let Some(b) = self.burst {
             write!(f, " burst {b}")?;
         }
+        match self.algorithm {
+            Algorithm::Gcra => {}
+            Algorithm::FixedWindow => f.write_str(" fixed")?,
+            Algorithm::SlidingWindow => f.write_str(" sliding")?,
+        }
+        if let Some(r) = self.resolution {
+            write!(f, " {}", DisplayDuration(r))?;
+        }
         Ok(())
+    }
+}
+
+/// A duration as the quota syntax writes it: `5s`, `500ms`, `90s`.
+struct DisplayDuration(Duration);
+
+impl std::fmt::Display for DisplayDuration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ns = self.0.as_nanos();
+        let (n, unit) = [
+            (86_400_000_000_000u128, "d"),
+            (3_600_000_000_000, "h"),
+            (60_000_000_000, "min"),
+            (1_000_000_000, "s"),
+            (1_000_000, "ms"),
+            (1_000, "us"),
+        ]
+        .into_iter()
+        .find(|(u, _)| ns >= *u && ns.is_multiple_of(*u))
+        .map_or((ns, "ns"), |(u, name)| (ns / u, name));
+        write!(f, "{n}{unit}")
     }
 }
 

@@ -14,6 +14,8 @@ pub mod local;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redis;
+#[cfg_attr(not(feature = "local"), allow(dead_code))]
+pub(crate) mod window;
 
 use std::future::Future;
 use std::num::NonZeroU32;

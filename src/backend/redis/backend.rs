@@ -239,6 +239,18 @@ impl Backend for RedisBackend {
                 count: 0,
             });
         }
+        if params
+            .iter()
+            .any(|p| !matches!(p.kind, crate::quota::QuotaKind::Gcra))
+        {
+            return Err(ConfigError::Invalid {
+                option: "quota",
+                reason: format!(
+                    "policy `{}`: window algorithms are not implemented on Redis yet",
+                    policy.name()
+                ),
+            });
+        }
         let local = match &self.inner.local {
             Some(local) => Some(local.prepare(policy, params)?),
             None => None,

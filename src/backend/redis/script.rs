@@ -106,10 +106,7 @@ mod tests {
     use super::*;
 
     fn params(per_second: u64, burst: u32) -> QuotaParams {
-        QuotaParams {
-            emission_ns: 1_000_000_000 / per_second,
-            burst: NonZeroU32::new(burst).unwrap(),
-        }
+        QuotaParams::gcra(1_000_000_000 / per_second, NonZeroU32::new(burst).unwrap())
     }
 
     #[test]

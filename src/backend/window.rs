@@ -1,0 +1,418 @@
+//! The arithmetic of the window algorithms, once, for every store that computes in Rust: the
+//! local backend decides with it, and the Redis backend reads its script's replies with it.
+//! The Redis script carries the same formulas in Lua, in the same floating-point operations in
+//! the same order, so that both give the same answers to the bit (the conformance suite in
+//! `tests/redis.rs` holds them to it).
+//!
+//! Times are integer microseconds since the Unix epoch of the deciding clock, so windows start
+//! at the same instants on every replica and in Redis.
+//!
+//! **Fixed window** of `W` µs and limit `L`: the window holding `now` is `now / W`; its counter
+//! starts from zero. A request of cost `k` passes when `count + k <= L`.
+//!
+//! **Sliding window** of `n` sub-windows of `S` µs (the window is `n * S`) and limit `L`: the
+//! counts of the sub-window holding `now` and of the `n` before it are kept. With `r = now % S`
+//! the time into the current sub-window, the oldest of them still overlaps the window by
+//! `S - r`, and the estimate is
+//!
+//! ```text
+//! E = c_oldest * (S - r) / S + (the other n counts)
+//! ```
+//!
+//! computed in `f64`, in that order. A request of cost `k` passes when `E + k <= L`.
+//! `remaining` is `floor(L - E)`: the cost-1 requests that would pass now.
+
+use std::num::NonZeroU32;
+use std::time::Duration;
+
+use smallvec::SmallVec;
+
+use super::{Outcome, QuotaState};
+use crate::quota::QuotaParams;
+
+/// A fixed window's counter: which window it counts, and how much it has counted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct FixedState {
+    /// `now / W` of the window counted.
+    pub(crate) window: u64,
+    pub(crate) count: u32,
+}
+
+impl FixedState {
+    /// Decides a request of `cost` at `now_us` in a window of `window_us`, counting it when it
+    /// passes; the state is moved to the current window first.
+    pub(crate) fn decide(
+        &mut self,
+        index: usize,
+        params: &QuotaParams,
+        window_us: u64,
+        now_us: u64,
+        cost: NonZeroU32,
+    ) -> QuotaState {
+        self.advance(now_us / window_us);
+        let limit = params.burst.get();
+        let code = if cost.get() > limit {
+            Code::NeverFits
+        } else if self.count.saturating_add(cost.get()) <= limit {
+            self.count += cost.get();
+            Code::Allowed
+        } else {
+            Code::Denied
+        };
+        let until_end = (self.window + 1) * window_us - now_us;
+        fixed_state(index, params, code, self.count, until_end)
+    }
+
+    /// The state at `now_us` without deciding anything.
+    pub(crate) fn peek(
+        mut self,
+        index: usize,
+        params: &QuotaParams,
+        window_us: u64,
+        now_us: u64,
+    ) -> QuotaState {
+        self.advance(now_us / window_us);
+        let until_end = (self.window + 1) * window_us - now_us;
+        fixed_state(index, params, Code::NeverFits, self.count, until_end)
+    }
+
+    fn advance(&mut self, window: u64) {
+        if self.window != window {
+            self.window = window;
+            self.count = 0;
+        }
+    }
+
+    /// Whether the counter is of a window that has ended (indistinguishable from none).
+    pub(crate) fn is_idle(&self, window_us: u64, now_us: u64) -> bool {
+        self.window < now_us / window_us || self.count == 0
+    }
+}
+
+/// What a window said of a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Code {
+    Allowed,
+    Denied,
+    NeverFits,
+}
+
+/// A fixed window's state after a decision: `count` counted, `until_end_us` left in the
+/// window. More quota comes at the window's end (`t`), unless nothing is counted.
+pub(crate) fn fixed_state(
+    index: usize,
+    params: &QuotaParams,
+    code: Code,
+    count: u32,
+    until_end_us: u64,
+) -> QuotaState {
+    let limit = params.burst.get();
+    let remaining = limit.saturating_sub(count);
+    let until_end = Duration::from_micros(until_end_us);
+    let reset_after = if count == 0 {
+        Duration::ZERO
+    } else {
+        until_end
+    };
+    QuotaState {
+        index,
+        outcome: match code {
+            Code::Allowed => Outcome::Allowed,
+            Code::Denied => Outcome::Denied {
+                retry_after: until_end,
+            },
+            Code::NeverFits => Outcome::NeverFits,
+        },
+        limit,
+        remaining,
+        reset_after,
+    }
+}
+
+/// A sliding window's counts: of the sub-window `slice` (the newest) and the `n` before it,
+/// oldest first.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct SlidingState {
+    pub(crate) slice: u64,
+    pub(crate) counts: SmallVec<[u32; 2]>,
+}
+
+impl SlidingState {
+    /// A sliding window of `slices` sub-windows with nothing counted.
+    pub(crate) fn new(slices: u32) -> Self {
+        SlidingState {
+            slice: 0,
+            counts: smallvec::smallvec![0; slices as usize + 1],
+        }
+    }
+
+    /// Moves the counts on to the sub-window `slice`: those that left the window are dropped,
+    /// the sub-windows that passed without requests count zero.
+    fn advance(&mut self, slice: u64) {
+        let kept = self.counts.len() as u64;
+        let by = slice.saturating_sub(self.slice);
+        if by >= kept {
+            self.counts.iter_mut().for_each(|c| *c = 0);
+        } else if by > 0 {
+            let by = by as usize;
+            self.counts.rotate_left(by);
+            let len = self.counts.len();
+            self.counts[len - by..].iter_mut().for_each(|c| *c = 0);
+        }
+        self.slice = self.slice.max(slice);
+    }
+
+    /// Decides a request of `cost` at `now_us`, counting it when it passes.
+    pub(crate) fn decide(
+        &mut self,
+        index: usize,
+        params: &QuotaParams,
+        slice_us: u64,
+        now_us: u64,
+        cost: NonZeroU32,
+    ) -> QuotaState {
+        self.advance(now_us / slice_us);
+        let limit = params.burst.get();
+        let r = now_us % slice_us;
+        let e = estimate(&self.counts, slice_us, r);
+        let cost_n = cost.get();
+        let code = if cost_n > limit {
+            Code::NeverFits
+        } else if e + f64::from(cost_n) <= f64::from(limit) {
+            let newest = self.counts.len() - 1;
+            self.counts[newest] = self.counts[newest].saturating_add(cost_n);
+            Code::Allowed
+        } else {
+            Code::Denied
+        };
+        sliding_state(index, params, code, &self.counts, slice_us, r, cost)
+    }
+
+    /// The state at `now_us` without deciding anything.
+    pub(crate) fn peek(
+        &self,
+        index: usize,
+        params: &QuotaParams,
+        slice_us: u64,
+        now_us: u64,
+    ) -> QuotaState {
+        let mut state = self.clone();
+        state.advance(now_us / slice_us);
+        let r = now_us % slice_us;
+        sliding_state(
+            index,
+            params,
+            Code::NeverFits,
+            &state.counts,
+            slice_us,
+            r,
+            NonZeroU32::MAX,
+        )
+    }
+
+    /// Whether every count has left the window (indistinguishable from nothing counted).
+    pub(crate) fn is_idle(&self, slice_us: u64, now_us: u64) -> bool {
+        let kept = self.counts.len() as u64;
+        now_us / slice_us >= self.slice.saturating_add(kept) || self.counts.iter().all(|&c| c == 0)
+    }
+}
+
+/// The estimate `c_oldest * (S - r) / S + rest`, in this order of `f64` operations (the Redis
+/// script computes the same).
+pub(crate) fn estimate(counts: &[u32], slice_us: u64, r: u64) -> f64 {
+    let Some((&oldest, rest)) = counts.split_first() else {
+        return 0.0;
+    };
+    let rest: u64 = rest.iter().map(|&c| u64::from(c)).sum();
+    f64::from(oldest) * (slice_us - r) as f64 / slice_us as f64 + rest as f64
+}
+
+/// A sliding window's state after a decision, from its counts (moved to the current sub-window
+/// and including this request when it passed), `r` µs into the current sub-window.
+pub(crate) fn sliding_state(
+    index: usize,
+    params: &QuotaParams,
+    code: Code,
+    counts: &[u32],
+    slice_us: u64,
+    r: u64,
+    cost: NonZeroU32,
+) -> QuotaState {
+    let limit = params.burst.get();
+    let e = estimate(counts, slice_us, r);
+    let remaining = remaining(limit, e);
+    // More quota comes when one more request of cost 1 fits: the wait of a request of cost
+    // `remaining + 1`, which does not fit now. Nothing more comes when nothing is counted.
+    let reset_after = if remaining >= limit {
+        Duration::ZERO
+    } else {
+        Duration::from_micros(wait_us(counts, slice_us, r, limit, remaining + 1))
+    };
+    let outcome = match code {
+        Code::Allowed => Outcome::Allowed,
+        Code::NeverFits => Outcome::NeverFits,
+        Code::Denied => Outcome::Denied {
+            retry_after: Duration::from_micros(wait_us(counts, slice_us, r, limit, cost.get())),
+        },
+    };
+    QuotaState {
+        index,
+        outcome,
+        limit,
+        remaining,
+        reset_after,
+    }
+}
+
+/// `floor(L - E)`, at least 0: the cost-1 requests that would pass now.
+pub(crate) fn remaining(limit: u32, e: f64) -> u32 {
+    let r = (f64::from(limit) - e).floor();
+    if r <= 0.0 { 0 } else { r as u32 }
+}
+
+/// Microseconds from now until a request of `cost` (at most the limit) fits, if nothing else
+/// is counted meanwhile: sub-window by sub-window, the oldest count still in the window slides
+/// out linearly, and at each boundary it leaves and the next becomes the oldest.
+pub(crate) fn wait_us(counts: &[u32], slice_us: u64, r: u64, limit: u32, cost: u32) -> u64 {
+    let s = slice_us;
+    let n = counts.len();
+    for m in 0..n {
+        let old = u64::from(counts[m]);
+        let rest: u64 = counts[m + 1..].iter().map(|&c| u64::from(c)).sum();
+        let (limit, cost) = (u64::from(limit), u64::from(cost));
+        if rest + cost > limit {
+            continue;
+        }
+        // The segment: the m-th sub-window from the current one, from position `from` (the
+        // time into it) to its end; position p in it is `m * S + p - r` from now.
+        let from = if m == 0 { r } else { 0 };
+        let need = limit - cost - rest;
+        if old == 0 {
+            return m as u64 * s + from - r;
+        }
+        // Fits at position p when old * (S - p) / S + rest + cost <= limit.
+        let fits = |p: u64| {
+            old as f64 * (s - p) as f64 / s as f64 + rest as f64 + cost as f64 <= limit as f64
+        };
+        let p = s as f64 - need as f64 * s as f64 / old as f64;
+        let mut p = if p <= from as f64 { from } else { p.ceil() as u64 };
+        // Floating-point rounding can leave the first candidate a microsecond short.
+        for _ in 0..4 {
+            if p >= s || fits(p) {
+                break;
+            }
+            p += 1;
+        }
+        if p < s {
+            return m as u64 * s + p - r;
+        }
+    }
+    // Every count has slid out.
+    n as u64 * s - r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Quota;
+
+    fn params(q: Quota) -> QuotaParams {
+        q.params("p").unwrap()
+    }
+
+    #[test]
+    fn fixed_windows_reset_on_the_boundary() {
+        let p = params(Quota::per_second(3).fixed_window());
+        let mut s = FixedState::default();
+        let one = NonZeroU32::MIN;
+        let at = |ms: u64| 10_000_000 + ms * 1000;
+        for left in [2, 1, 0] {
+            let q = s.decide(0, &p, 1_000_000, at(100), one);
+            assert_eq!((q.outcome, q.remaining), (Outcome::Allowed, left));
+            assert_eq!(q.reset_after, Duration::from_millis(900));
+        }
+        let q = s.decide(0, &p, 1_000_000, at(999), one);
+        assert_eq!(
+            q.outcome,
+            Outcome::Denied {
+                retry_after: Duration::from_millis(1)
+            }
+        );
+        let q = s.decide(0, &p, 1_000_000, at(1000), one);
+        assert_eq!((q.outcome, q.remaining), (Outcome::Allowed, 2));
+        let q = s.decide(0, &p, 1_000_000, at(1000), NonZeroU32::new(4).unwrap());
+        assert_eq!((q.outcome, q.remaining), (Outcome::NeverFits, 2));
+    }
+
+    #[test]
+    fn sliding_windows_weigh_the_previous_window() {
+        // 10 per second, one sub-window: the previous second's 10 weigh 10 * (1 - f).
+        let p = params(Quota::per_second(10).sliding_window());
+        let s_us = 1_000_000;
+        let mut s = SlidingState::new(1);
+        let one = NonZeroU32::MIN;
+        for _ in 0..10 {
+            assert_eq!(s.decide(0, &p, s_us, 5 * s_us, one).outcome, Outcome::Allowed);
+        }
+        // 25 % into the next second, 7.5 still count: 2 more pass.
+        let now = 6 * s_us + s_us / 4;
+        let q = s.decide(0, &p, s_us, now, one);
+        assert_eq!((q.outcome, q.remaining), (Outcome::Allowed, 1));
+        let q = s.decide(0, &p, s_us, now, one);
+        assert_eq!((q.outcome, q.remaining), (Outcome::Allowed, 0));
+        let q = s.decide(0, &p, s_us, now, one);
+        // 7.5 + 2 = 9.5 counted; one more fits once 0.5 has slid out: 0.5 / 10 of a second.
+        assert_eq!(
+            q.outcome,
+            Outcome::Denied {
+                retry_after: Duration::from_millis(50)
+            }
+        );
+        assert_eq!(q.reset_after, Duration::from_millis(50));
+        // A request of 9 needs 8.5 to slide out... more than the 7.5 there: it waits for the
+        // end of the sub-window and then the current counts' own weight.
+        let q = s.decide(0, &p, s_us, now, NonZeroU32::new(9).unwrap());
+        let Outcome::Denied { retry_after } = q.outcome else {
+            panic!("{q:?}")
+        };
+        // At 7 s, the two requests of this second weigh 2 * (1 - f); 9 fit when 2(1-f) <= 1:
+        // half way through, 7.5 s, 1.25 s from now.
+        assert_eq!(retry_after, Duration::from_millis(1250));
+    }
+
+    #[test]
+    fn waits_are_exact_at_the_microsecond() {
+        // A retry at the computed time passes; a microsecond earlier it does not.
+        let p = params(Quota::per_minute(7).sliding_window().resolution(Duration::from_secs(20)));
+        let (s_us, n) = (20_000_000, 3);
+        let mut seed = 99u64;
+        for round in 0..300 {
+            let mut s = SlidingState::new(n);
+            let mut now = 1_700_000_000_000_000u64;
+            let mut waited = 0;
+            for _ in 0..40 {
+                seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                now += (seed >> 40) % 9_000_000;
+                let cost = NonZeroU32::new(1 + ((seed >> 20) % 3) as u32).unwrap();
+                if let Outcome::Denied { retry_after } = s.decide(0, &p, s_us, now, cost).outcome
+                {
+                    let at = now + retry_after.as_micros() as u64;
+                    let mut early = s.clone();
+                    assert_ne!(
+                        early.decide(0, &p, s_us, at - 1, cost).outcome,
+                        Outcome::Allowed,
+                        "round {round}"
+                    );
+                    let mut on_time = s.clone();
+                    assert_eq!(
+                        on_time.decide(0, &p, s_us, at, cost).outcome,
+                        Outcome::Allowed,
+                        "round {round}"
+                    );
+                    waited += 1;
+                }
+            }
+            assert!(waited > 0 || round > 0);
+        }
+    }
+}
