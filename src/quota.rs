@@ -331,7 +331,7 @@ impl Quota {
                             ));
                         }
                         let r = (r / 1000) as u64;
-                        if r > window_us || window_us % r != 0 {
+                        if r > window_us || !window_us.is_multiple_of(r) {
                             return Err(bad("the resolution must divide the window evenly"));
                         }
                         r
@@ -409,9 +409,7 @@ impl QuotaParams {
     /// emission`), for a window its length.
     pub fn window(&self) -> Duration {
         match self.kind {
-            QuotaKind::Gcra => {
-                Duration::from_nanos(self.emission_ns * u64::from(self.burst.get()))
-            }
+            QuotaKind::Gcra => Duration::from_nanos(self.emission_ns * u64::from(self.burst.get())),
             QuotaKind::FixedWindow { window_us } => Duration::from_micros(window_us),
             QuotaKind::SlidingWindow { slice_us, slices } => {
                 Duration::from_micros(slice_us * u64::from(slices))
@@ -547,7 +545,7 @@ impl std::str::FromStr for Quota {
             .trim()
             .parse::<u32>()
             .map_err(|_| bad("the count is not a number"))?;
-        let period = parse_duration(period.trim(), true).map_err(|e| bad(e))?;
+        let period = parse_duration(period.trim(), true).map_err(&bad)?;
         let mut q = Quota::new(count, period);
         let mut rest = words[rate_len..].iter().copied().peekable();
         let mut algorithm = None;
@@ -569,7 +567,7 @@ impl std::str::FromStr for Quota {
                         && let Some(next) = rest.peek()
                         && !KEYWORDS.contains(next)
                     {
-                        let r = parse_duration(next, false).map_err(|e| bad(e))?;
+                        let r = parse_duration(next, false).map_err(&bad)?;
                         q = q.resolution(r);
                         rest.next();
                     }

@@ -407,3 +407,68 @@ async fn a_full_table_is_counted_warned_about_and_configurable() {
     assert!(warnings[1].contains("new_keys=20"), "{text}");
     assert!(warnings[2].contains("let through unlimited"), "{text}");
 }
+
+/// Many threads on one key never get more than a window's limit through, for either window
+/// algorithm, and a multi-quota policy mixing them with GCRA never exceeds its tightest quota.
+#[test]
+fn windows_are_exact_under_concurrency() {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    for quota in [
+        Quota::per_day(500).fixed_window(),
+        Quota::per_day(500).sliding_window(),
+        Quota::per_day(600)
+            .sliding_window()
+            .resolution(Duration::from_secs(3600)),
+    ] {
+        let backend = LocalBackend::builder()
+            .clock(FakeRelativeClock::default())
+            .clock_epoch(Duration::from_secs(1_700_000_000))
+            .build();
+        let policy = Policy::new("c", quota).and(Quota::per_day(450).burst(450));
+        let p = prepare(&backend, &policy);
+        let allowed = AtomicU32::new(0);
+        std::thread::scope(|scope| {
+            for _ in 0..4 {
+                scope.spawn(|| {
+                    for _ in 0..300 {
+                        let d = futures_ready(backend.decide(&p, &key("hot"), cost(1))).unwrap();
+                        if d.is_allowed() {
+                            allowed.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                });
+            }
+        });
+        // The tightest quota is the GCRA one: 450.
+        assert_eq!(allowed.load(Ordering::Relaxed), 450, "{quota}");
+        let alone = prepare(&backend, &Policy::new("w", quota));
+        let allowed = AtomicU32::new(0);
+        std::thread::scope(|scope| {
+            for _ in 0..4 {
+                scope.spawn(|| {
+                    for _ in 0..300 {
+                        let d =
+                            futures_ready(backend.decide(&alone, &key("hot"), cost(1))).unwrap();
+                        if d.is_allowed() {
+                            allowed.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                });
+            }
+        });
+        assert_eq!(
+            allowed.load(Ordering::Relaxed),
+            quota.count(),
+            "{quota}: exactly the limit"
+        );
+    }
+}
+
+/// The local backend answers at once: its future is ready when made.
+fn futures_ready<F: std::future::Future + Unpin>(mut f: F) -> F::Output {
+    let waker = std::task::Waker::noop();
+    match std::pin::Pin::new(&mut f).poll(&mut std::task::Context::from_waker(waker)) {
+        std::task::Poll::Ready(out) => out,
+        std::task::Poll::Pending => panic!("the local backend is never pending"),
+    }
+}

@@ -1,28 +1,37 @@
-//! The in-process backend: GCRA buckets from the `governor` crate.
+//! The in-process backend: GCRA buckets from the `governor` crate, and fixed and sliding
+//! windows.
 //!
-//! Each quota of a policy is a keyed governor [`RateLimiter`] over a
-//! bounded store owned by this crate. Limits are per process: behind a load balancer with `n`
-//! replicas a client gets up to `n` times the quota. Use the Redis backend for one shared limit.
+//! Each GCRA quota of a policy is a keyed governor [`RateLimiter`] over a bounded store owned by
+//! this crate; each window quota a map of small per-key counters decided with the arithmetic
+//! every store shares (see `docs/algorithms.md`). Limits are per process: behind a load
+//! balancer with `n` replicas a client gets up to `n` times the quota. Use the Redis backend
+//! for one shared limit.
 //!
 //! # Guarantees
 //!
 //! - **Atomic per key and quota.** Concurrent requests on one key never take more units than
-//!   the bucket holds: each bucket is one `AtomicU64` (the GCRA theoretical arrival time)
-//!   updated by compare-and-swap.
+//!   the bucket holds: each GCRA bucket is one `AtomicU64` (the theoretical arrival time)
+//!   updated by compare-and-swap; each window counter is behind its own mutex, held for a few
+//!   arithmetic operations (never across an await).
+//! - **Windows on the Unix epoch.** Fixed and sliding windows are aligned to the Unix epoch of
+//!   the backend's clock ([`clock_epoch`](LocalBackendBuilder::clock_epoch), by default the
+//!   system time when the backend is built, then advanced by the monotonic clock), so that a
+//!   daily window ends at 00:00 UTC on every replica, as in Redis.
 //! - **Single-quota policies: a denied request consumes nothing.**
 //! - **Multi-quota policies are checked in order and stop at the first denial.** Governor cannot
 //!   test a bucket without updating it (governor#117), so when quota `i` denies, the units
 //!   already taken from quotas `0..i` stay taken. A multi-quota policy therefore never lets
 //!   through more than any of its quotas allows, but a request denied by a later quota may use
 //!   up capacity of an earlier one. Put the quota most likely to deny (usually the shortest
-//!   window) first: a request it denies touches nothing else. The Redis backend is
-//!   all-or-nothing.
+//!   window) first: a request it denies touches nothing else. The same holds for window
+//!   quotas. The Redis backend is all-or-nothing.
 //! - **Monotonic time.** The default clock is [`MonotonicClock`] (`std::time::Instant`), not
 //!   the TSC-based quanta clock that can go backwards between cores (governor#299). Tests
 //!   inject [`FakeRelativeClock`] with
 //!   [`LocalBackend::builder`].
 //! - **Bounded memory.** A bucket whose theoretical arrival time has passed is indistinguishable
-//!   from a fresh one and is evicted by a sweep every
+//!   from a fresh one, as is a window counter whose window (fixed) or every sub-window (sliding)
+//!   has passed, and is evicted by a sweep every
 //!   [`sweep_interval`](LocalBackendBuilder::sweep_interval) (60 s by default), run by a task
 //!   the backend spawns on the Tokio runtime it is first used in; no thread of yours is needed.
 //!   At most [`max_keys`](LocalBackendBuilder::max_keys) buckets (1 000 000 by default, summed
@@ -85,7 +94,10 @@ use governor::state::StateStore;
 use governor::state::keyed::ShrinkableKeyedStateStore;
 
 use super::{Backend, Decision, Outcome, QuotaState};
-use crate::quota::QuotaParams;
+use crate::quota::{QuotaKind, QuotaParams};
+use window::WindowStore;
+
+mod window;
 use crate::{BackendError, ConfigError, Key, Policy};
 
 /// The governor crate this backend is built on, for its clocks ([`Clock`],
@@ -141,11 +153,36 @@ struct Inner<C: Clock> {
     /// Nanoseconds (on `clock`) after which a capacity-triggered sweep may run again.
     next_forced_sweep: AtomicU64,
     origin: C::Instant,
+    /// The Unix time, in microseconds, at `origin`.
+    epoch_us: u64,
 }
 
-/// A limiter and its store, held weakly so that dropped policies free their buckets, and the
-/// instant the limiter counts its time from.
-type Registered<C> = (Weak<Limiter<C>>, Weak<StoreMap>, <C as Clock>::Instant);
+/// A quota's counters, held weakly so that dropped policies free their buckets: a GCRA
+/// limiter, its store and the instant it counts its time from, or a window store.
+enum Registered<C: Clock> {
+    Gcra(Weak<Limiter<C>>, Weak<StoreMap>, C::Instant),
+    Window(Weak<WindowStore>),
+}
+
+impl<C: Clock> Registered<C> {
+    fn is_alive(&self) -> bool {
+        match self {
+            Registered::Gcra(l, _, _) => l.strong_count() > 0,
+            Registered::Window(w) => w.strong_count() > 0,
+        }
+    }
+
+    fn upgrade(&self) -> Option<Counter<C>> {
+        Some(match self {
+            Registered::Gcra(l, s, start) => Counter::Gcra {
+                limiter: l.upgrade()?,
+                store: s.upgrade()?,
+                start: *start,
+            },
+            Registered::Window(w) => Counter::Window(w.upgrade()?),
+        })
+    }
+}
 
 #[derive(Clone, PartialEq, Eq, Hash)]
 struct LimiterId {
@@ -157,6 +194,7 @@ struct LimiterId {
 /// Builds a [`LocalBackend`].
 pub struct LocalBackendBuilder<C: Clock = MonotonicClock> {
     clock: C,
+    epoch: Option<Duration>,
     max_keys: usize,
     when_full: WhenFull,
     sweep_interval: Duration,
@@ -172,6 +210,7 @@ impl LocalBackend {
     pub fn builder() -> LocalBackendBuilder {
         LocalBackendBuilder {
             clock: MonotonicClock,
+            epoch: None,
             max_keys: 1_000_000,
             when_full: WhenFull::Deny,
             sweep_interval: Duration::from_secs(60),
@@ -190,10 +229,21 @@ impl<C: Clock> LocalBackendBuilder<C> {
     pub fn clock<C2: Clock>(self, clock: C2) -> LocalBackendBuilder<C2> {
         LocalBackendBuilder {
             clock,
+            epoch: self.epoch,
             max_keys: self.max_keys,
             when_full: self.when_full,
             sweep_interval: self.sweep_interval,
         }
+    }
+
+    /// The Unix time (since 1970-01-01 UTC) the clock reads when the backend is built; by
+    /// default the system's time then. Fixed and sliding windows are aligned to the Unix epoch
+    /// of this clock, so that they start at the same instants on every replica (with clocks
+    /// in sync) and in Redis: a day's window starts at 00:00 UTC. Tests with a fake clock set
+    /// it (e.g. `Duration::ZERO`) to place windows exactly.
+    pub fn clock_epoch(mut self, unix_time: Duration) -> Self {
+        self.epoch = Some(unix_time);
+        self
     }
 
     /// The most buckets tracked at once, over all quotas (at least 1).
@@ -219,6 +269,11 @@ impl<C: Clock> LocalBackendBuilder<C> {
     /// Builds the backend.
     pub fn build(self) -> LocalBackend<C> {
         let origin = self.clock.now();
+        let epoch = self.epoch.unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default()
+        });
         LocalBackend {
             inner: Arc::new(Inner {
                 clock: self.clock,
@@ -233,6 +288,7 @@ impl<C: Clock> LocalBackendBuilder<C> {
                 sweeper_started: AtomicBool::new(false),
                 next_forced_sweep: AtomicU64::new(0),
                 origin,
+                epoch_us: u64::try_from(epoch.as_micros()).unwrap_or(u64::MAX),
             }),
         }
     }
@@ -302,15 +358,28 @@ impl<C: Clock> Drop for RestartSweeper<C> {
 
 impl<C: Clock> Inner<C> {
     fn sweep(&self) {
-        let limiters: Vec<Arc<Limiter<C>>> = {
+        let limiters: Vec<Counter<C>> = {
             let mut map = self.limiters.lock().unwrap_or_else(|p| p.into_inner());
-            map.retain(|_, (w, _, _)| w.strong_count() > 0);
-            map.values().filter_map(|(w, _, _)| w.upgrade()).collect()
+            map.retain(|_, r| r.is_alive());
+            map.values().filter_map(Registered::upgrade).collect()
         };
-        for limiter in limiters {
-            limiter.retain_recent();
-            limiter.shrink_to_fit();
+        let now_us = self.now_us();
+        for counter in limiters {
+            match counter {
+                Counter::Gcra { limiter, .. } => {
+                    limiter.retain_recent();
+                    limiter.shrink_to_fit();
+                }
+                Counter::Window(store) => store.sweep(now_us),
+            }
         }
+    }
+
+    /// Microseconds since the Unix epoch, on this backend's clock: windows start at the same
+    /// instants here as on every other replica and in Redis.
+    fn now_us(&self) -> u64 {
+        self.epoch_us
+            .saturating_add(self.clock.now().duration_since(self.origin).as_u64() / 1000)
     }
 
     fn elapsed_ns(&self) -> u64 {
@@ -354,12 +423,21 @@ pub struct LocalPolicy<C: Clock = MonotonicClock> {
 }
 
 struct PreparedQuota<C: Clock> {
-    limiter: Arc<Limiter<C>>,
-    store: Arc<StoreMap>,
     params: QuotaParams,
-    /// Read just before the limiter was made, so never later than the instant governor counts
-    /// the stored times from: times computed from it are never later than governor's.
-    start: C::Instant,
+    counter: Counter<C>,
+}
+
+/// Where a quota counts: a governor GCRA limiter, or window counters.
+enum Counter<C: Clock> {
+    Gcra {
+        limiter: Arc<Limiter<C>>,
+        store: Arc<StoreMap>,
+        /// Read just before the limiter was made, so never later than the instant governor
+        /// counts the stored times from: times computed from it are never later than
+        /// governor's.
+        start: C::Instant,
+    },
+    Window(Arc<WindowStore>),
 }
 
 impl<C: Clock> fmt::Debug for LocalPolicy<C> {
@@ -398,15 +476,18 @@ where
                     index,
                     params: *p,
                 };
-                if let Some((limiter, store, start)) = map
-                    .get(&id)
-                    .and_then(|(l, s, start)| Some((l.upgrade()?, s.upgrade()?, *start)))
-                {
+                if let Some(counter) = map.get(&id).and_then(Registered::upgrade) {
                     return Ok(PreparedQuota {
-                        limiter,
-                        store,
                         params: *p,
-                        start,
+                        counter,
+                    });
+                }
+                if !matches!(p.kind, QuotaKind::Gcra) {
+                    let store = Arc::new(WindowStore::new(*p, self.inner.tracked.clone()));
+                    map.insert(id, Registered::Window(Arc::downgrade(&store)));
+                    return Ok(PreparedQuota {
+                        params: *p,
+                        counter: Counter::Window(store),
                     });
                 }
                 let quota = governor::Quota::with_period(p.emission_interval())
@@ -430,13 +511,15 @@ where
                 );
                 map.insert(
                     id,
-                    (Arc::downgrade(&limiter), Arc::downgrade(&store), start),
+                    Registered::Gcra(Arc::downgrade(&limiter), Arc::downgrade(&store), start),
                 );
                 Ok(PreparedQuota {
-                    limiter,
-                    store,
                     params: *p,
-                    start,
+                    counter: Counter::Gcra {
+                        limiter,
+                        store,
+                        start,
+                    },
                 })
             })
             .collect::<Result<_, ConfigError>>()?;
@@ -462,23 +545,31 @@ where
             // Untracked, so unlimited: a decision without quota states carries no headers.
             Some(Refusal::Allow) => return ready(Ok(Decision::new([]))),
         }
-        let clock = &self.inner.clock;
+        let inner = &*self.inner;
+        let clock = &inner.clock;
         let mut states = smallvec::SmallVec::<[QuotaState; 2]>::new();
         for (index, quota) in policy.limiters.iter().enumerate() {
             let params = &quota.params;
-            let state = match quota.limiter.check_key_n(key, cost) {
-                Ok(Ok(snapshot)) => {
-                    // The bucket's new arrival time, as the store just wrote it.
-                    let tat = LAST_TAT.get();
-                    let mut state = QuotaState::allowed(index, params, quota.until(tat, clock));
-                    // governor's count is exact; ours may be one more right at a boundary.
-                    state.remaining = snapshot.remaining_burst_capacity().min(state.limit);
-                    state
-                }
-                Ok(Err(not_until)) => {
-                    QuotaState::denied(index, params, cost, not_until.wait_time_from(clock.now()))
-                }
-                Err(_insufficient) => QuotaState::never_fits(index, params, quota.peek(key, clock)),
+            let state = match &quota.counter {
+                Counter::Window(store) => store.decide(index, key, inner.now_us(), cost),
+                Counter::Gcra { limiter, start, .. } => match limiter.check_key_n(key, cost) {
+                    Ok(Ok(snapshot)) => {
+                        // The bucket's new arrival time, as the store just wrote it.
+                        let tat = LAST_TAT.get();
+                        let mut state =
+                            QuotaState::allowed(index, params, until(*start, tat, clock));
+                        // governor's count is exact; ours may be one more right at a boundary.
+                        state.remaining = snapshot.remaining_burst_capacity().min(state.limit);
+                        state
+                    }
+                    Ok(Err(not_until)) => QuotaState::denied(
+                        index,
+                        params,
+                        cost,
+                        not_until.wait_time_from(clock.now()),
+                    ),
+                    Err(_insufficient) => quota.peek(index, key, inner),
+                },
             };
             let stop = state.outcome != Outcome::Allowed;
             states.push(state);
@@ -508,12 +599,7 @@ where
         if let Some((index, quota)) =
             (policy.limiters.iter().enumerate()).find(|(_, quota)| cost > quota.params.burst)
         {
-            let clock = &self.inner.clock;
-            return Some(Refusal::Deny(QuotaState::never_fits(
-                index,
-                &quota.params,
-                quota.peek(key, clock),
-            )));
+            return Some(Refusal::Deny(quota.peek(index, key, &self.inner)));
         }
         let inner = &self.inner;
         let quotas = policy.limiters.len();
@@ -521,8 +607,8 @@ where
         if inner.tracked.load(Ordering::Relaxed).saturating_add(quotas) <= inner.max_keys {
             return None;
         }
-        let mut lacking = (policy.limiters.iter().enumerate())
-            .filter(|(_, quota)| !quota.store.map.contains_key(key));
+        let mut lacking =
+            (policy.limiters.iter().enumerate()).filter(|(_, quota)| !quota.counter.contains(key));
         let (first, quota) = lacking.next()?;
         let needed = 1 + lacking.count();
         let overflows =
@@ -598,20 +684,35 @@ impl<C: Clock> Inner<C> {
     }
 }
 
-impl<C: Clock> PreparedQuota<C> {
-    /// How far from now a theoretical arrival time `tat` (governor's nanoseconds since the
-    /// limiter's start) lies: zero when passed. Never more than governor's own reading, by at
-    /// most the time the decision took.
-    fn until(&self, tat: u64, clock: &C) -> Duration {
-        let elapsed = clock.now().duration_since(self.start).as_u64();
-        Duration::from_nanos(tat.saturating_sub(elapsed))
-    }
+/// How far from now a theoretical arrival time `tat` (governor's nanoseconds since the
+/// limiter's `start`) lies: zero when passed. Never more than governor's own reading, by at
+/// most the time the decision took.
+fn until<C: Clock>(start: C::Instant, tat: u64, clock: &C) -> Duration {
+    let elapsed = clock.now().duration_since(start).as_u64();
+    Duration::from_nanos(tat.saturating_sub(elapsed))
+}
 
-    /// The arrival time of `key`'s bucket from now, read without changing it (zero: full, or
-    /// not tracked).
-    fn peek(&self, key: &Key, clock: &C) -> Duration {
-        let tat = (self.store.map.get(key)).map_or(0, |tat| tat.load(Ordering::Acquire));
-        self.until(tat, clock)
+impl<C: Clock> PreparedQuota<C> {
+    /// The state of `key`'s bucket or window for a request that can never fit it, read
+    /// without changing anything.
+    fn peek(&self, index: usize, key: &Key, inner: &Inner<C>) -> QuotaState {
+        match &self.counter {
+            Counter::Gcra { store, start, .. } => {
+                let tat = (store.map.get(key)).map_or(0, |tat| tat.load(Ordering::Acquire));
+                QuotaState::never_fits(index, &self.params, until(*start, tat, &inner.clock))
+            }
+            Counter::Window(store) => store.peek(index, key, inner.now_us()),
+        }
+    }
+}
+
+impl<C: Clock> Counter<C> {
+    /// Whether `key` has a bucket or counter here.
+    fn contains(&self, key: &Key) -> bool {
+        match self {
+            Counter::Gcra { store, .. } => store.map.contains_key(key),
+            Counter::Window(store) => store.contains(key),
+        }
     }
 }
 

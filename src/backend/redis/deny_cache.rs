@@ -232,7 +232,10 @@ mod tests {
             capacity,
             used: AtomicUsize::new(0),
         });
-        let params = [QuotaParams::gcra(1_000_000_000, NonZeroU32::new(5).unwrap())];
+        let params = [QuotaParams::gcra(
+            1_000_000_000,
+            NonZeroU32::new(5).unwrap(),
+        )];
         let denied = Decision::new([QuotaState {
             index: 0,
             outcome: Outcome::Denied {
