@@ -12,7 +12,9 @@ use crate::Quota;
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ConfigError {
-    /// A quota has a zero count, burst or period, or does not fit in integer nanoseconds.
+    /// A quota has a zero count, burst or period, does not fit in integer time, or combines
+    /// settings that mean nothing together (a burst on a window, a resolution on anything but
+    /// a sliding window).
     InvalidQuota {
         /// The policy holding the quota.
         policy: String,
@@ -51,13 +53,7 @@ impl fmt::Display for ConfigError {
                 policy,
                 quota,
                 reason,
-            } => write!(
-                f,
-                "policy `{policy}`: invalid quota ({} per {:?}, burst {}): {reason}",
-                quota.count(),
-                quota.period(),
-                quota.burst_size()
-            ),
+            } => write!(f, "policy `{policy}`: invalid quota \"{quota}\": {reason}"),
             ConfigError::InvalidPolicyName { name } => write!(
                 f,
                 "invalid policy name {name:?}: use 1 to 64 visible ASCII characters, without `\"` or `\\`"

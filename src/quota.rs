@@ -451,6 +451,66 @@ mod tests {
     }
 
     #[test]
+    fn meaningless_combinations_are_errors_naming_the_policy_and_quota() {
+        for (q, what) in [
+            (Quota::per_hour(5000).fixed_window().burst(10), "burst"),
+            (Quota::per_hour(5000).sliding_window().burst(10), "burst"),
+            (
+                Quota::per_second(5).resolution(Duration::from_millis(100)),
+                "resolution",
+            ),
+            (
+                Quota::per_second(5)
+                    .fixed_window()
+                    .resolution(Duration::from_millis(100)),
+                "resolution",
+            ),
+            (
+                Quota::per_minute(5)
+                    .sliding_window()
+                    .resolution(Duration::from_secs(7)),
+                "divide",
+            ),
+            (
+                Quota::per_minute(5)
+                    .sliding_window()
+                    .resolution(Duration::from_millis(10)),
+                "sub-windows",
+            ),
+            (
+                Quota::new(5, Duration::from_nanos(1500)).fixed_window(),
+                "microseconds",
+            ),
+        ] {
+            let err = q.params("api").unwrap_err().to_string();
+            assert!(err.contains("policy `api`"), "{err}");
+            assert!(err.contains(&q.to_string()), "{err}");
+            assert!(err.contains(what), "{q}: {err}");
+        }
+        let p = Quota::per_minute(100)
+            .sliding_window()
+            .resolution(Duration::from_secs(5))
+            .params("p")
+            .unwrap();
+        assert_eq!(
+            p.kind,
+            QuotaKind::SlidingWindow {
+                slice_us: 5_000_000,
+                slices: 12
+            }
+        );
+        assert_eq!(p.window(), Duration::from_secs(60));
+        assert_eq!(p.burst.get(), 100);
+        let p = Quota::per_day(3).fixed_window().params("p").unwrap();
+        assert_eq!(
+            p.kind,
+            QuotaKind::FixedWindow {
+                window_us: 86_400_000_000
+            }
+        );
+    }
+
+    #[test]
     fn names_are_any_string_and_quotas_stay_copy() {
         let owned = String::from("hourly");
         let q = Quota::per_hour(100).named(&owned);
@@ -486,6 +546,30 @@ mod tests {
         assert!(
             serde_json::from_str::<Quota>(r#"{"rate":"1/s","nmae":"x"}"#).is_err(),
             "unknown fields are errors"
+        );
+        let f: File = toml::from_str(
+            r#"quotas = ["5000/h fixed", "100/min sliding 5s",
+                { rate = "100/min", algorithm = "sliding", resolution = "5s", name = "m" },
+                { rate = "1/d", algorithm = "fixed" }]"#,
+        )
+        .unwrap();
+        let sliding = Quota::per_minute(100)
+            .sliding_window()
+            .resolution(Duration::from_secs(5));
+        assert_eq!(f.quotas[0], Quota::per_hour(5000).fixed_window());
+        assert_eq!(f.quotas[1], sliding);
+        assert_eq!(f.quotas[2], sliding.named("m"));
+        assert_eq!(f.quotas[3], Quota::per_day(1).fixed_window());
+        for bad in [
+            r#"{"rate":"1/s fixed","algorithm":"sliding"}"#,
+            r#"{"rate":"1/s","resolution":"5s"}"#,
+            r#"{"rate":"1/s","algorithm":"leaky"}"#,
+        ] {
+            assert!(serde_json::from_str::<Quota>(bad).is_err(), "{bad}");
+        }
+        assert_eq!(
+            serde_json::to_string(&sliding).unwrap(),
+            r#""100/min sliding 5s""#
         );
     }
 
@@ -661,8 +745,8 @@ impl std::fmt::Display for DisplayDuration {
     }
 }
 
-/// A quota in a configuration file: `"5/s burst 10"`, or a table naming it,
-/// `{ rate = "5/s burst 10", name = "burst" }`.
+/// A quota in a configuration file: `"5/s burst 10"`, `"5000/h fixed"`, or a table,
+/// `{ rate = "100/min", algorithm = "sliding", resolution = "5s", name = "minute" }`.
 #[cfg(feature = "serde")]
 #[derive(serde::Serialize, serde::Deserialize)]
 #[serde(untagged)]
@@ -679,6 +763,12 @@ struct QuotaTable<'a> {
     rate: std::borrow::Cow<'a, str>,
     #[serde(borrow, default, skip_serializing_if = "Option::is_none")]
     name: Option<std::borrow::Cow<'a, str>>,
+    /// `gcra`, `fixed` or `sliding`.
+    #[serde(borrow, default, skip_serializing_if = "Option::is_none")]
+    algorithm: Option<std::borrow::Cow<'a, str>>,
+    /// A sliding window's sub-window length, e.g. `5s`.
+    #[serde(borrow, default, skip_serializing_if = "Option::is_none")]
+    resolution: Option<std::borrow::Cow<'a, str>>,
 }
 
 /// Written as its rate (`"5/s burst 10"`), or as a table when it has a name:
@@ -692,6 +782,8 @@ impl serde::Serialize for Quota {
             Some(name) => QuotaSpec::Table(QuotaTable {
                 rate,
                 name: Some(name.into()),
+                algorithm: None,
+                resolution: None,
             }),
         }
         .serialize(s)
@@ -701,12 +793,34 @@ impl serde::Serialize for Quota {
 #[cfg(feature = "serde")]
 impl<'de> serde::Deserialize<'de> for Quota {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let (rate, name) = match QuotaSpec::deserialize(d)? {
-            QuotaSpec::Rate(rate) => (rate, None),
-            QuotaSpec::Table(t) => (t.rate, t.name),
+        let t = match QuotaSpec::deserialize(d)? {
+            QuotaSpec::Rate(rate) => QuotaTable {
+                rate,
+                name: None,
+                algorithm: None,
+                resolution: None,
+            },
+            QuotaSpec::Table(t) => t,
         };
+        // The table's fields are written into the rate, so that both forms parse alike and a
+        // field contradicting the rate (`rate = "1/s fixed", algorithm = "sliding"`) is an
+        // error, never a silent choice.
+        let mut rate = t.rate.into_owned();
+        if let Some(algorithm) = &t.algorithm {
+            rate.push(' ');
+            rate.push_str(algorithm);
+        }
+        if let Some(resolution) = &t.resolution {
+            if t.algorithm.as_deref() != Some("sliding") {
+                return Err(serde::de::Error::custom(format!(
+                    "quota {rate:?}: `resolution` needs `algorithm = \"sliding\"`"
+                )));
+            }
+            rate.push(' ');
+            rate.push_str(resolution);
+        }
         let quota: Quota = rate.parse().map_err(serde::de::Error::custom)?;
-        Ok(match name {
+        Ok(match t.name {
             Some(name) => quota.named(&name),
             None => quota,
         })
@@ -727,6 +841,10 @@ mod parse_tests {
             "10/500ms",
             "7/d",
             "1/90s",
+            "5000/h fixed",
+            "100/min sliding",
+            "100/min sliding 5s",
+            "10/s burst 20 gcra",
         ] {
             let q: Quota = s.parse().unwrap();
             assert_eq!(q.to_string().parse::<Quota>().unwrap(), q, "{s}");
