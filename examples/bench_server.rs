@@ -21,6 +21,9 @@
 //!   the headers cost.
 //! - The quota is so large (1 000 000 per second sustained, a burst of 3.6 billion) that nothing
 //!   is ever denied, so every mode does the same work per request.
+//! - `QUOTA=<quota>`: the server's quota instead, in the configuration syntax, e.g.
+//!   `QUOTA="20/s sliding"`, `QUOTA="1000/min fixed"`, `QUOTA="5/s burst 10"`: with every
+//!   backend (tower_governor has GCRA only: a window quota is refused for it).
 //! - `STATS=1` (Redis only): print the backend's counters (`RedisStats`) to stderr every
 //!   second, e.g. to see how many decisions share a script call.
 //! - `DENY_KEY=<value>`: that one key (an `x-key` value, or an IP address) gets one request per
@@ -60,15 +63,26 @@ fn bench_key() -> BenchKey {
     Header::new("x-key").or(ClientIp::new())
 }
 
-/// The policy: nothing is ever denied, except `deny_key` after its first request.
-fn policy(deny_key: Option<Key>) -> Policy {
-    let policy = Policy::new("bench", Quota::per_hour(UNITS).burst(UNITS));
+/// The server's quota: `QUOTA`, or one so large that nothing is ever denied.
+fn quota() -> Result<Quota, ConfigError> {
+    match std::env::var("QUOTA") {
+        Ok(q) => q.parse(),
+        Err(_) => Ok(Quota::per_hour(UNITS).burst(UNITS)),
+    }
+}
+
+/// The policy: `quota` for every key; `deny_key` is charged the whole bucket (or window), so
+/// that after its first request it is denied.
+fn policy(quota: Quota, deny_key: Option<Key>) -> Policy {
+    let policy = Policy::new("bench", quota);
     let Some(deny_key) = deny_key else {
         return policy;
     };
     let key = bench_key();
+    let all = quota.burst_size();
     policy.cost_fn(move |req: &RequestInfo<'_>| match key.extract(req) {
-        Ok(k) if k == deny_key => UNITS,
+        // By value: the IP of the fallback is in a key space of its own.
+        Ok(k) if k.same_value(&deny_key) => all,
         _ => 1,
     })
 }
@@ -87,7 +101,7 @@ fn tollgate_layer<Bk: Backend>(
     RateLimitLayerBuilder::new()
         .backend(backend)
         .key(bench_key())
-        .policy(policy(deny_key))
+        .policy(policy(quota()?, deny_key))
         .headers(headers)
         .build()
 }
@@ -153,6 +167,19 @@ macro_rules! serve_layered {
     }};
 }
 
+/// The emission interval and burst tower_governor takes for a GCRA quota.
+fn governor_quota(quota: Quota) -> Result<(u64, u32), Box<dyn std::error::Error>> {
+    if quota.algorithm() != tollgate::quota::Algorithm::Gcra {
+        return Err(format!("QUOTA={quota}: tower_governor has GCRA quotas only").into());
+    }
+    let params = Policy::new("bench", quota)
+        .validate()?
+        .first()
+        .copied()
+        .ok_or("no quota")?;
+    Ok((params.emission_ns, params.burst.get()))
+}
+
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let port: u16 = match std::env::var("PORT") {
@@ -192,18 +219,20 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             outer
         )?,
         "tower_governor" => {
+            let (emission_ns, burst) = governor_quota(quota()?)?;
             let config = GovernorConfigBuilder::default()
-                .per_nanosecond(1_000)
-                .burst_size(UNITS)
+                .per_nanosecond(emission_ns)
+                .burst_size(burst)
                 .key_extractor(XKeyOrIp)
                 .finish()
                 .ok_or("invalid tower_governor configuration")?;
             serve_layered!(listener, app, GovernorLayer::new(config), outer)?
         }
         "tower_governor_headers" => {
+            let (emission_ns, burst) = governor_quota(quota()?)?;
             let config = GovernorConfigBuilder::default()
-                .per_nanosecond(1_000)
-                .burst_size(UNITS)
+                .per_nanosecond(emission_ns)
+                .burst_size(burst)
                 .key_extractor(XKeyOrIp)
                 .use_headers()
                 .finish()
