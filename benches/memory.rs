@@ -6,6 +6,7 @@
 //! - the heap bytes per tracked key after inserting them all (issue target: ≤ 128);
 //! - the heap left once the clock has passed the bucket window and a sweep has run (should be
 //!   back near the baseline);
+//! - the same for each window algorithm (fixed, sliding, sliding with twelve sub-windows);
 //! - and, for a backend capped at 100 000 keys, that a flood of 1 000 000 new keys stays
 //!   within the cap.
 //!
@@ -76,6 +77,40 @@ fn main() {
         swept - baseline,
         (swept - baseline) as f64 / n as f64
     );
+
+    // 1b. The same for each window algorithm: bytes per key, and back to baseline once the
+    // windows have passed.
+    for quota in [
+        Quota::per_second(10).fixed_window(),
+        Quota::per_second(10).sliding_window(),
+        Quota::per_minute(100)
+            .sliding_window()
+            .resolution(Duration::from_secs(5)),
+    ] {
+        let policy = Policy::new("mem", quota);
+        let params = policy.validate().unwrap();
+        let backend = LocalBackend::builder()
+            .clock(clock.clone())
+            .max_keys(2 * n)
+            .build();
+        let prepared = backend.prepare(&policy, &params).unwrap();
+        let baseline = heap();
+        for i in 0..n {
+            let d = backend
+                .decide(&prepared, &key(i), one)
+                .into_inner()
+                .unwrap();
+            assert!(d.is_allowed());
+        }
+        let per_key = (heap() - baseline) as f64 / n as f64;
+        clock.advance(Duration::from_secs(121));
+        backend.sweep();
+        assert_eq!(backend.tracked_keys(), 0);
+        println!(
+            "local backend, \"{quota}\": {per_key:.1} bytes/key; after its windows and a sweep, {} bytes over baseline",
+            heap() - baseline
+        );
+    }
 
     // 2. A flood of new keys against a capped table stays within the cap.
     let cap = n / 10;

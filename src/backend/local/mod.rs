@@ -94,7 +94,7 @@ use governor::state::StateStore;
 use governor::state::keyed::ShrinkableKeyedStateStore;
 
 use super::{Backend, Decision, Outcome, QuotaState};
-use crate::quota::{QuotaKind, QuotaParams};
+use crate::quota::QuotaParams;
 use window::WindowStore;
 
 mod window;
@@ -482,8 +482,8 @@ where
                         counter,
                     });
                 }
-                if !matches!(p.kind, QuotaKind::Gcra) {
-                    let store = Arc::new(WindowStore::new(*p, self.inner.tracked.clone()));
+                if let Some(store) = WindowStore::new(*p, self.inner.tracked.clone()) {
+                    let store = Arc::new(store);
                     map.insert(id, Registered::Window(Arc::downgrade(&store)));
                     return Ok(PreparedQuota {
                         params: *p,

@@ -1,13 +1,13 @@
-//! The local backend's window counters: one small mutex-guarded state per key, decided with
-//! the arithmetic of [`crate::backend::window`].
+//! The local backend's window counters, one per key, decided with the arithmetic of
+//! [`crate::backend::window`].
 //!
-//! A fixed window's state is its window index and count; a sliding window's, its newest
-//! sub-window index and `slices + 1` counts (stored inline for the default single sub-window).
-//! The lock is held for a few arithmetic operations, never across an await; a key's state is
-//! created with the key (its first request) and allocates nothing afterwards.
+//! A fixed window's state is its window index and count, packed in one atomic; a sliding
+//! window's, its newest sub-window index and `slices + 1` counts (inline for the default single
+//! sub-window) behind a mutex held for a few arithmetic operations, never across an await. A
+//! key's state is made with its first request and allocates nothing afterwards.
 
 use std::num::NonZeroU32;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use dashmap::DashMap;
@@ -21,31 +21,84 @@ use crate::quota::{QuotaKind, QuotaParams};
 
 /// The counters of one window quota, by key, counted against the backend's key cap.
 pub(super) struct WindowStore {
-    map: DashMap<Key, Mutex<State>, RandomState>,
+    counters: Counters,
     tracked: Arc<AtomicUsize>,
     params: QuotaParams,
 }
 
-enum State {
-    Fixed(FixedState),
-    Sliding(SlidingState),
+/// A fixed window's counter is one `AtomicU64` updated by compare-and-swap (as small as a GCRA
+/// bucket): the window's index in the high 32 bits (modulo 2^32: a counter is swept long
+/// before its window comes round again, 2^32 windows later), its count in the low 32. A
+/// sliding window's counts sit behind a mutex, held for a few arithmetic operations.
+enum Counters {
+    Fixed {
+        window_us: u64,
+        map: DashMap<Key, AtomicU64, RandomState>,
+    },
+    Sliding {
+        slice_us: u64,
+        slices: u32,
+        map: DashMap<Key, Mutex<SlidingState>, RandomState>,
+    },
+}
+
+/// The fixed-window state packed in a counter, read at window `now_window`: a counter of
+/// another window reads as an earlier one (nothing counted now).
+fn unpack(packed: u64, now_window: u64) -> FixedState {
+    let window = if packed >> 32 == now_window & 0xFFFF_FFFF {
+        now_window
+    } else {
+        now_window.wrapping_sub(1)
+    };
+    FixedState {
+        window,
+        count: packed as u32,
+    }
+}
+
+fn pack(state: FixedState) -> u64 {
+    (state.window & 0xFFFF_FFFF) << 32 | u64::from(state.count)
+}
+
+/// `key`'s entry in `map`, made (and counted) on its first request.
+fn entry<'a, V>(
+    map: &'a DashMap<Key, V, RandomState>,
+    key: &Key,
+    tracked: &AtomicUsize,
+    fresh: impl FnOnce() -> V,
+) -> dashmap::mapref::one::Ref<'a, Key, V> {
+    if let Some(v) = map.get(key) {
+        return v;
+    }
+    match map.entry(key.clone()) {
+        Entry::Occupied(e) => e.into_ref().downgrade(),
+        Entry::Vacant(e) => {
+            tracked.fetch_add(1, Ordering::Relaxed);
+            e.insert(fresh()).downgrade()
+        }
+    }
 }
 
 impl WindowStore {
-    /// A store for a window quota (`params.kind` is a window kind).
-    pub(super) fn new(params: QuotaParams, tracked: Arc<AtomicUsize>) -> Self {
-        WindowStore {
-            map: DashMap::with_hasher(RandomState::default()),
+    /// A store for a window quota (`None` unless `params.kind` is a window kind).
+    pub(super) fn new(params: QuotaParams, tracked: Arc<AtomicUsize>) -> Option<Self> {
+        let counters = match params.kind {
+            QuotaKind::FixedWindow { window_us } => Counters::Fixed {
+                window_us,
+                map: DashMap::with_hasher(RandomState::default()),
+            },
+            QuotaKind::SlidingWindow { slice_us, slices } => Counters::Sliding {
+                slice_us,
+                slices,
+                map: DashMap::with_hasher(RandomState::default()),
+            },
+            _ => return None,
+        };
+        Some(WindowStore {
+            counters,
             tracked,
             params,
-        }
-    }
-
-    fn fresh(&self) -> State {
-        match self.params.kind {
-            QuotaKind::SlidingWindow { slices, .. } => State::Sliding(SlidingState::new(slices)),
-            _ => State::Fixed(FixedState::default()),
-        }
+        })
     }
 
     /// Decides a request of `cost` on `key` at `now_us`, counting it when it passes.
@@ -56,97 +109,117 @@ impl WindowStore {
         now_us: u64,
         cost: NonZeroU32,
     ) -> QuotaState {
-        if let Some(state) = self.map.get(key) {
-            return self.decide_in(&state, index, now_us, cost);
-        }
-        match self.map.entry(key.clone()) {
-            Entry::Occupied(e) => self.decide_in(e.get(), index, now_us, cost),
-            Entry::Vacant(e) => {
-                self.tracked.fetch_add(1, Ordering::Relaxed);
-                let state = e.insert(Mutex::new(self.fresh()));
-                self.decide_in(&state, index, now_us, cost)
-            }
-        }
-    }
-
-    fn decide_in(
-        &self,
-        state: &Mutex<State>,
-        index: usize,
-        now_us: u64,
-        cost: NonZeroU32,
-    ) -> QuotaState {
-        let mut state = state.lock().unwrap_or_else(|p| p.into_inner());
         let p = &self.params;
-        match (&mut *state, p.kind) {
-            (State::Fixed(s), QuotaKind::FixedWindow { window_us }) => {
-                s.decide(index, p, window_us, now_us, cost)
+        match &self.counters {
+            Counters::Fixed { window_us, map } => {
+                let counter = entry(map, key, &self.tracked, || AtomicU64::new(0));
+                let now_window = now_us / window_us;
+                let mut packed = counter.load(Ordering::Acquire);
+                loop {
+                    let mut state = unpack(packed, now_window);
+                    let decided = state.decide(index, p, *window_us, now_us, cost);
+                    let next = pack(state);
+                    if next == packed {
+                        return decided;
+                    }
+                    match counter.compare_exchange_weak(
+                        packed,
+                        next,
+                        Ordering::AcqRel,
+                        Ordering::Acquire,
+                    ) {
+                        Ok(_) => return decided,
+                        Err(actual) => packed = actual,
+                    }
+                }
             }
-            (State::Sliding(s), QuotaKind::SlidingWindow { slice_us, .. }) => {
-                s.decide(index, p, slice_us, now_us, cost)
+            Counters::Sliding {
+                slice_us,
+                slices,
+                map,
+            } => {
+                let state = entry(map, key, &self.tracked, || {
+                    Mutex::new(SlidingState::new(*slices))
+                });
+                let mut state = state.lock().unwrap_or_else(|p| p.into_inner());
+                state.decide(index, p, *slice_us, now_us, cost)
             }
-            // A store holds the states of its own kind only.
-            _ => QuotaState::never_fits(index, p, std::time::Duration::ZERO),
         }
     }
 
     /// `key`'s state at `now_us`, changing nothing (a fresh one when untracked).
     pub(super) fn peek(&self, index: usize, key: &Key, now_us: u64) -> QuotaState {
         let p = &self.params;
-        let fresh;
-        let tracked = self.map.get(key);
-        let guard;
-        let state = match &tracked {
-            Some(state) => {
-                guard = state.lock().unwrap_or_else(|p| p.into_inner());
-                &*guard
+        match &self.counters {
+            Counters::Fixed { window_us, map } => {
+                let now_window = now_us / window_us;
+                let packed = map.get(key).map_or(0, |c| c.load(Ordering::Acquire));
+                let state = if packed == 0 {
+                    FixedState::default()
+                } else {
+                    unpack(packed, now_window)
+                };
+                state.peek(index, p, *window_us, now_us)
             }
-            None => {
-                fresh = self.fresh();
-                &fresh
-            }
-        };
-        match (state, p.kind) {
-            (State::Fixed(s), QuotaKind::FixedWindow { window_us }) => {
-                s.peek(index, p, window_us, now_us)
-            }
-            (State::Sliding(s), QuotaKind::SlidingWindow { slice_us, .. }) => {
-                s.peek(index, p, slice_us, now_us)
-            }
-            _ => QuotaState::never_fits(index, p, std::time::Duration::ZERO),
+            Counters::Sliding {
+                slice_us,
+                slices,
+                map,
+            } => match map.get(key) {
+                Some(state) => {
+                    let state = state.lock().unwrap_or_else(|p| p.into_inner());
+                    state.peek(index, p, *slice_us, now_us)
+                }
+                None => SlidingState::new(*slices).peek(index, p, *slice_us, now_us),
+            },
         }
     }
 
     /// Whether `key` has a counter here.
     pub(super) fn contains(&self, key: &Key) -> bool {
-        self.map.contains_key(key)
+        match &self.counters {
+            Counters::Fixed { map, .. } => map.contains_key(key),
+            Counters::Sliding { map, .. } => map.contains_key(key),
+        }
+    }
+
+    fn len(&self) -> usize {
+        match &self.counters {
+            Counters::Fixed { map, .. } => map.len(),
+            Counters::Sliding { map, .. } => map.len(),
+        }
     }
 
     /// Drops the counters that hold nothing any more at `now_us` (their windows have passed):
     /// a key's next request starts a fresh one, which is the same.
     pub(super) fn sweep(&self, now_us: u64) {
         let mut removed = 0;
-        self.map.retain(|_, state| {
-            let state = state.get_mut().unwrap_or_else(|p| p.into_inner());
-            let idle = match (&*state, self.params.kind) {
-                (State::Fixed(s), QuotaKind::FixedWindow { window_us }) => {
-                    s.is_idle(window_us, now_us)
-                }
-                (State::Sliding(s), QuotaKind::SlidingWindow { slice_us, .. }) => {
-                    s.is_idle(slice_us, now_us)
-                }
-                _ => true,
-            };
-            removed += usize::from(idle);
-            !idle
-        });
+        match &self.counters {
+            Counters::Fixed { window_us, map } => {
+                let now_window = now_us / window_us;
+                map.retain(|_, c| {
+                    let idle = unpack(*c.get_mut(), now_window).is_idle(*window_us, now_us);
+                    removed += usize::from(idle);
+                    !idle
+                });
+                map.shrink_to_fit();
+            }
+            Counters::Sliding { slice_us, map, .. } => {
+                map.retain(|_, state| {
+                    let state = state.get_mut().unwrap_or_else(|p| p.into_inner());
+                    let idle = state.is_idle(*slice_us, now_us);
+                    removed += usize::from(idle);
+                    !idle
+                });
+                map.shrink_to_fit();
+            }
+        }
         self.tracked.fetch_sub(removed, Ordering::Relaxed);
-        self.map.shrink_to_fit();
     }
 }
 
 impl Drop for WindowStore {
     fn drop(&mut self) {
-        self.tracked.fetch_sub(self.map.len(), Ordering::Relaxed);
+        self.tracked.fetch_sub(self.len(), Ordering::Relaxed);
     }
 }
