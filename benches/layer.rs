@@ -403,21 +403,37 @@ fn backend(c: &mut Criterion) {
             .unwrap();
         let _guard = rt.enter();
         let backend = LocalBackend::new();
-        let policy = Policy::new("bench", Quota::per_second(BIG).burst(BIG));
-        let prepared = backend
-            .prepare(&policy, &policy.validate().unwrap())
-            .unwrap();
-        let mut i = 0;
-        g.bench_function("local_decide", |b| {
-            b.iter(|| {
-                i = (i + 1) % keys.len();
-                let decision = backend
-                    .decide(&prepared, &keys[i], one)
-                    .into_inner()
-                    .unwrap();
-                black_box(decision.is_allowed())
-            })
-        });
+        // The same decision under each algorithm, with a limit never reached.
+        for (name, quota) in [
+            ("local_decide", Quota::per_second(BIG).burst(BIG)),
+            ("local_decide_fixed", Quota::per_second(BIG).fixed_window()),
+            (
+                "local_decide_sliding",
+                Quota::per_second(BIG).sliding_window(),
+            ),
+            (
+                "local_decide_sliding_12",
+                Quota::per_minute(BIG)
+                    .sliding_window()
+                    .resolution(Duration::from_secs(5)),
+            ),
+        ] {
+            let policy = Policy::new(name, quota);
+            let prepared = backend
+                .prepare(&policy, &policy.validate().unwrap())
+                .unwrap();
+            let mut i = 0;
+            g.bench_function(name, |b| {
+                b.iter(|| {
+                    i = (i + 1) % keys.len();
+                    let decision = backend
+                        .decide(&prepared, &keys[i], one)
+                        .into_inner()
+                        .unwrap();
+                    black_box(decision.is_allowed())
+                })
+            });
+        }
         g.finish();
     }
 }

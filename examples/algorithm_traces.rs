@@ -14,8 +14,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use governor::clock::FakeRelativeClock;
-use http_body_util::Full;
 use http::{Request, Response};
+use http_body_util::Full;
 use tollgate::backend::LocalBackend;
 use tollgate::key::Global;
 use tollgate::{Policy, Quota, RateLimitLayer};
