@@ -238,13 +238,22 @@ fn sliding_one_vectors() -> (Policy, Vec<Step>) {
         // 7 + 2: one fits, leaving E = 10 exactly.
         step(6300, 1, Allowed, 0, 100),
         // Half way through the next second, 3 * 0.5 = 1.5 count: 8 remain; 10 fit at the
-        // boundary, 9 once 1 of the 1.5 has slid out (a third of a second after 7 s, rounded up
-        // to the microsecond).
+        // boundary, 9 once 1 of the 1.5 has slid out (two thirds into the second, rounded up
+        // to the microsecond: 166.667 ms from now).
         step_us(
             7500,
             10,
             Denied {
                 retry_after_ms: 500,
+            },
+            8,
+            166_667,
+        ),
+        step_us(
+            7500,
+            9,
+            DeniedUs {
+                retry_after_us: 166_667,
             },
             8,
             166_667,
@@ -377,6 +386,61 @@ async fn conformance_local_windows() {
             start.set(ms);
         };
         run_vectors(&backend, set, vectors, "local").await;
+    }
+}
+
+/// Random sequences (times, costs) on both backends give the same states, decision by
+/// decision: the Redis script and `window.rs` compute the same numbers to the microsecond.
+// Off until the local backend decides windows (`LocalBackendBuilder::clock_epoch`).
+#[cfg(any())]
+#[tokio::test]
+async fn windows_agree_with_the_local_backend_on_random_sequences() {
+    let server = RedisServer::start();
+    // Windows that divide a day: both clocks start at a whole number of days.
+    let quotas = [
+        Quota::per_second(3).fixed_window(),
+        Quota::per_minute(40).fixed_window(),
+        Quota::per_second(10).sliding_window(),
+        Quota::per_minute(7)
+            .sliding_window()
+            .resolution(Duration::from_secs(20)),
+        Quota::per_minute(100)
+            .sliding_window()
+            .resolution(Duration::from_secs(5)),
+    ];
+    let mut seed = 7u64;
+    let mut next = move |n: u64| {
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (seed >> 33) % n
+    };
+    for (i, quota) in quotas.into_iter().enumerate() {
+        let policy = Policy::new(format!("random{i}"), quota);
+        let local_clock = FakeRelativeClock::default();
+        let local = LocalBackend::builder()
+            .clock(local_clock.clone())
+            .clock_epoch(Duration::ZERO)
+            .build();
+        let redis_clock = aligned_test_clock();
+        let redis = at_time(&server, &redis_clock);
+        let (lp, rp) = (prepare(&local, &policy), prepare(&redis, &policy));
+        let window = u64::try_from(quota.period().as_micros()).unwrap();
+        let k = key("random");
+        for n in 0..400 {
+            let by = match next(10) {
+                0 => 0,
+                1..=6 => next(window / 7 + 1),
+                7 | 8 => next(1000),
+                _ => next(2 * window + 1),
+            };
+            local_clock.advance(Duration::from_micros(by));
+            redis_clock.advance(Duration::from_micros(by));
+            let c = cost(1 + next(u64::from(quota.count()) / 3 + 2) as u32);
+            let l = local.decide(&lp, &k, c).await.unwrap();
+            let r = redis.decide(&rp, &k, c).await.unwrap();
+            assert_eq!(l, r, "{policy:?} step {n}, cost {c}");
+        }
     }
 }
 
