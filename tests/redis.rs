@@ -829,37 +829,51 @@ async fn allowed_of_concurrent(
 }
 
 /// Decisions of one call on the same (hot) key read the bucket once and write it once: Redis
-/// does one `GET` and one `SET` per call, not per request, and the limit stays exact.
+/// does one `GET` and one `SET` per call, not per request, and the limit stays exact, for every
+/// algorithm.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hot_key_is_read_and_written_once_per_call() {
     let server = RedisServer::start();
-    let b = uncached(&server).build().unwrap();
-    let p = Arc::new(prepare(&b, &Policy::new("hot", no_refill(100))));
-    server.cmd(&["CONFIG", "RESETSTAT"]);
-    assert_eq!(allowed_of_concurrent(&b, &p, 400).await, 100);
-    let stats = b.stats();
-    assert!(stats.script_calls < 400, "{stats:?}");
-    let info = server.cmd(&["INFO", "commandstats"]);
-    // `cmdstat_<cmd>:calls=N,usec=...,failed_calls=F`: the calls that ran.
-    let calls = |cmd: &str| -> u64 {
-        let line = info
-            .lines()
-            .find(|l| l.starts_with(&format!("cmdstat_{cmd}:")))
-            .unwrap_or_else(|| panic!("no {cmd} in {info}"));
-        let field = |name: &str| -> u64 {
-            line.split([':', ','])
-                .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
-                .unwrap()
-                .parse()
-                .unwrap()
+    // The script's time is fixed: no window boundary passes during the test.
+    let clock = aligned_test_clock();
+    clock.advance(Duration::from_secs(30));
+    let quotas = [
+        no_refill(100),
+        Quota::per_hour(100).fixed_window(),
+        Quota::per_hour(100)
+            .sliding_window()
+            .resolution(Duration::from_secs(60)),
+    ];
+    for (i, quota) in quotas.into_iter().enumerate() {
+        let b = at_time(&server, &clock);
+        let p = Arc::new(prepare(&b, &Policy::new(format!("hot{i}"), quota)));
+        server.cmd(&["CONFIG", "RESETSTAT"]);
+        assert_eq!(allowed_of_concurrent(&b, &p, 400).await, 100, "{quota:?}");
+        let stats = b.stats();
+        assert!(stats.script_calls < 400, "{stats:?}");
+        let info = server.cmd(&["INFO", "commandstats"]);
+        // `cmdstat_<cmd>:calls=N,usec=...,failed_calls=F`: the calls that ran.
+        let calls = |cmd: &str| -> u64 {
+            let line = info
+                .lines()
+                .find(|l| l.starts_with(&format!("cmdstat_{cmd}:")))
+                .unwrap_or_else(|| panic!("no {cmd} in {info}"));
+            let field = |name: &str| -> u64 {
+                line.split([':', ','])
+                    .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+                    .unwrap()
+                    .parse()
+                    .unwrap()
+            };
+            field("calls") - field("failed_calls")
         };
-        field("calls") - field("failed_calls")
-    };
-    // (The first calls may find no script loaded: those fail with NOSCRIPT and are sent again.)
-    assert_eq!(calls("evalsha"), stats.script_calls, "{info}");
-    assert_eq!(calls("get"), stats.script_calls, "{info}");
-    // Calls made once the bucket was empty deny everything and write nothing.
-    assert!(calls("set") <= stats.script_calls, "{info}");
+        // (The first calls may find no script loaded: those fail with NOSCRIPT and are sent
+        // again.)
+        assert_eq!(calls("evalsha"), stats.script_calls, "{info}");
+        assert_eq!(calls("get"), stats.script_calls, "{info}");
+        // Calls made once the bucket was empty deny everything and write nothing.
+        assert!(calls("set") <= stats.script_calls, "{info}");
+    }
 }
 
 /// Decisions batched into one call are still each atomic and all-or-nothing, with their own

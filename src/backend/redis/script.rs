@@ -191,6 +191,75 @@ mod tests {
         }
     }
 
+    fn window(q: crate::Quota) -> QuotaParams {
+        q.params("p").unwrap()
+    }
+
+    #[test]
+    fn window_arguments_and_replies() {
+        let fixed = window(crate::Quota::per_minute(10).fixed_window());
+        let sliding = window(
+            crate::Quota::per_minute(100)
+                .sliding_window()
+                .resolution(Duration::from_secs(5)),
+        );
+        let gcra = params(5, 10);
+        let args: Vec<String> = policy_args(&[gcra, fixed, sliding])
+            .into_iter()
+            .map(|a| String::from_utf8(a).unwrap())
+            .collect();
+        let expected = "3 0 200000000 10 0 1 60000000 10 0 2 5000000 100 12";
+        assert_eq!(args.join(" "), expected);
+
+        // The fixed window denies (its count is full, 20 s to its end); the others had room.
+        let reply = [
+            3,
+            400_000_000,
+            0,
+            0,
+            1,
+            10,
+            20_000_000,
+            0,
+            3,
+            60,
+            1_500_000,
+            0,
+        ];
+        let d = decision(&reply, &[gcra, fixed, sliding], NonZeroU32::MIN).unwrap();
+        assert_eq!(d.retry_after(), Some(Duration::from_secs(20)));
+        let q = d.quotas();
+        assert_eq!((q[0].outcome, q[0].remaining), (Outcome::Allowed, 8));
+        assert_eq!(
+            (q[1].remaining, q[1].reset_after),
+            (0, Duration::from_secs(20))
+        );
+        assert_eq!(q[2].outcome, Outcome::Allowed);
+        assert_eq!(
+            (q[2].remaining, q[2].reset_after),
+            (60, Duration::from_millis(1500))
+        );
+    }
+
+    #[test]
+    fn untrusted_window_replies_are_clamped() {
+        let fixed = window(crate::Quota::per_minute(10).fixed_window());
+        let sliding = window(crate::Quota::per_second(10).sliding_window());
+        let reply = [1, i64::MAX, i64::MAX, -5, 1, i64::MAX, -1, i64::MAX];
+        let d = decision(&reply, &[fixed, sliding], NonZeroU32::MIN).unwrap();
+        let q = d.quotas();
+        assert_eq!(q[0].remaining, 0);
+        assert_eq!(q[0].reset_after, Duration::from_secs(60));
+        assert_eq!(q[1].remaining, 10);
+        assert_eq!(q[1].reset_after, Duration::ZERO);
+        // No wait beyond the window and one more sub-window.
+        assert_eq!(d.retry_after(), Some(Duration::from_secs(60)));
+        let Outcome::Denied { retry_after } = q[1].outcome else {
+            panic!("{q:?}")
+        };
+        assert_eq!(retry_after, Duration::from_secs(2));
+    }
+
     #[test]
     fn never_fits_is_decided_without_redis() {
         let p = [params(1, 5), params(1, 2)];
