@@ -399,15 +399,13 @@ for i = 1, nd do
   else
     local m = at[4 * g] + 1
     local newest = st[m + 2]
-    local parts = { format('%d', newest) }
-    for x = 1, m do
-      parts[x + 1] = format('%d', st[x])
-    end
     local ttl = ceil(((newest + m) * len - now_us) / 1000)
     if ttl < 1 then
       ttl = 1
     end
-    call('SET', key, concat(parts, ' '), 'PX', format('%d', ttl))
+    -- concat writes numbers as "%.14g": exact for the counts (at most the limit, < 2^32), not
+    -- for the index (up to 2^53), which is formatted as an integer.
+    call('SET', key, format('%d ', newest) .. concat(st, ' ', 1, m), 'PX', format('%d', ttl))
   end
 end
 return reply
