@@ -409,7 +409,9 @@ impl QuotaParams {
     /// emission`), for a window its length.
     pub fn window(&self) -> Duration {
         match self.kind {
-            QuotaKind::Gcra => Duration::from_nanos(self.emission_ns * u64::from(self.burst.get())),
+            QuotaKind::Gcra => {
+                Duration::from_nanos(self.emission_ns * u64::from(self.burst.get()))
+            }
             QuotaKind::FixedWindow { window_us } => Duration::from_micros(window_us),
             QuotaKind::SlidingWindow { slice_us, slices } => {
                 Duration::from_micros(slice_us * u64::from(slices))

@@ -295,11 +295,7 @@ pub(crate) fn wait_us(counts: &[u32], slice_us: u64, r: u64, limit: u32, cost: u
             old as f64 * (s - p) as f64 / s as f64 + rest as f64 + cost as f64 <= limit as f64
         };
         let p = s as f64 - need as f64 * s as f64 / old as f64;
-        let mut p = if p <= from as f64 {
-            from
-        } else {
-            p.ceil() as u64
-        };
+        let mut p = if p <= from as f64 { from } else { p.ceil() as u64 };
         // Floating-point rounding can leave the first candidate a microsecond short.
         for _ in 0..4 {
             if p >= s || fits(p) {
@@ -356,10 +352,7 @@ mod tests {
         let mut s = SlidingState::new(1);
         let one = NonZeroU32::MIN;
         for _ in 0..10 {
-            assert_eq!(
-                s.decide(0, &p, s_us, 5 * s_us, one).outcome,
-                Outcome::Allowed
-            );
+            assert_eq!(s.decide(0, &p, s_us, 5 * s_us, one).outcome, Outcome::Allowed);
         }
         // 25 % into the next second, 7.5 still count: 2 more pass.
         let now = 6 * s_us + s_us / 4;
@@ -390,11 +383,7 @@ mod tests {
     #[test]
     fn waits_are_exact_at_the_microsecond() {
         // A retry at the computed time passes; a microsecond earlier it does not.
-        let p = params(
-            Quota::per_minute(7)
-                .sliding_window()
-                .resolution(Duration::from_secs(20)),
-        );
+        let p = params(Quota::per_minute(7).sliding_window().resolution(Duration::from_secs(20)));
         let (s_us, n) = (20_000_000, 3);
         let mut seed = 99u64;
         for round in 0..300 {
@@ -402,12 +391,11 @@ mod tests {
             let mut now = 1_700_000_000_000_000u64;
             let mut waited = 0;
             for _ in 0..40 {
-                seed = seed
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
+                seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
                 now += (seed >> 40) % 9_000_000;
                 let cost = NonZeroU32::new(1 + ((seed >> 20) % 3) as u32).unwrap();
-                if let Outcome::Denied { retry_after } = s.decide(0, &p, s_us, now, cost).outcome {
+                if let Outcome::Denied { retry_after } = s.decide(0, &p, s_us, now, cost).outcome
+                {
                     let at = now + retry_after.as_micros() as u64;
                     let mut early = s.clone();
                     assert_ne!(
