@@ -104,7 +104,7 @@ redis_run() { # calls decisions distinct(0|1)
     for i in $(seq "$2"); do
         if [ "$3" = 1 ]; then args+=("tollgate:{bench:k$i}:0"); else args+=("tollgate:{bench:hot}:0"); fi
     done
-    args+=("" 1 1 1000 3600000000 "$2")
+    args+=("" 1 1 0 1000 3600000000 0 "$2")
     for _ in $(seq "$2"); do args+=(1 1); done
     redis-benchmark -p "$port" -n "$1" -c 1 -q "${args[@]}" >/dev/null 2>&1
     redis-cli -p "$port" shutdown nosave >/dev/null 2>&1 || true

@@ -32,10 +32,10 @@ done
 sha="$(redis-cli -p "$port" -x script load < src/backend/redis/gcra.lua)"
 echo "script sha1: $sha"
 # KEYS[1] one bucket per random client; ARGV (see gcra.lua): Redis TIME, one policy of one
-# quota (1 us emission, huge burst), one decision of that policy costing 1.
+# GCRA quota (kind 0, 1 us emission, huge burst, 0), one decision of that policy costing 1.
 # redis-benchmark -q redraws a progress line with \r: keep the final summary only.
 summary() { tr '\r' '\n' | grep 'requests per second'; }
-args=(EVALSHA "$sha" 1 "tollgate:{bench:b__rand_int__}:0" "" 1 1 1000 1000000000 1 1 1)
+args=(EVALSHA "$sha" 1 "tollgate:{bench:b__rand_int__}:0" "" 1 1 0 1000 1000000000 0 1 1 1)
 echo "allowed decisions, $clients clients, no pipelining:"
 $pin_client redis-benchmark -p "$port" -n "$requests" -c "$clients" -r 100000 -q "${args[@]}" | summary
 echo "allowed decisions, $clients clients, pipeline 16 (what a busy multiplexed connection approaches):"
@@ -43,7 +43,7 @@ $pin_client redis-benchmark -p "$port" -n "$requests" -c "$clients" -r 100000 -P
 # A batch as the backend sends it under load: 16 decisions in one call, on one hot key.
 batch=(EVALSHA "$sha" 16)
 for _ in $(seq 16); do batch+=("tollgate:{bench:hot}:0"); done
-batch+=("" 1 1 1000 1000000000 16)
+batch+=("" 1 1 0 1000 1000000000 0 16)
 for _ in $(seq 16); do batch+=(1 1); done
 echo "calls of 16 decisions on one hot key, $clients clients, no pipelining (x16 = decisions/s):"
 $pin_client redis-benchmark -p "$port" -n "$((requests / 4))" -c "$clients" -q "${batch[@]}" | summary

@@ -39,22 +39,33 @@ struct Step {
     cost: u32,
     expect: Expect,
     remaining: u32,
-    reset_after_ms: u64,
+    reset_after: Duration,
 }
 
 enum Expect {
     Allowed,
-    Denied { retry_after_ms: u64 },
+    Denied {
+        retry_after_ms: u64,
+    },
+    /// A wait that is not a whole number of milliseconds.
+    DeniedUs {
+        retry_after_us: u64,
+    },
     NeverFits,
 }
 
 fn step(at_ms: u64, cost: u32, expect: Expect, remaining: u32, reset_after_ms: u64) -> Step {
+    step_us(at_ms, cost, expect, remaining, reset_after_ms * 1000)
+}
+
+/// A step whose `reset_after` is given in microseconds.
+fn step_us(at_ms: u64, cost: u32, expect: Expect, remaining: u32, reset_after_us: u64) -> Step {
     Step {
         at_ms,
         cost,
         expect,
         remaining,
-        reset_after_ms,
+        reset_after: Duration::from_micros(reset_after_us),
     }
 }
 
@@ -123,6 +134,183 @@ fn refill_vectors() -> (Policy, Vec<Step>) {
     (Policy::new("refill", Quota::per_second(10).burst(3)), steps)
 }
 
+// Window vectors, computed by hand from the definitions in `src/backend/window.rs`. Step times
+// count from an instant that starts every window (the Unix epoch, or a whole number of days
+// after it): windows are aligned to the epoch.
+
+/// A fixed window of 3 per second: never-fits on an empty window, cost 2, the last unit just
+/// before the boundary, a full window just after it, larger costs, and an empty window again.
+fn fixed_window_vectors() -> (Policy, Vec<Step>) {
+    use Expect::*;
+    let steps = vec![
+        // Nothing counted: all 3 remain, and no more will come (`t` = 0).
+        step(0, 4, NeverFits, 3, 0),
+        step(100, 2, Allowed, 1, 900),
+        // The window ends at 1000 ms.
+        step(
+            100,
+            2,
+            Denied {
+                retry_after_ms: 900,
+            },
+            1,
+            900,
+        ),
+        step(
+            500,
+            2,
+            Denied {
+                retry_after_ms: 500,
+            },
+            1,
+            500,
+        ),
+        // The last unit, a millisecond before the boundary.
+        step(999, 1, Allowed, 0, 1),
+        step(999, 1, Denied { retry_after_ms: 1 }, 0, 1),
+        // A new window: all 3 at once.
+        step(1000, 3, Allowed, 0, 1000),
+        step(
+            1000,
+            1,
+            Denied {
+                retry_after_ms: 1000,
+            },
+            0,
+            1000,
+        ),
+        // A larger cost waits for the same boundary.
+        step(
+            1200,
+            2,
+            Denied {
+                retry_after_ms: 800,
+            },
+            0,
+            800,
+        ),
+        // More than the limit never fits, and reports the window as it is.
+        step(1500, 4, NeverFits, 0, 500),
+        // Two windows later nothing is counted.
+        step(2500, 4, NeverFits, 3, 0),
+        step(2500, 1, Allowed, 2, 500),
+    ];
+    (
+        Policy::new("fixed", Quota::per_second(3).fixed_window()),
+        steps,
+    )
+}
+
+/// A sliding window of 10 per second kept as one sub-window (two counts): the previous
+/// second's count weighs `10 * (1 - f)`, `f` the fraction of the current second gone.
+fn sliding_one_vectors() -> (Policy, Vec<Step>) {
+    use Expect::*;
+    let steps = vec![
+        step(5000, 11, NeverFits, 10, 0),
+        // E = 10: one more fits once 1 of them has slid out, 0.1 s into the next second.
+        step(5000, 10, Allowed, 0, 1100),
+        step(
+            5000,
+            1,
+            Denied {
+                retry_after_ms: 1100,
+            },
+            0,
+            1100,
+        ),
+        // 25 % into the next second, 7.5 still count: 2 more pass; one more fits once 0.5 has
+        // slid out, 50 ms later.
+        step(6250, 1, Allowed, 1, 50),
+        step(6250, 1, Allowed, 0, 50),
+        step(6250, 1, Denied { retry_after_ms: 50 }, 0, 50),
+        // 9 fit when this second's 2 weigh 1: half way through the next one.
+        step(
+            6250,
+            9,
+            Denied {
+                retry_after_ms: 1250,
+            },
+            0,
+            50,
+        ),
+        // 7.2 + 2 counted.
+        step(6280, 1, Denied { retry_after_ms: 20 }, 0, 20),
+        // 7 + 2: one fits, leaving E = 10 exactly.
+        step(6300, 1, Allowed, 0, 100),
+        // Half way through the next second, 3 * 0.5 = 1.5 count: 8 remain; 10 fit at the
+        // boundary, 9 once 1 of the 1.5 has slid out (two thirds into the second, rounded up
+        // to the microsecond: 166.667 ms from now).
+        step_us(
+            7500,
+            10,
+            Denied {
+                retry_after_ms: 500,
+            },
+            8,
+            166_667,
+        ),
+        step_us(
+            7500,
+            9,
+            DeniedUs {
+                retry_after_us: 166_667,
+            },
+            8,
+            166_667,
+        ),
+        // A new second with nothing in the previous one: the whole limit.
+        step(8000, 10, Allowed, 0, 1100),
+    ];
+    (
+        Policy::new("sliding1", Quota::per_second(10).sliding_window()),
+        steps,
+    )
+}
+
+/// 100 per minute kept as twelve 5-second sub-windows (thirteen counts).
+fn sliding_many_vectors() -> (Policy, Vec<Step>) {
+    use Expect::*;
+    let q = Quota::per_minute(100)
+        .sliding_window()
+        .resolution(Duration::from_secs(5));
+    let steps = vec![
+        step(0, 101, NeverFits, 100, 0),
+        // The 40 of sub-window 0 count in full until 60 s, then slide out over 5 s: 61 fit
+        // once 1 of them has, at 60.125 s.
+        step(0, 40, Allowed, 60, 60_125),
+        step(12_000, 30, Allowed, 30, 48_125),
+        step(
+            12_000,
+            31,
+            Denied {
+                retry_after_ms: 48_125,
+            },
+            30,
+            48_125,
+        ),
+        step(
+            30_000,
+            31,
+            Denied {
+                retry_after_ms: 30_125,
+            },
+            30,
+            30_125,
+        ),
+        // At 60 s sub-window 0 is the oldest, in full.
+        step(60_000, 1, Allowed, 29, 125),
+        // Half of it has slid out: 20 + 31 counted.
+        step(62_500, 29, Allowed, 20, 125),
+        // A millisecond before the boundary, 40 * 0.0002 + 60 = 60.008 count: 39 remain, 40
+        // fit at the boundary, when sub-window 0 is gone.
+        step(64_999, 40, Denied { retry_after_ms: 1 }, 39, 1),
+        // Just after the boundary: 0 (sub-window 1) + 30 + 30 + 40 = 100; one more fits once
+        // 1 of sub-window 2's 30 has slid out, 1/6 of 5 s (rounded up to the microsecond).
+        step_us(65_000, 40, Allowed, 0, 5_166_667),
+    ];
+    (Policy::new("sliding12", q), steps)
+}
+
 async fn run_vectors<B, F>(backend: &B, set_time_ms: F, vectors: (Policy, Vec<Step>), who: &str)
 where
     B: Backend,
@@ -145,6 +333,13 @@ where
                 },
                 "{ctx}"
             ),
+            Expect::DeniedUs { retry_after_us } => assert_eq!(
+                q.outcome,
+                Outcome::Denied {
+                    retry_after: Duration::from_micros(retry_after_us)
+                },
+                "{ctx}"
+            ),
             Expect::NeverFits => {
                 assert_eq!(q.outcome, Outcome::NeverFits, "{ctx}");
                 assert_eq!(d.retry_after(), None, "{ctx}");
@@ -156,11 +351,7 @@ where
         if let Some(wait) = d.retry_after() {
             assert!(q.reset_after <= wait, "{ctx}");
         }
-        assert_eq!(
-            q.reset_after,
-            Duration::from_millis(s.reset_after_ms),
-            "{ctx}"
-        );
+        assert_eq!(q.reset_after, s.reset_after, "{ctx}");
     }
 }
 
@@ -178,11 +369,107 @@ async fn conformance_local() {
     }
 }
 
+/// The window vectors on the local backend, its clock reading the Unix epoch when built.
+// Off until the local backend decides windows (`LocalBackendBuilder::clock_epoch`).
+#[cfg(any())]
+#[tokio::test]
+async fn conformance_local_windows() {
+    for vectors in window_vectors() {
+        let clock = FakeRelativeClock::default();
+        let backend = LocalBackend::builder()
+            .clock(clock.clone())
+            .clock_epoch(Duration::ZERO)
+            .build();
+        let start = std::cell::Cell::new(0u64);
+        let set = |ms: u64| {
+            clock.advance(Duration::from_millis(ms - start.get()));
+            start.set(ms);
+        };
+        run_vectors(&backend, set, vectors, "local").await;
+    }
+}
+
+/// Random sequences (times, costs) on both backends give the same states, decision by
+/// decision: the Redis script and `window.rs` compute the same numbers to the microsecond.
+// Off until the local backend decides windows (`LocalBackendBuilder::clock_epoch`).
+#[cfg(any())]
+#[tokio::test]
+async fn windows_agree_with_the_local_backend_on_random_sequences() {
+    let server = RedisServer::start();
+    // Windows that divide a day: both clocks start at a whole number of days.
+    let quotas = [
+        Quota::per_second(3).fixed_window(),
+        Quota::per_minute(40).fixed_window(),
+        Quota::per_second(10).sliding_window(),
+        Quota::per_minute(7)
+            .sliding_window()
+            .resolution(Duration::from_secs(20)),
+        Quota::per_minute(100)
+            .sliding_window()
+            .resolution(Duration::from_secs(5)),
+    ];
+    let mut seed = 7u64;
+    let mut next = move |n: u64| {
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (seed >> 33) % n
+    };
+    for (i, quota) in quotas.into_iter().enumerate() {
+        let policy = Policy::new(format!("random{i}"), quota);
+        let local_clock = FakeRelativeClock::default();
+        let local = LocalBackend::builder()
+            .clock(local_clock.clone())
+            .clock_epoch(Duration::ZERO)
+            .build();
+        let redis_clock = aligned_test_clock();
+        let redis = at_time(&server, &redis_clock);
+        let (lp, rp) = (prepare(&local, &policy), prepare(&redis, &policy));
+        let window = u64::try_from(quota.period().as_micros()).unwrap();
+        let k = key("random");
+        for n in 0..400 {
+            let by = match next(10) {
+                0 => 0,
+                1..=6 => next(window / 7 + 1),
+                7 | 8 => next(1000),
+                _ => next(2 * window + 1),
+            };
+            local_clock.advance(Duration::from_micros(by));
+            redis_clock.advance(Duration::from_micros(by));
+            let c = cost(1 + next(u64::from(quota.count()) / 3 + 2) as u32);
+            let l = local.decide(&lp, &k, c).await.unwrap();
+            let r = redis.decide(&rp, &k, c).await.unwrap();
+            assert_eq!(l, r, "{policy:?} step {n}, cost {c}");
+        }
+    }
+}
+
+fn window_vectors() -> [(Policy, Vec<Step>); 3] {
+    [
+        fixed_window_vectors(),
+        sliding_one_vectors(),
+        sliding_many_vectors(),
+    ]
+}
+
+/// A test clock for the script at a whole number of days after the Unix epoch, so that step
+/// times count from the start of every window (as the local backend's clock from the epoch).
+fn aligned_test_clock() -> TestClock {
+    let clock = TestClock::new();
+    let day = 86_400_000_000_000u64;
+    let start = 1_000_000_000_000_000u64; // TestClock::new()
+    clock.advance(Duration::from_nanos(start.div_ceil(day) * day - start));
+    clock
+}
+
 #[tokio::test]
 async fn conformance_redis() {
     let server = RedisServer::start();
-    for vectors in [redis_cell_vectors(), refill_vectors()] {
-        let clock = TestClock::new();
+    let all = [redis_cell_vectors(), refill_vectors()]
+        .into_iter()
+        .chain(window_vectors());
+    for vectors in all {
+        let clock = aligned_test_clock();
         let backend = RedisBackend::builder()
             .url(server.url())
             .test_clock(clock.clone())
@@ -198,6 +485,267 @@ async fn conformance_redis() {
         // otherwise: the outcome is the same either way.
         assert_eq!(backend.stats().redis_errors, 0);
     }
+}
+
+/// The window vectors again without the deny cache: every step is Redis's own answer.
+#[tokio::test]
+async fn conformance_redis_windows_uncached() {
+    let server = RedisServer::start();
+    for vectors in window_vectors() {
+        let clock = aligned_test_clock();
+        let backend = uncached(&server).test_clock(clock.clone()).build().unwrap();
+        let start = std::cell::Cell::new(0u64);
+        let set = |ms: u64| {
+            clock.advance(Duration::from_millis(ms - start.get()));
+            start.set(ms);
+        };
+        run_vectors(&backend, set, vectors, "redis uncached").await;
+        assert_eq!(backend.stats().deny_cache_hits, 0);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Windows on Redis: mixed with GCRA, under concurrency, in storage, in the deny cache.
+// ---------------------------------------------------------------------------------------------
+
+/// A backend on `server` whose script time is `clock`, without the deny cache.
+fn at_time(server: &RedisServer, clock: &TestClock) -> RedisBackend {
+    uncached(server).test_clock(clock.clone()).build().unwrap()
+}
+
+fn remaining(d: &Decision) -> Vec<u32> {
+    d.quotas().iter().map(|q| q.remaining).collect()
+}
+
+fn outcomes(d: &Decision) -> Vec<Outcome> {
+    d.quotas().iter().map(|q| q.outcome).collect()
+}
+
+fn denied_ms(ms: u64) -> Outcome {
+    Outcome::Denied {
+        retry_after: Duration::from_millis(ms),
+    }
+}
+
+/// GCRA, a fixed and a sliding window in one policy: whichever denies, the others take
+/// nothing and are reported as they are.
+#[tokio::test]
+async fn windows_and_gcra_mix_all_or_nothing() {
+    use Outcome::Allowed;
+    let server = RedisServer::start();
+    let clock = aligned_test_clock();
+    let b = at_time(&server, &clock);
+    let policy = Policy::new("mix", Quota::per_second(1).burst(3))
+        .and(Quota::per_minute(4).fixed_window())
+        .and(
+            Quota::per_minute(6)
+                .sliding_window()
+                .resolution(Duration::from_secs(10)),
+        );
+    let p = prepare(&b, &policy);
+    let k = key("tenant");
+    let decide = |c: u32| b.decide(&p, &k, cost(c));
+    for left in [[2, 3, 5], [1, 2, 4], [0, 1, 3]] {
+        let d = decide(1).await.unwrap();
+        assert!(d.is_allowed(), "{d:?}");
+        assert_eq!(remaining(&d), left);
+    }
+    // GCRA denies: the windows keep their units.
+    let d = decide(1).await.unwrap();
+    assert_eq!(outcomes(&d), [denied_ms(1000), Allowed, Allowed]);
+    assert_eq!(remaining(&d), [0, 1, 3]);
+    clock.advance(Duration::from_secs(1));
+    let d = decide(1).await.unwrap();
+    assert!(d.is_allowed(), "{d:?}");
+    assert_eq!(remaining(&d), [0, 0, 2]);
+    // The fixed window denies until the minute ends: GCRA and the sliding window keep theirs.
+    clock.advance(Duration::from_secs(1));
+    let d = decide(1).await.unwrap();
+    assert_eq!(outcomes(&d), [Allowed, denied_ms(58_000), Allowed]);
+    assert_eq!(remaining(&d), [1, 0, 2]);
+    // A new minute: the fixed window is empty, the sliding window still counts the 4 of its
+    // first sub-window in full, so a cost of 3 waits until 1 of them has slid out (2.5 s).
+    clock.advance(Duration::from_secs(58));
+    let d = decide(3).await.unwrap();
+    assert_eq!(outcomes(&d), [Allowed, Allowed, denied_ms(2500)]);
+    assert_eq!(remaining(&d), [3, 4, 2]);
+    // Nothing was taken by the denials: every quota has exactly what the allowed requests left.
+    let d = decide(2).await.unwrap();
+    assert!(d.is_allowed(), "{d:?}");
+    assert_eq!(remaining(&d), [1, 2, 0]);
+    assert_eq!(b.stats().redis_errors, 0);
+}
+
+/// Concurrent decisions on one key, from two backends with their own connections, never
+/// admit more than a window's limit (the script time is fixed, so no boundary passes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn windows_admit_exactly_their_limit_under_concurrency() {
+    let server = RedisServer::start();
+    let clock = aligned_test_clock();
+    clock.advance(Duration::from_secs(7));
+    let fixed = Policy::new("fixed-hot", Quota::per_hour(50).fixed_window());
+    let sliding = Policy::new(
+        "sliding-hot",
+        Quota::per_minute(30)
+            .sliding_window()
+            .resolution(Duration::from_secs(5)),
+    );
+    let replicas: Vec<_> = (0..2)
+        .map(|_| {
+            let b = at_time(&server, &clock);
+            let f = Arc::new(prepare(&b, &fixed));
+            let s = Arc::new(prepare(&b, &sliding));
+            (b, f, s)
+        })
+        .collect();
+    let mut tasks = Vec::new();
+    for i in 0..600 {
+        let (b, f, s) = replicas[i % 2].clone();
+        tasks.push(tokio::spawn(async move {
+            let p = if i % 3 == 0 { s } else { f };
+            let d = b.decide(&p, &key("hot"), cost(1)).await.unwrap();
+            (i % 3 == 0, d.is_allowed())
+        }));
+    }
+    let (mut fixed_allowed, mut sliding_allowed) = (0, 0);
+    for t in tasks {
+        match t.await.unwrap() {
+            (true, allowed) => sliding_allowed += usize::from(allowed),
+            (false, allowed) => fixed_allowed += usize::from(allowed),
+        }
+    }
+    assert_eq!((fixed_allowed, sliding_allowed), (50, 30));
+    let calls: u64 = replicas.iter().map(|(b, ..)| b.stats().script_calls).sum();
+    assert!(calls < 600, "concurrent decisions shared calls: {calls}");
+}
+
+fn pttl(server: &RedisServer, key: &str) -> i64 {
+    server
+        .cmd(&["PTTL", key])
+        .trim()
+        .trim_start_matches(':')
+        .parse()
+        .unwrap()
+}
+
+/// `GET`'s reply (`$<len>\r\n<value>\r\n`) as the value.
+fn value_of(server: &RedisServer, key: &str) -> String {
+    let reply = server.cmd(&["GET", key]);
+    reply.lines().nth(1).unwrap_or_default().to_owned()
+}
+
+/// What a window keeps in Redis, and that it goes away by itself (on Redis's own clock).
+#[tokio::test]
+async fn window_keys_hold_their_counts_and_expire() {
+    let server = RedisServer::start();
+    let b = backend(&server);
+    let policy = Policy::new("store", Quota::per_second(3).fixed_window()).and(
+        Quota::per_second(10)
+            .sliding_window()
+            .resolution(Duration::from_millis(500)),
+    );
+    let p = prepare(&b, &policy);
+    // Start just after a second begins (on this machine's clock, which Redis shares): the keys
+    // cannot expire between the decision and the checks below.
+    let since_epoch = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap();
+    let into_second = Duration::from_nanos(u64::from(since_epoch.subsec_nanos()));
+    tokio::time::sleep(Duration::from_millis(1010) - into_second).await;
+    let d = b.decide(&p, &key("k"), cost(2)).await.unwrap();
+    assert!(d.is_allowed());
+    assert_eq!(remaining(&d), [1, 8]);
+    let (fixed, sliding) = (
+        "tollgate:{store:bk}:0:f1000000x3",
+        "tollgate:{store:bk}:1:s500000x2x10",
+    );
+    let unix = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap();
+    // "<window index> <count>", the index being whole seconds since the epoch here.
+    let stored = value_of(&server, fixed);
+    let (window, count) = stored.split_once(' ').unwrap();
+    let window: u64 = window.parse().unwrap();
+    assert!(window.abs_diff(unix.as_secs()) <= 1, "{stored}");
+    assert_eq!(count, "2");
+    // "<newest sub-window index> c_oldest c_middle c_newest".
+    let stored = value_of(&server, sliding);
+    let fields: Vec<&str> = stored.split(' ').collect();
+    assert_eq!(fields[1..], ["0", "0", "2"], "{stored}");
+    let slice: u64 = fields[0].parse().unwrap();
+    assert!(
+        slice.abs_diff(unix.as_millis() as u64 / 500) <= 2,
+        "{stored}"
+    );
+    // The fixed window's key lives until the window's end; the sliding window's until its
+    // counts have slid out: the end of the sub-window and two more.
+    let (fixed_ttl, sliding_ttl) = (pttl(&server, fixed), pttl(&server, sliding));
+    assert!((500..=1000).contains(&fixed_ttl), "{fixed_ttl}");
+    assert!((1000..=1500).contains(&sliding_ttl), "{sliding_ttl}");
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    assert_eq!(server.cmd(&["DBSIZE"]).trim(), ":0", "nothing left behind");
+}
+
+/// Window denials are answered by the deny cache with the numbers Redis would give.
+#[tokio::test]
+async fn deny_cache_answers_window_denials_as_redis_would() {
+    let server = RedisServer::start();
+    let clock = aligned_test_clock();
+    let b = RedisBackend::builder()
+        .url(server.url())
+        .test_clock(clock.clone())
+        .build()
+        .unwrap();
+    let fixed = prepare(&b, &Policy::new("f", Quota::per_minute(2).fixed_window()));
+    let k = key("flood");
+    clock.advance(Duration::from_secs(10));
+    for _ in 0..2 {
+        assert!(b.decide(&fixed, &k, cost(1)).await.unwrap().is_allowed());
+    }
+    let d = b.decide(&fixed, &k, cost(1)).await.unwrap();
+    assert_eq!(d.retry_after(), Some(Duration::from_secs(50)));
+    let calls = b.stats().redis_calls;
+    clock.advance(Duration::from_secs(20));
+    for c in [1, 2, 1] {
+        let d = b.decide(&fixed, &k, cost(c)).await.unwrap();
+        assert_eq!(outcomes(&d), [denied_ms(30_000)]);
+        assert_eq!(d.quotas()[0].reset_after, Duration::from_secs(30));
+        assert_eq!(remaining(&d), [0]);
+    }
+    assert_eq!(b.stats().redis_calls, calls, "answered by the cache");
+    // More than the limit goes to Redis, which says it never fits.
+    assert!(b.decide(&fixed, &k, cost(3)).await.unwrap().never_fits());
+    // At the window's end, Redis decides again, and allows.
+    clock.advance(Duration::from_secs(30));
+    assert!(b.decide(&fixed, &k, cost(2)).await.unwrap().is_allowed());
+    assert_eq!(b.stats().redis_calls, calls + 2);
+
+    // A sliding window: 10 per second, at 25 % of the next second 7.5 count.
+    let sliding = prepare(
+        &b,
+        &Policy::new("s", Quota::per_second(10).sliding_window()),
+    );
+    for _ in 0..10 {
+        assert!(b.decide(&sliding, &k, cost(1)).await.unwrap().is_allowed());
+    }
+    clock.advance(Duration::from_millis(1250));
+    for _ in 0..2 {
+        assert!(b.decide(&sliding, &k, cost(1)).await.unwrap().is_allowed());
+    }
+    let d = b.decide(&sliding, &k, cost(1)).await.unwrap();
+    assert_eq!(outcomes(&d), [denied_ms(50)]);
+    let (calls, hits) = (b.stats().redis_calls, b.stats().deny_cache_hits);
+    clock.advance(Duration::from_millis(30));
+    let d = b.decide(&sliding, &k, cost(1)).await.unwrap();
+    assert_eq!(outcomes(&d), [denied_ms(20)]);
+    assert_eq!(d.quotas()[0].reset_after, Duration::from_millis(20));
+    assert_eq!(b.stats().deny_cache_hits, hits + 1);
+    // A larger cost needs the counts, which only Redis has.
+    let d = b.decide(&sliding, &k, cost(9)).await.unwrap();
+    assert_eq!(outcomes(&d), [denied_ms(1220)]);
+    assert_eq!(b.stats().redis_calls, calls + 1);
+    clock.advance(Duration::from_millis(20));
+    assert!(b.decide(&sliding, &k, cost(1)).await.unwrap().is_allowed());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -289,37 +837,51 @@ async fn allowed_of_concurrent(
 }
 
 /// Decisions of one call on the same (hot) key read the bucket once and write it once: Redis
-/// does one `GET` and one `SET` per call, not per request, and the limit stays exact.
+/// does one `GET` and one `SET` per call, not per request, and the limit stays exact, for every
+/// algorithm.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hot_key_is_read_and_written_once_per_call() {
     let server = RedisServer::start();
-    let b = uncached(&server).build().unwrap();
-    let p = Arc::new(prepare(&b, &Policy::new("hot", no_refill(100))));
-    server.cmd(&["CONFIG", "RESETSTAT"]);
-    assert_eq!(allowed_of_concurrent(&b, &p, 400).await, 100);
-    let stats = b.stats();
-    assert!(stats.script_calls < 400, "{stats:?}");
-    let info = server.cmd(&["INFO", "commandstats"]);
-    // `cmdstat_<cmd>:calls=N,usec=...,failed_calls=F`: the calls that ran.
-    let calls = |cmd: &str| -> u64 {
-        let line = info
-            .lines()
-            .find(|l| l.starts_with(&format!("cmdstat_{cmd}:")))
-            .unwrap_or_else(|| panic!("no {cmd} in {info}"));
-        let field = |name: &str| -> u64 {
-            line.split([':', ','])
-                .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
-                .unwrap()
-                .parse()
-                .unwrap()
+    // The script's time is fixed: no window boundary passes during the test.
+    let clock = aligned_test_clock();
+    clock.advance(Duration::from_secs(30));
+    let quotas = [
+        no_refill(100),
+        Quota::per_hour(100).fixed_window(),
+        Quota::per_hour(100)
+            .sliding_window()
+            .resolution(Duration::from_secs(60)),
+    ];
+    for (i, quota) in quotas.into_iter().enumerate() {
+        let b = at_time(&server, &clock);
+        let p = Arc::new(prepare(&b, &Policy::new(format!("hot{i}"), quota)));
+        server.cmd(&["CONFIG", "RESETSTAT"]);
+        assert_eq!(allowed_of_concurrent(&b, &p, 400).await, 100, "{quota:?}");
+        let stats = b.stats();
+        assert!(stats.script_calls < 400, "{stats:?}");
+        let info = server.cmd(&["INFO", "commandstats"]);
+        // `cmdstat_<cmd>:calls=N,usec=...,failed_calls=F`: the calls that ran.
+        let calls = |cmd: &str| -> u64 {
+            let line = info
+                .lines()
+                .find(|l| l.starts_with(&format!("cmdstat_{cmd}:")))
+                .unwrap_or_else(|| panic!("no {cmd} in {info}"));
+            let field = |name: &str| -> u64 {
+                line.split([':', ','])
+                    .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+                    .unwrap()
+                    .parse()
+                    .unwrap()
+            };
+            field("calls") - field("failed_calls")
         };
-        field("calls") - field("failed_calls")
-    };
-    // (The first calls may find no script loaded: those fail with NOSCRIPT and are sent again.)
-    assert_eq!(calls("evalsha"), stats.script_calls, "{info}");
-    assert_eq!(calls("get"), stats.script_calls, "{info}");
-    // Calls made once the bucket was empty deny everything and write nothing.
-    assert!(calls("set") <= stats.script_calls, "{info}");
+        // (The first calls may find no script loaded: those fail with NOSCRIPT and are sent
+        // again.)
+        assert_eq!(calls("evalsha"), stats.script_calls, "{info}");
+        assert_eq!(calls("get"), stats.script_calls, "{info}");
+        // Calls made once the bucket was empty deny everything and write nothing.
+        assert!(calls("set") <= stats.script_calls, "{info}");
+    }
 }
 
 /// Decisions batched into one call are still each atomic and all-or-nothing, with their own

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use support::{RedisCluster, cost, prepare};
 use tollgate::backend::Backend;
-use tollgate::backend::redis::RedisBackend;
+use tollgate::backend::redis::{RedisBackend, TestClock};
 use tollgate::{Key, Policy, Quota};
 
 fn cluster_backend(cluster: &RedisCluster) -> RedisBackend {
@@ -97,6 +97,87 @@ async fn cluster_multi_quota_keys_and_shared_exact_limits() {
     let d = b.decide(&p_fresh(&b), &k, cost(1)).await.unwrap();
     assert_eq!(d.quotas()[0].remaining, 9);
     assert_eq!(b.stats().redis_errors, 0);
+}
+
+/// Fixed and sliding windows mixed with GCRA on the cluster: each decision's keys share one
+/// slot (no CROSSSLOT), clients spread over the primaries, all-or-nothing holds, and
+/// concurrent decisions on one key admit exactly a window's limit. The script time is fixed
+/// (no window boundary passes during the test).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_windows_mixed_with_gcra() {
+    let cluster = RedisCluster::start();
+    let clock = TestClock::new();
+    let b = RedisBackend::builder()
+        .cluster_nodes(cluster.urls())
+        .timeout(Duration::from_secs(2))
+        .test_clock(clock.clone())
+        .build()
+        .unwrap();
+    let policy = Policy::new("win", Quota::per_day(1).burst(5))
+        .and(Quota::per_hour(3).fixed_window())
+        .and(
+            Quota::per_hour(4)
+                .sliding_window()
+                .resolution(Duration::from_secs(600)),
+        );
+    let p = prepare(&b, &policy);
+    for i in 0..30 {
+        let k = Key::from_bytes(format!("client-{i}")).unwrap();
+        for left in [[4, 2, 3], [3, 1, 2], [2, 0, 1]] {
+            let d = b.decide(&p, &k, cost(1)).await.unwrap();
+            assert!(d.is_allowed(), "client {i}: {d:?}");
+            let remaining: Vec<u32> = d.quotas().iter().map(|q| q.remaining).collect();
+            assert_eq!(remaining, left, "client {i}");
+        }
+        // The fixed window denies; GCRA and the sliding window keep their units.
+        let d = b.decide(&p, &k, cost(1)).await.unwrap();
+        assert!(!d.is_allowed());
+        let remaining: Vec<u32> = d.quotas().iter().map(|q| q.remaining).collect();
+        assert_eq!(remaining, [2, 0, 1], "client {i}: {d:?}");
+    }
+    assert_eq!(b.stats().redis_errors, 0, "{:?}", b.stats());
+    let per_node: Vec<usize> = cluster
+        .nodes
+        .iter()
+        .map(|n| {
+            n.cmd(&["DBSIZE"])
+                .trim()
+                .trim_start_matches(':')
+                .parse()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(per_node.iter().sum::<usize>(), 90, "{per_node:?}");
+    assert!(per_node.iter().all(|n| *n > 0), "{per_node:?}");
+
+    // Two backends with their own connections hammer one key of a fixed window.
+    let hot = Policy::new("hot-window", Quota::per_day(40).fixed_window());
+    let replicas: Vec<_> = (0..2)
+        .map(|_| {
+            let b = RedisBackend::builder()
+                .cluster_nodes(cluster.urls())
+                .timeout(Duration::from_secs(2))
+                .deny_cache_capacity(0)
+                .test_clock(clock.clone())
+                .build()
+                .unwrap();
+            let p = Arc::new(prepare(&b, &hot));
+            (b, p)
+        })
+        .collect();
+    let mut tasks = Vec::new();
+    for i in 0..200 {
+        let (b, p) = replicas[i % 2].clone();
+        tasks.push(tokio::spawn(async move {
+            let k = Key::from_bytes("hot").unwrap();
+            b.decide(&p, &k, cost(1)).await.unwrap().is_allowed()
+        }));
+    }
+    let mut allowed = 0;
+    for t in tasks {
+        allowed += usize::from(t.await.unwrap());
+    }
+    assert_eq!(allowed, 40);
 }
 
 fn p_fresh(b: &RedisBackend) -> <RedisBackend as Backend>::Policy {

@@ -207,7 +207,7 @@ pub struct RedisPolicy {
 pub(crate) struct PolicyInner {
     params: SmallVec<[QuotaParams; 2]>,
     pub(crate) key_prefix: Vec<u8>,
-    /// Per quota: `<index>:<emission>x<burst>` (see `keys::quota_suffixes`).
+    /// Per quota: `<index>:<parameters>` (see `keys::quota_suffixes`).
     pub(crate) key_suffixes: Vec<Box<[u8]>>,
     /// The policy's entry in the script's arguments (`script::policy_args`).
     pub(crate) args: Vec<Vec<u8>>,
@@ -237,18 +237,6 @@ impl Backend for RedisBackend {
             return Err(ConfigError::QuotaCount {
                 policy: policy.name().to_owned(),
                 count: 0,
-            });
-        }
-        if params
-            .iter()
-            .any(|p| !matches!(p.kind, crate::quota::QuotaKind::Gcra))
-        {
-            return Err(ConfigError::Invalid {
-                option: "quota",
-                reason: format!(
-                    "policy `{}`: window algorithms are not implemented on Redis yet",
-                    policy.name()
-                ),
             });
         }
         let local = match &self.inner.local {
@@ -353,7 +341,7 @@ impl Call {
         match result {
             Ok(decision) => {
                 if !decision.is_allowed() {
-                    p.deny.insert(key, cost, self.sent_ns, &decision);
+                    p.deny.insert(key, cost, self.sent_ns, &decision, &p.params);
                 }
                 Ok(decision)
             }

@@ -303,7 +303,8 @@ async fn call(inner: &Arc<Inner>, batch: &mut Vec<Job>) {
             for mut job in batch.drain(..) {
                 // A short reply gives the last decisions a short slice: they report a length
                 // mismatch as a protocol error.
-                let end = (start + 3 * job.policy.key_suffixes.len()).min(all.len());
+                let end =
+                    (start + script::PER_QUOTA * job.policy.key_suffixes.len()).min(all.len());
                 job.answer(Ok(Reply {
                     all: all.clone(),
                     range: start..end,

@@ -2,17 +2,35 @@
 //!
 //! # Why it never denies what Redis would allow
 //!
-//! GCRA keeps one number per bucket, its theoretical arrival time (TAT), and a request of cost
-//! `c` fits at time `now` exactly when `now >= TAT + (c - 1)·T - τ`. Every change Redis makes to
-//! a TAT moves it *later* (an allowed request sets it to `max(TAT, now) + c·T`), and a bucket
-//! whose key expired is one whose TAT has passed, which is the same as a fresh one. So the
-//! earliest time at which a given request fits never moves earlier: when Redis says at time
-//! `t_r` that the request must wait `W`, it is denied until `t_r + W` whatever other requests,
-//! replicas or clients do. The cache stores `t_send + W`, where `t_send` (taken before the call
-//! left) is not later than `t_r`, and answers requests of the same or a larger cost until then;
-//! a larger cost `c'` fits `(c' - c)·T` later still, so its exact wait is computed too.
+//! For every algorithm the script runs, the earliest time at which a denied request fits never
+//! moves earlier, whatever other requests, replicas or clients do:
 //!
-//! The argument needs the buckets to be changed only by this script. It breaks when someone
+//! - **GCRA** keeps one number per bucket, its theoretical arrival time (TAT), and a request of
+//!   cost `c` fits at time `now` exactly when `now >= TAT + (c - 1)·T - τ`. Every change Redis
+//!   makes to a TAT moves it *later* (an allowed request sets it to `max(TAT, now) + c·T`), and
+//!   a bucket whose key expired is one whose TAT has passed, which is the same as a fresh one.
+//!   A larger cost `c'` fits `(c' - c)·T` later still, so its exact wait is computed too.
+//! - **Fixed window**: within a window the count only grows, so a denied request stays denied
+//!   until the window's end, which is the `retry_after` Redis gives (for every larger cost
+//!   too); the key expires at that same instant.
+//! - **Sliding window**: with nothing more counted, the estimate `E` only falls as time passes
+//!   (the oldest count slides out linearly, and leaves when it reaches zero weight), and more
+//!   counts only raise it; the key expires when every count has slid out, which is an empty
+//!   window. So `retry_after` is again a bound that stays valid. Two things the cache cannot
+//!   recompute without the counts (which stay in Redis): `remaining`, which grows at
+//!   `reset_after`, and the wait of a larger cost. So a denial by a sliding window is cached
+//!   only until its `reset_after` (for a denied cost-1 request, that is its `retry_after`:
+//!   the flood case is fully covered), and answers only requests of the same cost.
+//!
+//! So when Redis says at time `t_r` that the request must wait `W`, it is denied until
+//! `t_r + W`. The cache stores `t_send + W`, where `t_send` (taken before the call left) is not
+//! later than `t_r`, and answers requests of the same cost until then, their waits shrinking
+//! with the time elapsed since `t_send`, exactly as Redis would report them. A larger cost is
+//! answered only when every quota of the policy denied, none is a sliding window and the cost
+//! fits every burst (otherwise a quota that had room, or a cost that can never fit, could be
+//! reported differently from Redis); a smaller cost may fit sooner and always goes to Redis.
+//!
+//! The argument needs the keys to be changed only by this script. It breaks when someone
 //! deletes the keys by hand, or when Redis loses them (a restart without persistence, a
 //! failover to a replica that had not received the last writes): Redis would then allow again
 //! while the cache still denies, for at most the retry time it had given.
@@ -38,7 +56,7 @@ use smallvec::SmallVec;
 
 use crate::Key;
 use crate::backend::{Decision, Outcome, QuotaState};
-use crate::quota::QuotaParams;
+use crate::quota::{QuotaKind, QuotaParams};
 
 /// The denials of one prepared policy.
 #[derive(Debug)]
@@ -81,6 +99,8 @@ struct Entry {
     sent_ns: u64,
     /// The cost that was denied: requests costing less may fit sooner and are not answered.
     cost: NonZeroU32,
+    /// Whether requests costing more may be answered too (see the module docs).
+    larger: bool,
     states: SmallVec<[QuotaState; 2]>,
 }
 
@@ -108,7 +128,10 @@ impl DenyCache {
         let expired = {
             let entry = self.map.get(key)?;
             if now_ns < entry.until_ns {
-                if cost < entry.cost {
+                if cost < entry.cost
+                    || (cost > entry.cost
+                        && (!entry.larger || params.iter().any(|p| cost > p.burst)))
+                {
                     return None;
                 }
                 return Some(replay(&entry, cost, now_ns, params));
@@ -127,13 +150,40 @@ impl DenyCache {
     }
 
     /// Records that Redis denied `key` for `cost`, in a call sent at `sent_ns`.
-    pub(crate) fn insert(&self, key: &Key, cost: NonZeroU32, sent_ns: u64, decision: &Decision) {
+    pub(crate) fn insert(
+        &self,
+        key: &Key,
+        cost: NonZeroU32,
+        sent_ns: u64,
+        decision: &Decision,
+        params: &[QuotaParams],
+    ) {
         if self.budget.capacity == 0 || decision.never_fits() {
             return;
         }
-        let Some(wait) = decision.retry_after() else {
+        let Some(mut wait) = decision.retry_after() else {
             return;
         };
+        // A sliding window's `remaining` grows at its `reset_after`, which only Redis can tell
+        // the next value of: hold its denial until then (module docs).
+        let mut larger = decision.quotas().len() == params.len();
+        for s in decision.quotas() {
+            let sliding = matches!(
+                params.get(s.index).map(|p| p.kind),
+                Some(QuotaKind::SlidingWindow { .. })
+            );
+            match s.outcome {
+                Outcome::Denied { .. } if sliding => {
+                    wait = wait.min(s.reset_after);
+                    larger = false;
+                }
+                Outcome::Denied { .. } => {}
+                _ => larger = false,
+            }
+        }
+        if wait.is_zero() {
+            return;
+        }
         let until_ns = sent_ns.saturating_add(u64::try_from(wait.as_nanos()).unwrap_or(u64::MAX));
         let reserved = !self.map.contains_key(key);
         if reserved && !self.reserve(sent_ns) {
@@ -143,6 +193,7 @@ impl DenyCache {
             until_ns,
             sent_ns,
             cost,
+            larger,
             states: decision.quotas().iter().copied().collect(),
         };
         let replaced = self.map.insert(key.clone(), entry).is_some();
@@ -202,10 +253,17 @@ impl Drop for DenyCache {
     }
 }
 
-/// The stored decision as it stands at `now_ns` for a request of `cost`.
+/// The stored decision as it stands at `now_ns` for a request of `cost` (the denied cost, or
+/// a larger one when the entry allows it): the denials' waits shrink with the time elapsed
+/// since the call was sent; the other quotas are reported as Redis reported them.
 fn replay(entry: &Entry, cost: NonZeroU32, now_ns: u64, params: &[QuotaParams]) -> Decision {
     let elapsed = now_ns.saturating_sub(entry.sent_ns);
     let extra_units = u64::from(cost.get() - entry.cost.get());
+    // A wait that was running stays at least 1 ns until the entry expires.
+    let shrink = |d: Duration| {
+        let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        Duration::from_nanos(ns.saturating_sub(elapsed).max(u64::from(ns > 0)))
+    };
     Decision::new(entry.states.iter().map(|s| {
         let Outcome::Denied { retry_after } = s.outcome else {
             return *s;
@@ -213,13 +271,28 @@ fn replay(entry: &Entry, cost: NonZeroU32, now_ns: u64, params: &[QuotaParams]) 
         let Some(p) = params.get(s.index) else {
             return *s;
         };
-        let t = p.emission_ns.max(1);
-        let wait = u64::try_from(retry_after.as_nanos())
-            .unwrap_or(u64::MAX)
-            .saturating_sub(elapsed)
-            .saturating_add(extra_units.saturating_mul(t))
-            .max(1);
-        QuotaState::denied(s.index, p, cost, Duration::from_nanos(wait))
+        match p.kind {
+            QuotaKind::Gcra => {
+                let t = p.emission_ns.max(1);
+                let wait = u64::try_from(retry_after.as_nanos())
+                    .unwrap_or(u64::MAX)
+                    .saturating_sub(elapsed)
+                    .saturating_add(extra_units.saturating_mul(t))
+                    .max(1);
+                QuotaState::denied(s.index, p, cost, Duration::from_nanos(wait))
+            }
+            // Fixed: denied until the window's end whatever the cost (entries are never kept
+            // past it), and the count, so `remaining`, cannot fall before then. Sliding: the
+            // same cost only, never past `reset_after`, so `remaining` is unchanged. Both
+            // waits point at the same instants as when Redis gave them.
+            QuotaKind::FixedWindow { .. } | QuotaKind::SlidingWindow { .. } => QuotaState {
+                outcome: Outcome::Denied {
+                    retry_after: shrink(retry_after),
+                },
+                reset_after: shrink(s.reset_after),
+                ..*s
+            },
+        }
     }))
 }
 
@@ -253,7 +326,7 @@ mod tests {
         let (cache, p, denied) = setup(10);
         let key = Key::from_bytes("k").unwrap();
         let one = NonZeroU32::MIN;
-        cache.insert(&key, one, 0, &denied);
+        cache.insert(&key, one, 0, &denied, &p);
         let hit = cache.get(&key, one, 500_000_000, &p).unwrap();
         assert_eq!(hit.retry_after(), Some(Duration::from_millis(1500)));
         // A bigger request waits one more emission interval per extra unit.
@@ -265,11 +338,101 @@ mod tests {
         assert_eq!(cache.len(), 0, "expired entries are dropped on lookup");
     }
 
+    fn window_params() -> [QuotaParams; 2] {
+        let policy = crate::Policy::new("w", crate::Quota::per_minute(10).fixed_window()).and(
+            crate::Quota::per_second(4)
+                .sliding_window()
+                .resolution(Duration::from_millis(250)),
+        );
+        let p = policy.validate().unwrap();
+        [p[0], p[1]]
+    }
+
+    fn denied(
+        index: usize,
+        limit: u32,
+        remaining: u32,
+        retry_ms: u64,
+        reset_ms: u64,
+    ) -> QuotaState {
+        QuotaState {
+            index,
+            outcome: Outcome::Denied {
+                retry_after: Duration::from_millis(retry_ms),
+            },
+            limit,
+            remaining,
+            reset_after: Duration::from_millis(reset_ms),
+        }
+    }
+
+    #[test]
+    fn fixed_window_denials_hold_until_the_window_ends_for_any_cost() {
+        let (cache, _, _) = setup(10);
+        let p = window_params();
+        let key = Key::from_bytes("k").unwrap();
+        // Both quotas denied: the fixed one until its end in 20 s, the sliding one for 300 ms.
+        let d = Decision::new([denied(0, 10, 0, 20_000, 20_000), denied(1, 4, 0, 300, 300)]);
+        cache.insert(&key, NonZeroU32::MIN, 0, &d, &p);
+        let hit = cache.get(&key, NonZeroU32::MIN, 100_000_000, &p).unwrap();
+        assert_eq!(hit.quotas()[0], denied(0, 10, 0, 19_900, 19_900));
+        assert_eq!(hit.quotas()[1], denied(1, 4, 0, 200, 200));
+        // Held only until the sliding window's `reset_after`, and for the same cost only.
+        assert!(
+            cache
+                .get(&key, NonZeroU32::new(2).unwrap(), 1, &p)
+                .is_none()
+        );
+        assert!(cache.get(&key, NonZeroU32::MIN, 300_000_000, &p).is_none());
+
+        // A fixed window alone: larger costs too, until the window's end; not a cost beyond
+        // the limit (Redis reports those as never fitting).
+        let p = [p[0]];
+        let d = Decision::new([denied(0, 10, 2, 20_000, 20_000)]);
+        cache.insert(&key, NonZeroU32::new(3).unwrap(), 0, &d, &p);
+        let hit = cache
+            .get(&key, NonZeroU32::new(5).unwrap(), 19_000_000_000, &p)
+            .unwrap();
+        assert_eq!(hit.quotas()[0], denied(0, 10, 2, 1000, 1000));
+        assert!(
+            cache
+                .get(&key, NonZeroU32::new(11).unwrap(), 1, &p)
+                .is_none()
+        );
+        assert!(
+            cache
+                .get(&key, NonZeroU32::new(3).unwrap(), 20_000_000_000, &p)
+                .is_none()
+        );
+    }
+
+    #[test]
+    fn sliding_denials_are_held_until_remaining_changes() {
+        let (cache, _, _) = setup(10);
+        let p = window_params();
+        let key = Key::from_bytes("k").unwrap();
+        // A cost-3 request denied by the sliding window with one unit left: one more unit is
+        // back in 40 ms, the request fits in 400 ms. The fixed window had room.
+        let allowed = QuotaState {
+            index: 0,
+            outcome: Outcome::Allowed,
+            limit: 10,
+            remaining: 5,
+            reset_after: Duration::from_secs(30),
+        };
+        let d = Decision::new([allowed, denied(1, 4, 1, 400, 40)]);
+        let three = NonZeroU32::new(3).unwrap();
+        cache.insert(&key, three, 0, &d, &p);
+        let hit = cache.get(&key, three, 30_000_000, &p).unwrap();
+        assert_eq!(hit.quotas(), [allowed, denied(1, 4, 1, 370, 10)]);
+        assert!(cache.get(&key, three, 40_000_000, &p).is_none());
+    }
+
     #[test]
     fn smaller_costs_go_to_redis() {
         let (cache, p, denied) = setup(10);
         let key = Key::from_bytes("k").unwrap();
-        cache.insert(&key, NonZeroU32::new(3).unwrap(), 0, &denied);
+        cache.insert(&key, NonZeroU32::new(3).unwrap(), 0, &denied, &p);
         assert!(cache.get(&key, NonZeroU32::MIN, 1, &p).is_none());
     }
 
@@ -278,7 +441,7 @@ mod tests {
         let (cache, p, denied) = setup(2);
         let one = NonZeroU32::MIN;
         for i in 0..5u8 {
-            cache.insert(&Key::from_bytes([i]).unwrap(), one, 0, &denied);
+            cache.insert(&Key::from_bytes([i]).unwrap(), one, 0, &denied, &p);
         }
         assert_eq!(cache.len(), 2);
         // Once the first entries expired, the sweep makes room.
@@ -287,6 +450,7 @@ mod tests {
             one,
             3_000_000_000,
             &denied,
+            &p,
         );
         assert!(
             cache
@@ -304,13 +468,13 @@ mod tests {
         let (cache, p, denied) = setup(2);
         let one = NonZeroU32::MIN;
         let k = Key::from_bytes("k").unwrap();
-        cache.insert(&k, one, 0, &denied);
+        cache.insert(&k, one, 0, &denied, &p);
         cache.budget.used.store(0, Ordering::Relaxed);
         // The entry expired: the lookup removes it and gives its unit back.
         assert!(cache.get(&k, one, 3_000_000_000, &p).is_none());
         assert_eq!(cache.budget.used.load(Ordering::Relaxed), 0);
         let late = Key::from_bytes("late").unwrap();
-        cache.insert(&late, one, 3_000_000_000, &denied);
+        cache.insert(&late, one, 3_000_000_000, &denied, &p);
         assert!(cache.get(&late, one, 3_000_000_001, &p).is_some());
     }
 
@@ -332,7 +496,7 @@ mod tests {
                         let now = clock.fetch_add(1_000_000, Ordering::Relaxed);
                         let k = Key::from_bytes(((i * 7 + t) % 64).to_le_bytes()).unwrap();
                         if i % 2 == 0 {
-                            cache.insert(&k, one, now, denied);
+                            cache.insert(&k, one, now, denied, p);
                         } else {
                             let _ = cache.get(&k, one, now, p);
                         }

@@ -1,33 +1,53 @@
--- tollgate: GCRA for every quota of a policy, in one atomic call, all-or-nothing; several
--- decisions (of concurrent requests) may share one call.
+-- tollgate: every quota of a policy (GCRA, fixed window or sliding window, mixed freely) in one
+-- atomic call, all-or-nothing; several decisions (of concurrent requests) may share one call.
 --
 -- ARGV[1]            "" to read the time from Redis TIME; otherwise a fixed time in integer
 --                    nanoseconds (test hook, settable only through a hidden builder method)
 -- ARGV[2]            number of policies in this call, P >= 1; then per policy p, in order:
 --   n                number of quotas
---   then per quota i: emission interval (integer ns >= 1), burst (units >= 1)
+--   then per quota i, four numbers "kind a b c":
+--     0 emission burst 0      GCRA: emission interval (integer ns >= 1), burst (units >= 1)
+--     1 window limit 0        fixed window: length (integer us >= 1), limit (>= 1)
+--     2 slice limit slices    sliding window of `slices` (>= 1) sub-windows of `slice` us
 -- then               number of decisions in this call, D >= 1; then per decision, in order:
 --   p                its policy, 1..P (its keys are the next n_p KEYS, in order)
 --   cost             cost of the request in units (>= 1)
--- KEYS               the buckets of every quota of every decision, in the order above (on a
---                    Redis Cluster a call holds one decision, whose keys share one {hash tag})
+-- KEYS               one per quota of every decision, in the order above (on a Redis Cluster a
+--                    call holds one decision, whose keys share one {hash tag})
 --
--- A bucket stores its theoretical arrival time (TAT) as "<unix seconds> <nanoseconds>", two
--- integers: Lua numbers are doubles, exact only up to 2^53, and nanoseconds since 1970 are
--- past that. All arithmetic below is on times relative to now, in integer nanoseconds, exact
--- while they stay under 2^53 ns (104 days); no float seconds anywhere.
+-- Time is integer: nanoseconds for GCRA, microseconds since the Unix epoch for windows (exact
+-- in Lua's doubles: both stay below 2^53). No float seconds anywhere.
 --
--- Reply: three integers per quota, decision after decision:
---   code   0 allowed (units taken), 1 denied, 2 cost larger than burst (never fits),
---          3 would have allowed but another quota denied (nothing taken)
---          4 Redis refused one of the decision's keys (e.g. a key of another type): this
---            decision fails alone, having taken nothing; the others of the call go on
---   tat    the bucket's TAT after the decision, relative to now, ns (0: bucket full)
---   wait   denied only: ns until this request's cost fits
+-- Storage, one string key per quota:
+--   GCRA     the theoretical arrival time (TAT), "<unix seconds> <nanoseconds>" (nanoseconds
+--            since 1970 are past 2^53); arithmetic is on times relative to now, in integer ns,
+--            exact while they stay under 2^53 ns (104 days). Expires when the bucket is full.
+--   fixed    "<window index> <count>", the window index being floor(now_us / window);
+--            expires at the window's end.
+--   sliding  "<newest sub-window index> c_oldest ... c_newest" (slices + 1 counts); expires
+--            when every count has slid out of the window.
+-- The window arithmetic is that of src/backend/window.rs, in the same floating-point
+-- operations in the same order, so that both give the same numbers to the bit:
+--   estimate   E = c_oldest * (S - r) / S + (sum of the other counts), r = now_us % S
+--   passes     E + cost <= limit
+--   remaining  floor(limit - E), at least 0
+--   reset      0 when remaining = limit, else wait_us(remaining + 1)
+--   retry      wait_us(cost) (see wait_us below)
+--
+-- Reply: four integers per quota, decision after decision; the codes:
+--   0 allowed (units taken), 1 denied, 2 cost larger than the burst or limit (never fits; the
+--   state is reported as it is), 3 would have allowed but another quota denied (nothing taken,
+--   state as it is), 4 Redis refused one of the decision's keys (e.g. a key of another type):
+--   this decision fails alone, having taken nothing; the others of the call go on.
+--   GCRA     code, TAT after the decision relative to now (ns, 0: full), wait (denied: ns
+--            until this request's cost fits), 0
+--   fixed    code, count after the decision, us until the window's end, 0
+--   sliding  code, remaining, reset (us), retry (denied: us until the cost fits)
 
 -- Library functions in locals: global lookups cost a table access each in Redis's sandbox.
-local tonumber, type, floor, ceil = tonumber, type, math.floor, math.ceil
-local format, match = string.format, string.match
+local tonumber, type, floor, ceil, fmod = tonumber, type, math.floor, math.ceil, math.fmod
+local format, match, find, sub = string.format, string.match, string.find, string.sub
+local concat = table.concat
 local call, pcall_redis = redis.call, redis.pcall
 local KEYS, ARGV = KEYS, ARGV
 
@@ -37,46 +57,195 @@ if redis.replicate_commands then
   pcall(redis.replicate_commands)
 end
 
-local now_s, now_ns
+local now_s, now_ns, now_us
 if ARGV[1] == '' then
   local t = call('TIME')
   now_s = tonumber(t[1])
-  now_ns = tonumber(t[2]) * 1000
+  local us = tonumber(t[2])
+  now_ns = us * 1000
+  now_us = now_s * 1000000 + us
 else
-  local fixed = tonumber(ARGV[1])
-  now_s = floor(fixed / 1000000000)
-  now_ns = fixed - now_s * 1000000000
+  -- Split as a string: nanoseconds since 1970 are past 2^53.
+  local fixed = ARGV[1]
+  local len = #fixed
+  if len > 9 then
+    now_s = tonumber(sub(fixed, 1, len - 9))
+    now_ns = tonumber(sub(fixed, len - 8))
+  else
+    now_s = 0
+    now_ns = tonumber(fixed)
+  end
+  now_us = now_s * 1000000 + floor(now_ns / 1000)
 end
 
 local CLAMP = 9000000000000000000
 
+-- Microseconds from now until a request of `cost` (at most `limit`) fits in a sliding window
+-- whose counts are c[1..m] (oldest first, summing to `total`), `r` us into the current
+-- sub-window of `s` us, if nothing else is counted meanwhile: window.rs's `wait_us`, step by
+-- step. Segment j is the j-th sub-window from the current one; in it the oldest count still
+-- in the window, c[j], slides out linearly, and at its end it leaves.
+local function wait_us(c, m, s, r, limit, cost, total)
+  local rest = total
+  for j = 1, m do
+    local old = c[j]
+    rest = rest - old
+    if rest + cost <= limit then
+      local from = 0
+      if j == 1 then
+        from = r
+      end
+      if old == 0 then
+        return (j - 1) * s + from - r
+      end
+      -- Fits at position p when old * (s - p) / s + rest + cost <= limit.
+      local need = limit - cost - rest
+      local p = s - need * s / old
+      if p <= from then
+        p = from
+      else
+        p = ceil(p)
+      end
+      -- Floating-point rounding can leave the first candidate a microsecond short.
+      for _ = 1, 4 do
+        if p >= s or old * (s - p) / s + rest + cost <= limit then
+          break
+        end
+        p = p + 1
+      end
+      if p < s then
+        return (j - 1) * s + p - r
+      end
+    end
+  end
+  -- Every count has slid out.
+  return m * s - r
+end
+
 -- Written flat, without closures and with few tables: every table and closure a call creates
 -- is garbage for Redis's Lua collector, which costs more than the arithmetic.
 
--- The policies' quotas, parsed once per call, flat: policy p has n = q[p] quotas, whose
--- emission intervals and bursts are at[first[p] + 2 * i - 1] and at[first[p] + 2 * i].
+-- The policies' quotas, parsed once per call, flat: policy p has n = q[p] quotas, numbered
+-- g = first[p] + 1 .. first[p] + n over the call; quota g's four numbers are
+-- at[4g - 3] (kind), at[4g - 2], at[4g - 1] (burst or limit), at[4g]. For windows, where
+-- now is in the quota's window or sub-window is computed here once: qr[g] = now_us mod its
+-- length (exact: fmod), qi[g] = the window's or sub-window's index.
 local a = 2
-local q, first, at = {}, {}, {}
-local na = 0
+local q, first, at, qr, qi = {}, {}, {}, {}, {}
+local ng = 0
 for p = 1, tonumber(ARGV[a]) do
   local n = tonumber(ARGV[a + 1])
   q[p] = n
-  first[p] = na
-  for j = a + 2, a + 1 + 2 * n do
-    na = na + 1
-    at[na] = tonumber(ARGV[j])
+  first[p] = ng
+  for j = a + 2, a + 1 + 4 * n, 4 do
+    ng = ng + 1
+    local g = 4 * ng
+    local kind, len = tonumber(ARGV[j]), tonumber(ARGV[j + 1])
+    at[g - 3], at[g - 2], at[g - 1], at[g] = kind, len, tonumber(ARGV[j + 2]), tonumber(ARGV[j + 3])
+    if kind ~= 0 then
+      local r = fmod(now_us, len)
+      qr[ng], qi[ng] = r, (now_us - r) / len
+    end
   end
-  a = a + 1 + 2 * n
+  a = a + 1 + 4 * n
 end
 
--- The buckets this call has read, by key: TAT relative to now (ns), or false when Redis
--- refused the key. Decisions of one call on the same key (a hot key, a global limit) read it
--- once and see each other's updates, exactly as if they ran one after another; each bucket
--- changed is written once, at the end (dirty[1..nd]). The script is atomic, so deferring the
--- writes is invisible to every other client.
-local tats, dirty = {}, {}
+-- Reads a quota's key (once per call): GCRA, the TAT relative to now (ns, 0 when full);
+-- fixed, the count of the current window; sliding, a table c[1..m] of the m = slices + 1
+-- counts moved on to the current sub-window, c[m + 1] the sum of all but the oldest, c[m + 2]
+-- the newest sub-window's index. False when Redis refused the key. Unreadable values (written
+-- by someone else) count as nothing stored.
+local function load(key, g)
+  -- pcall: a refused key fails its decisions, not the whole call.
+  local stored = pcall_redis('GET', key)
+  if type(stored) == 'table' and stored.err then
+    return false
+  end
+  local kind = at[4 * g - 3]
+  if kind == 0 then
+    local rel = 0
+    if stored then
+      local sec, ns = match(stored, '^(%d+) (%d+)$')
+      if sec then
+        rel = (tonumber(sec) - now_s) * 1000000000 + (tonumber(ns) - now_ns)
+      end
+      if rel < 0 then
+        rel = 0
+      end
+    end
+    return rel
+  elseif kind == 1 then
+    if stored then
+      local w, n = match(stored, '^(%d+) (%d+)$')
+      -- Another window's count (a past one, or a future one after a clock step back, as
+      -- window.rs) is not this window's.
+      if w and tonumber(w) == qi[g] then
+        return tonumber(n)
+      end
+    end
+    return 0
+  end
+  local m = at[4 * g] + 1
+  local now_i = qi[g]
+  local c = {}
+  for x = 1, m + 2 do
+    c[x] = 0
+  end
+  local newest = now_i
+  if stored then
+    local s, e, num = find(stored, '^(%d+)')
+    local sn = tonumber(num)
+    local x = 0
+    local pos = (e or 0) + 1
+    while s and x < m do
+      s, e, num = find(stored, '^ (%d+)', pos)
+      if s then
+        x = x + 1
+        c[x] = tonumber(num)
+        pos = e + 1
+      end
+    end
+    if sn and x == m and pos == #stored + 1 then
+      -- Move the counts on to the current sub-window, as window.rs: the sub-windows that
+      -- left the window are dropped, those that passed without requests count zero; a stored
+      -- index after now (a clock step back) is kept.
+      local by = now_i - sn
+      if by <= 0 then
+        newest = sn
+      elseif by >= m then
+        for y = 1, m do
+          c[y] = 0
+        end
+      else
+        for y = 1, m - by do
+          c[y] = c[y + by]
+        end
+        for y = m - by + 1, m do
+          c[y] = 0
+        end
+      end
+    else
+      for y = 1, m do
+        c[y] = 0
+      end
+    end
+  end
+  local rest = 0
+  for y = 2, m do
+    rest = rest + c[y]
+  end
+  c[m + 1], c[m + 2] = rest, newest
+  return c
+end
+
+-- The quotas' states this call has read, by key (see `load`). Decisions of one call on the same
+-- key (a hot key, a global limit) read it once and see each other's updates, exactly as if they
+-- ran one after another; each key changed is written once, at the end (dirty[1..nd], with its
+-- quota in dq). The script is atomic, so deferring the writes is invisible to every other
+-- client.
+local states, dirty, dq = {}, {}, {}
 local nd = 0
--- Per quota of the decision being made (reused): code, TAT and wait, 3 slots per quota.
+-- Per quota of the decision being made (reused): its code and GCRA wait, 2 slots per quota.
 local cur = {}
 local reply = {}
 local nr = 0
@@ -101,94 +270,142 @@ for _ = 1, tonumber(ARGV[a]) do
   a = a + 2
   local n, f = q[p], first[p]
   local denied, refused = false, false
+  -- First every quota is checked, nothing written.
   for i = 1, n do
     local key = KEYS[k + i]
-    local rel = tats[key]
-    if rel == nil then
-      -- pcall: a refused key fails its decisions, not the whole call.
-      local stored = pcall_redis('GET', key)
-      if type(stored) == 'table' and stored.err then
-        rel = false
-      else
-        rel = 0
-        if stored then
-          local sec, ns = match(stored, '^(%d+) (%d+)$')
-          if sec then
-            rel = (tonumber(sec) - now_s) * 1000000000 + (tonumber(ns) - now_ns)
-          end
-          if rel < 0 then
-            rel = 0
-          end
-        end
-      end
-      tats[key] = rel
+    local g = f + i
+    local st = states[key]
+    if st == nil then
+      st = load(key, g)
+      states[key] = st
     end
-    if rel == false then
+    if st == false then
       refused = true
       break
     end
-    local t, burst = at[f + 2 * i - 1], at[f + 2 * i]
+    local kind, limit = at[4 * g - 3], at[4 * g - 1]
     local c, w = 0, 0
-    if cost > burst then
+    if cost > limit then
       c = 2
       denied = true
-    else
+    elseif kind == 0 then
       -- The request fits when now >= TAT + (cost - 1) * T - tau, with tau = T * (burst - 1).
-      w = rel + t * (cost - burst)
+      w = st + at[4 * g - 2] * (cost - limit)
       if w > 0 then
         c = 1
         denied = true
       else
         w = 0
       end
+    elseif kind == 1 then
+      if st + cost > limit then
+        c = 1
+        denied = true
+      end
+    else
+      local s, m = at[4 * g - 2], at[4 * g] + 1
+      if st[1] * (s - qr[g]) / s + st[m + 1] + cost > limit then
+        c = 1
+        denied = true
+      end
     end
-    cur[3 * i - 2], cur[3 * i - 1], cur[3 * i] = c, rel, w
+    cur[2 * i - 1], cur[2 * i] = c, w
   end
 
   if refused then
     for _ = 1, n do
-      reply[nr + 1], reply[nr + 2], reply[nr + 3] = 4, 0, 0
-      nr = nr + 3
+      reply[nr + 1], reply[nr + 2], reply[nr + 3], reply[nr + 4] = 4, 0, 0, 0
+      nr = nr + 4
     end
   else
+    -- Then, all allowed, every quota takes the cost; or, one denied, none does.
     for i = 1, n do
-      local c, tat, w = cur[3 * i - 2], cur[3 * i - 1], cur[3 * i]
+      local key = KEYS[k + i]
+      local g = f + i
+      local c, w = cur[2 * i - 1], cur[2 * i]
+      local kind, limit = at[4 * g - 3], at[4 * g - 1]
+      local st = states[key]
       if denied then
         if c == 0 then
           c = 3
         end
       else
-        local key = KEYS[k + i]
-        tat = tat + cost * at[f + 2 * i - 1]
-        -- First change of this bucket in this call: remember to write it.
-        if not dirty[key] then
-          dirty[key] = true
+        if kind == 0 then
+          st = st + cost * at[4 * g - 2]
+          states[key] = st
+        elseif kind == 1 then
+          st = st + cost
+          states[key] = st
+        else
+          local m = at[4 * g] + 1
+          st[m] = st[m] + cost
+          st[m + 1] = st[m + 1] + cost
+        end
+        -- First change of this key in this call: remember to write it.
+        if not dq[key] then
+          dq[key] = g
           nd = nd + 1
           dirty[nd] = key
         end
-        tats[key] = tat
       end
-      if tat > CLAMP then
-        tat = CLAMP
+      if kind == 0 then
+        local tat = st
+        if tat > CLAMP then
+          tat = CLAMP
+        end
+        if w > CLAMP then
+          w = CLAMP
+        end
+        reply[nr + 1], reply[nr + 2], reply[nr + 3], reply[nr + 4] = c, tat, w, 0
+      elseif kind == 1 then
+        reply[nr + 1], reply[nr + 2], reply[nr + 3], reply[nr + 4] = c, st, at[4 * g - 2] - qr[g], 0
+      else
+        local s, m, r = at[4 * g - 2], at[4 * g] + 1, qr[g]
+        local rest = st[m + 1]
+        local remaining = floor(limit - (st[1] * (s - r) / s + rest))
+        if remaining <= 0 then
+          remaining = 0
+        end
+        local reset, retry = 0, 0
+        if remaining < limit then
+          reset = wait_us(st, m, s, r, limit, remaining + 1, st[1] + rest)
+        end
+        if c == 1 then
+          retry = wait_us(st, m, s, r, limit, cost, st[1] + rest)
+        end
+        reply[nr + 1], reply[nr + 2], reply[nr + 3], reply[nr + 4] = c, remaining, reset, retry
       end
-      if w > CLAMP then
-        w = CLAMP
-      end
-      reply[nr + 1], reply[nr + 2], reply[nr + 3] = c, tat, w
-      nr = nr + 3
+      nr = nr + 4
     end
   end
   k = k + n
 end
 
--- Write each changed bucket once; it expires when it is full again (a missing key is a full
--- bucket).
+-- Write each changed key once: a GCRA bucket expires when it is full again (a missing key is
+-- a full bucket), a fixed window at its end, a sliding window once its counts have all slid
+-- out (a missing key is an empty window).
 for i = 1, nd do
   local key = dirty[i]
-  local rel = tats[key]
-  local total = now_ns + rel
-  local carry = floor(total / 1000000000)
-  call('SET', key, format('%d %d', now_s + carry, total - carry * 1000000000),
-    'PX', format('%d', ceil(rel / 1000000)))
+  local g = dq[key]
+  local kind, len = at[4 * g - 3], at[4 * g - 2]
+  local st = states[key]
+  if kind == 0 then
+    local total = now_ns + st
+    local carry = floor(total / 1000000000)
+    call('SET', key, format('%d %d', now_s + carry, total - carry * 1000000000),
+      'PX', format('%d', ceil(st / 1000000)))
+  elseif kind == 1 then
+    call('SET', key, format('%d %d', qi[g], st), 'PX', format('%d', ceil((len - qr[g]) / 1000)))
+  else
+    local m = at[4 * g] + 1
+    local newest = st[m + 2]
+    local ttl = ceil(((newest + m) * len - now_us) / 1000)
+    if ttl < 1 then
+      ttl = 1
+    end
+    -- concat writes numbers as "%.14g": exact for the counts (at most the limit, < 2^32), not
+    -- for the index (up to 2^53), which is formatted as an integer.
+    call('SET', key, format('%d ', newest) .. concat(st, ' ', 1, m), 'PX', format('%d', ttl))
+  end
 end
 return reply

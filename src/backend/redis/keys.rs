@@ -1,6 +1,7 @@
 //! Where a bucket lives in Redis.
 //!
-//! A bucket's key is `<prefix>:{<policy>:<key>}:<quota index>:<emission ns>x<burst>`:
+//! A quota's key is `<prefix>:{<policy>:<key>}:<quota index>:<parameters>` (for GCRA
+//! `<emission ns>x<burst>`):
 //!
 //! - the part in braces is the Redis Cluster hash tag, the same for every quota of one decision,
 //!   so that the script's keys live in one slot (Redis Cluster refuses scripts whose keys span
@@ -10,9 +11,10 @@
 //!   close the hash tag, inject a separator, or spell another tenant's key; `<key>` is
 //!   [`Key::encode`], which is itself unambiguous and bounded (at most 1 025 bytes, so at most
 //!   3 075 characters escaped);
-//! - the suffix after the hash tag names the quota by its place in the policy and its
-//!   parameters (see [`quota_suffixes`]).
+//! - the suffix after the hash tag names the quota by its place in the policy, its algorithm
+//!   and its parameters (see [`quota_suffixes`]).
 
+use crate::quota::{QuotaKind, QuotaParams};
 use crate::{ConfigError, Key};
 
 /// The key bytes before the escaped client key: `<prefix>:{<policy>:`.
@@ -73,18 +75,27 @@ pub(crate) fn key_base(policy_prefix: &[u8], key: &Key, out: &mut Vec<u8>) {
     out.extend_from_slice(b"}:");
 }
 
-/// The per-quota key suffixes: `<index>:<emission ns>x<burst>`. The parameters are part of the
-/// key so that a changed quota (a raised limit, a reordered policy) starts from a fresh bucket,
-/// as on the local backend, instead of reading a timestamp computed under other parameters;
-/// the old bucket expires by itself. Outside the hash tag: they do not move the slot.
-pub(crate) fn quota_suffixes(params: &[crate::quota::QuotaParams]) -> Vec<Box<[u8]>> {
+/// The per-quota key suffixes, by algorithm: `<index>:<emission ns>x<burst>` (GCRA),
+/// `<index>:f<window µs>x<limit>` (fixed window), `<index>:s<sub-window µs>x<sub-windows>x<limit>`
+/// (sliding window). The parameters are part of the key so that a changed quota (a raised
+/// limit, another algorithm, a reordered policy) starts from a fresh bucket, as on the local
+/// backend, instead of reading a state computed under other parameters; the old key expires by
+/// itself. Outside the hash tag: they do not move the slot.
+pub(crate) fn quota_suffixes(params: &[QuotaParams]) -> Vec<Box<[u8]>> {
     params
         .iter()
         .enumerate()
         .map(|(i, p)| {
-            format!("{i}:{}x{}", p.emission_ns, p.burst)
-                .into_bytes()
-                .into_boxed_slice()
+            let limit = p.burst;
+            match p.kind {
+                QuotaKind::Gcra => format!("{i}:{}x{limit}", p.emission_ns),
+                QuotaKind::FixedWindow { window_us } => format!("{i}:f{window_us}x{limit}"),
+                QuotaKind::SlidingWindow { slice_us, slices } => {
+                    format!("{i}:s{slice_us}x{slices}x{limit}")
+                }
+            }
+            .into_bytes()
+            .into_boxed_slice()
         })
         .collect()
 }
@@ -144,6 +155,35 @@ mod tests {
         // Policy names may hold braces too.
         let p = keys("a{b}", &Key::global());
         assert_eq!(p[0], "tollgate:{a%7Bb%7D:g}:0:200000000x10");
+    }
+
+    #[test]
+    fn windows_name_their_algorithm_outside_the_hash_tag() {
+        let params = crate::Policy::new("p", crate::Quota::per_hour(100).fixed_window())
+            .and(
+                crate::Quota::per_minute(100)
+                    .sliding_window()
+                    .resolution(std::time::Duration::from_secs(5)),
+            )
+            .and(crate::Quota::per_second(10).sliding_window())
+            .validate()
+            .unwrap();
+        let k: Vec<String> = bucket_keys(
+            &policy_prefix("tollgate", "api"),
+            &Key::from_bytes("alice").unwrap(),
+            &quota_suffixes(&params),
+        )
+        .into_iter()
+        .map(|k| String::from_utf8(k).unwrap())
+        .collect();
+        assert_eq!(
+            k,
+            [
+                "tollgate:{api:balice}:0:f3600000000x100",
+                "tollgate:{api:balice}:1:s5000000x12x100",
+                "tollgate:{api:balice}:2:s1000000x1x10",
+            ]
+        );
     }
 
     #[test]

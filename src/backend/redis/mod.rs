@@ -24,8 +24,9 @@
 //! ```
 //!
 //! A decision is one run of a Lua script (`EVALSHA`, loaded again by itself after
-//! `SCRIPT FLUSH`, a restart or a failover) that runs GCRA over every quota of the policy. On a
-//! single node, concurrent decisions share calls (see [Batching](#batching) below). Connect
+//! `SCRIPT FLUSH`, a restart or a failover) that decides every quota of the policy, whatever
+//! its [algorithm](crate::quota::Algorithm): GCRA, fixed window or sliding window, mixed freely in one
+//! policy. On a single node, concurrent decisions share calls (see [Batching](#batching) below). Connect
 //! with
 //! [`url`](RedisBackendBuilder::url) (one node), [`cluster_nodes`](RedisBackendBuilder::cluster_nodes)
 //! (Redis Cluster), or hand over your own redis-rs
@@ -56,25 +57,42 @@
 //! - **All-or-nothing across quotas.** Every quota of the policy is checked before any is
 //!   updated: a denied request takes nothing from any bucket. Its [`Decision`] lists every
 //!   quota; those that had room are reported as allowed with the units they still hold.
-//! - **Same single-quota semantics as the local backend.** Both run GCRA with the same
-//!   parameters and build `remaining`, `retry_after` and `reset_after` with the same code; one
-//!   conformance suite (the redis-cell `CL.THROTTLE` vectors among others) runs against both.
+//! - **Same single-quota semantics as the local backend.** Both run the same algorithms with
+//!   the same parameters and build `remaining`, `retry_after` and `reset_after` with the same
+//!   arithmetic: GCRA's states come from the same constructors, and the script computes the
+//!   windows with the formulas of the local backend's window code, in the same floating-point
+//!   operations in the same order, so the numbers agree to the microsecond. One conformance
+//!   suite (the redis-cell `CL.THROTTLE` vectors, window boundaries, sliding windows of one and
+//!   of twelve sub-windows, among others) runs against both.
 //!   Multi-quota policies differ: all-or-nothing here, checked in order and stopping at the
 //!   first denial there. A changed quota starts from a fresh bucket on both (the quota's
 //!   parameters are part of its Redis key).
 //! - **Exact integer time.** Time comes from Redis `TIME` (never the instances' clocks, which
-//!   may disagree) and is kept in integer nanoseconds: after one request on a fresh burst-10
-//!   bucket, `remaining` is exactly 9. Arithmetic is exact for buckets that refill within
-//!   104 days (burst × period / count); longer ones may be off by a few nanoseconds.
-//! - **Nothing left behind.** A bucket's key expires when the bucket would be full again.
-//! - **Cost larger than the burst** is answered [`NeverFits`](crate::backend::Outcome::NeverFits)
-//!   without a round trip.
-//! - **Keys** are `<prefix>:{<policy>:<client key>}:<quota index>:<emission>x<burst>`
-//!   (`<emission>` is the quota's emission interval in nanoseconds, so a changed quota gets a
-//!   fresh bucket), escaped so that no client key can reach another's bucket, of bounded length,
-//!   and with all quotas of one decision in one Redis Cluster hash slot. For example
-//!   `tollgate:{api:balice}:0:200000000x10` for the key `alice` under a 5 per second, burst 10
-//!   quota.
+//!   may disagree) and is kept in integer nanoseconds for GCRA, integer microseconds since the
+//!   Unix epoch for windows (so windows start at the same instants as on the local backend):
+//!   after one request on a fresh burst-10 bucket, `remaining` is exactly 9. GCRA arithmetic
+//!   is exact for buckets that refill within 104 days (burst × period / count); longer ones
+//!   may be off by a few nanoseconds.
+//! - **Nothing left behind.** A GCRA bucket's key expires when the bucket would be full again,
+//!   a fixed window's at the window's end, a sliding window's when all its counts have slid
+//!   out of the window.
+//! - **Cost larger than the burst** (or a window's limit) is answered
+//!   [`NeverFits`](crate::backend::Outcome::NeverFits), with the quota's real state from Redis
+//!   (nothing taken), or as an untouched quota when Redis cannot be asked.
+//! - **Keys** are `<prefix>:{<policy>:<client key>}:<quota index>:<parameters>`, one string
+//!   per quota, the parameters naming the algorithm so that a changed quota gets a fresh key:
+//!
+//!   | algorithm | suffix | value |
+//!   |---|---|---|
+//!   | GCRA | `<emission ns>x<burst>` | the theoretical arrival time, `<unix s> <ns>` |
+//!   | fixed window | `f<window µs>x<limit>` | `<window index> <count>` |
+//!   | sliding window | `s<sub-window µs>x<sub-windows>x<limit>` | `<newest sub-window index> <count> …` (oldest first, sub-windows + 1 counts) |
+//!
+//!   Client keys are escaped so that none can reach another's key, keys are of bounded length,
+//!   and all quotas of one decision share one Redis Cluster hash slot (the suffix is outside
+//!   the hash tag). For example `tollgate:{api:balice}:0:200000000x10` for the key `alice`
+//!   under a 5 per second, burst 10 quota, and `tollgate:{api:balice}:1:s5000000x12x100` for
+//!   100 per minute kept as twelve 5-second sub-windows.
 //!
 //! # When Redis fails
 //!
@@ -134,8 +152,10 @@
 //! # Local deny cache
 //!
 //! Once Redis denied a key with a retry time `T`, the instance answers that key itself until
-//! `T`, so a denied client hammering the API costs Redis nothing. For GCRA this is exact: see
-//! below why no request Redis would allow is denied by the cache. Its size is bounded
+//! `T`, so a denied client hammering the API costs Redis nothing. This is exact: no request
+//! Redis would allow is denied by the cache, and the waits it reports shrink with the time
+//! passed as Redis's would (see below for GCRA; for windows, see the next paragraph). Its size
+//! is bounded
 //! ([`deny_cache_capacity`](RedisBackendBuilder::deny_cache_capacity)), and its entries belong
 //! to the prepared policy, so a policy replaced at run time starts with an empty cache.
 //!
@@ -151,6 +171,15 @@
 //! so if Redis's clock steps forward by Δ (NTP, a failover to a node whose clock is ahead) it
 //! would allow a denied client up to Δ earlier than the cache. In those cases the cache denies
 //! for at most the retry time it had been given.
+//!
+//! Windows behave the same way. In a fixed window the count only grows until the window's end,
+//! which is the `retry_after` Redis gives, for any larger cost too. In a sliding window, with
+//! nothing more counted the estimate only falls, and more counts only raise it, so the retry
+//! time stays a valid bound; but `remaining` grows at `reset_after` and a larger cost's wait
+//! depends on counts that only Redis holds, so a sliding window's denial is cached until its
+//! `reset_after` (for a denied request of cost 1 that is its `retry_after`) and answers
+//! requests of the same cost only. A larger cost is answered from the cache only when every
+//! quota denied, none is a sliding window, and the cost fits every quota.
 //!
 //! # Batching
 //!

@@ -1,4 +1,5 @@
-//! The GCRA Lua script, its arguments, and how its reply becomes a [`Decision`].
+//! The Lua script (`gcra.lua`: GCRA, fixed and sliding windows), its arguments, and how its
+//! reply becomes a [`Decision`].
 
 use std::num::NonZeroU32;
 use std::sync::LazyLock;
@@ -6,8 +7,9 @@ use std::time::Duration;
 
 use smallvec::SmallVec;
 
-use crate::backend::{Decision, QuotaState};
-use crate::quota::QuotaParams;
+use crate::backend::window::{self, Code};
+use crate::backend::{Decision, Outcome, QuotaState};
+use crate::quota::{QuotaKind, QuotaParams};
 use crate::{BackendError, BackendErrorKind};
 
 /// The script source, also used by `scripts/bench-redis-ceiling.sh`.
@@ -17,28 +19,38 @@ pub(crate) const SOURCE: &str = include_str!("gcra.lua");
 /// `NOSCRIPT` (after a restart, a failover or `SCRIPT FLUSH`) loads it and retries once.
 pub(crate) static SCRIPT: LazyLock<redis::Script> = LazyLock::new(|| redis::Script::new(SOURCE));
 
+/// Integers per quota in the script's arguments and in its reply.
+pub(crate) const PER_QUOTA: usize = 4;
+
 const ALLOWED: i64 = 0;
 const DENIED: i64 = 1;
 const NEVER_FITS: i64 = 2;
 const UNTOUCHED: i64 = 3;
 const REFUSED: i64 = 4;
 
+/// A quota's four numbers in the script's arguments: `kind, a, b, c` (see `gcra.lua`).
+fn quota_args(p: &QuotaParams) -> [u64; PER_QUOTA] {
+    let limit = u64::from(p.burst.get());
+    match p.kind {
+        QuotaKind::FixedWindow { window_us } => [1, window_us, limit, 0],
+        QuotaKind::SlidingWindow { slice_us, slices } => [2, slice_us, limit, u64::from(slices)],
+        QuotaKind::Gcra => [0, p.emission_ns, limit, 0],
+    }
+}
+
 /// A policy's entry in the script's arguments, formatted once in `prepare()`: the number of
-/// quotas, then the emission interval and burst of each.
+/// quotas, then four numbers per quota.
 pub(crate) fn policy_args(params: &[QuotaParams]) -> Vec<Vec<u8>> {
     let mut buf = itoa::Buffer::new();
     std::iter::once(params.len() as u64)
-        .chain(
-            params
-                .iter()
-                .flat_map(|p| [p.emission_ns, u64::from(p.burst.get())]),
-        )
+        .chain(params.iter().flat_map(quota_args))
         .map(|n| buf.format(n).as_bytes().to_vec())
         .collect()
 }
 
-/// The decision for a request whose cost exceeds the burst of some quota, made without Redis
-/// (when Redis cannot be asked), reporting only the quotas it can never fit, as full buckets.
+/// The decision for a request whose cost exceeds the burst (or a window's limit) of some quota,
+/// made without Redis (when Redis cannot be asked), reporting only the quotas it can never fit,
+/// as full buckets (empty windows).
 pub(crate) fn never_fits(params: &[QuotaParams], cost: NonZeroU32) -> Option<Decision> {
     let states: SmallVec<[QuotaState; 2]> = params
         .iter()
@@ -49,24 +61,25 @@ pub(crate) fn never_fits(params: &[QuotaParams], cost: NonZeroU32) -> Option<Dec
     (!states.is_empty()).then(|| Decision::new(states))
 }
 
-/// Turns the script's reply (three integers per quota) into a decision, with the same
-/// arithmetic as the local backend.
+/// Turns the script's reply (four integers per quota) into a decision, with the same
+/// arithmetic as the local backend. The reply is not trusted: its length is checked, and its
+/// numbers are clamped to what the quota allows.
 pub(crate) fn decision(
     reply: &[i64],
     params: &[QuotaParams],
     cost: NonZeroU32,
 ) -> Result<Decision, BackendError> {
-    if reply.len() != 3 * params.len() {
+    if reply.len() != PER_QUOTA * params.len() {
         return Err(protocol(format!(
             "script replied {} integers, expected {}",
             reply.len(),
-            3 * params.len()
+            PER_QUOTA * params.len()
         )));
     }
     let mut states = SmallVec::<[QuotaState; 2]>::new();
-    for (index, (p, r)) in params.iter().zip(reply.chunks_exact(3)).enumerate() {
-        let (code, tat, wait) = (r[0], nonneg(r[1]), nonneg(r[2]));
-        states.push(state(index, p, cost, code, tat, wait)?);
+    for (index, (p, r)) in params.iter().zip(reply.chunks_exact(PER_QUOTA)).enumerate() {
+        let (code, x, y, z) = (r[0], nonneg(r[1]), nonneg(r[2]), nonneg(r[3]));
+        states.push(state(index, p, cost, code, x, y, z)?);
     }
     Ok(Decision::new(states))
 }
@@ -76,13 +89,14 @@ fn state(
     p: &QuotaParams,
     cost: NonZeroU32,
     code: i64,
-    tat: u64,
-    wait: u64,
+    x: u64,
+    y: u64,
+    z: u64,
 ) -> Result<QuotaState, BackendError> {
-    Ok(match code {
-        ALLOWED | UNTOUCHED => QuotaState::allowed(index, p, Duration::from_nanos(tat)),
-        DENIED => QuotaState::denied(index, p, cost, Duration::from_nanos(wait)),
-        NEVER_FITS => QuotaState::never_fits(index, p, Duration::from_nanos(tat)),
+    let code = match code {
+        ALLOWED | UNTOUCHED => Code::Allowed,
+        DENIED => Code::Denied,
+        NEVER_FITS => Code::NeverFits,
         REFUSED => {
             return Err(protocol(
                 "Redis refused a key of this decision (is another program writing under the prefix?)"
@@ -90,6 +104,39 @@ fn state(
             ));
         }
         other => return Err(protocol(format!("script replied unknown code {other}"))),
+    };
+    Ok(match p.kind {
+        // `code, count after the decision, µs until the window's end, 0`.
+        QuotaKind::FixedWindow { window_us } => {
+            let count = u32::try_from(x).unwrap_or(u32::MAX);
+            window::fixed_state(index, p, code, count, y.clamp(1, window_us.max(1)))
+        }
+        // `code, remaining, reset (µs), retry (µs)`, computed by the script with window.rs's
+        // formulas (it alone has the counts). No wait is longer than the window and one more
+        // sub-window.
+        QuotaKind::SlidingWindow { slice_us, slices } => {
+            let longest = slice_us.saturating_mul(u64::from(slices) + 1);
+            let limit = p.burst.get();
+            QuotaState {
+                index,
+                outcome: match code {
+                    Code::Allowed => Outcome::Allowed,
+                    Code::NeverFits => Outcome::NeverFits,
+                    Code::Denied => Outcome::Denied {
+                        retry_after: Duration::from_micros(z.min(longest)),
+                    },
+                },
+                limit,
+                remaining: u32::try_from(x).unwrap_or(u32::MAX).min(limit),
+                reset_after: Duration::from_micros(y.min(longest)),
+            }
+        }
+        // `code, TAT after the decision (ns from now), wait (ns), 0`.
+        QuotaKind::Gcra => match code {
+            Code::Allowed => QuotaState::allowed(index, p, Duration::from_nanos(x)),
+            Code::Denied => QuotaState::denied(index, p, cost, Duration::from_nanos(y)),
+            Code::NeverFits => QuotaState::never_fits(index, p, Duration::from_nanos(x)),
+        },
     })
 }
 
@@ -112,7 +159,7 @@ mod tests {
     #[test]
     fn one_request_on_a_fresh_bucket_leaves_burst_minus_one() {
         let p = [params(5, 10)];
-        let d = decision(&[0, 200_000_000, 0], &p, NonZeroU32::MIN).unwrap();
+        let d = decision(&[0, 200_000_000, 0, 0], &p, NonZeroU32::MIN).unwrap();
         assert!(d.is_allowed());
         assert_eq!(d.quotas()[0].remaining, 9);
         assert_eq!(d.quotas()[0].reset_after, Duration::from_millis(200));
@@ -123,7 +170,7 @@ mod tests {
         // Burst 5 at 1/s, cost 5, three units missing.
         let p = [params(1, 5)];
         let cost = NonZeroU32::new(5).unwrap();
-        let d = decision(&[1, 7_000_000_000, 3_000_000_000], &p, cost).unwrap();
+        let d = decision(&[1, 7_000_000_000, 3_000_000_000, 0], &p, cost).unwrap();
         assert_eq!(d.retry_after(), Some(Duration::from_secs(3)));
         assert_eq!(d.quotas()[0].remaining, 2);
         // The next unit is back in a second (`t`); the request fits in three.
@@ -133,10 +180,84 @@ mod tests {
     #[test]
     fn malformed_replies_are_protocol_errors() {
         let p = [params(1, 5)];
-        for reply in [&[0, 0][..], &[9, 0, 0][..], &[][..]] {
+        for reply in [
+            &[0, 0, 0][..],
+            &[9, 0, 0, 0][..],
+            &[][..],
+            &[0, 0, 0, 0, 0][..],
+        ] {
             let err = decision(reply, &p, NonZeroU32::MIN).unwrap_err();
             assert_eq!(err.kind(), BackendErrorKind::Protocol);
         }
+    }
+
+    fn window(q: crate::Quota) -> QuotaParams {
+        q.params("p").unwrap()
+    }
+
+    #[test]
+    fn window_arguments_and_replies() {
+        let fixed = window(crate::Quota::per_minute(10).fixed_window());
+        let sliding = window(
+            crate::Quota::per_minute(100)
+                .sliding_window()
+                .resolution(Duration::from_secs(5)),
+        );
+        let gcra = params(5, 10);
+        let args: Vec<String> = policy_args(&[gcra, fixed, sliding])
+            .into_iter()
+            .map(|a| String::from_utf8(a).unwrap())
+            .collect();
+        let expected = "3 0 200000000 10 0 1 60000000 10 0 2 5000000 100 12";
+        assert_eq!(args.join(" "), expected);
+
+        // The fixed window denies (its count is full, 20 s to its end); the others had room.
+        let reply = [
+            3,
+            400_000_000,
+            0,
+            0,
+            1,
+            10,
+            20_000_000,
+            0,
+            3,
+            60,
+            1_500_000,
+            0,
+        ];
+        let d = decision(&reply, &[gcra, fixed, sliding], NonZeroU32::MIN).unwrap();
+        assert_eq!(d.retry_after(), Some(Duration::from_secs(20)));
+        let q = d.quotas();
+        assert_eq!((q[0].outcome, q[0].remaining), (Outcome::Allowed, 8));
+        assert_eq!(
+            (q[1].remaining, q[1].reset_after),
+            (0, Duration::from_secs(20))
+        );
+        assert_eq!(q[2].outcome, Outcome::Allowed);
+        assert_eq!(
+            (q[2].remaining, q[2].reset_after),
+            (60, Duration::from_millis(1500))
+        );
+    }
+
+    #[test]
+    fn untrusted_window_replies_are_clamped() {
+        let fixed = window(crate::Quota::per_minute(10).fixed_window());
+        let sliding = window(crate::Quota::per_second(10).sliding_window());
+        let reply = [1, i64::MAX, i64::MAX, -5, 1, i64::MAX, -1, i64::MAX];
+        let d = decision(&reply, &[fixed, sliding], NonZeroU32::MIN).unwrap();
+        let q = d.quotas();
+        assert_eq!(q[0].remaining, 0);
+        assert_eq!(q[0].reset_after, Duration::from_secs(60));
+        assert_eq!(q[1].remaining, 10);
+        assert_eq!(q[1].reset_after, Duration::ZERO);
+        // No wait beyond the window and one more sub-window.
+        assert_eq!(d.retry_after(), Some(Duration::from_secs(60)));
+        let Outcome::Denied { retry_after } = q[1].outcome else {
+            panic!("{q:?}")
+        };
+        assert_eq!(retry_after, Duration::from_secs(2));
     }
 
     #[test]
