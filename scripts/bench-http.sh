@@ -8,6 +8,8 @@
 #   DURATION=10s      wrk duration per run (after a 2 s warm-up)
 #   CONNECTIONS=64    wrk connections (one wrk thread)
 #   MODES="none local tower_governor redis local_outer tower_governor_outer redis_outer local_deny redis_deny"
+#                     `local_fixed`, `local_sliding`, `redis_fixed`, `redis_sliding`: the same
+#                     never-reached limit as a fixed or a sliding window (QUOTA) instead of GCRA.
 #                     `*_outer` modes wrap the whole router (LAYER=outer) instead of
 #                     `Router::layer`; `*_deny` modes flood one key that is always denied (DENY_KEY); the
 #                     redis modes use REDIS_URL, or a redis-server this script starts on a free
@@ -125,7 +127,18 @@ cpu_ticks() { # backend
 
 run_mode() { # round mode
     local round=$1 mode=$2
-    local backend=${mode%_deny} deny_env=() wrk_header=() layer=route
+    local backend=${mode%_deny} deny_env=() wrk_header=() layer=route quota_env=()
+    # `*_fixed` / `*_sliding`: the same never-reached limit as a fixed or sliding window.
+    case "$backend" in
+    *_fixed)
+        backend=${backend%_fixed}
+        quota_env=("QUOTA=1000000000/s fixed")
+        ;;
+    *_sliding)
+        backend=${backend%_sliding}
+        quota_env=("QUOTA=1000000000/s sliding")
+        ;;
+    esac
     if [ "${backend%_outer}" != "$backend" ]; then
         backend=${backend%_outer}
         layer=outer
@@ -135,7 +148,7 @@ run_mode() { # round mode
         deny_env=(DENY_KEY=flood)
         wrk_header=(-H "x-key: flood")
     fi
-    env "${deny_env[@]}" BACKEND=$backend LAYER=$layer PORT=$PORT $PIN_SERVER "$BIN" >/dev/null 2>/tmp/bench_server.err &
+    env "${deny_env[@]}" "${quota_env[@]}" BACKEND=$backend LAYER=$layer PORT=$PORT $PIN_SERVER "$BIN" >/dev/null 2>/tmp/bench_server.err &
     SERVER_PID=$!
     if ! wait_up; then
         echo "  $mode: server did not start ($(tail -1 /tmp/bench_server.err)); skipped" >&2

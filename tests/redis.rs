@@ -370,8 +370,6 @@ async fn conformance_local() {
 }
 
 /// The window vectors on the local backend, its clock reading the Unix epoch when built.
-// Off until the local backend decides windows (`LocalBackendBuilder::clock_epoch`).
-#[cfg(any())]
 #[tokio::test]
 async fn conformance_local_windows() {
     for vectors in window_vectors() {
@@ -391,8 +389,6 @@ async fn conformance_local_windows() {
 
 /// Random sequences (times, costs) on both backends give the same states, decision by
 /// decision: the Redis script and `window.rs` compute the same numbers to the microsecond.
-// Off until the local backend decides windows (`LocalBackendBuilder::clock_epoch`).
-#[cfg(any())]
 #[tokio::test]
 async fn windows_agree_with_the_local_backend_on_random_sequences() {
     let server = RedisServer::start();

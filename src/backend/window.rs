@@ -300,7 +300,16 @@ pub(crate) fn wait_us(counts: &[u32], slice_us: u64, r: u64, limit: u32, cost: u
         } else {
             p.ceil() as u64
         };
-        // Floating-point rounding can leave the first candidate a microsecond short.
+        // Floating-point rounding can leave the first candidate a microsecond late (long
+        // sub-windows) or short: step back while the one before fits, then on while it does
+        // not. The Redis script does the same.
+        for _ in 0..4 {
+            if p > from && fits(p - 1) {
+                p -= 1;
+            } else {
+                break;
+            }
+        }
         for _ in 0..4 {
             if p >= s || fits(p) {
                 break;
@@ -385,6 +394,37 @@ mod tests {
         // At 7 s, the two requests of this second weigh 2 * (1 - f); 9 fit when 2(1-f) <= 1:
         // half way through, 7.5 s, 1.25 s from now.
         assert_eq!(retry_after, Duration::from_millis(1250));
+    }
+
+    #[test]
+    fn waits_are_exact_for_long_sub_windows() {
+        // Sub-windows of a week to a year, where `ceil` of the float alone can be a µs late.
+        let mut seed = 5u64;
+        let mut next = |n: u64| {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (seed >> 33) % n
+        };
+        for _ in 0..20_000 {
+            let s = 604_800_000_000 + next(3_000_000_000_000_000);
+            let limit = 1 + next(1_000_000) as u32;
+            let counts = [
+                1 + next(u64::from(limit)) as u32,
+                next(u64::from(limit) / 2 + 1) as u32,
+            ];
+            let r = next(s);
+            let cost = 1 + next(u64::from(limit)) as u32;
+            let wait = wait_us(&counts, s, r, limit, cost);
+            let fits_after = |d: u64| {
+                // The estimate `d` µs from now, with the counts moved on as time passes.
+                let (slice, pos) = ((r + d) / s, (r + d) % s);
+                let shifted: Vec<u32> = counts.iter().skip(slice as usize).copied().collect();
+                estimate(&shifted, s, pos) + f64::from(cost) <= f64::from(limit)
+            };
+            assert!(fits_after(wait), "fits at the wait");
+            assert!(wait == 0 || !fits_after(wait - 1), "not a µs earlier");
+        }
     }
 
     #[test]

@@ -106,7 +106,15 @@ local function wait_us(c, m, s, r, limit, cost, total)
       else
         p = ceil(p)
       end
-      -- Floating-point rounding can leave the first candidate a microsecond short.
+      -- Floating-point rounding can leave the first candidate a microsecond late (long
+      -- sub-windows) or short: step back while the one before fits, then on while it does not.
+      for _ = 1, 4 do
+        if p > from and old * (s - (p - 1)) / s + rest + cost <= limit then
+          p = p - 1
+        else
+          break
+        end
+      end
       for _ = 1, 4 do
         if p >= s or old * (s - p) / s + rest + cost <= limit then
           break
