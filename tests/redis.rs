@@ -1278,9 +1278,13 @@ async fn building_while_redis_is_down_neither_blocks_nor_fails() {
 // ---------------------------------------------------------------------------------------------
 
 async fn replica(redis_url: &str) -> String {
+    replica_with(redis_url, Policy::new("e2e", no_refill(10))).await
+}
+
+async fn replica_with(redis_url: &str, policy: Policy) -> String {
     let backend = RedisBackend::builder().url(redis_url).build().unwrap();
     let layer = RateLimitLayer::builder()
-        .policy(Policy::new("e2e", no_refill(10)))
+        .policy(policy)
         .key(Global)
         .backend(backend)
         .build()
@@ -1335,6 +1339,82 @@ async fn two_replicas_behind_a_load_balancer_share_one_limit() {
     assert!(statuses[..10].iter().all(|s| *s == 200), "{statuses:?}");
     let res = client.get(format!("{a}/")).send().await.unwrap();
     assert_eq!(res.status(), 200);
+}
+
+/// Windows over real TCP on two replicas sharing Redis: one count, and headers that agree with
+/// Redis's clock: a day's fixed window ends at the next 00:00 UTC, whichever replica answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_share_windows_and_their_headers() {
+    let server = RedisServer::start();
+    let client = reqwest::Client::new();
+    let fixed = Policy::new("daily", Quota::per_day(4).fixed_window());
+    let (a, b) = (
+        replica_with(&server.url(), fixed.clone()).await,
+        replica_with(&server.url(), fixed).await,
+    );
+    let mut statuses = Vec::new();
+    let mut resets = Vec::new();
+    for i in 0..6 {
+        let base = if i % 2 == 0 { &a } else { &b };
+        let res = client
+            .get(format!("{base}/api/hello"))
+            .send()
+            .await
+            .unwrap();
+        let h = res.headers();
+        assert_eq!(h["ratelimit-policy"], r#""daily";q=4;w=86400"#);
+        let ratelimit = h["ratelimit"].to_str().unwrap().to_owned();
+        let t: u64 = ratelimit.split(";t=").nth(1).unwrap().parse().unwrap();
+        resets.push(t);
+        if res.status() == 429 {
+            assert_eq!(
+                h["retry-after"].to_str().unwrap(),
+                t.to_string(),
+                "{ratelimit}"
+            );
+        }
+        statuses.push(res.status().as_u16());
+    }
+    assert_eq!(statuses, [200, 200, 200, 200, 429, 429]);
+    let until_midnight = 86_400
+        - std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs()
+            % 86_400;
+    for t in &resets {
+        assert!(
+            t.abs_diff(until_midnight) <= 2,
+            "t={t}, midnight in {until_midnight} s"
+        );
+    }
+
+    let sliding = Policy::new("minute", Quota::per_minute(3).sliding_window());
+    let (a, b) = (
+        replica_with(&server.url(), sliding.clone()).await,
+        replica_with(&server.url(), sliding).await,
+    );
+    let mut allowed = 0;
+    for i in 0..6 {
+        let base = if i % 2 == 0 { &a } else { &b };
+        let res = client
+            .get(format!("{base}/api/hello"))
+            .send()
+            .await
+            .unwrap();
+        let h = res.headers();
+        assert_eq!(h["ratelimit-policy"], r#""minute";q=3;w=60"#);
+        if res.status() == 200 {
+            allowed += 1;
+        } else {
+            let ratelimit = h["ratelimit"].to_str().unwrap();
+            let t: u64 = ratelimit.split(";t=").nth(1).unwrap().parse().unwrap();
+            let retry: u64 = h["retry-after"].to_str().unwrap().parse().unwrap();
+            assert!(retry >= t && t >= 1, "{ratelimit}, Retry-After {retry}");
+            assert!(retry <= 120, "within two windows: {retry}");
+        }
+    }
+    assert_eq!(allowed, 3);
 }
 
 #[test]
