@@ -12,6 +12,8 @@
 #   PAIRS=6          runs per mode, alternating which port and wrk gets the bare server
 #   DURATION=8s      per run
 #   CONNECTIONS=32   per wrk
+#   KEYS=one         the clients, as scripts/wrk-keys.lua draws them (`one`, `uniform:10000`,
+#                    `uniform:1000000`, `zipf:100000`), the same for both servers
 #   BASE=none        the mode every mode is compared with (e.g. tower_governor_outer, to
 #                    compare tollgate with its peer directly rather than each with bare axum)
 #   BASE_BIN=...     the bench_server binary that runs BASE (default: the one built here): an
@@ -27,6 +29,7 @@ MODES=${MODES:-"local tower_governor local_outer tower_governor_outer"}
 PAIRS=${PAIRS:-6}
 DURATION=${DURATION:-8s}
 CONNECTIONS=${CONNECTIONS:-32}
+export KEYS=${KEYS:-one}
 BASE=${BASE:-none}
 BASE_BIN=${BASE_BIN:-}
 TARGET=${CARGO_TARGET_DIR:-target}
@@ -72,9 +75,9 @@ corun() { # mode_a binary_a mode_b binary_b
     PIDS=()
     start "$1" "$PORT_A" "$2"
     start "$3" "$PORT_B" "$4"
-    taskset -c 1 wrk -t1 -c"$CONNECTIONS" -d"$DURATION" "http://127.0.0.1:$PORT_A/hello" >"$OUT/a" &
+    taskset -c 1 wrk -t1 -c"$CONNECTIONS" -d"$DURATION" -s scripts/wrk-keys.lua "http://127.0.0.1:$PORT_A/hello" >"$OUT/a" &
     local wa=$!
-    taskset -c 1 wrk -t1 -c"$CONNECTIONS" -d"$DURATION" "http://127.0.0.1:$PORT_B/hello" >"$OUT/b" &
+    taskset -c 1 wrk -t1 -c"$CONNECTIONS" -d"$DURATION" -s scripts/wrk-keys.lua "http://127.0.0.1:$PORT_B/hello" >"$OUT/b" &
     local wb=$!
     wait "$wa" "$wb"
     kill "${PIDS[@]}"

@@ -15,6 +15,9 @@
 #                     redis modes use REDIS_URL, or a redis-server this script starts on a free
 #                     port, pinned to the server's core. A mode whose server does not start is
 #                     skipped.
+#   KEYS=one          the clients, as scripts/wrk-keys.lua draws them: `one` (no x-key: one
+#                     client), `uniform:10000`, `uniform:1000000`, `zipf:100000` (a few heavy
+#                     clients and a long tail). The `*_deny` modes always flood one key.
 #   PORT=3901         server port
 #   CARGO_TARGET_DIR  where cargo builds (default: target)
 #   CSV=target/bench-http.csv   where the raw results go (round,mode,rps,p50_us,p99_us,cpu_us),
@@ -33,6 +36,7 @@ DURATION=${DURATION:-10s}
 CONNECTIONS=${CONNECTIONS:-64}
 MODES=${MODES:-"none local tower_governor redis local_outer tower_governor_outer redis_outer local_deny redis_deny"}
 PORT=${PORT:-3901}
+export KEYS=${KEYS:-one}
 TARGET=${CARGO_TARGET_DIR:-target}
 CSV=${CSV:-$TARGET/bench-http.csv}
 
@@ -147,6 +151,9 @@ run_mode() { # round mode
         # Every request carries the one key that is always denied.
         deny_env=(DENY_KEY=flood)
         wrk_header=(-H "x-key: flood")
+    else
+        # The clients: KEYS, drawn by the wrk script.
+        wrk_header=(-s scripts/wrk-keys.lua)
     fi
     env "${deny_env[@]}" "${quota_env[@]}" BACKEND=$backend LAYER=$layer PORT=$PORT $PIN_SERVER "$BIN" >/dev/null 2>/tmp/bench_server.err &
     SERVER_PID=$!
@@ -181,7 +188,7 @@ run_mode() { # round mode
 
 read -r -a modes <<<"$MODES"
 n=${#modes[@]}
-echo "rounds=$ROUNDS duration=$DURATION connections=$CONNECTIONS cores: server=0 wrk=1"
+echo "rounds=$ROUNDS duration=$DURATION connections=$CONNECTIONS keys=$KEYS cores: server=0 wrk=1"
 for round in $(seq 1 "$ROUNDS"); do
     # Rotate the order each round so no mode always runs first or last.
     order=()
