@@ -63,6 +63,20 @@ pub trait Backend: Send + Sync + 'static {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Decision {
     quotas: SmallVec<[QuotaState; 2]>,
+    by: DecidedBy,
+}
+
+/// Who made a [`Decision`]: the store, or a failure policy standing in for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum DecidedBy {
+    /// The backend's store (or a cache of its answers): the normal case.
+    #[default]
+    Store,
+    /// The store failed and the request is let through unlimited (fail open).
+    FailOpen,
+    /// The store failed and a local backend decided instead.
+    FallbackLocal,
 }
 
 impl Decision {
@@ -71,7 +85,19 @@ impl Decision {
     pub fn new(quotas: impl IntoIterator<Item = QuotaState>) -> Self {
         Decision {
             quotas: quotas.into_iter().collect(),
+            by: DecidedBy::Store,
         }
+    }
+
+    /// The same decision, made by `by` (a failure policy of a remote backend).
+    pub fn decided_by(mut self, by: DecidedBy) -> Self {
+        self.by = by;
+        self
+    }
+
+    /// Who made the decision.
+    pub fn made_by(&self) -> DecidedBy {
+        self.by
     }
 
     /// Whether the request may pass.

@@ -577,7 +577,7 @@ where
                 break;
             }
         }
-        ready(Ok(Decision { quotas: states }))
+        ready(Ok(Decision::new(states)))
     }
 }
 

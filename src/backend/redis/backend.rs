@@ -17,6 +17,7 @@ use super::future::RedisFuture;
 use super::health::{Change, Health, RedisFailure};
 use super::redact::Secrets;
 use super::{keys, script};
+use crate::backend::DecidedBy;
 use crate::backend::local::LocalPolicy;
 use crate::backend::{Backend, Decision, LocalBackend};
 use crate::quota::QuotaParams;
@@ -518,12 +519,13 @@ impl Inner {
             }
             (FailurePolicy::FallbackLocal, Some(local), Some(policy)) => {
                 bump(&self.counters.fallback_local);
-                local.decide(policy, key, cost).into_inner()
+                (local.decide(policy, key, cost).into_inner())
+                    .map(|d| d.decided_by(DecidedBy::FallbackLocal))
             }
             _ => {
                 bump(&self.counters.fail_open);
                 tracing::trace!(%err, "tollgate: Redis unavailable; request allowed (fail-open)");
-                Ok(Decision::new([]))
+                Ok(Decision::new([]).decided_by(DecidedBy::FailOpen))
             }
         }
     }
