@@ -24,6 +24,8 @@
 //! - `QUOTA=<quota>`: the server's quota instead, in the configuration syntax, e.g.
 //!   `QUOTA="20/s sliding"`, `QUOTA="1000/min fixed"`, `QUOTA="5/s burst 10"`: with every
 //!   backend (tower_governor has GCRA only: a window quota is refused for it).
+//! - `METRICS=1` (a build with `--features metrics`): install a Prometheus recorder, so that
+//!   tollgate's metrics are recorded (to measure what they cost per request).
 //! - `STATS=1` (Redis only): print the backend's counters (`RedisStats`) to stderr every
 //!   second, e.g. to see how many decisions share a script call.
 //! - `DENY_KEY=<value>`: that one key (an `x-key` value, or an IP address) gets one request per
@@ -203,6 +205,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         return Err("DENY_KEY is only supported with the tollgate backends".into());
     }
 
+    // Kept alive for the server's life: the recorder tollgate's metrics go to.
+    #[cfg(feature = "metrics")]
+    let _prometheus = match std::env::var("METRICS").as_deref() {
+        Ok("1") => Some(metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder()?),
+        _ => None,
+    };
     let app = Router::new().route("/hello", get(|| async { "ok" }));
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
     let placement = if outer { "outer" } else { "route" };

@@ -10,6 +10,7 @@
 # Environment (all optional):
 #   MODES="none local tower_governor tower_governor_headers local_outer tower_governor_outer
 #          tower_governor_headers_outer redis redis_outer"
+#                    (`local_metrics`, `redis_metrics`: with a Prometheus recorder installed)
 #   DURATION=8s      wrk load per mode (the server runs ~50x slower under callgrind)
 #   PORT=3911
 #
@@ -36,7 +37,7 @@ need wrk wrk
 need redis-server redis-server
 
 echo "building bench_server (release)..." >&2
-cargo build --release --quiet --example bench_server --features "local axum redis"
+cargo build --release --quiet --example bench_server --features "local axum redis metrics"
 BIN="$TARGET/release/examples/bench_server"
 
 WORK=$(mktemp -d)
@@ -54,12 +55,17 @@ total() { callgrind_annotate "$1" 2>/dev/null | awk '/PROGRAM TOTALS/ { gsub(","
 
 # Instructions of one server run, with `wrk` for $DURATION when $2 is 1; prints "Ir requests".
 run() { # mode load
-    local mode=$1 load=$2 backend=$1 layer=route requests=0
+    local mode=$1 load=$2 backend=$1 layer=route requests=0 metrics=""
+    # `*_metrics`: the same with a Prometheus recorder installed (feature `metrics`).
+    if [ "${backend%_metrics}" != "$backend" ]; then
+        backend=${backend%_metrics}
+        metrics=1
+    fi
     if [ "${backend%_outer}" != "$backend" ]; then
         backend=${backend%_outer}
         layer=outer
     fi
-    BACKEND=$backend LAYER=$layer PORT=$PORT REDIS_URL="redis://127.0.0.1:$REDIS_PORT" \
+    METRICS=$metrics BACKEND=$backend LAYER=$layer PORT=$PORT REDIS_URL="redis://127.0.0.1:$REDIS_PORT" \
         valgrind --tool=callgrind --callgrind-out-file="$WORK/cg.out" "$BIN" >/dev/null 2>&1 &
     local pid=$!
     for _ in $(seq 1 300); do

@@ -12,6 +12,7 @@ use tower_layer::Layer;
 use crate::backend::Backend;
 use crate::body::{KeepBody, WrapBody};
 use crate::key::{ClientIp, KeyExtractor};
+use crate::metrics::PolicyMetrics;
 use crate::response::{HeaderStyle, PolicyHeaders, RejectionBody, Responder};
 use crate::rules::{LiveRules, RuleSet, RulesHandle};
 use crate::service::{Erased, Policies, Prepared, RateLimit, Shared};
@@ -380,8 +381,10 @@ pub(crate) fn prepare<Bk: Backend>(
 ) -> Result<Prepared<Bk::Policy>, ConfigError> {
     let params = policy.validate()?;
     let prepared = backend.prepare(&policy, &params)?;
+    let headers = PolicyHeaders::new(&policy, &params);
     Ok(Prepared {
-        headers: PolicyHeaders::new(&policy, &params),
+        metrics: PolicyMetrics::new(&policy, &headers.labels),
+        headers,
         backend: prepared,
         policy,
     })

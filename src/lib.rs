@@ -57,6 +57,7 @@
 //! | `tonic` | no | [`PeerIp`](key::PeerIp)/[`ClientIp`](key::ClientIp) read tonic's `TcpConnectInfo`; rejections in tonic's body type ([`body`]) |
 //! | `serde` | no | [`RuleSet`](rules::RuleSet), [`Policy`] and [`Quota`] from TOML / YAML / JSON |
 //! | `redis` | no | [`RedisBackend`](backend::redis::RedisBackend): one limit shared by every instance, on Redis or Redis Cluster (implies `local`) |
+//! | `metrics` | no | counters, gauges and histograms on the `metrics` facade, for any exporter ([`metrics`]) |
 //!
 //! [tower]: https://docs.rs/tower
 //! [governor]: https://docs.rs/governor
@@ -68,6 +69,7 @@ mod error;
 pub mod future;
 pub mod key;
 mod layer;
+pub mod metrics;
 mod policy;
 pub mod quota;
 mod request;

@@ -14,11 +14,12 @@ use bytes::Bytes;
 use http::{HeaderMap, Request, Response, StatusCode};
 use tower_service::Service;
 
-use crate::backend::{Backend, Decision};
+use crate::backend::{Backend, DecidedBy, Decision};
 use crate::body::{BodyMode, KeepBody};
 use crate::future::ResponseFuture;
 use crate::key::{KeyError, KeyExtractor};
 use crate::layer::OnMissingKey;
+use crate::metrics::{Outcome as Counted, PolicyMetrics};
 use crate::request::grpc_content_type;
 use crate::response::{self, HeaderAdds, PolicyHeaders, Rejection, RejectionKind, Responder};
 use crate::rules::LiveRules;
@@ -95,11 +96,12 @@ pub(crate) struct Shared<K, Bk: Backend> {
     pub(crate) on_missing_key: OnMissingKey,
 }
 
-/// A policy with its backend-prepared form and header material.
+/// A policy with its backend-prepared form, header material and counters.
 pub(crate) struct Prepared<P> {
     pub(crate) policy: Policy,
     pub(crate) backend: P,
     pub(crate) headers: PolicyHeaders,
+    pub(crate) metrics: PolicyMetrics,
 }
 
 /// The policy of a layer: one, or chosen by live rules.
@@ -246,6 +248,45 @@ where
     }
 }
 
+/// Counts a backend's answer in the policy's metrics.
+#[inline]
+fn count<P>(prepared: &Prepared<P>, result: &Result<Decision, BackendError>) {
+    let m = &prepared.metrics;
+    let shadow = prepared.policy.is_shadow();
+    let decision = match result {
+        Ok(decision) => decision,
+        Err(_) if shadow => return m.record(Counted::ShadowError, None),
+        Err(_) => return m.record(Counted::FailClosed, None),
+    };
+    let fallback = decision.made_by() == DecidedBy::FallbackLocal;
+    if decision.is_allowed() {
+        let outcome = match decision.made_by() {
+            DecidedBy::FailOpen => Counted::FailOpen,
+            _ if fallback => Counted::FallbackAllowed,
+            _ => Counted::Allowed,
+        };
+        m.record(outcome, None);
+        // Near the limit: the tightest quota has less than a tenth of it left.
+        if let Some(q) = decision.tightest()
+            && u64::from(q.remaining) * 10 < u64::from(q.limit)
+        {
+            m.near_limit(q.index);
+        }
+        return;
+    }
+    let quota = decision.tightest().map(|q| q.index);
+    let outcome = if decision.never_fits() {
+        Counted::NeverFits
+    } else if shadow {
+        Counted::ShadowDenied
+    } else if fallback {
+        Counted::FallbackDenied
+    } else {
+        Counted::Denied
+    };
+    m.record(outcome, quota);
+}
+
 /// Where a request stands once `call` has asked the backend.
 enum Step<F, P> {
     Done(Verdict),
@@ -273,6 +314,7 @@ impl<K, Bk: Backend> Shared<K, Bk> {
             }
             // `Allow` is an explicit choice to let keyless requests through (a server on a
             // Unix socket has no peer address at all): kept, with the log above.
+            prepared.metrics.record(Counted::NoPeerAddress, None);
             if prepared.policy.is_shadow() || self.on_missing_key == OnMissingKey::Allow {
                 return Step::Done(Verdict::Pass(HeaderAdds::new()));
             }
@@ -288,6 +330,7 @@ impl<K, Bk: Backend> Shared<K, Bk> {
                     .reject(&rejection, grpc_content_type(headers), HeaderAdds::new());
             return Step::Done(Verdict::Reject(Box::new(res)));
         }
+        prepared.metrics.record(Counted::MissingKey, None);
         match self.on_missing_key {
             OnMissingKey::Allow => {
                 tracing::trace!(policy, reason = %err, "no rate-limit key; allowed");
@@ -329,6 +372,7 @@ impl<K, Bk: Backend> Shared<K, Bk> {
         headers: &HeaderMap,
     ) -> Verdict {
         let policy = prepared.policy.name();
+        count(prepared, &result);
         match result {
             Ok(decision) if decision.is_allowed() => {
                 // A shadow policy is not enforced: its fields would make clients back off for

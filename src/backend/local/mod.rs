@@ -716,6 +716,20 @@ impl<C: Clock> Counter<C> {
     }
 }
 
+/// Counts `n` more tracked buckets (and in the `tollgate_local_tracked_keys` gauge).
+fn track_add(tracked: &AtomicUsize, n: usize) {
+    tracked.fetch_add(n, Ordering::Relaxed);
+    crate::metrics::tracked_keys(n as f64);
+}
+
+/// Counts `n` fewer tracked buckets.
+fn track_sub(tracked: &AtomicUsize, n: usize) {
+    if n > 0 {
+        tracked.fetch_sub(n, Ordering::Relaxed);
+        crate::metrics::tracked_keys(-(n as f64));
+    }
+}
+
 thread_local! {
     /// The arrival time the store last wrote on this thread: governor reports remaining units,
     /// not the time, and `decide` reads it right after the check it made on this thread.
@@ -761,7 +775,7 @@ impl StateStore for Store {
         match self.0.map.entry(key.clone()) {
             Entry::Occupied(e) => measure(e.get(), f),
             Entry::Vacant(e) => {
-                self.0.tracked.fetch_add(1, Ordering::Relaxed);
+                track_add(&self.0.tracked, 1);
                 let tat = e.insert(AtomicU64::new(0));
                 measure(&tat, f)
             }
@@ -778,7 +792,7 @@ impl ShrinkableKeyedStateStore<Key> for Store {
             removed += usize::from(!keep);
             keep
         });
-        self.0.tracked.fetch_sub(removed, Ordering::Relaxed);
+        track_sub(&self.0.tracked, removed);
     }
 
     fn shrink_to_fit(&self) {
@@ -796,6 +810,6 @@ impl ShrinkableKeyedStateStore<Key> for Store {
 
 impl Drop for StoreMap {
     fn drop(&mut self) {
-        self.tracked.fetch_sub(self.map.len(), Ordering::Relaxed);
+        track_sub(&self.tracked, self.map.len());
     }
 }

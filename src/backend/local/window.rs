@@ -73,7 +73,7 @@ fn entry<'a, V>(
     match map.entry(key.clone()) {
         Entry::Occupied(e) => e.into_ref().downgrade(),
         Entry::Vacant(e) => {
-            tracked.fetch_add(1, Ordering::Relaxed);
+            super::track_add(tracked, 1);
             e.insert(fresh()).downgrade()
         }
     }
@@ -214,12 +214,12 @@ impl WindowStore {
                 map.shrink_to_fit();
             }
         }
-        self.tracked.fetch_sub(removed, Ordering::Relaxed);
+        super::track_sub(&self.tracked, removed);
     }
 }
 
 impl Drop for WindowStore {
     fn drop(&mut self) {
-        self.tracked.fetch_sub(self.len(), Ordering::Relaxed);
+        super::track_sub(&self.tracked, self.len());
     }
 }

@@ -213,6 +213,7 @@ pub(crate) struct PolicyInner {
     /// The policy's entry in the script's arguments (`script::policy_args`).
     pub(crate) args: Vec<Vec<u8>>,
     deny: DenyCache,
+    deny_hits: crate::metrics::DenyCacheHits,
     local: Option<LocalPolicy>,
 }
 
@@ -252,6 +253,7 @@ impl Backend for RedisBackend {
                 key_suffixes: keys::quota_suffixes(params),
                 args: script::policy_args(params),
                 deny: DenyCache::new(self.inner.budget.clone()),
+                deny_hits: crate::metrics::DenyCacheHits::new(policy.name()),
                 local,
             }),
         })
@@ -275,6 +277,7 @@ impl Backend for RedisBackend {
         let now_ns = inner.clock.now_ns();
         if let Some(decision) = p.deny.get(key, cost, now_ns, &p.params) {
             bump(&inner.counters.deny_cache_hits);
+            p.deny_hits.hit();
             return RedisFuture::ready(Ok(decision));
         }
         if inner.breaker.blocks(now_ns) {
@@ -329,6 +332,10 @@ impl Call {
         outcome: redis::RedisResult<Reply>,
     ) -> Result<Decision, BackendError> {
         let (inner, p, key, cost) = (&self.inner, &self.policy, &self.key, self.cost);
+        if outcome.is_ok() {
+            let took = inner.clock.now_ns().saturating_sub(self.sent_ns);
+            crate::metrics::backend_latency("redis", took as f64 / 1e9);
+        }
         let result = match outcome {
             Ok(reply) => script::decision(&reply, &p.params, cost).inspect_err(|err| {
                 // Redis answered the call but refused this decision's keys (or the reply does
@@ -479,6 +486,7 @@ impl Inner {
     pub(crate) fn call_failed(self: &Arc<Self>, err: &redis::RedisError, decisions: usize) {
         bump(&self.counters.errors);
         let kind = error_kind(err);
+        crate::metrics::backend_error("redis", kind);
         if kind == BackendErrorKind::Timeout {
             bump(&self.counters.timeouts);
         }

@@ -84,6 +84,7 @@ impl Breaker {
             self.next_trial_ns
                 .store(now_ns.saturating_add(self.trial_gap()), Ordering::Relaxed);
             self.trips.fetch_add(1, Ordering::Relaxed);
+            crate::metrics::breaker("redis", true);
             return true;
         }
         false
@@ -92,7 +93,9 @@ impl Breaker {
     /// The probe got an answer: calls resume.
     pub(crate) fn close(&self) {
         self.failures.store(0, Ordering::Relaxed);
-        self.open.store(false, Ordering::Release);
+        if self.open.swap(false, Ordering::AcqRel) {
+            crate::metrics::breaker("redis", false);
+        }
     }
 }
 

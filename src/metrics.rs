@@ -1,0 +1,350 @@
+//! Metrics for an operator's dashboard, on the [`metrics`](https://docs.rs/metrics) facade
+//! (feature `metrics`): install any exporter for it (Prometheus, StatsD, ...) and tollgate's
+//! counters appear. With the feature off nothing of this is compiled in.
+//!
+//! | metric | type | labels | meaning |
+//! |---|---|---|---|
+//! | `tollgate_decisions_total` | counter | `policy`, `outcome`, `quota` | every request the layer saw, by what happened to it (below) |
+//! | `tollgate_near_limit_total` | counter | `policy`, `quota` | allowed requests after which the tightest quota had less than a tenth of its limit left |
+//! | `tollgate_local_tracked_keys` | gauge | — | buckets and window counters the local backends of the process hold (Redis fallbacks included) |
+//! | `tollgate_backend_errors_total` | counter | `backend`, `kind` | failed calls to a remote store (`kind`: `timeout`, `unavailable`, `protocol`) |
+//! | `tollgate_backend_latency_seconds` | histogram | `backend` | time from a decision's start to the store's answer, for decisions the store answered |
+//! | `tollgate_circuit_breaker_transitions_total` | counter | `backend`, `state` | the breaker opening (`open`) and closing (`closed`) |
+//! | `tollgate_circuit_breaker_open` | gauge | `backend` | 1 while the breaker is open, else 0 |
+//! | `tollgate_deny_cache_hits_total` | counter | `policy` | denials answered from the deny cache, without a round trip |
+//!
+//! `outcome` is one of:
+//!
+//! | outcome | the request |
+//! |---|---|
+//! | `allowed` | passed |
+//! | `denied` | was refused (`429`); `quota` names the quota that refused it |
+//! | `never_fits` | costs more than a quota's limit (`413`); `quota` names it |
+//! | `shadow_denied` | would have been refused, and passed (shadow mode); `quota` names the quota |
+//! | `missing_key` | had no key: refused or let through as [`OnMissingKey`](crate::OnMissingKey) says |
+//! | `no_peer_address` | could not be keyed by IP because the server records no peer address (`500`) |
+//! | `fail_open` | passed unlimited: the store failed and the failure policy is fail-open |
+//! | `fallback_allowed`, `fallback_denied` | decided by the local fallback while the store failed |
+//! | `fail_closed` | was refused (`503`): the store failed |
+//! | `shadow_error` | passed: the store failed, in shadow mode |
+//!
+//! **Cardinality is bounded by the configuration**, never by clients: `policy` is a policy's
+//! name, `quota` a quota's label as the `RateLimit` header shows it (`""` where no quota applies),
+//! `outcome`, `kind` and `state` fixed sets, `backend` the store's kind (`redis`). No label
+//! carries a key, an address, a path or anything else a client sends.
+//!
+//! Counters are made on a policy's first request, against the recorder installed then:
+//! install the exporter before serving (building layers first is fine).
+//!
+//! ```
+//! # #[cfg(feature = "metrics")] {
+//! use metrics_util::debugging::DebuggingRecorder;
+//! use tollgate::{Policy, Quota, RateLimitLayer, key::Global};
+//! use tower::{Layer, Service, ServiceExt};
+//!
+//! let recorder = DebuggingRecorder::new();
+//! let snapshot = recorder.snapshotter();
+//! metrics::with_local_recorder(&recorder, || {
+//!     tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
+//!         let layer = RateLimitLayer::builder()
+//!             .key(Global)
+//!             .policy(Policy::new("api", Quota::per_hour(1)))
+//!             .build()
+//!             .unwrap();
+//!         let mut svc = layer.layer(tower::service_fn(|_req: http::Request<()>| async {
+//!             Ok::<_, std::convert::Infallible>(http::Response::new(
+//!                 http_body_util::Full::<bytes::Bytes>::default(),
+//!             ))
+//!         }));
+//!         for _ in 0..3 {
+//!             svc.ready().await.unwrap().call(http::Request::new(())).await.unwrap();
+//!         }
+//!     })
+//! });
+//! let counts: Vec<String> = snapshot
+//!     .snapshot()
+//!     .into_vec()
+//!     .into_iter()
+//!     .filter(|(key, ..)| key.key().name() == "tollgate_decisions_total")
+//!     .map(|(key, _, _, value)| {
+//!         let labels: Vec<String> = key.key().labels().map(|l| l.value().to_owned()).collect();
+//!         format!("{} {:?}", labels.join(","), value)
+//!     })
+//!     .collect();
+//! assert!(counts.contains(&"api,allowed, Counter(1)".to_owned()), "{counts:?}");
+//! assert!(counts.contains(&"api,denied,api Counter(2)".to_owned()), "{counts:?}");
+//! # }
+//! ```
+
+use crate::Policy;
+
+/// What happened to a request, as `tollgate_decisions_total` counts it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+pub(crate) enum Outcome {
+    Allowed,
+    Denied,
+    NeverFits,
+    ShadowDenied,
+    MissingKey,
+    NoPeerAddress,
+    FailOpen,
+    FallbackAllowed,
+    FallbackDenied,
+    FailClosed,
+    ShadowError,
+}
+
+impl Outcome {
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+    const ALL: [Outcome; 11] = [
+        Outcome::Allowed,
+        Outcome::Denied,
+        Outcome::NeverFits,
+        Outcome::ShadowDenied,
+        Outcome::MissingKey,
+        Outcome::NoPeerAddress,
+        Outcome::FailOpen,
+        Outcome::FallbackAllowed,
+        Outcome::FallbackDenied,
+        Outcome::FailClosed,
+        Outcome::ShadowError,
+    ];
+
+    /// The `outcome` label (also in the debug event of each decision).
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            Outcome::Allowed => "allowed",
+            Outcome::Denied => "denied",
+            Outcome::NeverFits => "never_fits",
+            Outcome::ShadowDenied => "shadow_denied",
+            Outcome::MissingKey => "missing_key",
+            Outcome::NoPeerAddress => "no_peer_address",
+            Outcome::FailOpen => "fail_open",
+            Outcome::FallbackAllowed => "fallback_allowed",
+            Outcome::FallbackDenied => "fallback_denied",
+            Outcome::FailClosed => "fail_closed",
+            Outcome::ShadowError => "shadow_error",
+        }
+    }
+}
+
+/// A policy's counters, made on first use (only its name without the feature).
+pub(crate) struct PolicyMetrics {
+    policy: std::sync::Arc<str>,
+    #[cfg(feature = "metrics")]
+    inner: imp::Handles,
+}
+
+impl PolicyMetrics {
+    #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+    pub(crate) fn new(policy: &Policy, labels: &[Box<str>]) -> Self {
+        PolicyMetrics {
+            policy: policy.name().into(),
+            #[cfg(feature = "metrics")]
+            inner: imp::Handles::new(policy, labels),
+        }
+    }
+
+    fn policy_name(&self) -> &str {
+        &self.policy
+    }
+
+    /// Counts a request: `quota` is the index of the quota that refused it, if one did. Also
+    /// the one debug event per decision (`tollgate::decision`), for logs.
+    #[inline]
+    pub(crate) fn record(&self, outcome: Outcome, quota: Option<usize>) {
+        tracing::debug!(
+            target: "tollgate::decision",
+            policy = %self.policy_name(),
+            outcome = outcome.label(),
+            quota,
+            "rate-limit decision"
+        );
+        #[cfg(feature = "metrics")]
+        self.inner.record(outcome, quota);
+    }
+
+    /// Counts an allowed request after which quota `quota` ran close to its limit.
+    #[inline]
+    #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+    pub(crate) fn near_limit(&self, quota: usize) {
+        #[cfg(feature = "metrics")]
+        self.inner.near_limit(quota);
+    }
+}
+
+/// Adds `delta` to `tollgate_local_tracked_keys`.
+#[inline]
+#[cfg_attr(
+    not(all(feature = "metrics", feature = "local")),
+    allow(unused_variables, dead_code)
+)]
+pub(crate) fn tracked_keys(delta: f64) {
+    #[cfg(feature = "metrics")]
+    metrics::gauge!("tollgate_local_tracked_keys").increment(delta);
+}
+
+/// Counts a failed call to a remote store.
+#[inline]
+#[cfg_attr(
+    not(all(feature = "metrics", feature = "redis")),
+    allow(unused_variables, dead_code)
+)]
+pub(crate) fn backend_error(backend: &'static str, kind: crate::BackendErrorKind) {
+    #[cfg(feature = "metrics")]
+    {
+        let kind = match kind {
+            crate::BackendErrorKind::Timeout => "timeout",
+            crate::BackendErrorKind::Protocol => "protocol",
+            _ => "unavailable",
+        };
+        metrics::counter!("tollgate_backend_errors_total", "backend" => backend, "kind" => kind)
+            .increment(1);
+    }
+}
+
+/// Records the time a remote store took to answer a decision.
+#[inline]
+#[cfg_attr(
+    not(all(feature = "metrics", feature = "redis")),
+    allow(unused_variables, dead_code)
+)]
+pub(crate) fn backend_latency(backend: &'static str, seconds: f64) {
+    #[cfg(feature = "metrics")]
+    metrics::histogram!("tollgate_backend_latency_seconds", "backend" => backend).record(seconds);
+}
+
+/// Records a circuit breaker opening (`open`) or closing.
+#[cfg_attr(
+    not(all(feature = "metrics", feature = "redis")),
+    allow(unused_variables, dead_code)
+)]
+pub(crate) fn breaker(backend: &'static str, open: bool) {
+    #[cfg(feature = "metrics")]
+    {
+        let state = if open { "open" } else { "closed" };
+        metrics::counter!(
+            "tollgate_circuit_breaker_transitions_total",
+            "backend" => backend,
+            "state" => state
+        )
+        .increment(1);
+        metrics::gauge!("tollgate_circuit_breaker_open", "backend" => backend).set(if open {
+            1.0
+        } else {
+            0.0
+        });
+    }
+}
+
+/// A policy's deny-cache hits (`tollgate_deny_cache_hits_total`), made on first use.
+/// Zero-sized without the feature.
+#[cfg_attr(not(all(feature = "metrics", feature = "redis")), allow(dead_code))]
+pub(crate) struct DenyCacheHits {
+    #[cfg(feature = "metrics")]
+    policy: std::sync::Arc<str>,
+    #[cfg(feature = "metrics")]
+    counter: std::sync::OnceLock<metrics::Counter>,
+}
+
+#[cfg_attr(not(all(feature = "metrics", feature = "redis")), allow(dead_code))]
+impl DenyCacheHits {
+    #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+    pub(crate) fn new(policy: &str) -> Self {
+        DenyCacheHits {
+            #[cfg(feature = "metrics")]
+            policy: policy.into(),
+            #[cfg(feature = "metrics")]
+            counter: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// Counts a denial answered from the cache.
+    #[inline]
+    pub(crate) fn hit(&self) {
+        #[cfg(feature = "metrics")]
+        self.counter
+            .get_or_init(|| {
+                let policy = metrics::SharedString::from(self.policy.clone());
+                metrics::counter!("tollgate_deny_cache_hits_total", "policy" => policy)
+            })
+            .increment(1);
+    }
+}
+
+#[cfg(feature = "metrics")]
+mod imp {
+    use std::sync::{Arc, OnceLock};
+
+    use metrics::{Counter, SharedString};
+
+    use super::Outcome;
+    use crate::Policy;
+
+    /// The counters of one policy: one per outcome and quota (the last slot: no quota), made
+    /// on first use so that an exporter installed after the layer was built still gets them.
+    pub(super) struct Handles {
+        policy: SharedString,
+        quotas: Vec<SharedString>,
+        decisions: Box<[OnceLock<Counter>]>,
+        near: Box<[OnceLock<Counter>]>,
+    }
+
+    impl Handles {
+        pub(super) fn new(policy: &Policy, labels: &[Box<str>]) -> Self {
+            let slots = labels.len() + 1;
+            Handles {
+                policy: SharedString::from(Arc::<str>::from(policy.name())),
+                quotas: labels
+                    .iter()
+                    .map(|l| SharedString::from(Arc::<str>::from(&**l)))
+                    .collect(),
+                decisions: (0..Outcome::ALL.len() * slots)
+                    .map(|_| OnceLock::new())
+                    .collect(),
+                near: (0..labels.len()).map(|_| OnceLock::new()).collect(),
+            }
+        }
+
+        fn quota_label(&self, quota: Option<usize>) -> SharedString {
+            quota
+                .and_then(|q| self.quotas.get(q).cloned())
+                .unwrap_or_else(|| SharedString::const_str(""))
+        }
+
+        pub(super) fn record(&self, outcome: Outcome, quota: Option<usize>) {
+            let slots = self.quotas.len() + 1;
+            let slot = quota
+                .filter(|&q| q < self.quotas.len())
+                .unwrap_or(slots - 1);
+            let index = Outcome::ALL.iter().position(|&o| o == outcome).unwrap_or(0) * slots + slot;
+            let Some(cell) = self.decisions.get(index) else {
+                return;
+            };
+            cell.get_or_init(|| {
+                metrics::counter!(
+                    "tollgate_decisions_total",
+                    "policy" => self.policy.clone(),
+                    "outcome" => outcome.label(),
+                    "quota" => self.quota_label(quota)
+                )
+            })
+            .increment(1);
+        }
+
+        pub(super) fn near_limit(&self, quota: usize) {
+            let Some(cell) = self.near.get(quota) else {
+                return;
+            };
+            cell.get_or_init(|| {
+                metrics::counter!(
+                    "tollgate_near_limit_total",
+                    "policy" => self.policy.clone(),
+                    "quota" => self.quota_label(Some(quota))
+                )
+            })
+            .increment(1);
+        }
+    }
+}

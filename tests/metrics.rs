@@ -1,0 +1,276 @@
+//! Metrics (feature `metrics`): a known number of requests gives exactly those counts, by
+//! policy, outcome and quota; the local backend's tracked keys; Redis errors, latency, the
+//! circuit breaker, the deny cache and the failure policies.
+//!
+//! Each test records into its own `DebuggingRecorder` on its thread (a current-thread runtime,
+//! so that the backends' tasks record there too).
+
+mod support;
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body_util::Full;
+use metrics_util::CompositeKey;
+use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+use tollgate::backend::redis::{FailurePolicy, RedisBackend};
+use tollgate::backend::{Backend, LocalBackend};
+use tollgate::key::{Global, Header};
+use tollgate::{KeyExtractor, OnMissingKey, Policy, Quota, RateLimitLayer};
+use tower::{Layer, Service, ServiceExt};
+
+/// Everything a recorder recorded: a snapshot drains the recorder, so it is taken once.
+struct Recorded(Vec<(CompositeKey, DebugValue)>);
+
+/// Runs `f` with a fresh recorder on this thread; returns what was recorded.
+fn recorded<F: Future<Output = ()>>(f: impl FnOnce() -> F) -> Recorded {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    metrics::with_local_recorder(&recorder, || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(f())
+    });
+    Recorded(
+        (snapshotter.snapshot().into_vec().into_iter())
+            .map(|(key, _, _, value)| (key, value))
+            .collect(),
+    )
+}
+
+/// The value of metric `name` whose labels include all of `labels`, if it was recorded.
+fn value<'a>(s: &'a Recorded, name: &str, labels: &[(&str, &str)]) -> Option<&'a DebugValue> {
+    s.0.iter()
+        .find(|(key, _)| {
+            let key = key.key();
+            key.name() == name
+                && labels
+                    .iter()
+                    .all(|(k, v)| key.labels().any(|l| l.key() == *k && l.value() == *v))
+        })
+        .map(|(_, v)| v)
+}
+
+fn count(s: &Recorded, name: &str, labels: &[(&str, &str)]) -> u64 {
+    match value(s, name, labels) {
+        Some(DebugValue::Counter(n)) => *n,
+        None => 0,
+        other => panic!("{name}: {other:?}"),
+    }
+}
+
+fn decisions(s: &Recorded, policy: &str, outcome: &str, quota: &str) -> u64 {
+    count(
+        s,
+        "tollgate_decisions_total",
+        &[("policy", policy), ("outcome", outcome), ("quota", quota)],
+    )
+}
+
+/// Sends `n` requests through a layer built from `builder` parts; returns the statuses.
+async fn send<K: KeyExtractor + Clone, Bk: Backend>(
+    layer: RateLimitLayer<K, Bk>,
+    requests: impl IntoIterator<Item = Request<()>>,
+) -> Vec<u16> {
+    let mut svc = layer.layer(tower::service_fn(|_req: Request<()>| async {
+        Ok::<_, Infallible>(Response::new(Full::<Bytes>::default()))
+    }));
+    let mut out = Vec::new();
+    for req in requests {
+        let res = svc.ready().await.unwrap().call(req).await.unwrap();
+        out.push(res.status().as_u16());
+    }
+    out
+}
+
+fn plain(n: usize) -> Vec<Request<()>> {
+    (0..n).map(|_| Request::new(())).collect()
+}
+
+#[test]
+fn decisions_are_counted_exactly_by_policy_outcome_and_quota() {
+    let s = recorded(|| async {
+        // Two quotas: the second (burst 3) refuses first.
+        let policy = Policy::new("api", Quota::per_hour(100))
+            .and(Quota::per_hour(3).named("hourly"))
+            .cost_fn(|req| if req.uri().path() == "/big" { 200 } else { 1 });
+        let layer = RateLimitLayer::builder()
+            .key(Global)
+            .policy(policy)
+            .build()
+            .unwrap();
+        let mut reqs = plain(10);
+        reqs.push(Request::get("/big").body(()).unwrap());
+        let statuses = send(layer, reqs).await;
+        assert_eq!(statuses.iter().filter(|&&s| s == 200).count(), 3);
+
+        let shadow = RateLimitLayer::builder()
+            .key(Global)
+            .policy(Policy::new("new", Quota::per_hour(2)).shadow(true))
+            .build()
+            .unwrap();
+        assert!(send(shadow, plain(5)).await.iter().all(|&s| s == 200));
+
+        let keyed = RateLimitLayer::builder()
+            .key(Header::new("x-api-key"))
+            .policy(Policy::new("keyed", Quota::per_hour(9)))
+            .on_missing_key(OnMissingKey::Allow)
+            .build()
+            .unwrap();
+        send(keyed, plain(4)).await;
+    });
+    assert_eq!(decisions(&s, "api", "allowed", ""), 3);
+    assert_eq!(decisions(&s, "api", "denied", "hourly"), 7);
+    assert_eq!(decisions(&s, "api", "never_fits", "api-0"), 1);
+    assert_eq!(decisions(&s, "api", "denied", "api-0"), 0);
+    // The third request left "hourly" empty: under a tenth of its limit.
+    assert_eq!(
+        count(
+            &s,
+            "tollgate_near_limit_total",
+            &[("policy", "api"), ("quota", "hourly")]
+        ),
+        1
+    );
+    assert_eq!(decisions(&s, "new", "allowed", ""), 2);
+    assert_eq!(decisions(&s, "new", "shadow_denied", "new"), 3);
+    assert_eq!(decisions(&s, "keyed", "missing_key", ""), 4);
+    // Nothing a client sends becomes a label.
+    for (key, _) in &s.0 {
+        for label in key.key().labels() {
+            assert!(
+                ["policy", "outcome", "quota", "backend", "kind", "state"].contains(&label.key()),
+                "{key:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_local_backend_reports_its_tracked_keys() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let gauge = || {
+        let snapshot = snapshotter.snapshot().into_vec();
+        let found = snapshot
+            .iter()
+            .find(|(key, ..)| key.key().name() == "tollgate_local_tracked_keys");
+        match found {
+            Some((.., DebugValue::Gauge(v))) => v.into_inner(),
+            other => panic!("{other:?}"),
+        }
+    };
+    metrics::with_local_recorder(&recorder, || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let backend = LocalBackend::new();
+        let layer = RateLimitLayer::builder()
+            .key(Header::new("k"))
+            .backend(backend.clone())
+            .policy(Policy::new("p", Quota::per_second(5)))
+            .build()
+            .unwrap();
+        let reqs = (0..7).map(|i| {
+            Request::get("/")
+                .header("k", format!("client-{}", i % 3))
+                .body(())
+                .unwrap()
+        });
+        rt.block_on(send(layer.clone(), reqs));
+        assert_eq!(backend.tracked_keys(), 3);
+        assert_eq!(gauge(), 3.0);
+        // The layer gone, its buckets go with it (the snapshot drained the gauge to a delta).
+        drop(layer);
+        assert_eq!(backend.tracked_keys(), 0);
+        assert_eq!(gauge(), -3.0);
+    });
+}
+
+#[test]
+fn redis_failures_are_counted_by_kind_and_failure_policy() {
+    let server = support::RedisServer::start();
+    let url = server.url();
+    let closed = format!("redis://127.0.0.1:{}", support::closed_port());
+    let s = recorded(|| async move {
+        // Redis answers: latency recorded, decisions allowed and denied, then the deny cache.
+        let backend = RedisBackend::builder().url(&url).build().unwrap();
+        let layer = RateLimitLayer::builder()
+            .key(Global)
+            .backend(backend)
+            .policy(Policy::new("shared", Quota::per_hour(2)))
+            .build()
+            .unwrap();
+        let statuses = send(layer, plain(6)).await;
+        assert_eq!(statuses, [200, 200, 429, 429, 429, 429]);
+
+        // Redis unreachable, under each failure policy.
+        for (name, on_failure) in [
+            ("open", FailurePolicy::FailOpen),
+            ("closed", FailurePolicy::FailClosed),
+            ("fallback", FailurePolicy::FallbackLocal),
+        ] {
+            let backend = RedisBackend::builder()
+                .url(&closed)
+                .on_failure(on_failure)
+                .circuit_breaker(3, Duration::from_secs(60))
+                .build()
+                .unwrap();
+            let layer = RateLimitLayer::builder()
+                .key(Global)
+                .backend(backend)
+                .policy(Policy::new(name, Quota::per_hour(2)))
+                .build()
+                .unwrap();
+            send(layer, plain(5)).await;
+        }
+    });
+    assert_eq!(decisions(&s, "shared", "allowed", ""), 2);
+    assert_eq!(decisions(&s, "shared", "denied", "shared"), 4);
+    let hits = count(
+        &s,
+        "tollgate_deny_cache_hits_total",
+        &[("policy", "shared")],
+    );
+    assert!(
+        hits >= 1,
+        "the flood after the first denial comes from the cache"
+    );
+    match value(
+        &s,
+        "tollgate_backend_latency_seconds",
+        &[("backend", "redis")],
+    ) {
+        Some(DebugValue::Histogram(h)) => assert_eq!(h.len() as u64, 6 - hits),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(decisions(&s, "open", "fail_open", ""), 5);
+    assert_eq!(decisions(&s, "closed", "fail_closed", ""), 5);
+    assert_eq!(decisions(&s, "fallback", "fallback_allowed", ""), 2);
+    assert_eq!(decisions(&s, "fallback", "fallback_denied", "fallback"), 3);
+    // Each backend fails 3 calls, then its breaker opens and stays open.
+    let errors = count(
+        &s,
+        "tollgate_backend_errors_total",
+        &[("backend", "redis"), ("kind", "unavailable")],
+    );
+    assert!(errors >= 9, "{errors}");
+    assert_eq!(
+        count(
+            &s,
+            "tollgate_circuit_breaker_transitions_total",
+            &[("backend", "redis"), ("state", "open")]
+        ),
+        3
+    );
+    assert_eq!(
+        value(&s, "tollgate_circuit_breaker_open", &[("backend", "redis")]),
+        Some(&DebugValue::Gauge(1.0.into()))
+    );
+}
