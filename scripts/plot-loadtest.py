@@ -38,7 +38,7 @@ titles = {
     "many_keys": "50 clients at 30/s each",
 }
 pw, ph = 300, 130  # panel size
-left, top, gap_x, gap_y = 70, 50, 30, 50
+left, top, gap_x, gap_y = 70, 68, 30, 50
 W = left + len(algorithms) * (pw + gap_x) + 10
 H = top + len(shapes) * (ph + gap_y) + 40
 out = [
