@@ -49,8 +49,12 @@ async fn serve<Bk: Backend>(backend: Bk, quota: Quota) -> SocketAddr {
         .policy(Policy::new("load", quota))
         .build()
         .expect("valid policy");
-    let app = Router::new().route("/", get(|| async { "ok" })).route_layer(limit);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .route_layer(limit);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
     let addr = listener.local_addr().expect("addr");
     tokio::spawn(async move {
         let _ = axum::serve(listener, app).await;
@@ -109,8 +113,7 @@ async fn drive(addr: SocketAddr, shape: &str, len: Duration) -> BTreeMap<u64, (u
     for task in tasks {
         let _ = task.await;
     }
-    let counts = counts.lock().unwrap_or_else(|p| p.into_inner()).clone();
-    counts
+    counts.lock().unwrap_or_else(|p| p.into_inner()).clone()
 }
 
 fn list(var: &str, all: &[&'static str]) -> Vec<&'static str> {
