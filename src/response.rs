@@ -29,7 +29,10 @@
 //! `application/grpc-web*`) get a trailers-only response with `grpc-status: 8`
 //! (`RESOURCE_EXHAUSTED`), which tonic clients see as `Status::resource_exhausted`, or `3`
 //! (`INVALID_ARGUMENT`) for a request that can never pass; the response's `content-type` is
-//! the request's gRPC flavour.
+//! the request's gRPC flavour. gRPC rejections carry the wait in the forms gRPC clients read:
+//! `grpc-retry-pushback-ms` (gRPC's retry design; `-1`, "do not retry", for a request that can
+//! never pass) and a `google.rpc.RetryInfo` in `grpc-status-details-bin`, besides
+//! `Retry-After`.
 //!
 //! Shadow policies send no rate-limit fields (their limits are not enforced), unless
 //! [`Policy::shadow_headers`] asks for them.
@@ -461,7 +464,67 @@ fn grpc_response(rejection: &Rejection<'_>, content_type: &HeaderValue) -> Respo
     h.insert(header::CONTENT_TYPE, content_type.clone());
     h.insert("grpc-status", HeaderValue::from(u16::from(code)));
     h.insert("grpc-message", HeaderValue::from_static(message));
+    // Retry hints in the forms gRPC clients read: the pushback of gRPC's retry design (a
+    // negative value tells a client not to retry at all: the request can never pass), and
+    // `google.rpc.RetryInfo` in the rich status details.
+    let never = matches!(rejection.kind, RejectionKind::RateLimited(d) if d.never_fits());
+    if never {
+        h.insert(GRPC_PUSHBACK, HeaderValue::from_static("-1"));
+    } else if let Some(wait) = rejection.retry_after {
+        let ms = u64::try_from(wait.as_micros().div_ceil(1000)).unwrap_or(u64::MAX);
+        h.insert(GRPC_PUSHBACK, HeaderValue::from(ms));
+        if let Ok(details) = HeaderValue::from_str(&status_details(code, message, wait)) {
+            h.insert(GRPC_DETAILS, details);
+        }
+    }
     res
+}
+
+const GRPC_PUSHBACK: HeaderName = HeaderName::from_static("grpc-retry-pushback-ms");
+const GRPC_DETAILS: HeaderName = HeaderName::from_static("grpc-status-details-bin");
+
+/// A `google.rpc.Status` with one detail, a `google.rpc.RetryInfo` holding `wait`, protobuf
+/// encoded and base64'd (unpadded, as gRPC's binary metadata is): what
+/// `grpc-status-details-bin` carries, and what `tonic-types`' `StatusExt::get_details_retry_info`
+/// and the other languages' rich-error helpers decode.
+fn status_details(code: u8, message: &str, wait: Duration) -> String {
+    use base64::Engine as _;
+    // protobuf: a field's key is (number << 3) | wire type (0: varint, 2: length-delimited).
+    fn varint(out: &mut Vec<u8>, mut n: u64) {
+        while n >= 0x80 {
+            out.push((n as u8) | 0x80);
+            n >>= 7;
+        }
+        out.push(n as u8);
+    }
+    fn bytes_field(out: &mut Vec<u8>, number: u8, bytes: &[u8]) {
+        out.push(number << 3 | 2);
+        varint(out, bytes.len() as u64);
+        out.extend_from_slice(bytes);
+    }
+    // google.protobuf.Duration { seconds = 1; nanos = 2 }
+    let mut duration = Vec::new();
+    if wait.as_secs() > 0 {
+        duration.push(1 << 3);
+        varint(&mut duration, wait.as_secs());
+    }
+    if wait.subsec_nanos() > 0 {
+        duration.push(2 << 3);
+        varint(&mut duration, u64::from(wait.subsec_nanos()));
+    }
+    // google.rpc.RetryInfo { retry_delay = 1 }
+    let mut retry_info = Vec::new();
+    bytes_field(&mut retry_info, 1, &duration);
+    // google.protobuf.Any { type_url = 1; value = 2 }
+    let mut any = Vec::new();
+    bytes_field(&mut any, 1, b"type.googleapis.com/google.rpc.RetryInfo");
+    bytes_field(&mut any, 2, &retry_info);
+    // google.rpc.Status { code = 1; message = 2; details = 3 }
+    let mut status = vec![1 << 3];
+    varint(&mut status, u64::from(code));
+    bytes_field(&mut status, 2, message.as_bytes());
+    bytes_field(&mut status, 3, &any);
+    base64::engine::general_purpose::STANDARD_NO_PAD.encode(status)
 }
 
 /// `s` with the characters JSON strings cannot hold as they are escaped.

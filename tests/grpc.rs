@@ -108,6 +108,46 @@ async fn burst_passes_with_headers_then_resource_exhausted() {
             .unwrap()
             .starts_with(r#""greeter";r=0;t="#)
     );
+    // The wait, in the forms gRPC clients read: the retry pushback, in milliseconds...
+    let pushback: u64 = meta(status.metadata(), "grpc-retry-pushback-ms")
+        .expect("pushback on the rejection")
+        .parse()
+        .unwrap();
+    assert!((58_000..=60_000).contains(&pushback), "pushback {pushback}");
+    // ...and google.rpc.RetryInfo in the rich status details.
+    use tonic_types::StatusExt;
+    let info = status
+        .get_details_retry_info()
+        .expect("RetryInfo in the status details");
+    let delay = info.retry_delay.expect("a delay");
+    assert!(
+        delay.as_millis().abs_diff(u128::from(pushback)) <= 1,
+        "{delay:?} vs {pushback}"
+    );
+}
+
+/// A request that can never pass tells gRPC clients not to retry: a negative pushback.
+#[tokio::test]
+async fn a_request_that_never_fits_stops_retries() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let layer = RateLimitLayer::builder()
+        .policy(Policy::new("greeter", Quota::per_minute(1).burst(5)).cost(6))
+        .key(PeerIp::new())
+        .build()
+        .unwrap();
+    let server = Server::builder()
+        .layer(layer)
+        .add_service(GreeterServer::new(MyGreeter));
+    tokio::spawn(server.serve_with_incoming(TcpListenerStream::new(listener)));
+    let mut client = GreeterClient::new(connect(addr, None).await);
+    let status = client.say_hello(hello("big")).await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    assert_eq!(
+        meta(status.metadata(), "grpc-retry-pushback-ms"),
+        Some("-1")
+    );
+    assert!(meta(status.metadata(), "retry-after").is_none());
 }
 
 #[tokio::test]
