@@ -333,16 +333,12 @@ fn build<K: KeyExtractor, Bk: Backend>(
 }
 
 /// A policy's name, and what identifies its buckets in a store: the name and, per quota, its
-/// rate and burst (quota names aside, which only label headers).
+/// validated parameters, algorithm included (quota names aside, which only label headers), as
+/// the backends identify them.
 fn buckets_of(policy: &Policy) -> (String, String) {
     let mut id = policy.name().to_owned();
-    for q in policy.quotas() {
-        id.push_str(&format!(
-            "|{}/{:?}/{}",
-            q.count(),
-            q.period(),
-            q.burst_size()
-        ));
+    for p in policy.validate().iter().flatten() {
+        id.push_str(&format!("|{p:?}"));
     }
     (policy.name().to_owned(), id)
 }

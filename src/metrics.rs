@@ -20,13 +20,14 @@
 //! | `allowed` | passed |
 //! | `denied` | was refused (`429`); `quota` names the quota that refused it |
 //! | `never_fits` | costs more than a quota's limit (`413`); `quota` names it |
-//! | `shadow_denied` | would have been refused, and passed (shadow mode); `quota` names the quota |
+//! | `shadow_denied` | would have been refused (or could never pass), and passed: shadow mode; `quota` names the quota |
 //! | `missing_key` | had no key: refused or let through as [`OnMissingKey`](crate::OnMissingKey) says |
 //! | `no_peer_address` | could not be keyed by IP because the server records no peer address (`500`) |
 //! | `fail_open` | passed unlimited: the store failed and the failure policy is fail-open |
 //! | `fallback_allowed`, `fallback_denied` | decided by the local fallback while the store failed |
 //! | `fail_closed` | was refused (`503`): the store failed |
 //! | `shadow_error` | passed: the store failed, in shadow mode |
+//! | `free` | cost 0: passed without being counted against any quota |
 //!
 //! **Cardinality is bounded by the configuration**, never by clients: `policy` is a policy's
 //! name, `quota` a quota's label as the `RateLimit` header shows it (`""` where no quota applies),
@@ -34,7 +35,9 @@
 //! carries a key, an address, a path or anything else a client sends.
 //!
 //! Counters are made on a policy's first request, against the recorder installed then:
-//! install the exporter before serving (building layers first is fine).
+//! install the exporter before serving (building layers first is fine). The tracked-keys gauge
+//! counts changes, so it reads right only when the exporter was installed before the first
+//! key was tracked.
 //!
 //! ```
 //! # #[cfg(feature = "metrics")] {
@@ -93,11 +96,12 @@ pub(crate) enum Outcome {
     FallbackDenied,
     FailClosed,
     ShadowError,
+    Free,
 }
 
 impl Outcome {
     #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
-    const ALL: [Outcome; 11] = [
+    const ALL: [Outcome; 12] = [
         Outcome::Allowed,
         Outcome::Denied,
         Outcome::NeverFits,
@@ -109,6 +113,7 @@ impl Outcome {
         Outcome::FallbackDenied,
         Outcome::FailClosed,
         Outcome::ShadowError,
+        Outcome::Free,
     ];
 
     /// The `outcome` label (also in the debug event of each decision).
@@ -125,6 +130,7 @@ impl Outcome {
             Outcome::FallbackDenied => "fallback_denied",
             Outcome::FailClosed => "fail_closed",
             Outcome::ShadowError => "shadow_error",
+            Outcome::Free => "free",
         }
     }
 }

@@ -560,6 +560,11 @@ mod tests {
         assert_eq!(f.quotas[1], sliding);
         assert_eq!(f.quotas[2], sliding.named("m"));
         assert_eq!(f.quotas[3], Quota::per_day(1).fixed_window());
+        assert_eq!(
+            serde_json::from_str::<Quota>(r#"{"rate":"100/min sliding","resolution":"5s"}"#)
+                .unwrap(),
+            sliding
+        );
         for bad in [
             r#"{"rate":"1/s fixed","algorithm":"sliding"}"#,
             r#"{"rate":"1/s","resolution":"5s"}"#,
@@ -811,7 +816,9 @@ impl<'de> serde::Deserialize<'de> for Quota {
             rate.push_str(algorithm);
         }
         if let Some(resolution) = &t.resolution {
-            if t.algorithm.as_deref() != Some("sliding") {
+            let sliding = t.algorithm.as_deref() == Some("sliding")
+                || (t.algorithm.is_none() && rate.split_whitespace().any(|w| w == "sliding"));
+            if !sliding {
                 return Err(serde::de::Error::custom(format!(
                     "quota {rate:?}: `resolution` needs `algorithm = \"sliding\"`"
                 )));

@@ -13,10 +13,11 @@
 //!   `String` extension) or this IP address (IP keys). An IPv6 address also matches the key
 //!   of its /64, as [`PeerIp`](crate::key::PeerIp) and [`ClientIp`](crate::key::ClientIp)
 //!   group IPv6 clients by /64; with another grouping, write the group's first address
-//!   (`2001:db8:aa00::` for its /56). Tenants match by value, whichever branch of an
-//!   [`or`](crate::key::KeyExtractorExt::or) chain made the key (a client's IP from the
-//!   fallback of `Header::new("x-api-key").or(ClientIp::new())` matches an IP tenant); the
-//!   branches still count in separate buckets;
+//!   (`2001:db8:aa00::` for its /56). Tenants (and tiers) name keys of the first branch of
+//!   an [`or`](crate::key::KeyExtractorExt::or) chain only: with
+//!   `Extension::<String>::new().or(Header::new("x-api-key"))`, an anonymous client sending a
+//!   tenant's name in the fallback header gets neither that tenant's bucket nor its policy.
+//!   Put the extractor whose keys name tenants first;
 //! - `tier`: the key's tenant is listed under this tier in the rule set's `tiers` map. The
 //!   tier must be one of the set's: a value of `tiers`, or declared with
 //!   [`RuleSet::declare_tier`] (`declared_tiers` in a file), which keeps a rule valid while
@@ -586,7 +587,7 @@ struct CompiledRule {
 
 impl CompiledRule {
     fn matches(&self, req: &RequestInfo<'_>, key: Option<&Key>, tier: Option<usize>) -> bool {
-        (self.tenant.is_empty() || key.is_some_and(|k| self.tenant.iter().any(|t| t.same_value(k))))
+        (self.tenant.is_empty() || key.is_some_and(|k| self.tenant.contains(k)))
             && (self.tier.is_none() || self.tier == tier)
             && self
                 .path_prefix
@@ -627,9 +628,8 @@ impl<P> Compiled<P> {
 
     pub(crate) fn select(&self, req: &RequestInfo<'_>, key: Option<&Key>) -> &Arc<Prepared<P>> {
         let tier = match key {
-            // Tenants are matched by value, whichever `or` branch made the key.
-            Some(k) if !self.tiers.is_empty() && k.space() == 0 => self.tiers.get(k).copied(),
-            Some(k) if !self.tiers.is_empty() => self.tiers.get(&k.in_first_space()).copied(),
+            // Tenants name keys of the first key space only (see the module docs).
+            Some(k) if !self.tiers.is_empty() => self.tiers.get(k).copied(),
             _ => None,
         };
         let chosen = self

@@ -216,6 +216,7 @@ where
                     Err(err) => return shared.missing_key(policy, err, info.headers()),
                 };
                 let Some(cost) = NonZeroU32::new(policy.policy.cost_of(&info)) else {
+                    policy.metrics.record(Counted::Free, None);
                     return Step::Done(Verdict::Pass(HeaderAdds::new()));
                 };
                 // 3. backend. In-memory backends answer at once; others go on in the
@@ -275,10 +276,11 @@ fn count<P>(prepared: &Prepared<P>, result: &Result<Decision, BackendError>) {
         return;
     }
     let quota = decision.tightest().map(|q| q.index);
-    let outcome = if decision.never_fits() {
-        Counted::NeverFits
-    } else if shadow {
+    // A shadow policy lets every refusal through: counted as such, whatever the reason.
+    let outcome = if shadow {
         Counted::ShadowDenied
+    } else if decision.never_fits() {
+        Counted::NeverFits
     } else if fallback {
         Counted::FallbackDenied
     } else {

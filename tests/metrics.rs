@@ -116,6 +116,21 @@ fn decisions_are_counted_exactly_by_policy_outcome_and_quota() {
             .unwrap();
         assert!(send(shadow, plain(5)).await.iter().all(|&s| s == 200));
 
+        // Shadow mode counts every refusal as shadow_denied (the request passes), even one
+        // that could never fit; free requests are counted too.
+        let shadow_big = RateLimitLayer::builder()
+            .key(Global)
+            .policy(
+                Policy::new("shadow-big", Quota::per_hour(2))
+                    .shadow(true)
+                    .cost_fn(|req| if req.uri().path() == "/free" { 0 } else { 5 }),
+            )
+            .build()
+            .unwrap();
+        let reqs =
+            ["/free", "/big", "/free", "/big"].map(|path| Request::get(path).body(()).unwrap());
+        assert!(send(shadow_big, reqs).await.iter().all(|&s| s == 200));
+
         let keyed = RateLimitLayer::builder()
             .key(Header::new("x-api-key"))
             .policy(Policy::new("keyed", Quota::per_hour(9)))
@@ -140,6 +155,12 @@ fn decisions_are_counted_exactly_by_policy_outcome_and_quota() {
     assert_eq!(decisions(&s, "new", "allowed", ""), 2);
     assert_eq!(decisions(&s, "new", "shadow_denied", "new"), 3);
     assert_eq!(decisions(&s, "keyed", "missing_key", ""), 4);
+    assert_eq!(decisions(&s, "shadow-big", "free", ""), 2);
+    assert_eq!(
+        decisions(&s, "shadow-big", "shadow_denied", "shadow-big"),
+        2
+    );
+    assert_eq!(decisions(&s, "shadow-big", "never_fits", "shadow-big"), 0);
     // Nothing a client sends becomes a label.
     for (key, _) in &s.0 {
         for label in key.key().labels() {

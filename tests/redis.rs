@@ -1504,3 +1504,47 @@ async fn batching_can_be_turned_off() {
     let s = b.stats();
     assert_eq!(s.script_calls, s.redis_calls, "{s:?}");
 }
+
+/// A cached denial is forgotten once Redis allows a smaller request on the key: the next
+/// denial reports Redis's counts, not the stale cached ones (for every algorithm).
+#[tokio::test]
+async fn the_deny_cache_forgets_a_key_redis_has_since_allowed() {
+    let server = RedisServer::start();
+    for (i, quota) in [
+        Quota::per_hour(10),
+        Quota::per_hour(10).fixed_window(),
+        Quota::new(10, Duration::from_secs(7200)).sliding_window(),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let clock = TestClock::new();
+        let b = RedisBackend::builder()
+            .url(server.url())
+            .test_clock(clock.clone())
+            .build()
+            .unwrap();
+        let p = prepare(&b, &Policy::new(format!("forget-{i}"), quota));
+        let k = key("k");
+        for c in [4, 4] {
+            assert!(
+                b.decide(&p, &k, cost(c)).await.unwrap().is_allowed(),
+                "{quota}"
+            );
+        }
+        let denied = b.decide(&p, &k, cost(3)).await.unwrap();
+        assert_eq!(remaining(&denied), [2], "{quota}");
+        // A smaller request goes to Redis and passes: the cached counts are out of date.
+        assert!(
+            b.decide(&p, &k, cost(2)).await.unwrap().is_allowed(),
+            "{quota}"
+        );
+        let again = b.decide(&p, &k, cost(3)).await.unwrap();
+        assert!(!again.is_allowed(), "{quota}");
+        assert_eq!(
+            remaining(&again),
+            [0],
+            "{quota}: Redis's count, not the cached one"
+        );
+    }
+}

@@ -514,32 +514,27 @@ async fn declared_extension_methods_match() {
     assert_eq!(policy_of(&mut svc, req(lower, "/", "t")).await, "a");
 }
 
-/// Tenants match by value whichever `or` branch made the key (an IP tenant matches the
-/// fallback's client IP; a tier lookup too), while the branches keep separate buckets.
+/// Tenants and tiers name keys of the first branch of an `or` chain only: a client cannot claim
+/// a tenant's policy (a premium tier) by sending its name where the fallback reads.
 #[tokio::test]
-async fn tenants_match_keys_from_any_branch_of_a_fallback_chain() {
-    use tollgate::key::{ClientIp, KeyExtractorExt};
+async fn a_fallback_key_never_claims_a_tenants_policy() {
+    use tollgate::key::{Extension, KeyExtractorExt};
     let rules = RuleSet::new(generous("free"))
-        .policy(generous("vip"))
         .policy(generous("gold"))
-        .tier("192.0.2.1", "gold")
-        .rule(Rule::new(10, "vip").tenant("t"))
+        .tier("alice", "gold")
         .rule(Rule::new(5, "gold").tier("gold"));
     let layer = RateLimitLayer::builder()
         .rules(rules)
-        .key(Header::new("x-api-key").or(ClientIp::new()))
+        .key(Extension::<String>::new().or(Header::new("x-api-key")))
         .build()
         .unwrap();
     let mut svc = layer.layer(ok_service());
-    let with_key = |key: Option<&str>| {
-        let mut r = req(Method::GET, "/", "");
-        if let Some(k) = key {
-            r.headers_mut().insert("x-api-key", k.parse().unwrap());
-        }
-        r
-    };
-    assert_eq!(policy_of(&mut svc, with_key(Some("t"))).await, "vip");
-    // No API key: keyed by the peer 192.0.2.1 (second branch), which is a gold tenant.
-    assert_eq!(policy_of(&mut svc, with_key(None)).await, "gold");
-    assert_eq!(policy_of(&mut svc, with_key(Some("u"))).await, "free");
+    let mut user = req(Method::GET, "/", "");
+    user.extensions_mut().insert("alice".to_owned());
+    assert_eq!(policy_of(&mut svc, user).await, "gold");
+    let mut anonymous = req(Method::GET, "/", "");
+    anonymous
+        .headers_mut()
+        .insert("x-api-key", "alice".parse().unwrap());
+    assert_eq!(policy_of(&mut svc, anonymous).await, "free");
 }

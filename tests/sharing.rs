@@ -38,6 +38,11 @@ fn separately_built_layers_sharing_buckets_are_warned_about() {
     let _other = layer(&LocalBackend::new(), api());
     // The same name with other quotas has buckets of its own.
     let _different = layer(&shared, Policy::new("api", Quota::per_second(6)));
+    // So does the same rate counted by another algorithm.
+    let _fixed = layer(
+        &shared,
+        Policy::new("api", Quota::per_second(5).fixed_window()),
+    );
     assert_eq!(warnings(&logs), 0);
     // Built separately on one store, with the same policy: they share, and the log says so.
     let second = layer(&shared, api());

@@ -53,7 +53,7 @@ impl FixedState {
         let limit = params.burst.get();
         let code = if cost.get() > limit {
             Code::NeverFits
-        } else if self.count.saturating_add(cost.get()) <= limit {
+        } else if u64::from(self.count) + u64::from(cost.get()) <= u64::from(limit) {
             self.count += cost.get();
             Code::Allowed
         } else {
@@ -355,6 +355,26 @@ mod tests {
         assert_eq!((q.outcome, q.remaining), (Outcome::Allowed, 2));
         let q = s.decide(0, &p, 1_000_000, at(1000), NonZeroU32::new(4).unwrap());
         assert_eq!((q.outcome, q.remaining), (Outcome::NeverFits, 2));
+    }
+
+    #[test]
+    fn the_largest_limits_never_overflow() {
+        let p = params(Quota::new(u32::MAX, Duration::from_secs(3600)).fixed_window());
+        let mut s = FixedState::default();
+        let big = |n: u32| NonZeroU32::new(n).unwrap();
+        assert_eq!(
+            s.decide(0, &p, 3_600_000_000, 7, big(3_000_000_000))
+                .outcome,
+            Outcome::Allowed
+        );
+        assert_ne!(
+            s.decide(0, &p, 3_600_000_000, 8, big(2_000_000_000))
+                .outcome,
+            Outcome::Allowed
+        );
+        assert_eq!(s.count, 3_000_000_000);
+        let q = s.decide(0, &p, 3_600_000_000, 9, big(u32::MAX - 3_000_000_000));
+        assert_eq!((q.outcome, q.remaining), (Outcome::Allowed, 0));
     }
 
     #[test]

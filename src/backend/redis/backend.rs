@@ -348,7 +348,10 @@ impl Call {
         };
         match result {
             Ok(decision) => {
-                if !decision.is_allowed() {
+                if decision.is_allowed() {
+                    // The counts a cached denial of this key reports have just changed.
+                    p.deny.forget(key);
+                } else {
                     p.deny.insert(key, cost, self.sent_ns, &decision, &p.params);
                 }
                 Ok(decision)

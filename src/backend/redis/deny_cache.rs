@@ -207,6 +207,14 @@ impl DenyCache {
         }
     }
 
+    /// Forgets `key`'s denial: Redis has just allowed a request on it (a smaller cost), so
+    /// the counts the cached denial reports are out of date.
+    pub(crate) fn forget(&self, key: &Key) {
+        if self.budget.capacity != 0 && self.map.remove(key).is_some() {
+            self.budget.release(1);
+        }
+    }
+
     pub(crate) fn len(&self) -> usize {
         self.map.len()
     }

@@ -9,8 +9,8 @@
 //! - `<policy>` and `<key>` are percent-escaped: every byte outside `[A-Za-z0-9._-]` becomes
 //!   `%XX`. The escaping is injective and produces no `{`, `}` or `:`, so no key material can
 //!   close the hash tag, inject a separator, or spell another tenant's key; `<key>` is
-//!   [`Key::encode`], which is itself unambiguous and bounded (at most 1 025 bytes, so at most
-//!   3 075 characters escaped);
+//!   [`Key::encode`], which is itself unambiguous and bounded (at most 1 047 bytes, so at most
+//!   3 141 characters escaped);
 //! - the suffix after the hash tag names the quota by its place in the policy, its algorithm
 //!   and its parameters (see [`quota_suffixes`]).
 
