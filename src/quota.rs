@@ -697,18 +697,7 @@ fn parse_duration(text: &str, number_optional: bool) -> Result<Duration, &'stati
 /// Formats as [`FromStr`](std::str::FromStr) parses: `"5/s burst 10"`.
 impl std::fmt::Display for Quota {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let ns = self.period.as_nanos();
-        let (n, unit) = [
-            (86_400_000_000_000u128, "d"),
-            (3_600_000_000_000, "h"),
-            (60_000_000_000, "min"),
-            (1_000_000_000, "s"),
-            (1_000_000, "ms"),
-            (1_000, "us"),
-        ]
-        .into_iter()
-        .find(|(u, _)| ns >= *u && ns.is_multiple_of(*u))
-        .map_or((ns, "ns"), |(u, name)| (ns / u, name));
+        let (n, unit) = in_units(self.period);
         write!(f, "{}/", self.count)?;
         if n != 1 {
             write!(f, "{n}")?;
@@ -729,23 +718,28 @@ impl std::fmt::Display for Quota {
     }
 }
 
+/// A duration as a count of the largest unit of the quota syntax that divides it: `(5, "s")`.
+fn in_units(d: Duration) -> (u128, &'static str) {
+    let ns = d.as_nanos();
+    [
+        (86_400_000_000_000u128, "d"),
+        (3_600_000_000_000, "h"),
+        (60_000_000_000, "min"),
+        (1_000_000_000, "s"),
+        (1_000_000, "ms"),
+        (1_000, "us"),
+    ]
+    .into_iter()
+    .find(|(u, _)| ns >= *u && ns.is_multiple_of(*u))
+    .map_or((ns, "ns"), |(u, name)| (ns / u, name))
+}
+
 /// A duration as the quota syntax writes it: `5s`, `500ms`, `90s`.
 struct DisplayDuration(Duration);
 
 impl std::fmt::Display for DisplayDuration {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let ns = self.0.as_nanos();
-        let (n, unit) = [
-            (86_400_000_000_000u128, "d"),
-            (3_600_000_000_000, "h"),
-            (60_000_000_000, "min"),
-            (1_000_000_000, "s"),
-            (1_000_000, "ms"),
-            (1_000, "us"),
-        ]
-        .into_iter()
-        .find(|(u, _)| ns >= *u && ns.is_multiple_of(*u))
-        .map_or((ns, "ns"), |(u, name)| (ns / u, name));
+        let (n, unit) = in_units(self.0);
         write!(f, "{n}{unit}")
     }
 }

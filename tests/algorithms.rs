@@ -3,7 +3,8 @@
 //! test moves. Windows are aligned to the Unix epoch of the backend's clock (here: zero at the
 //! start of the test).
 
-use std::net::SocketAddr;
+mod support;
+
 use std::time::Duration;
 
 use axum::{Router, routing::get};
@@ -28,16 +29,7 @@ async fn serve(policy: Policy) -> (String, FakeRelativeClock) {
     let app = Router::new()
         .route("/", get(|| async { "ok" }))
         .route_layer(limit);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        axum::serve(
-            listener,
-            app.into_make_service_with_connect_info::<SocketAddr>(),
-        )
-        .await
-        .unwrap();
-    });
+    let addr = support::serve(app).await;
     (format!("http://{addr}/"), clock)
 }
 

@@ -417,51 +417,32 @@ async fn problem_json_and_cost_larger_than_burst() {
     assert!(body.contains(r#""retry-after":"#), "{body}");
 }
 
+/// gRPC requests get a trailers-only `RESOURCE_EXHAUSTED` in their own flavour: gRPC-web
+/// requests (a browser client) are answered in gRPC-web, not plain gRPC.
 #[tokio::test]
 async fn grpc_requests_get_a_trailers_only_resource_exhausted() {
-    let layer = RateLimitLayer::builder()
-        .policy(Policy::new("rpc", no_refill(1)))
-        .build()
-        .unwrap();
-    let base = serve(app(layer), true).await;
-    let client = client();
-    let send = || {
-        client
-            .get(format!("{base}/limited"))
-            .header("content-type", "application/grpc+proto")
-            .send()
-    };
-    assert_eq!(send().await.unwrap().status(), 200);
-    let res = send().await.unwrap();
-    // gRPC status travels in a 200 response's headers.
-    assert_eq!(res.status(), 200);
-    assert_eq!(res.headers()["grpc-status"], "8");
-    // In the request's own gRPC flavour.
-    assert_eq!(res.headers()["content-type"], "application/grpc+proto");
-    assert!(res.headers().contains_key("grpc-message"));
-    assert!(res.bytes().await.unwrap().is_empty());
-}
-
-/// gRPC-web requests (a browser client) are answered in gRPC-web, not plain gRPC.
-#[tokio::test]
-async fn grpc_web_requests_are_answered_in_grpc_web() {
-    let layer = RateLimitLayer::builder()
-        .policy(Policy::new("rpc", no_refill(1)))
-        .build()
-        .unwrap();
-    let base = serve(app(layer), true).await;
-    let client = client();
-    let send = || {
-        client
-            .post(format!("{base}/limited"))
-            .header("content-type", "application/grpc-web+proto")
-            .send()
-    };
-    assert_eq!(send().await.unwrap().status(), 200);
-    let res = send().await.unwrap();
-    assert_eq!(res.status(), 200);
-    assert_eq!(res.headers()["grpc-status"], "8");
-    assert_eq!(res.headers()["content-type"], "application/grpc-web+proto");
+    for content_type in ["application/grpc+proto", "application/grpc-web+proto"] {
+        let layer = RateLimitLayer::builder()
+            .policy(Policy::new("rpc", no_refill(1)))
+            .build()
+            .unwrap();
+        let base = serve(app(layer), true).await;
+        let client = client();
+        let send = || {
+            client
+                .post(format!("{base}/limited"))
+                .header("content-type", content_type)
+                .send()
+        };
+        assert_eq!(send().await.unwrap().status(), 200);
+        let res = send().await.unwrap();
+        // gRPC status travels in a 200 response's headers.
+        assert_eq!(res.status(), 200);
+        assert_eq!(res.headers()["grpc-status"], "8");
+        assert_eq!(res.headers()["content-type"], content_type);
+        assert!(res.headers().contains_key("grpc-message"));
+        assert!(res.bytes().await.unwrap().is_empty());
+    }
 }
 
 #[tokio::test]

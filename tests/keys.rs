@@ -1,7 +1,7 @@
 //! Keys end to end, over a real TCP listener: fallback chains never share buckets, and long
 //! client-supplied values can be keyed by their hash.
 
-use std::net::SocketAddr;
+mod support;
 
 use axum::{Router, routing::get};
 use http::Request;
@@ -28,16 +28,7 @@ async fn serve(
         .route("/", get(|| async { "ok" }))
         .route_layer(limit)
         .layer(auth);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        axum::serve(
-            listener,
-            app.into_make_service_with_connect_info::<SocketAddr>(),
-        )
-        .await
-        .unwrap();
-    });
+    let addr = support::serve(app).await;
     format!("http://{addr}/")
 }
 
