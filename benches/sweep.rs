@@ -44,7 +44,8 @@ fn main() {
     let one = NonZeroU32::MIN;
     // A bucket is idle 1 ms after its request; the busy keys get a quota that keeps them busy.
     let short = Policy::new("short", Quota::per_second(1000).burst(1));
-    let long = Policy::new("long", Quota::per_hour(1_000_000_000).burst(1_000_000_000));
+    // One unit an hour, a burst of 1 000: each decision moves the bucket an hour on.
+    let long = Policy::new("long", Quota::per_hour(1).burst(1000));
     let backend = LocalBackend::builder()
         .max_keys(2 * idle + 2 * busy)
         // No background sweep: this program sweeps when it wants to.
@@ -70,14 +71,17 @@ fn main() {
         let done = AtomicBool::new(false);
         let mut latencies = Vec::with_capacity(4_000_000);
         let mut swept_in = Duration::ZERO;
+        let mut evicted = 0;
         std::thread::scope(|scope| {
             if sweeping {
                 scope.spawn(|| {
                     // Let the decisions get going first.
                     std::thread::sleep(Duration::from_millis(50));
+                    let before = backend.tracked_keys();
                     let start = Instant::now();
                     backend.sweep();
                     swept_in = start.elapsed();
+                    evicted = before - backend.tracked_keys();
                     std::thread::sleep(Duration::from_millis(50));
                     done.store(true, Ordering::Release);
                 });
@@ -98,8 +102,7 @@ fn main() {
         });
         if sweeping {
             println!(
-                "during a sweep of {tracked} buckets ({} idle, evicted in {:.1} ms): {}",
-                tracked - backend.tracked_keys(),
+                "during a sweep of {tracked} buckets ({evicted} idle, evicted in {:.1} ms): {}",
                 swept_in.as_secs_f64() * 1000.0,
                 percentiles(latencies)
             );
