@@ -211,6 +211,8 @@ pub(crate) struct PolicyInner {
     pub(crate) key_suffixes: Vec<Box<[u8]>>,
     /// The policy's entry in the script's arguments (`script::policy_args`).
     pub(crate) args: Vec<Vec<u8>>,
+    /// Integers per decision in the script's reply (`script::reply_len`).
+    pub(crate) reply_len: usize,
     deny: DenyCache,
     local: Option<LocalPolicy>,
 }
@@ -250,6 +252,7 @@ impl Backend for RedisBackend {
                 key_prefix: keys::policy_prefix(&self.inner.prefix, policy.name()),
                 key_suffixes: keys::quota_suffixes(params),
                 args: script::policy_args(params),
+                reply_len: script::reply_len(params),
                 deny: DenyCache::new(self.inner.budget.clone()),
                 local,
             }),

@@ -307,7 +307,7 @@ async fn call(inner: &Arc<Inner>, batch: &mut Vec<Job>) {
                 // A short reply gives the last decisions a short slice: they report a length
                 // mismatch as a protocol error.
                 let end =
-                    (start + script::PER_QUOTA * job.policy.key_suffixes.len()).min(all.len());
+                    (start + job.policy.reply_len).min(all.len());
                 job.answer(Ok(Reply {
                     all: all.clone(),
                     range: start..end,

@@ -44,15 +44,16 @@
 --   reset      0 when remaining = limit, else wait_us(remaining + 1)
 --   retry      wait_us(cost) (see wait_us below)
 --
--- Reply: four integers per quota, decision after decision; the codes:
+-- Reply: 2 to 4 integers per quota (by algorithm), decision after decision; the codes:
 --   0 allowed (units taken), 1 denied, 2 cost larger than the burst or limit (never fits; the
 --   state is reported as it is), 3 would have allowed but another quota denied (nothing taken,
 --   state as it is), 4 Redis refused one of the decision's keys (e.g. a key of another type):
 --   this decision fails alone, having taken nothing; the others of the call go on.
---   GCRA     code, TAT after the decision relative to now (ns, 0: full), wait (denied: ns
---            until this request's cost fits), 0
---   fixed    code, count after the decision, us until the window's end, 0
+--   GCRA     code, TAT after the decision relative to now (ns, 0: full); a denial's wait
+--            (until the cost fits) is TAT + T * (cost - burst), computed by the caller
+--   fixed    code, count after the decision, us until the window's end
 --   sliding  code, remaining, reset (us), retry (denied: us until the cost fits)
+--   (code 4: the code then zeros, as many integers as the algorithm's)
 
 -- Library functions in locals: global lookups cost a table access each in Redis's sandbox.
 local tonumber, type, floor, ceil, fmod = tonumber, type, math.floor, math.ceil, math.fmod
@@ -256,7 +257,7 @@ end
 -- client.
 local states, dirty, dq = {}, {}, {}
 local nd = 0
--- Per quota of the decision being made (reused): its code and GCRA wait, 2 slots per quota.
+-- Per quota of the decision being made (reused): its code.
 local cur = {}
 local reply = {}
 local nr = 0
@@ -283,18 +284,15 @@ for _ = 1, tonumber(ARGV[a], 16) do
         break
       end
       local kind, limit = at[4 * g - 3], at[4 * g - 1]
-      local c, w = 0, 0
+      local c = 0
       if cost > limit then
         c = 2
         denied = true
       elseif kind == 0 then
         -- The request fits when now >= TAT + (cost - 1) * T - tau, with tau = T * (burst - 1).
-        w = st + at[4 * g - 2] * (cost - limit)
-        if w > 0 then
+        if st + at[4 * g - 2] * (cost - limit) > 0 then
           c = 1
           denied = true
-        else
-          w = 0
         end
       elseif kind == 1 then
         if st + cost > limit then
@@ -308,20 +306,29 @@ for _ = 1, tonumber(ARGV[a], 16) do
           denied = true
         end
       end
-      cur[2 * i - 1], cur[2 * i] = c, w
+      cur[i] = c
     end
 
     if refused then
-      for _ = 1, n do
-        reply[nr + 1], reply[nr + 2], reply[nr + 3], reply[nr + 4] = 4, 0, 0, 0
-        nr = nr + 4
+      for i = 1, n do
+        local kind = at[4 * (f + i) - 3]
+        reply[nr + 1], reply[nr + 2] = 4, 0
+        nr = nr + 2
+        if kind ~= 0 then
+          reply[nr + 1] = 0
+          nr = nr + 1
+          if kind == 2 then
+            reply[nr + 1] = 0
+            nr = nr + 1
+          end
+        end
       end
     else
       -- Then, all allowed, every quota takes the cost; or, one denied, none does.
       for i = 1, n do
         local key = KEYS[k + i]
         local g = f + i
-        local c, w = cur[2 * i - 1], cur[2 * i]
+        local c = cur[i]
         local kind, limit = at[4 * g - 3], at[4 * g - 1]
         local st = states[key]
         if denied then
@@ -352,12 +359,11 @@ for _ = 1, tonumber(ARGV[a], 16) do
           if tat > CLAMP then
             tat = CLAMP
           end
-          if w > CLAMP then
-            w = CLAMP
-          end
-          reply[nr + 1], reply[nr + 2], reply[nr + 3], reply[nr + 4] = c, tat, w, 0
+          reply[nr + 1], reply[nr + 2] = c, tat
+          nr = nr + 2
         elseif kind == 1 then
-          reply[nr + 1], reply[nr + 2], reply[nr + 3], reply[nr + 4] = c, st, at[4 * g - 2] - qr[g], 0
+          reply[nr + 1], reply[nr + 2], reply[nr + 3] = c, st, at[4 * g - 2] - qr[g]
+          nr = nr + 3
         else
           local s, m, r = at[4 * g - 2], at[4 * g] + 1, qr[g]
           local rest = st[m + 1]
@@ -373,8 +379,8 @@ for _ = 1, tonumber(ARGV[a], 16) do
             retry = wait_us(st, m, s, r, limit, cost, st[1] + rest)
           end
           reply[nr + 1], reply[nr + 2], reply[nr + 3], reply[nr + 4] = c, remaining, reset, retry
+          nr = nr + 4
         end
-        nr = nr + 4
       end
     end
     k = k + n
