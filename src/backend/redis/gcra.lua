@@ -268,6 +268,47 @@ for _ = 1, tonumber(ARGV[a], 16) do
   local count, p, cost = tonumber(ARGV[a + 1], 16), tonumber(ARGV[a + 2], 16), tonumber(ARGV[a + 3], 16)
   a = a + 3
   local n, f = q[p], first[p]
+  local g1 = f + 1
+  if n == 1 and at[4 * g1 - 3] == 0 then
+    -- One GCRA quota (the usual policy): the same decision as below, with the quota's
+    -- numbers for this cost worked out once per run. Fits when TAT + T * (cost - burst) <= 0.
+    local t, burst = at[4 * g1 - 2], at[4 * g1 - 1]
+    local never, tol, step = cost > burst, t * (cost - burst), cost * t
+    for _ = 1, count do
+      k = k + 1
+      local key = KEYS[k]
+      local st = states[key]
+      if st == nil then
+        st = load(key, g1)
+        states[key] = st
+      end
+      if st == false then
+        reply[nr + 1], reply[nr + 2] = 4, 0
+      else
+        local c = 0
+        if never then
+          c = 2
+        elseif st + tol > 0 then
+          c = 1
+        else
+          st = st + step
+          states[key] = st
+          if not dq[key] then
+            dq[key] = g1
+            nd = nd + 1
+            dirty[nd] = key
+          end
+        end
+        if st > CLAMP then
+          reply[nr + 1], reply[nr + 2] = c, CLAMP
+        else
+          reply[nr + 1], reply[nr + 2] = c, st
+        end
+      end
+      nr = nr + 2
+    end
+    count = 0
+  end
   for _ = 1, count do
     local denied, refused = false, false
     -- First every quota is checked, nothing written.
