@@ -151,30 +151,30 @@ end
 -- Written flat, without closures and with few tables: every table and closure a call creates
 -- is garbage for Redis's Lua collector, which costs more than the arithmetic.
 
--- The policies' quotas, parsed once per call, flat: policy p has n = q[p] quotas, numbered
--- g = first[p] + 1 .. first[p] + n over the call; quota g's four numbers are
--- at[4g - 3] (kind), at[4g - 2], at[4g - 1] (burst or limit), at[4g]. For windows, where
--- now is in the quota's window or sub-window is computed here once: qr[g] = now_us mod its
--- length (exact: fmod), qi[g] = the window's or sub-window's index; for sliding windows,
--- qf[g] = the struct format of the stored value.
+-- The policies' quotas, parsed once per call, flat, in one table (every table a call makes is
+-- an allocation and garbage): policy p has n = pq[2p - 1] quotas, numbered g = pq[2p] + 1 ..
+-- pq[2p] + n over the call; quota g's numbers are at[8g - 7] (kind), at[8g - 6], at[8g - 5]
+-- (burst or limit), at[8g - 4]; for windows, where now is in the quota's window or
+-- sub-window, computed here once: at[8g - 3] = now_us mod its length (exact: fmod),
+-- at[8g - 2] = the window's or sub-window's index; for sliding windows, at[8g - 1] = the
+-- struct format of the stored value. (Sized for the usual one policy of one quota.)
 local a = 2
-local q, first, at, qr, qi, qf = {}, {}, {}, {}, {}, {}
+local pq, at = {0, 0}, {0, 0, 0, 0, 0, 0, 0, 0}
 local ng = 0
 for p = 1, tonumber(ARGV[a], 16) do
   local n = tonumber(ARGV[a + 1], 16)
-  q[p] = n
-  first[p] = ng
+  pq[2 * p - 1], pq[2 * p] = n, ng
   for j = a + 2, a + 1 + 4 * n, 4 do
     ng = ng + 1
-    local g = 4 * ng
+    local g = 8 * ng
     local kind, len = tonumber(ARGV[j], 16), tonumber(ARGV[j + 1], 16)
     local c = tonumber(ARGV[j + 3], 16)
-    at[g - 3], at[g - 2], at[g - 1], at[g] = kind, len, tonumber(ARGV[j + 2], 16), c
+    at[g - 7], at[g - 6], at[g - 5], at[g - 4] = kind, len, tonumber(ARGV[j + 2], 16), c
     if kind ~= 0 then
       local r = fmod(now_us, len)
-      qr[ng], qi[ng] = r, (now_us - r) / len
+      at[g - 3], at[g - 2] = r, (now_us - r) / len
       if kind == 2 then
-        qf[ng] = '<d' .. rep('I4', c + 1)
+        at[g - 1] = '<d' .. rep('I4', c + 1)
       end
     end
   end
@@ -193,7 +193,7 @@ local function load(key, g)
   if stored and type(stored) == 'table' then
     return false
   end
-  local kind = at[4 * g - 3]
+  local kind = at[8 * g - 7]
   if kind == 0 then
     if stored and #stored == 8 then
       local sec, ns = sunpack('<I4I4', stored)
@@ -208,19 +208,19 @@ local function load(key, g)
       local w, n = sunpack('<dI4', stored)
       -- Another window's count (a past one, or a future one after a clock step back, as
       -- window.rs) is not this window's.
-      if w == qi[g] then
+      if w == at[8 * g - 2] then
         return n
       end
     end
     return 0
   end
-  local m = at[4 * g] + 1
-  local now_i = qi[g]
+  local m = at[8 * g - 4] + 1
+  local now_i = at[8 * g - 2]
   local c = {}
   local newest = now_i
   if stored and #stored == 8 + 4 * m then
     -- v[1] the newest sub-window's index, v[2 .. m + 1] the counts (then struct's position).
-    local v = {sunpack(qf[g], stored)}
+    local v = {sunpack(at[8 * g - 1], stored)}
     -- Move the counts on to the current sub-window, as window.rs: the sub-windows that left
     -- the window are dropped, those that passed without requests count zero; a stored index
     -- after now (a clock step back) is kept.
@@ -267,12 +267,12 @@ local k = 0
 for _ = 1, tonumber(ARGV[a], 16) do
   local count, p, cost = tonumber(ARGV[a + 1], 16), tonumber(ARGV[a + 2], 16), tonumber(ARGV[a + 3], 16)
   a = a + 3
-  local n, f = q[p], first[p]
+  local n, f = pq[2 * p - 1], pq[2 * p]
   local g1 = f + 1
-  if n == 1 and at[4 * g1 - 3] == 0 then
+  if n == 1 and at[8 * g1 - 7] == 0 then
     -- One GCRA quota (the usual policy): the same decision as below, with the quota's
     -- numbers for this cost worked out once per run. Fits when TAT + T * (cost - burst) <= 0.
-    local t, burst = at[4 * g1 - 2], at[4 * g1 - 1]
+    local t, burst = at[8 * g1 - 6], at[8 * g1 - 5]
     local never, tol, step = cost > burst, t * (cost - burst), cost * t
     for _ = 1, count do
       k = k + 1
@@ -324,14 +324,14 @@ for _ = 1, tonumber(ARGV[a], 16) do
         refused = true
         break
       end
-      local kind, limit = at[4 * g - 3], at[4 * g - 1]
+      local kind, limit = at[8 * g - 7], at[8 * g - 5]
       local c = 0
       if cost > limit then
         c = 2
         denied = true
       elseif kind == 0 then
         -- The request fits when now >= TAT + (cost - 1) * T - tau, with tau = T * (burst - 1).
-        if st + at[4 * g - 2] * (cost - limit) > 0 then
+        if st + at[8 * g - 6] * (cost - limit) > 0 then
           c = 1
           denied = true
         end
@@ -341,8 +341,8 @@ for _ = 1, tonumber(ARGV[a], 16) do
           denied = true
         end
       else
-        local s, m = at[4 * g - 2], at[4 * g] + 1
-        if st[1] * (s - qr[g]) / s + st[m + 1] + cost > limit then
+        local s, m = at[8 * g - 6], at[8 * g - 4] + 1
+        if st[1] * (s - at[8 * g - 3]) / s + st[m + 1] + cost > limit then
           c = 1
           denied = true
         end
@@ -352,7 +352,7 @@ for _ = 1, tonumber(ARGV[a], 16) do
 
     if refused then
       for i = 1, n do
-        local kind = at[4 * (f + i) - 3]
+        local kind = at[8 * (f + i) - 7]
         reply[nr + 1], reply[nr + 2] = 4, 0
         nr = nr + 2
         if kind ~= 0 then
@@ -370,7 +370,7 @@ for _ = 1, tonumber(ARGV[a], 16) do
         local key = KEYS[k + i]
         local g = f + i
         local c = cur[i]
-        local kind, limit = at[4 * g - 3], at[4 * g - 1]
+        local kind, limit = at[8 * g - 7], at[8 * g - 5]
         local st = states[key]
         if denied then
           if c == 0 then
@@ -378,13 +378,13 @@ for _ = 1, tonumber(ARGV[a], 16) do
           end
         else
           if kind == 0 then
-            st = st + cost * at[4 * g - 2]
+            st = st + cost * at[8 * g - 6]
             states[key] = st
           elseif kind == 1 then
             st = st + cost
             states[key] = st
           else
-            local m = at[4 * g] + 1
+            local m = at[8 * g - 4] + 1
             st[m] = st[m] + cost
             st[m + 1] = st[m + 1] + cost
           end
@@ -403,10 +403,10 @@ for _ = 1, tonumber(ARGV[a], 16) do
           reply[nr + 1], reply[nr + 2] = c, tat
           nr = nr + 2
         elseif kind == 1 then
-          reply[nr + 1], reply[nr + 2], reply[nr + 3] = c, st, at[4 * g - 2] - qr[g]
+          reply[nr + 1], reply[nr + 2], reply[nr + 3] = c, st, at[8 * g - 6] - at[8 * g - 3]
           nr = nr + 3
         else
-          local s, m, r = at[4 * g - 2], at[4 * g] + 1, qr[g]
+          local s, m, r = at[8 * g - 6], at[8 * g - 4] + 1, at[8 * g - 3]
           local rest = st[m + 1]
           local remaining = floor(limit - (st[1] * (s - r) / s + rest))
           if remaining <= 0 then
@@ -437,7 +437,7 @@ local expiries = {}
 for i = 1, nd do
   local key = dirty[i]
   local g = dq[key]
-  local kind, len = at[4 * g - 3], at[4 * g - 2]
+  local kind, len = at[8 * g - 7], at[8 * g - 6]
   local st = states[key]
   local value, ms
   if kind == 0 then
@@ -451,12 +451,12 @@ for i = 1, nd do
     value = spack('<I4I4', now_s + (total - r) / 1000000000, r)
     ms = base_ms + ceil((base_us * 1000 + st) / 1000000)
   elseif kind == 1 then
-    value = spack('<dI4', qi[g], st)
-    ms = base_ms + ceil((base_us + len - qr[g]) / 1000)
+    value = spack('<dI4', at[8 * g - 2], st)
+    ms = base_ms + ceil((base_us + len - at[8 * g - 3]) / 1000)
   else
-    local m = at[4 * g] + 1
+    local m = at[8 * g - 4] + 1
     local newest = st[m + 2]
-    value = spack(qf[g], newest, tunpack(st, 1, m))
+    value = spack(at[8 * g - 1], newest, tunpack(st, 1, m))
     ms = base_ms + ceil((base_us + (newest + m) * len - now_us) / 1000)
   end
   if ms < 1 then
