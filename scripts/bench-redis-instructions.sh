@@ -23,7 +23,7 @@
 #                                (the difference is the 1000 calls measured)
 #   REDIS_SERVER=redis-server         the server binary (one built with symbols gives a readable
 #                                profile; counts differ a little from the packaged one)
-#   PORT=4912
+#   PORT=<a free port>
 #
 # For each case: (instructions of 1100 calls - instructions of 100 calls) / 1000 / decisions
 # per call, so that the server's start, stop and first calls (key creation) cancel out.
@@ -32,7 +32,9 @@ cd "$(dirname "$0")/.."
 
 ALGOS=${ALGOS:-"gcra fixed sliding"}
 SCRIPT=${SCRIPT:-src/backend/redis/gcra.lua}
-PORT=${PORT:-4912}
+# A free port (a fixed one could be taken by tests running meanwhile, whose servers the
+# `shutdown` below would stop).
+PORT=${PORT:-$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')}
 REDIS_SERVER=${REDIS_SERVER:-redis-server}
 
 need() { command -v "$1" >/dev/null || {

@@ -306,8 +306,7 @@ async fn call(inner: &Arc<Inner>, batch: &mut Vec<Job>) {
             for mut job in batch.drain(..) {
                 // A short reply gives the last decisions a short slice: they report a length
                 // mismatch as a protocol error.
-                let end =
-                    (start + job.policy.reply_len).min(all.len());
+                let end = (start + job.policy.reply_len).min(all.len());
                 job.answer(Ok(Reply {
                     all: all.clone(),
                     range: start..end,
