@@ -10,7 +10,8 @@
 # Environment (all optional):
 #   MODES="none local tower_governor tower_governor_headers local_outer tower_governor_outer
 #          tower_governor_headers_outer redis redis_outer"
-#                    (`local_metrics`, `redis_metrics`: with a Prometheus recorder installed)
+#                    (`local_metrics`, `redis_metrics`: with a Prometheus recorder installed;
+#                    MODES= measures only redis-server's instructions per decision)
 #   DURATION=8s      wrk load per mode (the server runs ~50x slower under callgrind)
 #   PORT=3911
 #
@@ -18,11 +19,12 @@
 # / requests served. Under callgrind the server is slow and Redis (not instrumented) is not,
 # so Redis calls carry fewer decisions each than at full speed: per-request numbers of the
 # Redis modes are upper bounds. Then redis-server's instructions per decision, for script calls
-# of 1 and of 16 decisions on one hot key and on 16 different keys.
+# of 1 and of 16 decisions on one hot key and on 16 different keys
+# (scripts/bench-redis-instructions.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-MODES=${MODES:-"none local tower_governor tower_governor_headers local_outer tower_governor_outer tower_governor_headers_outer redis redis_outer"}
+MODES=${MODES-"none local tower_governor tower_governor_headers local_outer tower_governor_outer tower_governor_headers_outer redis redis_outer"}
 DURATION=${DURATION:-8s}
 PORT=${PORT:-3911}
 TARGET=${CARGO_TARGET_DIR:-target}
@@ -36,8 +38,10 @@ need valgrind valgrind
 need wrk wrk
 need redis-server redis-server
 
-echo "building bench_server (release)..." >&2
-cargo build --release --quiet --example bench_server --features "local axum redis metrics"
+if [ -n "$MODES" ]; then
+    echo "building bench_server (release)..." >&2
+    cargo build --release --quiet --example bench_server --features "local axum redis metrics"
+fi
 BIN="$TARGET/release/examples/bench_server"
 
 WORK=$(mktemp -d)
@@ -94,36 +98,7 @@ for mode in $MODES; do
     printf '%-22s %14d %12s\n' "$mode" "$per" "$extra"
 done
 
-# redis-server's own instructions per script call, under callgrind, fed by redis-benchmark.
-sha=$(redis-cli -p "$REDIS_PORT" -x script load <src/backend/redis/gcra.lua)
-redis_run() { # calls decisions distinct(0|1)
-    local port=$((REDIS_PORT + 1)) args=()
-    valgrind --tool=callgrind --callgrind-out-file="$WORK/r.out" redis-server --port "$port" \
-        --bind 127.0.0.1 --save "" --appendonly no --dir "$WORK" >/dev/null 2>&1 &
-    local pid=$!
-    for _ in $(seq 1 100); do
-        redis-cli -p "$port" ping >/dev/null 2>&1 && break
-        sleep 0.1
-    done
-    redis-cli -p "$port" -x script load <src/backend/redis/gcra.lua >/dev/null
-    args=(EVALSHA "$sha" "$2")
-    for i in $(seq "$2"); do
-        if [ "$3" = 1 ]; then args+=("tollgate:{bench:k$i}:0"); else args+=("tollgate:{bench:hot}:0"); fi
-    done
-    args+=("" 1 1 0 1000 3600000000 0 "$2")
-    for _ in $(seq "$2"); do args+=(1 1); done
-    redis-benchmark -p "$port" -n "$1" -c 1 -q "${args[@]}" >/dev/null 2>&1
-    redis-cli -p "$port" shutdown nosave >/dev/null 2>&1 || true
-    wait "$pid" 2>/dev/null || true
-    total "$WORK/r.out"
-}
+# redis-server's own instructions per decision of the script, under callgrind, fed by
+# redis-benchmark (GCRA; scripts/bench-redis-instructions.sh measures windows too).
 echo
-printf '%-34s %14s\n' "redis-server, one call of" instr/decision
-for spec in "1 0" "16 0" "16 1"; do
-    read -r n distinct <<<"$spec"
-    base=$(redis_run 100 "$n" "$distinct")
-    more=$(redis_run 1100 "$n" "$distinct")
-    label="$n decision(s), one key"
-    [ "$distinct" = 1 ] && label="$n decisions, $n keys"
-    printf '%-34s %14d\n' "$label" $(((more - base) / 1000 / n))
-done
+ALGOS=gcra scripts/bench-redis-instructions.sh

@@ -31,20 +31,21 @@ done
 
 sha="$(redis-cli -p "$port" -x script load < src/backend/redis/gcra.lua)"
 echo "script sha1: $sha"
-# KEYS[1] one bucket per random client; ARGV (see gcra.lua): Redis TIME, one policy of one
-# GCRA quota (kind 0, 1 us emission, huge burst, 0), one decision of that policy costing 1.
+# KEYS[1] one bucket per random client; ARGV (see gcra.lua; numbers in hexadecimal): Redis
+# TIME, one policy of one GCRA quota (kind 0, 1 us emission, burst 10^9, 0), one run of one
+# decision of that policy costing 1.
 # redis-benchmark -q redraws a progress line with \r: keep the final summary only.
 summary() { tr '\r' '\n' | grep 'requests per second'; }
-args=(EVALSHA "$sha" 1 "tollgate:{bench:b__rand_int__}:0" "" 1 1 0 1000 1000000000 0 1 1 1)
+args=(EVALSHA "$sha" 1 "tollgate:{bench:b__rand_int__}:0g1000x1000000000" "" 1 1 0 3e8 3b9aca00 0 1 1 1 1)
 echo "allowed decisions, $clients clients, no pipelining:"
 $pin_client redis-benchmark -p "$port" -n "$requests" -c "$clients" -r 100000 -q "${args[@]}" | summary
 echo "allowed decisions, $clients clients, pipeline 16 (what a busy multiplexed connection approaches):"
 $pin_client redis-benchmark -p "$port" -n "$requests" -c "$clients" -r 100000 -P 16 -q "${args[@]}" | summary
 # A batch as the backend sends it under load: 16 decisions in one call, on one hot key.
 batch=(EVALSHA "$sha" 16)
-for _ in $(seq 16); do batch+=("tollgate:{bench:hot}:0"); done
-batch+=("" 1 1 0 1000 1000000000 0 16)
-for _ in $(seq 16); do batch+=(1 1); done
+for _ in $(seq 16); do batch+=("tollgate:{bench:bhot}:0g1000x1000000000"); done
+# One run of 16 (0x10) decisions of policy 1 costing 1.
+batch+=("" 1 1 0 3e8 3b9aca00 0 1 10 1 1)
 echo "calls of 16 decisions on one hot key, $clients clients, no pipelining (x16 = decisions/s):"
 $pin_client redis-benchmark -p "$port" -n "$((requests / 4))" -c "$clients" -q "${batch[@]}" | summary
 echo "plain SET for reference:"

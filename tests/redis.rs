@@ -624,10 +624,16 @@ fn pttl(server: &RedisServer, key: &str) -> i64 {
         .unwrap()
 }
 
-/// `GET`'s reply (`$<len>\r\n<value>\r\n`) as the value.
-fn value_of(server: &RedisServer, key: &str) -> String {
-    let reply = server.cmd(&["GET", key]);
-    reply.lines().nth(1).unwrap_or_default().to_owned()
+/// A stored value's numbers (see `gcra.lua`): a little-endian f64, then little-endian u32s.
+fn stored_numbers(server: &RedisServer, key: &str) -> (f64, Vec<u32>) {
+    let v = server.get_bytes(key).expect(key);
+    assert_eq!((v.len() - 8) % 4, 0, "{v:?}");
+    let first = f64::from_le_bytes(v[..8].try_into().unwrap());
+    let rest = v[8..]
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    (first, rest)
 }
 
 /// What a window keeps in Redis, and that it goes away by itself (on Redis's own clock).
@@ -652,26 +658,23 @@ async fn window_keys_hold_their_counts_and_expire() {
     assert!(d.is_allowed());
     assert_eq!(remaining(&d), [1, 8]);
     let (fixed, sliding) = (
-        "tollgate:{store:bk}:0:f1000000x3",
-        "tollgate:{store:bk}:1:s500000x2x10",
+        "tollgate:{store:bk}:0f1000000x3",
+        "tollgate:{store:bk}:1s500000x2x10",
     );
     let unix = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap();
-    // "<window index> <count>", the index being whole seconds since the epoch here.
-    let stored = value_of(&server, fixed);
-    let (window, count) = stored.split_once(' ').unwrap();
-    let window: u64 = window.parse().unwrap();
-    assert!(window.abs_diff(unix.as_secs()) <= 1, "{stored}");
-    assert_eq!(count, "2");
-    // "<newest sub-window index> c_oldest c_middle c_newest".
-    let stored = value_of(&server, sliding);
-    let fields: Vec<&str> = stored.split(' ').collect();
-    assert_eq!(fields[1..], ["0", "0", "2"], "{stored}");
-    let slice: u64 = fields[0].parse().unwrap();
+    // The window index, the count; the index being whole seconds since the epoch here.
+    let (window, count) = stored_numbers(&server, fixed);
+    assert!((window as u64).abs_diff(unix.as_secs()) <= 1, "{window}");
+    assert_eq!(window.fract(), 0.0);
+    assert_eq!(count, [2]);
+    // The newest sub-window's index, then c_oldest c_middle c_newest.
+    let (slice, counts) = stored_numbers(&server, sliding);
+    assert_eq!(counts, [0, 0, 2]);
     assert!(
-        slice.abs_diff(unix.as_millis() as u64 / 500) <= 2,
-        "{stored}"
+        (slice as u64).abs_diff(unix.as_millis() as u64 / 500) <= 2,
+        "{slice}"
     );
     // The fixed window's key lives until the window's end; the sliding window's until its
     // counts have slid out: the end of the sub-window and two more.
@@ -744,6 +747,32 @@ async fn deny_cache_answers_window_denials_as_redis_would() {
     assert!(b.decide(&sliding, &k, cost(1)).await.unwrap().is_allowed());
 }
 
+/// GCRA stores its theoretical arrival time as seconds and nanoseconds since the epoch, exact;
+/// a value in another format under the key (the text of tollgate 0.1, or anything another
+/// program wrote) counts as nothing stored, and keys of the old layout are not read.
+#[tokio::test]
+async fn gcra_stores_its_time_exactly_and_takes_foreign_values_for_nothing() {
+    let server = RedisServer::start();
+    let clock = TestClock::new(); // 1 000 000 s after the epoch
+    clock.advance(Duration::from_nanos(123));
+    let b = at_time(&server, &clock);
+    let p = prepare(&b, &Policy::new("api", Quota::per_minute(1).burst(10)));
+    let name = "tollgate:{api:balice}:0g60000000000x10";
+    // A full bucket in the old layout's key: not this version's, not read.
+    server.cmd(&["SET", "tollgate:{api:balice}:0:60000000000x10", "1000600 0"]);
+    let d = b.decide(&p, &key("alice"), cost(1)).await.unwrap();
+    assert_eq!(remaining(&d), [9]);
+    let stored = server.get_bytes(name).unwrap();
+    let mut expected = 1_000_060u32.to_le_bytes().to_vec();
+    expected.extend_from_slice(&123u32.to_le_bytes());
+    assert_eq!(stored, expected, "TAT = now + 60 s");
+    for foreign in ["1000600 0", "garbage", "12345678901234567890"] {
+        server.cmd(&["SET", name, foreign]);
+        let d = b.decide(&p, &key("alice"), cost(1)).await.unwrap();
+        assert_eq!(remaining(&d), [9], "{foreign:?} is nothing stored");
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Exactness on Redis's own clock.
 // ---------------------------------------------------------------------------------------------
@@ -757,18 +786,19 @@ async fn one_request_on_a_fresh_burst_10_bucket_leaves_exactly_9_and_the_key_exp
     assert!(d.is_allowed());
     assert_eq!(d.quotas()[0].remaining, 9);
     assert_eq!(d.quotas()[0].reset_after, Duration::from_millis(200));
-    // The key lives until the bucket is full again: 200 ms.
+    // The key lives until the bucket is full again: 200 ms, to the millisecond since the epoch
+    // rounded up (`PTTL` counts from the current millisecond rounded down: up to 201).
     let pttl: i64 = server
-        .cmd(&["PTTL", "tollgate:{api:balice}:0:200000000x10"])
+        .cmd(&["PTTL", "tollgate:{api:balice}:0g200000000x10"])
         .trim_start_matches(':')
         .trim()
         .parse()
         .unwrap();
-    assert!((1..=200).contains(&pttl), "PTTL {pttl}");
+    assert!((1..=201).contains(&pttl), "PTTL {pttl}");
     tokio::time::sleep(Duration::from_millis(400)).await;
     assert_eq!(
         server
-            .cmd(&["EXISTS", "tollgate:{api:balice}:0:200000000x10"])
+            .cmd(&["EXISTS", "tollgate:{api:balice}:0g200000000x10"])
             .trim(),
         ":0"
     );
@@ -951,8 +981,8 @@ async fn multi_quota_is_all_or_nothing() {
     }
     // Both keys of the decision share one hash tag.
     let keys = server.cmd(&["KEYS", "*"]);
-    assert!(keys.contains("tollgate:{multi:btenant}:0:"), "{keys}");
-    assert!(keys.contains("tollgate:{multi:btenant}:1:"), "{keys}");
+    assert!(keys.contains("tollgate:{multi:btenant}:0g"), "{keys}");
+    assert!(keys.contains("tollgate:{multi:btenant}:1g"), "{keys}");
 
     // A cost that fits the first quota but not the second takes nothing from the first.
     let p2 = prepare(&b, &Policy::new("multi2", no_refill(10)).and(no_refill(4)));
@@ -1436,7 +1466,7 @@ async fn an_existing_connection_manager_can_be_used() {
     let p = prepare(&b, &Policy::new("api", no_refill(3)));
     assert!(b.decide(&p, &key("k"), cost(1)).await.unwrap().is_allowed());
     assert!(
-        server.cmd(&["KEYS", "*"]).contains("myapp:rl:{api:bk}:0:"),
+        server.cmd(&["KEYS", "*"]).contains("myapp:rl:{api:bk}:0g"),
         "keys under the custom prefix"
     );
 }
@@ -1452,7 +1482,7 @@ async fn a_refused_key_fails_only_its_own_decision() {
         .unwrap();
     let p = Arc::new(prepare(&b, &Policy::new("iso", no_refill(1000))));
     // Another program wrote a list where the "bad" bucket lives.
-    let bad_key = format!("tollgate:{{iso:bbad}}:0:{}x1000", 86_400_000_000_000u64);
+    let bad_key = format!("tollgate:{{iso:bbad}}:0g{}x1000", 86_400_000_000_000u64);
     server.cmd(&["RPUSH", &bad_key, "x"]);
     let mut tasks = Vec::new();
     for i in 0..200 {

@@ -18,7 +18,7 @@ use tollgate::{BackendErrorKind, Policy};
 
 /// The key of the first bucket of `client` under a `no_refill(burst)` policy named `policy`.
 fn bucket(policy: &str, client: &str, burst: u32) -> String {
-    format!("tollgate:{{{policy}:b{client}}}:0:86400000000000x{burst}")
+    format!("tollgate:{{{policy}:b{client}}}:0g86400000000000x{burst}")
 }
 
 /// Decides on fresh keys until Redis decides again (bounded): after a freeze, the connection

@@ -129,6 +129,34 @@ impl RedisServer {
     pub fn cmd(&self, args: &[&str]) -> String {
         command(self.port, args).unwrap_or_default()
     }
+
+    /// A bulk string reply's bytes (`GET`), binary-safe; `None` for a missing key or another
+    /// reply.
+    pub fn get_bytes(&self, key: &str) -> Option<Vec<u8>> {
+        let mut s = TcpStream::connect(("127.0.0.1", self.port)).ok()?;
+        s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+        s.write_all(format!("*2\r\n$3\r\nGET\r\n${}\r\n{key}\r\n", key.len()).as_bytes())
+            .ok()?;
+        let mut reply = Vec::new();
+        let mut buf = [0; 4096];
+        loop {
+            let n = s.read(&mut buf).ok()?;
+            if n == 0 {
+                return None;
+            }
+            reply.extend_from_slice(&buf[..n]);
+            let Some(eol) = reply.windows(2).position(|w| w == b"\r\n") else {
+                continue;
+            };
+            let len: usize = std::str::from_utf8(reply.strip_prefix(b"$")?.get(..eol - 1)?)
+                .ok()?
+                .parse()
+                .ok()?;
+            if reply.len() >= eol + 2 + len + 2 {
+                return Some(reply[eol + 2..eol + 2 + len].to_vec());
+            }
+        }
+    }
 }
 
 impl Drop for RedisServer {

@@ -208,10 +208,12 @@ pub struct RedisPolicy {
 pub(crate) struct PolicyInner {
     params: SmallVec<[QuotaParams; 2]>,
     pub(crate) key_prefix: Vec<u8>,
-    /// Per quota: `<index>:<parameters>` (see `keys::quota_suffixes`).
+    /// Per quota: `<index><algorithm><parameters>` (see `keys::quota_suffixes`).
     pub(crate) key_suffixes: Vec<Box<[u8]>>,
     /// The policy's entry in the script's arguments (`script::policy_args`).
     pub(crate) args: Vec<Vec<u8>>,
+    /// Integers per decision in the script's reply (`script::reply_len`).
+    pub(crate) reply_len: usize,
     deny: DenyCache,
     deny_hits: crate::metrics::DenyCacheHits,
     local: Option<LocalPolicy>,
@@ -252,6 +254,7 @@ impl Backend for RedisBackend {
                 key_prefix: keys::policy_prefix(&self.inner.prefix, policy.name()),
                 key_suffixes: keys::quota_suffixes(params),
                 args: script::policy_args(params),
+                reply_len: script::reply_len(params),
                 deny: DenyCache::new(self.inner.budget.clone()),
                 deny_hits: crate::metrics::DenyCacheHits::new(policy.name()),
                 local,
@@ -396,7 +399,13 @@ impl Inner {
             Some(ns) => cmd.arg(ns),
             None => cmd.arg(""),
         };
-        cmd.arg(1).arg(&p.args).arg(1).arg(1).arg(cost.get());
+        // One policy; one run of one decision of policy 1.
+        cmd.arg(1)
+            .arg(&p.args)
+            .arg(1)
+            .arg(1)
+            .arg(1)
+            .arg(script::hex(u64::from(cost.get())).as_bytes());
         bump(&self.counters.script_calls);
         let result = match tokio::time::timeout(self.timeout, self.conn.eval(&cmd)).await {
             Ok(reply) => reply.map(Reply::whole),

@@ -209,8 +209,8 @@ async fn drive(inner: Weak<Inner>, mut rx: mpsc::UnboundedReceiver<Job>) {
 }
 
 /// The `EVALSHA` command for a batch, written in one buffer sized up front: the keys of every
-/// decision, then each distinct policy's quotas once, then each decision's policy and cost
-/// (see `gcra.lua`).
+/// decision, then each distinct policy's quotas once, then the decisions' policies and costs,
+/// in runs (see `gcra.lua`).
 fn command(inner: &Inner, batch: &[Job]) -> redis::Cmd {
     // The batch's distinct policies (usually one or two), and each decision's, 1-based.
     let mut policies: SmallVec<[&PolicyInner; 4]> = SmallVec::new();
@@ -228,7 +228,8 @@ fn command(inner: &Inner, batch: &[Job]) -> redis::Cmd {
     }
     let nkeys: usize = batch.iter().map(|j| j.policy.key_suffixes.len()).sum();
     let policy_args: usize = policies.iter().map(|p| p.args.len()).sum();
-    let nargs = 6 + nkeys + policy_args + 2 * batch.len();
+    let runs = script::runs(batch.iter().zip(&of_job).map(|(job, p)| (*p, job.cost)));
+    let nargs = 6 + nkeys + policy_args + 3 * runs.len();
     let mut cmd = redis::Cmd::with_capacity(nargs, 64 + nkeys * 96 + nargs * 12);
     cmd.arg("EVALSHA").arg(script::SCRIPT.get_hash()).arg(nkeys);
     let mut base = Vec::with_capacity(128);
@@ -246,13 +247,15 @@ fn command(inner: &Inner, batch: &[Job]) -> redis::Cmd {
         Some(ns) => cmd.arg(ns),
         None => cmd.arg(""),
     };
-    cmd.arg(policies.len());
+    cmd.arg(script::hex(policies.len() as u64).as_bytes());
     for p in &policies {
         cmd.arg(&p.args);
     }
-    cmd.arg(batch.len());
-    for (job, policy) in batch.iter().zip(&of_job) {
-        cmd.arg(*policy).arg(job.cost);
+    cmd.arg(script::hex(runs.len() as u64).as_bytes());
+    for run in &runs {
+        for n in run {
+            cmd.arg(script::hex(*n).as_bytes());
+        }
     }
     cmd
 }
@@ -303,8 +306,7 @@ async fn call(inner: &Arc<Inner>, batch: &mut Vec<Job>) {
             for mut job in batch.drain(..) {
                 // A short reply gives the last decisions a short slice: they report a length
                 // mismatch as a protocol error.
-                let end =
-                    (start + script::PER_QUOTA * job.policy.key_suffixes.len()).min(all.len());
+                let end = (start + job.policy.reply_len).min(all.len());
                 job.answer(Ok(Reply {
                     all: all.clone(),
                     range: start..end,

@@ -1,31 +1,41 @@
 -- tollgate: every quota of a policy (GCRA, fixed window or sliding window, mixed freely) in one
 -- atomic call, all-or-nothing; several decisions (of concurrent requests) may share one call.
 --
+-- Numbers in ARGV are lowercase hexadecimal (parsed by strtoul: decimal would go through strtod,
+-- several times dearer), except ARGV[1].
 -- ARGV[1]            "" to read the time from Redis TIME; otherwise a fixed time in integer
---                    nanoseconds (test hook, settable only through a hidden builder method)
+--                    nanoseconds, decimal (test hook, settable only through a hidden builder
+--                    method)
 -- ARGV[2]            number of policies in this call, P >= 1; then per policy p, in order:
 --   n                number of quotas
 --   then per quota i, four numbers "kind a b c":
 --     0 emission burst 0      GCRA: emission interval (integer ns >= 1), burst (units >= 1)
 --     1 window limit 0        fixed window: length (integer us >= 1), limit (>= 1)
 --     2 slice limit slices    sliding window of `slices` (>= 1) sub-windows of `slice` us
--- then               number of decisions in this call, D >= 1; then per decision, in order:
---   p                its policy, 1..P (its keys are the next n_p KEYS, in order)
---   cost             cost of the request in units (>= 1)
+-- then               number of runs R >= 1; then per run, in order, "count p cost": `count`
+--                    decisions in a row of policy p (1..P) costing `cost` units (>= 1) each;
+--                    the decisions are those of the runs one after another, D in all, and the
+--                    keys of each are the next n_p KEYS, in order
 -- KEYS               one per quota of every decision, in the order above (on a Redis Cluster a
 --                    call holds one decision, whose keys share one {hash tag})
 --
 -- Time is integer: nanoseconds for GCRA, microseconds since the Unix epoch for windows (exact
 -- in Lua's doubles: both stay below 2^53). No float seconds anywhere.
 --
--- Storage, one string key per quota:
---   GCRA     the theoretical arrival time (TAT), "<unix seconds> <nanoseconds>" (nanoseconds
---            since 1970 are past 2^53); arithmetic is on times relative to now, in integer ns,
---            exact while they stay under 2^53 ns (104 days). Expires when the bucket is full.
---   fixed    "<window index> <count>", the window index being floor(now_us / window);
---            expires at the window's end.
---   sliding  "<newest sub-window index> c_oldest ... c_newest" (slices + 1 counts); expires
---            when every count has slid out of the window.
+-- Storage, one string key per quota, binary (Redis's struct library, little-endian: no number
+-- is parsed or formatted as text):
+--   GCRA     the theoretical arrival time (TAT), struct "<I4I4": unix seconds, nanoseconds
+--            (nanoseconds since 1970 are past 2^53); arithmetic is on times relative to now,
+--            in integer ns, exact while they stay under 2^53 ns (104 days). Expires when the
+--            bucket is full.
+--   fixed    "<dI4": the window index floor(now_us / window), the count; expires at the
+--            window's end.
+--   sliding  "<d" then slices + 1 times "I4": the newest sub-window's index, then the counts
+--            c_oldest ... c_newest; expires when every count has slid out of the window.
+--   A value of another length (written by someone else) counts as nothing stored.
+-- Expiries are absolute (SET ... PXAT, computed from TIME) on Redis 7+: a relative PX is
+-- rewritten by Redis into PXAT for replication, which costs an object per write; before
+-- Redis 7 (no redis.REDIS_VERSION_NUM) and with the test hook's fixed time, relative (PX).
 -- The window arithmetic is that of src/backend/window.rs, in the same floating-point
 -- operations in the same order, so that both give the same numbers to the bit:
 --   estimate   E = c_oldest * (S - r) / S + (sum of the other counts), r = now_us % S
@@ -34,20 +44,21 @@
 --   reset      0 when remaining = limit, else wait_us(remaining + 1)
 --   retry      wait_us(cost) (see wait_us below)
 --
--- Reply: four integers per quota, decision after decision; the codes:
+-- Reply: 2 to 4 integers per quota (by algorithm), decision after decision; the codes:
 --   0 allowed (units taken), 1 denied, 2 cost larger than the burst or limit (never fits; the
 --   state is reported as it is), 3 would have allowed but another quota denied (nothing taken,
 --   state as it is), 4 Redis refused one of the decision's keys (e.g. a key of another type):
 --   this decision fails alone, having taken nothing; the others of the call go on.
---   GCRA     code, TAT after the decision relative to now (ns, 0: full), wait (denied: ns
---            until this request's cost fits), 0
---   fixed    code, count after the decision, us until the window's end, 0
+--   GCRA     code, TAT after the decision relative to now (ns, 0: full); a denial's wait
+--            (until the cost fits) is TAT + T * (cost - burst), computed by the caller
+--   fixed    code, count after the decision, us until the window's end
 --   sliding  code, remaining, reset (us), retry (denied: us until the cost fits)
+--   (code 4: the code then zeros, as many integers as the algorithm's)
 
 -- Library functions in locals: global lookups cost a table access each in Redis's sandbox.
 local tonumber, type, floor, ceil, fmod = tonumber, type, math.floor, math.ceil, math.fmod
-local format, match, find, sub = string.format, string.match, string.find, string.sub
-local concat = table.concat
+local format, rep = string.format, string.rep
+local spack, sunpack, tunpack = struct.pack, struct.unpack, unpack
 local call, pcall_redis = redis.call, redis.pcall
 local KEYS, ARGV = KEYS, ARGV
 
@@ -57,20 +68,27 @@ if redis.replicate_commands then
   pcall(redis.replicate_commands)
 end
 
+-- Expiries: 'PXAT' and ms since the epoch from TIME, or 'PX' and ms from now; an expiry in
+-- `delta` us from now is at base_ms + ceil((base_us + delta) / 1000) ms (see the end).
 local now_s, now_ns, now_us
+local px, base_ms, base_us = 'PX', 0, 0
 if ARGV[1] == '' then
   local t = call('TIME')
   now_s = tonumber(t[1])
   local us = tonumber(t[2])
   now_ns = us * 1000
   now_us = now_s * 1000000 + us
+  if redis.REDIS_VERSION_NUM then
+    px, base_us = 'PXAT', us % 1000
+    base_ms = now_s * 1000 + (us - base_us) / 1000
+  end
 else
   -- Split as a string: nanoseconds since 1970 are past 2^53.
   local fixed = ARGV[1]
   local len = #fixed
   if len > 9 then
-    now_s = tonumber(sub(fixed, 1, len - 9))
-    now_ns = tonumber(sub(fixed, len - 8))
+    now_s = tonumber(string.sub(fixed, 1, len - 9))
+    now_ns = tonumber(string.sub(fixed, len - 8))
   else
     now_s = 0
     now_ns = tonumber(fixed)
@@ -133,26 +151,31 @@ end
 -- Written flat, without closures and with few tables: every table and closure a call creates
 -- is garbage for Redis's Lua collector, which costs more than the arithmetic.
 
--- The policies' quotas, parsed once per call, flat: policy p has n = q[p] quotas, numbered
--- g = first[p] + 1 .. first[p] + n over the call; quota g's four numbers are
--- at[4g - 3] (kind), at[4g - 2], at[4g - 1] (burst or limit), at[4g]. For windows, where
--- now is in the quota's window or sub-window is computed here once: qr[g] = now_us mod its
--- length (exact: fmod), qi[g] = the window's or sub-window's index.
+-- The policies' quotas, parsed once per call, flat, in one table (every table a call makes is
+-- an allocation and garbage): policy p has n = pq[2p - 1] quotas, numbered g = pq[2p] + 1 ..
+-- pq[2p] + n over the call; quota g's numbers are at[8g - 7] (kind), at[8g - 6], at[8g - 5]
+-- (burst or limit), at[8g - 4]; for windows, where now is in the quota's window or
+-- sub-window, computed here once: at[8g - 3] = now_us mod its length (exact: fmod),
+-- at[8g - 2] = the window's or sub-window's index; for sliding windows, at[8g - 1] = the
+-- struct format of the stored value. (Sized for the usual one policy of one quota.)
 local a = 2
-local q, first, at, qr, qi = {}, {}, {}, {}, {}
+local pq, at = {0, 0}, {0, 0, 0, 0, 0, 0, 0, 0}
 local ng = 0
-for p = 1, tonumber(ARGV[a]) do
-  local n = tonumber(ARGV[a + 1])
-  q[p] = n
-  first[p] = ng
+for p = 1, tonumber(ARGV[a], 16) do
+  local n = tonumber(ARGV[a + 1], 16)
+  pq[2 * p - 1], pq[2 * p] = n, ng
   for j = a + 2, a + 1 + 4 * n, 4 do
     ng = ng + 1
-    local g = 4 * ng
-    local kind, len = tonumber(ARGV[j]), tonumber(ARGV[j + 1])
-    at[g - 3], at[g - 2], at[g - 1], at[g] = kind, len, tonumber(ARGV[j + 2]), tonumber(ARGV[j + 3])
+    local g = 8 * ng
+    local kind, len = tonumber(ARGV[j], 16), tonumber(ARGV[j + 1], 16)
+    local c = tonumber(ARGV[j + 3], 16)
+    at[g - 7], at[g - 6], at[g - 5], at[g - 4] = kind, len, tonumber(ARGV[j + 2], 16), c
     if kind ~= 0 then
       local r = fmod(now_us, len)
-      qr[ng], qi[ng] = r, (now_us - r) / len
+      at[g - 3], at[g - 2] = r, (now_us - r) / len
+      if kind == 2 then
+        at[g - 1] = '<d' .. rep('I4', c + 1)
+      end
     end
   end
   a = a + 1 + 4 * n
@@ -161,81 +184,62 @@ end
 -- Reads a quota's key (once per call): GCRA, the TAT relative to now (ns, 0 when full);
 -- fixed, the count of the current window; sliding, a table c[1..m] of the m = slices + 1
 -- counts moved on to the current sub-window, c[m + 1] the sum of all but the oldest, c[m + 2]
--- the newest sub-window's index. False when Redis refused the key. Unreadable values (written
--- by someone else) count as nothing stored.
+-- the newest sub-window's index. False when Redis refused the key. Values of another length
+-- (written by someone else) count as nothing stored.
 local function load(key, g)
-  -- pcall: a refused key fails its decisions, not the whole call.
+  -- pcall: a refused key fails its decisions, not the whole call. A value is a string, a
+  -- missing key false, an error a table.
   local stored = pcall_redis('GET', key)
-  if type(stored) == 'table' and stored.err then
+  if stored and type(stored) == 'table' then
     return false
   end
-  local kind = at[4 * g - 3]
+  local kind = at[8 * g - 7]
   if kind == 0 then
-    local rel = 0
-    if stored then
-      local sec, ns = match(stored, '^(%d+) (%d+)$')
-      if sec then
-        rel = (tonumber(sec) - now_s) * 1000000000 + (tonumber(ns) - now_ns)
-      end
-      if rel < 0 then
-        rel = 0
+    if stored and #stored == 8 then
+      local sec, ns = sunpack('<I4I4', stored)
+      local rel = (sec - now_s) * 1000000000 + (ns - now_ns)
+      if rel > 0 then
+        return rel
       end
     end
-    return rel
+    return 0
   elseif kind == 1 then
-    if stored then
-      local w, n = match(stored, '^(%d+) (%d+)$')
+    if stored and #stored == 12 then
+      local w, n = sunpack('<dI4', stored)
       -- Another window's count (a past one, or a future one after a clock step back, as
       -- window.rs) is not this window's.
-      if w and tonumber(w) == qi[g] then
-        return tonumber(n)
+      if w == at[8 * g - 2] then
+        return n
       end
     end
     return 0
   end
-  local m = at[4 * g] + 1
-  local now_i = qi[g]
+  local m = at[8 * g - 4] + 1
+  local now_i = at[8 * g - 2]
   local c = {}
-  for x = 1, m + 2 do
-    c[x] = 0
-  end
   local newest = now_i
-  if stored then
-    local s, e, num = find(stored, '^(%d+)')
-    local sn = tonumber(num)
-    local x = 0
-    local pos = (e or 0) + 1
-    while s and x < m do
-      s, e, num = find(stored, '^ (%d+)', pos)
-      if s then
-        x = x + 1
-        c[x] = tonumber(num)
-        pos = e + 1
-      end
+  if stored and #stored == 8 + 4 * m then
+    -- v[1] the newest sub-window's index, v[2 .. m + 1] the counts (then struct's position).
+    local v = {sunpack(at[8 * g - 1], stored)}
+    -- Move the counts on to the current sub-window, as window.rs: the sub-windows that left
+    -- the window are dropped, those that passed without requests count zero; a stored index
+    -- after now (a clock step back) is kept.
+    local by = now_i - v[1]
+    if by <= 0 then
+      newest = v[1]
+      by = 0
+    elseif by > m then
+      by = m
     end
-    if sn and x == m and pos == #stored + 1 then
-      -- Move the counts on to the current sub-window, as window.rs: the sub-windows that
-      -- left the window are dropped, those that passed without requests count zero; a stored
-      -- index after now (a clock step back) is kept.
-      local by = now_i - sn
-      if by <= 0 then
-        newest = sn
-      elseif by >= m then
-        for y = 1, m do
-          c[y] = 0
-        end
-      else
-        for y = 1, m - by do
-          c[y] = c[y + by]
-        end
-        for y = m - by + 1, m do
-          c[y] = 0
-        end
-      end
-    else
-      for y = 1, m do
-        c[y] = 0
-      end
+    for y = 1, m - by do
+      c[y] = v[y + 1 + by]
+    end
+    for y = m - by + 1, m do
+      c[y] = 0
+    end
+  else
+    for y = 1, m do
+      c[y] = 0
     end
   end
   local rest = 0
@@ -253,167 +257,216 @@ end
 -- client.
 local states, dirty, dq = {}, {}, {}
 local nd = 0
--- Per quota of the decision being made (reused): its code and GCRA wait, 2 slots per quota.
+-- Per quota of the decision being made (reused): its code.
 local cur = {}
 local reply = {}
 local nr = 0
 
--- Numbers by their argument string: decisions repeat the same policy indices and costs, and
--- Lua strings are interned, so a lookup is much cheaper than parsing (strtod) again.
-local nums = {}
-
 a = a + 1
 local k = 0
-for _ = 1, tonumber(ARGV[a]) do
-  local ps, cs = ARGV[a + 1], ARGV[a + 2]
-  local p, cost = nums[ps], nums[cs]
-  if p == nil then
-    p = tonumber(ps)
-    nums[ps] = p
-  end
-  if cost == nil then
-    cost = tonumber(cs)
-    nums[cs] = cost
-  end
-  a = a + 2
-  local n, f = q[p], first[p]
-  local denied, refused = false, false
-  -- First every quota is checked, nothing written.
-  for i = 1, n do
-    local key = KEYS[k + i]
-    local g = f + i
-    local st = states[key]
-    if st == nil then
-      st = load(key, g)
-      states[key] = st
-    end
-    if st == false then
-      refused = true
-      break
-    end
-    local kind, limit = at[4 * g - 3], at[4 * g - 1]
-    local c, w = 0, 0
-    if cost > limit then
-      c = 2
-      denied = true
-    elseif kind == 0 then
-      -- The request fits when now >= TAT + (cost - 1) * T - tau, with tau = T * (burst - 1).
-      w = st + at[4 * g - 2] * (cost - limit)
-      if w > 0 then
-        c = 1
-        denied = true
+for _ = 1, tonumber(ARGV[a], 16) do
+  local count, p, cost = tonumber(ARGV[a + 1], 16), tonumber(ARGV[a + 2], 16), tonumber(ARGV[a + 3], 16)
+  a = a + 3
+  local n, f = pq[2 * p - 1], pq[2 * p]
+  local g1 = f + 1
+  if n == 1 and at[8 * g1 - 7] == 0 then
+    -- One GCRA quota (the usual policy): the same decision as below, with the quota's
+    -- numbers for this cost worked out once per run. Fits when TAT + T * (cost - burst) <= 0.
+    local t, burst = at[8 * g1 - 6], at[8 * g1 - 5]
+    local never, tol, step = cost > burst, t * (cost - burst), cost * t
+    for _ = 1, count do
+      k = k + 1
+      local key = KEYS[k]
+      local st = states[key]
+      if st == nil then
+        st = load(key, g1)
+        states[key] = st
+      end
+      if st == false then
+        reply[nr + 1], reply[nr + 2] = 4, 0
       else
-        w = 0
+        local c = 0
+        if never then
+          c = 2
+        elseif st + tol > 0 then
+          c = 1
+        else
+          st = st + step
+          states[key] = st
+          if not dq[key] then
+            dq[key] = g1
+            nd = nd + 1
+            dirty[nd] = key
+          end
+        end
+        if st > CLAMP then
+          reply[nr + 1], reply[nr + 2] = c, CLAMP
+        else
+          reply[nr + 1], reply[nr + 2] = c, st
+        end
       end
-    elseif kind == 1 then
-      if st + cost > limit then
-        c = 1
-        denied = true
-      end
-    else
-      local s, m = at[4 * g - 2], at[4 * g] + 1
-      if st[1] * (s - qr[g]) / s + st[m + 1] + cost > limit then
-        c = 1
-        denied = true
-      end
+      nr = nr + 2
     end
-    cur[2 * i - 1], cur[2 * i] = c, w
+    count = 0
   end
-
-  if refused then
-    for _ = 1, n do
-      reply[nr + 1], reply[nr + 2], reply[nr + 3], reply[nr + 4] = 4, 0, 0, 0
-      nr = nr + 4
-    end
-  else
-    -- Then, all allowed, every quota takes the cost; or, one denied, none does.
+  for _ = 1, count do
+    local denied, refused = false, false
+    -- First every quota is checked, nothing written.
     for i = 1, n do
       local key = KEYS[k + i]
       local g = f + i
-      local c, w = cur[2 * i - 1], cur[2 * i]
-      local kind, limit = at[4 * g - 3], at[4 * g - 1]
       local st = states[key]
-      if denied then
-        if c == 0 then
-          c = 3
-        end
-      else
-        if kind == 0 then
-          st = st + cost * at[4 * g - 2]
-          states[key] = st
-        elseif kind == 1 then
-          st = st + cost
-          states[key] = st
-        else
-          local m = at[4 * g] + 1
-          st[m] = st[m] + cost
-          st[m + 1] = st[m + 1] + cost
-        end
-        -- First change of this key in this call: remember to write it.
-        if not dq[key] then
-          dq[key] = g
-          nd = nd + 1
-          dirty[nd] = key
-        end
+      if st == nil then
+        st = load(key, g)
+        states[key] = st
       end
-      if kind == 0 then
-        local tat = st
-        if tat > CLAMP then
-          tat = CLAMP
+      if st == false then
+        refused = true
+        break
+      end
+      local kind, limit = at[8 * g - 7], at[8 * g - 5]
+      local c = 0
+      if cost > limit then
+        c = 2
+        denied = true
+      elseif kind == 0 then
+        -- The request fits when now >= TAT + (cost - 1) * T - tau, with tau = T * (burst - 1).
+        if st + at[8 * g - 6] * (cost - limit) > 0 then
+          c = 1
+          denied = true
         end
-        if w > CLAMP then
-          w = CLAMP
-        end
-        reply[nr + 1], reply[nr + 2], reply[nr + 3], reply[nr + 4] = c, tat, w, 0
       elseif kind == 1 then
-        reply[nr + 1], reply[nr + 2], reply[nr + 3], reply[nr + 4] = c, st, at[4 * g - 2] - qr[g], 0
+        if st + cost > limit then
+          c = 1
+          denied = true
+        end
       else
-        local s, m, r = at[4 * g - 2], at[4 * g] + 1, qr[g]
-        local rest = st[m + 1]
-        local remaining = floor(limit - (st[1] * (s - r) / s + rest))
-        if remaining <= 0 then
-          remaining = 0
+        local s, m = at[8 * g - 6], at[8 * g - 4] + 1
+        if st[1] * (s - at[8 * g - 3]) / s + st[m + 1] + cost > limit then
+          c = 1
+          denied = true
         end
-        local reset, retry = 0, 0
-        if remaining < limit then
-          reset = wait_us(st, m, s, r, limit, remaining + 1, st[1] + rest)
-        end
-        if c == 1 then
-          retry = wait_us(st, m, s, r, limit, cost, st[1] + rest)
-        end
-        reply[nr + 1], reply[nr + 2], reply[nr + 3], reply[nr + 4] = c, remaining, reset, retry
       end
-      nr = nr + 4
+      cur[i] = c
     end
+
+    if refused then
+      for i = 1, n do
+        local kind = at[8 * (f + i) - 7]
+        reply[nr + 1], reply[nr + 2] = 4, 0
+        nr = nr + 2
+        if kind ~= 0 then
+          reply[nr + 1] = 0
+          nr = nr + 1
+          if kind == 2 then
+            reply[nr + 1] = 0
+            nr = nr + 1
+          end
+        end
+      end
+    else
+      -- Then, all allowed, every quota takes the cost; or, one denied, none does.
+      for i = 1, n do
+        local key = KEYS[k + i]
+        local g = f + i
+        local c = cur[i]
+        local kind, limit = at[8 * g - 7], at[8 * g - 5]
+        local st = states[key]
+        if denied then
+          if c == 0 then
+            c = 3
+          end
+        else
+          if kind == 0 then
+            st = st + cost * at[8 * g - 6]
+            states[key] = st
+          elseif kind == 1 then
+            st = st + cost
+            states[key] = st
+          else
+            local m = at[8 * g - 4] + 1
+            st[m] = st[m] + cost
+            st[m + 1] = st[m + 1] + cost
+          end
+          -- First change of this key in this call: remember to write it.
+          if not dq[key] then
+            dq[key] = g
+            nd = nd + 1
+            dirty[nd] = key
+          end
+        end
+        if kind == 0 then
+          local tat = st
+          if tat > CLAMP then
+            tat = CLAMP
+          end
+          reply[nr + 1], reply[nr + 2] = c, tat
+          nr = nr + 2
+        elseif kind == 1 then
+          reply[nr + 1], reply[nr + 2], reply[nr + 3] = c, st, at[8 * g - 6] - at[8 * g - 3]
+          nr = nr + 3
+        else
+          local s, m, r = at[8 * g - 6], at[8 * g - 4] + 1, at[8 * g - 3]
+          local rest = st[m + 1]
+          local remaining = floor(limit - (st[1] * (s - r) / s + rest))
+          if remaining <= 0 then
+            remaining = 0
+          end
+          local reset, retry = 0, 0
+          if remaining < limit then
+            reset = wait_us(st, m, s, r, limit, remaining + 1, st[1] + rest)
+          end
+          if c == 1 then
+            retry = wait_us(st, m, s, r, limit, cost, st[1] + rest)
+          end
+          reply[nr + 1], reply[nr + 2], reply[nr + 3], reply[nr + 4] = c, remaining, reset, retry
+          nr = nr + 4
+        end
+      end
+    end
+    k = k + n
   end
-  k = k + n
 end
 
 -- Write each changed key once: a GCRA bucket expires when it is full again (a missing key is
 -- a full bucket), a fixed window at its end, a sliding window once its counts have all slid
--- out (a missing key is an empty window).
+-- out (a missing key is an empty window). Expiries are whole milliseconds, rounded up, as
+-- decimal strings formatted once per call for each distinct value (keys changed alike, e.g.
+-- fresh ones, a fixed window's, share it).
+local expiries = {}
 for i = 1, nd do
   local key = dirty[i]
   local g = dq[key]
-  local kind, len = at[4 * g - 3], at[4 * g - 2]
+  local kind, len = at[8 * g - 7], at[8 * g - 6]
   local st = states[key]
+  local value, ms
   if kind == 0 then
+    -- The TAT, now + st ns, as seconds and nanoseconds; `%` is exact up to rounding of its
+    -- quotient, which can only make r negative by one second.
     local total = now_ns + st
-    local carry = floor(total / 1000000000)
-    call('SET', key, format('%d %d', now_s + carry, total - carry * 1000000000),
-      'PX', format('%d', ceil(st / 1000000)))
-  elseif kind == 1 then
-    call('SET', key, format('%d %d', qi[g], st), 'PX', format('%d', ceil((len - qr[g]) / 1000)))
-  else
-    local m = at[4 * g] + 1
-    local newest = st[m + 2]
-    local ttl = ceil(((newest + m) * len - now_us) / 1000)
-    if ttl < 1 then
-      ttl = 1
+    local r = total % 1000000000
+    if r < 0 then
+      r = r + 1000000000
     end
-    -- concat writes numbers as "%.14g": exact for the counts (at most the limit, < 2^32), not
-    -- for the index (up to 2^53), which is formatted as an integer.
-    call('SET', key, format('%d ', newest) .. concat(st, ' ', 1, m), 'PX', format('%d', ttl))
+    value = spack('<I4I4', now_s + (total - r) / 1000000000, r)
+    ms = base_ms + ceil((base_us * 1000 + st) / 1000000)
+  elseif kind == 1 then
+    value = spack('<dI4', at[8 * g - 2], st)
+    ms = base_ms + ceil((base_us + len - at[8 * g - 3]) / 1000)
+  else
+    local m = at[8 * g - 4] + 1
+    local newest = st[m + 2]
+    value = spack(at[8 * g - 1], newest, tunpack(st, 1, m))
+    ms = base_ms + ceil((base_us + (newest + m) * len - now_us) / 1000)
   end
+  if ms < 1 then
+    ms = 1
+  end
+  local x = expiries[ms]
+  if x == nil then
+    x = format('%d', ms)
+    expiries[ms] = x
+  end
+  call('SET', key, value, px, x)
 end
 return reply

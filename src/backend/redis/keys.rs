@@ -1,7 +1,7 @@
 //! Where a bucket lives in Redis.
 //!
-//! A quota's key is `<prefix>:{<policy>:<key>}:<quota index>:<parameters>` (for GCRA
-//! `<emission ns>x<burst>`):
+//! A quota's key is `<prefix>:{<policy>:<key>}:<quota index><algorithm><parameters>` (for GCRA
+//! `g<emission ns>x<burst>`):
 //!
 //! - the part in braces is the Redis Cluster hash tag, the same for every quota of one decision,
 //!   so that the script's keys live in one slot (Redis Cluster refuses scripts whose keys span
@@ -75,12 +75,16 @@ pub(crate) fn key_base(policy_prefix: &[u8], key: &Key, out: &mut Vec<u8>) {
     out.extend_from_slice(b"}:");
 }
 
-/// The per-quota key suffixes, by algorithm: `<index>:<emission ns>x<burst>` (GCRA),
-/// `<index>:f<window µs>x<limit>` (fixed window), `<index>:s<sub-window µs>x<sub-windows>x<limit>`
+/// The per-quota key suffixes, by algorithm: `<index>g<emission ns>x<burst>` (GCRA),
+/// `<index>f<window µs>x<limit>` (fixed window), `<index>s<sub-window µs>x<sub-windows>x<limit>`
 /// (sliding window). The parameters are part of the key so that a changed quota (a raised
 /// limit, another algorithm, a reordered policy) starts from a fresh bucket, as on the local
 /// backend, instead of reading a state computed under other parameters; the old key expires by
 /// itself. Outside the hash tag: they do not move the slot.
+///
+/// Versions before the binary values (tollgate 0.1) wrote `<index>:<parameters>` with text
+/// values: those keys are never read (no value of one format is taken for the other) and
+/// expire by themselves.
 pub(crate) fn quota_suffixes(params: &[QuotaParams]) -> Vec<Box<[u8]>> {
     params
         .iter()
@@ -88,10 +92,10 @@ pub(crate) fn quota_suffixes(params: &[QuotaParams]) -> Vec<Box<[u8]>> {
         .map(|(i, p)| {
             let limit = p.burst;
             match p.kind {
-                QuotaKind::Gcra => format!("{i}:{}x{limit}", p.emission_ns),
-                QuotaKind::FixedWindow { window_us } => format!("{i}:f{window_us}x{limit}"),
+                QuotaKind::Gcra => format!("{i}g{}x{limit}", p.emission_ns),
+                QuotaKind::FixedWindow { window_us } => format!("{i}f{window_us}x{limit}"),
                 QuotaKind::SlidingWindow { slice_us, slices } => {
-                    format!("{i}:s{slice_us}x{slices}x{limit}")
+                    format!("{i}s{slice_us}x{slices}x{limit}")
                 }
             }
             .into_bytes()
@@ -136,12 +140,12 @@ mod tests {
         assert_eq!(
             k,
             [
-                "tollgate:{api:balice}:0:200000000x10",
-                "tollgate:{api:balice}:1:36000000000x100"
+                "tollgate:{api:balice}:0g200000000x10",
+                "tollgate:{api:balice}:1g36000000000x100"
             ]
         );
         let ip = keys("api", &Key::ip("127.0.0.1".parse().unwrap()));
-        assert_eq!(ip[0], "tollgate:{api:4%7F%00%00%01}:0:200000000x10");
+        assert_eq!(ip[0], "tollgate:{api:4%7F%00%00%01}:0g200000000x10");
     }
 
     #[test]
@@ -154,7 +158,7 @@ mod tests {
         assert_eq!(evil[0].matches('}').count(), 1);
         // Policy names may hold braces too.
         let p = keys("a{b}", &Key::global());
-        assert_eq!(p[0], "tollgate:{a%7Bb%7D:g}:0:200000000x10");
+        assert_eq!(p[0], "tollgate:{a%7Bb%7D:g}:0g200000000x10");
     }
 
     #[test]
@@ -179,9 +183,9 @@ mod tests {
         assert_eq!(
             k,
             [
-                "tollgate:{api:balice}:0:f3600000000x100",
-                "tollgate:{api:balice}:1:s5000000x12x100",
-                "tollgate:{api:balice}:2:s1000000x1x10",
+                "tollgate:{api:balice}:0f3600000000x100",
+                "tollgate:{api:balice}:1s5000000x12x100",
+                "tollgate:{api:balice}:2s1000000x1x10",
             ]
         );
     }

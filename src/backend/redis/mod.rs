@@ -79,20 +79,23 @@
 //! - **Cost larger than the burst** (or a window's limit) is answered
 //!   [`NeverFits`](crate::backend::Outcome::NeverFits), with the quota's real state from Redis
 //!   (nothing taken), or as an untouched quota when Redis cannot be asked.
-//! - **Keys** are `<prefix>:{<policy>:<client key>}:<quota index>:<parameters>`, one string
-//!   per quota, the parameters naming the algorithm so that a changed quota gets a fresh key:
+//! - **Keys** are `<prefix>:{<policy>:<client key>}:<quota index><parameters>`, one string
+//!   per quota, the parameters naming the algorithm so that a changed quota gets a fresh key;
+//!   values are binary (Redis's `struct` library, little-endian), so that the script parses
+//!   and formats no number as text:
 //!
 //!   | algorithm | suffix | value |
 //!   |---|---|---|
-//!   | GCRA | `<emission ns>x<burst>` | the theoretical arrival time, `<unix s> <ns>` |
-//!   | fixed window | `f<window µs>x<limit>` | `<window index> <count>` |
-//!   | sliding window | `s<sub-window µs>x<sub-windows>x<limit>` | `<newest sub-window index> <count> …` (oldest first, sub-windows + 1 counts) |
+//!   | GCRA | `g<emission ns>x<burst>` | the theoretical arrival time: unix seconds, nanoseconds (`<I4I4`) |
+//!   | fixed window | `f<window µs>x<limit>` | window index, count (`<dI4`) |
+//!   | sliding window | `s<sub-window µs>x<sub-windows>x<limit>` | newest sub-window index, then the counts, oldest first (`<d`, sub-windows + 1 × `I4`) |
 //!
 //!   Client keys are escaped so that none can reach another's key, keys are of bounded length,
 //!   and all quotas of one decision share one Redis Cluster hash slot (the suffix is outside
-//!   the hash tag). For example `tollgate:{api:balice}:0:200000000x10` for the key `alice`
-//!   under a 5 per second, burst 10 quota, and `tollgate:{api:balice}:1:s5000000x12x100` for
-//!   100 per minute kept as twelve 5-second sub-windows.
+//!   the hash tag). For example `tollgate:{api:balice}:0g200000000x10` for the key `alice`
+//!   under a 5 per second, burst 10 quota, and `tollgate:{api:balice}:1s5000000x12x100` for
+//!   100 per minute kept as twelve 5-second sub-windows. Keys written by tollgate 0.1 (text
+//!   values, `<quota index>:<parameters>`) are never read and expire by themselves.
 //!
 //! # When Redis fails
 //!

@@ -19,8 +19,22 @@ pub(crate) const SOURCE: &str = include_str!("gcra.lua");
 /// `NOSCRIPT` (after a restart, a failover or `SCRIPT FLUSH`) loads it and retries once.
 pub(crate) static SCRIPT: LazyLock<redis::Script> = LazyLock::new(|| redis::Script::new(SOURCE));
 
-/// Integers per quota in the script's arguments and in its reply.
+/// Integers per quota in the script's arguments.
 pub(crate) const PER_QUOTA: usize = 4;
+
+/// Integers per quota in the script's reply: GCRA 2 (code, TAT), fixed window 3 (code, count,
+/// time to the window's end), sliding window 4 (code, remaining, reset, retry).
+pub(crate) fn reply_len(params: &[QuotaParams]) -> usize {
+    params.iter().map(quota_reply_len).sum()
+}
+
+fn quota_reply_len(p: &QuotaParams) -> usize {
+    match p.kind {
+        QuotaKind::Gcra => 2,
+        QuotaKind::FixedWindow { .. } => 3,
+        QuotaKind::SlidingWindow { .. } => 4,
+    }
+}
 
 const ALLOWED: i64 = 0;
 const DENIED: i64 = 1;
@@ -41,11 +55,54 @@ fn quota_args(p: &QuotaParams) -> [u64; PER_QUOTA] {
 /// A policy's entry in the script's arguments, formatted once in `prepare()`: the number of
 /// quotas, then four numbers per quota.
 pub(crate) fn policy_args(params: &[QuotaParams]) -> Vec<Vec<u8>> {
-    let mut buf = itoa::Buffer::new();
     std::iter::once(params.len() as u64)
         .chain(params.iter().flat_map(quota_args))
-        .map(|n| buf.format(n).as_bytes().to_vec())
+        .map(|n| hex(n).as_bytes().to_vec())
         .collect()
+}
+
+/// A number as the script's arguments write it: lowercase hexadecimal, which the script parses
+/// with `strtoul` (decimal would go through `strtod`, several times dearer in Redis's CPU).
+pub(crate) fn hex(n: u64) -> Hex {
+    let mut buf = [0; 16];
+    let mut i = buf.len();
+    let mut n = n;
+    loop {
+        i -= 1;
+        buf[i] = b"0123456789abcdef"[(n & 15) as usize];
+        n >>= 4;
+        if n == 0 {
+            break;
+        }
+    }
+    Hex { buf, start: i }
+}
+
+/// A formatted [`hex`] number, on the stack.
+pub(crate) struct Hex {
+    buf: [u8; 16],
+    start: usize,
+}
+
+impl Hex {
+    pub(crate) fn as_bytes(&self) -> &[u8] {
+        &self.buf[self.start..]
+    }
+}
+
+/// The decisions of a call, in the script's arguments: runs of consecutive decisions with the
+/// same policy (1-based, in the call's list) and cost, as `count policy cost`, so that a busy
+/// call on one policy (the usual case) carries three numbers, not two per decision.
+pub(crate) fn runs(decisions: impl IntoIterator<Item = (usize, u32)>) -> SmallVec<[[u64; 3]; 4]> {
+    let mut runs: SmallVec<[[u64; 3]; 4]> = SmallVec::new();
+    for (policy, cost) in decisions {
+        let (policy, cost) = (policy as u64, u64::from(cost));
+        match runs.last_mut() {
+            Some(run) if run[1] == policy && run[2] == cost => run[0] += 1,
+            _ => runs.push([1, policy, cost]),
+        }
+    }
+    runs
 }
 
 /// The decision for a request whose cost exceeds the burst (or a window's limit) of some quota,
@@ -61,25 +118,28 @@ pub(crate) fn never_fits(params: &[QuotaParams], cost: NonZeroU32) -> Option<Dec
     (!states.is_empty()).then(|| Decision::new(states))
 }
 
-/// Turns the script's reply (four integers per quota) into a decision, with the same
-/// arithmetic as the local backend. The reply is not trusted: its length is checked, and its
-/// numbers are clamped to what the quota allows.
+/// Turns the script's reply (2 to 4 integers per quota, see [`reply_len`]) into a decision,
+/// with the same arithmetic as the local backend. The reply is not trusted: its length is
+/// checked, and its numbers are clamped to what the quota allows.
 pub(crate) fn decision(
     reply: &[i64],
     params: &[QuotaParams],
     cost: NonZeroU32,
 ) -> Result<Decision, BackendError> {
-    if reply.len() != PER_QUOTA * params.len() {
+    let expected = reply_len(params);
+    if reply.len() != expected {
         return Err(protocol(format!(
-            "script replied {} integers, expected {}",
+            "script replied {} integers, expected {expected}",
             reply.len(),
-            PER_QUOTA * params.len()
         )));
     }
     let mut states = SmallVec::<[QuotaState; 2]>::new();
-    for (index, (p, r)) in params.iter().zip(reply.chunks_exact(PER_QUOTA)).enumerate() {
-        let (code, x, y, z) = (r[0], nonneg(r[1]), nonneg(r[2]), nonneg(r[3]));
-        states.push(state(index, p, cost, code, x, y, z)?);
+    let mut at = 0;
+    for (index, p) in params.iter().enumerate() {
+        let r = &reply[at..at + quota_reply_len(p)];
+        at += r.len();
+        let n = |i: usize| r.get(i).copied().map_or(0, nonneg);
+        states.push(state(index, p, cost, r[0], n(1), n(2), n(3))?);
     }
     Ok(Decision::new(states))
 }
@@ -106,7 +166,7 @@ fn state(
         other => return Err(protocol(format!("script replied unknown code {other}"))),
     };
     Ok(match p.kind {
-        // `code, count after the decision, µs until the window's end, 0`.
+        // `code, count after the decision, µs until the window's end`.
         QuotaKind::FixedWindow { window_us } => {
             let count = u32::try_from(x).unwrap_or(u32::MAX);
             window::fixed_state(index, p, code, count, y.clamp(1, window_us.max(1)))
@@ -131,10 +191,18 @@ fn state(
                 reset_after: Duration::from_micros(y.min(longest)),
             }
         }
-        // `code, TAT after the decision (ns from now), wait (ns), 0`.
+        // `code, TAT after the decision (ns from now)`. A denial's wait, until the cost fits,
+        // is the TAT less the burst's tolerance for this cost, TAT + T × (cost − burst): the
+        // script's own test, computed here (exactly, in integers) rather than sent.
         QuotaKind::Gcra => match code {
             Code::Allowed => QuotaState::allowed(index, p, Duration::from_nanos(x)),
-            Code::Denied => QuotaState::denied(index, p, cost, Duration::from_nanos(y)),
+            Code::Denied => {
+                let t = u128::from(p.emission_ns);
+                let wait = (u128::from(x) + t * u128::from(cost.get()))
+                    .saturating_sub(t * u128::from(p.burst.get()));
+                let wait = u64::try_from(wait).unwrap_or(u64::MAX);
+                QuotaState::denied(index, p, cost, Duration::from_nanos(wait))
+            }
             Code::NeverFits => QuotaState::never_fits(index, p, Duration::from_nanos(x)),
         },
     })
@@ -159,7 +227,7 @@ mod tests {
     #[test]
     fn one_request_on_a_fresh_bucket_leaves_burst_minus_one() {
         let p = [params(5, 10)];
-        let d = decision(&[0, 200_000_000, 0, 0], &p, NonZeroU32::MIN).unwrap();
+        let d = decision(&[0, 200_000_000], &p, NonZeroU32::MIN).unwrap();
         assert!(d.is_allowed());
         assert_eq!(d.quotas()[0].remaining, 9);
         assert_eq!(d.quotas()[0].reset_after, Duration::from_millis(200));
@@ -167,10 +235,10 @@ mod tests {
 
     #[test]
     fn denied_remaining_counts_what_is_there() {
-        // Burst 5 at 1/s, cost 5, three units missing.
+        // Burst 5 at 1/s, cost 5, three units missing: the TAT is 3 s ahead.
         let p = [params(1, 5)];
         let cost = NonZeroU32::new(5).unwrap();
-        let d = decision(&[1, 7_000_000_000, 3_000_000_000, 0], &p, cost).unwrap();
+        let d = decision(&[1, 3_000_000_000], &p, cost).unwrap();
         assert_eq!(d.retry_after(), Some(Duration::from_secs(3)));
         assert_eq!(d.quotas()[0].remaining, 2);
         // The next unit is back in a second (`t`); the request fits in three.
@@ -180,12 +248,7 @@ mod tests {
     #[test]
     fn malformed_replies_are_protocol_errors() {
         let p = [params(1, 5)];
-        for reply in [
-            &[0, 0, 0][..],
-            &[9, 0, 0, 0][..],
-            &[][..],
-            &[0, 0, 0, 0, 0][..],
-        ] {
+        for reply in [&[0][..], &[9, 0][..], &[][..], &[0, 0, 0][..]] {
             let err = decision(reply, &p, NonZeroU32::MIN).unwrap_err();
             assert_eq!(err.kind(), BackendErrorKind::Protocol);
         }
@@ -208,24 +271,12 @@ mod tests {
             .into_iter()
             .map(|a| String::from_utf8(a).unwrap())
             .collect();
-        let expected = "3 0 200000000 10 0 1 60000000 10 0 2 5000000 100 12";
+        // Hexadecimal: 200 000 000 ns, 60 000 000 us, 5 000 000 us.
+        let expected = "3 0 bebc200 a 0 1 3938700 a 0 2 4c4b40 64 c";
         assert_eq!(args.join(" "), expected);
 
         // The fixed window denies (its count is full, 20 s to its end); the others had room.
-        let reply = [
-            3,
-            400_000_000,
-            0,
-            0,
-            1,
-            10,
-            20_000_000,
-            0,
-            3,
-            60,
-            1_500_000,
-            0,
-        ];
+        let reply = [3, 400_000_000, 1, 10, 20_000_000, 3, 60, 1_500_000, 0];
         let d = decision(&reply, &[gcra, fixed, sliding], NonZeroU32::MIN).unwrap();
         assert_eq!(d.retry_after(), Some(Duration::from_secs(20)));
         let q = d.quotas();
@@ -245,7 +296,7 @@ mod tests {
     fn untrusted_window_replies_are_clamped() {
         let fixed = window(crate::Quota::per_minute(10).fixed_window());
         let sliding = window(crate::Quota::per_second(10).sliding_window());
-        let reply = [1, i64::MAX, i64::MAX, -5, 1, i64::MAX, -1, i64::MAX];
+        let reply = [1, i64::MAX, i64::MAX, 1, i64::MAX, -1, i64::MAX];
         let d = decision(&reply, &[fixed, sliding], NonZeroU32::MIN).unwrap();
         let q = d.quotas();
         assert_eq!(q[0].remaining, 0);
@@ -258,6 +309,17 @@ mod tests {
             panic!("{q:?}")
         };
         assert_eq!(retry_after, Duration::from_secs(2));
+    }
+
+    #[test]
+    fn numbers_in_hexadecimal_and_decisions_in_runs() {
+        for n in [0, 1, 15, 16, 255, 1_000_000_007, u64::MAX] {
+            let h = hex(n);
+            assert_eq!(h.as_bytes(), format!("{n:x}").as_bytes());
+        }
+        let r = runs([(1, 1), (1, 1), (1, 1), (2, 1), (1, 1), (1, 5), (1, 5)]);
+        assert_eq!(&r[..], [[3, 1, 1], [1, 2, 1], [1, 1, 1], [2, 1, 5]]);
+        assert!(runs([]).is_empty());
     }
 
     #[test]
