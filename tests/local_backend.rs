@@ -472,3 +472,41 @@ fn futures_ready<F: std::future::Future + Unpin>(mut f: F) -> F::Output {
         std::task::Poll::Pending => panic!("the local backend is never pending"),
     }
 }
+
+/// A request a window quota refuses takes nothing from any quota of the policy, whatever the
+/// order of the quotas: window quotas are checked before anything is charged.
+#[tokio::test]
+async fn a_window_refusal_charges_no_quota() {
+    for window_first in [false, true] {
+        let s = setup();
+        let (gcra, window) = (Quota::per_hour(10), Quota::per_hour(2).fixed_window());
+        let policy = if window_first {
+            Policy::new("m", window).and(gcra)
+        } else {
+            Policy::new("m", gcra).and(window)
+        };
+        let p = prepare(&s.backend, &policy);
+        let k = key("k");
+        assert!(decide(&s, &p, &k, 1).await.is_allowed());
+        assert!(decide(&s, &p, &k, 1).await.is_allowed());
+        for _ in 0..5 {
+            let d = decide(&s, &p, &k, 1).await;
+            assert!(!d.is_allowed());
+            assert_eq!(d.quotas().len(), 1, "only the window that refused: {d:?}");
+        }
+        // The GCRA bucket (shared with a one-quota policy of the same name, index and
+        // parameters) lost only the two allowed units.
+        let gcra_index = usize::from(window_first);
+        if gcra_index == 0 {
+            let alone = prepare(&s.backend, &Policy::new("m", gcra));
+            let d = decide(&s, &alone, &k, 1).await;
+            assert_eq!(d.quotas()[0].remaining, 7, "{d:?}");
+        }
+        // An allowed decision reports every quota, in policy order.
+        s.clock.advance(Duration::from_secs(3600));
+        let d = decide(&s, &p, &k, 1).await;
+        assert!(d.is_allowed());
+        let indices: Vec<usize> = d.quotas().iter().map(|q| q.index).collect();
+        assert_eq!(indices, [0, 1]);
+    }
+}

@@ -188,6 +188,34 @@ impl SlidingState {
         sliding_state(index, params, code, &self.counts, slice_us, r, cost)
     }
 
+    /// What a request of `cost` at `now_us` would get, changing nothing and allocating
+    /// nothing: the counts as they stand at `now_us` are a tail of the stored ones (the
+    /// sub-windows since are empty, and empty counts weigh nothing).
+    pub(crate) fn check(
+        &self,
+        index: usize,
+        params: &QuotaParams,
+        slice_us: u64,
+        now_us: u64,
+        cost: NonZeroU32,
+    ) -> QuotaState {
+        let by = (now_us / slice_us).saturating_sub(self.slice);
+        let counts = usize::try_from(by)
+            .ok()
+            .and_then(|by| self.counts.get(by..))
+            .unwrap_or(&[]);
+        let r = now_us % slice_us;
+        let limit = params.burst.get();
+        let code = if cost.get() > limit {
+            Code::NeverFits
+        } else if estimate(counts, slice_us, r) + f64::from(cost.get()) <= f64::from(limit) {
+            Code::Allowed
+        } else {
+            Code::Denied
+        };
+        sliding_state(index, params, code, counts, slice_us, r, cost)
+    }
+
     /// The state at `now_us` without deciding anything.
     pub(crate) fn peek(
         &self,
@@ -321,7 +349,7 @@ pub(crate) fn wait_us(counts: &[u32], slice_us: u64, r: u64, limit: u32, cost: u
         }
     }
     // Every count has slid out.
-    n as u64 * s - r
+    (n as u64 * s).saturating_sub(r)
 }
 
 #[cfg(test)]
@@ -444,6 +472,34 @@ mod tests {
             };
             assert!(fits_after(wait), "fits at the wait");
             assert!(wait == 0 || !fits_after(wait - 1), "not a µs earlier");
+        }
+    }
+
+    #[test]
+    fn checking_agrees_with_deciding_and_changes_nothing() {
+        let p = params(
+            Quota::per_minute(7)
+                .sliding_window()
+                .resolution(Duration::from_secs(20)),
+        );
+        let s_us = 20_000_000;
+        let mut s = SlidingState::new(3);
+        let mut now = 1_700_000_000_000_000u64;
+        let mut seed = 3u64;
+        for _ in 0..2000 {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            now += (seed >> 40) % 15_000_000;
+            let cost = NonZeroU32::new(1 + ((seed >> 20) % 4) as u32).unwrap();
+            let before = s.clone();
+            let checked = s.check(0, &p, s_us, now, cost);
+            assert_eq!(s, before, "check changes nothing");
+            let decided = s.decide(0, &p, s_us, now, cost);
+            assert_eq!(checked.outcome, decided.outcome);
+            if decided.outcome != Outcome::Allowed {
+                assert_eq!(checked, decided);
+            }
         }
     }
 

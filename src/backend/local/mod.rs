@@ -23,8 +23,12 @@
 //!   already taken from quotas `0..i` stay taken. A multi-quota policy therefore never lets
 //!   through more than any of its quotas allows, but a request denied by a later quota may use
 //!   up capacity of an earlier one. Put the quota most likely to deny (usually the shortest
-//!   window) first: a request it denies touches nothing else. The same holds for window
-//!   quotas. The Redis backend is all-or-nothing.
+//!   window) first: a request it denies touches nothing else. Window quotas are this crate's
+//!   own counters and are checked before anything is charged: a request a window refuses
+//!   takes nothing from any quota (they are charged after the GCRA quotas, so a GCRA denial
+//!   does not charge them either; only two concurrent requests racing for a window's last
+//!   units can see a window refuse after the GCRA quotas were charged). The Redis backend is
+//!   all-or-nothing.
 //! - **Monotonic time.** The default clock is [`MonotonicClock`] (`std::time::Instant`), not
 //!   the TSC-based quanta clock that can go backwards between cores (governor#299). Tests
 //!   inject [`FakeRelativeClock`] with
@@ -547,8 +551,30 @@ where
         }
         let inner = &*self.inner;
         let clock = &inner.clock;
+        // Window quotas are this crate's own counters: in a policy of several quotas, a
+        // request one of them refuses is refused before any quota is charged. They are then
+        // charged last, after the GCRA quotas (which governor cannot test without charging).
+        let windows = policy.limiters.len() > 1
+            && (policy.limiters.iter()).any(|q| matches!(q.counter, Counter::Window(_)));
+        if windows {
+            let now_us = inner.now_us();
+            for (index, quota) in policy.limiters.iter().enumerate() {
+                if let Counter::Window(store) = &quota.counter {
+                    let state = store.check(index, key, now_us, cost);
+                    if state.outcome != Outcome::Allowed {
+                        return ready(Ok(Decision::new([state])));
+                    }
+                }
+            }
+        }
+        let order = (policy.limiters.iter().enumerate())
+            .filter(|(_, q)| !windows || matches!(q.counter, Counter::Gcra { .. }))
+            .chain(
+                (policy.limiters.iter().enumerate())
+                    .filter(|(_, q)| windows && matches!(q.counter, Counter::Window(_))),
+            );
         let mut states = smallvec::SmallVec::<[QuotaState; 2]>::new();
-        for (index, quota) in policy.limiters.iter().enumerate() {
+        for (index, quota) in order {
             let params = &quota.params;
             let state = match &quota.counter {
                 Counter::Window(store) => store.decide(index, key, inner.now_us(), cost),
@@ -576,6 +602,10 @@ where
             if stop {
                 break;
             }
+        }
+        // Reported in policy order.
+        if windows {
+            states.sort_unstable_by_key(|s| s.index);
         }
         ready(Ok(Decision::new(states)))
     }

@@ -147,6 +147,40 @@ impl WindowStore {
         }
     }
 
+    /// What `key`'s counter would say of a request of `cost` at `now_us`, changing nothing.
+    pub(super) fn check(
+        &self,
+        index: usize,
+        key: &Key,
+        now_us: u64,
+        cost: NonZeroU32,
+    ) -> QuotaState {
+        let p = &self.params;
+        match &self.counters {
+            Counters::Fixed { window_us, map } => {
+                let now_window = now_us / window_us;
+                let packed = map.get(key).map_or(0, |c| c.load(Ordering::Acquire));
+                let mut state = if packed == 0 {
+                    FixedState::default()
+                } else {
+                    unpack(packed, now_window)
+                };
+                state.decide(index, p, *window_us, now_us, cost)
+            }
+            Counters::Sliding {
+                slice_us,
+                slices,
+                map,
+            } => match map.get(key) {
+                Some(state) => {
+                    let state = state.lock().unwrap_or_else(|p| p.into_inner());
+                    state.check(index, p, *slice_us, now_us, cost)
+                }
+                None => SlidingState::new(*slices).check(index, p, *slice_us, now_us, cost),
+            },
+        }
+    }
+
     /// `key`'s state at `now_us`, changing nothing (a fresh one when untracked).
     pub(super) fn peek(&self, index: usize, key: &Key, now_us: u64) -> QuotaState {
         let p = &self.params;
