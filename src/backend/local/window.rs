@@ -56,6 +56,15 @@ fn unpack(packed: u64, now_window: u64) -> FixedState {
     }
 }
 
+/// `key`'s fixed-window state as stored, read at window `now_window` (nothing counted when
+/// untracked).
+fn stored(map: &DashMap<Key, AtomicU64, RandomState>, key: &Key, now_window: u64) -> FixedState {
+    match map.get(key).map_or(0, |c| c.load(Ordering::Acquire)) {
+        0 => FixedState::default(),
+        packed => unpack(packed, now_window),
+    }
+}
+
 fn pack(state: FixedState) -> u64 {
     (state.window & 0xFFFF_FFFF) << 32 | u64::from(state.count)
 }
@@ -158,13 +167,7 @@ impl WindowStore {
         let p = &self.params;
         match &self.counters {
             Counters::Fixed { window_us, map } => {
-                let now_window = now_us / window_us;
-                let packed = map.get(key).map_or(0, |c| c.load(Ordering::Acquire));
-                let mut state = if packed == 0 {
-                    FixedState::default()
-                } else {
-                    unpack(packed, now_window)
-                };
+                let mut state = stored(map, key, now_us / window_us);
                 state.decide(index, p, *window_us, now_us, cost)
             }
             Counters::Sliding {
@@ -186,14 +189,7 @@ impl WindowStore {
         let p = &self.params;
         match &self.counters {
             Counters::Fixed { window_us, map } => {
-                let now_window = now_us / window_us;
-                let packed = map.get(key).map_or(0, |c| c.load(Ordering::Acquire));
-                let state = if packed == 0 {
-                    FixedState::default()
-                } else {
-                    unpack(packed, now_window)
-                };
-                state.peek(index, p, *window_us, now_us)
+                stored(map, key, now_us / window_us).peek(index, p, *window_us, now_us)
             }
             Counters::Sliding {
                 slice_us,
