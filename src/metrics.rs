@@ -96,25 +96,14 @@ pub(crate) enum Outcome {
     FallbackDenied,
     FailClosed,
     ShadowError,
+    // The last: `Outcome::COUNT` counts up to it.
     Free,
 }
 
 impl Outcome {
+    /// How many outcomes there are: `outcome as usize` is below it.
     #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
-    const ALL: [Outcome; 12] = [
-        Outcome::Allowed,
-        Outcome::Denied,
-        Outcome::NeverFits,
-        Outcome::ShadowDenied,
-        Outcome::MissingKey,
-        Outcome::NoPeerAddress,
-        Outcome::FailOpen,
-        Outcome::FallbackAllowed,
-        Outcome::FallbackDenied,
-        Outcome::FailClosed,
-        Outcome::ShadowError,
-        Outcome::Free,
-    ];
+    const COUNT: usize = Outcome::Free as usize + 1;
 
     /// The `outcome` label (also in the debug event of each decision).
     pub(crate) fn label(self) -> &'static str {
@@ -306,7 +295,7 @@ mod imp {
                     .iter()
                     .map(|l| SharedString::from(Arc::<str>::from(&**l)))
                     .collect(),
-                decisions: (0..Outcome::ALL.len() * slots)
+                decisions: (0..Outcome::COUNT * slots)
                     .map(|_| OnceLock::new())
                     .collect(),
                 near: (0..labels.len()).map(|_| OnceLock::new()).collect(),
@@ -324,7 +313,7 @@ mod imp {
             let slot = quota
                 .filter(|&q| q < self.quotas.len())
                 .unwrap_or(slots - 1);
-            let index = Outcome::ALL.iter().position(|&o| o == outcome).unwrap_or(0) * slots + slot;
+            let index = outcome as usize * slots + slot;
             let Some(cell) = self.decisions.get(index) else {
                 return;
             };

@@ -551,16 +551,18 @@ where
         }
         let inner = &*self.inner;
         let clock = &inner.clock;
+        // One reading of the time for every window quota of the decision.
+        let now_us = std::cell::OnceCell::new();
+        let now_us = || *now_us.get_or_init(|| inner.now_us());
         // Window quotas are this crate's own counters: in a policy of several quotas, a
         // request one of them refuses is refused before any quota is charged. They are then
         // charged last, after the GCRA quotas (which governor cannot test without charging).
         let windows = policy.limiters.len() > 1
             && (policy.limiters.iter()).any(|q| matches!(q.counter, Counter::Window(_)));
         if windows {
-            let now_us = inner.now_us();
             for (index, quota) in policy.limiters.iter().enumerate() {
                 if let Counter::Window(store) = &quota.counter {
-                    let state = store.check(index, key, now_us, cost);
+                    let state = store.check(index, key, now_us(), cost);
                     if state.outcome != Outcome::Allowed {
                         return ready(Ok(Decision::new([state])));
                     }
@@ -577,7 +579,7 @@ where
         for (index, quota) in order {
             let params = &quota.params;
             let state = match &quota.counter {
-                Counter::Window(store) => store.decide(index, key, inner.now_us(), cost),
+                Counter::Window(store) => store.decide(index, key, now_us(), cost),
                 Counter::Gcra { limiter, start, .. } => match limiter.check_key_n(key, cost) {
                     Ok(Ok(snapshot)) => {
                         // The bucket's new arrival time, as the store just wrote it.
