@@ -14,6 +14,12 @@ pub mod local;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redis;
+#[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
+#[cfg_attr(
+    docsrs,
+    doc(cfg(any(feature = "redis", feature = "postgres", feature = "mysql")))
+)]
+pub mod remote;
 #[cfg_attr(not(feature = "local"), allow(dead_code))]
 pub(crate) mod window;
 

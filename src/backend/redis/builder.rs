@@ -1,23 +1,17 @@
 //! Configuring a [`RedisBackend`].
 
 use std::fmt;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::{ClusterClient, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
 
-use super::backend::{Counters, FailurePolicy, Inner, RedisBackend};
-use super::breaker::Breaker;
-use super::clock::{Clock, TestClock};
+use super::backend::{RedisBackend, RedisStore};
 use super::conn::{Conn, Lazy};
-use super::deny_cache::Budget;
-use super::redact::{self, Secrets};
-use super::{health::Health, keys};
 use crate::ConfigError;
-use crate::backend::LocalBackend;
+use crate::backend::remote::redact::{self, Secrets};
+use crate::backend::remote::{FailurePolicy, MAX_DURATION, Options, Remote, TestClock, keys};
 
 /// Configures a [`RedisBackend`]: where Redis is, and how to behave when it fails. Methods take
 /// and return the builder by value.
@@ -34,13 +28,7 @@ use crate::backend::LocalBackend;
 pub struct RedisBackendBuilder {
     target: Option<Target>,
     prefix: String,
-    timeout: Duration,
-    on_failure: FailurePolicy,
-    breaker_threshold: u32,
-    probe_interval: Duration,
-    deny_cache_capacity: usize,
-    batching: bool,
-    test_clock: Option<TestClock>,
+    opts: Options,
 }
 
 enum Target {
@@ -56,13 +44,7 @@ impl RedisBackend {
         RedisBackendBuilder {
             target: None,
             prefix: "tollgate".to_owned(),
-            timeout: Duration::from_millis(100),
-            on_failure: FailurePolicy::default(),
-            breaker_threshold: 5,
-            probe_interval: Duration::from_millis(500),
-            deny_cache_capacity: 65_536,
-            batching: true,
-            test_clock: None,
+            opts: Options::default(),
         }
     }
 }
@@ -126,13 +108,13 @@ impl RedisBackendBuilder {
     /// hour) before the [failure policy](Self::on_failure) answers instead, counted from the
     /// moment it is asked for. A call that timed out may still reach Redis and take its units.
     pub fn timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout.clamp(Duration::from_millis(1), MAX_DURATION);
+        self.opts.timeout = timeout.clamp(Duration::from_millis(1), MAX_DURATION);
         self
     }
 
     /// What requests get while Redis cannot decide (default [`FailurePolicy::FailOpen`]).
     pub fn on_failure(mut self, policy: FailurePolicy) -> Self {
-        self.on_failure = policy;
+        self.opts.on_failure = policy;
         self
     }
 
@@ -145,15 +127,15 @@ impl RedisBackendBuilder {
     /// errors count; errors Redis answers with (a refused key) do not. There is one breaker per
     /// backend, also on a Redis Cluster: see the [module docs](super#when-redis-fails).
     pub fn circuit_breaker(mut self, consecutive_failures: u32, probe_interval: Duration) -> Self {
-        self.breaker_threshold = consecutive_failures.max(1);
-        self.probe_interval = probe_interval.clamp(Duration::from_millis(10), MAX_DURATION);
+        self.opts.breaker_threshold = consecutive_failures.max(1);
+        self.opts.probe_interval = probe_interval.clamp(Duration::from_millis(10), MAX_DURATION);
         self
     }
 
     /// The most denials kept in the local deny cache, over all policies (default 65 536);
     /// `0` turns the cache off.
     pub fn deny_cache_capacity(mut self, capacity: usize) -> Self {
-        self.deny_cache_capacity = capacity;
+        self.opts.deny_cache_capacity = capacity;
         self
     }
 
@@ -162,7 +144,7 @@ impl RedisBackendBuilder {
     /// over several Redis nodes (decisions of different clients live in different slots).
     /// Redis Cluster connections never batch.
     pub fn batching(mut self, on: bool) -> Self {
-        self.batching = on;
+        self.opts.batching = on;
         self
     }
 
@@ -171,7 +153,7 @@ impl RedisBackendBuilder {
     /// with governor's `FakeRelativeClock`. Keys still expire on Redis's real clock.
     #[doc(hidden)]
     pub fn test_clock(mut self, clock: TestClock) -> Self {
-        self.test_clock = Some(clock);
+        self.opts.test_clock = Some(clock);
         self
     }
 
@@ -196,7 +178,10 @@ impl RedisBackendBuilder {
                         option: "url",
                         reason: format!("{endpoint:?}: {}", secrets.scrub(&e.to_string())),
                     })?;
-                Conn::Single(Lazy::from_source((client, manager_config(self.timeout))))
+                Conn::Single(Lazy::from_source((
+                    client,
+                    manager_config(self.opts.timeout),
+                )))
             }
             Some(Target::Cluster(nodes)) => {
                 if nodes.is_empty() {
@@ -218,46 +203,23 @@ impl RedisBackendBuilder {
                         reason: format!("[{endpoint}]: {}", secrets.scrub(&e.to_string())),
                     })?;
                 let config = ClusterConfig::new()
-                    .set_connection_timeout(connect_timeout(self.timeout))
-                    .set_response_timeout(self.timeout.max(Duration::from_millis(250)));
+                    .set_connection_timeout(connect_timeout(self.opts.timeout))
+                    .set_response_timeout(self.opts.timeout.max(Duration::from_millis(250)));
                 Conn::Cluster(Lazy::from_source((client, config)))
             }
             Some(Target::Manager(c)) => Conn::Single(Lazy::ready(c)),
             Some(Target::ClusterConnection(c)) => Conn::Cluster(Lazy::ready(c)),
         };
-        let local = (self.on_failure == FailurePolicy::FallbackLocal).then(LocalBackend::new);
+        let store = RedisStore {
+            conn,
+            endpoint,
+            prefix: self.prefix,
+        };
         Ok(RedisBackend {
-            inner: Arc::new(Inner {
-                conn,
-                endpoint,
-                who,
-                secrets,
-                health: Health::default(),
-                prefix: self.prefix,
-                timeout: self.timeout,
-                on_failure: self.on_failure,
-                breaker: Breaker::new(self.breaker_threshold, self.probe_interval),
-                budget: Arc::new(Budget {
-                    capacity: self.deny_cache_capacity,
-                    used: AtomicUsize::new(0),
-                }),
-                clock: match self.test_clock {
-                    Some(c) => Clock::Test(c),
-                    None => Clock::Real(Instant::now()),
-                },
-                local,
-                warmed: AtomicBool::new(false),
-                counters: Counters::default(),
-                batcher: Default::default(),
-                batching: self.batching,
-            }),
+            remote: Remote::new(store, who, secrets, self.opts),
         })
     }
 }
-
-/// The longest timeout and probe interval: longer ones are not useful for a rate limiter, and
-/// the cap keeps every deadline computed from them far from overflowing.
-const MAX_DURATION: Duration = Duration::from_secs(3600);
 
 /// Where a target is, passwords masked (for `RedisBackend::endpoint`), the same in a phrase for
 /// logs, and the passwords to remove from error texts.
@@ -322,11 +284,11 @@ impl fmt::Debug for RedisBackendBuilder {
         f.debug_struct("RedisBackendBuilder")
             .field("target", &target)
             .field("prefix", &self.prefix)
-            .field("timeout", &self.timeout)
-            .field("on_failure", &self.on_failure)
-            .field("breaker_threshold", &self.breaker_threshold)
-            .field("probe_interval", &self.probe_interval)
-            .field("deny_cache_capacity", &self.deny_cache_capacity)
+            .field("timeout", &self.opts.timeout)
+            .field("on_failure", &self.opts.on_failure)
+            .field("breaker_threshold", &self.opts.breaker_threshold)
+            .field("probe_interval", &self.opts.probe_interval)
+            .field("deny_cache_capacity", &self.opts.deny_cache_capacity)
             .finish()
     }
 }

@@ -209,24 +209,21 @@
 //! [`LocalBackend`]: crate::backend::LocalBackend
 
 mod backend;
-mod batch;
-mod breaker;
 mod builder;
-mod clock;
 mod conn;
-mod deny_cache;
-mod future;
-mod health;
-mod keys;
-mod redact;
+mod failure;
 mod script;
 
-pub use backend::{FailurePolicy, RedisBackend, RedisPolicy, RedisStats};
-pub use builder::RedisBackendBuilder;
+/// What requests get while Redis cannot decide: the failure policy of every remote backend.
+pub use crate::backend::remote::FailurePolicy;
+/// The future of a Redis decision (the future of every remote backend).
+pub use crate::backend::remote::RemoteFuture as RedisFuture;
+/// Why Redis is failing, in [`RedisStats::failing`]: the cause every remote backend reports.
+pub use crate::backend::remote::StoreFailure as RedisFailure;
 #[doc(hidden)]
-pub use clock::TestClock;
-pub use future::RedisFuture;
-pub use health::RedisFailure;
+pub use crate::backend::remote::TestClock;
+pub use backend::{RedisBackend, RedisPolicy, RedisStats};
+pub use builder::RedisBackendBuilder;
 /// The redis-rs crate this backend speaks through, so that a connection handed to
 /// [`connection_manager`](RedisBackendBuilder::connection_manager) or
 /// [`cluster_connection`](RedisBackendBuilder::cluster_connection) is of the right version

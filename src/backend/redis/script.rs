@@ -105,19 +105,6 @@ pub(crate) fn runs(decisions: impl IntoIterator<Item = (usize, u32)>) -> SmallVe
     runs
 }
 
-/// The decision for a request whose cost exceeds the burst (or a window's limit) of some quota,
-/// made without Redis (when Redis cannot be asked), reporting only the quotas it can never fit,
-/// as full buckets (empty windows).
-pub(crate) fn never_fits(params: &[QuotaParams], cost: NonZeroU32) -> Option<Decision> {
-    let states: SmallVec<[QuotaState; 2]> = params
-        .iter()
-        .enumerate()
-        .filter(|(_, p)| cost > p.burst)
-        .map(|(index, p)| QuotaState::never_fits(index, p, Duration::ZERO))
-        .collect();
-    (!states.is_empty()).then(|| Decision::new(states))
-}
-
 /// Turns the script's reply (2 to 4 integers per quota, see [`reply_len`]) into a decision,
 /// with the same arithmetic as the local backend. The reply is not trusted: its length is
 /// checked, and its numbers are clamped to what the quota allows.
@@ -320,15 +307,5 @@ mod tests {
         let r = runs([(1, 1), (1, 1), (1, 1), (2, 1), (1, 1), (1, 5), (1, 5)]);
         assert_eq!(&r[..], [[3, 1, 1], [1, 2, 1], [1, 1, 1], [2, 1, 5]]);
         assert!(runs([]).is_empty());
-    }
-
-    #[test]
-    fn never_fits_is_decided_without_redis() {
-        let p = [params(1, 5), params(1, 2)];
-        assert!(never_fits(&p, NonZeroU32::new(2).unwrap()).is_none());
-        let d = never_fits(&p, NonZeroU32::new(3).unwrap()).unwrap();
-        assert!(d.never_fits());
-        assert_eq!(d.quotas().len(), 1);
-        assert_eq!(d.quotas()[0].index, 1);
     }
 }

@@ -4,9 +4,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-/// A manually advanced clock for tests, shared by the Redis script (which then uses it instead
+/// A manually advanced clock for tests, shared by the store (which then decides at its time instead
 /// of `TIME`) and the deny cache. Not part of the public API: see
-/// [`RedisBackendBuilder::test_clock`](super::RedisBackendBuilder::test_clock).
+/// `test_clock` on the remote backends' builders (hidden from the docs).
 #[doc(hidden)]
 #[derive(Debug, Clone)]
 pub struct TestClock {

@@ -1,41 +1,41 @@
-//! The local deny cache: once Redis denied a key, answer it here until the retry time.
+//! The local deny cache: once the store denied a key, answer it here until the retry time.
 //!
-//! # Why it never denies what Redis would allow
+//! # Why it never denies what the store would allow
 //!
-//! For every algorithm the script runs, the earliest time at which a denied request fits never
+//! For every algorithm the store's script or SQL runs, the earliest time at which a denied request fits never
 //! moves earlier, whatever other requests, replicas or clients do:
 //!
 //! - **GCRA** keeps one number per bucket, its theoretical arrival time (TAT), and a request of
-//!   cost `c` fits at time `now` exactly when `now >= TAT + (c - 1)·T - τ`. Every change Redis
+//!   cost `c` fits at time `now` exactly when `now >= TAT + (c - 1)·T - τ`. Every change the store
 //!   makes to a TAT moves it *later* (an allowed request sets it to `max(TAT, now) + c·T`), and
 //!   a bucket whose key expired is one whose TAT has passed, which is the same as a fresh one.
 //!   A larger cost `c'` fits `(c' - c)·T` later still, so its exact wait is computed too.
 //! - **Fixed window**: within a window the count only grows, so a denied request stays denied
-//!   until the window's end, which is the `retry_after` Redis gives (for every larger cost
+//!   until the window's end, which is the `retry_after` the store gives (for every larger cost
 //!   too); the key expires at that same instant.
 //! - **Sliding window**: with nothing more counted, the estimate `E` only falls as time passes
 //!   (the oldest count slides out linearly, and leaves when it reaches zero weight), and more
 //!   counts only raise it; the key expires when every count has slid out, which is an empty
 //!   window. So `retry_after` is again a bound that stays valid. Two things the cache cannot
-//!   recompute without the counts (which stay in Redis): `remaining`, which grows at
+//!   recompute without the counts (which stay in the store): `remaining`, which grows at
 //!   `reset_after`, and the wait of a larger cost. So a denial by a sliding window is cached
 //!   only until its `reset_after` (for a denied cost-1 request, that is its `retry_after`:
 //!   the flood case is fully covered), and answers only requests of the same cost.
 //!
-//! So when Redis says at time `t_r` that the request must wait `W`, it is denied until
+//! So when the store says at time `t_r` that the request must wait `W`, it is denied until
 //! `t_r + W`. The cache stores `t_send + W`, where `t_send` (taken before the call left) is not
 //! later than `t_r`, and answers requests of the same cost until then, their waits shrinking
-//! with the time elapsed since `t_send`, exactly as Redis would report them. A larger cost is
+//! with the time elapsed since `t_send`, exactly as the store would report them. A larger cost is
 //! answered only when every quota of the policy denied, none is a sliding window and the cost
 //! fits every burst (otherwise a quota that had room, or a cost that can never fit, could be
-//! reported differently from Redis); a smaller cost may fit sooner and always goes to Redis.
+//! reported differently from the store); a smaller cost may fit sooner and always goes to the store.
 //!
 //! The argument needs the keys to be changed only by this script. It breaks when someone
-//! deletes the keys by hand, or when Redis loses them (a restart without persistence, a
-//! failover to a replica that had not received the last writes): Redis would then allow again
+//! deletes the keys by hand, or when the store loses them (a restart without persistence, a
+//! failover to a replica that had not received the last writes): the store would then allow again
 //! while the cache still denies, for at most the retry time it had given.
 //!
-//! Entries belong to one prepared policy (each [`RedisPolicy`](super::RedisPolicy) owns its
+//! Entries belong to one prepared policy (each prepared remote policy owns its
 //! cache), so when a policy is replaced at run time, for instance by one with a higher limit,
 //! the old denials no longer apply.
 //!
@@ -149,7 +149,7 @@ impl DenyCache {
         None
     }
 
-    /// Records that Redis denied `key` for `cost`, in a call sent at `sent_ns`.
+    /// Records that the store denied `key` for `cost`, in a call sent at `sent_ns`.
     pub(crate) fn insert(
         &self,
         key: &Key,
@@ -164,7 +164,7 @@ impl DenyCache {
         let Some(mut wait) = decision.retry_after() else {
             return;
         };
-        // A sliding window's `remaining` grows at its `reset_after`, which only Redis can tell
+        // A sliding window's `remaining` grows at its `reset_after`, which only the store can tell
         // the next value of: hold its denial until then (module docs).
         let mut larger = decision.quotas().len() == params.len();
         for s in decision.quotas() {
@@ -207,7 +207,7 @@ impl DenyCache {
         }
     }
 
-    /// Forgets `key`'s denial: Redis has just allowed a request on it (a smaller cost), so
+    /// Forgets `key`'s denial: the store has just allowed a request on it (a smaller cost), so
     /// the counts the cached denial reports are out of date.
     pub(crate) fn forget(&self, key: &Key) {
         if self.budget.capacity != 0 && self.map.remove(key).is_some() {
@@ -263,7 +263,7 @@ impl Drop for DenyCache {
 
 /// The stored decision as it stands at `now_ns` for a request of `cost` (the denied cost, or
 /// a larger one when the entry allows it): the denials' waits shrink with the time elapsed
-/// since the call was sent; the other quotas are reported as Redis reported them.
+/// since the call was sent; the other quotas are reported as the store reported them.
 fn replay(entry: &Entry, cost: NonZeroU32, now_ns: u64, params: &[QuotaParams]) -> Decision {
     let elapsed = now_ns.saturating_sub(entry.sent_ns);
     let extra_units = u64::from(cost.get() - entry.cost.get());
@@ -292,7 +292,7 @@ fn replay(entry: &Entry, cost: NonZeroU32, now_ns: u64, params: &[QuotaParams]) 
             // Fixed: denied until the window's end whatever the cost (entries are never kept
             // past it), and the count, so `remaining`, cannot fall before then. Sliding: the
             // same cost only, never past `reset_after`, so `remaining` is unchanged. Both
-            // waits point at the same instants as when Redis gave them.
+            // waits point at the same instants as when the store gave them.
             QuotaKind::FixedWindow { .. } | QuotaKind::SlidingWindow { .. } => QuotaState {
                 outcome: Outcome::Denied {
                     retry_after: shrink(retry_after),
@@ -394,7 +394,7 @@ mod tests {
         assert!(cache.get(&key, NonZeroU32::MIN, 300_000_000, &p).is_none());
 
         // A fixed window alone: larger costs too, until the window's end; not a cost beyond
-        // the limit (Redis reports those as never fitting).
+        // the limit (the store reports those as never fitting).
         let p = [p[0]];
         let d = Decision::new([denied(0, 10, 2, 20_000, 20_000)]);
         cache.insert(&key, NonZeroU32::new(3).unwrap(), 0, &d, &p);

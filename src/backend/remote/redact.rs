@@ -101,11 +101,6 @@ impl Secrets {
         Secrets(secrets)
     }
 
-    /// Whether there is no secret to remove (no URL held a password).
-    pub(crate) fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
-
     /// `text` with every URL's credentials and every known secret replaced by `***`.
     pub(crate) fn scrub<'t>(&self, text: &'t str) -> Cow<'t, str> {
         let mut text = Cow::Borrowed(text);

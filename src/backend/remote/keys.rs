@@ -48,7 +48,8 @@ pub(crate) fn validate_prefix(prefix: &str) -> Result<(), ConfigError> {
 }
 
 /// The keys of one decision, one per quota.
-pub(crate) fn bucket_keys(policy_prefix: &[u8], key: &Key, suffixes: &[Box<[u8]>]) -> Vec<Vec<u8>> {
+#[cfg(test)]
+fn bucket_keys(policy_prefix: &[u8], key: &Key, suffixes: &[Box<[u8]>]) -> Vec<Vec<u8>> {
     let mut base = Vec::new();
     key_base(policy_prefix, key, &mut base);
     suffixes

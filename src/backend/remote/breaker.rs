@@ -1,29 +1,32 @@
-//! The circuit breaker: stop calling a Redis that keeps failing, probe it in the background.
+//! The circuit breaker: stop calling a store that keeps failing, probe it in the background.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 /// Counts consecutive failed calls (a batched call counts once, however many requests it
-/// carried); after `threshold` of them the breaker opens and requests no longer call Redis
+/// carried); after `threshold` of them the breaker opens and requests no longer call the store
 /// (they get the failure policy at once, without paying the timeout). The backend then probes
-/// Redis every `probe_interval` and closes the breaker on the first answer.
+/// the store every `probe_interval` and closes the breaker on the first answer.
 ///
 /// In case the probe task is gone (its runtime shut down), one request every four probe
 /// intervals is also let through as a trial; its success closes the breaker too.
 #[derive(Debug)]
 pub(crate) struct Breaker {
+    /// The store's kind, for metrics.
+    kind: &'static str,
     pub(crate) threshold: u32,
     pub(crate) probe_interval: Duration,
     failures: AtomicU32,
     open: AtomicBool,
     trips: AtomicU64,
-    /// Clock ns after which one request may try Redis while the breaker is open.
+    /// Clock ns after which one request may try the store while the breaker is open.
     next_trial_ns: AtomicU64,
 }
 
 impl Breaker {
-    pub(crate) fn new(threshold: u32, probe_interval: Duration) -> Self {
+    pub(crate) fn new(kind: &'static str, threshold: u32, probe_interval: Duration) -> Self {
         Breaker {
+            kind,
             threshold: threshold.max(1),
             probe_interval,
             failures: AtomicU32::new(0),
@@ -41,7 +44,7 @@ impl Breaker {
         self.trips.load(Ordering::Relaxed)
     }
 
-    /// Whether a request should skip Redis now: the breaker is open and this is not the
+    /// Whether a request should skip the store now: the breaker is open and this is not the
     /// moment for a trial call.
     pub(crate) fn blocks(&self, now_ns: u64) -> bool {
         if !self.is_open() {
@@ -84,7 +87,7 @@ impl Breaker {
             self.next_trial_ns
                 .store(now_ns.saturating_add(self.trial_gap()), Ordering::Relaxed);
             self.trips.fetch_add(1, Ordering::Relaxed);
-            crate::metrics::breaker("redis", true);
+            crate::metrics::breaker(self.kind, true);
             return true;
         }
         false
@@ -94,7 +97,7 @@ impl Breaker {
     pub(crate) fn close(&self) {
         self.failures.store(0, Ordering::Relaxed);
         if self.open.swap(false, Ordering::AcqRel) {
-            crate::metrics::breaker("redis", false);
+            crate::metrics::breaker(self.kind, false);
         }
     }
 }
@@ -105,7 +108,7 @@ mod tests {
 
     #[test]
     fn opens_after_threshold_and_closes() {
-        let b = Breaker::new(3, Duration::from_millis(500));
+        let b = Breaker::new("redis", 3, Duration::from_millis(500));
         assert!(!b.failure(0));
         b.success();
         assert!(!b.failure(0));
@@ -122,7 +125,7 @@ mod tests {
 
     #[test]
     fn lets_one_trial_through_every_four_probe_intervals() {
-        let b = Breaker::new(1, Duration::from_millis(100));
+        let b = Breaker::new("redis", 1, Duration::from_millis(100));
         assert!(b.failure(0));
         assert!(b.blocks(399_999_999));
         assert!(!b.blocks(400_000_000), "one trial");
@@ -133,7 +136,7 @@ mod tests {
 
     #[test]
     fn the_longest_probe_interval_does_not_overflow() {
-        let b = Breaker::new(1, Duration::MAX);
+        let b = Breaker::new("redis", 1, Duration::MAX);
         assert!(b.failure(0));
         assert!(
             b.blocks(u64::MAX - 1),

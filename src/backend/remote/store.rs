@@ -1,0 +1,109 @@
+//! What a remote backend is made of: a [`Store`], the protocol to one kind of database.
+
+use std::fmt;
+use std::future::Future;
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::backend::PolicyInner;
+use super::health::StoreFailure;
+use crate::backend::Decision;
+use crate::quota::QuotaParams;
+use crate::{BackendError, ConfigError, Key, Policy};
+
+/// The protocol to one kind of store: everything else (timeouts, breaker, deny cache,
+/// batching, failure policy) is [`Remote`](super::Remote)'s.
+pub(crate) trait Store: Send + Sync + Sized + 'static {
+    /// The store's kind, as the `backend` label of metrics: `redis`, `postgres`, `mysql`.
+    const KIND: &'static str;
+
+    /// What the store needs of a prepared policy (key prefixes, formatted arguments).
+    type Prepared: Send + Sync + 'static;
+
+    /// Prepares a policy (once per layer build or policy swap, never per request).
+    fn prepare(
+        &self,
+        policy: &Policy,
+        params: &[QuotaParams],
+    ) -> Result<Self::Prepared, ConfigError>;
+
+    /// Decides `jobs` in one atomic call per decision (one round trip for all), answering each
+    /// in order: `Err` for the whole call when the store could not be asked or did not answer
+    /// (nothing of the call may be sent again: it may have run), a decision's own `Err` when
+    /// the store answered but refused that decision. `now_ns` is the test clock's time, if any,
+    /// to decide at instead of the store's clock.
+    fn call<'a>(
+        &'a self,
+        jobs: &'a [Job<Self>],
+        now_ns: Option<u64>,
+    ) -> impl Future<Output = Result<Vec<Result<Decision, BackendError>>, CallError>> + Send + 'a;
+
+    /// A cheap round trip (`PING`, `SELECT 1`) for the circuit breaker's probe and warm-up.
+    fn ping(&self) -> impl Future<Output = Result<(), CallError>> + Send + '_;
+
+    /// Whether concurrent decisions may share one call (a Redis Cluster cannot: the keys of a
+    /// call must share a slot).
+    fn can_batch(&self) -> bool;
+
+    /// Calls in flight at once per backend while batching.
+    fn calls_in_flight(&self) -> usize;
+
+    /// How long the warm-up's first connection and round trip may take, for a decision
+    /// timeout of `timeout`: long enough for the driver to report why it cannot connect.
+    fn warm_up_timeout(&self, timeout: Duration) -> Duration;
+}
+
+/// Why a call failed: the cause (for the breaker, the stats and the logs) and the driver's
+/// text (scrubbed of passwords before it is shown).
+#[derive(Debug, Clone)]
+pub(crate) struct CallError {
+    pub(crate) failure: StoreFailure,
+    pub(crate) text: Arc<str>,
+}
+
+impl CallError {
+    pub(crate) fn new(failure: StoreFailure, text: impl fmt::Display) -> Self {
+        CallError {
+            failure,
+            text: text.to_string().into(),
+        }
+    }
+
+    /// A call that outlasted the backend's timeout.
+    pub(crate) fn timed_out() -> Self {
+        CallError::new(StoreFailure::Timeout, "the call timed out")
+    }
+}
+
+impl fmt::Display for CallError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+/// One decision sent to the store, and whom to answer.
+pub(crate) struct Job<S: Store> {
+    pub(crate) policy: Arc<PolicyInner<S>>,
+    pub(crate) key: Key,
+    pub(crate) cost: NonZeroU32,
+    /// When the decision was sent (the backend's clock), for the deny cache.
+    pub(crate) sent_ns: u64,
+    /// When the request gives up: a decision still queued at its deadline is answered at once,
+    /// one in a call at its deadline even if the call goes on for later decisions.
+    pub(crate) deadline: Instant,
+}
+
+impl<S: Store> Job<S> {
+    /// The store's part of the prepared policy.
+    pub(crate) fn prepared(&self) -> &S::Prepared {
+        &self.policy.store
+    }
+
+    /// The policy's quotas.
+    pub(crate) fn params(&self) -> &[QuotaParams] {
+        &self.policy.params
+    }
+}

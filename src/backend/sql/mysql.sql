@@ -1,0 +1,310 @@
+-- tollgate: the MySQL / MariaDB store (MySQL 8.0.17+, MariaDB 10.6+: JSON_TABLE, CAST AS
+-- DOUBLE). A migration template; idempotent.
+-- Placeholders, replaced textually before running:
+--   {table}   the table, quoted, possibly schema-qualified: `tollgate_buckets`
+--   {decide}  the procedure, quoted likewise: `tollgate_buckets_decide`
+-- No other brace appears in this file.
+-- Statements: split the text on the lines that hold only "-- statement" and send each part
+-- as one statement (no DELIMITER: the bodies hold semicolons).
+--
+-- The semantics are those of src/backend/redis/gcra.lua (GCRA, fixed and sliding windows,
+-- mixed freely, every quota of a decision all-or-nothing, several decisions per call seeing
+-- each other's updates) and of src/backend/window.rs (the window arithmetic, and the sliding
+-- estimate in the same IEEE double operations in the same order).
+--
+-- One row per client key and quota:
+--   k           the key's bytes (at most 512)
+--   a           GCRA: the theoretical arrival time (TAT), ns since the Unix epoch;
+--               fixed window: the index of the window counted (now_us DIV window);
+--               sliding window: the index of the newest sub-window kept (now_us DIV sub-window)
+--   n           fixed window: the count of window a; sliding window: the sum of the counts c
+--   c           sliding window: the slices + 1 counts kept, oldest first, the last that of
+--               sub-window a, decimal, comma-separated (NULL otherwise; counts of another
+--               length count as nothing)
+--   expires_us  us since the epoch after which the row is the same as no row (GCRA: the TAT,
+--               rounded up, when the bucket is full again; fixed: the window's end; sliding:
+--               when every count has slid out); the sweep deletes rows past it.
+-- A default row (a = 0, n = 0, c = NULL, expires_us = 0) is a fresh bucket: a TAT in the past
+-- (full), nothing counted. No secondary index.
+CREATE TABLE IF NOT EXISTS {table} (
+    k VARBINARY(512) NOT NULL,
+    a BIGINT NOT NULL DEFAULT 0,
+    n BIGINT NOT NULL DEFAULT 0,
+    c VARCHAR(11100) CHARACTER SET ascii COLLATE ascii_bin NULL,
+    expires_us BIGINT NOT NULL DEFAULT 0,
+    PRIMARY KEY (k)
+) ENGINE = InnoDB
+-- statement
+DROP PROCEDURE IF EXISTS {decide}
+-- statement
+-- CALL {decide}(spec, now_ns): one result set of one row of one column, the reply.
+--
+-- now_ns  NULL: the database's clock (SYSDATE(6) read in UTC once the keys are locked);
+--         otherwise a fixed time in ns since the epoch (tests)
+-- spec    ASCII text, numbers in decimal, keys in lowercase hexadecimal (2 digits a byte):
+--           spec      = keys ";" decision *( ";" decision )
+--           keys      = hexkey *( "," hexkey )     every distinct key of the call, once, in
+--                                                  ascending byte order (= ascending order of
+--                                                  the lowercase hex strings)
+--           decision  = cost 1*( "|" quota )       cost >= 1, then the decision's quotas
+--           quota     = kind "," a "," limit "," slices "," hexkey
+--                       0,emission ns (>= 1),burst (>= 1),0            GCRA
+--                       1,window us (>= 1),limit (>= 1),0              fixed window
+--                       2,sub-window us (>= 1),limit (>= 1),slices     sliding window
+--         e.g. one GCRA decision of cost 1 on key 0x6b31:  "6b31;1|0,200000000,10,0,6b31"
+--         Nothing else (no spaces). A key of a quota missing from `keys` is an error (45000).
+-- Reply, decimal integers separated by ",", decision after decision, quota after quota
+-- (codes: 0 allowed, 1 denied, 2 never fits: cost > burst or limit, 3 had room but another
+-- quota of the decision denied; with 1, 2 or 3 nothing of the decision is written, and the
+-- state is reported as it stands):
+--   GCRA     code, TAT after the decision relative to now (ns, 0 = full, at most 9e18)
+--   fixed    code, count after the decision, us until the window's end
+--   sliding  code, r = now_us mod sub-window, then the slices + 1 counts after the decision,
+--            oldest first (moved on to now's sub-window)
+--
+-- Call it in autocommit mode, outside any transaction: the procedure sets READ COMMITTED for
+-- its own transaction (SET TRANSACTION, the next transaction only, which is not allowed while
+-- one is open) and runs START TRANSACTION ... COMMIT. Any error rolls back and is raised again
+-- (deadlock 1213, lock wait timeout 1205: retry the call).
+--
+-- Exactness under concurrency (any number of connections and instances, no SERIALIZABLE):
+--   1. Every distinct key of the call is locked first, in ascending byte order, inserting the
+--      missing ones: INSERT ... ON DUPLICATE KEY UPDATE takes an exclusive lock on the existing
+--      row (a record lock, no gap, under READ COMMITTED), and a row it inserts is its own until
+--      commit. Every call locks its keys in the same (ascending) order, so two calls never
+--      deadlock on each other over rows; the locks are held until COMMIT.
+--   2. Then the clock is read (so a call that waited decides at a time after the commit it
+--      waited for, and a row the sweep deleted was expired at that time too), and each row is
+--      read with a locking read (SELECT ... FOR UPDATE: the last committed version, which only
+--      lock holders write, plus this transaction's own writes).
+--   3. Each changed row is written (UPDATE) before another key is read and at the end, then
+--      COMMIT makes every write visible at once and releases the locks.
+--   So the calls on a key are serialized by its row lock, each deciding from the exact state
+--   the previous one left: never more admitted than the quota allows. (READ COMMITTED only
+--   avoids the gap locks of REPEATABLE READ, which cause deadlocks between inserts of new
+--   keys; exactness does not depend on it.)
+--
+-- A key must count the same quota in every call (the keys of different quotas differ).
+CREATE PROCEDURE {decide}(IN spec LONGTEXT CHARACTER SET ascii, IN now_ns BIGINT)
+MODIFIES SQL DATA
+BEGIN
+    DECLARE slen, keys_end, kp, ke, pos, de, nq, i, pass, m INT;
+    DECLARE dtext LONGTEXT CHARACTER SET ascii;
+    DECLARE qt VARCHAR(1200) CHARACTER SET ascii;
+    DECLARE hk VARCHAR(1100) CHARACTER SET ascii;
+    -- The row being worked on (key ck, hex), as stored or as changed (dirty: to be written).
+    DECLARE ck VARCHAR(1100) CHARACTER SET ascii DEFAULT NULL;
+    DECLARE ra, rn, rexp BIGINT;
+    DECLARE rc VARCHAR(11100) CHARACTER SET ascii;
+    DECLARE dirty, denied TINYINT DEFAULT 0;
+    DECLARE codes LONGTEXT CHARACTER SET ascii;
+    DECLARE reply LONGTEXT CHARACTER SET ascii DEFAULT '';
+    DECLARE tz VARCHAR(64) DEFAULT NULL;
+    DECLARE now_us, kind, qa, lim, sl, cost, code, cur, r, w, ix, byn, newest, total, c1 BIGINT;
+    DECLARE cs VARCHAR(11100) CHARACTER SET ascii;
+    DECLARE e DOUBLE;
+    DECLARE EXIT HANDLER FOR SQLEXCEPTION
+    BEGIN
+        ROLLBACK;
+        IF tz IS NOT NULL THEN
+            SET @@session.time_zone = tz;
+        END IF;
+        RESIGNAL;
+    END;
+
+    SET TRANSACTION ISOLATION LEVEL READ COMMITTED;
+    START TRANSACTION;
+
+    -- 1. Lock every key of the call, ascending, inserting the missing ones (default rows).
+    SET slen = LENGTH(spec);
+    SET keys_end = LOCATE(';', spec);
+    IF keys_end = 0 THEN
+        SET keys_end = slen + 1;
+    END IF;
+    SET kp = 1;
+    WHILE kp < keys_end DO
+        SET ke = LOCATE(',', spec, kp);
+        IF ke = 0 OR ke > keys_end THEN
+            SET ke = keys_end;
+        END IF;
+        INSERT INTO {table} (k) VALUES (UNHEX(SUBSTRING(spec, kp, ke - kp)))
+            ON DUPLICATE KEY UPDATE k = k;
+        SET kp = ke + 1;
+    END WHILE;
+
+    -- 2. Now, read after the locks (see above), in UTC (no DST ambiguity): SYSDATE is the time
+    -- it runs at (NOW would be the CALL's start).
+    IF now_ns IS NULL THEN
+        SET tz = @@session.time_zone;
+        SET @@session.time_zone = '+00:00';
+        SET now_us = TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', SYSDATE(6));
+        SET @@session.time_zone = tz;
+        SET tz = NULL;
+        SET now_ns = now_us * 1000;
+    ELSE
+        SET now_us = now_ns DIV 1000;
+    END IF;
+
+    -- 3. The decisions, one after another. A decision of one quota is checked and applied in
+    -- one pass (0); of several, every quota is checked first (pass 1), then all take the cost,
+    -- or, one denied, none does (pass 2).
+    SET pos = keys_end + 1;
+    WHILE pos <= slen DO
+        SET de = LOCATE(';', spec, pos);
+        IF de = 0 THEN
+            SET de = slen + 1;
+        END IF;
+        SET dtext = SUBSTRING(spec, pos, de - pos);
+        SET pos = de + 1;
+        SET cost = CAST(SUBSTRING_INDEX(dtext, '|', 1) AS SIGNED);
+        SET nq = LENGTH(dtext) - LENGTH(REPLACE(dtext, '|', ''));
+        SET pass = IF(nq = 1, 0, 1), denied = 0, codes = '';
+        passes: LOOP
+            SET i = 1;
+            WHILE i <= nq DO
+                SET qt = SUBSTRING_INDEX(SUBSTRING_INDEX(dtext, '|', i + 1), '|', -1);
+                SET kind = CAST(SUBSTRING_INDEX(qt, ',', 1) AS SIGNED);
+                SET qa = CAST(SUBSTRING_INDEX(SUBSTRING_INDEX(qt, ',', 2), ',', -1) AS SIGNED);
+                SET lim = CAST(SUBSTRING_INDEX(SUBSTRING_INDEX(qt, ',', 3), ',', -1) AS SIGNED);
+                SET sl = CAST(SUBSTRING_INDEX(SUBSTRING_INDEX(qt, ',', 4), ',', -1) AS SIGNED);
+                SET hk = SUBSTRING_INDEX(qt, ',', -1);
+                -- The row of the key: the one at hand, or (after writing that one if changed)
+                -- read with a locking read.
+                IF ck IS NULL OR hk <> ck THEN
+                    IF dirty THEN
+                        UPDATE {table} SET a = ra, n = rn, c = rc, expires_us = rexp
+                            WHERE k = UNHEX(ck);
+                        SET dirty = 0;
+                    END IF;
+                    SET ra = NULL;
+                    SELECT a, n, c INTO ra, rn, rc FROM {table} WHERE k = UNHEX(hk) FOR UPDATE;
+                    IF ra IS NULL THEN
+                        SIGNAL SQLSTATE '45000'
+                            SET MESSAGE_TEXT = 'tollgate: a key of a quota is missing from the key list';
+                    END IF;
+                    SET ck = hk;
+                END IF;
+                -- The quota's state now (cur; sliding: the counts cs moved on to now's
+                -- sub-window, their sum total, the newest index), and whether the cost fits.
+                IF kind = 0 THEN
+                    SET cur = GREATEST(ra - now_ns, 0);
+                    IF cost > lim THEN
+                        SET code = 2;
+                    ELSEIF cur + qa * (cost - lim) > 0 THEN
+                        -- Fits when TAT + T * (cost - burst) <= 0 (TAT relative to now).
+                        SET code = 1;
+                    ELSE
+                        SET code = 0;
+                    END IF;
+                ELSEIF kind = 1 THEN
+                    SET w = now_us DIV qa, r = now_us % qa;
+                    -- Another window's count (a past one, or a future one after a clock step
+                    -- back) is not this window's.
+                    SET cur = IF(ra = w, rn, 0);
+                    IF cost > lim THEN
+                        SET code = 2;
+                    ELSEIF cur + cost > lim THEN
+                        SET code = 1;
+                    ELSE
+                        SET code = 0;
+                    END IF;
+                ELSE
+                    SET m = sl + 1, ix = now_us DIV qa, r = now_us % qa;
+                    SET newest = ix, byn = m;
+                    IF rc IS NOT NULL AND LENGTH(rc) - LENGTH(REPLACE(rc, ',', '')) = m - 1 THEN
+                        -- Move the counts on to now's sub-window; a stored index after now (a
+                        -- clock step back) is kept.
+                        SET byn = ix - ra;
+                        IF byn <= 0 THEN
+                            SET newest = ra, byn = 0;
+                        ELSEIF byn > m THEN
+                            SET byn = m;
+                        END IF;
+                    END IF;
+                    IF byn = 0 THEN
+                        SET cs = rc, total = rn;
+                    ELSEIF byn = m THEN
+                        SET cs = CONCAT('0', REPEAT(',0', m - 1)), total = 0;
+                    ELSE
+                        SET cs = CONCAT(SUBSTRING_INDEX(rc, ',', byn - m), REPEAT(',0', byn));
+                        SELECT COALESCE(SUM(j.x), 0) INTO total
+                            FROM JSON_TABLE(CONCAT('[', cs, ']'), '$[*]' COLUMNS (x BIGINT PATH '$')) AS j;
+                    END IF;
+                    SET c1 = CAST(SUBSTRING_INDEX(cs, ',', 1) AS SIGNED);
+                    -- E = c_oldest * (S - r) / S + rest, in doubles, in this order (window.rs).
+                    SET e = CAST(c1 AS DOUBLE) * CAST(qa - r AS DOUBLE) / CAST(qa AS DOUBLE)
+                        + CAST(total - c1 AS DOUBLE);
+                    IF cost > lim THEN
+                        SET code = 2;
+                    ELSEIF e + CAST(cost AS DOUBLE) <= CAST(lim AS DOUBLE) THEN
+                        SET code = 0;
+                    ELSE
+                        SET code = 1;
+                    END IF;
+                END IF;
+
+                IF pass = 1 THEN
+                    SET codes = CONCAT(codes, code);
+                    IF code <> 0 THEN
+                        SET denied = 1;
+                    END IF;
+                ELSE
+                    IF pass = 2 THEN
+                        SET code = CAST(SUBSTRING(codes, i, 1) AS SIGNED);
+                        IF denied AND code = 0 THEN
+                            SET code = 3;
+                        END IF;
+                    END IF;
+                    IF code = 0 THEN
+                        -- Take the cost; the row (to be written) follows.
+                        IF kind = 0 THEN
+                            SET cur = cur + cost * qa;
+                            SET ra = now_ns + cur, rn = 0, rc = NULL;
+                            SET rexp = (ra + 999) DIV 1000;
+                        ELSEIF kind = 1 THEN
+                            SET cur = cur + cost;
+                            SET ra = w, rn = cur, rc = NULL, rexp = (w + 1) * qa;
+                        ELSE
+                            SET cs = CONCAT(SUBSTRING_INDEX(cs, ',', m - 1), ',',
+                                CAST(SUBSTRING_INDEX(cs, ',', -1) AS SIGNED) + cost);
+                            SET total = total + cost;
+                            SET ra = newest, rn = total, rc = cs, rexp = (newest + m) * qa;
+                        END IF;
+                        SET dirty = 1;
+                    END IF;
+                    IF kind = 0 THEN
+                        SET reply = CONCAT(reply, ',', code, ',', LEAST(cur, 9000000000000000000));
+                    ELSEIF kind = 1 THEN
+                        SET reply = CONCAT(reply, ',', code, ',', cur, ',', qa - r);
+                    ELSE
+                        SET reply = CONCAT(reply, ',', code, ',', r, ',', cs);
+                    END IF;
+                END IF;
+                SET i = i + 1;
+            END WHILE;
+            IF pass = 1 THEN
+                SET pass = 2;
+            ELSE
+                LEAVE passes;
+            END IF;
+        END LOOP;
+    END WHILE;
+
+    IF dirty THEN
+        UPDATE {table} SET a = ra, n = rn, c = rc, expires_us = rexp WHERE k = UNHEX(ck);
+    END IF;
+    COMMIT;
+    SELECT SUBSTRING(reply, 2) AS reply;
+END
+-- For the Rust side (not run by the migration; these comments end the last statement):
+--
+-- Sweep: delete at most ? expired rows (expired by the database's clock; UTC_TIMESTAMP is
+-- zone-free). Returns the number deleted (run again while it equals the limit). A full scan
+-- (no index on expires_us); it waits for rows a decision has locked, and may rarely deadlock
+-- with one (1213: the loser is rolled back; retry it).
+--   DELETE FROM {table}
+--   WHERE expires_us < TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))
+--   LIMIT ?
+--
+-- Decide (? NULL for the database's clock):
+--   CALL {decide}(?, ?)

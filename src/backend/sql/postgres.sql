@@ -1,0 +1,307 @@
+-- tollgate: the PostgreSQL store (PostgreSQL 11+, YugabyteDB: plain PL/pgSQL, no extension).
+-- A migration template, run as one batch (simple query protocol) at start-up; idempotent.
+-- Placeholders, replaced textually before running:
+--   {table}     the table, quoted, possibly schema-qualified: "public"."tollgate_buckets"
+--   {decide}    the function, quoted likewise: "public"."tollgate_buckets_decide"
+--   {unlogged}  empty, or "UNLOGGED " (with its trailing space)
+-- No other brace appears in this file.
+--
+-- The semantics are those of src/backend/redis/gcra.lua (GCRA, fixed and sliding windows,
+-- mixed freely, every quota of a decision all-or-nothing, several decisions per call seeing
+-- each other's updates) and of src/backend/window.rs (the window arithmetic, and the sliding
+-- estimate in the same IEEE double operations in the same order).
+--
+-- One row per client key and quota:
+--   k           the key's bytes (at most 512)
+--   a           GCRA: the theoretical arrival time (TAT), ns since the Unix epoch;
+--               fixed window: the index of the window counted (now_us / window);
+--               sliding window: the index of the newest sub-window kept (now_us / sub-window)
+--   n           fixed window: the count of window a
+--   c           sliding window: the slices + 1 counts kept, oldest first, the last that of
+--               sub-window a (NULL otherwise; counts of another length count as nothing)
+--   expires_us  us since the epoch after which the row is the same as no row (GCRA: the TAT,
+--               rounded up, when the bucket is full again; fixed: the window's end; sliding:
+--               when every count has slid out); the sweep deletes rows past it.
+-- A default row (a = 0, n = 0, c = NULL, expires_us = 0) is a fresh bucket: a TAT in the past
+-- (full), nothing counted. No secondary index, so that every update is HOT.
+CREATE {unlogged}TABLE IF NOT EXISTS {table} (
+    k bytea PRIMARY KEY CHECK (octet_length(k) <= 512),
+    a bigint NOT NULL DEFAULT 0,
+    n bigint NOT NULL DEFAULT 0,
+    c bigint[],
+    expires_us bigint NOT NULL DEFAULT 0
+);
+
+-- {decide}(keys, quotas, decisions, now_ns) -> bigint[]
+--   keys       one per quota of every decision, decision after decision
+--   quotas     4 numbers per key, the quota that key counts:
+--                0, emission interval (ns >= 1), burst (>= 1), 0          GCRA
+--                1, window (us >= 1), limit (>= 1), 0                     fixed window
+--                2, sub-window (us >= 1), limit (>= 1), slices (>= 1)     sliding window
+--   decisions  2 numbers per decision: q (it uses the next q keys), cost (>= 1)
+--   now_ns     NULL: the database's clock (clock_timestamp(), read once the keys are locked);
+--              otherwise a fixed time in ns since the epoch (tests)
+-- Reply, decision after decision, quota after quota (codes: 0 allowed, 1 denied, 2 never fits:
+-- cost > burst or limit, 3 had room but another quota of the decision denied; with 1, 2 or 3
+-- nothing of the decision is written, and the state is reported as it stands):
+--   GCRA     code, TAT after the decision relative to now (ns, 0 = full, at most 9e18)
+--   fixed    code, count after the decision, us until the window's end
+--   sliding  code, r = now_us mod sub-window, then the slices + 1 counts after the decision,
+--            oldest first (moved on to now's sub-window)
+--
+-- Exactness under concurrency (any number of connections and instances, READ COMMITTED, no
+-- SERIALIZABLE needed):
+--   1. The first statement locks every distinct key of the call, inserting the missing ones,
+--      in ascending byte order: INSERT ... ON CONFLICT DO UPDATE ... WHERE false locks each
+--      conflicting row (PostgreSQL documents that "all rows will be locked when the ON
+--      CONFLICT DO UPDATE action is taken", whatever the WHERE gives), and a row it inserts is
+--      its own until commit. Every call locks its keys in the same (ascending) order, so two
+--      calls never deadlock on each other; every lock is held until the call's transaction
+--      ends.
+--   2. Then the clock is read (so a call that waited for a lock decides at a time after the
+--      commit it waited for: times never go backwards from one holder of a key to the next,
+--      and a row the sweep deleted was expired at that time too), and the rows are read by a
+--      new statement: a VOLATILE PL/pgSQL function takes a new snapshot for each statement
+--      under READ COMMITTED, so the read sees every transaction committed before the locks
+--      were granted, i.e. the last write of every key (nobody else can write them until this
+--      transaction ends).
+--   3. The decisions are made in memory and each changed row is written once; the function is
+--      one statement, so (autocommit) one transaction: its writes become visible all at once,
+--      at commit, which releases the locks.
+--   So the calls on a key are serialized by its row lock, each deciding from the exact state
+--   the previous one left: never more admitted than the quota allows.
+--   Under REPEATABLE READ or SERIALIZABLE (session default) the result is still exact, but a
+--   call that waited for a concurrent writer fails with a serialization error (40001) instead
+--   of going on: call it in READ COMMITTED (the default). On YugabyteDB, READ COMMITTED needs
+--   yb_enable_read_committed_isolation=true; under its default (snapshot) isolation the same
+--   holds: exact, with retryable errors.
+--   The sweep (end of file) deletes only expired rows (equal to missing ones) and skips locked
+--   rows; a call waiting on a row the sweep deleted re-inserts it (ON CONFLICT retries).
+--
+-- A key must count the same quota in every call (the keys of different quotas differ): a row
+-- is read as the quota of the key's first use in the call.
+CREATE OR REPLACE FUNCTION {decide}(keys bytea[], quotas bigint[], decisions bigint[], now_ns bigint)
+RETURNS bigint[]
+LANGUAGE plpgsql
+VOLATILE
+AS $$
+DECLARE
+    nk int := coalesce(cardinality(keys), 0);
+    now_us bigint;
+    rec record;
+    -- Per key position p: slot(p), the first position of the same key (whose entries below
+    -- hold the key's state for the whole call).
+    slot int[];
+    -- Per slot: GCRA, the TAT relative to now (ns, >= 0); fixed, the count of now's window;
+    -- sliding, the newest sub-window's index.
+    st bigint[];
+    -- Per slot, sliding: the sum of the counts but the oldest; off, where the counts start in
+    -- cs (the m counts are cs[off + 1 .. off + m]).
+    rest bigint[];
+    off int[];
+    cs bigint[] := '{}';
+    ncs int := 0;
+    dirty boolean[];
+    codes int[];
+    reply bigint[] := '{}';
+    nr int := 0;
+    pos int := 0;
+    p int;
+    s int;
+    o int;
+    m int;
+    kind bigint;
+    qa bigint;
+    lim bigint;
+    nq int;
+    cost bigint;
+    code int;
+    denied boolean;
+    r bigint;
+    byn bigint;
+    newest bigint;
+    ix bigint;
+    e float8;
+BEGIN
+    IF nk = 0 THEN
+        RETURN reply;
+    END IF;
+
+    -- 1. Lock every key of the call, ascending, inserting the missing ones (default rows).
+    INSERT INTO {table} AS t (k)
+    SELECT DISTINCT x FROM unnest(keys) AS x ORDER BY x
+    ON CONFLICT (k) DO UPDATE SET a = t.a WHERE false;
+
+    -- 2. Now, read after the locks (see above).
+    IF now_ns IS NULL THEN
+        now_us := (extract(epoch FROM clock_timestamp()) * 1000000)::bigint;
+        now_ns := now_us * 1000;
+    ELSE
+        now_us := now_ns / 1000;
+    END IF;
+
+    -- 3. Read the rows, once per distinct key, as the state of the quota of its first use.
+    FOR rec IN
+        SELECT z.o::int AS ro, z.s::int AS rs, t.a AS ra, t.n AS rn, t.c AS rc
+        FROM (SELECT u.o, u.x, min(u.o) OVER (PARTITION BY u.x) AS s
+              FROM unnest(keys) WITH ORDINALITY AS u(x, o)) AS z
+        JOIN {table} AS t ON t.k = z.x
+    LOOP
+        slot[rec.ro] := rec.rs;
+        CONTINUE WHEN rec.ro <> rec.rs;
+        p := rec.ro;
+        kind := quotas[4 * p - 3];
+        qa := quotas[4 * p - 2];
+        IF kind = 0 THEN
+            st[p] := greatest(rec.ra - now_ns, 0);
+        ELSIF kind = 1 THEN
+            -- Another window's count (a past one, or a future one after a clock step back)
+            -- is not this window's.
+            st[p] := CASE WHEN rec.ra = now_us / qa THEN rec.rn ELSE 0 END;
+        ELSE
+            m := quotas[4 * p] + 1;
+            ix := now_us / qa;
+            newest := ix;
+            byn := m;
+            IF cardinality(rec.rc) = m AND array_lower(rec.rc, 1) = 1 THEN
+                -- Move the counts on to now's sub-window; a stored index after now (a clock
+                -- step back) is kept.
+                byn := ix - rec.ra;
+                IF byn <= 0 THEN
+                    newest := rec.ra;
+                    byn := 0;
+                ELSIF byn > m THEN
+                    byn := m;
+                END IF;
+            END IF;
+            off[p] := ncs;
+            IF byn = 0 THEN
+                cs := cs || rec.rc;
+            ELSIF byn = m THEN
+                cs := cs || array_fill(0::bigint, ARRAY[m]);
+            ELSE
+                cs := cs || rec.rc[byn + 1 : m] || array_fill(0::bigint, ARRAY[byn::int]);
+            END IF;
+            st[p] := newest;
+            rest[p] := (SELECT coalesce(sum(v), 0) FROM unnest(cs[ncs + 2 : ncs + m]) AS v);
+            ncs := ncs + m;
+        END IF;
+    END LOOP;
+
+    -- 4. The decisions, one after another.
+    FOR d IN 1 .. coalesce(cardinality(decisions), 0) / 2 LOOP
+        nq := decisions[2 * d - 1];
+        cost := decisions[2 * d];
+        denied := false;
+        -- First every quota is checked, nothing changed.
+        FOR j IN 1 .. nq LOOP
+            p := pos + j;
+            s := slot[p];
+            kind := quotas[4 * p - 3];
+            qa := quotas[4 * p - 2];
+            lim := quotas[4 * p - 1];
+            IF cost > lim THEN
+                code := 2;
+            ELSIF kind = 0 THEN
+                -- Fits when TAT + T * (cost - burst) <= 0 (TAT relative to now).
+                code := CASE WHEN st[s] + qa * (cost - lim) > 0 THEN 1 ELSE 0 END;
+            ELSIF kind = 1 THEN
+                code := CASE WHEN st[s] + cost > lim THEN 1 ELSE 0 END;
+            ELSE
+                -- E = c_oldest * (S - r) / S + rest, in doubles, in this order (window.rs).
+                o := off[s];
+                e := cs[o + 1]::float8 * (qa - now_us % qa)::float8 / qa::float8
+                     + rest[s]::float8;
+                code := CASE WHEN e + cost::float8 <= lim::float8 THEN 0 ELSE 1 END;
+            END IF;
+            codes[j] := code;
+            IF code <> 0 THEN
+                denied := true;
+            END IF;
+        END LOOP;
+        -- Then, all allowed, every quota takes the cost; or, one denied, none does.
+        FOR j IN 1 .. nq LOOP
+            p := pos + j;
+            s := slot[p];
+            kind := quotas[4 * p - 3];
+            qa := quotas[4 * p - 2];
+            code := codes[j];
+            IF denied THEN
+                IF code = 0 THEN
+                    code := 3;
+                END IF;
+            ELSE
+                IF kind = 0 THEN
+                    st[s] := st[s] + cost * qa;
+                ELSIF kind = 1 THEN
+                    st[s] := st[s] + cost;
+                ELSE
+                    m := quotas[4 * p] + 1;
+                    o := off[s];
+                    cs[o + m] := cs[o + m] + cost;
+                    rest[s] := rest[s] + cost;
+                END IF;
+                dirty[s] := true;
+            END IF;
+            IF kind = 0 THEN
+                reply[nr + 1] := code;
+                reply[nr + 2] := least(st[s], 9000000000000000000);
+                nr := nr + 2;
+            ELSIF kind = 1 THEN
+                reply[nr + 1] := code;
+                reply[nr + 2] := st[s];
+                reply[nr + 3] := qa - now_us % qa;
+                nr := nr + 3;
+            ELSE
+                m := quotas[4 * p] + 1;
+                o := off[s];
+                reply[nr + 1] := code;
+                reply[nr + 2] := now_us % qa;
+                nr := nr + 2;
+                FOR y IN 1 .. m LOOP
+                    reply[nr + y] := cs[o + y];
+                END LOOP;
+                nr := nr + m;
+            END IF;
+        END LOOP;
+        pos := pos + nq;
+    END LOOP;
+
+    -- 5. Write each changed key once, as the quota of its first use in the call.
+    FOR q IN 1 .. nk LOOP
+        CONTINUE WHEN dirty[q] IS NOT TRUE;
+        kind := quotas[4 * q - 3];
+        qa := quotas[4 * q - 2];
+        IF kind = 0 THEN
+            UPDATE {table} SET a = now_ns + st[q], n = 0, c = NULL,
+                expires_us = (now_ns + st[q] + 999) / 1000
+            WHERE k = keys[q];
+        ELSIF kind = 1 THEN
+            ix := now_us / qa;
+            UPDATE {table} SET a = ix, n = st[q], c = NULL, expires_us = (ix + 1) * qa
+            WHERE k = keys[q];
+        ELSE
+            m := quotas[4 * q] + 1;
+            o := off[q];
+            UPDATE {table} SET a = st[q], n = 0, c = cs[o + 1 : o + m],
+                expires_us = (st[q] + m) * qa
+            WHERE k = keys[q];
+        END IF;
+    END LOOP;
+
+    RETURN reply;
+END
+$$;
+
+-- For the Rust side (not run by the migration):
+--
+-- Sweep: delete at most $1 expired rows (expired by the database's clock); rows locked by a
+-- decision in flight are skipped, so the sweep never waits for nor deadlocks with one. Returns
+-- the number deleted (run again while it equals $1). Sequential scan: no index on expires_us.
+--   DELETE FROM {table} WHERE k IN (
+--       SELECT k FROM {table}
+--       WHERE expires_us < (SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint)
+--       LIMIT $1 FOR UPDATE SKIP LOCKED)
+--
+-- Decide ($4 NULL for the database's clock):
+--   SELECT {decide}($1::bytea[], $2::bigint[], $3::bigint[], $4::bigint)
