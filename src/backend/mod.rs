@@ -11,6 +11,9 @@
 
 #[cfg(feature = "local")]
 pub mod local;
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub mod postgres;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redis;
@@ -20,6 +23,8 @@ pub mod redis;
     doc(cfg(any(feature = "redis", feature = "postgres", feature = "mysql")))
 )]
 pub mod remote;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) mod sql;
 #[cfg_attr(not(feature = "local"), allow(dead_code))]
 pub(crate) mod window;
 

@@ -15,6 +15,10 @@ use tempfile::TempDir;
 use tollgate::backend::Backend;
 use tollgate::{Key, Policy, Quota};
 
+#[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
+pub mod conformance;
+pub mod sql;
+
 /// A cost of `n` units.
 pub fn cost(n: u32) -> std::num::NonZeroU32 {
     std::num::NonZeroU32::new(n).unwrap()

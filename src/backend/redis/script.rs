@@ -7,10 +7,11 @@ use std::time::Duration;
 
 use smallvec::SmallVec;
 
-use crate::backend::window::{self, Code};
+use crate::BackendError;
+use crate::backend::remote::reply::{self, nonneg, protocol};
+use crate::backend::window::Code;
 use crate::backend::{Decision, Outcome, QuotaState};
 use crate::quota::{QuotaKind, QuotaParams};
-use crate::{BackendError, BackendErrorKind};
 
 /// The script source, also used by `scripts/bench-redis-ceiling.sh`.
 pub(crate) const SOURCE: &str = include_str!("gcra.lua");
@@ -36,10 +37,8 @@ fn quota_reply_len(p: &QuotaParams) -> usize {
     }
 }
 
-const ALLOWED: i64 = 0;
-const DENIED: i64 = 1;
-const NEVER_FITS: i64 = 2;
-const UNTOUCHED: i64 = 3;
+/// The script's code for a decision whose keys Redis refused (the other codes are the shared
+/// ones of [`reply`]).
 const REFUSED: i64 = 4;
 
 /// A quota's four numbers in the script's arguments: `kind, a, b, c` (see `gcra.lua`).
@@ -140,24 +139,16 @@ fn state(
     y: u64,
     z: u64,
 ) -> Result<QuotaState, BackendError> {
-    let code = match code {
-        ALLOWED | UNTOUCHED => Code::Allowed,
-        DENIED => Code::Denied,
-        NEVER_FITS => Code::NeverFits,
-        REFUSED => {
-            return Err(protocol(
-                "Redis refused a key of this decision (is another program writing under the prefix?)"
-                    .to_owned(),
-            ));
-        }
-        other => return Err(protocol(format!("script replied unknown code {other}"))),
-    };
+    if code == REFUSED {
+        return Err(protocol(
+            "Redis refused a key of this decision (is another program writing under the prefix?)"
+                .to_owned(),
+        ));
+    }
+    let code = reply::code(code)?;
     Ok(match p.kind {
         // `code, count after the decision, µs until the window's end`.
-        QuotaKind::FixedWindow { window_us } => {
-            let count = u32::try_from(x).unwrap_or(u32::MAX);
-            window::fixed_state(index, p, code, count, y.clamp(1, window_us.max(1)))
-        }
+        QuotaKind::FixedWindow { window_us } => reply::fixed(index, p, code, window_us, x, y),
         // `code, remaining, reset (µs), retry (µs)`, computed by the script with window.rs's
         // formulas (it alone has the counts). No wait is longer than the window and one more
         // sub-window.
@@ -178,29 +169,9 @@ fn state(
                 reset_after: Duration::from_micros(y.min(longest)),
             }
         }
-        // `code, TAT after the decision (ns from now)`. A denial's wait, until the cost fits,
-        // is the TAT less the burst's tolerance for this cost, TAT + T × (cost − burst): the
-        // script's own test, computed here (exactly, in integers) rather than sent.
-        QuotaKind::Gcra => match code {
-            Code::Allowed => QuotaState::allowed(index, p, Duration::from_nanos(x)),
-            Code::Denied => {
-                let t = u128::from(p.emission_ns);
-                let wait = (u128::from(x) + t * u128::from(cost.get()))
-                    .saturating_sub(t * u128::from(p.burst.get()));
-                let wait = u64::try_from(wait).unwrap_or(u64::MAX);
-                QuotaState::denied(index, p, cost, Duration::from_nanos(wait))
-            }
-            Code::NeverFits => QuotaState::never_fits(index, p, Duration::from_nanos(x)),
-        },
+        // `code, TAT after the decision (ns from now)`.
+        QuotaKind::Gcra => reply::gcra(index, p, cost, code, x),
     })
-}
-
-fn nonneg(n: i64) -> u64 {
-    u64::try_from(n).unwrap_or(0)
-}
-
-fn protocol(msg: String) -> BackendError {
-    BackendError::new(BackendErrorKind::Protocol, msg)
 }
 
 #[cfg(test)]
@@ -237,7 +208,7 @@ mod tests {
         let p = [params(1, 5)];
         for reply in [&[0][..], &[9, 0][..], &[][..], &[0, 0, 0][..]] {
             let err = decision(reply, &p, NonZeroU32::MIN).unwrap_err();
-            assert_eq!(err.kind(), BackendErrorKind::Protocol);
+            assert_eq!(err.kind(), crate::BackendErrorKind::Protocol);
         }
     }
 

@@ -185,6 +185,12 @@ impl<S: Store> RemotePolicy<S> {
         &self.inner.store
     }
 
+    /// Forgets the cached denial of `key` (its buckets were reset).
+    #[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
+    pub(crate) fn forget(&self, key: &Key) {
+        self.inner.deny.forget(key);
+    }
+
     /// Denials cached for this policy now.
     pub(crate) fn deny_cache_len(&self) -> usize {
         self.inner.deny.len()

@@ -46,6 +46,7 @@ mod future;
 mod health;
 pub(crate) mod keys;
 pub(crate) mod redact;
+pub(crate) mod reply;
 mod store;
 
 pub use backend::{FailurePolicy, RemoteStats};

@@ -89,6 +89,7 @@ DECLARE
     nk int := coalesce(cardinality(keys), 0);
     now_us bigint;
     rec record;
+    cur refcursor;
     -- Per key position p: slot(p), the first position of the same key (whose entries below
     -- hold the key's state for the whole call).
     slot int[];
@@ -99,11 +100,11 @@ DECLARE
     -- cs (the m counts are cs[off + 1 .. off + m]).
     rest bigint[];
     off int[];
-    cs bigint[] := '{}';
+    cs bigint[] := ARRAY[]::bigint[];
     ncs int := 0;
     dirty boolean[];
     codes int[];
-    reply bigint[] := '{}';
+    reply bigint[] := ARRAY[]::bigint[];
     nr int := 0;
     pos int := 0;
     p int;
@@ -140,13 +141,23 @@ BEGIN
         now_us := now_ns / 1000;
     END IF;
 
-    -- 3. Read the rows, once per distinct key, as the state of the quota of its first use.
-    FOR rec IN
+    -- 3. Read the rows, once per distinct key, as the state of the quota of its first use
+    -- (ro: the key's position, rs: its slot). One key (the usual call): a plain lookup, half
+    -- the cost of the general query.
+    IF nk = 1 THEN
+        OPEN cur FOR
+        SELECT 1 AS ro, 1 AS rs, t.a AS ra, t.n AS rn, t.c AS rc
+        FROM {table} AS t WHERE t.k = keys[1];
+    ELSE
+        OPEN cur FOR
         SELECT z.o::int AS ro, z.s::int AS rs, t.a AS ra, t.n AS rn, t.c AS rc
         FROM (SELECT u.o, u.x, min(u.o) OVER (PARTITION BY u.x) AS s
               FROM unnest(keys) WITH ORDINALITY AS u(x, o)) AS z
-        JOIN {table} AS t ON t.k = z.x
+        JOIN {table} AS t ON t.k = z.x;
+    END IF;
     LOOP
+        FETCH cur INTO rec;
+        EXIT WHEN NOT FOUND;
         slot[rec.ro] := rec.rs;
         CONTINUE WHEN rec.ro <> rec.rs;
         p := rec.ro;
@@ -187,6 +198,7 @@ BEGIN
             ncs := ncs + m;
         END IF;
     END LOOP;
+    CLOSE cur;
 
     -- 4. The decisions, one after another.
     FOR d IN 1 .. coalesce(cardinality(decisions), 0) / 2 LOOP
@@ -267,7 +279,8 @@ BEGIN
         pos := pos + nq;
     END LOOP;
 
-    -- 5. Write each changed key once, as the quota of its first use in the call.
+    -- 5. Write each changed key once, as the quota of its first use in the call. (One UPDATE
+    -- per key: as fast as one UPDATE ... FROM unnest(...) for 10 keys, faster for one.)
     FOR q IN 1 .. nk LOOP
         CONTINUE WHEN dirty[q] IS NOT TRUE;
         kind := quotas[4 * q - 3];

@@ -1,0 +1,361 @@
+//! What the SQL stores share: bucket keys as row keys, the quotas and decisions as arguments,
+//! the reply read into decisions, identifiers, and the sweep of expired rows.
+//!
+//! Both stores keep one row per client key and quota (see `postgres.sql` and `mysql.sql` next
+//! to this file for the table, the function or procedure, and why a call is exact under
+//! concurrency) and answer a call with the same integers per quota:
+//!
+//! | algorithm | reply |
+//! |---|---|
+//! | GCRA | code, TAT after the decision relative to now (ns, 0: full) |
+//! | fixed window | code, count after the decision, µs until the window's end |
+//! | sliding window | code, µs into the current sub-window, the sub-windows' counts after the decision (oldest first) |
+//!
+//! A sliding window's `remaining` and waits are computed here, from the counts, by the local
+//! backend's own window code.
+
+use std::num::NonZeroU32;
+use std::time::Duration;
+
+use sha2::{Digest, Sha256};
+use smallvec::SmallVec;
+
+use crate::backend::remote::reply::{self, nonneg, protocol};
+use crate::backend::remote::{Job, Store, keys};
+use crate::backend::window;
+use crate::backend::{Decision, QuotaState};
+use crate::quota::{QuotaKind, QuotaParams};
+use crate::{BackendError, ConfigError, Key};
+
+/// The longest row key: longer bucket keys are replaced by a digest (see [`bucket_key`]).
+pub(crate) const MAX_KEY: usize = 512;
+
+/// The row key of one quota's bucket: the Redis backend's key (`<prefix>:{<policy>:<client
+/// key>}:<quota suffix>`, readable in the table) when it fits in [`MAX_KEY`] bytes, otherwise
+/// `<prefix>:#` and the SHA-256 of that key (collision-resistant: no client can pick a key
+/// that lands in another's row).
+pub(crate) fn bucket_key(base: &[u8], suffix: &[u8], prefix_len: usize, out: &mut Vec<u8>) {
+    out.clear();
+    if base.len() + suffix.len() <= MAX_KEY {
+        out.extend_from_slice(base);
+        out.extend_from_slice(suffix);
+        return;
+    }
+    let digest = Sha256::new()
+        .chain_update(base)
+        .chain_update(suffix)
+        .finalize();
+    out.extend_from_slice(&base[..prefix_len.min(base.len())]);
+    out.extend_from_slice(b":#");
+    out.extend_from_slice(&digest);
+}
+
+/// What a SQL store needs of a prepared policy.
+#[derive(Debug)]
+pub(crate) struct Prepared {
+    /// `<prefix>:{<policy>:`, before the client key.
+    pub(crate) key_prefix: Vec<u8>,
+    /// The length of `<prefix>`, kept in digested keys.
+    pub(crate) prefix_len: usize,
+    pub(crate) key_suffixes: Vec<Box<[u8]>>,
+    /// Four numbers per quota: kind, length (ns or µs), limit, sub-windows.
+    pub(crate) quotas: Vec<i64>,
+}
+
+impl Prepared {
+    pub(crate) fn new(prefix: &str, policy: &crate::Policy, params: &[QuotaParams]) -> Self {
+        Prepared {
+            key_prefix: keys::policy_prefix(prefix, policy.name()),
+            prefix_len: prefix.len(),
+            key_suffixes: keys::quota_suffixes(params),
+            quotas: params.iter().flat_map(quota_args).collect(),
+        }
+    }
+}
+
+/// A quota's four numbers: kind (0 GCRA, 1 fixed, 2 sliding), its length (GCRA: emission
+/// interval in ns; windows: µs), its limit, its sub-windows.
+fn quota_args(p: &QuotaParams) -> [i64; 4] {
+    let int = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+    let limit = i64::from(p.burst.get());
+    match p.kind {
+        QuotaKind::Gcra => [0, int(p.emission_ns), limit, 0],
+        QuotaKind::FixedWindow { window_us } => [1, int(window_us), limit, 0],
+        QuotaKind::SlidingWindow { slice_us, slices } => [2, int(slice_us), limit, slices.into()],
+    }
+}
+
+/// A call's arguments: the row keys (one per quota of every decision), four numbers per key,
+/// and per decision its number of keys and its cost.
+#[derive(Debug, Default)]
+pub(crate) struct Args {
+    pub(crate) keys: Vec<Vec<u8>>,
+    pub(crate) quotas: Vec<i64>,
+    pub(crate) decisions: Vec<i64>,
+}
+
+impl Args {
+    pub(crate) fn of<S: Store<Prepared = Prepared>>(jobs: &[Job<S>]) -> Self {
+        let mut args = Args::default();
+        let mut base = Vec::with_capacity(128);
+        for job in jobs {
+            let p = job.prepared();
+            keys::key_base(&p.key_prefix, &job.key, &mut base);
+            for suffix in &p.key_suffixes {
+                let mut key = Vec::with_capacity(base.len() + suffix.len());
+                bucket_key(&base, suffix, p.prefix_len, &mut key);
+                args.keys.push(key);
+            }
+            args.quotas.extend_from_slice(&p.quotas);
+            args.decisions
+                .extend([p.key_suffixes.len() as i64, i64::from(job.cost.get())]);
+        }
+        args
+    }
+}
+
+/// The row keys of `key` under a prepared policy (to reset a client).
+pub(crate) fn row_keys(p: &Prepared, key: &Key) -> Vec<Vec<u8>> {
+    let mut base = Vec::new();
+    keys::key_base(&p.key_prefix, key, &mut base);
+    p.key_suffixes
+        .iter()
+        .map(|suffix| {
+            let mut k = Vec::new();
+            bucket_key(&base, suffix, p.prefix_len, &mut k);
+            k
+        })
+        .collect()
+}
+
+/// Reads a call's reply, decision after decision. A reply too short for a decision fails that
+/// decision (and the ones after it) as a protocol error.
+pub(crate) fn decisions<S: Store>(
+    reply: &[i64],
+    jobs: &[Job<S>],
+) -> Vec<Result<Decision, BackendError>> {
+    let mut at = 0;
+    let mut out = Vec::with_capacity(jobs.len());
+    for job in jobs {
+        out.push(decision(reply, &mut at, job.params(), job.cost));
+    }
+    if at != reply.len() && out.iter().all(Result::is_ok) {
+        // More numbers than the decisions: the reply does not belong to this call.
+        let err = protocol(format!(
+            "the store replied {} integers, expected {at}",
+            reply.len()
+        ));
+        return jobs.iter().map(|_| Err(clone_error(&err))).collect();
+    }
+    out
+}
+
+fn clone_error(err: &BackendError) -> BackendError {
+    BackendError::new(err.kind(), err.to_string())
+}
+
+/// One decision's quotas from `reply[*at..]`, moving `at` past them.
+fn decision(
+    reply: &[i64],
+    at: &mut usize,
+    params: &[QuotaParams],
+    cost: NonZeroU32,
+) -> Result<Decision, BackendError> {
+    let mut states = SmallVec::<[QuotaState; 2]>::new();
+    for (index, p) in params.iter().enumerate() {
+        let len = match p.kind {
+            QuotaKind::Gcra => 2,
+            QuotaKind::FixedWindow { .. } => 3,
+            QuotaKind::SlidingWindow { slices, .. } => 3 + slices as usize,
+        };
+        let Some(r) = reply.get(*at..*at + len) else {
+            *at = reply.len() + 1;
+            return Err(protocol(format!(
+                "the store's reply is too short ({} integers)",
+                reply.len()
+            )));
+        };
+        *at += len;
+        let code = reply::code(r[0])?;
+        states.push(match p.kind {
+            QuotaKind::Gcra => reply::gcra(index, p, cost, code, nonneg(r[1])),
+            QuotaKind::FixedWindow { window_us } => {
+                reply::fixed(index, p, code, window_us, nonneg(r[1]), nonneg(r[2]))
+            }
+            QuotaKind::SlidingWindow { slice_us, .. } => {
+                let into = nonneg(r[1]).min(slice_us.saturating_sub(1));
+                let counts: SmallVec<[u32; 16]> = r[2..]
+                    .iter()
+                    .map(|&c| u32::try_from(nonneg(c)).unwrap_or(u32::MAX))
+                    .collect();
+                window::sliding_state(index, p, code, &counts, slice_us, into, cost)
+            }
+        });
+    }
+    Ok(Decision::new(states))
+}
+
+/// Checks a table or schema name: a plain SQL identifier (letters, digits, `_`, not starting
+/// with a digit, at most 48 bytes so that the function's name derived from it fits), quoted
+/// when used.
+pub(crate) fn identifier(option: &'static str, name: &str) -> Result<(), ConfigError> {
+    let ok = !name.is_empty()
+        && name.len() <= 48
+        && !name.starts_with(|c: char| c.is_ascii_digit())
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+    if ok {
+        Ok(())
+    } else {
+        Err(ConfigError::Invalid {
+            option,
+            reason: format!(
+                "{name:?}: use 1 to 48 ASCII letters, digits or `_`, not starting with a digit"
+            ),
+        })
+    }
+}
+
+/// The defaults of the sweep of expired rows.
+pub(crate) const SWEEP_EVERY: Duration = Duration::from_secs(10);
+pub(crate) const SWEEP_BATCH: u32 = 1_000;
+/// The most batches one sweep deletes before waiting for the next (bounds its load).
+pub(crate) const SWEEP_ROUNDS: u32 = 100;
+
+/// How many times a call failed by a serialization failure or a deadlock (which the database
+/// rolled back: nothing was taken) is sent again, with a random pause of up to
+/// `attempt` × 2 ms, within the decision's timeout.
+pub(crate) const RETRIES: u32 = 3;
+
+/// A random pause before retry `attempt` (1-based).
+pub(crate) fn jitter(attempt: u32) -> Duration {
+    use std::hash::BuildHasher;
+    let r = std::collections::hash_map::RandomState::new().hash_one(attempt);
+    Duration::from_micros(200 + r % (2_000 * u64::from(attempt)))
+}
+
+/// One batch of the sweep: deletes at most `n` expired rows, answering how many it deleted.
+pub(crate) type SweepBatch = Box<
+    dyn Fn(u32) -> futures_util::future::BoxFuture<'static, Result<u64, BackendError>>
+        + Send
+        + Sync,
+>;
+
+/// The background sweep of expired rows: every `every`, batches of `batch` rows until a batch
+/// comes back short (at most [`SWEEP_ROUNDS`] batches, so that a flood's rows are deleted over
+/// several sweeps rather than in one long burst of load).
+pub(crate) struct Sweeper {
+    every: Option<Duration>,
+    batch: u32,
+    started: std::sync::atomic::AtomicBool,
+    swept: std::sync::atomic::AtomicU64,
+    run: SweepBatch,
+}
+
+impl Sweeper {
+    /// A sweeper running `run`; `every: None` never sweeps in the background.
+    pub(crate) fn new(every: Option<Duration>, batch: u32, run: SweepBatch) -> Self {
+        Sweeper {
+            every,
+            batch: batch.max(1),
+            started: Default::default(),
+            swept: Default::default(),
+            run,
+        }
+    }
+
+    /// Rows deleted so far.
+    pub(crate) fn swept(&self) -> u64 {
+        self.swept.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Deletes expired rows now, in batches, until a batch comes back short; answers how many.
+    pub(crate) async fn sweep(&self, rounds: u32) -> Result<u64, BackendError> {
+        let mut total = 0;
+        for _ in 0..rounds.max(1) {
+            let n = (self.run)(self.batch).await?;
+            total += n;
+            self.swept
+                .fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+            if n < u64::from(self.batch) {
+                break;
+            }
+        }
+        Ok(total)
+    }
+
+    /// Starts the background sweep, once, when called inside a Tokio runtime. The task ends
+    /// when the sweeper is dropped (with its backend).
+    pub(crate) fn start(this: &std::sync::Arc<Sweeper>) {
+        use std::sync::atomic::Ordering;
+        let Some(every) = this.every else { return };
+        let Ok(handle) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if this.started.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let weak = std::sync::Arc::downgrade(this);
+        handle.spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                let Some(sweeper) = weak.upgrade() else {
+                    return;
+                };
+                match sweeper.sweep(SWEEP_ROUNDS).await {
+                    Ok(0) => {}
+                    Ok(n) => tracing::debug!(rows = n, "tollgate: swept expired buckets"),
+                    Err(err) => tracing::debug!(%err, "tollgate: sweeping expired buckets failed"),
+                }
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_keys_are_digested_and_short_ones_kept() {
+        let mut out = Vec::new();
+        bucket_key(b"tg:{api:bx}:", b"0g1x1", 2, &mut out);
+        assert_eq!(out, b"tg:{api:bx}:0g1x1");
+        let long = vec![b'a'; 600];
+        bucket_key(&long, b"0g1x1", 2, &mut out);
+        assert_eq!(out.len(), 2 + 2 + 32);
+        assert_eq!(&out[..4], b"aa:#");
+        let mut other = Vec::new();
+        bucket_key(&long, b"0g1x2", 2, &mut other);
+        assert_ne!(out, other);
+    }
+
+    #[test]
+    fn identifiers_are_plain() {
+        assert!(identifier("table", "tollgate_buckets").is_ok());
+        for bad in ["", "1x", "a-b", "a\"b", "a b", &"x".repeat(49)] {
+            assert!(identifier("table", bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn replies_are_read_per_algorithm_and_checked() {
+        let gcra = QuotaParams::gcra(200_000_000, NonZeroU32::new(10).unwrap());
+        let sliding = crate::Quota::per_second(10)
+            .sliding_window()
+            .params("p")
+            .unwrap();
+        let params = [gcra, sliding];
+        let mut at = 0;
+        // GCRA allowed (one unit used); sliding: 100 ms into a 1 s sub-window, counts 4 and 1.
+        let reply = [0, 200_000_000, 0, 100_000, 4, 1];
+        let d = decision(&reply, &mut at, &params, NonZeroU32::MIN).unwrap();
+        assert_eq!(at, reply.len());
+        assert_eq!(d.quotas()[0].remaining, 9);
+        // E = 4 × 0.9 + 1 = 4.6: 5 more fit.
+        assert_eq!(d.quotas()[1].remaining, 5);
+        let mut at = 0;
+        assert!(decision(&reply[..5], &mut at, &params, NonZeroU32::MIN).is_err());
+        let mut at = 0;
+        assert!(decision(&[7, 0], &mut at, &[gcra], NonZeroU32::MIN).is_err());
+    }
+}

@@ -1,0 +1,422 @@
+//! The conformance suite shared by every backend: scripted sequences of requests with the
+//! exact states every backend must answer (the local backend on a fake clock, the remote ones on
+//! a test clock), and random sequences compared decision by decision with the local backend.
+
+use std::time::Duration;
+
+use governor::clock::FakeRelativeClock;
+use tollgate::backend::remote::TestClock;
+use tollgate::backend::{Backend, LocalBackend, Outcome};
+use tollgate::{Policy, Quota};
+
+use super::{cost, key, prepare};
+
+/// One step: advance the clock to `at_ms`, ask for `cost`, expect this.
+pub struct Step {
+    pub at_ms: u64,
+    pub cost: u32,
+    pub expect: Expect,
+    pub remaining: u32,
+    pub reset_after: Duration,
+}
+
+pub enum Expect {
+    Allowed,
+    Denied {
+        retry_after_ms: u64,
+    },
+    /// A wait that is not a whole number of milliseconds.
+    DeniedUs {
+        retry_after_us: u64,
+    },
+    NeverFits,
+}
+
+pub fn step(at_ms: u64, cost: u32, expect: Expect, remaining: u32, reset_after_ms: u64) -> Step {
+    step_us(at_ms, cost, expect, remaining, reset_after_ms * 1000)
+}
+
+/// A step whose `reset_after` is given in microseconds.
+pub fn step_us(at_ms: u64, cost: u32, expect: Expect, remaining: u32, reset_after_us: u64) -> Step {
+    Step {
+        at_ms,
+        cost,
+        expect,
+        remaining,
+        reset_after: Duration::from_micros(reset_after_us),
+    }
+}
+
+/// The redis-cell `CL.THROTTLE` test vectors: `max_burst` 4 (so 5 requests fit) at 1 per
+/// second. `reset_after` is the time until more quota is available (the next unit back; 0 when
+/// the bucket is full), the header's `t`, on every outcome; redis-cell reports the time until
+/// the bucket is full instead. A request that can never fit reports the bucket as it is.
+pub fn redis_cell_vectors() -> (Policy, Vec<Step>) {
+    use Expect::*;
+    let steps = vec![
+        step(0, 6, NeverFits, 5, 0),
+        step(0, 1, Allowed, 4, 1000),
+        step(0, 1, Allowed, 3, 1000),
+        step(0, 1, Allowed, 2, 1000),
+        step(0, 1, Allowed, 1, 1000),
+        step(0, 1, Allowed, 0, 1000),
+        step(
+            0,
+            1,
+            Denied {
+                retry_after_ms: 1000,
+            },
+            0,
+            1000,
+        ),
+        step(3000, 1, Allowed, 2, 1000),
+        step(3100, 1, Allowed, 1, 900),
+        step(4000, 1, Allowed, 1, 1000),
+        step(8000, 1, Allowed, 4, 1000),
+        step(9500, 1, Allowed, 4, 1000),
+        step(9500, 2, Allowed, 2, 1000),
+        step(
+            9500,
+            5,
+            Denied {
+                retry_after_ms: 3000,
+            },
+            2,
+            1000,
+        ),
+    ];
+    (Policy::new("cell", Quota::per_second(1).burst(5)), steps)
+}
+
+/// Costs, partial refills and sub-second emission intervals: 10 per second, burst 3.
+pub fn refill_vectors() -> (Policy, Vec<Step>) {
+    use Expect::*;
+    let steps = vec![
+        step(0, 2, Allowed, 1, 100),
+        step(
+            0,
+            2,
+            Denied {
+                retry_after_ms: 100,
+            },
+            1,
+            100,
+        ),
+        step(50, 2, Denied { retry_after_ms: 50 }, 1, 50),
+        step(100, 2, Allowed, 0, 100),
+        step(150, 1, Denied { retry_after_ms: 50 }, 0, 50),
+        step(400, 3, Allowed, 0, 100),
+        step(1000, 1, Allowed, 2, 100),
+        step(1000, 4, NeverFits, 2, 100),
+    ];
+    (Policy::new("refill", Quota::per_second(10).burst(3)), steps)
+}
+
+// Window vectors, computed by hand from the definitions in `src/backend/window.rs`. Step times
+// count from an instant that starts every window (the Unix epoch, or a whole number of days
+// after it): windows are aligned to the epoch.
+
+/// A fixed window of 3 per second: never-fits on an empty window, cost 2, the last unit just
+/// before the boundary, a full window just after it, larger costs, and an empty window again.
+pub fn fixed_window_vectors() -> (Policy, Vec<Step>) {
+    use Expect::*;
+    let steps = vec![
+        // Nothing counted: all 3 remain, and no more will come (`t` = 0).
+        step(0, 4, NeverFits, 3, 0),
+        step(100, 2, Allowed, 1, 900),
+        // The window ends at 1000 ms.
+        step(
+            100,
+            2,
+            Denied {
+                retry_after_ms: 900,
+            },
+            1,
+            900,
+        ),
+        step(
+            500,
+            2,
+            Denied {
+                retry_after_ms: 500,
+            },
+            1,
+            500,
+        ),
+        // The last unit, a millisecond before the boundary.
+        step(999, 1, Allowed, 0, 1),
+        step(999, 1, Denied { retry_after_ms: 1 }, 0, 1),
+        // A new window: all 3 at once.
+        step(1000, 3, Allowed, 0, 1000),
+        step(
+            1000,
+            1,
+            Denied {
+                retry_after_ms: 1000,
+            },
+            0,
+            1000,
+        ),
+        // A larger cost waits for the same boundary.
+        step(
+            1200,
+            2,
+            Denied {
+                retry_after_ms: 800,
+            },
+            0,
+            800,
+        ),
+        // More than the limit never fits, and reports the window as it is.
+        step(1500, 4, NeverFits, 0, 500),
+        // Two windows later nothing is counted.
+        step(2500, 4, NeverFits, 3, 0),
+        step(2500, 1, Allowed, 2, 500),
+    ];
+    (
+        Policy::new("fixed", Quota::per_second(3).fixed_window()),
+        steps,
+    )
+}
+
+/// A sliding window of 10 per second kept as one sub-window (two counts): the previous
+/// second's count weighs `10 * (1 - f)`, `f` the fraction of the current second gone.
+pub fn sliding_one_vectors() -> (Policy, Vec<Step>) {
+    use Expect::*;
+    let steps = vec![
+        step(5000, 11, NeverFits, 10, 0),
+        // E = 10: one more fits once 1 of them has slid out, 0.1 s into the next second.
+        step(5000, 10, Allowed, 0, 1100),
+        step(
+            5000,
+            1,
+            Denied {
+                retry_after_ms: 1100,
+            },
+            0,
+            1100,
+        ),
+        // 25 % into the next second, 7.5 still count: 2 more pass; one more fits once 0.5 has
+        // slid out, 50 ms later.
+        step(6250, 1, Allowed, 1, 50),
+        step(6250, 1, Allowed, 0, 50),
+        step(6250, 1, Denied { retry_after_ms: 50 }, 0, 50),
+        // 9 fit when this second's 2 weigh 1: half way through the next one.
+        step(
+            6250,
+            9,
+            Denied {
+                retry_after_ms: 1250,
+            },
+            0,
+            50,
+        ),
+        // 7.2 + 2 counted.
+        step(6280, 1, Denied { retry_after_ms: 20 }, 0, 20),
+        // 7 + 2: one fits, leaving E = 10 exactly.
+        step(6300, 1, Allowed, 0, 100),
+        // Half way through the next second, 3 * 0.5 = 1.5 count: 8 remain; 10 fit at the
+        // boundary, 9 once 1 of the 1.5 has slid out (two thirds into the second, rounded up
+        // to the microsecond: 166.667 ms from now).
+        step_us(
+            7500,
+            10,
+            Denied {
+                retry_after_ms: 500,
+            },
+            8,
+            166_667,
+        ),
+        step_us(
+            7500,
+            9,
+            DeniedUs {
+                retry_after_us: 166_667,
+            },
+            8,
+            166_667,
+        ),
+        // A new second with nothing in the previous one: the whole limit.
+        step(8000, 10, Allowed, 0, 1100),
+    ];
+    (
+        Policy::new("sliding1", Quota::per_second(10).sliding_window()),
+        steps,
+    )
+}
+
+/// 100 per minute kept as twelve 5-second sub-windows (thirteen counts).
+pub fn sliding_many_vectors() -> (Policy, Vec<Step>) {
+    use Expect::*;
+    let q = Quota::per_minute(100)
+        .sliding_window()
+        .resolution(Duration::from_secs(5));
+    let steps = vec![
+        step(0, 101, NeverFits, 100, 0),
+        // The 40 of sub-window 0 count in full until 60 s, then slide out over 5 s: 61 fit
+        // once 1 of them has, at 60.125 s.
+        step(0, 40, Allowed, 60, 60_125),
+        step(12_000, 30, Allowed, 30, 48_125),
+        step(
+            12_000,
+            31,
+            Denied {
+                retry_after_ms: 48_125,
+            },
+            30,
+            48_125,
+        ),
+        step(
+            30_000,
+            31,
+            Denied {
+                retry_after_ms: 30_125,
+            },
+            30,
+            30_125,
+        ),
+        // At 60 s sub-window 0 is the oldest, in full.
+        step(60_000, 1, Allowed, 29, 125),
+        // Half of it has slid out: 20 + 31 counted.
+        step(62_500, 29, Allowed, 20, 125),
+        // A millisecond before the boundary, 40 * 0.0002 + 60 = 60.008 count: 39 remain, 40
+        // fit at the boundary, when sub-window 0 is gone.
+        step(64_999, 40, Denied { retry_after_ms: 1 }, 39, 1),
+        // Just after the boundary: 0 (sub-window 1) + 30 + 30 + 40 = 100; one more fits once
+        // 1 of sub-window 2's 30 has slid out, 1/6 of 5 s (rounded up to the microsecond).
+        step_us(65_000, 40, Allowed, 0, 5_166_667),
+    ];
+    (Policy::new("sliding12", q), steps)
+}
+
+pub async fn run_vectors<B, F>(backend: &B, set_time_ms: F, vectors: (Policy, Vec<Step>), who: &str)
+where
+    B: Backend,
+    F: Fn(u64),
+{
+    let (policy, steps) = vectors;
+    let prepared = prepare(backend, &policy);
+    let k = key(&format!("conformance-{}", policy.name()));
+    for (i, s) in steps.iter().enumerate() {
+        set_time_ms(s.at_ms);
+        let d = backend.decide(&prepared, &k, cost(s.cost)).await.unwrap();
+        let q = d.quotas()[0];
+        let ctx = format!("{who} {} step {i}: {d:?}", policy.name());
+        match s.expect {
+            Expect::Allowed => assert_eq!(q.outcome, Outcome::Allowed, "{ctx}"),
+            Expect::Denied { retry_after_ms } => assert_eq!(
+                q.outcome,
+                Outcome::Denied {
+                    retry_after: Duration::from_millis(retry_after_ms)
+                },
+                "{ctx}"
+            ),
+            Expect::DeniedUs { retry_after_us } => assert_eq!(
+                q.outcome,
+                Outcome::Denied {
+                    retry_after: Duration::from_micros(retry_after_us)
+                },
+                "{ctx}"
+            ),
+            Expect::NeverFits => {
+                assert_eq!(q.outcome, Outcome::NeverFits, "{ctx}");
+                assert_eq!(d.retry_after(), None, "{ctx}");
+            }
+        }
+        assert_eq!(q.limit, policy.quotas()[0].burst_size(), "{ctx}");
+        assert_eq!(q.remaining, s.remaining, "{ctx}");
+        // `t` never points past `Retry-After`.
+        if let Some(wait) = d.retry_after() {
+            assert!(q.reset_after <= wait, "{ctx}");
+        }
+        assert_eq!(q.reset_after, s.reset_after, "{ctx}");
+    }
+}
+
+pub fn window_vectors() -> [(Policy, Vec<Step>); 3] {
+    [
+        fixed_window_vectors(),
+        sliding_one_vectors(),
+        sliding_many_vectors(),
+    ]
+}
+
+/// A test clock for the script at a whole number of days after the Unix epoch, so that step
+/// times count from the start of every window (as the local backend's clock from the epoch).
+pub fn aligned_test_clock() -> TestClock {
+    let clock = TestClock::new();
+    let day = 86_400_000_000_000u64;
+    let start = 1_000_000_000_000_000u64; // TestClock::new()
+    clock.advance(Duration::from_nanos(start.div_ceil(day) * day - start));
+    clock
+}
+
+/// Every vector set (GCRA and windows) on a remote backend made by `make` at a test clock
+/// aligned on a day: the same states as the local backend, step by step.
+pub async fn remote_vectors<B: Backend>(make: impl Fn(TestClock) -> B, who: &str) {
+    let all = [redis_cell_vectors(), refill_vectors()]
+        .into_iter()
+        .chain(window_vectors());
+    for vectors in all {
+        let clock = aligned_test_clock();
+        let backend = make(clock.clone());
+        let start = std::cell::Cell::new(0u64);
+        let set = |ms: u64| {
+            clock.advance(Duration::from_millis(ms - start.get()));
+            start.set(ms);
+        };
+        run_vectors(&backend, set, vectors, who).await;
+    }
+}
+
+/// Random sequences (times, costs) on the local backend and on one made by `make` give the
+/// same states, decision by decision: the store computes the same numbers to the microsecond.
+pub async fn agree_with_local<B: Backend>(make: impl Fn(TestClock) -> B) {
+    // Windows that divide a day: both clocks start at a whole number of days.
+    let quotas = [
+        Quota::per_second(3).fixed_window(),
+        Quota::per_minute(40).fixed_window(),
+        Quota::per_second(10).sliding_window(),
+        Quota::per_minute(7)
+            .sliding_window()
+            .resolution(Duration::from_secs(20)),
+        Quota::per_minute(100)
+            .sliding_window()
+            .resolution(Duration::from_secs(5)),
+        Quota::per_second(7).burst(5),
+    ];
+    let mut seed = 7u64;
+    let mut next = move |n: u64| {
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (seed >> 33) % n
+    };
+    for (i, quota) in quotas.into_iter().enumerate() {
+        let policy = Policy::new(format!("random{i}"), quota);
+        let local_clock = FakeRelativeClock::default();
+        let local = LocalBackend::builder()
+            .clock(local_clock.clone())
+            .clock_epoch(Duration::ZERO)
+            .build();
+        let remote_clock = aligned_test_clock();
+        let remote = make(remote_clock.clone());
+        let (lp, rp) = (prepare(&local, &policy), prepare(&remote, &policy));
+        let window = u64::try_from(quota.period().as_micros()).unwrap();
+        let k = key("random");
+        for n in 0..400 {
+            let by = match next(10) {
+                0 => 0,
+                1..=6 => next(window / 7 + 1),
+                7 | 8 => next(1000),
+                _ => next(2 * window + 1),
+            };
+            local_clock.advance(Duration::from_micros(by));
+            remote_clock.advance(Duration::from_micros(by));
+            let c = cost(1 + next(u64::from(quota.count()) / 3 + 2) as u32);
+            let l = local.decide(&lp, &k, c).await.unwrap();
+            let r = remote.decide(&rp, &k, c).await.unwrap();
+            assert_eq!(l, r, "{policy:?} step {n}, cost {c}");
+        }
+    }
+}
