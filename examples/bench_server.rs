@@ -5,7 +5,7 @@
 //! `curl -i -H 'x-key: alice' localhost:3000/hello` shows `ok` with `RateLimit` headers.
 //!
 //! Environment:
-//! - `BACKEND=none|local|tower_governor|redis` (default `local`):
+//! - `BACKEND=none|local|tower_governor|redis|postgres|mysql` (default `local`):
 //!   - `none`: bare axum;
 //!   - `local`: tollgate's `RateLimitLayer` on the in-process backend, default configuration
 //!     (IETF `RateLimit`/`RateLimit-Policy` headers on every response);
@@ -15,7 +15,11 @@
 //!     `x-ratelimit-limit` and `x-ratelimit-remaining` to allowed responses: the peer's
 //!     configuration that, like tollgate's default, sends two rate-limit fields per response;
 //!   - `redis`: tollgate on the Redis backend (`REDIS_URL`, default `redis://127.0.0.1:6379`;
-//!     build with `--features redis`), default configuration (fail-open, deny cache on).
+//!     build with `--features redis`), default configuration (fail-open, deny cache on);
+//!   - `postgres`, `mysql`: tollgate on the SQL backends (`DATABASE_URL`, default
+//!     `postgres://postgres@127.0.0.1:5432/test` and `mysql://root@127.0.0.1:3306/test`; build
+//!     with `--features postgres` or `--features mysql`), default configuration, migrated at
+//!     start.
 //! - The key is the `x-key` request header, falling back to the client IP.
 //! - `HEADERS=ietf|legacy|both|none` (default `ietf`): tollgate's header style, to measure what
 //!   the headers cost.
@@ -26,7 +30,7 @@
 //!   backend (tower_governor has GCRA only: a window quota is refused for it).
 //! - `METRICS=1` (a build with `--features metrics`): install a Prometheus recorder, so that
 //!   tollgate's metrics are recorded (to measure what they cost per request).
-//! - `STATS=1` (Redis only): print the backend's counters (`RedisStats`) to stderr every
+//! - `STATS=1` (remote backends): print the backend's counters to stderr every
 //!   second, e.g. to see how many decisions share a script call.
 //! - `DENY_KEY=<value>`: that one key (an `x-key` value, or an IP address) gets one request per
 //!   hour with a burst of 1, to measure a flood of denied requests (tollgate modes only).
@@ -182,6 +186,20 @@ fn governor_quota(quota: Quota) -> Result<(u64, u32), Box<dyn std::error::Error>
     Ok((params.emission_ns, params.burst.get()))
 }
 
+/// With `STATS=1`, prints `stats()` to stderr every second (how the backend's decisions went:
+/// calls, batching, failures).
+#[allow(dead_code)]
+fn print_stats(stats: impl Fn() -> String + Send + 'static) {
+    if std::env::var_os("STATS").is_some() {
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                eprintln!("{}", stats());
+            }
+        });
+    }
+}
+
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let port: u16 = match std::env::var("PORT") {
@@ -201,7 +219,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             Err(_) => Key::from_bytes(v),
         });
     let deny_key = deny_key.transpose()?;
-    if deny_key.is_some() && !matches!(backend.as_str(), "local" | "redis") {
+    if deny_key.is_some()
+        && matches!(
+            backend.as_str(),
+            "none" | "tower_governor" | "tower_governor_headers"
+        )
+    {
         return Err("DENY_KEY is only supported with the tollgate backends".into());
     }
 
@@ -254,26 +277,44 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             let backend = tollgate::backend::redis::RedisBackend::builder()
                 .url(url)
                 .build()?;
-            if std::env::var_os("STATS").is_some() {
-                // Every second, how the backend's decisions went (calls, batching, failures).
-                let backend = backend.clone();
-                tokio::spawn(async move {
-                    loop {
-                        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
-                        eprintln!("{:?}", backend.stats());
-                    }
-                });
-            }
+            let stats = backend.clone();
+            print_stats(move || format!("{:?}", stats.stats()));
             serve_layered!(listener, app, tollgate_layer(backend, deny_key)?, outer)?
         }
-        #[cfg(not(feature = "redis"))]
-        "redis" => {
-            return Err("BACKEND=redis needs a build with `--features redis`".into());
+        #[cfg(feature = "postgres")]
+        "postgres" => {
+            let url = std::env::var("DATABASE_URL")
+                .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+            let backend = tollgate::backend::postgres::PostgresBackend::builder()
+                .url(url)
+                .build()?;
+            backend.migrate().await?;
+            let stats = backend.clone();
+            print_stats(move || format!("{:?}", stats.stats()));
+            serve_layered!(listener, app, tollgate_layer(backend, deny_key)?, outer)?
+        }
+        #[cfg(feature = "mysql")]
+        "mysql" => {
+            let url = std::env::var("DATABASE_URL")
+                .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
+            let backend = tollgate::backend::mysql::MysqlBackend::builder()
+                .url(url)
+                .build()?;
+            backend.migrate().await?;
+            let stats = backend.clone();
+            print_stats(move || format!("{:?}", stats.stats()));
+            serve_layered!(listener, app, tollgate_layer(backend, deny_key)?, outer)?
+        }
+        #[allow(unreachable_patterns)] // every store compiled in
+        "redis" | "postgres" | "mysql" => {
+            return Err(
+                format!("BACKEND={backend} needs a build with `--features {backend}`").into(),
+            );
         }
         other => {
             return Err(format!(
                 "unknown BACKEND={other:?}: use none, local, tower_governor, \
-                 tower_governor_headers or redis"
+                 tower_governor_headers, redis, postgres or mysql"
             )
             .into());
         }

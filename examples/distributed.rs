@@ -1,10 +1,17 @@
-//! Run with: `cargo run --example distributed --features redis`
-//! (`PORT` picks the port, default 3000; `REDIS_URL` the Redis server, default
-//! `redis://127.0.0.1:6379`; `REDIS_CLUSTER_NODES`, comma-separated `redis://host:port` URLs,
-//! selects Redis Cluster instead).
+//! Run with: `cargo run --example distributed --features redis` (or `--features postgres`,
+//! `--features mysql`). `BACKEND=redis|postgres|mysql` picks the shared store (default
+//! `redis`); `PORT` the port (default 3000).
 //!
-//! What to expect: the same routes and policy as `quickstart`, but the buckets live in Redis,
-//! so every instance started against the same Redis shares one limit:
+//! - `redis`: `REDIS_URL` (default `redis://127.0.0.1:6379`); `REDIS_CLUSTER_NODES`,
+//!   comma-separated `redis://host:port` URLs, selects Redis Cluster instead.
+//! - `postgres`: `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`).
+//! - `mysql`: `DATABASE_URL` (default `mysql://root@127.0.0.1:3306/test`).
+//!
+//! The SQL stores run their migration at start (idempotent: a table and a function or
+//! procedure, created if missing).
+//!
+//! What to expect: the same routes and policy as `quickstart`, but the buckets live in the
+//! shared store, so every instance started against the same store shares one limit:
 //!
 //! ```text
 //! $ PORT=3000 cargo run --example distributed --features redis &
@@ -18,23 +25,41 @@
 //! ```
 //!
 //! `/api/hello` is limited per client IP to 5 requests per second with bursts of 10; no proxy
-//! is trusted. The app starts even when Redis is down, and then fails open (requests pass
-//! unlimited) until Redis answers; limits apply again within about a second of Redis coming
-//! back. The log (INFO and above, on stdout) has one warning naming the cause when Redis fails
-//! (`connection refused`, `authentication failed`) and one line when it answers again, not a
-//! line per request. The Redis URL is printed with its password masked
-//! (`redis://:***@host:6379`).
+//! is trusted. The app starts even when the store is down, and then fails open (requests pass
+//! unlimited) until it answers; limits apply again within about a second of the store coming
+//! back. The log (INFO and above, on stdout) has one warning naming the cause when the store
+//! fails (`connection refused`, `authentication failed`) and one line when it answers again,
+//! not a line per request. URLs are printed with their password masked or left out.
 
 use std::net::SocketAddr;
 
 use axum::{Router, routing::get};
-use tollgate::backend::redis::{FailurePolicy, RedisBackend};
+use tollgate::backend::Backend;
 use tollgate::key::ClientIp;
 use tollgate::{Policy, Quota, RateLimitLayer};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     tracing_subscriber::fmt().init();
+    let backend = std::env::var("BACKEND").unwrap_or_else(|_| "redis".into());
+    match backend.as_str() {
+        #[cfg(feature = "redis")]
+        "redis" => serve(redis()?).await,
+        #[cfg(feature = "postgres")]
+        "postgres" => serve(postgres().await?).await,
+        #[cfg(feature = "mysql")]
+        "mysql" => serve(mysql().await?).await,
+        #[allow(unreachable_patterns)] // every store compiled in
+        "redis" | "postgres" | "mysql" => {
+            Err(format!("BACKEND={backend} needs a build with `--features {backend}`").into())
+        }
+        other => Err(format!("unknown BACKEND={other:?}: use redis, postgres or mysql").into()),
+    }
+}
+
+#[cfg(feature = "redis")]
+fn redis() -> Result<tollgate::backend::redis::RedisBackend, tollgate::ConfigError> {
+    use tollgate::backend::redis::{FailurePolicy, RedisBackend};
     let backend = match std::env::var("REDIS_CLUSTER_NODES") {
         Ok(nodes) if !nodes.trim().is_empty() => {
             let nodes: Vec<String> = nodes
@@ -54,7 +79,41 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     .build()?;
     // Never print the URL itself: it may hold the password.
     println!("Redis: {}", backend.endpoint());
+    Ok(backend)
+}
 
+#[cfg(feature = "postgres")]
+async fn postgres()
+-> Result<tollgate::backend::postgres::PostgresBackend, Box<dyn std::error::Error>> {
+    use tollgate::backend::postgres::PostgresBackend;
+    let url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let backend = PostgresBackend::builder().url(url).build()?;
+    println!("PostgreSQL: {}", backend.endpoint());
+    // Creates the table and the function if missing. If the database is down, the app still
+    // starts (failing open) and the log says why.
+    if let Err(err) = backend.migrate().await {
+        tracing::warn!(%err, "migration failed; run it again once the database answers");
+    }
+    Ok(backend)
+}
+
+#[cfg(feature = "mysql")]
+async fn mysql() -> Result<tollgate::backend::mysql::MysqlBackend, Box<dyn std::error::Error>> {
+    use tollgate::backend::mysql::MysqlBackend;
+    let url =
+        std::env::var("DATABASE_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
+    let backend = MysqlBackend::builder().url(url).build()?;
+    println!("MySQL: {}", backend.endpoint());
+    if let Err(err) = backend.migrate().await {
+        tracing::warn!(%err, "migration failed; run it again once the database answers");
+    }
+    Ok(backend)
+}
+
+/// The quickstart's routes, limited on `backend`.
+#[allow(dead_code)]
+async fn serve<B: Backend>(backend: B) -> Result<(), Box<dyn std::error::Error>> {
     let limit = RateLimitLayer::builder()
         .policy(Policy::new("api", Quota::per_second(5).burst(10)))
         .key(ClientIp::new())

@@ -13,8 +13,11 @@
 #                     `*_outer` modes wrap the whole router (LAYER=outer) instead of
 #                     `Router::layer`; `*_deny` modes flood one key that is always denied (DENY_KEY); the
 #                     redis modes use REDIS_URL, or a redis-server this script starts on a free
-#                     port, pinned to the server's core. A mode whose server does not start is
-#                     skipped.
+#                     port, pinned to the server's core. `postgres`, `mysql` (and their
+#                     `_deny`, `_fixed`, ... variants): the SQL backends, on DATABASE_URL /
+#                     MYSQL_URL, or on a PostgreSQL / MariaDB this script starts in a temporary
+#                     directory (as `nobody` when run as root), pinned to the server's core. A
+#                     mode whose server does not start is skipped.
 #   KEYS=one          the clients, as scripts/wrk-keys.lua draws them: `one` (no x-key: one
 #                     client), `uniform:10000`, `uniform:1000000`, `zipf:100000` (a few heavy
 #                     clients and a long tail). The `*_deny` modes always flood one key.
@@ -57,6 +60,8 @@ fi
 
 features="local axum"
 case " $MODES " in *" redis"*) features="$features redis" ;; esac
+case " $MODES " in *" postgres"*) features="$features postgres" ;; esac
+case " $MODES " in *" mysql"*) features="$features mysql" ;; esac
 echo "building bench_server (release, features: $features)..." >&2
 cargo build --release --quiet --example bench_server --features "$features"
 BIN="$TARGET/release/examples/bench_server"
@@ -68,6 +73,10 @@ REDIS_DIR=""
 cleanup() {
     if [ -n "$REDIS_PID" ]; then kill "$REDIS_PID" 2>/dev/null || true; fi
     if [ -n "$REDIS_DIR" ]; then rm -rf "$REDIS_DIR"; fi
+    if [ -n "${PG_PID:-}" ]; then kill -QUIT "$PG_PID" 2>/dev/null || true; sleep 0.5; fi
+    if [ -n "${PG_DIR:-}" ]; then rm -rf "$PG_DIR"; fi
+    if [ -n "${MY_PID:-}" ]; then kill -KILL "$MY_PID" 2>/dev/null || true; sleep 0.2; fi
+    if [ -n "${MY_DIR:-}" ]; then rm -rf "$MY_DIR"; fi
     if [ -n "$SERVER_PID" ]; then kill "$SERVER_PID" 2>/dev/null || true; fi
     if [ -s "$RESULTS" ]; then
         { echo "round,mode,rps,p50_us,p99_us,cpu_us"; tr ' ' ',' <"$RESULTS"; } >"$CSV"
@@ -118,13 +127,84 @@ case " $MODES " in
     ;;
 esac
 
+# As the servers' user: PostgreSQL refuses to run as root.
+as_db_user() {
+    if [ "$(id -u)" -eq 0 ]; then runuser -u nobody -- "$@"; else "$@"; fi
+}
+PG_PID=""
+MY_PID=""
+case " $MODES " in
+*" postgres"*)
+    if [ -z "${DATABASE_URL:-}" ]; then
+        PG_BIN=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -1)
+        [ -x "$PG_BIN/initdb" ] || {
+            SUDO=""
+            [ "$(id -u)" -ne 0 ] && SUDO=sudo
+            $SUDO apt-get install -y -qq postgresql >/dev/null
+            PG_BIN=$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)
+        }
+        PG_PORT=$((PORT + 1001))
+        PG_DIR=$(mktemp -d)
+        [ "$(id -u)" -eq 0 ] && chown nobody "$PG_DIR"
+        as_db_user "$PG_BIN/initdb" -U postgres -A trust --no-sync -D "$PG_DIR/data" >/dev/null
+        as_db_user $PIN_SERVER "$PG_BIN/postgres" -D "$PG_DIR/data" -p "$PG_PORT" -k "$PG_DIR" \
+            -c listen_addresses=127.0.0.1 -c max_connections=300 >/dev/null 2>&1 &
+        for _ in $(seq 1 100); do
+            "$PG_BIN/pg_isready" -q -h 127.0.0.1 -p "$PG_PORT" && break
+            sleep 0.1
+        done
+        PG_PID=$(head -1 "$PG_DIR/data/postmaster.pid")
+        DATABASE_URL="postgres://postgres@127.0.0.1:$PG_PORT/postgres"
+        echo "PostgreSQL on port $PG_PORT (core 0)" >&2
+    fi
+    export DATABASE_URL
+    ;;
+esac
+case " $MODES " in
+*" mysql"*)
+    if [ -z "${MYSQL_URL:-}" ]; then
+        command -v mariadbd >/dev/null || [ -x /usr/sbin/mariadbd ] || {
+            SUDO=""
+            [ "$(id -u)" -ne 0 ] && SUDO=sudo
+            $SUDO apt-get install -y -qq mariadb-server >/dev/null
+        }
+        MY_PORT=$((PORT + 1002))
+        MY_DIR=$(mktemp -d)
+        [ "$(id -u)" -eq 0 ] && chown nobody "$MY_DIR"
+        as_db_user mariadb-install-db --no-defaults --datadir="$MY_DIR/data" \
+            --auth-root-authentication-method=normal --skip-test-db >/dev/null 2>&1
+        as_db_user $PIN_SERVER /usr/sbin/mariadbd --no-defaults --datadir="$MY_DIR/data" \
+            --port="$MY_PORT" --bind-address=127.0.0.1 --socket="$MY_DIR/sock" \
+            --skip-log-bin --max-connections=300 >/dev/null 2>&1 &
+        for _ in $(seq 1 100); do
+            mariadb -h127.0.0.1 -P"$MY_PORT" -uroot -e 'CREATE DATABASE IF NOT EXISTS test' 2>/dev/null && break
+            sleep 0.1
+        done
+        MY_PID=$(pgrep -f "mariadbd --no-defaults --datadir=$MY_DIR/data" | head -1)
+        MYSQL_URL="mysql://root@127.0.0.1:$MY_PORT/test"
+        echo "MariaDB on port $MY_PORT (core 0)" >&2
+    fi
+    ;;
+esac
+
 CLK_TCK=$(getconf CLK_TCK)
-# CPU ticks (user + system) used so far by the server, plus redis-server in Redis modes.
+# CPU ticks (user + system) of a process.
+ticks_of() { awk '{print $14 + $15}' "/proc/$1/stat" 2>/dev/null || echo 0; }
+# CPU ticks (user + system) used so far by the server, plus the store in remote modes
+# (redis-server; PostgreSQL's postmaster and its backends; mariadbd).
 cpu_ticks() { # backend
     local t
-    t=$(awk '{print $14 + $15}' "/proc/$SERVER_PID/stat")
+    t=$(ticks_of "$SERVER_PID")
     if [ "$1" = redis ] && [ -n "$REDIS_PID" ]; then
-        t=$((t + $(awk '{print $14 + $15}' "/proc/$REDIS_PID/stat")))
+        t=$((t + $(ticks_of "$REDIS_PID")))
+    fi
+    if [ "$1" = postgres ] && [ -n "$PG_PID" ]; then
+        for p in "$PG_PID" $(pgrep -P "$PG_PID"); do
+            t=$((t + $(ticks_of "$p")))
+        done
+    fi
+    if [ "$1" = mysql ] && [ -n "$MY_PID" ]; then
+        t=$((t + $(ticks_of "$MY_PID")))
     fi
     echo "$t"
 }
@@ -155,7 +235,9 @@ run_mode() { # round mode
         # The clients: KEYS, drawn by the wrk script.
         wrk_header=(-s scripts/wrk-keys.lua)
     fi
-    env "${deny_env[@]}" "${quota_env[@]}" BACKEND=$backend LAYER=$layer PORT=$PORT $PIN_SERVER "$BIN" >/dev/null 2>/tmp/bench_server.err &
+    local db_env=()
+    [ "$backend" = mysql ] && db_env=(DATABASE_URL="${MYSQL_URL:-}")
+    env "${deny_env[@]}" "${quota_env[@]}" "${db_env[@]}" BACKEND=$backend LAYER=$layer PORT=$PORT $PIN_SERVER "$BIN" >/dev/null 2>/tmp/bench_server.err &
     SERVER_PID=$!
     if ! wait_up; then
         echo "  $mode: server did not start ($(tail -1 /tmp/bench_server.err)); skipped" >&2

@@ -52,7 +52,7 @@ trap 'rm -rf "$WORK"' EXIT
 total() { callgrind_annotate "$1" 2>/dev/null | awk '/PROGRAM TOTALS/ { gsub(",", "", $1); print $1 }'; }
 
 # The quota's four script arguments (hexadecimal, see gcra.lua) and its key suffix (as
-# src/backend/redis/keys.rs names them), by algorithm: huge limits, so that every decision is
+# src/backend/remote/keys.rs names them), by algorithm: huge limits, so that every decision is
 # allowed and writes.
 quota() { # algo
     case $1 in

@@ -153,7 +153,7 @@ impl PgServer {
                 "-c",
                 "full_page_writes=off",
                 "-c",
-                "max_connections=200",
+                "max_connections=300",
             ])
             .stdout(Stdio::null())
             .stderr(Stdio::null())

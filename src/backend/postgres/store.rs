@@ -169,9 +169,13 @@ impl PgStore {
             .transaction()
             .await
             .map_err(|e| to_backend(pg_error(e)))?;
-        tx.batch_execute("SELECT pg_advisory_xact_lock(7106514057406054501)")
-            .await
-            .map_err(|e| to_backend(pg_error(e)))?;
+        // Quiet: a second run's "already exists, skipping" notices are not news.
+        tx.batch_execute(
+            "SET LOCAL client_min_messages = warning; \
+             SELECT pg_advisory_xact_lock(7106514057406054501)",
+        )
+        .await
+        .map_err(|e| to_backend(pg_error(e)))?;
         tx.batch_execute(&self.names.migration())
             .await
             .map_err(|e| to_backend(pg_error(e)))?;

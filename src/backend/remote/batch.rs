@@ -31,7 +31,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
 use super::MAX_BATCH;
-use super::backend::{CallOrDecision, Inner, bump};
+use super::inner::{CallOrDecision, Inner, bump};
 use super::store::{CallError, Job, Store};
 use crate::BackendError;
 use crate::backend::Decision;
@@ -63,9 +63,9 @@ impl<S: Store> Batcher<S> {
     /// Queues one decision for the batching task, which also enforces the backend's timeout
     /// (one timer per call, not one per request). Gives the job back outside a Tokio runtime
     /// (the task could not be started).
-    pub(crate) fn submit(inner: &Arc<Inner<S>>, job: Job<S>) -> Result<Answer, Job<S>> {
+    pub(crate) fn submit(&self, inner: &Arc<Inner<S>>, job: Job<S>) -> Result<Answer, Job<S>> {
         let (reply, answer) = oneshot::channel();
-        let batcher = &inner.batcher;
+        let batcher = self;
         let queued = Queued { job, reply };
         let queued = match batcher.tx.load().as_deref() {
             Some(tx) => match tx.send(queued) {

@@ -18,6 +18,13 @@
 //! 5. **Failure policy** for a decision the store could not make: fail open, fail closed, or
 //!    fall back to a per-instance [`LocalBackend`](crate::backend::LocalBackend).
 //!
+//! The modules read one way, from the decision down to the wire, none importing one above it:
+//! `backend` (prepare, decide: deny cache, breaker, batched or alone) → `future` (what a
+//! request waits on) → `batch` (the queue and the calls) → `inner` (what becomes of a call's
+//! outcome: breaker, health, counters, failure policy) → `store` (the [`Store`] trait a backend
+//! implements, and the decisions it is handed), with `options`, `deny_cache`, `breaker`,
+//! `health` and `clock` below them.
+//!
 //! ```
 //! use tollgate::backend::remote::FailurePolicy;
 //!
@@ -44,17 +51,20 @@ mod clock;
 mod deny_cache;
 mod future;
 mod health;
+mod inner;
 pub(crate) mod keys;
+mod options;
 pub(crate) mod redact;
 pub(crate) mod reply;
 mod store;
 
-pub use backend::{FailurePolicy, RemoteStats};
-pub(crate) use backend::{Options, Remote, RemotePolicy};
+pub(crate) use backend::{Remote, RemotePolicy};
 #[doc(hidden)]
 pub use clock::TestClock;
 pub use future::RemoteFuture;
 pub use health::StoreFailure;
+pub(crate) use options::Options;
+pub use options::{FailurePolicy, RemoteStats};
 pub(crate) use store::{CallError, Job, Store};
 
 /// The most decisions in one call: bounds how long one call keeps the store busy.

@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::backend::PolicyInner;
+use smallvec::SmallVec;
+
+use super::deny_cache::DenyCache;
 use super::health::StoreFailure;
 use crate::backend::Decision;
 use crate::quota::QuotaParams;
@@ -82,6 +84,16 @@ impl fmt::Display for CallError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.text)
     }
+}
+
+/// A policy prepared for a remote backend: its quotas, the store's part, its own deny cache and,
+/// with [`FailurePolicy::FallbackLocal`](super::FailurePolicy::FallbackLocal), its local twin.
+pub(crate) struct PolicyInner<S: Store> {
+    pub(crate) params: SmallVec<[QuotaParams; 2]>,
+    pub(crate) store: S::Prepared,
+    pub(crate) deny: DenyCache,
+    pub(crate) deny_hits: crate::metrics::DenyCacheHits,
+    pub(crate) local: Option<crate::backend::local::LocalPolicy>,
 }
 
 /// One decision sent to the store, and whom to answer.

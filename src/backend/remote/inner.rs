@@ -1,0 +1,322 @@
+//! The part of a remote backend that outlives a request: the store, its health and circuit
+//! breaker, the counters, and what becomes of a call's outcome (the deny cache learns from it,
+//! failures get the failure policy). The batching task and the backend's `decide` both hand
+//! their calls' outcomes here.
+
+use std::num::NonZeroU32;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use super::breaker::Breaker;
+use super::clock::Clock;
+use super::deny_cache::Budget;
+use super::health::{Change, Health, StoreFailure};
+use super::options::FailurePolicy;
+use super::redact::Secrets;
+use super::store::{CallError, Job, PolicyInner, Store};
+use crate::backend::{DecidedBy, Decision, LocalBackend};
+use crate::{BackendError, BackendErrorKind, Key};
+
+pub(crate) struct Inner<S: Store> {
+    pub(crate) store: S,
+    /// The store in a phrase for logs: `Redis at redis://127.0.0.1:6379`.
+    pub(crate) who: String,
+    /// Passwords of the configured URLs, removed from every error text shown.
+    pub(crate) secrets: Secrets,
+    pub(crate) health: Health,
+    pub(crate) timeout: Duration,
+    pub(crate) on_failure: FailurePolicy,
+    pub(crate) breaker: Breaker,
+    pub(crate) budget: Arc<Budget>,
+    pub(crate) clock: Clock,
+    pub(crate) local: Option<LocalBackend>,
+    pub(crate) warmed: AtomicBool,
+    pub(crate) counters: Counters,
+    pub(crate) batching: bool,
+}
+
+#[derive(Default)]
+pub(crate) struct Counters {
+    pub(crate) decisions: AtomicU64,
+    pub(crate) calls: AtomicU64,
+    pub(crate) errors: AtomicU64,
+    pub(crate) timeouts: AtomicU64,
+    pub(crate) fail_open: AtomicU64,
+    pub(crate) fail_closed: AtomicU64,
+    pub(crate) fallback_local: AtomicU64,
+    pub(crate) deny_cache_hits: AtomicU64,
+}
+
+pub(crate) fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+/// How a failed call is reported to the layer.
+fn error_kind(failure: StoreFailure) -> BackendErrorKind {
+    match failure {
+        StoreFailure::Timeout => BackendErrorKind::Timeout,
+        StoreFailure::ErrorReply => BackendErrorKind::Protocol,
+        _ => BackendErrorKind::Unavailable,
+    }
+}
+
+impl<S: Store> Inner<S> {
+    /// The result of one call, decision by decision: for a failed call, its error for each.
+    pub(crate) fn split(
+        &self,
+        outcome: Result<Vec<Result<Decision, BackendError>>, CallError>,
+        decisions: usize,
+    ) -> Vec<Result<Decision, CallOrDecision>> {
+        match outcome {
+            Ok(answers) => {
+                let mut answers: Vec<_> = answers
+                    .into_iter()
+                    .map(|a| a.map_err(CallOrDecision::Decision))
+                    .collect();
+                // A short reply: the decisions without an answer fail on their own.
+                while answers.len() < decisions {
+                    answers.push(Err(CallOrDecision::Decision(BackendError::new(
+                        BackendErrorKind::Protocol,
+                        "the store's reply holds fewer decisions than the call",
+                    ))));
+                }
+                answers
+            }
+            Err(err) => (0..decisions)
+                .map(|_| Err(CallOrDecision::Call(err.clone())))
+                .collect(),
+        }
+    }
+
+    /// Runs one decision's call alone (no batching), within the backend's timeout.
+    pub(crate) async fn call_alone(
+        self: &Arc<Self>,
+        jobs: &[Job<S>],
+    ) -> Result<Decision, CallOrDecision> {
+        bump(&self.counters.calls);
+        let now = self.clock.script_time();
+        let outcome = match tokio::time::timeout(self.timeout, self.store.call(jobs, now)).await {
+            Ok(outcome) => outcome,
+            Err(_elapsed) => Err(CallError::timed_out()),
+        };
+        match &outcome {
+            Ok(_) => self.call_answered(),
+            Err(err) => self.call_failed(err, 1),
+        }
+        let mut answers = self.split(outcome, 1);
+        answers.swap_remove(0)
+    }
+
+    /// Turns the store's answer into the decision: the deny cache learns from it, and failures
+    /// degrade as configured. The breaker and the call counters have already heard of the call
+    /// that carried it (once per call, not once per decision).
+    pub(crate) fn finish(
+        &self,
+        job: &Job<S>,
+        outcome: Result<Decision, CallOrDecision>,
+    ) -> Result<Decision, BackendError> {
+        let (p, key, cost) = (&*job.policy, &job.key, job.cost);
+        let result = match outcome {
+            Ok(decision) => {
+                let took = self.clock.now_ns().saturating_sub(job.sent_ns);
+                crate::metrics::backend_latency(S::KIND, took as f64 / 1e9);
+                Ok(decision)
+            }
+            Err(CallOrDecision::Decision(err)) => {
+                // The store answered the call but refused this decision (or the reply does not
+                // fit the policy): this decision's own error, counted here.
+                bump(&self.counters.errors);
+                let text = self.secrets.scrub(&err.to_string()).into_owned();
+                tracing::warn!(err = %text, on_failure = ?self.on_failure, "tollgate: {} refused a decision", self.who);
+                Err(err)
+            }
+            Err(CallOrDecision::Call(err)) => Err(self.backend_error(&err)),
+        };
+        match result {
+            Ok(decision) => {
+                if decision.is_allowed() {
+                    // The counts a cached denial of this key reports have just changed.
+                    p.deny.forget(key);
+                } else {
+                    p.deny.insert(key, cost, job.sent_ns, &decision, &p.params);
+                }
+                Ok(decision)
+            }
+            Err(err) => self.degrade(p, key, cost, err),
+        }
+    }
+
+    /// A call got the store's answer: it is reachable, whatever the answer says.
+    pub(crate) fn call_answered(&self) {
+        self.breaker.success();
+        self.answered();
+    }
+
+    /// Requests answered by the failure policy so far.
+    fn degraded(&self) -> u64 {
+        let c = &self.counters;
+        [&c.fail_open, &c.fail_closed, &c.fallback_local]
+            .iter()
+            .map(|a| a.load(Ordering::Relaxed))
+            .fold(0, u64::saturating_add)
+    }
+
+    fn meanwhile(&self) -> (&'static str, &'static str) {
+        match self.on_failure {
+            FailurePolicy::FailOpen => (
+                "let through unlimited by fail-open",
+                "requests are let through unlimited (fail open)",
+            ),
+            FailurePolicy::FailClosed => (
+                "refused by fail-closed",
+                "requests are refused (fail closed)",
+            ),
+            FailurePolicy::FallbackLocal => (
+                "limited per instance by the local fallback",
+                "requests are limited per instance (local fallback)",
+            ),
+        }
+    }
+
+    /// A call or probe got the store's answer: if it was failing, say once that it is back.
+    pub(crate) fn answered(&self) {
+        if let Some(Change::Recovered { degraded }) = self.health.answered(self.degraded()) {
+            let (meanwhile, _) = self.meanwhile();
+            tracing::info!(
+                degraded,
+                "tollgate: {} answers again; shared limits apply again \
+                 ({degraded} requests were {meanwhile} meanwhile)",
+                self.who
+            );
+        }
+    }
+
+    /// A call or probe failed: if the store was answering, or failing for another reason, say
+    /// once why, and what requests get until it answers again. Calls and requests failing for
+    /// the same reason afterwards log nothing more (they are counted in the stats).
+    pub(crate) fn failed(&self, err: &CallError) {
+        let cause = err.failure;
+        let Some(Change::Failing { again }) = self.health.failed(cause, self.degraded()) else {
+            return;
+        };
+        let error = self.secrets.scrub(&err.text).into_owned();
+        let now = if again { "now " } else { "" };
+        let headline = match cause {
+            StoreFailure::ErrorReply => format!("{now}answers with errors"),
+            cause => format!("{now}unreachable: {cause}"),
+        };
+        let (_, until) = self.meanwhile();
+        tracing::warn!(
+            %error,
+            %cause,
+            "tollgate: {} {headline}; {until} until it answers",
+            self.who
+        );
+    }
+
+    /// A `BackendError` for a failed call, with no password in its text.
+    fn backend_error(&self, err: &CallError) -> BackendError {
+        let text = self.secrets.scrub(&err.text).into_owned();
+        BackendError::new(error_kind(err.failure), text)
+    }
+
+    /// A call carrying `decisions` decisions failed: counted once, and one failure for the
+    /// circuit breaker, however many requests shared the call (a frozen store fails a call of
+    /// 100 decisions once, not 100 times).
+    pub(crate) fn call_failed(self: &Arc<Self>, err: &CallError, decisions: usize) {
+        bump(&self.counters.errors);
+        let kind = error_kind(err.failure);
+        crate::metrics::backend_error(S::KIND, kind);
+        if kind == BackendErrorKind::Timeout {
+            bump(&self.counters.timeouts);
+        }
+        // Logged at warn once per change of cause (here), not once per call.
+        self.failed(err);
+        // A reply the store gave (an error, a malformed reply) says nothing about whether it
+        // is reachable: only timeouts and connection errors trip the breaker.
+        if kind != BackendErrorKind::Protocol && self.breaker.failure(self.clock.now_ns()) {
+            tracing::debug!(
+                failures = self.breaker.threshold,
+                "tollgate: {} calls failed repeatedly; circuit breaker open, probing every {:?}",
+                S::KIND,
+                self.breaker.probe_interval
+            );
+            Inner::start_probe(self);
+        } else {
+            let err = self.secrets.scrub(&err.text).into_owned();
+            tracing::debug!(%err, decisions, on_failure = ?self.on_failure, "tollgate: {} call failed", S::KIND);
+        }
+    }
+
+    /// The answer for a request the store could not decide.
+    pub(crate) fn degrade(
+        &self,
+        p: &PolicyInner<S>,
+        key: &Key,
+        cost: NonZeroU32,
+        err: BackendError,
+    ) -> Result<Decision, BackendError> {
+        // A request that can never pass is refused whatever the failure policy; its bucket's
+        // state is unknown while the store cannot be asked, and is shown as full.
+        if let Some(decision) = super::never_fits(&p.params, cost) {
+            return Ok(decision);
+        }
+        match (self.on_failure, &self.local, &p.local) {
+            (FailurePolicy::FailClosed, _, _) => {
+                bump(&self.counters.fail_closed);
+                Err(err)
+            }
+            (FailurePolicy::FallbackLocal, Some(local), Some(policy)) => {
+                bump(&self.counters.fallback_local);
+                (crate::backend::Backend::decide(local, policy, key, cost).into_inner())
+                    .map(|d| d.decided_by(DecidedBy::FallbackLocal))
+            }
+            _ => {
+                bump(&self.counters.fail_open);
+                tracing::trace!(%err, "tollgate: {} unavailable; request allowed (fail-open)", S::KIND);
+                Ok(Decision::new([]).decided_by(DecidedBy::FailOpen))
+            }
+        }
+    }
+
+    /// Probes the store in the background until it answers, then closes the breaker.
+    fn start_probe(this: &Arc<Self>) {
+        let Ok(handle) = tokio::runtime::Handle::try_current() else {
+            // No runtime to probe from: close at once, the next calls will test the store.
+            this.breaker.close();
+            return;
+        };
+        let weak: Weak<Self> = Arc::downgrade(this);
+        let every = this.breaker.probe_interval;
+        handle.spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                let Some(inner) = weak.upgrade() else { return };
+                // The probe must meet the same timeout as a decision: a store slow enough to
+                // fail decisions must not close the breaker just to reopen it.
+                let answer = tokio::time::timeout(inner.timeout, inner.store.ping()).await;
+                match answer.unwrap_or_else(|_elapsed| Err(CallError::timed_out())) {
+                    Ok(()) => {
+                        inner.breaker.close();
+                        tracing::debug!(
+                            "tollgate: {} answers again; circuit breaker closed",
+                            S::KIND
+                        );
+                        inner.answered();
+                        return;
+                    }
+                    // Logged when the cause changes (a restarted store that now wants a
+                    // password), not at every probe.
+                    Err(err) => inner.failed(&err),
+                }
+            }
+        });
+    }
+}
+
+/// Why a decision got no answer: its call failed, or the store refused this decision alone.
+pub(crate) enum CallOrDecision {
+    Call(CallError),
+    Decision(BackendError),
+}
