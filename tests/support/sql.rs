@@ -252,3 +252,215 @@ impl Drop for PgServer {
         self.kill();
     }
 }
+
+/// One MariaDB server (user `root` without a password, database `test`). As root, `mariadbd`
+/// switches to `nobody` itself (`--user`), so that the child is the server.
+pub struct MariaDbServer {
+    pub port: u16,
+    dir: TempDir,
+    child: Option<Child>,
+}
+
+impl MariaDbServer {
+    /// A fresh server on a free port, ready to answer.
+    pub fn start() -> MariaDbServer {
+        let template = template("tollgate-test-mariadb", |dir| {
+            let init = dir.join("init.sql");
+            std::fs::write(&init, "CREATE DATABASE IF NOT EXISTS test;\n").unwrap();
+            give(&init);
+            let out = as_server_user(Path::new("mariadb-install-db"))
+                .args([
+                    "--no-defaults",
+                    "--auth-root-authentication-method=normal",
+                    "--skip-test-db",
+                    "--skip-name-resolve",
+                    "--innodb-log-file-size=8M",
+                ])
+                .arg(format!("--extra-file={}", init.display()))
+                .arg(format!("--datadir={}", dir.join("data").display()))
+                .output()
+                .expect(
+                    "cannot run `mariadb-install-db`: install MariaDB (Debian: apt-get install \
+                     mariadb-server), or run ./scripts/test.sh, which does",
+                );
+            assert!(
+                out.status.success(),
+                "mariadb-install-db: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        });
+        let dir = copy_data(&template);
+        let mut server = MariaDbServer {
+            port: free_port(),
+            dir,
+            child: None,
+        };
+        server.spawn();
+        server
+    }
+
+    /// `mariadbd`, in `PATH` or where Debian puts it.
+    fn mariadbd() -> PathBuf {
+        ["/usr/sbin/mariadbd", "/usr/sbin/mysqld"]
+            .iter()
+            .map(PathBuf::from)
+            .find(|p| p.exists())
+            .unwrap_or_else(|| PathBuf::from("mariadbd"))
+    }
+
+    fn spawn(&mut self) {
+        let d = self.dir.path();
+        let mut command = Command::new(Self::mariadbd());
+        command
+            .arg("--no-defaults")
+            .arg(format!("--datadir={}", d.join("data").display()))
+            .arg(format!("--port={}", self.port))
+            .arg(format!("--socket={}", d.join("sock").display()))
+            .arg(format!("--pid-file={}", d.join("pid").display()))
+            .arg(format!("--log-error={}", d.join("error.log").display()))
+            .arg(format!("--tmpdir={}", d.display()))
+            .args([
+                "--bind-address=127.0.0.1",
+                "--skip-log-bin",
+                "--skip-name-resolve",
+                "--innodb-log-file-size=8M",
+                "--innodb-buffer-pool-size=32M",
+                // Commits reach the OS at once: they survive a SIGKILL of the server.
+                "--innodb-flush-log-at-trx-commit=2",
+                "--innodb-doublewrite=0",
+                "--max-connections=300",
+            ]);
+        if is_root() {
+            command.arg("--user=nobody");
+        }
+        let child = command
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("cannot start MariaDB's `mariadbd`");
+        self.child = Some(child);
+        wait_until(Duration::from_secs(30), || {
+            self.try_sql("SELECT 1").is_some()
+        })
+        .unwrap_or_else(|| {
+            panic!(
+                "MariaDB on port {} did not start: {}",
+                self.port,
+                std::fs::read_to_string(d.join("error.log")).unwrap_or_default()
+            )
+        });
+    }
+
+    pub fn url(&self) -> String {
+        format!("mysql://root@127.0.0.1:{}/test", self.port)
+    }
+
+    /// Kills the server (SIGKILL: every connection drops, no goodbye), keeping its data.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the server again on the same port and data (after crash recovery).
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+
+    /// Freezes the server (SIGSTOP): connections stay open, nothing answers. Returns once
+    /// every thread has stopped: the kernel stops a process's threads one after another, and
+    /// a thread not stopped yet may still answer a query.
+    pub fn pause(&self) {
+        self.signal("-STOP");
+        let Some(child) = &self.child else { return };
+        let tasks = PathBuf::from(format!("/proc/{}/task", child.id()));
+        let stopped = || {
+            std::fs::read_dir(&tasks).is_ok_and(|dir| {
+                dir.flatten().all(|task| {
+                    // `pid (comm) S ...`: the state follows the last `)`.
+                    std::fs::read_to_string(task.path().join("stat")).is_ok_and(|stat| {
+                        stat.rsplit_once(')')
+                            .is_some_and(|(_, rest)| rest.trim_start().starts_with(['T', 't']))
+                    })
+                })
+            })
+        };
+        wait_until(Duration::from_secs(5), stopped).expect("MariaDB did not stop");
+    }
+
+    /// Thaws a paused server.
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, sig: &str) {
+        if let Some(child) = &self.child {
+            let _ = Command::new("kill")
+                .arg(sig)
+                .arg(child.id().to_string())
+                .status();
+        }
+    }
+
+    fn try_sql(&self, sql: &str) -> Option<String> {
+        let out = Command::new("mariadb")
+            .args([
+                "--no-defaults",
+                "-h",
+                "127.0.0.1",
+                "-P",
+                &self.port.to_string(),
+                "-u",
+                "root",
+                "--connect-timeout=2",
+                "-N",
+                "-B",
+                "-e",
+            ])
+            .arg(sql)
+            .arg("test")
+            .output()
+            .ok()?;
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
+    }
+
+    /// Runs `sql` with the `mariadb` client in database `test`, answering its output (tab
+    /// separated, no column names).
+    pub fn sql(&self, sql: &str) -> String {
+        let out = Command::new("mariadb")
+            .args([
+                "--no-defaults",
+                "-h",
+                "127.0.0.1",
+                "-P",
+                &self.port.to_string(),
+                "-u",
+                "root",
+                "-N",
+                "-B",
+                "-e",
+            ])
+            .arg(sql)
+            .arg("test")
+            .output()
+            .expect("mariadb");
+        assert!(
+            out.status.success(),
+            "mariadb {sql}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    }
+}
+
+impl Drop for MariaDbServer {
+    fn drop(&mut self) {
+        self.resume();
+        self.kill();
+    }
+}

@@ -1,0 +1,497 @@
+//! The MySQL backend against real MariaDB servers started by the tests.
+#![cfg(feature = "mysql")]
+
+mod support;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use support::conformance::{agree_with_local, remote_vectors};
+use support::sql::MariaDbServer;
+use support::{closed_port, cost, key, no_refill, prepare};
+use tollgate::backend::mysql::{MysqlBackend, MysqlBackendBuilder};
+use tollgate::backend::remote::{FailurePolicy, TestClock};
+use tollgate::backend::{Backend, Outcome};
+use tollgate::{BackendErrorKind, Policy, Quota};
+
+/// A backend for `server` with a generous timeout for a loaded machine, no deny cache (every
+/// decision reaches the database) and no background sweep.
+fn builder(server: &MariaDbServer) -> MysqlBackendBuilder {
+    MysqlBackend::builder()
+        .url(server.url())
+        .timeout(Duration::from_secs(5))
+        .deny_cache_capacity(0)
+        .sweep(None, 1000)
+}
+
+async fn migrated(b: MysqlBackendBuilder) -> MysqlBackend {
+    let b = b.build().unwrap();
+    b.migrate().await.unwrap();
+    b
+}
+
+#[tokio::test]
+async fn conformance_mysql() {
+    let server = MariaDbServer::start();
+    migrated(builder(&server)).await;
+    let make = |clock: TestClock| {
+        MysqlBackend::builder()
+            .url(server.url())
+            .timeout(Duration::from_secs(5))
+            .test_clock(clock)
+            .build()
+            .unwrap()
+    };
+    remote_vectors(make, "mysql").await;
+}
+
+#[tokio::test]
+async fn conformance_mysql_uncached() {
+    let server = MariaDbServer::start();
+    migrated(builder(&server)).await;
+    remote_vectors(
+        |clock| builder(&server).test_clock(clock).build().unwrap(),
+        "mysql uncached",
+    )
+    .await;
+}
+
+/// Random sequences agree with the local backend decision by decision (windows in the same
+/// floating-point operations, GCRA in integer nanoseconds).
+#[tokio::test]
+async fn agrees_with_the_local_backend_on_random_sequences() {
+    let server = MariaDbServer::start();
+    migrated(builder(&server)).await;
+    agree_with_local(|clock| builder(&server).test_clock(clock).build().unwrap()).await;
+}
+
+/// `n` concurrent decisions on one key, spread over `backends`; how many were allowed.
+async fn allowed_of_concurrent(backends: &[MysqlBackend], policy: &Policy, n: usize) -> usize {
+    let prepared: Vec<_> = backends
+        .iter()
+        .map(|b| Arc::new(prepare(b, policy)))
+        .collect();
+    let mut tasks = Vec::new();
+    for i in 0..n {
+        let b = backends[i % backends.len()].clone();
+        let p = prepared[i % backends.len()].clone();
+        tasks.push(tokio::spawn(async move {
+            b.decide(&p, &key("hot"), cost(1))
+                .await
+                .unwrap()
+                .is_allowed()
+        }));
+    }
+    let mut allowed = 0;
+    for t in tasks {
+        allowed += usize::from(t.await.unwrap());
+    }
+    allowed
+}
+
+/// Two instances (two pools) and 500 concurrent requests on one key: exactly the burst passes,
+/// for every algorithm.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_backends_on_separate_pools_allow_exactly_the_burst() {
+    let server = MariaDbServer::start();
+    let a = migrated(builder(&server)).await;
+    let b = builder(&server).build().unwrap();
+    for (i, quota) in [
+        no_refill(100),
+        Quota::per_day(100).fixed_window(),
+        Quota::per_day(100).sliding_window(),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let policy = Policy::new(format!("exact{i}"), quota);
+        let allowed = allowed_of_concurrent(&[a.clone(), b.clone()], &policy, 500).await;
+        assert_eq!(allowed, 100, "{quota}");
+    }
+    let s = a.stats();
+    assert!(
+        s.calls < s.decisions,
+        "concurrent decisions share calls: {s:?}"
+    );
+    assert_eq!(s.errors, 0, "{s:?}");
+}
+
+/// A deadlock the database resolves by rolling the call back (1213) is sent again, and the
+/// bucket is charged once. The procedure locks its keys in ascending order, so calls never
+/// deadlock on each other: another transaction forces it, holding the higher key of a
+/// two-quota policy while the call holds the lower one and waits, then asking for the lower
+/// one. That transaction has inserted many rows, so the database rolls the call back (the
+/// lighter transaction), which waits again, and decides once the transaction commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deadlocks_are_retried_and_stay_exact() {
+    use tollgate::backend::mysql::mysql_async::{self, prelude::Queryable};
+
+    let server = MariaDbServer::start();
+    let b = migrated(builder(&server).on_failure(FailurePolicy::FailClosed)).await;
+    let policy = Policy::new("conflicts", no_refill(10)).and(no_refill(10));
+    let p = Arc::new(prepare(&b, &policy));
+    assert!(
+        b.decide(&p, &key("hot"), cost(1))
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+    let keys = server.sql("SELECT HEX(k) FROM tollgate_buckets ORDER BY k");
+    let keys: Vec<&str> = keys.lines().collect();
+    assert_eq!(keys.len(), 2, "{keys:?}");
+    server.sql("CREATE TABLE heavy (i INT PRIMARY KEY)");
+
+    let pool = mysql_async::Pool::new(server.url().as_str());
+    let mut other = pool.get_conn().await.unwrap();
+    other.query_drop("START TRANSACTION").await.unwrap();
+    other
+        .query_drop(
+            "INSERT INTO heavy WITH RECURSIVE s(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM s \
+             WHERE i < 1000) SELECT i FROM s",
+        )
+        .await
+        .unwrap();
+    let lock =
+        |hex: &str| format!("SELECT n FROM tollgate_buckets WHERE k = UNHEX('{hex}') FOR UPDATE");
+    other.query_drop(lock(keys[1])).await.unwrap();
+
+    let (b2, p2) = (b.clone(), p.clone());
+    let call = tokio::spawn(async move { b2.decide(&p2, &key("hot"), cost(1)).await });
+    // The call holds the lower key and waits for the higher one.
+    let started = Instant::now();
+    while server
+        .sql("SELECT COUNT(*) FROM information_schema.INNODB_TRX WHERE trx_state = 'LOCK WAIT'")
+        != "1"
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the call never waited"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    other.query_drop(lock(keys[0])).await.unwrap();
+    // The call was the deadlock's victim (had the transaction been, the statement above
+    // would have failed), and hears of it a moment later.
+    support::eventually("the call is sent again", || b.conflicts_retried() == 1).await;
+    other.query_drop("COMMIT").await.unwrap();
+    let d = call.await.unwrap().unwrap();
+    assert!(d.is_allowed(), "{d:?}");
+    assert_eq!(d.quotas()[0].remaining, 8);
+    assert_eq!(d.quotas()[1].remaining, 8);
+    // Charged once: the rolled-back attempt took nothing.
+    let d = b.decide(&p, &key("hot"), cost(1)).await.unwrap();
+    assert_eq!(d.quotas()[0].remaining, 7);
+    assert_eq!(d.quotas()[1].remaining, 7);
+    assert_eq!(b.stats().errors, 0, "{:?}", b.stats());
+    drop(other);
+    pool.disconnect().await.unwrap();
+}
+
+#[tokio::test]
+async fn multi_quota_is_all_or_nothing() {
+    let server = MariaDbServer::start();
+    let b = migrated(builder(&server)).await;
+    let p = prepare(&b, &Policy::new("multi", no_refill(5)).and(no_refill(3)));
+    let k = key("tenant");
+    for left in [2, 1, 0] {
+        let d = b.decide(&p, &k, cost(1)).await.unwrap();
+        assert!(d.is_allowed());
+        assert_eq!(d.quotas()[1].remaining, left);
+    }
+    for _ in 0..3 {
+        let d = b.decide(&p, &k, cost(1)).await.unwrap();
+        assert!(!d.is_allowed());
+        assert_eq!(d.quotas()[0].outcome, Outcome::Allowed);
+        assert_eq!(d.quotas()[0].remaining, 2, "untouched by denials");
+    }
+    // A window and GCRA in one policy; a cost too large for one quota takes nothing.
+    let p2 = prepare(
+        &b,
+        &Policy::new("mixed", no_refill(10)).and(Quota::per_day(4).fixed_window()),
+    );
+    assert!(b.decide(&p2, &k, cost(3)).await.unwrap().is_allowed());
+    let d = b.decide(&p2, &k, cost(3)).await.unwrap();
+    assert!(!d.is_allowed());
+    assert_eq!(d.quotas()[0].remaining, 7);
+    let d = b.decide(&p2, &k, cost(5)).await.unwrap();
+    assert!(d.never_fits());
+    assert_eq!(d.quotas()[0].remaining, 7);
+    let rows = server.sql("SELECT count(*) FROM tollgate_buckets");
+    assert_eq!(rows, "4");
+}
+
+/// Migrating twice changes nothing; a custom schema and table hold their own buckets.
+#[tokio::test]
+async fn migration_is_idempotent_and_names_are_configurable() {
+    let server = MariaDbServer::start();
+    server.sql("CREATE DATABASE limits");
+    let b = migrated(builder(&server).schema("limits").table("buckets")).await;
+    b.migrate().await.unwrap();
+    let p = prepare(&b, &Policy::new("m", no_refill(2)));
+    assert!(b.decide(&p, &key("k"), cost(2)).await.unwrap().is_allowed());
+    b.migrate().await.unwrap();
+    assert!(!b.decide(&p, &key("k"), cost(1)).await.unwrap().is_allowed());
+    assert_eq!(server.sql("SELECT count(*) FROM limits.buckets"), "1");
+    // Nothing in the connection's own database.
+    assert_eq!(
+        server.sql("SELECT COUNT(*) FROM information_schema.TABLES WHERE TABLE_SCHEMA = 'test'"),
+        "0"
+    );
+    assert!(b.migration_sql().contains("`limits`.`buckets_decide`"));
+    // Instances starting together migrate one after another.
+    let others: Vec<MysqlBackend> = (0..3)
+        .map(|_| {
+            builder(&server)
+                .schema("limits")
+                .table("buckets")
+                .build()
+                .unwrap()
+        })
+        .collect();
+    let (rx, ry, rz, rb) = tokio::join!(
+        others[0].migrate(),
+        others[1].migrate(),
+        others[2].migrate(),
+        b.migrate()
+    );
+    for r in [rx, ry, rz, rb] {
+        r.unwrap();
+    }
+    assert!(!b.decide(&p, &key("k"), cost(1)).await.unwrap().is_allowed());
+    // Bad names are configuration errors.
+    for bad in ["a-b", "x`; DROP TABLE t; --", ""] {
+        assert!(builder(&server).table(bad).build().is_err(), "{bad:?}");
+        assert!(builder(&server).schema(bad).build().is_err(), "{bad:?}");
+    }
+}
+
+/// Instances migrating while others decide: the procedure, unchanged, is left alone, so no
+/// decision fails; a procedure that differs (here: missing) is replaced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrating_again_while_deciding_fails_nothing() {
+    let server = MariaDbServer::start();
+    let b = migrated(builder(&server).on_failure(FailurePolicy::FailClosed)).await;
+    let p = Arc::new(prepare(&b, &Policy::new("busy", no_refill(10_000))));
+    let deciding = {
+        let (b, p) = (b.clone(), p.clone());
+        tokio::spawn(async move {
+            let mut n = 0;
+            while n < 300 {
+                b.decide(&p, &key("k"), cost(1)).await.unwrap();
+                n += 1;
+            }
+        })
+    };
+    for _ in 0..10 {
+        migrated(builder(&server)).await;
+    }
+    deciding.await.unwrap();
+    assert_eq!(b.stats().errors, 0, "{:?}", b.stats());
+
+    server.sql("DROP PROCEDURE tollgate_buckets_decide");
+    assert!(b.decide(&p, &key("k"), cost(1)).await.is_err());
+    b.migrate().await.unwrap();
+    let d = b.decide(&p, &key("k"), cost(1)).await.unwrap();
+    assert_eq!(d.quotas()[0].remaining, 10_000 - 301);
+}
+
+/// Rows of idle buckets are swept; busy ones stay; a reset forgets a client.
+#[tokio::test]
+async fn idle_rows_are_swept_and_keys_reset() {
+    let server = MariaDbServer::start();
+    let b = migrated(builder(&server)).await;
+    let fast = prepare(&b, &Policy::new("fast", Quota::per_second(1000).burst(1)));
+    let slow = prepare(&b, &Policy::new("slow", no_refill(5)));
+    for i in 0..50 {
+        b.decide(&fast, &key(&format!("k{i}")), cost(1))
+            .await
+            .unwrap();
+    }
+    b.decide(&slow, &key("k"), cost(5)).await.unwrap();
+    assert_eq!(server.sql("SELECT count(*) FROM tollgate_buckets"), "51");
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert_eq!(b.sweep().await.unwrap(), 50);
+    assert_eq!(server.sql("SELECT count(*) FROM tollgate_buckets"), "1");
+    assert_eq!(b.swept(), 50);
+    assert!(
+        !b.decide(&slow, &key("k"), cost(1))
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+    assert_eq!(b.reset(&slow, &key("k")).await.unwrap(), 1);
+    assert!(
+        b.decide(&slow, &key("k"), cost(5))
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+
+    // The background sweep does the same by itself.
+    let auto = MysqlBackend::builder()
+        .url(server.url())
+        .sweep(Some(Duration::from_millis(50)), 10)
+        .build()
+        .unwrap();
+    let p = prepare(
+        &auto,
+        &Policy::new("fast", Quota::per_second(1000).burst(1)),
+    );
+    for i in 0..30 {
+        auto.decide(&p, &key(&format!("a{i}")), cost(1))
+            .await
+            .unwrap();
+    }
+    support::eventually("the background sweep deletes idle rows", || {
+        auto.swept() >= 30
+    })
+    .await;
+}
+
+const TIMEOUT: Duration = Duration::from_millis(300);
+
+fn failing(server: &MariaDbServer, on_failure: FailurePolicy) -> MysqlBackend {
+    MysqlBackend::builder()
+        .url(server.url())
+        .timeout(TIMEOUT)
+        .on_failure(on_failure)
+        .circuit_breaker(3, Duration::from_millis(100))
+        .sweep(None, 1)
+        .build()
+        .unwrap()
+}
+
+/// No request waits much past the timeout.
+async fn timed<F: Future<Output = T>, T>(f: F) -> T {
+    let started = Instant::now();
+    let out = f.await;
+    assert!(
+        started.elapsed() < TIMEOUT + Duration::from_millis(500),
+        "waited {:?}",
+        started.elapsed()
+    );
+    out
+}
+
+/// The database killed mid-stream and restarted, under each failure policy: answers within the
+/// timeout meanwhile, shared limits again after the restart.
+#[tokio::test]
+async fn killed_database_gets_the_failure_policy_and_recovers() {
+    let mut server = MariaDbServer::start();
+    migrated(builder(&server)).await;
+    for on_failure in [
+        FailurePolicy::FailOpen,
+        FailurePolicy::FailClosed,
+        FailurePolicy::FallbackLocal,
+    ] {
+        let b = failing(&server, on_failure);
+        let p = prepare(&b, &Policy::new("outage", no_refill(1000)));
+        let k = key("k");
+        let d = b.decide(&p, &k, cost(1)).await.unwrap();
+        assert_eq!(d.quotas().len(), 1, "{on_failure:?}");
+
+        server.kill();
+        for _ in 0..10 {
+            let r = timed(b.decide(&p, &k, cost(1))).await;
+            match on_failure {
+                FailurePolicy::FailOpen => assert!(r.unwrap().quotas().is_empty()),
+                FailurePolicy::FailClosed => {
+                    let err = r.unwrap_err();
+                    assert!(
+                        matches!(
+                            err.kind(),
+                            BackendErrorKind::Unavailable | BackendErrorKind::Timeout
+                        ),
+                        "{err}"
+                    );
+                }
+                _ => assert_eq!(r.unwrap().quotas().len(), 1, "local fallback"),
+            }
+        }
+        let s = b.stats();
+        assert!(s.breaker_open, "{on_failure:?}: {s:?}");
+        assert!(s.failing.is_some(), "{s:?}");
+
+        server.restart();
+        let started = Instant::now();
+        loop {
+            let before = b.stats().decisions;
+            let d = b.decide(&p, &k, cost(1)).await;
+            if b.stats().decisions > before && d.is_ok_and(|d| d.quotas().len() == 1) {
+                break;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "shared limiting did not resume: {:?}",
+                b.stats()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(!b.stats().breaker_open);
+    }
+}
+
+/// A frozen database (connections open, nothing answers) costs each request the timeout at
+/// most.
+#[tokio::test]
+async fn frozen_database_costs_at_most_the_timeout() {
+    let server = MariaDbServer::start();
+    migrated(builder(&server)).await;
+    let b = failing(&server, FailurePolicy::FailOpen);
+    let p = prepare(&b, &Policy::new("frozen", no_refill(1000)));
+    b.decide(&p, &key("k"), cost(1)).await.unwrap();
+    server.pause();
+    for i in 0..5 {
+        let t = Instant::now();
+        let d = timed(b.decide(&p, &key("k"), cost(1))).await.unwrap();
+        assert!(
+            d.quotas().is_empty(),
+            "{i} {:?} {d:?} {:?}",
+            t.elapsed(),
+            b.stats()
+        );
+    }
+    server.resume();
+}
+
+/// Building never connects; a database that refuses connections is reported as such, and no
+/// password is ever shown.
+#[tokio::test]
+async fn down_at_start_refused_and_no_password_shown() {
+    let url = format!("mysql://app:s3cret-pw@127.0.0.1:{}/app", closed_port());
+    let b = MysqlBackend::builder()
+        .url(&url)
+        .timeout(Duration::from_millis(200))
+        .on_failure(FailurePolicy::FailClosed)
+        .build()
+        .unwrap();
+    assert_eq!(
+        b.endpoint(),
+        format!("mysql://app@127.0.0.1:{}/app", closed_port_of(&url))
+    );
+    let p = prepare(&b, &Policy::new("down", no_refill(1)));
+    let err = b.decide(&p, &key("k"), cost(1)).await.unwrap_err();
+    assert!(!err.to_string().contains("s3cret"), "{err}");
+    assert!(!format!("{b:?}").contains("s3cret"));
+    let err = b.migrate().await.unwrap_err();
+    assert!(!err.to_string().contains("s3cret"), "{err}");
+    support::eventually("the cause is known", || b.stats().failing.is_some()).await;
+    assert_eq!(
+        b.stats().failing.unwrap().to_string(),
+        "connection refused",
+        "{:?}",
+        b.stats()
+    );
+}
+
+fn closed_port_of(url: &str) -> u16 {
+    url.rsplit(':')
+        .next()
+        .unwrap()
+        .split('/')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
