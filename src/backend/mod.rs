@@ -8,6 +8,12 @@
 //!   [`governor`](https://docs.rs/governor) crate. Limits are per instance.
 //! - [`RedisBackend`](redis::RedisBackend) (feature `redis`): buckets in Redis or Redis
 //!   Cluster, one limit shared by every instance.
+//! - [`PostgresBackend`](postgres::PostgresBackend) (feature `postgres`) and
+//!   [`MysqlBackend`](mysql::MysqlBackend) (feature `mysql`): buckets in a SQL database, one
+//!   limit shared by every instance.
+//!
+//! The remote backends share their resilience (timeouts, failure policy, circuit breaker,
+//! deny cache, batching): [`remote`].
 
 #[cfg(feature = "local")]
 pub mod local;

@@ -100,7 +100,7 @@
 //!
 //! # When the database fails
 //!
-//! Exactly as for the [Redis backend](crate::backend::redis#when-redis-fails), through the
+//! Exactly as for the Redis backend (feature `redis`), through the
 //! same code ([`remote`](crate::backend::remote)): every decision is bounded by a
 //! [timeout](MysqlBackendBuilder::timeout) (100 ms), failures get the
 //! [`FailurePolicy`](crate::backend::remote::FailurePolicy), a circuit breaker stops calling

@@ -3,7 +3,7 @@
 //!
 //! A remote backend (Redis, PostgreSQL, MySQL) is only its protocol: how a batch of decisions
 //! becomes one atomic call to its store (a Lua script, a SQL function or procedure), and how
-//! the reply becomes [`Decision`]s. Everything else, read from the decision down to the wire,
+//! the reply becomes [`Decision`](crate::backend::Decision)s. Everything else, read from the decision down to the wire,
 //! is here and behaves the same on every store:
 //!
 //! 1. **Deny cache.** A key the store denied until `T` is answered locally until `T`: exact,
@@ -21,7 +21,7 @@
 //! The modules read one way, from the decision down to the wire, none importing one above it:
 //! `backend` (prepare, decide: deny cache, breaker, batched or alone) → `future` (what a
 //! request waits on) → `batch` (the queue and the calls) → `inner` (what becomes of a call's
-//! outcome: breaker, health, counters, failure policy) → `store` (the [`Store`] trait a backend
+//! outcome: breaker, health, counters, failure policy) → `store` (the `Store` trait a backend
 //! implements, and the decisions it is handed), with `options`, `deny_cache`, `breaker`,
 //! `health` and `clock` below them.
 //!
