@@ -1,12 +1,14 @@
 //! The SQL backends under concurrent load, against servers this bench starts (PostgreSQL; and
 //! MariaDB with `--features mysql`): decisions per second and latency percentiles with 16, 64
 //! and 256 concurrent callers, on one hot key and on 10 000 uniform keys, next to the
-//! database's own ceiling for the same statement (`pgbench -f` with the function call); the
+//! database's own ceiling for the same statement (`pgbench -f` with the function call; as many
+//! `mariadb` command-line clients calling the procedure); the
 //! denied flood with and without the deny cache; and a flood of distinct keys, with the table's
 //! size before and after the sweep.
 //!
 //! Run with: `cargo bench --bench sql --features "postgres mysql"` (`FLOOD=1000000` for the
-//! million-key flood, default 100 000; `SECS=3` per measurement).
+//! million-key flood, default 100 000; `SECS=3` per measurement; `ONLY=postgres` or
+//! `ONLY=mysql` for one store).
 
 #![allow(missing_docs)]
 
@@ -171,7 +173,8 @@ async fn postgres() {
 }
 
 /// `pgbench -f` calling the decide function with one GCRA decision, the same arguments the
-/// backend sends, on `keys` keys: the database's own ceiling for the statement.
+/// backend sends, on `keys` keys: the database's own ceiling for the statement. (Colons are
+/// `chr(58)`: pgbench reads `:name` as a variable even inside quotes.)
 #[cfg(feature = "postgres")]
 fn pgbench(server: &support::sql::PgServer, clients: usize, keys: u64) -> f64 {
     let dir = tempfile::tempdir().expect("dir");
@@ -179,7 +182,7 @@ fn pgbench(server: &support::sql::PgServer, clients: usize, keys: u64) -> f64 {
     std::fs::write(
         &script,
         format!(
-            "\\set k random(0, {})\nSELECT tollgate_buckets_decide(ARRAY[convert_to('tollgate:{{bench:b' || :k || '}}:0g1000x1000000000', 'UTF8')], ARRAY[0,1000,1000000000,0]::bigint[], ARRAY[1,1]::bigint[], NULL);\n",
+            "\\set k random(0, {})\nSELECT tollgate_buckets_decide(ARRAY[convert_to('tollgate' || chr(58) || '{{bench' || chr(58) || 'b' || CAST(:k AS text) || '}}' || chr(58) || '0g1000x1000000000', 'UTF8')], ARRAY[0,1000,1000000000,0]::bigint[], ARRAY[1,1]::bigint[], NULL);\n",
             keys - 1
         ),
     )
@@ -228,6 +231,136 @@ async fn flood_pg(
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(100_000);
+    flood(b, n).await;
+    let size = || {
+        server.psql("SELECT count(*) || ' rows, ' || pg_size_pretty(pg_total_relation_size('tollgate_buckets')) FROM tollgate_buckets")
+    };
+    println!("table {}", size());
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let started = Instant::now();
+    let swept = b.sweep().await.expect("sweep");
+    println!(
+        "sweep: {swept} rows in {:.2} s; table {} (the space is reused by later rows; VACUUM returns it)",
+        started.elapsed().as_secs_f64(),
+        size()
+    );
+    server.psql("VACUUM tollgate_buckets");
+    println!("after VACUUM: {}", size());
+}
+
+#[cfg(feature = "mysql")]
+async fn mysql() {
+    use support::sql::MariaDbServer;
+    use tollgate::backend::mysql::MysqlBackend;
+    let server = MariaDbServer::start();
+    let make = |cache: usize| {
+        MysqlBackend::builder()
+            .url(server.url())
+            .timeout(Duration::from_secs(2))
+            .deny_cache_capacity(cache)
+            .sweep(None, 1000)
+            .build()
+            .expect("backend")
+    };
+    let b = make(0);
+    b.migrate().await.expect("migrate");
+    println!("\n### MariaDB\n");
+    println!("| load | decisions/s | p50 µs | p99 µs | failed |\n|---|---|---|---|---|");
+    let p = Arc::new(b.prepare(&roomy(), &roomy().validate().unwrap()).unwrap());
+    for keys in [1, 10_000] {
+        for callers in [16, 64, 256] {
+            let r = load(&b, &p, callers, keys).await;
+            let what = if keys == 1 {
+                "one key".to_owned()
+            } else {
+                format!("{keys} keys")
+            };
+            row(&format!("tollgate, {what}, {callers} callers"), &r);
+        }
+    }
+    for keys in [1, 10_000] {
+        for clients in [16, 64, 256] {
+            let qps = slap(&server, clients, keys);
+            let what = if keys == 1 {
+                "one key".to_owned()
+            } else {
+                format!("{keys} keys")
+            };
+            println!(
+                "| mariadb clients (the procedure alone), {what}, {clients} clients | {qps:.0} | | | |"
+            );
+        }
+    }
+    denied(make).await;
+    let n: u64 = std::env::var("FLOOD")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(100_000);
+    flood(&b, n).await;
+    let size = || server.sql("SELECT CONCAT(COUNT(*), ' rows') FROM tollgate_buckets");
+    println!("table {}", size());
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let started = Instant::now();
+    let swept = b.sweep().await.expect("sweep");
+    println!(
+        "sweep: {swept} rows in {:.2} s; table {}",
+        started.elapsed().as_secs_f64(),
+        size()
+    );
+}
+
+/// `clients` `mariadb` command-line clients at once, each calling the procedure with one
+/// GCRA decision per statement, over `keys` keys: the database's own ceiling for the statement,
+/// in calls per second.
+#[cfg(feature = "mysql")]
+fn slap(server: &support::sql::MariaDbServer, clients: usize, keys: u64) -> f64 {
+    let per_client = (20_000 / clients as u64).max(100);
+    let dir = tempfile::tempdir().expect("dir");
+    let file = dir.path().join("calls.sql");
+    let hex = |s: &str| s.bytes().map(|b| format!("{b:02x}")).collect::<String>();
+    let calls: String = (0..per_client)
+        .map(|i| {
+            let k = hex(&format!(
+                "tollgate:{{bench:bk{}}}:0g1000x1000000000",
+                i * 7919 % keys
+            ));
+            format!("CALL tollgate_buckets_decide('{k};1|0,1000,1000000000,0,{k}', NULL);\n")
+        })
+        .collect();
+    std::fs::write(&file, calls).expect("calls");
+    let url = server.url();
+    let port = url
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.split('/').next())
+        .unwrap_or("3306")
+        .to_owned();
+    let started = Instant::now();
+    let children: Vec<_> = (0..clients)
+        .map(|_| {
+            std::process::Command::new("mariadb")
+                .args(["-h", "127.0.0.1", "-P", &port, "-u", "root", "test"])
+                .stdin(std::fs::File::open(&file).expect("calls"))
+                .stdout(std::process::Stdio::null())
+                .spawn()
+                .expect("mariadb client")
+        })
+        .collect();
+    let mut ok = true;
+    for mut c in children {
+        ok &= c.wait().is_ok_and(|s| s.success());
+    }
+    let took = started.elapsed().as_secs_f64();
+    if !ok {
+        eprintln!("a mariadb client failed");
+        return 0.0;
+    }
+    (clients as u64 * per_client) as f64 / took
+}
+
+/// `n` distinct keys, each decided once by 64 callers, on a quota whose bucket is full again
+/// within a millisecond.
+async fn flood<B: Backend + Clone>(b: &B, n: u64) {
     let policy = Policy::new("flood", Quota::per_second(1000).burst(1));
     let p = Arc::new(b.prepare(&policy, &policy.validate().unwrap()).unwrap());
     let started = Instant::now();
@@ -247,25 +380,10 @@ async fn flood_pg(
     for t in tasks {
         t.await.unwrap();
     }
-    let took = started.elapsed();
-    let size = || {
-        server.psql("SELECT count(*) || ' rows, ' || pg_size_pretty(pg_total_relation_size('tollgate_buckets')) FROM tollgate_buckets")
-    };
     println!(
-        "\nflood of {n} distinct keys: {:.0} decisions/s; table {}",
-        n as f64 / took.as_secs_f64(),
-        size()
+        "\nflood of {n} distinct keys: {:.0} decisions/s",
+        n as f64 / started.elapsed().as_secs_f64()
     );
-    tokio::time::sleep(Duration::from_millis(10)).await;
-    let started = Instant::now();
-    let swept = b.sweep().await.expect("sweep");
-    println!(
-        "sweep: {swept} rows in {:.2} s; table {} (the space is reused by later rows; VACUUM returns it)",
-        started.elapsed().as_secs_f64(),
-        size()
-    );
-    server.psql("VACUUM tollgate_buckets");
-    println!("after VACUUM: {}", size());
 }
 
 fn main() {
@@ -279,7 +397,14 @@ fn main() {
         secs().as_secs()
     );
     rt.block_on(async {
+        let only = std::env::var("ONLY").unwrap_or_default();
         #[cfg(feature = "postgres")]
-        postgres().await;
+        if only.is_empty() || only == "postgres" {
+            postgres().await;
+        }
+        #[cfg(feature = "mysql")]
+        if only.is_empty() || only == "mysql" {
+            mysql().await;
+        }
     });
 }
