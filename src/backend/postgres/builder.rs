@@ -5,7 +5,7 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use deadpool_postgres::{Hook, HookError, Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 
 use super::PostgresBackend;
 use super::store::{Names, PgStore, pg_sweep};
@@ -22,6 +22,7 @@ use crate::backend::sql;
 /// | connection | none: [`url`](Self::url) or [`pool`](Self::pool) |
 /// | [`table`](Self::table), [`schema`](Self::schema) | `tollgate_buckets`, the connection's `search_path` |
 /// | [`unlogged`](Self::unlogged) | `false` |
+/// | [`durable`](Self::durable) | `false`: `synchronous_commit = off` on the backend's connections |
 /// | [`prefix`](Self::prefix) | `tollgate` |
 /// | [`pool_size`](Self::pool_size) | 8 connections, 4 calls in flight |
 /// | [`sweep`](Self::sweep) | every 10 s, batches of 1 000 rows |
@@ -40,6 +41,7 @@ pub struct PostgresBackendBuilder {
     pool_size: usize,
     sweep_every: Option<Duration>,
     sweep_batch: u32,
+    durable: bool,
     opts: Options,
 }
 
@@ -60,6 +62,7 @@ impl PostgresBackend {
             pool_size: 8,
             sweep_every: Some(sql::SWEEP_EVERY),
             sweep_batch: sql::SWEEP_BATCH,
+            durable: false,
             opts: Options::default(),
         }
     }
@@ -131,6 +134,18 @@ impl PostgresBackendBuilder {
         self
     }
 
+    /// Whether the backend's own connections wait for each decision's write to reach disk
+    /// (default `false`: they run with `synchronous_commit = off`). A rate limiter does not
+    /// need it: with it off, a crash of the database can lose the last few hundred
+    /// milliseconds of bucket updates (those buckets come back a little fuller), never
+    /// corrupts anything, and each decision saves a write-ahead-log flush, which on a disk that
+    /// really syncs is most of its cost. `true` keeps the server's setting. Applies to pools
+    /// made from [`url`](Self::url) (set it on your own pool's connections otherwise).
+    pub fn durable(mut self, on: bool) -> Self {
+        self.durable = on;
+        self
+    }
+
     /// Checks the options and builds the backend. Nothing is connected yet, so this neither
     /// blocks nor fails when the database is down; call [`PostgresBackend::migrate`] once at
     /// start (or run the SQL of [`PostgresBackend::migration_sql`] yourself).
@@ -175,8 +190,18 @@ impl PostgresBackendBuilder {
                         recycling_method: RecyclingMethod::Fast,
                     },
                 );
-                let pool = Pool::builder(manager)
-                    .max_size(self.pool_size)
+                let mut pool = Pool::builder(manager).max_size(self.pool_size);
+                if !self.durable {
+                    pool = pool.post_create(Hook::async_fn(|client, _| {
+                        Box::pin(async move {
+                            client
+                                .batch_execute("SET synchronous_commit = off")
+                                .await
+                                .map_err(HookError::Backend)
+                        })
+                    }));
+                }
+                let pool = pool
                     .runtime(Runtime::Tokio1)
                     .wait_timeout(Some(self.opts.timeout))
                     .create_timeout(Some(connect_timeout))
