@@ -54,7 +54,8 @@ pg_decide() { # now_ns decisions
   local now=$1 keys quotas decs
   keys=$(tr ';|' '\n\n' <<<"$2" | awk -F, 'NF == 5 { printf "%s'\''\\x%s'\''::bytea", (n++ ? "," : ""), $5 }')
   quotas=$(tr ';|' '\n\n' <<<"$2" | awk -F, 'NF == 5 { printf "%s%s,%s,%s,%s", (n++ ? "," : ""), $1, $2, $3, $4 }')
-  decs=$(tr ';' '\n' <<<"$2" | awk -F'|' '{ printf "%s%d,%s", (n++ ? "," : ""), NF - 1, $1 }')
+  # Per decision: its number of quotas, its cost, no reservation, no peek.
+  decs=$(tr ';' '\n' <<<"$2" | awk -F'|' '{ printf "%s%d,%s,0,0", (n++ ? "," : ""), NF - 1, $1 }')
   pg -c "SELECT array_to_string(tg_check_decide(ARRAY[$keys], '{$quotas}', '{$decs}', $now), ',')"
 }
 
@@ -71,7 +72,8 @@ my_load() {
 }
 
 my_decide() { # now_ns decisions
-  my -e "CALL tg_check_decide('$(spec_keys "$2");$2', $1)"
+  # Each decision's head is "cost,max_wait,peek": no reservation, no peek.
+  my -e "CALL tg_check_decide('$(spec_keys "$2");$(sed -E 's/(^|;)([0-9]+)\|/\1\2,0,0|/g' <<<"$2")', $1)"
 }
 
 my_row() { my -e "SELECT CONCAT_WS(',', a, n, COALESCE(c, '-'), expires_us) FROM tg_check_buckets WHERE k = UNHEX('$1')"; }
@@ -194,7 +196,7 @@ run_pg() {
   local f
   f=$(mktemp)
   cat >"$f" <<'EOF'
-INSERT INTO tg_check_log SELECT (tg_check_decide(ARRAY['\x686f74'::bytea], '{0,1000000000000000,100,0}', '{1,1}', NULL))[1];
+INSERT INTO tg_check_log SELECT (tg_check_decide(ARRAY['\x686f74'::bytea], '{0,1000000000000000,100,0}', '{1,1,0,0}', NULL))[1];
 EOF
   pgbench_run "hot key, logged" "$f" -c 16 -j 2
   expect "pg concurrent allowed" "$(pg -c 'SELECT count(*) FROM tg_check_log WHERE code = 0')" "100"
@@ -204,7 +206,7 @@ EOF
   pg -c 'TRUNCATE tg_check_log'
   cat >"$f" <<'EOF'
 \set o random(0, 1)
-INSERT INTO tg_check_log SELECT unnest(r[1:1] || r[3:3] || r[5:5] || r[7:7]) FROM (SELECT tg_check_decide(CASE WHEN :o = 0 THEN ARRAY['\x6b31'::bytea, '\x6b32', '\x6b31', '\x6b32'] ELSE ARRAY['\x6b32'::bytea, '\x6b31', '\x6b32', '\x6b31'] END, '{0,1000000000000000,100,0,0,1000000000000000,100,0,0,1000000000000000,100,0,0,1000000000000000,100,0}', '{1,1,1,1,2,1}', NULL) r) s;
+INSERT INTO tg_check_log SELECT unnest(r[1:1] || r[3:3] || r[5:5] || r[7:7]) FROM (SELECT tg_check_decide(CASE WHEN :o = 0 THEN ARRAY['\x6b31'::bytea, '\x6b32', '\x6b31', '\x6b32'] ELSE ARRAY['\x6b32'::bytea, '\x6b31', '\x6b32', '\x6b31'] END, '{0,1000000000000000,100,0,0,1000000000000000,100,0,0,1000000000000000,100,0,0,1000000000000000,100,0}', '{1,1,0,0,1,1,0,0,2,1,0,0}', NULL) r) s;
 EOF
   pgbench_run "two keys, logged" "$f" -c 16 -j 2
   local tat1 tat2
@@ -220,13 +222,13 @@ EOF
   # Throughput (not checks): one key, distinct keys, batches of 10 decisions.
   if [ "${BENCH:-1}" = 1 ]; then
     cat >"$f" <<'EOF'
-SELECT tg_check_decide(ARRAY['\x686f7432'::bytea], '{0,1000,1000000000,0}', '{1,1}', NULL);
+SELECT tg_check_decide(ARRAY['\x686f7432'::bytea], '{0,1000,1000000000,0}', '{1,1,0,0}', NULL);
 EOF
     pgbench_run "hot key (always allowed)" "$f" -c 16 -j 2
     pgbench_run "hot key, 1 client" "$f" -c 1 -j 1
     cat >"$f" <<'EOF'
 \set r random(1, 1000000)
-SELECT tg_check_decide(ARRAY[int8send(:r)], '{0,1000,1000000000,0}', '{1,1}', NULL);
+SELECT tg_check_decide(ARRAY[int8send(:r)], '{0,1000,1000000000,0}', '{1,1,0,0}', NULL);
 EOF
     pgbench_run "distinct keys" "$f" -c 16 -j 2
     pgbench_run "distinct keys, 1 client" "$f" -c 1 -j 1
@@ -237,7 +239,7 @@ EOF
     pgbench_run "batches of 10 decisions, distinct keys" "$f" -c 16 -j 2
     cat >"$f" <<'EOF'
 \set r random(1, 1000000)
-SELECT tg_check_decide(ARRAY[int8send(:r)], '{2,1000000,1000000000,12}', '{1,1}', NULL);
+SELECT tg_check_decide(ARRAY[int8send(:r)], '{2,1000000,1000000000,12}', '{1,1,0,0}', NULL);
 EOF
     pgbench_run "distinct keys, sliding 12" "$f" -c 16 -j 2
   fi
@@ -274,7 +276,7 @@ run_my() {
   my_decide NULL "1|0,1000,1000000000,0,99" >/dev/null
   ($MYSQL -e "START TRANSACTION; SELECT * FROM tg_check_buckets WHERE k = UNHEX('99') FOR UPDATE; DO SLEEP(1.5); COMMIT;" >/dev/null &)
   sleep 0.3
-  ($MYSQL -e "CALL tg_check_decide('99;1|0,1000,1000000000,0,99', NULL)" >/dev/null &)
+  ($MYSQL -e "CALL tg_check_decide('99;1,0,0|0,1000,1000000000,0,99', NULL)" >/dev/null &)
   sleep 0.5
   expect "my read committed" "$(my -e "SELECT trx_isolation_level FROM information_schema.innodb_trx WHERE trx_state = 'LOCK WAIT' LIMIT 1")" "READ COMMITTED"
   wait
@@ -282,7 +284,7 @@ run_my() {
 
   # Errors inside roll back and reach the caller (a bad key, after a decision was applied).
   local err
-  err=$($MYSQL -e "CALL tg_check_decide('a5;1|0,200000000,10,0,a5;1|0,200000000,10,0,a6', $T0)" 2>&1 || true)
+  err=$($MYSQL -e "CALL tg_check_decide('a5;1,0,0|0,200000000,10,0,a5;1,0,0|0,200000000,10,0,a6', $T0)" 2>&1 || true)
   expect "my error raised" "$(grep -c 'missing from the key list' <<<"$err")" "1"
   expect "my error rolled back" "$(my_row a5)" ""
 
@@ -301,7 +303,7 @@ run_my() {
   local dir workers=16 calls=${MY_CALLS:-300}
   dir=$(mktemp -d)
   for _ in $(seq 1 "$calls"); do
-    echo "CALL tg_check_decide('686f74;1|0,1000000000000000,100,0,686f74', NULL);"
+    echo "CALL tg_check_decide('686f74;1,0,0|0,1000000000000000,100,0,686f74', NULL);"
   done >"$dir/calls.sql"
   local t0 t1
   t0=$(date +%s.%N)
@@ -316,7 +318,7 @@ run_my() {
   echo "   mysql hot key: $((workers * calls)) calls by $workers clients in $(awk "BEGIN { print $t1 - $t0 }") s"
   # Two keys per call in one decision plus each alone, keys listed ascending by the caller.
   for _ in $(seq 1 "$calls"); do
-    echo "CALL tg_check_decide('6b31,6b32;1|0,1000000000000000,100,0,6b32;1|0,1000000000000000,100,0,6b31|0,1000000000000000,100,0,6b32;1|0,1000000000000000,100,0,6b31', NULL);"
+    echo "CALL tg_check_decide('6b31,6b32;1,0,0|0,1000000000000000,100,0,6b32;1,0,0|0,1000000000000000,100,0,6b31|0,1000000000000000,100,0,6b32;1,0,0|0,1000000000000000,100,0,6b31', NULL);"
   done >"$dir/calls.sql"
   for w in $(seq 1 $workers); do
     $MYSQL -N -B <"$dir/calls.sql" >"$dir/out.$w" 2>"$dir/err.$w" &
@@ -329,7 +331,7 @@ run_my() {
   # Throughput: distinct keys.
   for w in $(seq 1 $workers); do
     for i in $(seq 1 "$calls"); do
-      echo "CALL tg_check_decide('$(printf '%04x%04x' "$w" "$i");1|0,1000,1000000000,0,$(printf '%04x%04x' "$w" "$i")', NULL);"
+      echo "CALL tg_check_decide('$(printf '%04x%04x' "$w" "$i");1,0,0|0,1000,1000000000,0,$(printf '%04x%04x' "$w" "$i")', NULL);"
     done >"$dir/calls.$w.sql"
   done
   t0=$(date +%s.%N)

@@ -13,7 +13,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{Request, Response};
 use http_body_util::{BodyExt, Full};
-use tollgate::backend::{Backend, Decision, LocalBackend};
+use tollgate::backend::{Backend, Decision, LocalBackend, Mode};
 use tollgate::quota::QuotaParams;
 use tollgate::{BackendError, BackendErrorKind, ConfigError, Key, Policy, Quota, RateLimitLayer};
 use tower::{Layer, Service, ServiceExt};
@@ -48,6 +48,17 @@ impl Backend for SlowBackend {
             }
             decision.await
         })
+    }
+
+    fn decide_with(
+        &self,
+        policy: &Self::Policy,
+        key: &Key,
+        cost: NonZeroU32,
+        mode: Mode,
+    ) -> Self::Future {
+        let decision = self.local.decide_with(policy, key, cost, mode);
+        Box::pin(decision)
     }
 }
 

@@ -71,6 +71,28 @@ pub trait Backend: Send + Sync + 'static {
     /// takes the units from every bucket when it may.
     fn decide(&self, policy: &Self::Policy, key: &Key, cost: NonZeroU32) -> Self::Future;
 
+    /// A request of `cost` units on `key` as `mode` says: [`Mode::Decide`] is
+    /// [`decide`](Self::decide); [`Mode::Reserve`] takes the units if the wait they imply is
+    /// within a maximum (the decision's [`wait`](Decision::wait) says how long to wait before
+    /// going on); [`Mode::Peek`] answers what a decision would say, taking nothing.
+    fn decide_with(
+        &self,
+        policy: &Self::Policy,
+        key: &Key,
+        cost: NonZeroU32,
+        mode: Mode,
+    ) -> Self::Future;
+
+    /// Forgets `key`'s buckets under `policy`: its next request finds them full (an operator
+    /// forgiving a client). The default answers that the backend cannot.
+    fn reset(&self, policy: &Self::Policy, key: &Key) -> ResetFuture {
+        let _ = (policy, key);
+        Box::pin(std::future::ready(Err(BackendError::new(
+            crate::BackendErrorKind::Protocol,
+            "this backend cannot reset keys",
+        ))))
+    }
+
     /// Names the store the buckets live in, for logs, without credentials: layers built on
     /// backends naming the same store share the buckets of their same-named policies, and
     /// `build()` warns when two layers built separately do. `None` (the default) when unknown.
@@ -79,11 +101,50 @@ pub trait Backend: Send + Sync + 'static {
     }
 }
 
+/// The future of [`Backend::reset`]: rare, so boxed.
+pub type ResetFuture =
+    std::pin::Pin<Box<dyn Future<Output = Result<(), BackendError>> + Send + 'static>>;
+
+/// How [`Backend::decide_with`] treats a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Mode {
+    /// Take the units if they are there now, as [`Backend::decide`].
+    #[default]
+    Decide,
+    /// Take the units now if the wait they imply is at most `max_wait`: a reservation. The
+    /// decision is allowed with a [`wait`](Decision::wait) (zero when the units are there
+    /// now), and the caller waits that long before going on. Reservations are first come,
+    /// first served and exact under contention: the bucket counts the request at the time it
+    /// will go on, so that `n` callers sharing one bucket go on one emission interval apart.
+    ///
+    /// GCRA quotas reserve; window quotas cannot count into a window that has not begun, so
+    /// a policy with a window quota reserves only when the window has room now (its denial's
+    /// `retry_after` then tells when to ask again).
+    Reserve {
+        /// The longest wait the caller accepts.
+        max_wait: Duration,
+    },
+    /// What [`Decide`](Mode::Decide) would answer now, taking nothing.
+    Peek,
+}
+
+impl Mode {
+    /// The longest wait of a reservation, in nanoseconds (zero for the other modes).
+    pub(crate) fn max_wait_ns(self) -> u64 {
+        match self {
+            Mode::Reserve { max_wait } => u64::try_from(max_wait.as_nanos()).unwrap_or(u64::MAX),
+            _ => 0,
+        }
+    }
+}
+
 /// What a backend decided for one request, quota by quota.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Decision {
     quotas: SmallVec<[QuotaState; 2]>,
     by: DecidedBy,
+    wait: Duration,
 }
 
 /// Who made a [`Decision`]: the store, or a failure policy standing in for it.
@@ -106,6 +167,7 @@ impl Decision {
         Decision {
             quotas: quotas.into_iter().collect(),
             by: DecidedBy::Store,
+            wait: Duration::ZERO,
         }
     }
 
@@ -113,6 +175,18 @@ impl Decision {
     pub fn decided_by(mut self, by: DecidedBy) -> Self {
         self.by = by;
         self
+    }
+
+    /// The same decision, allowed after waiting `wait` (a reservation).
+    pub fn after(mut self, wait: Duration) -> Self {
+        self.wait = wait;
+        self
+    }
+
+    /// For an allowed reservation ([`Mode::Reserve`]), how long the caller waits before going
+    /// on: its units are taken, counted at that time. Zero otherwise.
+    pub fn wait(&self) -> Duration {
+        self.wait
     }
 
     /// Who made the decision.

@@ -220,6 +220,16 @@ impl PgServer {
         }
     }
 
+    /// Starts `psql` running `sql` in the background (e.g. a transaction holding a lock).
+    pub fn psql_spawn(&self, sql: &str) -> Child {
+        Command::new(pg_bin("psql"))
+            .args(["-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", &self.url(), "-c"])
+            .arg(sql)
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("psql")
+    }
+
     /// Runs `sql` with `psql`, answering its output (unaligned, tuples only).
     pub fn psql(&self, sql: &str) -> String {
         let out = Command::new(pg_bin("psql"))

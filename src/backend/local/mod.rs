@@ -97,7 +97,7 @@ use governor::nanos::Nanos;
 use governor::state::StateStore;
 use governor::state::keyed::ShrinkableKeyedStateStore;
 
-use super::{Backend, Decision, Outcome, QuotaState};
+use super::{Backend, Decision, Mode, Outcome, QuotaState, ResetFuture};
 use crate::quota::QuotaParams;
 use window::WindowStore;
 
@@ -611,6 +611,39 @@ where
         }
         ready(Ok(Decision::new(states)))
     }
+
+    fn decide_with(
+        &self,
+        policy: &LocalPolicy<C>,
+        key: &Key,
+        cost: NonZeroU32,
+        mode: Mode,
+    ) -> Self::Future {
+        match mode {
+            Mode::Decide => self.decide(policy, key, cost),
+            Mode::Peek => ready(Ok(self.peek(policy, key, cost))),
+            Mode::Reserve { max_wait } => {
+                if !self.inner.sweeper_started.load(Ordering::Relaxed) {
+                    self.start_sweeper();
+                }
+                ready(Ok(self.reserve(policy, key, cost, max_wait)))
+            }
+        }
+    }
+
+    fn reset(&self, policy: &LocalPolicy<C>, key: &Key) -> ResetFuture {
+        for quota in &policy.limiters {
+            match &quota.counter {
+                Counter::Gcra { store, .. } => {
+                    if store.map.remove(key).is_some() {
+                        track_sub(&store.tracked, 1);
+                    }
+                }
+                Counter::Window(store) => store.remove(key),
+            }
+        }
+        Box::pin(std::future::ready(Ok(())))
+    }
 }
 
 impl<C> LocalBackend<C>
@@ -618,6 +651,124 @@ where
     C: Clock + Clone + Send + Sync + 'static,
     C::Instant: Send + Sync,
 {
+    /// What `decide` would answer now, changing nothing: every quota in order, up to the first
+    /// that refuses.
+    fn peek(&self, policy: &LocalPolicy<C>, key: &Key, cost: NonZeroU32) -> Decision {
+        let inner = &*self.inner;
+        let mut states = smallvec::SmallVec::<[QuotaState; 2]>::new();
+        for (index, quota) in policy.limiters.iter().enumerate() {
+            let state = if cost > quota.params.burst {
+                quota.peek(index, key, inner)
+            } else {
+                match &quota.counter {
+                    Counter::Window(store) => store.check(index, key, inner.now_us(), cost),
+                    Counter::Gcra { store, start, .. } => {
+                        let tat = (store.map.get(key)).map_or(0, |tat| tat.load(Ordering::Acquire));
+                        let rel = until(*start, tat, &inner.clock);
+                        gcra_state(index, &quota.params, cost, rel, Duration::ZERO)
+                    }
+                }
+            };
+            let stop = state.outcome != Outcome::Allowed;
+            states.push(state);
+            if stop {
+                break;
+            }
+        }
+        Decision::new(states)
+    }
+
+    /// A reservation (see [`Mode::Reserve`]): window quotas must have room now; GCRA quotas
+    /// take the cost if it fits within `max_wait`, counted as of the time the request goes on
+    /// (the longest wait over them). The waits are worked out first from the buckets as they
+    /// are, then each bucket is charged by compare-and-swap, checking its wait again: a
+    /// reservation on a bucket another request changed meanwhile waits for it too (and is
+    /// refused, having charged the quotas before, if that is beyond `max_wait`: the local
+    /// backend's multi-quota policies are not all-or-nothing, see the module docs).
+    fn reserve(
+        &self,
+        policy: &LocalPolicy<C>,
+        key: &Key,
+        cost: NonZeroU32,
+        max_wait: Duration,
+    ) -> Decision {
+        match self.refuse_before_charging(policy, key, cost) {
+            None => {}
+            Some(Refusal::Deny(refused)) => return Decision::new([refused]),
+            Some(Refusal::Allow) => return Decision::new([]),
+        }
+        let inner = &*self.inner;
+        let now_us = inner.now_us();
+        let max_wait = u64::try_from(max_wait.as_nanos()).unwrap_or(u64::MAX);
+        // Windows first: they cannot count into a window that has not begun.
+        let mut wait = 0u64;
+        for (index, quota) in policy.limiters.iter().enumerate() {
+            match &quota.counter {
+                Counter::Window(store) => {
+                    let state = store.check(index, key, now_us, cost);
+                    if state.outcome != Outcome::Allowed {
+                        return Decision::new([state]);
+                    }
+                }
+                Counter::Gcra { store, start, .. } => {
+                    let tat = (store.map.get(key)).map_or(0, |tat| tat.load(Ordering::Acquire));
+                    let rel = until(*start, tat, &inner.clock);
+                    let w = gcra_wait(&quota.params, cost, rel);
+                    if w > max_wait {
+                        return Decision::new([gcra_state(
+                            index,
+                            &quota.params,
+                            cost,
+                            rel,
+                            Duration::ZERO,
+                        )]);
+                    }
+                    wait = wait.max(w);
+                }
+            }
+        }
+        let mut states = smallvec::SmallVec::<[QuotaState; 2]>::new();
+        for (index, quota) in policy.limiters.iter().enumerate() {
+            let state = match &quota.counter {
+                Counter::Window(store) => store.decide(index, key, now_us, cost),
+                Counter::Gcra { store, start, .. } => {
+                    let p = &quota.params;
+                    let now = inner.clock.now().duration_since(*start).as_u64();
+                    let step = p.emission_ns.saturating_mul(u64::from(cost.get()));
+                    let longest = std::cell::Cell::new(wait);
+                    let charged = Store(store.clone()).measure_and_replace(key, |tat| {
+                        let tat = tat.map_or(0, |t| t.as_u64());
+                        let w = gcra_wait(p, cost, Duration::from_nanos(tat.saturating_sub(now)));
+                        let w = w.max(wait);
+                        if w > max_wait {
+                            return Err(w);
+                        }
+                        longest.set(w);
+                        let next = tat.max(now.saturating_add(w)).saturating_add(step);
+                        Ok((next, Nanos::from(next.max(1))))
+                    });
+                    match charged {
+                        Ok(next) => {
+                            wait = longest.get();
+                            QuotaState::allowed(
+                                index,
+                                p,
+                                Duration::from_nanos(next.saturating_sub(now)),
+                            )
+                        }
+                        Err(w) => QuotaState::denied(index, p, cost, Duration::from_nanos(w)),
+                    }
+                }
+            };
+            let stop = state.outcome != Outcome::Allowed;
+            states.push(state);
+            if stop {
+                return Decision::new(states);
+            }
+        }
+        Decision::new(states).after(Duration::from_nanos(wait))
+    }
+
     /// The state of the first quota that refuses `cost` on `key` without looking at its
     /// bucket: one the cost can never fit (governor's `t * (cost - 1)` would also overflow
     /// for huge costs), or, when the buckets `key` still lacks would not fit in the table,
@@ -713,6 +864,33 @@ impl<C: Clock> Inner<C> {
                 WhenFull::Allow => "let through unlimited",
             }
         );
+    }
+}
+
+/// The wait of a request of `cost` on a GCRA bucket whose theoretical arrival time is `tat`
+/// from now: it fits when `tat + T × (cost − burst) ≤ 0` (the Redis script's test).
+fn gcra_wait(p: &QuotaParams, cost: NonZeroU32, tat: Duration) -> u64 {
+    let t = u128::from(p.emission_ns);
+    let tat = tat.as_nanos();
+    let w = (tat + t * u128::from(cost.get())).saturating_sub(t * u128::from(p.burst.get()));
+    u64::try_from(w).unwrap_or(u64::MAX)
+}
+
+/// What a decision of `cost` on a GCRA bucket whose theoretical arrival time is `tat` from now
+/// would answer: allowed (the TAT after it), or denied with its wait.
+fn gcra_state(
+    index: usize,
+    p: &QuotaParams,
+    cost: NonZeroU32,
+    tat: Duration,
+    _: Duration,
+) -> QuotaState {
+    let w = gcra_wait(p, cost, tat);
+    if w == 0 {
+        let step = Duration::from_nanos(p.emission_ns.saturating_mul(u64::from(cost.get())));
+        QuotaState::allowed(index, p, tat.saturating_add(step))
+    } else {
+        QuotaState::denied(index, p, cost, Duration::from_nanos(w))
     }
 }
 

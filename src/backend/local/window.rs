@@ -213,6 +213,17 @@ impl WindowStore {
         }
     }
 
+    /// Forgets `key`'s counters.
+    pub(super) fn remove(&self, key: &Key) {
+        let removed = match &self.counters {
+            Counters::Fixed { map, .. } => map.remove(key).is_some(),
+            Counters::Sliding { map, .. } => map.remove(key).is_some(),
+        };
+        if removed {
+            super::track_sub(&self.tracked, 1);
+        }
+    }
+
     fn len(&self) -> usize {
         match &self.counters {
             Counters::Fixed { map, .. } => map.len(),

@@ -127,8 +127,8 @@ pub use builder::MysqlBackendBuilder;
 /// [`pool`](MysqlBackendBuilder::pool).
 pub use mysql_async;
 
-use crate::backend::Backend;
 use crate::backend::remote::{Remote, RemoteFuture, RemotePolicy, RemoteStats};
+use crate::backend::{Backend, Mode, ResetFuture};
 use crate::quota::QuotaParams;
 use crate::{BackendError, ConfigError, Key, Policy};
 use store::MysqlStore;
@@ -235,7 +235,25 @@ impl Backend for MysqlBackend {
     }
 
     fn decide(&self, policy: &MysqlPolicy, key: &Key, cost: NonZeroU32) -> RemoteFuture {
-        self.remote.decide(&policy.inner, key, cost)
+        self.remote.decide(&policy.inner, key, cost, Mode::Decide)
+    }
+
+    fn decide_with(
+        &self,
+        policy: &MysqlPolicy,
+        key: &Key,
+        cost: NonZeroU32,
+        mode: Mode,
+    ) -> RemoteFuture {
+        self.remote.decide(&policy.inner, key, cost, mode)
+    }
+
+    /// Deletes the key's rows, as [`reset`](Self::reset).
+    fn reset(&self, policy: &MysqlPolicy, key: &Key) -> ResetFuture {
+        policy.inner.forget(key);
+        let (remote, shared) = (self.remote.clone(), policy.inner.inner.clone());
+        let key = key.clone();
+        Box::pin(async move { remote.store().reset(&shared.store, &key).await.map(drop) })
     }
 
     /// The database and table, password left out: backends naming the same share buckets.

@@ -124,9 +124,9 @@ pub(crate) fn spec(args: &Args) -> String {
         hex(&mut out, key);
     }
     let mut at = 0;
-    for d in args.decisions.chunks_exact(2) {
-        let (n, cost) = (usize::try_from(d[0]).unwrap_or(0), d[1]);
-        let _ = write!(out, ";{cost}");
+    for d in args.decisions.chunks_exact(4) {
+        let (n, cost, max_wait, peek) = (usize::try_from(d[0]).unwrap_or(0), d[1], d[2], d[3]);
+        let _ = write!(out, ";{cost},{max_wait},{peek}");
         for q in at..at + n {
             let p = &args.quotas[4 * q..4 * q + 4];
             let _ = write!(out, "|{},{},{},{},", p[0], p[1], p[2], p[3]);
@@ -429,11 +429,11 @@ mod tests {
         let args = Args {
             keys: vec![b"k1".to_vec(), b"k0".to_vec(), b"k1".to_vec()],
             quotas: vec![0, 200_000_000, 10, 0, 2, 1000, 5, 3, 0, 200_000_000, 10, 0],
-            decisions: vec![2, 1, 1, 3],
+            decisions: vec![2, 1, 0, 0, 1, 3, 5_000, 1],
         };
         assert_eq!(
             spec(&args),
-            "6b30,6b31;1|0,200000000,10,0,6b31|2,1000,5,3,6b30;3|0,200000000,10,0,6b31"
+            "6b30,6b31;1,0,0|0,200000000,10,0,6b31|2,1000,5,3,6b30;3,5000,1|0,200000000,10,0,6b31"
         );
     }
 

@@ -125,8 +125,8 @@ pub use deadpool_postgres;
 /// The tokio-postgres crate the backend speaks through.
 pub use tokio_postgres;
 
-use crate::backend::Backend;
 use crate::backend::remote::{Remote, RemoteFuture, RemotePolicy, RemoteStats};
+use crate::backend::{Backend, Mode, ResetFuture};
 use crate::quota::QuotaParams;
 use crate::{BackendError, ConfigError, Key, Policy};
 use store::PgStore;
@@ -234,7 +234,25 @@ impl Backend for PostgresBackend {
     }
 
     fn decide(&self, policy: &PostgresPolicy, key: &Key, cost: NonZeroU32) -> RemoteFuture {
-        self.remote.decide(&policy.inner, key, cost)
+        self.remote.decide(&policy.inner, key, cost, Mode::Decide)
+    }
+
+    fn decide_with(
+        &self,
+        policy: &PostgresPolicy,
+        key: &Key,
+        cost: NonZeroU32,
+        mode: Mode,
+    ) -> RemoteFuture {
+        self.remote.decide(&policy.inner, key, cost, mode)
+    }
+
+    /// Deletes the key's rows, as [`reset`](Self::reset).
+    fn reset(&self, policy: &PostgresPolicy, key: &Key) -> ResetFuture {
+        policy.inner.forget(key);
+        let (remote, shared) = (self.remote.clone(), policy.inner.inner.clone());
+        let key = key.clone();
+        Box::pin(async move { remote.store().reset(&shared.store, &key).await.map(drop) })
     }
 
     /// The database and table, password left out: backends naming the same share buckets.

@@ -169,9 +169,11 @@ impl PgStore {
             .transaction()
             .await
             .map_err(|e| to_backend(pg_error(e)))?;
-        // Quiet: a second run's "already exists, skipping" notices are not news.
+        // Quiet: a second run's "already exists, skipping" notices are not news. Durable
+        // whatever the connection's setting (`durable(false)`): a schema must not be lost.
         tx.batch_execute(
             "SET LOCAL client_min_messages = warning; \
+             SET LOCAL synchronous_commit = on; \
              SELECT pg_advisory_xact_lock(7106514057406054501)",
         )
         .await

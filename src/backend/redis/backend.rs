@@ -11,7 +11,7 @@ use super::{failure, script};
 use crate::backend::remote::{
     CallError, Job, Remote, RemoteFuture, RemotePolicy, Store, StoreFailure, keys,
 };
-use crate::backend::{Backend, Decision};
+use crate::backend::{Backend, Decision, Mode, ResetFuture};
 use crate::quota::QuotaParams;
 use crate::{BackendError, ConfigError, Key, Policy};
 
@@ -166,7 +166,40 @@ impl Backend for RedisBackend {
     /// A cost larger than a burst still goes to Redis (a rare request), so that the answer
     /// reports the bucket's real state; the script takes nothing for it.
     fn decide(&self, policy: &RedisPolicy, key: &Key, cost: NonZeroU32) -> RemoteFuture {
-        self.remote.decide(&policy.inner, key, cost)
+        self.remote.decide(&policy.inner, key, cost, Mode::Decide)
+    }
+
+    fn decide_with(
+        &self,
+        policy: &RedisPolicy,
+        key: &Key,
+        cost: NonZeroU32,
+        mode: Mode,
+    ) -> RemoteFuture {
+        self.remote.decide(&policy.inner, key, cost, mode)
+    }
+
+    /// Deletes the key's buckets (one `DEL` of the policy's keys for `key`).
+    fn reset(&self, policy: &RedisPolicy, key: &Key) -> ResetFuture {
+        let p = policy.inner.store();
+        let mut base = Vec::new();
+        keys::key_base(&p.key_prefix, key, &mut base);
+        let mut cmd = redis::cmd("DEL");
+        for suffix in &p.key_suffixes {
+            let mut k = base.clone();
+            k.extend_from_slice(suffix);
+            cmd.arg(k);
+        }
+        policy.inner.forget(key);
+        let remote = self.remote.clone();
+        Box::pin(async move {
+            let store = remote.store();
+            match tokio::time::timeout(remote.timeout(), store.conn.query(&cmd)).await {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(err)) => Err(remote.backend_error(&failure::call_error(&err))),
+                Err(_) => Err(BackendError::from_kind(crate::BackendErrorKind::Timeout)),
+            }
+        })
     }
 }
 
@@ -203,7 +236,7 @@ impl Store for RedisStore {
                 let end = (start + job.prepared().reply_len).min(reply.len());
                 let part = &reply[start..end];
                 start = end;
-                script::decision(part, job.params(), job.cost)
+                script::decision(part, job.params(), job.cost, job.mode)
             })
             .collect())
     }
@@ -258,9 +291,9 @@ fn command(batch: &[Job<RedisStore>], now_ns: Option<u64>) -> redis::Cmd {
         batch
             .iter()
             .zip(&of_job)
-            .map(|(job, p)| (*p, job.cost.get())),
+            .map(|(job, p)| (*p, job.cost.get(), job.mode)),
     );
-    let nargs = 6 + nkeys + policy_args + 3 * runs.len();
+    let nargs = 6 + nkeys + policy_args + 5 * runs.len();
     let mut cmd = redis::Cmd::with_capacity(nargs, 64 + nkeys * 96 + nargs * 12);
     cmd.arg("EVALSHA").arg(script::SCRIPT.get_hash()).arg(nkeys);
     let mut base = Vec::with_capacity(128);

@@ -124,7 +124,12 @@ impl Conn {
 
     /// `PING` (on a cluster: every primary), used by the circuit breaker's probe.
     pub(crate) async fn ping(&self) -> RedisResult<()> {
-        let ping = redis::cmd("PING");
+        self.query(&redis::cmd("PING")).await
+    }
+
+    /// Sends `cmd` (a `PING`, a `DEL` of one client's keys) and drops its reply.
+    pub(crate) async fn query(&self, cmd: &redis::Cmd) -> RedisResult<()> {
+        let ping = cmd;
         match self {
             Conn::Single(lazy) => {
                 let shared = lazy.get(make_single)?;

@@ -12,10 +12,14 @@
 --     0 emission burst 0      GCRA: emission interval (integer ns >= 1), burst (units >= 1)
 --     1 window limit 0        fixed window: length (integer us >= 1), limit (>= 1)
 --     2 slice limit slices    sliding window of `slices` (>= 1) sub-windows of `slice` us
--- then               number of runs R >= 1; then per run, in order, "count p cost": `count`
---                    decisions in a row of policy p (1..P) costing `cost` units (>= 1) each;
---                    the decisions are those of the runs one after another, D in all, and the
---                    keys of each are the next n_p KEYS, in order
+-- then               number of runs R >= 1; then per run, in order, "count p cost wait peek":
+--                    `count` decisions in a row of policy p (1..P) costing `cost` units (>= 1)
+--                    each; `wait` > 0 makes them reservations: a GCRA quota passes when the
+--                    cost fits within `wait` ns, and is charged as of the time the decision
+--                    goes on (the longest wait over its GCRA quotas); `peek` = 1 answers
+--                    what the decisions would get and writes nothing; the decisions are those
+--                    of the runs one after another, D in all, and the keys of each are the
+--                    next n_p KEYS, in order
 -- KEYS               one per quota of every decision, in the order above (on a Redis Cluster a
 --                    call holds one decision, whose keys share one {hash tag})
 --
@@ -266,7 +270,8 @@ a = a + 1
 local k = 0
 for _ = 1, tonumber(ARGV[a], 16) do
   local count, p, cost = tonumber(ARGV[a + 1], 16), tonumber(ARGV[a + 2], 16), tonumber(ARGV[a + 3], 16)
-  a = a + 3
+  local maxw, peek = tonumber(ARGV[a + 4], 16), ARGV[a + 5] == '1'
+  a = a + 5
   local n, f = pq[2 * p - 1], pq[2 * p]
   local g1 = f + 1
   if n == 1 and at[8 * g1 - 7] == 0 then
@@ -288,9 +293,13 @@ for _ = 1, tonumber(ARGV[a], 16) do
         local c = 0
         if never then
           c = 2
-        elseif st + tol > 0 then
+        elseif st + tol > maxw then
           c = 1
+        elseif peek then
+          -- What the decision would leave, written nowhere.
+          st = st + step
         else
+          -- A reservation's wait, st + tol, is never more than st: the same update.
           st = st + step
           states[key] = st
           if not dq[key] then
@@ -311,6 +320,8 @@ for _ = 1, tonumber(ARGV[a], 16) do
   end
   for _ = 1, count do
     local denied, refused = false, false
+    -- The wait of a reservation: the longest over its GCRA quotas (0 for a decision).
+    local w = 0
     -- First every quota is checked, nothing written.
     for i = 1, n do
       local key = KEYS[k + i]
@@ -330,10 +341,14 @@ for _ = 1, tonumber(ARGV[a], 16) do
         c = 2
         denied = true
       elseif kind == 0 then
-        -- The request fits when now >= TAT + (cost - 1) * T - tau, with tau = T * (burst - 1).
-        if st + at[8 * g - 6] * (cost - limit) > 0 then
+        -- The request fits when now >= TAT + (cost - 1) * T - tau, with tau = T * (burst - 1);
+        -- a reservation when that holds within `maxw`.
+        local wq = st + at[8 * g - 6] * (cost - limit)
+        if wq > maxw then
           c = 1
           denied = true
+        elseif wq > w then
+          w = wq
         end
       elseif kind == 1 then
         if st + cost > limit then
@@ -372,27 +387,37 @@ for _ = 1, tonumber(ARGV[a], 16) do
         local c = cur[i]
         local kind, limit = at[8 * g - 7], at[8 * g - 5]
         local st = states[key]
+        local undo = false
         if denied then
           if c == 0 then
             c = 3
           end
         else
           if kind == 0 then
+            -- Counted as of the time the request goes on (now for a decision).
+            if st < w then
+              st = w
+            end
             st = st + cost * at[8 * g - 6]
-            states[key] = st
           elseif kind == 1 then
             st = st + cost
-            states[key] = st
           else
             local m = at[8 * g - 4] + 1
             st[m] = st[m] + cost
             st[m + 1] = st[m + 1] + cost
+            -- A peek puts the counts back once the reply is made.
+            undo = peek
           end
-          -- First change of this key in this call: remember to write it.
-          if not dq[key] then
-            dq[key] = g
-            nd = nd + 1
-            dirty[nd] = key
+          if not peek then
+            if kind ~= 2 then
+              states[key] = st
+            end
+            -- First change of this key in this call: remember to write it.
+            if not dq[key] then
+              dq[key] = g
+              nd = nd + 1
+              dirty[nd] = key
+            end
           end
         end
         if kind == 0 then
@@ -421,6 +446,10 @@ for _ = 1, tonumber(ARGV[a], 16) do
           end
           reply[nr + 1], reply[nr + 2], reply[nr + 3], reply[nr + 4] = c, remaining, reset, retry
           nr = nr + 4
+          if undo then
+            st[m] = st[m] - cost
+            st[m + 1] = st[m + 1] - cost
+          end
         end
       end
     end

@@ -10,7 +10,7 @@ use smallvec::SmallVec;
 use crate::BackendError;
 use crate::backend::remote::reply::{self, nonneg, protocol};
 use crate::backend::window::Code;
-use crate::backend::{Decision, Outcome, QuotaState};
+use crate::backend::{Decision, Mode, Outcome, QuotaState};
 use crate::quota::{QuotaKind, QuotaParams};
 
 /// The script source, also used by `scripts/bench-redis-ceiling.sh`.
@@ -90,15 +90,25 @@ impl Hex {
 }
 
 /// The decisions of a call, in the script's arguments: runs of consecutive decisions with the
-/// same policy (1-based, in the call's list) and cost, as `count policy cost`, so that a busy
-/// call on one policy (the usual case) carries three numbers, not two per decision.
-pub(crate) fn runs(decisions: impl IntoIterator<Item = (usize, u32)>) -> SmallVec<[[u64; 3]; 4]> {
-    let mut runs: SmallVec<[[u64; 3]; 4]> = SmallVec::new();
-    for (policy, cost) in decisions {
-        let (policy, cost) = (policy as u64, u64::from(cost));
+/// same policy (1-based, in the call's list), cost and mode, as `count policy cost wait peek`,
+/// so that a busy call on one policy (the usual case) carries five numbers, not four per
+/// decision. `wait` is a reservation's longest wait in ns (0 for a decision), `peek` 1 for a
+/// peek.
+pub(crate) fn runs(
+    decisions: impl IntoIterator<Item = (usize, u32, Mode)>,
+) -> SmallVec<[[u64; 5]; 4]> {
+    let mut runs: SmallVec<[[u64; 5]; 4]> = SmallVec::new();
+    for (policy, cost, mode) in decisions {
+        let run = [
+            1,
+            policy as u64,
+            u64::from(cost),
+            mode.max_wait_ns(),
+            u64::from(mode == Mode::Peek),
+        ];
         match runs.last_mut() {
-            Some(run) if run[1] == policy && run[2] == cost => run[0] += 1,
-            _ => runs.push([1, policy, cost]),
+            Some(last) if last[1..] == run[1..] => last[0] += 1,
+            _ => runs.push(run),
         }
     }
     runs
@@ -111,6 +121,7 @@ pub(crate) fn decision(
     reply: &[i64],
     params: &[QuotaParams],
     cost: NonZeroU32,
+    mode: Mode,
 ) -> Result<Decision, BackendError> {
     let expected = reply_len(params);
     if reply.len() != expected {
@@ -121,13 +132,22 @@ pub(crate) fn decision(
     }
     let mut states = SmallVec::<[QuotaState; 2]>::new();
     let mut at = 0;
+    let mut wait = 0;
     for (index, p) in params.iter().enumerate() {
         let r = &reply[at..at + quota_reply_len(p)];
         at += r.len();
         let n = |i: usize| r.get(i).copied().map_or(0, nonneg);
         states.push(state(index, p, cost, r[0], n(1), n(2), n(3))?);
+        if matches!(mode, Mode::Reserve { .. }) && r[0] == 0 && p.kind == QuotaKind::Gcra {
+            wait = wait.max(reply::reservation_wait(p, n(1)));
+        }
     }
-    Ok(Decision::new(states))
+    let decision = Decision::new(states);
+    Ok(if decision.is_allowed() {
+        decision.after(Duration::from_nanos(wait))
+    } else {
+        decision
+    })
 }
 
 fn state(
@@ -185,7 +205,7 @@ mod tests {
     #[test]
     fn one_request_on_a_fresh_bucket_leaves_burst_minus_one() {
         let p = [params(5, 10)];
-        let d = decision(&[0, 200_000_000], &p, NonZeroU32::MIN).unwrap();
+        let d = decision(&[0, 200_000_000], &p, NonZeroU32::MIN, Mode::Decide).unwrap();
         assert!(d.is_allowed());
         assert_eq!(d.quotas()[0].remaining, 9);
         assert_eq!(d.quotas()[0].reset_after, Duration::from_millis(200));
@@ -196,7 +216,7 @@ mod tests {
         // Burst 5 at 1/s, cost 5, three units missing: the TAT is 3 s ahead.
         let p = [params(1, 5)];
         let cost = NonZeroU32::new(5).unwrap();
-        let d = decision(&[1, 3_000_000_000], &p, cost).unwrap();
+        let d = decision(&[1, 3_000_000_000], &p, cost, Mode::Decide).unwrap();
         assert_eq!(d.retry_after(), Some(Duration::from_secs(3)));
         assert_eq!(d.quotas()[0].remaining, 2);
         // The next unit is back in a second (`t`); the request fits in three.
@@ -207,7 +227,7 @@ mod tests {
     fn malformed_replies_are_protocol_errors() {
         let p = [params(1, 5)];
         for reply in [&[0][..], &[9, 0][..], &[][..], &[0, 0, 0][..]] {
-            let err = decision(reply, &p, NonZeroU32::MIN).unwrap_err();
+            let err = decision(reply, &p, NonZeroU32::MIN, Mode::Decide).unwrap_err();
             assert_eq!(err.kind(), crate::BackendErrorKind::Protocol);
         }
     }
@@ -235,7 +255,13 @@ mod tests {
 
         // The fixed window denies (its count is full, 20 s to its end); the others had room.
         let reply = [3, 400_000_000, 1, 10, 20_000_000, 3, 60, 1_500_000, 0];
-        let d = decision(&reply, &[gcra, fixed, sliding], NonZeroU32::MIN).unwrap();
+        let d = decision(
+            &reply,
+            &[gcra, fixed, sliding],
+            NonZeroU32::MIN,
+            Mode::Decide,
+        )
+        .unwrap();
         assert_eq!(d.retry_after(), Some(Duration::from_secs(20)));
         let q = d.quotas();
         assert_eq!((q[0].outcome, q[0].remaining), (Outcome::Allowed, 8));
@@ -255,7 +281,7 @@ mod tests {
         let fixed = window(crate::Quota::per_minute(10).fixed_window());
         let sliding = window(crate::Quota::per_second(10).sliding_window());
         let reply = [1, i64::MAX, i64::MAX, 1, i64::MAX, -1, i64::MAX];
-        let d = decision(&reply, &[fixed, sliding], NonZeroU32::MIN).unwrap();
+        let d = decision(&reply, &[fixed, sliding], NonZeroU32::MIN, Mode::Decide).unwrap();
         let q = d.quotas();
         assert_eq!(q[0].remaining, 0);
         assert_eq!(q[0].reset_after, Duration::from_secs(60));
@@ -275,8 +301,30 @@ mod tests {
             let h = hex(n);
             assert_eq!(h.as_bytes(), format!("{n:x}").as_bytes());
         }
-        let r = runs([(1, 1), (1, 1), (1, 1), (2, 1), (1, 1), (1, 5), (1, 5)]);
-        assert_eq!(&r[..], [[3, 1, 1], [1, 2, 1], [1, 1, 1], [2, 1, 5]]);
+        let d = Mode::Decide;
+        let r = runs([
+            (1, 1, d),
+            (1, 1, d),
+            (1, 1, d),
+            (2, 1, d),
+            (1, 1, d),
+            (1, 5, d),
+            (1, 5, d),
+        ]);
+        assert_eq!(
+            &r[..],
+            [
+                [3, 1, 1, 0, 0],
+                [1, 2, 1, 0, 0],
+                [1, 1, 1, 0, 0],
+                [2, 1, 5, 0, 0]
+            ]
+        );
+        let reserve = Mode::Reserve {
+            max_wait: Duration::from_millis(1),
+        };
+        let r = runs([(1, 1, reserve), (1, 1, Mode::Peek), (1, 1, Mode::Peek)]);
+        assert_eq!(&r[..], [[1, 1, 1, 1_000_000, 0], [2, 1, 1, 0, 1]]);
         assert!(runs([]).is_empty());
     }
 }

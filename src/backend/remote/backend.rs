@@ -17,7 +17,7 @@ use super::inner::{Counters, Inner, bump};
 use super::options::{FailurePolicy, Options, RemoteStats};
 use super::redact::Secrets;
 use super::store::{CallError, Job, PolicyInner, Store};
-use crate::backend::LocalBackend;
+use crate::backend::{LocalBackend, Mode};
 use crate::quota::QuotaParams;
 use crate::{BackendError, BackendErrorKind, ConfigError, Key, Policy};
 
@@ -107,6 +107,11 @@ impl<S: Store> Remote<S> {
         self.inner.timeout
     }
 
+    /// A `BackendError` for a failed call, passwords removed.
+    pub(crate) fn backend_error(&self, err: &CallError) -> BackendError {
+        self.inner.backend_error(err)
+    }
+
     /// The failure policy.
     pub(crate) fn on_failure(&self) -> FailurePolicy {
         self.inner.on_failure
@@ -170,11 +175,18 @@ impl<S: Store> Remote<S> {
         policy: &RemotePolicy<S>,
         key: &Key,
         cost: NonZeroU32,
+        mode: Mode,
     ) -> RemoteFuture {
         let p = &policy.inner;
         let inner = &self.inner;
         let now_ns = inner.clock.now_ns();
-        if let Some(decision) = p.deny.get(key, cost, now_ns, &p.params) {
+        // A cached denial answers a reservation too when its wait is longer than the caller
+        // accepts: the store's own wait is at least as long (see the deny cache).
+        if let Some(decision) = p.deny.get(key, cost, now_ns, &p.params)
+            && decision.retry_after().is_none_or(|wait| {
+                u64::try_from(wait.as_nanos()).unwrap_or(u64::MAX) > mode.max_wait_ns()
+            })
+        {
             bump(&inner.counters.deny_cache_hits);
             p.deny_hits.hit();
             return RemoteFuture::ready(Ok(decision));
@@ -187,7 +199,7 @@ impl<S: Store> Remote<S> {
                 ),
                 None => BackendError::new(BackendErrorKind::Unavailable, "circuit breaker open"),
             };
-            return RemoteFuture::ready(inner.degrade(p, key, cost, err));
+            return RemoteFuture::ready(inner.degrade(p, key, cost, mode, err));
         }
         bump(&inner.counters.decisions);
         let now = tokio::time::Instant::now();
@@ -195,6 +207,7 @@ impl<S: Store> Remote<S> {
             policy: p.clone(),
             key: key.clone(),
             cost,
+            mode,
             sent_ns: now_ns,
             // The builders cap the timeout at an hour, so this cannot overflow; were it to,
             // an immediate timeout is better than a panic.

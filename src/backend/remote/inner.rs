@@ -15,7 +15,7 @@ use super::health::{Change, Health, StoreFailure};
 use super::options::FailurePolicy;
 use super::redact::Secrets;
 use super::store::{CallError, Job, PolicyInner, Store};
-use crate::backend::{DecidedBy, Decision, LocalBackend};
+use crate::backend::{DecidedBy, Decision, LocalBackend, Mode};
 use crate::{BackendError, BackendErrorKind, Key};
 
 pub(crate) struct Inner<S: Store> {
@@ -134,6 +134,7 @@ impl<S: Store> Inner<S> {
             Err(CallOrDecision::Call(err)) => Err(self.backend_error(&err)),
         };
         match result {
+            Ok(decision) if job.mode == Mode::Peek => Ok(decision),
             Ok(decision) => {
                 if decision.is_allowed() {
                     // The counts a cached denial of this key reports have just changed.
@@ -143,7 +144,7 @@ impl<S: Store> Inner<S> {
                 }
                 Ok(decision)
             }
-            Err(err) => self.degrade(p, key, cost, err),
+            Err(err) => self.degrade(p, key, cost, job.mode, err),
         }
     }
 
@@ -216,7 +217,7 @@ impl<S: Store> Inner<S> {
     }
 
     /// A `BackendError` for a failed call, with no password in its text.
-    fn backend_error(&self, err: &CallError) -> BackendError {
+    pub(crate) fn backend_error(&self, err: &CallError) -> BackendError {
         let text = self.secrets.scrub(&err.text).into_owned();
         BackendError::new(error_kind(err.failure), text)
     }
@@ -255,6 +256,7 @@ impl<S: Store> Inner<S> {
         p: &PolicyInner<S>,
         key: &Key,
         cost: NonZeroU32,
+        mode: Mode,
         err: BackendError,
     ) -> Result<Decision, BackendError> {
         // A request that can never pass is refused whatever the failure policy; its bucket's
@@ -269,7 +271,7 @@ impl<S: Store> Inner<S> {
             }
             (FailurePolicy::FallbackLocal, Some(local), Some(policy)) => {
                 bump(&self.counters.fallback_local);
-                (crate::backend::Backend::decide(local, policy, key, cost).into_inner())
+                (crate::backend::Backend::decide_with(local, policy, key, cost, mode).into_inner())
                     .map(|d| d.decided_by(DecidedBy::FallbackLocal))
             }
             _ => {

@@ -49,6 +49,13 @@ pub(crate) fn gcra(
     }
 }
 
+/// The wait a reservation's GCRA quota implies, from its TAT after the reservation: it was
+/// charged as of the time the request goes on, so that time is the TAT less a full bucket
+/// (`TAT − burst × T`), or now.
+pub(crate) fn reservation_wait(p: &QuotaParams, tat_ns: u64) -> u64 {
+    tat_ns.saturating_sub(p.emission_ns.saturating_mul(u64::from(p.burst.get())))
+}
+
 /// A fixed window's state from its count after the decision and the µs until its end.
 pub(crate) fn fixed(
     index: usize,

@@ -12,7 +12,7 @@ use smallvec::SmallVec;
 
 use super::deny_cache::DenyCache;
 use super::health::StoreFailure;
-use crate::backend::Decision;
+use crate::backend::{Decision, Mode};
 use crate::quota::QuotaParams;
 use crate::{BackendError, ConfigError, Key, Policy};
 
@@ -101,6 +101,8 @@ pub(crate) struct Job<S: Store> {
     pub(crate) policy: Arc<PolicyInner<S>>,
     pub(crate) key: Key,
     pub(crate) cost: NonZeroU32,
+    /// Decide, reserve (with the longest wait) or peek.
+    pub(crate) mode: Mode,
     /// When the decision was sent (the backend's clock), for the deny cache.
     pub(crate) sent_ns: u64,
     /// When the request gives up: a decision still queued at its deadline is answered at once,

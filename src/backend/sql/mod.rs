@@ -23,7 +23,7 @@ use smallvec::SmallVec;
 use crate::backend::remote::reply::{self, nonneg, protocol};
 use crate::backend::remote::{Job, Store, keys};
 use crate::backend::window;
-use crate::backend::{Decision, QuotaState};
+use crate::backend::{Decision, Mode, QuotaState};
 use crate::quota::{QuotaKind, QuotaParams};
 use crate::{BackendError, ConfigError, Key};
 
@@ -86,7 +86,8 @@ fn quota_args(p: &QuotaParams) -> [i64; 4] {
 }
 
 /// A call's arguments: the row keys (one per quota of every decision), four numbers per key,
-/// and per decision its number of keys and its cost.
+/// and per decision its number of keys, its cost, a reservation's longest wait (ns, 0 for a
+/// decision) and whether it only peeks.
 #[derive(Debug, Default)]
 pub(crate) struct Args {
     pub(crate) keys: Vec<Vec<u8>>,
@@ -107,8 +108,13 @@ impl Args {
                 args.keys.push(key);
             }
             args.quotas.extend_from_slice(&p.quotas);
-            args.decisions
-                .extend([p.key_suffixes.len() as i64, i64::from(job.cost.get())]);
+            let max_wait = i64::try_from(job.mode.max_wait_ns()).unwrap_or(i64::MAX);
+            args.decisions.extend([
+                p.key_suffixes.len() as i64,
+                i64::from(job.cost.get()),
+                max_wait,
+                i64::from(job.mode == Mode::Peek),
+            ]);
         }
         args
     }
@@ -137,7 +143,7 @@ pub(crate) fn decisions<S: Store>(
     let mut at = 0;
     let mut out = Vec::with_capacity(jobs.len());
     for job in jobs {
-        out.push(decision(reply, &mut at, job.params(), job.cost));
+        out.push(decision(reply, &mut at, job.params(), job.cost, job.mode));
     }
     if at != reply.len() && out.iter().all(Result::is_ok) {
         // More numbers than the decisions: the reply does not belong to this call.
@@ -160,8 +166,10 @@ fn decision(
     at: &mut usize,
     params: &[QuotaParams],
     cost: NonZeroU32,
+    mode: Mode,
 ) -> Result<Decision, BackendError> {
     let mut states = SmallVec::<[QuotaState; 2]>::new();
+    let mut wait = 0;
     for (index, p) in params.iter().enumerate() {
         let len = match p.kind {
             QuotaKind::Gcra => 2,
@@ -177,6 +185,9 @@ fn decision(
         };
         *at += len;
         let code = reply::code(r[0])?;
+        if matches!(mode, Mode::Reserve { .. }) && r[0] == 0 && p.kind == QuotaKind::Gcra {
+            wait = wait.max(reply::reservation_wait(p, nonneg(r[1])));
+        }
         states.push(match p.kind {
             QuotaKind::Gcra => reply::gcra(index, p, cost, code, nonneg(r[1])),
             QuotaKind::FixedWindow { window_us } => {
@@ -192,7 +203,12 @@ fn decision(
             }
         });
     }
-    Ok(Decision::new(states))
+    let decision = Decision::new(states);
+    Ok(if decision.is_allowed() {
+        decision.after(Duration::from_nanos(wait))
+    } else {
+        decision
+    })
 }
 
 /// Checks a table or schema name: a plain SQL identifier (letters, digits, `_`, not starting
@@ -348,14 +364,14 @@ mod tests {
         let mut at = 0;
         // GCRA allowed (one unit used); sliding: 100 ms into a 1 s sub-window, counts 4 and 1.
         let reply = [0, 200_000_000, 0, 100_000, 4, 1];
-        let d = decision(&reply, &mut at, &params, NonZeroU32::MIN).unwrap();
+        let d = decision(&reply, &mut at, &params, NonZeroU32::MIN, Mode::Decide).unwrap();
         assert_eq!(at, reply.len());
         assert_eq!(d.quotas()[0].remaining, 9);
         // E = 4 × 0.9 + 1 = 4.6: 5 more fit.
         assert_eq!(d.quotas()[1].remaining, 5);
         let mut at = 0;
-        assert!(decision(&reply[..5], &mut at, &params, NonZeroU32::MIN).is_err());
+        assert!(decision(&reply[..5], &mut at, &params, NonZeroU32::MIN, Mode::Decide).is_err());
         let mut at = 0;
-        assert!(decision(&[7, 0], &mut at, &[gcra], NonZeroU32::MIN).is_err());
+        assert!(decision(&[7, 0], &mut at, &[gcra], NonZeroU32::MIN, Mode::Decide).is_err());
     }
 }

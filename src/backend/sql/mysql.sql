@@ -46,12 +46,18 @@ DROP PROCEDURE IF EXISTS {decide}
 --           keys      = hexkey *( "," hexkey )     every distinct key of the call, once, in
 --                                                  ascending byte order (= ascending order of
 --                                                  the lowercase hex strings)
---           decision  = cost 1*( "|" quota )       cost >= 1, then the decision's quotas
+--           decision  = cost "," max_wait "," peek 1*( "|" quota )
+--                                           cost >= 1; max_wait in ns (> 0: a reservation:
+--                                           a GCRA quota passes when the cost fits within it,
+--                                           charged as of the time the request goes on, the
+--                                           longest wait of the decision's GCRA quotas); peek
+--                                           1 answers what the decision would get and writes
+--                                           nothing; then the decision's quotas
 --           quota     = kind "," a "," limit "," slices "," hexkey
 --                       0,emission ns (>= 1),burst (>= 1),0            GCRA
 --                       1,window us (>= 1),limit (>= 1),0              fixed window
 --                       2,sub-window us (>= 1),limit (>= 1),slices     sliding window
---         e.g. one GCRA decision of cost 1 on key 0x6b31:  "6b31;1|0,200000000,10,0,6b31"
+--         e.g. one GCRA decision of cost 1 on key 0x6b31:  "6b31;1,0,0|0,200000000,10,0,6b31"
 --         Nothing else (no spaces). A key of a quota missing from `keys` is an error (45000).
 -- Reply, decimal integers separated by ",", decision after decision, quota after quota
 -- (codes: 0 allowed, 1 denied, 2 never fits: cost > burst or limit, 3 had room but another
@@ -101,6 +107,11 @@ BEGIN
     DECLARE reply LONGTEXT CHARACTER SET ascii DEFAULT '';
     DECLARE tz VARCHAR(64) DEFAULT NULL;
     DECLARE now_us, kind, qa, lim, sl, cost, code, cur, r, w, ix, byn, newest, total, c1 BIGINT;
+    -- A decision's reservation: the longest wait it accepts (ns, 0 for a decision), a GCRA
+    -- quota's wait, the longest so far; whether it only peeks; its head "cost,mw,pk".
+    DECLARE mw, wq, wx BIGINT DEFAULT 0;
+    DECLARE pk TINYINT DEFAULT 0;
+    DECLARE dhead VARCHAR(64);
     DECLARE cs VARCHAR(11100) CHARACTER SET ascii;
     DECLARE e DOUBLE;
     DECLARE EXIT HANDLER FOR SQLEXCEPTION
@@ -156,9 +167,12 @@ BEGIN
         END IF;
         SET dtext = SUBSTRING(spec, pos, de - pos);
         SET pos = de + 1;
-        SET cost = CAST(SUBSTRING_INDEX(dtext, '|', 1) AS SIGNED);
+        SET dhead = SUBSTRING_INDEX(dtext, '|', 1);
+        SET cost = CAST(SUBSTRING_INDEX(dhead, ',', 1) AS SIGNED);
+        SET mw = CAST(SUBSTRING_INDEX(SUBSTRING_INDEX(dhead, ',', 2), ',', -1) AS SIGNED);
+        SET pk = CAST(SUBSTRING_INDEX(dhead, ',', -1) AS SIGNED);
         SET nq = LENGTH(dtext) - LENGTH(REPLACE(dtext, '|', ''));
-        SET pass = IF(nq = 1, 0, 1), denied = 0, codes = '';
+        SET pass = IF(nq = 1, 0, 1), denied = 0, codes = '', wx = 0;
         passes: LOOP
             SET i = 1;
             WHILE i <= nq DO
@@ -188,13 +202,18 @@ BEGIN
                 -- sub-window, their sum total, the newest index), and whether the cost fits.
                 IF kind = 0 THEN
                     SET cur = GREATEST(ra - now_ns, 0);
+                    -- Fits when TAT + T * (cost - burst) <= 0 (TAT relative to now); a
+                    -- reservation when that wait is at most mw.
+                    SET wq = cur + qa * (cost - lim);
                     IF cost > lim THEN
                         SET code = 2;
-                    ELSEIF cur + qa * (cost - lim) > 0 THEN
-                        -- Fits when TAT + T * (cost - burst) <= 0 (TAT relative to now).
+                    ELSEIF wq > mw THEN
                         SET code = 1;
                     ELSE
                         SET code = 0;
+                        IF wq > wx THEN
+                            SET wx = wq;
+                        END IF;
                     END IF;
                 ELSEIF kind = 1 THEN
                     SET w = now_us DIV qa, r = now_us % qa;
@@ -256,21 +275,31 @@ BEGIN
                         END IF;
                     END IF;
                     IF code = 0 THEN
-                        -- Take the cost; the row (to be written) follows.
+                        -- Take the cost (a reservation's GCRA quotas as of the time it goes
+                        -- on, wx from now); the row (to be written) follows, unless the
+                        -- decision only peeks.
                         IF kind = 0 THEN
-                            SET cur = cur + cost * qa;
-                            SET ra = now_ns + cur, rn = 0, rc = NULL;
-                            SET rexp = (ra + 999) DIV 1000;
+                            SET cur = GREATEST(cur, wx) + cost * qa;
+                            IF pk = 0 THEN
+                                SET ra = now_ns + cur, rn = 0, rc = NULL;
+                                SET rexp = (ra + 999) DIV 1000;
+                            END IF;
                         ELSEIF kind = 1 THEN
                             SET cur = cur + cost;
-                            SET ra = w, rn = cur, rc = NULL, rexp = (w + 1) * qa;
+                            IF pk = 0 THEN
+                                SET ra = w, rn = cur, rc = NULL, rexp = (w + 1) * qa;
+                            END IF;
                         ELSE
                             SET cs = CONCAT(SUBSTRING_INDEX(cs, ',', m - 1), ',',
                                 CAST(SUBSTRING_INDEX(cs, ',', -1) AS SIGNED) + cost);
                             SET total = total + cost;
-                            SET ra = newest, rn = total, rc = cs, rexp = (newest + m) * qa;
+                            IF pk = 0 THEN
+                                SET ra = newest, rn = total, rc = cs, rexp = (newest + m) * qa;
+                            END IF;
                         END IF;
-                        SET dirty = 1;
+                        IF pk = 0 THEN
+                            SET dirty = 1;
+                        END IF;
                     END IF;
                     IF kind = 0 THEN
                         SET reply = CONCAT(reply, ',', code, ',', LEAST(cur, 9000000000000000000));

@@ -38,7 +38,11 @@ CREATE {unlogged}TABLE IF NOT EXISTS {table} (
 --                0, emission interval (ns >= 1), burst (>= 1), 0          GCRA
 --                1, window (us >= 1), limit (>= 1), 0                     fixed window
 --                2, sub-window (us >= 1), limit (>= 1), slices (>= 1)     sliding window
---   decisions  2 numbers per decision: q (it uses the next q keys), cost (>= 1)
+--   decisions  4 numbers per decision: q (it uses the next q keys), cost (>= 1), max_wait
+--              (ns; > 0: a reservation: a GCRA quota passes when the cost fits within it, and
+--              is charged as of the time the request goes on, the longest wait over the
+--              decision's GCRA quotas), peek (1: answer what the decision would get, write
+--              nothing)
 --   now_ns     NULL: the database's clock (clock_timestamp(), read once the keys are locked);
 --              otherwise a fixed time in ns since the epoch (tests)
 -- Reply, decision after decision, quota after quota (codes: 0 allowed, 1 denied, 2 never fits:
@@ -123,6 +127,13 @@ DECLARE
     newest bigint;
     ix bigint;
     e float8;
+    -- A decision's reservation: the longest wait it accepts (ns, 0 for a decision), whether
+    -- it only peeks, its wait so far, a GCRA quota's wait, a state kept for a peek.
+    maxw bigint;
+    pk boolean;
+    w bigint;
+    wq bigint;
+    saved bigint;
 BEGIN
     IF nk = 0 THEN
         RETURN reply;
@@ -201,10 +212,13 @@ BEGIN
     CLOSE cur;
 
     -- 4. The decisions, one after another.
-    FOR d IN 1 .. coalesce(cardinality(decisions), 0) / 2 LOOP
-        nq := decisions[2 * d - 1];
-        cost := decisions[2 * d];
+    FOR d IN 1 .. coalesce(cardinality(decisions), 0) / 4 LOOP
+        nq := decisions[4 * d - 3];
+        cost := decisions[4 * d - 2];
+        maxw := decisions[4 * d - 1];
+        pk := decisions[4 * d] = 1;
         denied := false;
+        w := 0;
         -- First every quota is checked, nothing changed.
         FOR j IN 1 .. nq LOOP
             p := pos + j;
@@ -215,8 +229,13 @@ BEGIN
             IF cost > lim THEN
                 code := 2;
             ELSIF kind = 0 THEN
-                -- Fits when TAT + T * (cost - burst) <= 0 (TAT relative to now).
-                code := CASE WHEN st[s] + qa * (cost - lim) > 0 THEN 1 ELSE 0 END;
+                -- Fits when TAT + T * (cost - burst) <= 0 (TAT relative to now); a
+                -- reservation when that is at most maxw, its wait.
+                wq := st[s] + qa * (cost - lim);
+                code := CASE WHEN wq > maxw THEN 1 ELSE 0 END;
+                IF code = 0 AND wq > w THEN
+                    w := wq;
+                END IF;
             ELSIF kind = 1 THEN
                 code := CASE WHEN st[s] + cost > lim THEN 1 ELSE 0 END;
             ELSE
@@ -243,8 +262,11 @@ BEGIN
                     code := 3;
                 END IF;
             ELSE
+                -- A peek changes the state for its reply, and puts it back after.
+                saved := st[s];
                 IF kind = 0 THEN
-                    st[s] := st[s] + cost * qa;
+                    -- Counted as of the time the request goes on (now for a decision).
+                    st[s] := greatest(st[s], w) + cost * qa;
                 ELSIF kind = 1 THEN
                     st[s] := st[s] + cost;
                 ELSE
@@ -253,7 +275,9 @@ BEGIN
                     cs[o + m] := cs[o + m] + cost;
                     rest[s] := rest[s] + cost;
                 END IF;
-                dirty[s] := true;
+                IF NOT pk THEN
+                    dirty[s] := true;
+                END IF;
             END IF;
             IF kind = 0 THEN
                 reply[nr + 1] := code;
@@ -274,6 +298,14 @@ BEGIN
                     reply[nr + y] := cs[o + y];
                 END LOOP;
                 nr := nr + m;
+            END IF;
+            IF pk AND NOT denied THEN
+                IF kind = 2 THEN
+                    cs[o + m] := cs[o + m] - cost;
+                    rest[s] := rest[s] - cost;
+                ELSE
+                    st[s] := saved;
+                END IF;
             END IF;
         END LOOP;
         pos := pos + nq;
