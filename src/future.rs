@@ -5,6 +5,7 @@ use std::marker::PhantomData;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, ready};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response};
@@ -15,6 +16,7 @@ use crate::backend::Backend;
 use crate::body::{BodyMode, KeepBody};
 use crate::response::{HeaderAdds, add_headers};
 use crate::service::{Prepared, Shared, Verdict};
+use crate::wait::Slot;
 
 pin_project! {
     /// The future returned by [`RateLimit`](crate::RateLimit): waits for the backend's
@@ -44,6 +46,10 @@ pin_project! {
         Deciding {
             deciding: Box<Deciding<S, ReqBody, K, Bk>>,
         },
+        // Wait mode: the request's units are reserved; it goes on when the sleep ends.
+        Waiting {
+            waiting: Box<Waiting<S, ReqBody>>,
+        },
         Called {
             #[pin]
             fut: S::Future,
@@ -61,6 +67,16 @@ struct Deciding<S, ReqBody, K, Bk: Backend> {
     inner: Option<(S, Request<ReqBody>)>,
     shared: Arc<Shared<K, Bk>>,
     policy: Arc<Prepared<Bk::Policy>>,
+    // A waiter's slot in wait mode, held until the request goes on.
+    slot: Option<Slot>,
+}
+
+struct Waiting<S, ReqBody> {
+    sleep: Pin<Box<tokio::time::Sleep>>,
+    inner: Option<(S, Request<ReqBody>)>,
+    adds: Option<HeaderAdds>,
+    // Given back when the request goes on, or when it is dropped while waiting.
+    _slot: Option<Slot>,
 }
 
 impl<S, ReqBody, K, Bk, M> ResponseFuture<S, ReqBody, K, Bk, M>
@@ -93,6 +109,7 @@ where
         req: Request<ReqBody>,
         shared: Arc<Shared<K, Bk>>,
         policy: Arc<Prepared<Bk::Policy>>,
+        slot: Option<Slot>,
     ) -> Self {
         ResponseFuture {
             state: State::Deciding {
@@ -101,6 +118,27 @@ where
                     inner: Some((inner, req)),
                     shared,
                     policy,
+                    slot,
+                }),
+            },
+            mode: PhantomData,
+        }
+    }
+
+    pub(crate) fn waiting(
+        wait: Duration,
+        inner: S,
+        req: Request<ReqBody>,
+        adds: HeaderAdds,
+        slot: Option<Slot>,
+    ) -> Self {
+        ResponseFuture {
+            state: State::Waiting {
+                waiting: Box::new(Waiting {
+                    sleep: Box::pin(tokio::time::sleep(wait)),
+                    inner: Some((inner, req)),
+                    adds: Some(adds),
+                    _slot: slot,
                 }),
             },
             mode: PhantomData,
@@ -134,11 +172,33 @@ where
                             },
                             None => panic!("ResponseFuture polled after completion"),
                         },
+                        Verdict::Wait(adds, wait) => match d.inner.take() {
+                            Some((svc, req)) => State::Waiting {
+                                waiting: Box::new(Waiting {
+                                    sleep: Box::pin(tokio::time::sleep(wait)),
+                                    inner: Some((svc, req)),
+                                    adds: Some(adds),
+                                    _slot: d.slot.take(),
+                                }),
+                            },
+                            None => panic!("ResponseFuture polled after completion"),
+                        },
                         Verdict::Reject(res) => State::Rejected {
                             response: Some(res),
                         },
                     };
                     state.set(next);
+                }
+                StateProj::Waiting { waiting } => {
+                    let w = &mut **waiting;
+                    ready!(w.sleep.as_mut().poll(cx));
+                    let (Some((mut svc, req)), Some(adds)) = (w.inner.take(), w.adds.take()) else {
+                        panic!("ResponseFuture polled after completion");
+                    };
+                    state.set(State::Called {
+                        fut: svc.call(req),
+                        adds: Some(adds),
+                    });
                 }
                 StateProj::Called { fut, adds } => {
                     let mut res = ready!(fut.poll(cx))?.map(M::pass);

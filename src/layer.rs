@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
 
 use http::StatusCode;
 use tower_layer::Layer;
@@ -16,6 +17,7 @@ use crate::metrics::PolicyMetrics;
 use crate::response::{HeaderStyle, PolicyHeaders, RejectionBody, Responder};
 use crate::rules::{LiveRules, RuleSet, RulesHandle};
 use crate::service::{Erased, Policies, Prepared, RateLimit, Shared};
+use crate::wait::Waiting;
 use crate::{ConfigError, Policy};
 
 /// What happens to a request from which no key can be extracted.
@@ -170,6 +172,7 @@ impl RateLimitLayerBuilder<ClientIp, Unset> {
             headers: HeaderStyle::default(),
             body: RejectionBody::default(),
             on_missing_key: OnMissingKey::default(),
+            waiting: None,
         }
     }
 }
@@ -199,6 +202,7 @@ pub struct RateLimitLayerBuilder<K, Bk> {
     headers: HeaderStyle,
     body: RejectionBody,
     on_missing_key: OnMissingKey,
+    waiting: Option<(Duration, usize)>,
 }
 
 impl<K, Bk> RateLimitLayerBuilder<K, Bk> {
@@ -224,6 +228,7 @@ impl<K, Bk> RateLimitLayerBuilder<K, Bk> {
             headers: self.headers,
             body: self.body,
             on_missing_key: self.on_missing_key,
+            waiting: self.waiting,
         }
     }
 
@@ -236,6 +241,7 @@ impl<K, Bk> RateLimitLayerBuilder<K, Bk> {
             headers: self.headers,
             body: self.body,
             on_missing_key: self.on_missing_key,
+            waiting: self.waiting,
         }
     }
 
@@ -259,6 +265,28 @@ impl<K, Bk> RateLimitLayerBuilder<K, Bk> {
         F: Fn(&crate::Rejection<'_>) -> http::Response<bytes::Bytes> + Send + Sync + 'static,
     {
         self.body = RejectionBody::Custom(Arc::new(f));
+        self
+    }
+
+    /// Wait mode: instead of answering `429`, hold a request until its policy allows it, for
+    /// at most `max_wait`, with at most `max_waiters` requests waiting at once (requests beyond
+    /// them are decided at once, as without wait mode). A request whose units would come later
+    /// than `max_wait` is rejected at once, as today.
+    ///
+    /// Waiting is a reservation, not polling ([`Mode::Reserve`](crate::backend::Mode)): the
+    /// backend takes the request's units as of the time it will go on and answers that wait;
+    /// the layer sleeps once, then calls the inner service. Waiters are served first come,
+    /// first served, at exactly the policy's rate, on every backend (for GCRA quotas; a window
+    /// quota passes a request only when it has room now). A waiting request holds its request
+    /// (headers and the unread body) and a clone of the inner service, and a slot among the
+    /// `max_waiters`; its units are spent even if it is dropped while waiting (a client gone,
+    /// a timeout), and its slot is given back then.
+    ///
+    /// For servers, this smooths bursts instead of rejecting them; around a client (a tonic
+    /// `Channel`, a hyper-util `Client`), it keeps the calls a program makes to a partner's
+    /// rate, shared by every process on a Redis or SQL backend.
+    pub fn wait(mut self, max_wait: Duration, max_waiters: usize) -> Self {
+        self.waiting = Some((max_wait, max_waiters));
         self
     }
 
@@ -322,6 +350,7 @@ fn build<K: KeyExtractor, Bk: Backend>(
             body: b.body,
         },
         on_missing_key: b.on_missing_key,
+        waiting: b.waiting.map(|(max_wait, n)| Waiting::new(max_wait, n)),
     });
     if let Some(store) = store {
         warn_on_shared_names(store, names, &shared);

@@ -9,8 +9,8 @@
 //!    [`Policy`] for the layer, or one picked per request by [`rules`] that can be replaced
 //!    while serving;
 //! 3. asks a **backend** ([`backend`]) for a decision: in process with [governor]'s GCRA
-//!    ([`LocalBackend`](backend::LocalBackend), the default), or in Redis for a limit shared
-//!    by every replica (feature `redis`);
+//!    ([`LocalBackend`](backend::LocalBackend), the default), or in Redis, PostgreSQL or MySQL
+//!    for a limit shared by every replica (features `redis`, `postgres`, `mysql`);
 //! 4. passes the request on, or answers `429 Too Many Requests` (gRPC: `RESOURCE_EXHAUSTED`)
 //!    with `Retry-After`; both carry the IETF `RateLimit` and `RateLimit-Policy` headers
 //!    ([`response`]).
@@ -31,6 +31,10 @@
 //! // axum::serve(listener, app.into_make_service_with_connect_info::<std::net::SocketAddr>())
 //! # Ok(()) }
 //! ```
+//!
+//! Code that is not a request handler (a job, a loop calling a partner's API) uses the same
+//! policies and backends through a [`Limiter`](limiter::Limiter): check, peek, reset, and
+//! acquire, waiting its turn up to a maximum.
 //!
 //! # Where to put the layer
 //!
@@ -71,6 +75,7 @@ mod error;
 pub mod future;
 pub mod key;
 mod layer;
+pub mod limiter;
 pub mod metrics;
 mod policy;
 pub mod quota;
@@ -78,6 +83,7 @@ mod request;
 pub mod response;
 pub mod rules;
 mod service;
+mod wait;
 
 pub use body::ResponseBody;
 pub use error::{BackendError, BackendErrorKind, ConfigError};

@@ -9,12 +9,13 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll, Waker};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderMap, Request, Response, StatusCode};
 use tower_service::Service;
 
-use crate::backend::{Backend, DecidedBy, Decision};
+use crate::backend::{Backend, DecidedBy, Decision, Mode};
 use crate::body::{BodyMode, KeepBody};
 use crate::future::ResponseFuture;
 use crate::key::{KeyError, KeyExtractor};
@@ -23,6 +24,7 @@ use crate::metrics::{Outcome as Counted, PolicyMetrics};
 use crate::request::grpc_content_type;
 use crate::response::{self, HeaderAdds, PolicyHeaders, Rejection, RejectionKind, Responder};
 use crate::rules::LiveRules;
+use crate::wait::{Slot, Waiting};
 use crate::{BackendError, Key, Policy, RequestInfo};
 
 /// Rate-limits requests to the inner service. Made by [`RateLimitLayer`](crate::RateLimitLayer).
@@ -94,6 +96,8 @@ pub(crate) struct Shared<K, Bk: Backend> {
     pub(crate) policies: Policies<Bk>,
     pub(crate) responder: Responder,
     pub(crate) on_missing_key: OnMissingKey,
+    /// Wait mode: hold requests until allowed instead of rejecting them.
+    pub(crate) waiting: Option<Waiting>,
 }
 
 /// A policy with its backend-prepared form, header material and counters.
@@ -137,6 +141,8 @@ impl<Bk: Backend> Policies<Bk> {
 /// What to do with a request once the backend has answered.
 pub(crate) enum Verdict {
     Pass(HeaderAdds),
+    /// Pass after waiting this long (a reservation in wait mode).
+    Wait(HeaderAdds, Duration),
     Reject(Box<Response<Bytes>>),
 }
 
@@ -217,30 +223,51 @@ where
                 };
                 let Some(cost) = NonZeroU32::new(policy.policy.cost_of(&info)) else {
                     policy.metrics.record(Counted::Free, None);
-                    return Step::Done(Verdict::Pass(HeaderAdds::new()));
+                    return Step::Done(Verdict::Pass(HeaderAdds::new()), None);
                 };
                 // 3. backend. In-memory backends answer at once; others go on in the
-                // response future.
-                let mut decision = shared.backend.decide(&policy.backend, key, cost);
+                // response future. In wait mode, a request that finds a waiter's slot
+                // reserves its units within the longest wait.
+                let slot = shared.waiting.as_ref().and_then(Waiting::enter);
+                let mut decision = match (&slot, &shared.waiting) {
+                    (Some(_), Some(w)) => shared.backend.decide_with(
+                        &policy.backend,
+                        key,
+                        cost,
+                        Mode::Reserve {
+                            max_wait: w.max_wait,
+                        },
+                    ),
+                    _ => shared.backend.decide(&policy.backend, key, cost),
+                };
                 match Pin::new(&mut decision).poll(&mut Context::from_waker(Waker::noop())) {
                     Poll::Ready(result) => {
-                        Step::Done(shared.verdict(policy, result, info.headers()))
+                        Step::Done(shared.verdict(policy, result, info.headers()), slot)
                     }
-                    Poll::Pending => Step::Pending(decision, policy.clone()),
+                    Poll::Pending => Step::Pending(decision, policy.clone(), slot),
                 }
             })
         };
-        // 4. pass or reject
+        // 4. pass, wait or reject
         match step {
-            Step::Done(Verdict::Pass(adds)) => ResponseFuture::called(self.inner.call(req), adds),
-            Step::Done(Verdict::Reject(res)) => ResponseFuture::rejected(res),
-            Step::Pending(decision, policy) => {
-                // Keep the service that was polled ready for this request (tower's
+            Step::Done(Verdict::Pass(adds), _) => {
+                ResponseFuture::called(self.inner.call(req), adds)
+            }
+            Step::Done(Verdict::Reject(res), _) => ResponseFuture::rejected(res),
+            Step::Done(Verdict::Wait(adds, wait), slot) => {
+                // The service that was polled ready waits with the request (tower's
                 // ready-clone rule); a fresh clone takes its place.
                 let clone = self.inner.clone();
                 let ready = std::mem::replace(&mut self.inner, clone);
+                ResponseFuture::waiting(wait, ready, req, adds, slot)
+            }
+            Step::Pending(decision, policy, slot) => {
+                let clone = self.inner.clone();
+                let ready = std::mem::replace(&mut self.inner, clone);
                 match self.shared.arc() {
-                    Some(shared) => ResponseFuture::deciding(decision, ready, req, shared, policy),
+                    Some(shared) => {
+                        ResponseFuture::deciding(decision, ready, req, shared, policy, slot)
+                    }
                     // Unreachable, as above.
                     None => ResponseFuture::called({ ready }.call(req), HeaderAdds::new()),
                 }
@@ -291,8 +318,8 @@ fn count<P>(prepared: &Prepared<P>, result: &Result<Decision, BackendError>) {
 
 /// Where a request stands once `call` has asked the backend.
 enum Step<F, P> {
-    Done(Verdict),
-    Pending(F, Arc<Prepared<P>>),
+    Done(Verdict, Option<Slot>),
+    Pending(F, Arc<Prepared<P>>, Option<Slot>),
 }
 
 impl<K, Bk: Backend> Shared<K, Bk> {
@@ -318,7 +345,7 @@ impl<K, Bk: Backend> Shared<K, Bk> {
             // Unix socket has no peer address at all): kept, with the log above.
             prepared.metrics.record(Counted::NoPeerAddress, None);
             if prepared.policy.is_shadow() || self.on_missing_key == OnMissingKey::Allow {
-                return Step::Done(Verdict::Pass(HeaderAdds::new()));
+                return Step::Done(Verdict::Pass(HeaderAdds::new()), None);
             }
             let rejection = Rejection {
                 kind: RejectionKind::MissingKey(err),
@@ -330,13 +357,13 @@ impl<K, Bk: Backend> Shared<K, Bk> {
             let res =
                 self.responder
                     .reject(&rejection, grpc_content_type(headers), HeaderAdds::new());
-            return Step::Done(Verdict::Reject(Box::new(res)));
+            return Step::Done(Verdict::Reject(Box::new(res)), None);
         }
         prepared.metrics.record(Counted::MissingKey, None);
         match self.on_missing_key {
             OnMissingKey::Allow => {
                 tracing::trace!(policy, reason = %err, "no rate-limit key; allowed");
-                Step::Done(Verdict::Pass(HeaderAdds::new()))
+                Step::Done(Verdict::Pass(HeaderAdds::new()), None)
             }
             OnMissingKey::Reject(_) if prepared.policy.is_shadow() => {
                 tracing::info!(
@@ -345,7 +372,7 @@ impl<K, Bk: Backend> Shared<K, Bk> {
                     reason = %err,
                     "request without a rate-limit key would have been rejected (shadow mode)"
                 );
-                Step::Done(Verdict::Pass(HeaderAdds::new()))
+                Step::Done(Verdict::Pass(HeaderAdds::new()), None)
             }
             OnMissingKey::Reject(status) => {
                 tracing::debug!(policy, reason = %err, "no rate-limit key; rejected");
@@ -361,7 +388,7 @@ impl<K, Bk: Backend> Shared<K, Bk> {
                     grpc_content_type(headers),
                     HeaderAdds::new(),
                 );
-                Step::Done(Verdict::Reject(Box::new(res)))
+                Step::Done(Verdict::Reject(Box::new(res)), None)
             }
         }
     }
@@ -382,11 +409,15 @@ impl<K, Bk: Backend> Shared<K, Bk> {
                 if prepared.policy.is_shadow() && !prepared.policy.sends_shadow_headers() {
                     return Verdict::Pass(HeaderAdds::new());
                 }
-                Verdict::Pass(response::rate_limit_headers(
+                let adds = response::rate_limit_headers(
                     self.responder.style,
                     &prepared.headers,
                     &decision,
-                ))
+                );
+                match decision.wait() {
+                    Duration::ZERO => Verdict::Pass(adds),
+                    wait => Verdict::Wait(adds, wait),
+                }
             }
             Ok(decision) if prepared.policy.is_shadow() => {
                 tracing::info!(

@@ -66,6 +66,16 @@ async fn agrees_with_the_local_backend_on_random_sequences() {
     agree_with_local(|clock| builder(&server).test_clock(clock).build().unwrap()).await;
 }
 
+/// Reservations, peeks and resets, as on every backend.
+#[tokio::test]
+async fn modes_postgres() {
+    let server = PgServer::start();
+    migrated(builder(&server)).await;
+    let clock = TestClock::new();
+    let b = builder(&server).test_clock(clock.clone()).build().unwrap();
+    support::conformance::modes(&b, |by| clock.advance(by), "postgres").await;
+}
+
 /// `n` concurrent decisions on one key, spread over `backends`; how many were allowed.
 async fn allowed_of_concurrent(backends: &[PostgresBackend], policy: &Policy, n: usize) -> usize {
     let prepared: Vec<_> = backends

@@ -95,6 +95,25 @@ async fn conformance_redis() {
     }
 }
 
+/// Reservations, peeks and resets, as on every backend.
+#[tokio::test]
+async fn modes_redis() {
+    let server = RedisServer::start();
+    let clock = TestClock::new();
+    let b = at_time(&server, &clock);
+    modes(&b, |by| clock.advance(by), "redis").await;
+}
+
+#[tokio::test]
+async fn modes_local() {
+    let clock = FakeRelativeClock::default();
+    let b = LocalBackend::builder()
+        .clock(clock.clone())
+        .clock_epoch(Duration::ZERO)
+        .build();
+    modes(&b, |by| clock.advance(by), "local").await;
+}
+
 /// The window vectors again without the deny cache: every step is Redis's own answer.
 #[tokio::test]
 async fn conformance_redis_windows_uncached() {

@@ -1,0 +1,213 @@
+//! A limiter for code that is not a request handler: jobs, queue consumers, loops calling a
+//! partner's API. The same [`Policy`], [`Key`]s and backends as the layer, without tower.
+//!
+//! ```
+//! use std::num::NonZeroU32;
+//! use std::time::{Duration, Instant};
+//! use tollgate::backend::LocalBackend;
+//! use tollgate::limiter::Limiter;
+//! use tollgate::{Key, Policy, Quota};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! // A partner allows 20 calls per second, in bursts of at most 2.
+//! let limiter = Limiter::new(Policy::new("partner", Quota::per_second(20).burst(2)), LocalBackend::new())?;
+//! let partner = Key::from_bytes("api.partner.example")?;
+//! let one = NonZeroU32::MIN;
+//!
+//! let started = Instant::now();
+//! for _ in 0..4 {
+//!     // Waits for its turn (up to a second), then goes on: 2 at once, then one every 50 ms.
+//!     limiter.acquire(&partner, one, Duration::from_secs(1)).await?;
+//! }
+//! assert!(started.elapsed() >= Duration::from_millis(100));
+//!
+//! // Check without waiting, look without taking, forgive.
+//! assert!(!limiter.check(&partner, one).await?.is_allowed());
+//! assert!(!limiter.peek(&partner, one).await?.is_allowed());
+//! limiter.reset(&partner).await?;
+//! assert!(limiter.check(&partner, one).await?.is_allowed());
+//! # Ok(()) }
+//! ```
+//!
+//! # Waiting is a reservation
+//!
+//! [`acquire`](Limiter::acquire) does not poll. It asks the backend once to take the units now
+//! if the wait they imply is within the maximum ([`Mode::Reserve`]): for a GCRA quota the
+//! backend moves the bucket's theoretical arrival time as if the request happened when it will
+//! go on, and answers that wait; the caller then sleeps once. So waiters are served first come,
+//! first served, exactly at the quota's rate even under contention, and processes sharing a
+//! Redis or SQL backend share one rate without a thundering herd: every backend (local, Redis,
+//! PostgreSQL, MySQL) reserves the same way, checked by one conformance test.
+//!
+//! Window quotas (fixed and sliding) cannot count into a window that has not begun: with one in
+//! the policy, `acquire` takes the units when the window has room now, and otherwise sleeps
+//! until the window's `retry_after` and asks again (polling: several waiters may wake at once,
+//! and one gets the room). Prefer GCRA quotas for outbound limits.
+//!
+//! **Cancellation.** A reservation is taken before the sleep: if the future of `acquire` is
+//! dropped while it sleeps (a timeout, a cancelled task), the units stay spent. Giving them back
+//! is not safe in general, since later reservations were counted after them; the cost is that a
+//! cancelled waiter's slot goes unused.
+
+use std::fmt;
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::backend::{Backend, Decision, Mode};
+use crate::{BackendError, ConfigError, Key, Policy};
+
+/// A policy on a backend, for code that is not a request handler. Cheap to clone: clones share
+/// the prepared policy and the backend's buckets.
+pub struct Limiter<B: Backend> {
+    inner: Arc<Inner<B>>,
+}
+
+struct Inner<B: Backend> {
+    backend: B,
+    policy: B::Policy,
+    name: String,
+}
+
+impl<B: Backend> Clone for Limiter<B> {
+    fn clone(&self) -> Self {
+        Limiter {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl<B: Backend> fmt::Debug for Limiter<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Limiter")
+            .field("policy", &self.inner.name)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why [`Limiter::acquire`] did not get its units.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum AcquireError {
+    /// The units would come later than the longest wait: nothing was taken. The decision
+    /// says when they would (its [`retry_after`](Decision::retry_after)).
+    TooLong(Decision),
+    /// The cost is larger than a quota's burst: it can never be acquired.
+    NeverFits(Decision),
+    /// The backend could not decide (and its failure policy is to fail closed).
+    Backend(BackendError),
+}
+
+impl fmt::Display for AcquireError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            AcquireError::TooLong(d) => match d.retry_after() {
+                Some(wait) => write!(f, "rate limited: the units come back in {wait:?}"),
+                None => f.write_str("rate limited"),
+            },
+            AcquireError::NeverFits(_) => f.write_str("the cost is larger than a quota's burst"),
+            AcquireError::Backend(err) => write!(f, "the backend could not decide: {err}"),
+        }
+    }
+}
+
+impl std::error::Error for AcquireError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            AcquireError::Backend(err) => Some(err),
+            _ => None,
+        }
+    }
+}
+
+impl From<BackendError> for AcquireError {
+    fn from(err: BackendError) -> Self {
+        AcquireError::Backend(err)
+    }
+}
+
+impl<B: Backend> Limiter<B> {
+    /// `policy` on `backend`: the same checks as the layer's `build()` (quotas, names).
+    pub fn new(policy: Policy, backend: B) -> Result<Self, ConfigError> {
+        let params = policy.validate()?;
+        let prepared = backend.prepare(&policy, &params)?;
+        Ok(Limiter {
+            inner: Arc::new(Inner {
+                backend,
+                policy: prepared,
+                name: policy.name().to_owned(),
+            }),
+        })
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &B {
+        &self.inner.backend
+    }
+
+    /// Decides once: takes `cost` units from `key`'s buckets if they are there now.
+    pub async fn check(&self, key: &Key, cost: NonZeroU32) -> Result<Decision, BackendError> {
+        let i = &self.inner;
+        i.backend.decide(&i.policy, key, cost).await
+    }
+
+    /// What [`check`](Self::check) would answer now, taking nothing.
+    pub async fn peek(&self, key: &Key, cost: NonZeroU32) -> Result<Decision, BackendError> {
+        let i = &self.inner;
+        i.backend
+            .decide_with(&i.policy, key, cost, Mode::Peek)
+            .await
+    }
+
+    /// Forgets `key`'s buckets: its next request finds them full (an operator forgiving a
+    /// client).
+    pub async fn reset(&self, key: &Key) -> Result<(), BackendError> {
+        let i = &self.inner;
+        i.backend.reset(&i.policy, key).await
+    }
+
+    /// Takes `cost` units if they are there within `max_wait`, without waiting: an allowed
+    /// decision's [`wait`](Decision::wait) is how long the caller must wait before going on
+    /// (see the [module docs](self)). [`acquire`](Self::acquire) is this, then the sleep.
+    pub async fn reserve(
+        &self,
+        key: &Key,
+        cost: NonZeroU32,
+        max_wait: Duration,
+    ) -> Result<Decision, BackendError> {
+        let i = &self.inner;
+        let mode = Mode::Reserve { max_wait };
+        i.backend.decide_with(&i.policy, key, cost, mode).await
+    }
+
+    /// Waits until `cost` units of `key` are this caller's, for at most `max_wait`: one
+    /// reservation, then one sleep (see the [module docs](self)). Answers the decision that
+    /// let it go on; with [`AcquireError::TooLong`] at once, without waiting, when the units
+    /// come later than that.
+    pub async fn acquire(
+        &self,
+        key: &Key,
+        cost: NonZeroU32,
+        max_wait: Duration,
+    ) -> Result<Decision, AcquireError> {
+        let deadline = tokio::time::Instant::now() + max_wait.min(Duration::from_secs(86_400));
+        loop {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let decision = self.reserve(key, cost, left).await?;
+            if decision.is_allowed() {
+                tokio::time::sleep(decision.wait()).await;
+                return Ok(decision);
+            }
+            if decision.never_fits() {
+                return Err(AcquireError::NeverFits(decision));
+            }
+            match decision.retry_after() {
+                // A window quota with no room now (or a bucket another caller took first):
+                // ask again when it said, if that is within the wait.
+                Some(wait) if wait <= left => tokio::time::sleep(wait).await,
+                _ => return Err(AcquireError::TooLong(decision)),
+            }
+        }
+    }
+}

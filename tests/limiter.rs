@@ -1,0 +1,167 @@
+//! The `Limiter` for code that is not a request handler: waiting is a reservation, exact and
+//! first come, first served, on the local backend and shared through Redis.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use support::{cost, key};
+use tollgate::backend::LocalBackend;
+use tollgate::limiter::{AcquireError, Limiter};
+use tollgate::{Policy, Quota};
+
+/// Concurrent callers go on one emission interval apart, in the order they asked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_go_on_at_the_rate_first_come_first_served() {
+    let limiter = Limiter::new(
+        Policy::new("partner", Quota::per_second(20).burst(1)),
+        LocalBackend::new(),
+    )
+    .unwrap();
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let l = limiter.clone();
+        tasks.push(tokio::spawn(async move {
+            l.acquire(&key("partner"), cost(1), Duration::from_secs(2))
+                .await
+                .unwrap();
+            started.elapsed()
+        }));
+    }
+    let mut done = Vec::new();
+    for t in tasks {
+        done.push(t.await.unwrap());
+    }
+    done.sort();
+    // 8 units at 20 per second, a burst of 1: the last goes on 350 ms after the first.
+    assert!(done[7] >= Duration::from_millis(345), "{done:?}");
+    for pair in done.windows(2) {
+        // Each at its own time (scheduling may delay a wake-up, never advance it).
+        assert!(pair[1] - pair[0] >= Duration::from_millis(30), "{done:?}");
+    }
+}
+
+/// A wait longer than the maximum is refused at once, taking nothing; a cost above the burst
+/// never fits.
+#[tokio::test]
+async fn too_long_is_refused_at_once_and_takes_nothing() {
+    let limiter = Limiter::new(
+        Policy::new("slow", Quota::per_second(1).burst(1)),
+        LocalBackend::new(),
+    )
+    .unwrap();
+    let k = key("k");
+    limiter.acquire(&k, cost(1), Duration::ZERO).await.unwrap();
+    let started = Instant::now();
+    let err = limiter
+        .acquire(&k, cost(1), Duration::from_millis(200))
+        .await
+        .unwrap_err();
+    assert!(started.elapsed() < Duration::from_millis(100), "no waiting");
+    let AcquireError::TooLong(d) = &err else {
+        panic!("{err:?}")
+    };
+    assert!(
+        d.retry_after().unwrap() > Duration::from_millis(800),
+        "{d:?}"
+    );
+    assert!(err.to_string().contains("rate limited"), "{err}");
+    // Nothing taken: the bucket is as it was.
+    let peek = limiter.peek(&k, cost(1)).await.unwrap();
+    assert!(
+        peek.retry_after().unwrap() <= d.retry_after().unwrap(),
+        "{peek:?}"
+    );
+    let err = limiter
+        .acquire(&k, cost(2), Duration::from_secs(10))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, AcquireError::NeverFits(_)), "{err:?}");
+    // A reset forgives the client.
+    limiter.reset(&k).await.unwrap();
+    assert!(limiter.check(&k, cost(1)).await.unwrap().is_allowed());
+}
+
+/// A cancelled wait leaves its reservation spent (documented): the next caller waits behind it.
+#[tokio::test]
+async fn a_cancelled_wait_keeps_its_reservation() {
+    let limiter = Limiter::new(
+        Policy::new("cancel", Quota::per_second(10).burst(1)),
+        LocalBackend::new(),
+    )
+    .unwrap();
+    let k = key("k");
+    limiter.acquire(&k, cost(1), Duration::ZERO).await.unwrap();
+    let cancelled = tokio::time::timeout(
+        Duration::from_millis(20),
+        limiter.acquire(&k, cost(1), Duration::from_secs(1)),
+    )
+    .await;
+    assert!(cancelled.is_err(), "it was waiting its 100 ms");
+    let next = limiter
+        .reserve(&k, cost(1), Duration::from_secs(1))
+        .await
+        .unwrap();
+    assert!(next.wait() > Duration::from_millis(150), "{next:?}");
+}
+
+/// Window quotas are polled: an acquire waits for the window's end, then takes its room.
+#[tokio::test]
+async fn window_quotas_are_asked_again_when_the_window_has_room() {
+    let limiter = Limiter::new(
+        Policy::new(
+            "window",
+            Quota::new(2, Duration::from_millis(200)).fixed_window(),
+        ),
+        LocalBackend::new(),
+    )
+    .unwrap();
+    let k = key("k");
+    for _ in 0..2 {
+        limiter.acquire(&k, cost(1), Duration::ZERO).await.unwrap();
+    }
+    // Within the window's 200 ms, whatever is left of it.
+    limiter
+        .acquire(&k, cost(1), Duration::from_millis(500))
+        .await
+        .unwrap();
+}
+
+/// Two processes' limiters on one Redis share the rate: together they keep to it.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_limiters_on_one_redis_share_the_rate() {
+    use tollgate::backend::redis::RedisBackend;
+    let server = support::RedisServer::start();
+    let make = || {
+        let b = RedisBackend::builder()
+            .url(server.url())
+            .timeout(Duration::from_secs(2))
+            .build()
+            .unwrap();
+        Limiter::new(Policy::new("shared", Quota::per_second(20).burst(1)), b).unwrap()
+    };
+    let (a, b) = (make(), make());
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for i in 0..10 {
+        let l = if i % 2 == 0 { a.clone() } else { b.clone() };
+        tasks.push(tokio::spawn(async move {
+            l.acquire(&key("partner"), cost(1), Duration::from_secs(3))
+                .await
+                .unwrap();
+            started.elapsed()
+        }));
+    }
+    let mut done = Vec::new();
+    for t in tasks {
+        done.push(t.await.unwrap());
+    }
+    done.sort();
+    // 10 units at 20 per second: 450 ms from the first to the last, spaced by 50 ms.
+    assert!(done[9] - done[0] >= Duration::from_millis(430), "{done:?}");
+    for pair in done.windows(2) {
+        assert!(pair[1] - pair[0] >= Duration::from_millis(30), "{done:?}");
+    }
+}
