@@ -15,7 +15,7 @@ use tower_service::Service;
 use crate::backend::Backend;
 use crate::body::{BodyMode, KeepBody};
 use crate::response::{HeaderAdds, add_headers};
-use crate::service::{Prepared, Shared, Verdict};
+use crate::service::{Note, Prepared, Shared, Verdict};
 use crate::wait::Slot;
 
 pin_project! {
@@ -54,6 +54,7 @@ pin_project! {
             #[pin]
             fut: S::Future,
             adds: Option<HeaderAdds>,
+            note: Option<Box<Note>>,
         },
         Rejected {
             response: Option<Box<Response<Bytes>>>,
@@ -69,6 +70,9 @@ struct Deciding<S, ReqBody, K, Bk: Backend> {
     policy: Arc<Prepared<Bk::Policy>>,
     // A waiter's slot in wait mode, held until the request goes on.
     slot: Option<Slot>,
+    // A pause the wrapped service asked for on this key, waited out in wait mode.
+    pause: Option<Duration>,
+    note: Option<Box<Note>>,
 }
 
 struct Waiting<S, ReqBody> {
@@ -77,6 +81,7 @@ struct Waiting<S, ReqBody> {
     adds: Option<HeaderAdds>,
     // Given back when the request goes on, or when it is dropped while waiting.
     _slot: Option<Slot>,
+    note: Option<Box<Note>>,
 }
 
 impl<S, ReqBody, K, Bk, M> ResponseFuture<S, ReqBody, K, Bk, M>
@@ -84,11 +89,12 @@ where
     S: Service<Request<ReqBody>>,
     Bk: Backend,
 {
-    pub(crate) fn called(fut: S::Future, adds: HeaderAdds) -> Self {
+    pub(crate) fn called(fut: S::Future, adds: HeaderAdds, note: Option<Box<Note>>) -> Self {
         ResponseFuture {
             state: State::Called {
                 fut,
                 adds: Some(adds),
+                note,
             },
             mode: PhantomData,
         }
@@ -110,6 +116,8 @@ where
         shared: Arc<Shared<K, Bk>>,
         policy: Arc<Prepared<Bk::Policy>>,
         slot: Option<Slot>,
+        pause: Option<Duration>,
+        note: Option<Box<Note>>,
     ) -> Self {
         ResponseFuture {
             state: State::Deciding {
@@ -119,6 +127,8 @@ where
                     shared,
                     policy,
                     slot,
+                    pause,
+                    note,
                 }),
             },
             mode: PhantomData,
@@ -131,6 +141,7 @@ where
         req: Request<ReqBody>,
         adds: HeaderAdds,
         slot: Option<Slot>,
+        note: Option<Box<Note>>,
     ) -> Self {
         ResponseFuture {
             state: State::Waiting {
@@ -139,6 +150,7 @@ where
                     inner: Some((inner, req)),
                     adds: Some(adds),
                     _slot: slot,
+                    note,
                 }),
             },
             mode: PhantomData,
@@ -164,11 +176,13 @@ where
                     let Some((_, req)) = &d.inner else {
                         panic!("ResponseFuture polled after completion");
                     };
-                    let next = match d.shared.verdict(&d.policy, result, req.headers()) {
+                    let verdict = d.shared.verdict(&d.policy, result, req.headers());
+                    let next = match verdict.at_least(d.pause) {
                         Verdict::Pass(adds) => match d.inner.take() {
                             Some((mut svc, req)) => State::Called {
                                 fut: svc.call(req),
                                 adds: Some(adds),
+                                note: d.note.take(),
                             },
                             None => panic!("ResponseFuture polled after completion"),
                         },
@@ -179,6 +193,7 @@ where
                                     inner: Some((svc, req)),
                                     adds: Some(adds),
                                     _slot: d.slot.take(),
+                                    note: d.note.take(),
                                 }),
                             },
                             None => panic!("ResponseFuture polled after completion"),
@@ -195,13 +210,19 @@ where
                     let (Some((mut svc, req)), Some(adds)) = (w.inner.take(), w.adds.take()) else {
                         panic!("ResponseFuture polled after completion");
                     };
+                    let note = w.note.take();
                     state.set(State::Called {
                         fut: svc.call(req),
                         adds: Some(adds),
+                        note,
                     });
                 }
-                StateProj::Called { fut, adds } => {
-                    let mut res = ready!(fut.poll(cx))?.map(M::pass);
+                StateProj::Called { fut, adds, note } => {
+                    let res = ready!(fut.poll(cx))?;
+                    if let Some(note) = note.take() {
+                        note.pauses.note(&note.key, &res);
+                    }
+                    let mut res = res.map(M::pass);
                     if let Some(adds) = adds.take() {
                         add_headers(res.headers_mut(), adds);
                     }

@@ -173,6 +173,7 @@ impl RateLimitLayerBuilder<ClientIp, Unset> {
             body: RejectionBody::default(),
             on_missing_key: OnMissingKey::default(),
             waiting: None,
+            obey_retry_after: false,
         }
     }
 }
@@ -203,6 +204,7 @@ pub struct RateLimitLayerBuilder<K, Bk> {
     body: RejectionBody,
     on_missing_key: OnMissingKey,
     waiting: Option<(Duration, usize)>,
+    obey_retry_after: bool,
 }
 
 impl<K, Bk> RateLimitLayerBuilder<K, Bk> {
@@ -229,6 +231,7 @@ impl<K, Bk> RateLimitLayerBuilder<K, Bk> {
             body: self.body,
             on_missing_key: self.on_missing_key,
             waiting: self.waiting,
+            obey_retry_after: self.obey_retry_after,
         }
     }
 
@@ -242,6 +245,7 @@ impl<K, Bk> RateLimitLayerBuilder<K, Bk> {
             body: self.body,
             on_missing_key: self.on_missing_key,
             waiting: self.waiting,
+            obey_retry_after: self.obey_retry_after,
         }
     }
 
@@ -287,6 +291,18 @@ impl<K, Bk> RateLimitLayerBuilder<K, Bk> {
     /// rate, shared by every process on a Redis or SQL backend.
     pub fn wait(mut self, max_wait: Duration, max_waiters: usize) -> Self {
         self.waiting = Some((max_wait, max_waiters));
+        self
+    }
+
+    /// Around a client: when the wrapped service answers `429` or `503` with `Retry-After`
+    /// (seconds or an HTTP date), or gRPC `RESOURCE_EXHAUSTED` with `grpc-retry-pushback-ms`,
+    /// the request's key is paused until then (at most an hour): further requests for it wait
+    /// out the pause in [wait mode](Self::wait) when it is within the longest wait (and a
+    /// waiter's slot is free), and are answered `429` with the remaining time otherwise,
+    /// without reaching the upstream. Per layer (its clones share the pauses), in memory, for
+    /// at most 65 536 keys at once.
+    pub fn obey_retry_after(mut self, on: bool) -> Self {
+        self.obey_retry_after = on;
         self
     }
 
@@ -351,6 +367,7 @@ fn build<K: KeyExtractor, Bk: Backend>(
         },
         on_missing_key: b.on_missing_key,
         waiting: b.waiting.map(|(max_wait, n)| Waiting::new(max_wait, n)),
+        pauses: b.obey_retry_after.then(Arc::default),
     });
     if let Some(store) = store {
         warn_on_shared_names(store, names, &shared);

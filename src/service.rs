@@ -24,7 +24,7 @@ use crate::metrics::{Outcome as Counted, PolicyMetrics};
 use crate::request::grpc_content_type;
 use crate::response::{self, HeaderAdds, PolicyHeaders, Rejection, RejectionKind, Responder};
 use crate::rules::LiveRules;
-use crate::wait::{Slot, Waiting};
+use crate::wait::{Pauses, Slot, Waiting};
 use crate::{BackendError, Key, Policy, RequestInfo};
 
 /// Rate-limits requests to the inner service. Made by [`RateLimitLayer`](crate::RateLimitLayer).
@@ -98,6 +98,8 @@ pub(crate) struct Shared<K, Bk: Backend> {
     pub(crate) on_missing_key: OnMissingKey,
     /// Wait mode: hold requests until allowed instead of rejecting them.
     pub(crate) waiting: Option<Waiting>,
+    /// Keys the wrapped service asked to slow down, when obeyed.
+    pub(crate) pauses: Option<Arc<Pauses>>,
 }
 
 /// A policy with its backend-prepared form, header material and counters.
@@ -209,14 +211,14 @@ where
     fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
         let Some(shared) = self.shared.get() else {
             // Unreachable: `Erased` is only ever made from a `Shared<K, Bk>`.
-            return ResponseFuture::called(self.inner.call(req), HeaderAdds::new());
+            return ResponseFuture::called(self.inner.call(req), HeaderAdds::new(), None);
         };
-        let step = {
+        let (step, key) = {
             let info = RequestInfo::new(&req);
             // 1. key
             let key = shared.key.extract(&info);
             // 2. policy
-            shared.policies.with(&info, key.as_ref().ok(), |policy| {
+            let step = shared.policies.with(&info, key.as_ref().ok(), |policy| {
                 let key = match &key {
                     Ok(key) => key,
                     Err(err) => return shared.missing_key(policy, err, info.headers()),
@@ -225,10 +227,19 @@ where
                     policy.metrics.record(Counted::Free, None);
                     return Step::Done(Verdict::Pass(HeaderAdds::new()), None);
                 };
+                // The wrapped service asked to slow down for this key: wait out the pause
+                // (wait mode), or answer for it.
+                let pause = shared.pauses.as_ref().and_then(|p| p.remaining(key));
+                let slot = shared.waiting.as_ref().and_then(Waiting::enter);
+                if let Some(pause) = pause
+                    && (slot.is_none()
+                        || shared.waiting.as_ref().is_none_or(|w| pause > w.max_wait))
+                {
+                    return Step::Done(shared.paused(policy, cost, pause, info.headers()), None);
+                }
                 // 3. backend. In-memory backends answer at once; others go on in the
                 // response future. In wait mode, a request that finds a waiter's slot
                 // reserves its units within the longest wait.
-                let slot = shared.waiting.as_ref().and_then(Waiting::enter);
                 let mut decision = match (&slot, &shared.waiting) {
                     (Some(_), Some(w)) => shared.backend.decide_with(
                         &policy.backend,
@@ -242,16 +253,26 @@ where
                 };
                 match Pin::new(&mut decision).poll(&mut Context::from_waker(Waker::noop())) {
                     Poll::Ready(result) => {
-                        Step::Done(shared.verdict(policy, result, info.headers()), slot)
+                        let verdict = shared.verdict(policy, result, info.headers());
+                        Step::Done(verdict.at_least(pause), slot)
                     }
-                    Poll::Pending => Step::Pending(decision, policy.clone(), slot),
+                    Poll::Pending => Step::Pending(decision, policy.clone(), slot, pause),
                 }
-            })
+            });
+            (step, key)
+        };
+        // The wrapped service's answer for this key is read for requests to slow down.
+        let note = match (&shared.pauses, key) {
+            (Some(pauses), Ok(key)) => Some(Box::new(Note {
+                key,
+                pauses: pauses.clone(),
+            })),
+            _ => None,
         };
         // 4. pass, wait or reject
         match step {
             Step::Done(Verdict::Pass(adds), _) => {
-                ResponseFuture::called(self.inner.call(req), adds)
+                ResponseFuture::called(self.inner.call(req), adds, note)
             }
             Step::Done(Verdict::Reject(res), _) => ResponseFuture::rejected(res),
             Step::Done(Verdict::Wait(adds, wait), slot) => {
@@ -259,17 +280,17 @@ where
                 // ready-clone rule); a fresh clone takes its place.
                 let clone = self.inner.clone();
                 let ready = std::mem::replace(&mut self.inner, clone);
-                ResponseFuture::waiting(wait, ready, req, adds, slot)
+                ResponseFuture::waiting(wait, ready, req, adds, slot, note)
             }
-            Step::Pending(decision, policy, slot) => {
+            Step::Pending(decision, policy, slot, pause) => {
                 let clone = self.inner.clone();
                 let ready = std::mem::replace(&mut self.inner, clone);
                 match self.shared.arc() {
-                    Some(shared) => {
-                        ResponseFuture::deciding(decision, ready, req, shared, policy, slot)
-                    }
+                    Some(shared) => ResponseFuture::deciding(
+                        decision, ready, req, shared, policy, slot, pause, note,
+                    ),
                     // Unreachable, as above.
-                    None => ResponseFuture::called({ ready }.call(req), HeaderAdds::new()),
+                    None => ResponseFuture::called({ ready }.call(req), HeaderAdds::new(), None),
                 }
             }
         }
@@ -319,10 +340,50 @@ fn count<P>(prepared: &Prepared<P>, result: &Result<Decision, BackendError>) {
 /// Where a request stands once `call` has asked the backend.
 enum Step<F, P> {
     Done(Verdict, Option<Slot>),
-    Pending(F, Arc<Prepared<P>>, Option<Slot>),
+    Pending(F, Arc<Prepared<P>>, Option<Slot>, Option<Duration>),
+}
+
+/// What the response future needs to read the wrapped service's answer for a request to slow
+/// down.
+pub(crate) struct Note {
+    pub(crate) key: Key,
+    pub(crate) pauses: Arc<Pauses>,
+}
+
+impl Verdict {
+    /// The same verdict, passing no earlier than after `pause` (a key the wrapped service
+    /// asked to slow down, in wait mode).
+    pub(crate) fn at_least(self, pause: Option<Duration>) -> Verdict {
+        match (self, pause) {
+            (Verdict::Pass(adds), Some(pause)) => Verdict::Wait(adds, pause),
+            (Verdict::Wait(adds, wait), Some(pause)) => Verdict::Wait(adds, wait.max(pause)),
+            (verdict, _) => verdict,
+        }
+    }
 }
 
 impl<K, Bk: Backend> Shared<K, Bk> {
+    /// The answer for a request whose key the wrapped service asked to slow down for `pause`
+    /// more: `429` with the time left, as if its policy's first quota denied it.
+    fn paused(
+        &self,
+        prepared: &Prepared<Bk::Policy>,
+        cost: NonZeroU32,
+        pause: Duration,
+        headers: &HeaderMap,
+    ) -> Verdict {
+        let params = prepared
+            .policy
+            .validate()
+            .ok()
+            .and_then(|p| p.first().copied());
+        let decision = match params {
+            Some(p) => Decision::new([crate::backend::QuotaState::denied(0, &p, cost, pause)]),
+            None => Decision::new([]),
+        };
+        self.verdict(prepared, Ok(decision), headers)
+    }
+
     fn missing_key<F>(
         &self,
         prepared: &Prepared<Bk::Policy>,

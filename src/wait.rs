@@ -49,3 +49,123 @@ impl Drop for Slot {
         self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
+
+/// Keys the wrapped service asked to slow down (`429`/`503` with `Retry-After`, gRPC
+/// `RESOURCE_EXHAUSTED` with `grpc-retry-pushback-ms`), and until when (see
+/// [`RateLimitLayerBuilder::obey_retry_after`](crate::RateLimitLayerBuilder::obey_retry_after)).
+#[derive(Debug, Default)]
+pub(crate) struct Pauses {
+    map: std::sync::Mutex<std::collections::HashMap<crate::Key, std::time::Instant>>,
+}
+
+/// The most keys paused at once: beyond, expired pauses are dropped, and new ones ignored.
+const MAX_PAUSED: usize = 65_536;
+
+/// The longest pause taken from an upstream's answer.
+const MAX_PAUSE: Duration = Duration::from_secs(3600);
+
+impl Pauses {
+    /// How long `key` is still paused, if it is.
+    pub(crate) fn remaining(&self, key: &crate::Key) -> Option<Duration> {
+        let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
+        let until = *map.get(key)?;
+        let now = std::time::Instant::now();
+        if until > now {
+            Some(until - now)
+        } else {
+            map.remove(key);
+            None
+        }
+    }
+
+    /// Reads the wrapped service's answer for `key`: a request to slow down pauses it.
+    pub(crate) fn note<B>(&self, key: &crate::Key, res: &http::Response<B>) {
+        let Some(wait) = upstream_wait(res) else {
+            return;
+        };
+        let until = std::time::Instant::now() + wait.min(MAX_PAUSE);
+        let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
+        if map.len() >= MAX_PAUSED && !map.contains_key(key) {
+            let now = std::time::Instant::now();
+            map.retain(|_, until| *until > now);
+            if map.len() >= MAX_PAUSED {
+                return;
+            }
+        }
+        let entry = map.entry(key.clone()).or_insert(until);
+        *entry = (*entry).max(until);
+    }
+}
+
+/// How long an answer asks its caller to wait: `Retry-After` (seconds or an HTTP date) on a
+/// `429` or `503`, or gRPC's `grpc-retry-pushback-ms` on a `RESOURCE_EXHAUSTED` answered
+/// trailers-only (a negative pushback, "do not retry", pauses nothing).
+pub(crate) fn upstream_wait<B>(res: &http::Response<B>) -> Option<Duration> {
+    let headers = res.headers();
+    let status = res.status();
+    if status == http::StatusCode::TOO_MANY_REQUESTS
+        || status == http::StatusCode::SERVICE_UNAVAILABLE
+    {
+        let value = headers
+            .get(http::header::RETRY_AFTER)?
+            .to_str()
+            .ok()?
+            .trim();
+        if let Ok(secs) = value.parse::<u64>() {
+            return Some(Duration::from_secs(secs));
+        }
+        let date = httpdate::parse_http_date(value).ok()?;
+        return date.duration_since(std::time::SystemTime::now()).ok();
+    }
+    if headers.get("grpc-status").and_then(|v| v.to_str().ok()) == Some("8") {
+        let ms = headers.get("grpc-retry-pushback-ms")?.to_str().ok()?;
+        return ms.trim().parse::<u64>().ok().map(Duration::from_millis);
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn res(status: u16, headers: &[(&str, &str)]) -> http::Response<()> {
+        let mut b = http::Response::builder().status(status);
+        for (k, v) in headers {
+            b = b.header(*k, *v);
+        }
+        b.body(()).unwrap()
+    }
+
+    #[test]
+    fn upstream_waits_are_read_from_the_answers_that_carry_them() {
+        let secs = Duration::from_secs;
+        assert_eq!(
+            upstream_wait(&res(429, &[("retry-after", "3")])),
+            Some(secs(3))
+        );
+        assert_eq!(
+            upstream_wait(&res(503, &[("retry-after", " 1 ")])),
+            Some(secs(1))
+        );
+        let later = httpdate::fmt_http_date(std::time::SystemTime::now() + secs(30));
+        let d = upstream_wait(&res(503, &[("retry-after", &later)])).unwrap();
+        assert!(d > secs(28) && d <= secs(30), "{d:?}");
+        let past = httpdate::fmt_http_date(std::time::SystemTime::now() - secs(30));
+        assert_eq!(upstream_wait(&res(503, &[("retry-after", &past)])), None);
+        let grpc = [("grpc-status", "8"), ("grpc-retry-pushback-ms", "250")];
+        assert_eq!(
+            upstream_wait(&res(200, &grpc)),
+            Some(Duration::from_millis(250))
+        );
+        let stop = [("grpc-status", "8"), ("grpc-retry-pushback-ms", "-1")];
+        assert_eq!(upstream_wait(&res(200, &stop)), None);
+        for none in [
+            res(200, &[("retry-after", "3")]),
+            res(429, &[]),
+            res(429, &[("retry-after", "soon")]),
+            res(500, &[("retry-after", "3")]),
+        ] {
+            assert_eq!(upstream_wait(&none), None);
+        }
+    }
+}

@@ -151,3 +151,88 @@ async fn a_client_keeps_the_upstream_at_the_rate() {
         assert!(w[1] - w[0] >= Duration::from_millis(25), "{seen:?}");
     }
 }
+
+/// Around a client, an upstream's `429` with `Retry-After` pauses the key: without wait mode
+/// further calls are answered `429` without reaching the upstream; in wait mode they wait it
+/// out, then go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_upstreams_retry_after_pauses_the_key() {
+    let hits = Arc::new(AtomicUsize::new(0));
+    let counted = hits.clone();
+    let upstream = Router::new().route(
+        "/",
+        get(move || {
+            let n = counted.fetch_add(1, Ordering::SeqCst);
+            async move {
+                if n == 0 {
+                    Response::builder()
+                        .status(429)
+                        .header("retry-after", "1")
+                        .body(axum::body::Body::from("slow down"))
+                        .unwrap()
+                } else {
+                    Response::new(axum::body::Body::from("ok"))
+                }
+            }
+        }),
+    );
+    let addr = support::serve(upstream).await;
+    let client = || {
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .build_http::<Empty<Bytes>>()
+    };
+    let get = |svc: &mut _| {
+        let svc: &mut tollgate::RateLimit<_, Global, LocalBackend, tollgate::body::WrapBody> = svc;
+        let req = Request::get(format!("http://{addr}/"))
+            .body(Empty::new())
+            .unwrap();
+        svc.call(req)
+    };
+    let roomy = Quota::per_second(1000).burst(1000);
+    let rejecting = RateLimitLayer::builder()
+        .policy(Policy::new("partner", roomy))
+        .key(Global)
+        .obey_retry_after(true)
+        .build()
+        .unwrap()
+        .wrap_body();
+    let mut svc = rejecting.layer(client());
+    svc.ready().await.unwrap();
+    assert_eq!(
+        get(&mut svc).await.unwrap().status(),
+        429,
+        "the upstream's own answer"
+    );
+    svc.ready().await.unwrap();
+    let paused = get(&mut svc).await.unwrap();
+    assert_eq!(paused.status(), 429);
+    assert_eq!(paused.headers()["retry-after"], "1");
+    assert_eq!(
+        hits.load(Ordering::SeqCst),
+        1,
+        "the upstream was not called"
+    );
+
+    // In wait mode the key's next call waits out the pause, then reaches the upstream.
+    hits.store(0, Ordering::SeqCst);
+    let waiting = RateLimitLayer::builder()
+        .policy(Policy::new("partner", roomy))
+        .key(Global)
+        .obey_retry_after(true)
+        .wait(Duration::from_secs(3), 16)
+        .build()
+        .unwrap()
+        .wrap_body();
+    let mut svc = waiting.layer(client());
+    svc.ready().await.unwrap();
+    assert_eq!(get(&mut svc).await.unwrap().status(), 429);
+    let started = Instant::now();
+    svc.ready().await.unwrap();
+    assert_eq!(get(&mut svc).await.unwrap().status(), 200);
+    assert!(
+        started.elapsed() >= Duration::from_millis(900),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(hits.load(Ordering::SeqCst), 2);
+}
