@@ -68,11 +68,16 @@ struct Deciding<S, ReqBody, K, Bk: Backend> {
     inner: Option<(S, Request<ReqBody>)>,
     shared: Arc<Shared<K, Bk>>,
     policy: Arc<Prepared<Bk::Policy>>,
-    // A waiter's slot in wait mode, held until the request goes on.
-    slot: Option<Slot>,
-    // A pause the wrapped service asked for on this key, waited out in wait mode.
-    pause: Option<Duration>,
-    note: Option<Box<Note>>,
+    then: Then,
+}
+
+/// What a decision still being made carries to the rest of the request: a waiter's slot in
+/// wait mode (held until the request goes on), a pause the wrapped service asked for on this
+/// key (waited out in wait mode), and what reads its answer for a new one.
+pub(crate) struct Then {
+    pub(crate) slot: Option<Slot>,
+    pub(crate) pause: Option<Duration>,
+    pub(crate) note: Option<Box<Note>>,
 }
 
 struct Waiting<S, ReqBody> {
@@ -115,9 +120,7 @@ where
         req: Request<ReqBody>,
         shared: Arc<Shared<K, Bk>>,
         policy: Arc<Prepared<Bk::Policy>>,
-        slot: Option<Slot>,
-        pause: Option<Duration>,
-        note: Option<Box<Note>>,
+        then: Then,
     ) -> Self {
         ResponseFuture {
             state: State::Deciding {
@@ -126,9 +129,7 @@ where
                     inner: Some((inner, req)),
                     shared,
                     policy,
-                    slot,
-                    pause,
-                    note,
+                    then,
                 }),
             },
             mode: PhantomData,
@@ -177,12 +178,12 @@ where
                         panic!("ResponseFuture polled after completion");
                     };
                     let verdict = d.shared.verdict(&d.policy, result, req.headers());
-                    let next = match verdict.at_least(d.pause) {
+                    let next = match verdict.at_least(d.then.pause) {
                         Verdict::Pass(adds) => match d.inner.take() {
                             Some((mut svc, req)) => State::Called {
                                 fut: svc.call(req),
                                 adds: Some(adds),
-                                note: d.note.take(),
+                                note: d.then.note.take(),
                             },
                             None => panic!("ResponseFuture polled after completion"),
                         },
@@ -192,8 +193,8 @@ where
                                     sleep: Box::pin(tokio::time::sleep(wait)),
                                     inner: Some((svc, req)),
                                     adds: Some(adds),
-                                    _slot: d.slot.take(),
-                                    note: d.note.take(),
+                                    _slot: d.then.slot.take(),
+                                    note: d.then.note.take(),
                                 }),
                             },
                             None => panic!("ResponseFuture polled after completion"),

@@ -17,7 +17,7 @@ use tower_service::Service;
 
 use crate::backend::{Backend, DecidedBy, Decision, Mode};
 use crate::body::{BodyMode, KeepBody};
-use crate::future::ResponseFuture;
+use crate::future::{ResponseFuture, Then};
 use crate::key::{KeyError, KeyExtractor};
 use crate::layer::OnMissingKey;
 use crate::metrics::{Outcome as Counted, PolicyMetrics};
@@ -286,9 +286,10 @@ where
                 let clone = self.inner.clone();
                 let ready = std::mem::replace(&mut self.inner, clone);
                 match self.shared.arc() {
-                    Some(shared) => ResponseFuture::deciding(
-                        decision, ready, req, shared, policy, slot, pause, note,
-                    ),
+                    Some(shared) => {
+                        let then = Then { slot, pause, note };
+                        ResponseFuture::deciding(decision, ready, req, shared, policy, then)
+                    }
                     // Unreachable, as above.
                     None => ResponseFuture::called({ ready }.call(req), HeaderAdds::new(), None),
                 }
