@@ -77,6 +77,9 @@ pub mod key;
 mod layer;
 pub mod limiter;
 pub mod metrics;
+#[cfg(feature = "reqwest")]
+#[cfg_attr(docsrs, doc(cfg(feature = "reqwest")))]
+pub mod middleware;
 mod policy;
 pub mod quota;
 mod request;

@@ -131,6 +131,10 @@ pub enum Mode {
 
 impl Mode {
     /// The longest wait of a reservation, in nanoseconds (zero for the other modes).
+    #[cfg_attr(
+        not(any(feature = "redis", feature = "postgres", feature = "mysql")),
+        allow(dead_code)
+    )]
     pub(crate) fn max_wait_ns(self) -> u64 {
         match self {
             Mode::Reserve { max_wait } => u64::try_from(max_wait.as_nanos()).unwrap_or(u64::MAX),

@@ -1,0 +1,136 @@
+//! Outbound calls made with [reqwest](https://docs.rs/reqwest) (feature `reqwest`): a
+//! [`reqwest-middleware`](https://docs.rs/reqwest-middleware) middleware that limits them with a
+//! [`Limiter`], waiting for a turn or failing fast, keyed by the URL's host or a closure.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use tollgate::backend::LocalBackend;
+//! use tollgate::limiter::Limiter;
+//! use tollgate::middleware::RateLimitMiddleware;
+//! use tollgate::{Policy, Quota};
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! // At most 20 calls per second to each host, waiting up to 5 s for a turn.
+//! let limiter = Limiter::new(Policy::new("partners", Quota::per_second(20)), LocalBackend::new())?;
+//! let client = reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
+//!     .with(RateLimitMiddleware::new(limiter).wait(Duration::from_secs(5)))
+//!     .build();
+//! let res = client.get("https://api.partner.example/v1/things").send().await?;
+//! # drop(res); Ok(()) }
+//! ```
+//!
+//! A call that cannot go on (its turn is further away than the wait, or, failing fast, the
+//! bucket is empty) fails with [`reqwest_middleware::Error::Middleware`] holding an
+//! [`AcquireError`], before anything is sent:
+//! `err.downcast_ref::<AcquireError>()` on the inner error tells when to come back. Waiting is
+//! a reservation, as for [`Limiter::acquire`]: callers (and, on a shared backend, processes) go
+//! on first come, first served, at the policy's rate.
+
+use std::fmt;
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::Extensions;
+use reqwest_middleware::{Middleware, Next};
+
+use crate::Key;
+use crate::backend::Backend;
+use crate::limiter::{AcquireError, Limiter};
+
+type KeyFn = dyn Fn(&reqwest::Request) -> Option<Key> + Send + Sync;
+
+/// Limits the calls of a reqwest-middleware client; see the [module docs](self).
+pub struct RateLimitMiddleware<B: Backend> {
+    limiter: Limiter<B>,
+    key: Arc<KeyFn>,
+    wait: Option<Duration>,
+    cost: NonZeroU32,
+}
+
+impl<B: Backend> Clone for RateLimitMiddleware<B> {
+    fn clone(&self) -> Self {
+        RateLimitMiddleware {
+            limiter: self.limiter.clone(),
+            key: self.key.clone(),
+            wait: self.wait,
+            cost: self.cost,
+        }
+    }
+}
+
+impl<B: Backend> fmt::Debug for RateLimitMiddleware<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RateLimitMiddleware")
+            .field("limiter", &self.limiter)
+            .field("wait", &self.wait)
+            .field("cost", &self.cost)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The key of a call: its URL's host and port (`api.partner.example:443`).
+fn host_key(req: &reqwest::Request) -> Option<Key> {
+    let url = req.url();
+    let host = url.host_str()?;
+    let port = url.port_or_known_default().unwrap_or(0);
+    Key::from_bytes(format!("{host}:{port}")).ok()
+}
+
+impl<B: Backend> RateLimitMiddleware<B> {
+    /// Limits calls with `limiter`, one unit each, keyed by their URL's host and port, failing
+    /// fast when the bucket is empty.
+    pub fn new(limiter: Limiter<B>) -> Self {
+        RateLimitMiddleware {
+            limiter,
+            key: Arc::new(host_key),
+            wait: None,
+            cost: NonZeroU32::MIN,
+        }
+    }
+
+    /// Waits up to `max_wait` for a turn instead of failing fast.
+    pub fn wait(mut self, max_wait: Duration) -> Self {
+        self.wait = Some(max_wait);
+        self
+    }
+
+    /// Keys calls with `key` instead of their host (`None`: the call is not limited).
+    pub fn key(
+        mut self,
+        key: impl Fn(&reqwest::Request) -> Option<Key> + Send + Sync + 'static,
+    ) -> Self {
+        self.key = Arc::new(key);
+        self
+    }
+
+    /// Units each call costs (default 1).
+    pub fn cost(mut self, cost: NonZeroU32) -> Self {
+        self.cost = cost;
+        self
+    }
+}
+
+#[async_trait::async_trait]
+impl<B: Backend> Middleware for RateLimitMiddleware<B> {
+    async fn handle(
+        &self,
+        req: reqwest::Request,
+        extensions: &mut Extensions,
+        next: Next<'_>,
+    ) -> reqwest_middleware::Result<reqwest::Response> {
+        if let Some(key) = (self.key)(&req) {
+            let turn = match self.wait {
+                Some(max_wait) => self.limiter.acquire(&key, self.cost, max_wait).await,
+                None => match self.limiter.check(&key, self.cost).await {
+                    Ok(d) if d.is_allowed() => Ok(d),
+                    Ok(d) if d.never_fits() => Err(AcquireError::NeverFits(d)),
+                    Ok(d) => Err(AcquireError::TooLong(d)),
+                    Err(err) => Err(AcquireError::Backend(err)),
+                },
+            };
+            turn.map_err(reqwest_middleware::Error::middleware)?;
+        }
+        next.run(req, extensions).await
+    }
+}
