@@ -63,6 +63,7 @@
 //! | `redis` | no | [`RedisBackend`](backend::redis::RedisBackend): one limit shared by every instance, on Redis or Redis Cluster (implies `local`) |
 //! | `postgres` | no | [`PostgresBackend`](backend::postgres::PostgresBackend): one limit shared by every instance, in PostgreSQL or YugabyteDB (implies `local`) |
 //! | `mysql` | no | [`MysqlBackend`](backend::mysql::MysqlBackend): one limit shared by every instance, in MySQL or MariaDB (implies `local`) |
+//! | `reqwest` | no | [`RateLimitMiddleware`](middleware::RateLimitMiddleware): outbound reqwest calls through reqwest-middleware, waiting or failing fast |
 //! | `metrics` | no | counters, gauges and histograms on the `metrics` facade, for any exporter ([`metrics`]) |
 //!
 //! [tower]: https://docs.rs/tower
