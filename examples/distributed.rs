@@ -2,8 +2,10 @@
 //! `--features mysql`). `BACKEND=redis|postgres|mysql` picks the shared store (default
 //! `redis`); `PORT` the port (default 3000).
 //!
-//! - `redis`: `REDIS_URL` (default `redis://127.0.0.1:6379`); `REDIS_CLUSTER_NODES`,
-//!   comma-separated `redis://host:port` URLs, selects Redis Cluster instead.
+//! - `redis`: `REDIS_URL` (default `redis://127.0.0.1:6379`; `rediss://` for TLS, built with
+//!   `--features redis-tls`); `REDIS_CLUSTER_NODES`, comma-separated `redis://host:port` URLs,
+//!   selects Redis Cluster instead; `REDIS_CA_CERT`, a PEM file, names a CA to trust besides
+//!   the system's.
 //! - `postgres`: `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`).
 //! - `mysql`: `DATABASE_URL` (default `mysql://root@127.0.0.1:3306/test`).
 //!
@@ -75,7 +77,17 @@ fn redis() -> Result<tollgate::backend::redis::RedisBackend, tollgate::ConfigErr
             RedisBackend::builder().url(url)
         }
     }
-    .on_failure(FailurePolicy::FailOpen)
+    .on_failure(FailurePolicy::FailOpen);
+    let backend = match std::env::var_os("REDIS_CA_CERT") {
+        Some(path) => {
+            let pem = std::fs::read(&path).map_err(|e| tollgate::ConfigError::Invalid {
+                option: "REDIS_CA_CERT",
+                reason: format!("{}: {e}", std::path::Path::new(&path).display()),
+            })?;
+            backend.tls_ca_pem(pem)
+        }
+        None => backend,
+    }
     .build()?;
     // Never print the URL itself: it may hold the password.
     println!("Redis: {}", backend.endpoint());

@@ -61,6 +61,7 @@
 //! | `tonic` | no | [`PeerIp`](key::PeerIp)/[`ClientIp`](key::ClientIp) read tonic's `TcpConnectInfo`; rejections in tonic's body type ([`body`]) |
 //! | `serde` | no | [`RuleSet`](rules::RuleSet), [`Policy`] and [`Quota`] from TOML / YAML / JSON |
 //! | `redis` | no | [`RedisBackend`](backend::redis::RedisBackend): one limit shared by every instance, on Redis or Redis Cluster (implies `local`) |
+//! | `redis-tls` | no | `rediss://` URLs for the Redis backend, through rustls |
 //! | `postgres` | no | [`PostgresBackend`](backend::postgres::PostgresBackend): one limit shared by every instance, in PostgreSQL or YugabyteDB (implies `local`) |
 //! | `mysql` | no | [`MysqlBackend`](backend::mysql::MysqlBackend): one limit shared by every instance, in MySQL or MariaDB (implies `local`) |
 //! | `reqwest` | no | [`RateLimitMiddleware`](middleware::RateLimitMiddleware): outbound reqwest calls through reqwest-middleware, waiting or failing fast |

@@ -83,7 +83,8 @@ impl RedisServer {
             );
         self.child = Some(child);
         wait_until(Duration::from_secs(10), || {
-            command(self.port, &["PING"]).is_some_and(|r| r.starts_with("+PONG"))
+            command(self.port, &["PING"])
+                .is_some_and(|r| r.starts_with("+PONG") || r.starts_with("-NOAUTH"))
         })
         .unwrap_or_else(|| panic!("redis-server on port {} did not start", self.port));
     }
@@ -336,4 +337,100 @@ pub async fn serve(app: axum::Router) -> std::net::SocketAddr {
         .unwrap();
     });
     addr
+}
+
+/// Certificates made for a test: a CA, a server certificate for `localhost` and `127.0.0.1`
+/// signed by it, and a client certificate signed by it; PEM files in a temporary directory.
+pub struct TlsFiles {
+    pub dir: TempDir,
+    pub ca_pem: String,
+    pub client_cert_pem: String,
+    pub client_key_pem: String,
+}
+
+impl TlsFiles {
+    pub fn new() -> TlsFiles {
+        use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+        let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca_params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "tollgate test CA");
+        let ca_key = KeyPair::generate().unwrap();
+        let ca_cert = ca_params.self_signed(&ca_key).unwrap();
+        let issuer = Issuer::new(ca_params, ca_key);
+        let server_key = KeyPair::generate().unwrap();
+        let server = CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()])
+            .unwrap()
+            .signed_by(&server_key, &issuer)
+            .unwrap();
+        let client_key = KeyPair::generate().unwrap();
+        let client = CertificateParams::new(vec!["client".to_owned()])
+            .unwrap()
+            .signed_by(&client_key, &issuer)
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let write = |name: &str, text: &str| std::fs::write(dir.path().join(name), text).unwrap();
+        write("ca.crt", &ca_cert.pem());
+        write("server.crt", &server.pem());
+        write("server.key", &server_key.serialize_pem());
+        TlsFiles {
+            ca_pem: ca_cert.pem(),
+            client_cert_pem: client.pem(),
+            client_key_pem: client_key.serialize_pem(),
+            dir,
+        }
+    }
+}
+
+impl RedisServer {
+    /// A server listening only with TLS (certificates of `tls`), on a free port; clients must
+    /// present a certificate when `auth_clients`. Its `url()` is `rediss://localhost:<port>`.
+    pub fn start_tls(tls: &TlsFiles, auth_clients: bool) -> RedisServer {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let port = free_port();
+        let cert = |name: &str| tls.dir.path().join(name).display().to_string();
+        let extra: Vec<String> = [
+            "--port",
+            "0",
+            "--tls-port",
+            &port.to_string(),
+            "--tls-cert-file",
+            &cert("server.crt"),
+            "--tls-key-file",
+            &cert("server.key"),
+            "--tls-ca-cert-file",
+            &cert("ca.crt"),
+            "--tls-auth-clients",
+            if auth_clients { "yes" } else { "no" },
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let child = Command::new("redis-server")
+            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(dir.path())
+            .args(&extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("cannot start `redis-server`");
+        // Ready when the TLS port accepts connections.
+        wait_until(Duration::from_secs(10), || {
+            TcpStream::connect(("127.0.0.1", port)).is_ok()
+        })
+        .unwrap_or_else(|| panic!("redis-server (TLS) on port {port} did not start"));
+        RedisServer {
+            port,
+            child: Some(child),
+            dir,
+            extra,
+        }
+    }
+
+    /// The TLS URL of a server started with [`start_tls`](Self::start_tls).
+    pub fn tls_url(&self) -> String {
+        format!("rediss://localhost:{}", self.port)
+    }
 }

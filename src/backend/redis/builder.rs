@@ -9,6 +9,7 @@ use redis::cluster_async::ClusterConnection;
 
 use super::backend::{RedisBackend, RedisStore};
 use super::conn::{Conn, Lazy};
+use super::tls;
 use crate::ConfigError;
 use crate::backend::remote::redact::{self, Secrets};
 use crate::backend::remote::{FailurePolicy, MAX_DURATION, Options, Remote, TestClock, keys};
@@ -29,6 +30,9 @@ pub struct RedisBackendBuilder {
     target: Option<Target>,
     prefix: String,
     opts: Options,
+    /// PEM: a CA to trust besides the system's, and a client certificate and key.
+    tls_ca: Option<Vec<u8>>,
+    tls_client: Option<(Vec<u8>, Vec<u8>)>,
 }
 
 enum Target {
@@ -45,6 +49,8 @@ impl RedisBackend {
             target: None,
             prefix: "tollgate".to_owned(),
             opts: Options::default(),
+            tls_ca: None,
+            tls_client: None,
         }
     }
 }
@@ -92,6 +98,24 @@ impl RedisBackendBuilder {
     /// backend then follows redirections itself, as with [`cluster_nodes`](Self::cluster_nodes).
     pub fn cluster_connection(mut self, conn: ClusterConnection) -> Self {
         self.target = Some(Target::ClusterConnection(conn));
+        self
+    }
+
+    /// TLS (`rediss://` URLs and cluster nodes, feature `redis-tls`): a CA certificate (PEM) to
+    /// trust besides the system's roots, e.g. a managed service's or your own.
+    pub fn tls_ca_pem(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.tls_ca = Some(pem.into());
+        self
+    }
+
+    /// TLS (feature `redis-tls`): a client certificate and its private key (PEM), for servers
+    /// that require clients to authenticate with one (`tls-auth-clients yes`).
+    pub fn tls_client_cert(
+        mut self,
+        cert_pem: impl Into<Vec<u8>>,
+        key_pem: impl Into<Vec<u8>>,
+    ) -> Self {
+        self.tls_client = Some((cert_pem.into(), key_pem.into()));
         self
     }
 
@@ -173,11 +197,11 @@ impl RedisBackendBuilder {
                 });
             }
             Some(Target::Url(url)) => {
-                let client =
-                    redis::Client::open(url.as_str()).map_err(|e| ConfigError::Invalid {
-                        option: "url",
-                        reason: format!("{endpoint:?}: {}", secrets.scrub(&e.to_string())),
-                    })?;
+                let tls = tls::certificates(&[url.as_str()], self.tls_ca, self.tls_client)?;
+                let client = tls::client(url.as_str(), tls).map_err(|e| ConfigError::Invalid {
+                    option: "url",
+                    reason: format!("{endpoint:?}: {}", secrets.scrub(&e.to_string())),
+                })?;
                 Conn::Single(Lazy::from_source((
                     client,
                     manager_config(self.opts.timeout),
@@ -195,8 +219,9 @@ impl RedisBackendBuilder {
                 // (the script is not idempotent). The backend retries by itself only the
                 // replies that prove the script did not run: redirections and cluster state
                 // errors (see `conn::eval_cluster`).
-                let client = ClusterClient::builder(nodes.iter().map(String::as_str))
-                    .retries(0)
+                let urls: Vec<&str> = nodes.iter().map(String::as_str).collect();
+                let tls = tls::certificates(&urls, self.tls_ca, self.tls_client)?;
+                let client = tls::cluster(ClusterClient::builder(urls).retries(0), tls)
                     .build()
                     .map_err(|e| ConfigError::Invalid {
                         option: "cluster_nodes",

@@ -213,6 +213,7 @@ mod builder;
 mod conn;
 mod failure;
 mod script;
+mod tls;
 
 /// What requests get while Redis cannot decide: the failure policy of every remote backend.
 pub use crate::backend::remote::FailurePolicy;

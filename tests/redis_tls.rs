@@ -1,0 +1,130 @@
+//! The Redis backend over TLS, against a real `redis-server --tls-port` with certificates made
+//! by the test; passwords and ACL users, on real servers.
+#![cfg(feature = "redis")]
+
+mod support;
+
+use std::time::Duration;
+
+use support::{RedisServer, cost, key, no_refill, prepare};
+use tollgate::backend::Backend;
+use tollgate::backend::redis::{FailurePolicy, RedisBackend, RedisFailure};
+use tollgate::{BackendErrorKind, Policy};
+
+#[cfg(feature = "redis-tls")]
+#[tokio::test]
+async fn decisions_over_tls_with_a_private_ca_and_client_certificates() {
+    let tls = support::TlsFiles::new();
+    for auth_clients in [false, true] {
+        let server = RedisServer::start_tls(&tls, auth_clients);
+        let mut builder = RedisBackend::builder()
+            .url(server.tls_url())
+            .timeout(Duration::from_secs(2))
+            .tls_ca_pem(tls.ca_pem.clone());
+        if auth_clients {
+            builder =
+                builder.tls_client_cert(tls.client_cert_pem.clone(), tls.client_key_pem.clone());
+        }
+        let b = builder.build().unwrap();
+        let p = prepare(&b, &Policy::new("tls", no_refill(2)));
+        for allowed in [true, true, false] {
+            let d = b.decide(&p, &key("k"), cost(1)).await.unwrap();
+            assert_eq!(d.is_allowed(), allowed, "{d:?}");
+        }
+        assert_eq!(b.stats().redis_errors, 0, "{:?}", b.stats());
+    }
+}
+
+/// A server whose certificate the client does not trust: the failure policy answers, the
+/// cause is a connection failure, and nothing secret is shown.
+#[cfg(feature = "redis-tls")]
+#[tokio::test]
+async fn an_untrusted_server_fails_clearly_and_the_failure_policy_applies() {
+    let tls = support::TlsFiles::new();
+    let server = RedisServer::start_tls(&tls, false);
+    let url = server.tls_url().replace("rediss://", "rediss://:s3cret@");
+    let b = RedisBackend::builder()
+        .url(&url)
+        .timeout(Duration::from_millis(500))
+        .on_failure(FailurePolicy::FailClosed)
+        .build()
+        .unwrap();
+    let p = prepare(&b, &Policy::new("untrusted", no_refill(2)));
+    let err = b.decide(&p, &key("k"), cost(1)).await.unwrap_err();
+    assert!(
+        matches!(
+            err.kind(),
+            BackendErrorKind::Unavailable | BackendErrorKind::Timeout
+        ),
+        "{err}"
+    );
+    let text = err.to_string();
+    assert!(!text.contains("s3cret"), "{text}");
+    assert!(!format!("{b:?}").contains("s3cret"));
+    assert_eq!(b.stats().fail_closed, 1);
+}
+
+/// Without the feature, a `rediss://` URL is a configuration error naming it.
+#[cfg(not(feature = "redis-tls"))]
+#[test]
+fn rediss_without_the_feature_names_it() {
+    let err = RedisBackend::builder()
+        .url("rediss://localhost:6380")
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("redis-tls"), "{err}");
+}
+
+/// A password from the URL; a wrong one is reported as such.
+#[tokio::test]
+async fn passwords_from_the_url() {
+    let server = RedisServer::start_with(&["--requirepass", "pw-123"]);
+    let url = format!("redis://:pw-123@127.0.0.1:{}", server.port);
+    let b = RedisBackend::builder().url(url).build().unwrap();
+    let p = prepare(&b, &Policy::new("pw", no_refill(1)));
+    assert!(b.decide(&p, &key("k"), cost(1)).await.unwrap().is_allowed());
+    assert!(!b.decide(&p, &key("k"), cost(1)).await.unwrap().is_allowed());
+
+    let wrong = RedisBackend::builder()
+        .url(format!("redis://:nope@127.0.0.1:{}", server.port))
+        .timeout(Duration::from_millis(500))
+        .on_failure(FailurePolicy::FailClosed)
+        .build()
+        .unwrap();
+    let p = prepare(&wrong, &Policy::new("pw", no_refill(1)));
+    let err = wrong.decide(&p, &key("k"), cost(1)).await.unwrap_err();
+    assert!(!err.to_string().contains("nope"), "{err}");
+    support::eventually("the cause is known", || wrong.stats().failing.is_some()).await;
+    assert_eq!(wrong.stats().failing, Some(RedisFailure::Authentication));
+}
+
+/// The least-privilege ACL user of docs/redis.md: decisions, script loading after a flush,
+/// resets and the probe all work with only these commands and keys.
+#[tokio::test]
+async fn a_least_privilege_acl_user_is_enough() {
+    let server = RedisServer::start();
+    let acl = "ACL SETUSER tollgate on >s3cret ~tollgate:* resetchannels -@all \
+               +evalsha +eval +script|load +ping +del +get +set +time";
+    let args: Vec<&str> = acl.split_whitespace().collect();
+    assert_eq!(server.cmd(&args).trim(), "+OK");
+    let url = format!("redis://tollgate:s3cret@127.0.0.1:{}", server.port);
+    let b = RedisBackend::builder().url(url).build().unwrap();
+    let p = prepare(&b, &Policy::new("acl", no_refill(2)));
+    assert!(b.decide(&p, &key("k"), cost(1)).await.unwrap().is_allowed());
+    // The script is loaded again after a flush, by the same user.
+    assert_eq!(server.cmd(&["SCRIPT", "FLUSH"]).trim(), "+OK");
+    assert!(b.decide(&p, &key("k"), cost(1)).await.unwrap().is_allowed());
+    assert!(!b.decide(&p, &key("k"), cost(1)).await.unwrap().is_allowed());
+    b.reset(&p, &key("k")).await.unwrap();
+    assert!(b.decide(&p, &key("k"), cost(1)).await.unwrap().is_allowed());
+    assert_eq!(b.stats().redis_errors, 0, "{:?}", b.stats());
+    // Another prefix is out of the user's keys: refused, reported as a permission failure.
+    let other = RedisBackend::builder()
+        .url(format!("redis://tollgate:s3cret@127.0.0.1:{}", server.port))
+        .prefix("other")
+        .on_failure(FailurePolicy::FailClosed)
+        .build()
+        .unwrap();
+    let p = prepare(&other, &Policy::new("acl", no_refill(2)));
+    assert!(other.decide(&p, &key("k"), cost(1)).await.is_err());
+}
