@@ -182,7 +182,7 @@ fn pgbench(server: &support::sql::PgServer, clients: usize, keys: u64) -> f64 {
     std::fs::write(
         &script,
         format!(
-            "\\set k random(0, {})\nSELECT tollgate_buckets_decide(ARRAY[convert_to('tollgate' || chr(58) || '{{bench' || chr(58) || 'b' || CAST(:k AS text) || '}}' || chr(58) || '0g1000x1000000000', 'UTF8')], ARRAY[0,1000,1000000000,0]::bigint[], ARRAY[1,1]::bigint[], NULL);\n",
+            "\\set k random(0, {})\nSELECT tollgate_buckets_decide(ARRAY[convert_to('tollgate' || chr(58) || '{{bench' || chr(58) || 'b' || CAST(:k AS text) || '}}' || chr(58) || '0g1000x1000000000', 'UTF8')], ARRAY[0,1000,1000000000,0]::bigint[], ARRAY[1,1,0,0]::bigint[], NULL);\n",
             keys - 1
         ),
     )
@@ -324,7 +324,7 @@ fn slap(server: &support::sql::MariaDbServer, clients: usize, keys: u64) -> f64 
                 "tollgate:{{bench:bk{}}}:0g1000x1000000000",
                 i * 7919 % keys
             ));
-            format!("CALL tollgate_buckets_decide('{k};1|0,1000,1000000000,0,{k}', NULL);\n")
+            format!("CALL tollgate_buckets_decide('{k};1,0,0|0,1000,1000000000,0,{k}', NULL);\n")
         })
         .collect();
     std::fs::write(&file, calls).expect("calls");

@@ -69,10 +69,14 @@ async fn an_untrusted_server_fails_clearly_and_the_failure_policy_applies() {
 #[test]
 fn rediss_without_the_feature_names_it() {
     let err = RedisBackend::builder()
-        .url("rediss://localhost:6380")
+        .url("rediss://user:s3cret@localhost:6380")
         .build()
         .unwrap_err();
     assert!(err.to_string().contains("redis-tls"), "{err}");
+    assert!(
+        err.to_string().contains("rediss://user:***@localhost:6380"),
+        "{err}"
+    );
 }
 
 /// A password from the URL; a wrong one is reported as such.

@@ -84,11 +84,16 @@ pub(crate) fn certificates(
     client: Option<(Vec<u8>, Vec<u8>)>,
 ) -> Result<Tls, ConfigError> {
     if wants_tls(urls) || ca.is_some() || client.is_some() {
+        let shown: Vec<String> = urls
+            .iter()
+            .map(|u| crate::backend::remote::redact::url(u))
+            .collect();
         return Err(ConfigError::Invalid {
             option: "url",
-            reason: "TLS (`rediss://`, `tls_ca_pem`, `tls_client_cert`) needs tollgate's \\
-                     feature `redis-tls`"
-                .to_owned(),
+            reason: format!(
+                "{}: TLS (`rediss://`, `tls_ca_pem`, `tls_client_cert`) needs tollgate's feature `redis-tls`",
+                shown.join(", ")
+            ),
         });
     }
     Ok(())

@@ -108,6 +108,7 @@ impl<S: Store> Remote<S> {
     }
 
     /// A `BackendError` for a failed call, passwords removed.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) fn backend_error(&self, err: &CallError) -> BackendError {
         self.inner.backend_error(err)
     }
