@@ -17,6 +17,7 @@ use tollgate::{Key, Policy, Quota};
 
 #[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
 pub mod conformance;
+pub mod proxy;
 pub mod sql;
 
 /// A cost of `n` units.

@@ -260,6 +260,11 @@ impl Store for PgStore {
         true
     }
 
+    /// Drops the idle connections of the pool (those in use go when they come back broken).
+    fn reconnect(&self) {
+        self.pool.retain(|_, _| false);
+    }
+
     fn calls_in_flight(&self) -> usize {
         self.in_flight
     }

@@ -249,6 +249,10 @@ impl Store for RedisStore {
         matches!(self.conn, Conn::Single(_))
     }
 
+    fn reconnect(&self) {
+        self.conn.reconnect();
+    }
+
     /// Two keep a distant Redis busy (up to 2 × 128 decisions per round trip) while batches
     /// stay large; with Redis on the application's own core, 4 slots cost about a quarter more
     /// CPU per request than 2 (smaller batches, more switches between the two processes;

@@ -122,6 +122,23 @@ impl Conn {
         }
     }
 
+    /// Drops the connection the backend made (one handed over is kept), so that the next call
+    /// makes a new one.
+    pub(crate) fn reconnect(&self) {
+        match self {
+            Conn::Single(lazy) => {
+                if let Some(c) = lazy.conn.load_full() {
+                    lazy.discard(&c);
+                }
+            }
+            Conn::Cluster(lazy) => {
+                if let Some(c) = lazy.conn.load_full() {
+                    lazy.discard(&c);
+                }
+            }
+        }
+    }
+
     /// `PING` (on a cluster: every primary), used by the circuit breaker's probe.
     pub(crate) async fn ping(&self) -> RedisResult<()> {
         self.query(&redis::cmd("PING")).await

@@ -237,6 +237,7 @@ impl<S: Store> Inner<S> {
         // A reply the store gave (an error, a malformed reply) says nothing about whether it
         // is reachable: only timeouts and connection errors trip the breaker.
         if kind != BackendErrorKind::Protocol && self.breaker.failure(self.clock.now_ns()) {
+            self.store.reconnect();
             tracing::debug!(
                 failures = self.breaker.threshold,
                 "tollgate: {} calls failed repeatedly; circuit breaker open, probing every {:?}",
@@ -309,8 +310,11 @@ impl<S: Store> Inner<S> {
                         return;
                     }
                     // Logged when the cause changes (a restarted store that now wants a
-                    // password), not at every probe.
-                    Err(err) => inner.failed(&err),
+                    // password), not at every probe. The next probe gets a new connection.
+                    Err(err) => {
+                        inner.failed(&err);
+                        inner.store.reconnect();
+                    }
                 }
             }
         });

@@ -53,6 +53,13 @@ pub(crate) trait Store: Send + Sync + Sized + 'static {
     /// Calls in flight at once per backend while batching.
     fn calls_in_flight(&self) -> usize;
 
+    /// Drops the connections the store holds, so that the next call or probe makes new ones:
+    /// called when the circuit breaker opens and after each failed probe. A connection whose
+    /// packets vanish (a black-holed path, a peer gone without a reset) gives no error, only
+    /// timeouts, until the kernel gives up on it many minutes later; a new one works as soon
+    /// as the store is reachable again.
+    fn reconnect(&self) {}
+
     /// How long the warm-up's first connection and round trip may take, for a decision
     /// timeout of `timeout`: long enough for the driver to report why it cannot connect.
     fn warm_up_timeout(&self, timeout: Duration) -> Duration;
