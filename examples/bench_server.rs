@@ -30,6 +30,7 @@
 //!   backend (tower_governor has GCRA only: a window quota is refused for it).
 //! - `METRICS=1` (a build with `--features metrics`): install a Prometheus recorder, so that
 //!   tollgate's metrics are recorded (to measure what they cost per request).
+//! - `ON_FAILURE=open|closed|local` (Redis; default `open`): the failure policy.
 //! - `STATS=1` (remote backends): print the backend's counters to stderr every
 //!   second, e.g. to see how many decisions share a script call.
 //! - `DENY_KEY=<value>`: that one key (an `x-key` value, or an IP address) gets one request per
@@ -274,8 +275,18 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "redis" => {
             let url =
                 std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+            use tollgate::backend::redis::FailurePolicy;
+            let on_failure = match std::env::var("ON_FAILURE").as_deref() {
+                Ok("closed") => FailurePolicy::FailClosed,
+                Ok("local") => FailurePolicy::FallbackLocal,
+                Ok("open") | Err(_) => FailurePolicy::FailOpen,
+                Ok(other) => {
+                    return Err(format!("unknown ON_FAILURE={other:?}: open, closed or local").into());
+                }
+            };
             let backend = tollgate::backend::redis::RedisBackend::builder()
                 .url(url)
+                .on_failure(on_failure)
                 .build()?;
             let stats = backend.clone();
             print_stats(move || format!("{:?}", stats.stats()));
