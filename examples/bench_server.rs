@@ -281,7 +281,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 Ok("local") => FailurePolicy::FallbackLocal,
                 Ok("open") | Err(_) => FailurePolicy::FailOpen,
                 Ok(other) => {
-                    return Err(format!("unknown ON_FAILURE={other:?}: open, closed or local").into());
+                    return Err(
+                        format!("unknown ON_FAILURE={other:?}: open, closed or local").into(),
+                    );
                 }
             };
             let backend = tollgate::backend::redis::RedisBackend::builder()

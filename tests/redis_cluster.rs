@@ -200,3 +200,67 @@ async fn an_existing_cluster_connection_can_be_used() {
         .unwrap();
     assert_eq!(d.quotas()[0].remaining, 9);
 }
+
+/// A primary of a cluster with replicas is killed during traffic: requests get the failure
+/// policy, each within the timeout, and decisions flow again once its replica is promoted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_primary_fails_over_to_its_replica() {
+    use std::time::Instant;
+    use tollgate::backend::redis::FailurePolicy;
+    let mut cluster = RedisCluster::start_with_replicas(1);
+    let timeout = Duration::from_millis(500);
+    let b = RedisBackend::builder()
+        .cluster_nodes(cluster.urls())
+        .timeout(timeout)
+        .on_failure(FailurePolicy::FailClosed)
+        .circuit_breaker(3, Duration::from_millis(200))
+        .deny_cache_capacity(0)
+        .build()
+        .unwrap();
+    let p = prepare(
+        &b,
+        &Policy::new("failover", Quota::per_day(1000).burst(1000)),
+    );
+    let k = Key::from_bytes("k").unwrap();
+    assert!(b.decide(&p, &k, cost(1)).await.unwrap().is_allowed());
+    // The primary holding the key (the node that has it, and is a primary).
+    let primary = cluster
+        .nodes
+        .iter()
+        .position(|n| {
+            n.cmd(&["KEYS", "tollgate:*"]).contains("failover")
+                && n.cmd(&["ROLE"]).contains("master")
+        })
+        .expect("the key's primary");
+    cluster.nodes[primary].kill();
+    let killed = Instant::now();
+    let mut failed = 0;
+    let recovered = loop {
+        let started = Instant::now();
+        let result = b.decide(&p, &k, cost(1)).await;
+        assert!(
+            started.elapsed() < timeout + Duration::from_millis(500),
+            "waited {:?}",
+            started.elapsed()
+        );
+        match result {
+            Ok(d) if !d.quotas().is_empty() => break killed.elapsed(),
+            _ => failed += 1,
+        }
+        if killed.elapsed() >= Duration::from_secs(20) {
+            let alive = (primary + 1) % cluster.nodes.len();
+            panic!(
+                "no failover within 20 s: {:?}\n{}",
+                b.stats(),
+                cluster.nodes[alive].cmd(&["CLUSTER", "NODES"])
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    eprintln!("failover: decisions again after {recovered:?}, {failed} requests failed meanwhile");
+    assert!(failed > 0, "the primary's death was noticed");
+    // The data was replicated before the kill: the bucket continues (or, if the last write
+    // had not reached the replica, starts over); either way decisions are exact from here.
+    let d = b.decide(&p, &k, cost(1)).await.unwrap();
+    assert!(d.is_allowed());
+}

@@ -179,7 +179,12 @@ pub struct RedisCluster {
 
 impl RedisCluster {
     pub fn start() -> RedisCluster {
-        let nodes: Vec<RedisServer> = (0..3)
+        Self::start_with_replicas(0)
+    }
+
+    /// Three primaries, each with `replicas` replicas (which take over when it fails).
+    pub fn start_with_replicas(replicas: usize) -> RedisCluster {
+        let nodes: Vec<RedisServer> = (0..3 * (1 + replicas))
             .map(|_| {
                 RedisServer::start_with(&[
                     "--cluster-enabled",
@@ -188,6 +193,10 @@ impl RedisCluster {
                     "nodes.conf",
                     "--cluster-node-timeout",
                     "2000",
+                    // Replicas take over however long ago they last heard from their primary
+                    // (the tests' replicas are fresh; Redis's default check misjudges them).
+                    "--cluster-replica-validity-factor",
+                    "0",
                 ])
             })
             .collect();
@@ -197,7 +206,7 @@ impl RedisCluster {
             create.arg(format!("127.0.0.1:{}", n.port));
         }
         let out = create
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
             .output()
             .expect("cannot run `redis-cli` (Debian: apt-get install redis-tools)");
         assert!(
