@@ -185,3 +185,61 @@ async fn memory_stays_flat_while_the_network_fails() {
     );
     assert!(b.stats().redis_errors > 100, "{:?}", b.stats());
 }
+
+/// Redis Sentinel: a primary, a replica and three sentinels; the primary is killed during
+/// traffic, the failure policy answers meanwhile, and limiting resumes on the promoted replica.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinel_failover_resumes_on_the_promoted_replica() {
+    let mut primary = RedisServer::start();
+    let port = primary.port.to_string();
+    let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &port]);
+    let sentinels = support::Sentinels::start(primary.port, 3);
+    let b = RedisBackend::builder()
+        .sentinel("mymaster", sentinels.urls())
+        .timeout(Duration::from_millis(300))
+        .on_failure(FailurePolicy::FailClosed)
+        .circuit_breaker(3, Duration::from_millis(200))
+        .deny_cache_capacity(0)
+        .build()
+        .unwrap();
+    assert!(
+        b.endpoint()
+            .starts_with("sentinel mymaster at redis://127.0.0.1:")
+    );
+    let p = prepare(&b, &Policy::new("sentinel", no_refill(1000)));
+    let k = key("k");
+    let d = b.decide(&p, &k, cost(1)).await.unwrap();
+    assert_eq!(d.quotas()[0].remaining, 999);
+    // The replica has the bucket before the primary dies.
+    support::eventually("replicated", || replica.cmd(&["DBSIZE"]).trim() == ":1").await;
+    primary.kill();
+    let killed = Instant::now();
+    let mut failed = 0;
+    let recovered = loop {
+        let started = Instant::now();
+        let result = b.decide(&p, &k, cost(1)).await;
+        assert!(
+            started.elapsed() <= Duration::from_millis(300) + MARGIN,
+            "waited {:?}",
+            started.elapsed()
+        );
+        match result {
+            Ok(d) if !d.quotas().is_empty() => break (killed.elapsed(), d),
+            _ => failed += 1,
+        }
+        assert!(
+            killed.elapsed() < Duration::from_secs(30),
+            "no failover: {:?}",
+            b.stats()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    eprintln!(
+        "sentinel failover: decisions again after {:?}, {failed} requests failed meanwhile",
+        recovered.0
+    );
+    assert!(failed > 0);
+    // On the promoted replica, with the bucket it had replicated.
+    assert_eq!(recovered.1.quotas()[0].remaining, 998, "{:?}", recovered.1);
+    assert!(replica.cmd(&["ROLE"]).contains("master"));
+}

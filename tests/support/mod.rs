@@ -444,3 +444,70 @@ impl RedisServer {
         format!("rediss://localhost:{}", self.port)
     }
 }
+
+/// Redis Sentinel processes watching one primary under the name `mymaster`.
+pub struct Sentinels {
+    pub ports: Vec<u16>,
+    children: Vec<Child>,
+    _dirs: Vec<TempDir>,
+}
+
+impl Sentinels {
+    /// `n` sentinels watching the primary on `primary_port` (quorum 2), declaring it down
+    /// after 1 s without answers.
+    pub fn start(primary_port: u16, n: usize) -> Sentinels {
+        let (mut ports, mut children, mut dirs) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..n {
+            let dir = tempfile::tempdir().expect("temp dir");
+            let port = free_port();
+            let conf = dir.path().join("sentinel.conf");
+            std::fs::write(
+                &conf,
+                format!(
+                    "port {port}\nbind 127.0.0.1\ndir {}\n\
+                     sentinel monitor mymaster 127.0.0.1 {primary_port} 2\n\
+                     sentinel down-after-milliseconds mymaster 1000\n\
+                     sentinel failover-timeout mymaster 5000\n\
+                     sentinel parallel-syncs mymaster 1\n",
+                    dir.path().display()
+                ),
+            )
+            .unwrap();
+            let child = Command::new("redis-server")
+                .arg(&conf)
+                .arg("--sentinel")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("cannot start `redis-server --sentinel`");
+            wait_until(Duration::from_secs(10), || {
+                command(port, &["PING"]).is_some_and(|r| r.starts_with("+PONG"))
+            })
+            .unwrap_or_else(|| panic!("sentinel on port {port} did not start"));
+            ports.push(port);
+            children.push(child);
+            dirs.push(dir);
+        }
+        Sentinels {
+            ports,
+            children,
+            _dirs: dirs,
+        }
+    }
+
+    pub fn urls(&self) -> Vec<String> {
+        self.ports
+            .iter()
+            .map(|p| format!("redis://127.0.0.1:{p}"))
+            .collect()
+    }
+}
+
+impl Drop for Sentinels {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}

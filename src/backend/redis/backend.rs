@@ -246,7 +246,7 @@ impl Store for RedisStore {
     }
 
     fn can_batch(&self) -> bool {
-        matches!(self.conn, Conn::Single(_))
+        matches!(self.conn, Conn::Single(_) | Conn::Sentinel(_))
     }
 
     fn reconnect(&self) {

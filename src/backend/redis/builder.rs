@@ -38,6 +38,7 @@ pub struct RedisBackendBuilder {
 enum Target {
     Url(String),
     Cluster(Vec<String>),
+    Sentinel { master: String, nodes: Vec<String> },
     Manager(ConnectionManager),
     ClusterConnection(ClusterConnection),
 }
@@ -80,6 +81,24 @@ impl RedisBackendBuilder {
         S: Into<String>,
     {
         self.target = Some(Target::Cluster(nodes.into_iter().map(Into::into).collect()));
+        self
+    }
+
+    /// A primary found through Redis Sentinel: `master` is the name the sentinels monitor it
+    /// by, `sentinels` the URLs of some sentinels (`redis://10.0.0.1:26379`). The backend asks
+    /// them for the primary when it connects, and again whenever it drops its connection (the
+    /// circuit breaker opened, a probe failed): after a failover, shared limiting resumes on the
+    /// promoted replica (see docs/redis.md for the time it takes). A password in the sentinels'
+    /// URLs is used for the primary too.
+    pub fn sentinel<I, S>(mut self, master: impl Into<String>, sentinels: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.target = Some(Target::Sentinel {
+            master: master.into(),
+            nodes: sentinels.into_iter().map(Into::into).collect(),
+        });
         self
     }
 
@@ -232,6 +251,28 @@ impl RedisBackendBuilder {
                     .set_response_timeout(self.opts.timeout.max(Duration::from_millis(250)));
                 Conn::Cluster(Lazy::from_source((client, config)))
             }
+            Some(Target::Sentinel { master, nodes }) => {
+                let invalid = |reason: String| ConfigError::Invalid {
+                    option: "sentinel",
+                    reason,
+                };
+                if nodes.is_empty() {
+                    return Err(invalid("no sentinel URL given".to_owned()));
+                }
+                let node_info = sentinel_node_info(&nodes[0]);
+                let client = redis::sentinel::SentinelClient::build(
+                    nodes.iter().map(String::as_str).collect(),
+                    master,
+                    node_info,
+                    redis::sentinel::SentinelServerType::Master,
+                )
+                .map_err(|e| invalid(format!("[{endpoint}]: {}", secrets.scrub(&e.to_string()))))?;
+                Conn::Sentinel(Box::new(super::conn::SentinelConn {
+                    client: tokio::sync::Mutex::new(client),
+                    conn: Default::default(),
+                    config: manager_config(self.opts.timeout),
+                }))
+            }
             Some(Target::Manager(c)) => Conn::Single(Lazy::ready(c)),
             Some(Target::ClusterConnection(c)) => Conn::Cluster(Lazy::ready(c)),
         };
@@ -265,6 +306,19 @@ fn describe(target: Option<&Target>) -> (String, String, Secrets) {
             let who = format!("Redis Cluster at {shown}");
             (shown, who, Secrets::of(nodes.iter().map(String::as_str)))
         }
+        Some(Target::Sentinel { master, nodes }) => {
+            let shown = nodes
+                .iter()
+                .map(|n| redact::url(n))
+                .collect::<Vec<_>>()
+                .join(", ");
+            let who = format!("Redis primary {master:?} through Sentinel at {shown}");
+            (
+                format!("sentinel {master} at {shown}"),
+                who,
+                Secrets::of(nodes.iter().map(String::as_str)),
+            )
+        }
         Some(Target::Manager(_)) => (
             "connection manager".to_owned(),
             "Redis (through the connection manager given)".to_owned(),
@@ -276,6 +330,17 @@ fn describe(target: Option<&Target>) -> (String, String, Secrets) {
             Secrets::default(),
         ),
     }
+}
+
+/// The primary's credentials and database, from the first sentinel URL (sentinels and the
+/// primary usually share a password), when it has any.
+fn sentinel_node_info(url: &str) -> Option<redis::sentinel::SentinelNodeConnectionInfo> {
+    use redis::IntoConnectionInfo;
+    let info = url.into_connection_info().ok()?;
+    Some(
+        redis::sentinel::SentinelNodeConnectionInfo::default()
+            .set_redis_connection_info(info.redis_settings().clone()),
+    )
 }
 
 /// Connection attempts get more time than a decision (a TLS or cross-zone handshake takes a

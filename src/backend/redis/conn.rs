@@ -42,6 +42,38 @@ const CLUSTER_RETRY_WAIT: Duration = Duration::from_millis(10);
 pub(crate) enum Conn {
     Single(Lazy<ConnectionManager, (redis::Client, ConnectionManagerConfig)>),
     Cluster(Lazy<ClusterConnection, (ClusterClient, ClusterConfig)>),
+    /// A primary found through Redis Sentinel: asked again whenever the connection is dropped
+    /// (the circuit breaker opened, a probe failed), so that after a failover the backend
+    /// connects to the promoted replica.
+    Sentinel(Box<SentinelConn>),
+}
+
+/// The Sentinel client, and the connection to the primary it named last.
+pub(crate) struct SentinelConn {
+    pub(crate) client: tokio::sync::Mutex<redis::sentinel::SentinelClient>,
+    pub(crate) conn: ArcSwapOption<ConnectionManager>,
+    pub(crate) config: ConnectionManagerConfig,
+}
+
+impl SentinelConn {
+    /// The connection to the primary, asking the sentinels for it if there is none.
+    async fn get(&self) -> RedisResult<Arc<ConnectionManager>> {
+        if let Some(c) = self.conn.load_full() {
+            return Ok(c);
+        }
+        let mut client = self.client.lock().await;
+        // Another call may have connected while this one waited for the lock.
+        if let Some(c) = self.conn.load_full() {
+            return Ok(c);
+        }
+        let primary = client.async_get_client().await?;
+        let made = Arc::new(ConnectionManager::new_lazy_with_config(
+            primary,
+            self.config.clone(),
+        )?);
+        self.conn.store(Some(made.clone()));
+        Ok(made)
+    }
 }
 
 /// A connection, or what is needed to make one on first use (and again after
@@ -119,6 +151,10 @@ impl Conn {
                 // make every single-node call's future (allocated per batch) as large.
                 Box::pin(eval_cluster(&mut c, cmd)).await
             }
+            Conn::Sentinel(sentinel) => {
+                let mut c = ConnectionManager::clone(&*Box::pin(sentinel.get()).await?);
+                eval_loading(&mut c, cmd).await
+            }
         }
     }
 
@@ -136,6 +172,7 @@ impl Conn {
                     lazy.discard(&c);
                 }
             }
+            Conn::Sentinel(sentinel) => sentinel.conn.store(None),
         }
     }
 
@@ -157,6 +194,10 @@ impl Conn {
             }
             Conn::Cluster(lazy) => {
                 let mut c = ClusterConnection::clone(&*lazy.get(make_cluster)?);
+                ping.query_async::<()>(&mut c).await
+            }
+            Conn::Sentinel(sentinel) => {
+                let mut c = ConnectionManager::clone(&*Box::pin(sentinel.get()).await?);
                 ping.query_async::<()>(&mut c).await
             }
         }
@@ -318,6 +359,7 @@ impl fmt::Debug for Conn {
         match self {
             Conn::Single(_) => f.write_str("Single"),
             Conn::Cluster(_) => f.write_str("Cluster"),
+            Conn::Sentinel(_) => f.write_str("Sentinel"),
         }
     }
 }

@@ -25,6 +25,8 @@ pub(crate) fn of(err: &RedisError) -> StoreFailure {
                     | ServerErrorKind::MasterDown
                     | ServerErrorKind::BusyLoading
                     | ServerErrorKind::TryAgain
+                    // A primary demoted to replica by a failover: another node is the primary now.
+                    | ServerErrorKind::ReadOnly
             )
     ) {
         StoreFailure::Unavailable

@@ -29,7 +29,8 @@
 //! policy. On a single node, concurrent decisions share calls (see [Batching](#batching) below). Connect
 //! with
 //! [`url`](RedisBackendBuilder::url) (one node), [`cluster_nodes`](RedisBackendBuilder::cluster_nodes)
-//! (Redis Cluster), or hand over your own redis-rs
+//! (Redis Cluster), [`sentinel`](RedisBackendBuilder::sentinel) (a primary found through Redis
+//! Sentinel), or hand over your own redis-rs
 //! [`ConnectionManager`](redis::aio::ConnectionManager) or
 //! [`ClusterConnection`](redis::cluster_async::ClusterConnection):
 //!
