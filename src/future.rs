@@ -50,6 +50,10 @@ pin_project! {
         Waiting {
             waiting: Box<Waiting<S, ReqBody>>,
         },
+        // Wait mode on a paused key: the pause is waited out, then the units reserved.
+        Pausing {
+            pausing: Box<Pausing<S, ReqBody, K, Bk>>,
+        },
         Called {
             #[pin]
             fut: S::Future,
@@ -72,12 +76,28 @@ struct Deciding<S, ReqBody, K, Bk: Backend> {
 }
 
 /// What a decision still being made carries to the rest of the request: a waiter's slot in
-/// wait mode (held until the request goes on), a pause the wrapped service asked for on this
-/// key (waited out in wait mode), and what reads its answer for a new one.
+/// wait mode (held until the request goes on), and what reads the wrapped service's answer for
+/// a request to slow down.
 pub(crate) struct Then {
     pub(crate) slot: Option<Slot>,
-    pub(crate) pause: Option<Duration>,
     pub(crate) note: Option<Box<Note>>,
+}
+
+/// A reservation to make once a pause the wrapped service asked for has passed.
+pub(crate) struct DecideLater<K, Bk: Backend> {
+    pub(crate) shared: Arc<Shared<K, Bk>>,
+    pub(crate) policy: Arc<Prepared<Bk::Policy>>,
+    pub(crate) key: crate::Key,
+    pub(crate) cost: std::num::NonZeroU32,
+    /// What is left of the longest wait.
+    pub(crate) max_wait: Duration,
+}
+
+struct Pausing<S, ReqBody, K, Bk: Backend> {
+    sleep: Pin<Box<tokio::time::Sleep>>,
+    inner: Option<(S, Request<ReqBody>)>,
+    later: DecideLater<K, Bk>,
+    then: Then,
 }
 
 struct Waiting<S, ReqBody> {
@@ -136,6 +156,26 @@ where
         }
     }
 
+    pub(crate) fn pausing(
+        pause: Duration,
+        inner: S,
+        req: Request<ReqBody>,
+        later: DecideLater<K, Bk>,
+        then: Then,
+    ) -> Self {
+        ResponseFuture {
+            state: State::Pausing {
+                pausing: Box::new(Pausing {
+                    sleep: Box::pin(tokio::time::sleep(pause)),
+                    inner: Some((inner, req)),
+                    later,
+                    then,
+                }),
+            },
+            mode: PhantomData,
+        }
+    }
+
     pub(crate) fn waiting(
         wait: Duration,
         inner: S,
@@ -178,7 +218,7 @@ where
                         panic!("ResponseFuture polled after completion");
                     };
                     let verdict = d.shared.verdict(&d.policy, result, req.headers());
-                    let next = match verdict.at_least(d.then.pause) {
+                    let next = match verdict {
                         Verdict::Pass(adds) => match d.inner.take() {
                             Some((mut svc, req)) => State::Called {
                                 fut: svc.call(req),
@@ -202,6 +242,37 @@ where
                         Verdict::Reject(res) => State::Rejected {
                             response: Some(res),
                         },
+                    };
+                    state.set(next);
+                }
+                StateProj::Pausing { pausing } => {
+                    let p = &mut **pausing;
+                    ready!(p.sleep.as_mut().poll(cx));
+                    let Some((svc, req)) = p.inner.take() else {
+                        panic!("ResponseFuture polled after completion");
+                    };
+                    let (shared, policy) = (p.later.shared.clone(), p.later.policy.clone());
+                    let mode = crate::backend::Mode::Reserve {
+                        max_wait: p.later.max_wait,
+                    };
+                    let decision = (shared.backend).decide_with(
+                        &policy.backend,
+                        &p.later.key,
+                        p.later.cost,
+                        mode,
+                    );
+                    let then = Then {
+                        slot: p.then.slot.take(),
+                        note: p.then.note.take(),
+                    };
+                    let next = State::Deciding {
+                        deciding: Box::new(Deciding {
+                            decision,
+                            inner: Some((svc, req)),
+                            shared,
+                            policy,
+                            then,
+                        }),
                     };
                     state.set(next);
                 }

@@ -41,8 +41,8 @@
 //! PostgreSQL, MySQL) reserves the same way, checked by one conformance test.
 //!
 //! Window quotas (fixed and sliding) cannot count into a window that has not begun: with one in
-//! the policy, `acquire` takes the units when the window has room now, and otherwise sleeps
-//! until the window's `retry_after` and asks again (polling: several waiters may wake at once,
+//! the policy, `acquire` takes the units when every quota has them now, and otherwise sleeps
+//! until the denial's `retry_after` and asks again (polling: several waiters may wake at once,
 //! and one gets the room). Prefer GCRA quotas for outbound limits.
 //!
 //! **Cancellation.** A reservation is taken before the sleep: if the future of `acquire` is

@@ -17,7 +17,7 @@ use tower_service::Service;
 
 use crate::backend::{Backend, DecidedBy, Decision, Mode};
 use crate::body::{BodyMode, KeepBody};
-use crate::future::{ResponseFuture, Then};
+use crate::future::{DecideLater, ResponseFuture, Then};
 use crate::key::{KeyError, KeyExtractor};
 use crate::layer::OnMissingKey;
 use crate::metrics::{Outcome as Counted, PolicyMetrics};
@@ -227,15 +227,25 @@ where
                     policy.metrics.record(Counted::Free, None);
                     return Step::Done(Verdict::Pass(HeaderAdds::new()), None);
                 };
-                // The wrapped service asked to slow down for this key: wait out the pause
-                // (wait mode), or answer for it.
-                let pause = shared.pauses.as_ref().and_then(|p| p.remaining(key));
-                let slot = shared.waiting.as_ref().and_then(Waiting::enter);
-                if let Some(pause) = pause
-                    && (slot.is_none()
-                        || shared.waiting.as_ref().is_none_or(|w| pause > w.max_wait))
-                {
-                    return Step::Done(shared.paused(policy, cost, pause, info.headers()), None);
+                // Wait mode and pauses apply to enforced policies only: a shadow policy never
+                // holds a request back.
+                let enforced = !policy.policy.is_shadow();
+                // The wrapped service asked to slow down for this key: wait out the pause,
+                // then reserve (wait mode), or answer for it.
+                let pause = (shared.pauses.as_ref())
+                    .filter(|_| enforced)
+                    .and_then(|p| p.remaining(key));
+                let slot = (shared.waiting.as_ref())
+                    .filter(|_| enforced)
+                    .and_then(Waiting::enter);
+                if let Some(pause) = pause {
+                    return match (&slot, &shared.waiting) {
+                        (Some(_), Some(w)) if pause <= w.max_wait => {
+                            let left = w.max_wait - pause;
+                            Step::PauseFirst(pause, left, policy.clone(), cost, slot)
+                        }
+                        _ => Step::Done(shared.paused(policy, cost, pause, info.headers()), None),
+                    };
                 }
                 // 3. backend. In-memory backends answer at once; others go on in the
                 // response future. In wait mode, a request that finds a waiter's slot
@@ -253,18 +263,17 @@ where
                 };
                 match Pin::new(&mut decision).poll(&mut Context::from_waker(Waker::noop())) {
                     Poll::Ready(result) => {
-                        let verdict = shared.verdict(policy, result, info.headers());
-                        Step::Done(verdict.at_least(pause), slot)
+                        Step::Done(shared.verdict(policy, result, info.headers()), slot)
                     }
-                    Poll::Pending => Step::Pending(decision, policy.clone(), slot, pause),
+                    Poll::Pending => Step::Pending(decision, policy.clone(), slot),
                 }
             });
             (step, key)
         };
         // The wrapped service's answer for this key is read for requests to slow down.
-        let note = match (&shared.pauses, key) {
+        let note = match (&shared.pauses, &key) {
             (Some(pauses), Ok(key)) => Some(Box::new(Note {
-                key,
+                key: key.clone(),
                 pauses: pauses.clone(),
             })),
             _ => None,
@@ -282,16 +291,35 @@ where
                 let ready = std::mem::replace(&mut self.inner, clone);
                 ResponseFuture::waiting(wait, ready, req, adds, slot, note)
             }
-            Step::Pending(decision, policy, slot, pause) => {
+            Step::Pending(decision, policy, slot) => {
                 let clone = self.inner.clone();
                 let ready = std::mem::replace(&mut self.inner, clone);
                 match self.shared.arc() {
                     Some(shared) => {
-                        let then = Then { slot, pause, note };
+                        let then = Then { slot, note };
                         ResponseFuture::deciding(decision, ready, req, shared, policy, then)
                     }
                     // Unreachable, as above.
                     None => ResponseFuture::called({ ready }.call(req), HeaderAdds::new(), None),
+                }
+            }
+            Step::PauseFirst(pause, left, policy, cost, slot) => {
+                let clone = self.inner.clone();
+                let ready = std::mem::replace(&mut self.inner, clone);
+                match (self.shared.arc(), key) {
+                    (Some(shared), Ok(key)) => {
+                        let then = Then { slot, note };
+                        let later = DecideLater {
+                            shared,
+                            policy,
+                            key,
+                            cost,
+                            max_wait: left,
+                        };
+                        ResponseFuture::pausing(pause, ready, req, later, then)
+                    }
+                    // Unreachable: a pause needs a key, and `Erased` a `Shared`.
+                    _ => ResponseFuture::called({ ready }.call(req), HeaderAdds::new(), None),
                 }
             }
         }
@@ -341,7 +369,16 @@ fn count<P>(prepared: &Prepared<P>, result: &Result<Decision, BackendError>) {
 /// Where a request stands once `call` has asked the backend.
 enum Step<F, P> {
     Done(Verdict, Option<Slot>),
-    Pending(F, Arc<Prepared<P>>, Option<Slot>, Option<Duration>),
+    Pending(F, Arc<Prepared<P>>, Option<Slot>),
+    /// Wait mode, on a key the wrapped service paused: sleep this long, then reserve within
+    /// the wait that is left.
+    PauseFirst(
+        Duration,
+        Duration,
+        Arc<Prepared<P>>,
+        NonZeroU32,
+        Option<Slot>,
+    ),
 }
 
 /// What the response future needs to read the wrapped service's answer for a request to slow
@@ -349,18 +386,6 @@ enum Step<F, P> {
 pub(crate) struct Note {
     pub(crate) key: Key,
     pub(crate) pauses: Arc<Pauses>,
-}
-
-impl Verdict {
-    /// The same verdict, passing no earlier than after `pause` (a key the wrapped service
-    /// asked to slow down, in wait mode).
-    pub(crate) fn at_least(self, pause: Option<Duration>) -> Verdict {
-        match (self, pause) {
-            (Verdict::Pass(adds), Some(pause)) => Verdict::Wait(adds, pause),
-            (Verdict::Wait(adds, wait), Some(pause)) => Verdict::Wait(adds, wait.max(pause)),
-            (verdict, _) => verdict,
-        }
-    }
 }
 
 impl<K, Bk: Backend> Shared<K, Bk> {

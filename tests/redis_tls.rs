@@ -35,6 +35,20 @@ async fn decisions_over_tls_with_a_private_ca_and_client_certificates() {
     }
 }
 
+/// TLS material with a plain `redis://` URL is a configuration error, not a clear-text
+/// connection.
+#[cfg(feature = "redis-tls")]
+#[test]
+fn tls_material_without_rediss_is_refused() {
+    let err = RedisBackend::builder()
+        .url("redis://:pw@127.0.0.1:6379")
+        .tls_ca_pem("-----BEGIN CERTIFICATE-----\n")
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("not `rediss://`"), "{err}");
+    assert!(!err.to_string().contains("pw@"), "{err}");
+}
+
 /// A server whose certificate the client does not trust: the failure policy answers, the
 /// cause is a connection failure, and nothing secret is shown.
 #[cfg(feature = "redis-tls")]

@@ -236,3 +236,99 @@ async fn the_upstreams_retry_after_pauses_the_key() {
     );
     assert_eq!(hits.load(Ordering::SeqCst), 2);
 }
+
+/// After a pause the upstream asked for, waiting calls go on at the policy's rate from the
+/// pause's end, not all at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_pause_waiters_go_on_at_the_rate() {
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let started = Instant::now();
+    let record = seen.clone();
+    let upstream = Router::new().route(
+        "/",
+        get(move || {
+            let record = record.clone();
+            async move {
+                let mut seen = record.lock().unwrap();
+                seen.push(started.elapsed());
+                if seen.len() == 1 {
+                    Response::builder()
+                        .status(429)
+                        .header("retry-after", "1")
+                        .body(axum::body::Body::empty())
+                        .unwrap()
+                } else {
+                    Response::new(axum::body::Body::from("ok"))
+                }
+            }
+        }),
+    );
+    let addr = support::serve(upstream).await;
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<Empty<Bytes>>();
+    let limited = RateLimitLayer::builder()
+        .policy(Policy::new("partner", Quota::per_second(10).burst(2)))
+        .key(Global)
+        .obey_retry_after(true)
+        .wait(Duration::from_secs(5), 64)
+        .build()
+        .unwrap()
+        .wrap_body()
+        .layer(client);
+    let get = |mut svc: tollgate::RateLimit<_, Global, LocalBackend, tollgate::body::WrapBody>| {
+        let uri = format!("http://{addr}/");
+        async move {
+            let req = Request::get(uri).body(Empty::<Bytes>::new()).unwrap();
+            svc.ready().await.unwrap().call(req).await.unwrap().status()
+        }
+    };
+    assert_eq!(get(limited.clone()).await, 429);
+    let mut tasks = Vec::new();
+    for _ in 0..6 {
+        tasks.push(tokio::spawn(get(limited.clone())));
+    }
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), 200);
+    }
+    let seen = seen.lock().unwrap().clone();
+    let mut after: Vec<Duration> = seen[1..].to_vec();
+    after.sort();
+    // The first two (the burst) at the pause's end, then one every 100 ms.
+    assert!(after[0] >= Duration::from_millis(950), "{seen:?}");
+    assert!(
+        after[5] - after[0] >= Duration::from_millis(380),
+        "{seen:?}"
+    );
+}
+
+/// A shadow policy is never enforced, in wait mode either: nothing waits.
+#[tokio::test]
+async fn a_shadow_policy_holds_nothing_back() {
+    let inner = tower::service_fn(|_req: Request<()>| async {
+        Ok::<_, Infallible>(Response::new(Empty::<Bytes>::new()))
+    });
+    let mut svc = RateLimitLayer::builder()
+        .policy(Policy::new("shadow", Quota::per_second(1).burst(1)).shadow(true))
+        .key(Global)
+        .wait(Duration::from_secs(5), 16)
+        .build()
+        .unwrap()
+        .wrap_body()
+        .layer(inner);
+    let started = Instant::now();
+    for _ in 0..3 {
+        let res = svc
+            .ready()
+            .await
+            .unwrap()
+            .call(Request::new(()))
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 200);
+    }
+    assert!(
+        started.elapsed() < Duration::from_millis(500),
+        "{:?}",
+        started.elapsed()
+    );
+}

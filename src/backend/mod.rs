@@ -105,6 +105,9 @@ pub trait Backend: Send + Sync + 'static {
 pub type ResetFuture =
     std::pin::Pin<Box<dyn Future<Output = Result<(), BackendError>> + Send + 'static>>;
 
+/// The longest wait a reservation accepts: longer ones count as a day.
+const MAX_RESERVE: Duration = Duration::from_secs(86_400);
+
 /// How [`Backend::decide_with`] treats a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
@@ -119,10 +122,10 @@ pub enum Mode {
     /// will go on, so that `n` callers sharing one bucket go on one emission interval apart.
     ///
     /// GCRA quotas reserve; window quotas cannot count into a window that has not begun, so
-    /// a policy with a window quota reserves only when the window has room now (its denial's
-    /// `retry_after` then tells when to ask again).
+    /// a policy with a window quota reserves only what every quota has now, waiting for
+    /// nothing (its denial's `retry_after` then tells when to ask again).
     Reserve {
-        /// The longest wait the caller accepts.
+        /// The longest wait the caller accepts (at most a day: longer counts as a day).
         max_wait: Duration,
     },
     /// What [`Decide`](Mode::Decide) would answer now, taking nothing.
@@ -131,13 +134,13 @@ pub enum Mode {
 
 impl Mode {
     /// The longest wait of a reservation, in nanoseconds (zero for the other modes).
-    #[cfg_attr(
-        not(any(feature = "redis", feature = "postgres", feature = "mysql")),
-        allow(dead_code)
-    )]
     pub(crate) fn max_wait_ns(self) -> u64 {
         match self {
-            Mode::Reserve { max_wait } => u64::try_from(max_wait.as_nanos()).unwrap_or(u64::MAX),
+            // At most a day: a longer wait is not a rate limiter's, and unbounded waits would
+            // push a bucket's arrival time past what the stores can hold.
+            Mode::Reserve { max_wait } => {
+                u64::try_from(max_wait.min(MAX_RESERVE).as_nanos()).unwrap_or(u64::MAX)
+            }
             _ => 0,
         }
     }

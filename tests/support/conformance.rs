@@ -525,6 +525,27 @@ pub async fn modes<B: Backend>(backend: &B, advance: impl Fn(Duration), who: &st
         "{who}: {d:?}"
     );
 
+    // With a window quota in the policy, a reservation waits for nothing: counting a request
+    // that goes on later into the current window would let the next admit its whole limit.
+    let mixed = Policy::new("modes4", Quota::per_second(10).burst(1))
+        .and(Quota::per_minute(100).fixed_window());
+    let p4 = prepare(backend, &mixed);
+    let d = backend
+        .decide_with(&p4, &k, cost(1), reserve(1000))
+        .await
+        .unwrap();
+    assert_eq!(
+        (d.is_allowed(), d.wait()),
+        (true, Duration::ZERO),
+        "{who}: {d:?}"
+    );
+    let d = backend
+        .decide_with(&p4, &k, cost(1), reserve(1000))
+        .await
+        .unwrap();
+    assert!(!d.is_allowed(), "{who}: {d:?}");
+    assert_eq!(d.retry_after(), Some(ms(100)), "{who}: {d:?}");
+
     // A fixed window reserves nothing it does not have now.
     let fixed = Policy::new("modes3", Quota::per_minute(2).fixed_window());
     let p3 = prepare(backend, &fixed);

@@ -684,7 +684,9 @@ where
     /// are, then each bucket is charged by compare-and-swap, checking its wait again: a
     /// reservation on a bucket another request changed meanwhile waits for it too (and is
     /// refused, having charged the quotas before, if that is beyond `max_wait`: the local
-    /// backend's multi-quota policies are not all-or-nothing, see the module docs).
+    /// backend's multi-quota policies are not all-or-nothing, see the module docs). In that
+    /// race, the quotas charged before the wait grew were charged as of the earlier time: a
+    /// request after it may pass them up to that difference early.
     fn reserve(
         &self,
         policy: &LocalPolicy<C>,
@@ -699,7 +701,14 @@ where
         }
         let inner = &*self.inner;
         let now_us = inner.now_us();
-        let max_wait = u64::try_from(max_wait.as_nanos()).unwrap_or(u64::MAX);
+        // A window quota cannot count a request into a window that has not begun: a policy
+        // with one reserves only what every quota has now.
+        let windows = (policy.limiters.iter()).any(|q| matches!(q.counter, Counter::Window(_)));
+        let max_wait = if windows {
+            0
+        } else {
+            Mode::Reserve { max_wait }.max_wait_ns()
+        };
         // Windows first: they cannot count into a window that has not begun.
         let mut wait = 0u64;
         for (index, quota) in policy.limiters.iter().enumerate() {

@@ -26,7 +26,23 @@ pub(crate) fn certificates(
     ca: Option<Vec<u8>>,
     client: Option<(Vec<u8>, Vec<u8>)>,
 ) -> Result<Tls, ConfigError> {
-    if !wants_tls(urls) || (ca.is_none() && client.is_none()) {
+    if !wants_tls(urls) {
+        if ca.is_some() || client.is_some() {
+            let shown: Vec<String> = urls
+                .iter()
+                .map(|u| crate::backend::remote::redact::url(u))
+                .collect();
+            return Err(ConfigError::Invalid {
+                option: "url",
+                reason: format!(
+                    "{}: a TLS certificate is configured, but the URL is not `rediss://`",
+                    shown.join(", ")
+                ),
+            });
+        }
+        return Ok(None);
+    }
+    if ca.is_none() && client.is_none() {
         return Ok(None);
     }
     // A CA given to redis-rs replaces the system's roots: they are added to it, so that the CA

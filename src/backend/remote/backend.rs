@@ -18,7 +18,7 @@ use super::options::{FailurePolicy, Options, RemoteStats};
 use super::redact::Secrets;
 use super::store::{CallError, Job, PolicyInner, Store};
 use crate::backend::{LocalBackend, Mode};
-use crate::quota::QuotaParams;
+use crate::quota::{QuotaKind, QuotaParams};
 use crate::{BackendError, BackendErrorKind, ConfigError, Key, Policy};
 
 /// The engine around a store. Cheap to clone: clones share the store, breaker and counters.
@@ -181,6 +181,16 @@ impl<S: Store> Remote<S> {
         let p = &policy.inner;
         let inner = &self.inner;
         let now_ns = inner.clock.now_ns();
+        // A window quota cannot count a request into a window that has not begun: a policy
+        // with one reserves only what every quota has now.
+        let mode = match mode {
+            Mode::Reserve { .. } if p.params.iter().any(|q| q.kind != QuotaKind::Gcra) => {
+                Mode::Reserve {
+                    max_wait: std::time::Duration::ZERO,
+                }
+            }
+            mode => mode,
+        };
         // A cached denial answers a reservation too when its wait is longer than the caller
         // accepts: the store's own wait is at least as long (see the deny cache).
         if let Some(decision) = p.deny.get(key, cost, now_ns, &p.params)

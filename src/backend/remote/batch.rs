@@ -192,6 +192,10 @@ async fn drive<S: Store>(inner: Weak<Inner<S>>, mut rx: mpsc::UnboundedReceiver<
 /// still running then, all the others with the call's outcome. The outcome is reported to the
 /// breaker and the counters once.
 async fn call<S: Store>(inner: &Arc<Inner<S>>, batch: &mut Batch<S>) {
+    // Every request gave up while the batch formed: no call (and no failure to count).
+    if batch.next_deadline().is_none() {
+        return;
+    }
     bump(&inner.counters.calls);
     let view = batch;
     let outcome = {

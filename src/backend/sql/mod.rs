@@ -140,18 +140,37 @@ pub(crate) fn decisions<S: Store>(
     reply: &[i64],
     jobs: &[Job<S>],
 ) -> Vec<Result<Decision, BackendError>> {
+    decode_all(reply, jobs.iter().map(|j| (j.params(), j.cost, j.mode)))
+}
+
+/// The decisions of a reply, from each decision's quotas, cost and mode.
+fn decode_all<'a>(
+    reply: &[i64],
+    items: impl IntoIterator<Item = (&'a [QuotaParams], NonZeroU32, Mode)>,
+) -> Vec<Result<Decision, BackendError>> {
+    let items: Vec<_> = items.into_iter().collect();
     let mut at = 0;
-    let mut out = Vec::with_capacity(jobs.len());
-    for job in jobs {
-        out.push(decision(reply, &mut at, job.params(), job.cost, job.mode));
+    let mut out = Vec::with_capacity(items.len());
+    for (params, cost, mode) in &items {
+        let d = decision(reply, &mut at, params, *cost, *mode);
+        if let Err(err) = &d {
+            // Where the next decision starts is unknown now: it and the rest fail too.
+            let err = clone_error(err);
+            out.push(d);
+            while out.len() < items.len() {
+                out.push(Err(clone_error(&err)));
+            }
+            return out;
+        }
+        out.push(d);
     }
-    if at != reply.len() && out.iter().all(Result::is_ok) {
+    if at != reply.len() {
         // More numbers than the decisions: the reply does not belong to this call.
         let err = protocol(format!(
             "the store replied {} integers, expected {at}",
             reply.len()
         ));
-        return jobs.iter().map(|_| Err(clone_error(&err))).collect();
+        return items.iter().map(|_| Err(clone_error(&err))).collect();
     }
     out
 }
@@ -343,6 +362,21 @@ mod tests {
         let mut other = Vec::new();
         bucket_key(&long, b"0g1x2", 2, &mut other);
         assert_ne!(out, other);
+    }
+
+    #[test]
+    fn a_bad_decision_fails_the_rest_of_the_reply() {
+        let gcra = QuotaParams::gcra(200_000_000, NonZeroU32::new(10).unwrap());
+        let one = (&[gcra][..], NonZeroU32::MIN, Mode::Decide);
+        // An unknown code in the first: where the second starts is unknown, it fails too.
+        let out = decode_all(&[9, 0, 0, 0], [one, one]);
+        assert_eq!(out.len(), 2);
+        assert!(out.iter().all(Result::is_err));
+        let out = decode_all(&[0, 0, 0, 200_000_000], [one, one]);
+        assert!(out.iter().all(Result::is_ok));
+        // A reply longer than its decisions belongs to another call.
+        let out = decode_all(&[0, 0, 0, 0, 0], [one, one]);
+        assert!(out.iter().all(Result::is_err));
     }
 
     #[test]
