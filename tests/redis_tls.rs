@@ -146,3 +146,66 @@ async fn a_least_privilege_acl_user_is_enough() {
     let p = prepare(&other, &Policy::new("acl", no_refill(2)));
     assert!(other.decide(&p, &key("k"), cost(1)).await.is_err());
 }
+
+/// A Redis Cluster whose nodes speak only TLS (between themselves too): decisions through
+/// `rediss://` cluster node URLs.
+#[cfg(feature = "redis-tls")]
+#[tokio::test]
+async fn decisions_on_a_tls_cluster() {
+    use std::process::Command;
+    let tls = support::TlsFiles::new();
+    let cert = |name: &str| tls.dir.path().join(name).display().to_string();
+    let nodes: Vec<RedisServer> = (0..3)
+        .map(|_| {
+            RedisServer::start_tls_with(
+                &tls,
+                false,
+                &[
+                    "--tls-cluster",
+                    "yes",
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "2000",
+                ],
+            )
+        })
+        .collect();
+    let mut create = Command::new("redis-cli");
+    create.args(["--tls", "--cacert", &cert("ca.crt"), "--cluster", "create"]);
+    for n in &nodes {
+        create.arg(format!("127.0.0.1:{}", n.port));
+    }
+    let out = create
+        .args(["--cluster-replicas", "0", "--cluster-yes"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let urls: Vec<String> = nodes.iter().map(|n| n.tls_url()).collect();
+    let b = RedisBackend::builder()
+        .cluster_nodes(urls)
+        .timeout(Duration::from_secs(2))
+        .tls_ca_pem(tls.ca_pem.clone())
+        .build()
+        .unwrap();
+    let p = prepare(&b, &Policy::new("tls-cluster", no_refill(2)));
+    // The cluster settles its slots within a few seconds of creation.
+    let started = std::time::Instant::now();
+    loop {
+        match b.decide(&p, &key("k"), cost(1)).await {
+            Ok(d) if !d.quotas().is_empty() => break,
+            _ if started.elapsed() < Duration::from_secs(20) => {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            other => panic!("no decision over TLS: {other:?} {:?}", b.stats()),
+        }
+    }
+    assert!(b.decide(&p, &key("k"), cost(1)).await.unwrap().is_allowed());
+    assert!(!b.decide(&p, &key("k"), cost(1)).await.unwrap().is_allowed());
+}

@@ -397,6 +397,11 @@ impl RedisServer {
     /// A server listening only with TLS (certificates of `tls`), on a free port; clients must
     /// present a certificate when `auth_clients`. Its `url()` is `rediss://localhost:<port>`.
     pub fn start_tls(tls: &TlsFiles, auth_clients: bool) -> RedisServer {
+        Self::start_tls_with(tls, auth_clients, &[])
+    }
+
+    /// [`start_tls`](Self::start_tls) with extra `redis-server` arguments.
+    pub fn start_tls_with(tls: &TlsFiles, auth_clients: bool, more: &[&str]) -> RedisServer {
         let dir = tempfile::tempdir().expect("temp dir");
         let port = free_port();
         let cert = |name: &str| tls.dir.path().join(name).display().to_string();
@@ -415,6 +420,7 @@ impl RedisServer {
             if auth_clients { "yes" } else { "no" },
         ]
         .iter()
+        .chain(more)
         .map(|s| s.to_string())
         .collect();
         let child = Command::new("redis-server")
