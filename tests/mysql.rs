@@ -505,3 +505,51 @@ fn closed_port_of(url: &str) -> u16 {
         .parse()
         .unwrap()
 }
+
+/// A black-holed path to the database (packets vanish, connections stay open): each request
+/// costs at most the timeout, and once the path heals the backend replaces its pool and
+/// decides again.
+#[tokio::test]
+async fn a_black_holed_connection_is_replaced() {
+    use support::proxy::{Fault, FaultProxy};
+    let server = MariaDbServer::start();
+    migrated(builder(&server)).await;
+    let proxy = FaultProxy::start(server.port).await;
+    let b = MysqlBackend::builder()
+        // Over TCP through the proxy: mysql_async would otherwise switch to the server's Unix
+        // socket when it finds itself on the same host.
+        .url(format!(
+            "mysql://root@127.0.0.1:{}/test?prefer_socket=false",
+            proxy.port
+        ))
+        .timeout(TIMEOUT)
+        .on_failure(FailurePolicy::FailClosed)
+        .circuit_breaker(3, Duration::from_millis(100))
+        .sweep(None, 1)
+        .build()
+        .unwrap();
+    let p = prepare(&b, &Policy::new("blackhole", no_refill(1000)));
+    let k = key("k");
+    assert!(b.decide(&p, &k, cost(1)).await.unwrap().is_allowed());
+    proxy.set(Fault::Stall);
+    for _ in 0..5 {
+        let r = timed(b.decide(&p, &k, cost(1))).await;
+        assert!(r.is_err(), "{r:?} {:?}", b.stats());
+    }
+    assert!(b.stats().breaker_open, "{:?}", b.stats());
+    proxy.set(Fault::Pass);
+    let started = std::time::Instant::now();
+    loop {
+        if let Ok(d) = b.decide(&p, &k, cost(1)).await
+            && !d.quotas().is_empty()
+        {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "did not resume: {:?}",
+            b.stats()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
