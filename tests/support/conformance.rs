@@ -424,99 +424,68 @@ pub async fn agree_with_local<B: Backend>(make: impl Fn(TestClock) -> B) {
 /// Reservations, peeks and resets, the same on every backend: a GCRA quota of 10 per second
 /// with a burst of 2 (a unit every 100 ms), at times set by `advance` (from a fresh clock).
 pub async fn modes<B: Backend>(backend: &B, advance: impl Fn(Duration), who: &str) {
-    use tollgate::backend::Mode;
+    use tollgate::backend::{Decision, Mode};
     let ms = Duration::from_millis;
-    let reserve = |max: u64| Mode::Reserve { max_wait: ms(max) };
+    let k = key("modes");
+    // A request of `c` units on `p` in `mode`, and a reservation waiting at most `max` ms.
+    let ask = |p: &B::Policy, c: u32, mode: Mode| backend.decide_with(p, &k, cost(c), mode);
+    let reserve = |p: &B::Policy, max: u64| {
+        backend.decide_with(p, &k, cost(1), Mode::Reserve { max_wait: ms(max) })
+    };
+    // Allowed, going on after `wait` ms.
+    let goes = |d: &Decision, wait: u64| {
+        assert_eq!((d.is_allowed(), d.wait()), (true, ms(wait)), "{who}: {d:?}");
+    };
     let policy = Policy::new("modes", Quota::per_second(10).burst(2));
     let p = prepare(backend, &policy);
-    let k = key("modes");
     // A peek on a fresh bucket: allowed, nothing taken (twice the same answer).
     for _ in 0..2 {
-        let d = backend
-            .decide_with(&p, &k, cost(1), Mode::Peek)
-            .await
-            .unwrap();
-        assert!(d.is_allowed(), "{who}: {d:?}");
+        let d = ask(&p, 1, Mode::Peek).await.unwrap();
+        goes(&d, 0);
         assert_eq!(
             d.quotas()[0].remaining,
             1,
             "{who}: a peek reports what a decision would leave"
         );
-        assert_eq!(d.wait(), Duration::ZERO);
     }
     // Reservations within 350 ms: the burst now, then one every 100 ms, first come first
     // served, each counted when it goes on.
     for want in [0, 0, 100, 200, 300] {
-        let d = backend
-            .decide_with(&p, &k, cost(1), reserve(350))
-            .await
-            .unwrap();
-        assert!(d.is_allowed(), "{who}: {d:?}");
-        assert_eq!(d.wait(), ms(want), "{who}: {d:?}");
+        goes(&reserve(&p, 350).await.unwrap(), want);
     }
     // The next would wait 400 ms: refused, with the wait, and nothing taken.
-    let d = backend
-        .decide_with(&p, &k, cost(1), reserve(350))
-        .await
-        .unwrap();
+    let d = reserve(&p, 350).await.unwrap();
     assert!(!d.is_allowed(), "{who}: {d:?}");
     assert_eq!(d.retry_after(), Some(ms(400)), "{who}: {d:?}");
-    let peeked = backend
-        .decide_with(&p, &k, cost(1), Mode::Peek)
-        .await
-        .unwrap();
+    let peeked = ask(&p, 1, Mode::Peek).await.unwrap();
     assert_eq!(peeked.retry_after(), Some(ms(400)), "{who}: {peeked:?}");
     // A plain decision is a reservation that waits for nothing.
     let d = backend.decide(&p, &k, cost(1)).await.unwrap();
     assert_eq!(d.retry_after(), Some(ms(400)), "{who}: {d:?}");
     // 250 ms later the reservations made so far have gone on; one more waits 150 ms.
     advance(ms(250));
-    let d = backend
-        .decide_with(&p, &k, cost(1), reserve(150))
-        .await
-        .unwrap();
-    assert_eq!((d.is_allowed(), d.wait()), (true, ms(150)), "{who}: {d:?}");
+    goes(&reserve(&p, 150).await.unwrap(), 150);
     // A cost larger than the burst never fits, whatever the wait.
-    let d = backend
-        .decide_with(&p, &k, cost(3), reserve(10_000))
-        .await
-        .unwrap();
+    let max = Mode::Reserve {
+        max_wait: ms(10_000),
+    };
+    let d = ask(&p, 3, max).await.unwrap();
     assert!(d.never_fits(), "{who}: {d:?}");
     // A reset forgets the key: full again.
     backend.reset(&p, &k).await.unwrap();
-    let d = backend
-        .decide_with(&p, &k, cost(2), reserve(0))
-        .await
-        .unwrap();
-    assert_eq!(
-        (d.is_allowed(), d.wait()),
-        (true, Duration::ZERO),
-        "{who}: {d:?}"
-    );
+    let zero = Mode::Reserve {
+        max_wait: Duration::ZERO,
+    };
+    goes(&ask(&p, 2, zero).await.unwrap(), 0);
 
     // Two GCRA quotas: the reservation waits for the slower, and is counted then on both.
     let two =
         Policy::new("modes2", Quota::per_second(10).burst(1)).and(Quota::per_second(2).burst(1));
     let p2 = prepare(backend, &two);
-    let d = backend
-        .decide_with(&p2, &k, cost(1), reserve(1000))
-        .await
-        .unwrap();
-    assert_eq!(
-        (d.is_allowed(), d.wait()),
-        (true, Duration::ZERO),
-        "{who}: {d:?}"
-    );
-    let d = backend
-        .decide_with(&p2, &k, cost(1), reserve(1000))
-        .await
-        .unwrap();
-    assert_eq!((d.is_allowed(), d.wait()), (true, ms(500)), "{who}: {d:?}");
+    goes(&reserve(&p2, 1000).await.unwrap(), 0);
+    goes(&reserve(&p2, 1000).await.unwrap(), 500);
     // The fast quota was charged as of 500 ms from now: its next unit is at 600 ms.
-    let d = backend
-        .decide_with(&p2, &k, cost(1), Mode::Peek)
-        .await
-        .unwrap();
+    let d = ask(&p2, 1, Mode::Peek).await.unwrap();
     assert_eq!(
         d.quotas()[0].outcome,
         Outcome::Denied {
@@ -530,19 +499,8 @@ pub async fn modes<B: Backend>(backend: &B, advance: impl Fn(Duration), who: &st
     let mixed = Policy::new("modes4", Quota::per_second(10).burst(1))
         .and(Quota::per_minute(100).fixed_window());
     let p4 = prepare(backend, &mixed);
-    let d = backend
-        .decide_with(&p4, &k, cost(1), reserve(1000))
-        .await
-        .unwrap();
-    assert_eq!(
-        (d.is_allowed(), d.wait()),
-        (true, Duration::ZERO),
-        "{who}: {d:?}"
-    );
-    let d = backend
-        .decide_with(&p4, &k, cost(1), reserve(1000))
-        .await
-        .unwrap();
+    goes(&reserve(&p4, 1000).await.unwrap(), 0);
+    let d = reserve(&p4, 1000).await.unwrap();
     assert!(!d.is_allowed(), "{who}: {d:?}");
     assert_eq!(d.retry_after(), Some(ms(100)), "{who}: {d:?}");
 
@@ -550,19 +508,8 @@ pub async fn modes<B: Backend>(backend: &B, advance: impl Fn(Duration), who: &st
     let fixed = Policy::new("modes3", Quota::per_minute(2).fixed_window());
     let p3 = prepare(backend, &fixed);
     for _ in 0..2 {
-        let d = backend
-            .decide_with(&p3, &k, cost(1), reserve(120_000))
-            .await
-            .unwrap();
-        assert_eq!(
-            (d.is_allowed(), d.wait()),
-            (true, Duration::ZERO),
-            "{who}: {d:?}"
-        );
+        goes(&reserve(&p3, 120_000).await.unwrap(), 0);
     }
-    let d = backend
-        .decide_with(&p3, &k, cost(1), reserve(120_000))
-        .await
-        .unwrap();
+    let d = reserve(&p3, 120_000).await.unwrap();
     assert!(!d.is_allowed(), "{who}: {d:?}");
 }

@@ -119,21 +119,16 @@
 mod builder;
 mod store;
 
-use std::fmt;
-use std::num::NonZeroU32;
-
 pub use builder::MysqlBackendBuilder;
 /// The mysql_async crate the backend speaks through and its pools come from, for
 /// [`pool`](MysqlBackendBuilder::pool).
 pub use mysql_async;
 
-use crate::backend::remote::{Remote, RemoteFuture, RemotePolicy, RemoteStats};
-use crate::backend::{Backend, Mode, ResetFuture};
-use crate::quota::QuotaParams;
-use crate::{BackendError, ConfigError, Key, Policy};
+use crate::BackendError;
+use crate::backend::remote::{Remote, RemotePolicy};
 use store::MysqlStore;
 
-/// A [`Backend`] keeping buckets in a MySQL or MariaDB table: one limit shared by every
+/// A [`Backend`](crate::backend::Backend) keeping buckets in a MySQL or MariaDB table: one limit shared by every
 /// instance of an application. Cheap to clone: clones share the pool, breaker and counters.
 ///
 /// See the [module docs](self) for guarantees, schema and failure modes.
@@ -145,15 +140,6 @@ pub struct MysqlBackend {
 /// A policy prepared for the [`MysqlBackend`].
 pub struct MysqlPolicy {
     inner: RemotePolicy<MysqlStore>,
-}
-
-impl fmt::Debug for MysqlPolicy {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("MysqlPolicy")
-            .field("quotas", &self.inner.params())
-            .field("deny_cache_entries", &self.inner.deny_cache_len())
-            .finish()
-    }
 }
 
 impl MysqlBackend {
@@ -172,23 +158,6 @@ impl MysqlBackend {
         self.remote.store().names.migration()
     }
 
-    /// Deletes expired rows now (as the background sweep does), answering how many.
-    pub async fn sweep(&self) -> Result<u64, BackendError> {
-        self.remote.store().sweeper.sweep(u32::MAX).await
-    }
-
-    /// Rows deleted by sweeps so far.
-    pub fn swept(&self) -> u64 {
-        self.remote.store().sweeper.swept()
-    }
-
-    /// Forgets `key`'s buckets under `policy`: its next request finds them full (an operator
-    /// forgiving a client). Answers how many rows were deleted.
-    pub async fn reset(&self, policy: &MysqlPolicy, key: &Key) -> Result<u64, BackendError> {
-        policy.inner.forget(key);
-        self.remote.store().reset(policy.inner.store(), key).await
-    }
-
     /// Calls sent again after the database rolled them back for a conflict (a deadlock or a
     /// lock wait timeout), since the backend was built.
     pub fn conflicts_retried(&self) -> u64 {
@@ -198,11 +167,6 @@ impl MysqlBackend {
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// The backend's counters now.
-    pub fn stats(&self) -> RemoteStats {
-        self.remote.stats()
-    }
-
     /// Where the backend connects, password left out: `mysql://user@host:3306/db`, or `pool`
     /// for a pool you handed over.
     pub fn endpoint(&self) -> &str {
@@ -210,58 +174,4 @@ impl MysqlBackend {
     }
 }
 
-impl fmt::Debug for MysqlBackend {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let store = self.remote.store();
-        f.debug_struct("MysqlBackend")
-            .field("endpoint", &store.endpoint)
-            .field("table", &store.names.table)
-            .field("prefix", &store.prefix)
-            .field("timeout", &self.remote.timeout())
-            .field("on_failure", &self.remote.on_failure())
-            .field("stats", &self.stats())
-            .finish()
-    }
-}
-
-impl Backend for MysqlBackend {
-    type Policy = MysqlPolicy;
-    type Future = RemoteFuture;
-
-    fn prepare(&self, policy: &Policy, params: &[QuotaParams]) -> Result<MysqlPolicy, ConfigError> {
-        Ok(MysqlPolicy {
-            inner: self.remote.prepare(policy, params)?,
-        })
-    }
-
-    fn decide(&self, policy: &MysqlPolicy, key: &Key, cost: NonZeroU32) -> RemoteFuture {
-        self.remote.decide(&policy.inner, key, cost, Mode::Decide)
-    }
-
-    fn decide_with(
-        &self,
-        policy: &MysqlPolicy,
-        key: &Key,
-        cost: NonZeroU32,
-        mode: Mode,
-    ) -> RemoteFuture {
-        self.remote.decide(&policy.inner, key, cost, mode)
-    }
-
-    /// Deletes the key's rows, as [`reset`](Self::reset).
-    fn reset(&self, policy: &MysqlPolicy, key: &Key) -> ResetFuture {
-        policy.inner.forget(key);
-        let (remote, shared) = (self.remote.clone(), policy.inner.inner.clone());
-        let key = key.clone();
-        Box::pin(async move { remote.store().reset(&shared.store, &key).await.map(drop) })
-    }
-
-    /// The database and table, password left out: backends naming the same share buckets.
-    fn store_id(&self) -> Option<String> {
-        let store = self.remote.store();
-        Some(format!(
-            "{} table {} prefix {:?}",
-            store.endpoint, store.names.table, store.prefix
-        ))
-    }
-}
+crate::backend::sql::sql_backend!(MysqlBackend, MysqlPolicy, MysqlStore);

@@ -346,6 +346,120 @@ impl Sweeper {
     }
 }
 
+/// What the SQL backends share around their store: the policy's `Debug`, the backend's
+/// `Debug`, its [`Backend`](crate::backend::Backend) implementation, and the sweep, reset and
+/// stats methods. `$backend` wraps a `Remote<$store>` in a field `remote`, `$policy` a
+/// `RemotePolicy<$store>` in a field `inner`; the store has `endpoint`, `prefix`, `names.table`,
+/// `sweeper` and `reset`.
+macro_rules! sql_backend {
+    ($backend:ident, $policy:ident, $store:ty) => {
+        impl std::fmt::Debug for $policy {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.debug_struct(stringify!($policy))
+                    .field("quotas", &self.inner.params())
+                    .field("deny_cache_entries", &self.inner.deny_cache_len())
+                    .finish()
+            }
+        }
+
+        impl std::fmt::Debug for $backend {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                let store = self.remote.store();
+                f.debug_struct(stringify!($backend))
+                    .field("endpoint", &store.endpoint)
+                    .field("table", &store.names.table)
+                    .field("prefix", &store.prefix)
+                    .field("timeout", &self.remote.timeout())
+                    .field("on_failure", &self.remote.on_failure())
+                    .field("stats", &self.stats())
+                    .finish()
+            }
+        }
+
+        impl $backend {
+            /// Deletes expired rows now (as the background sweep does), answering how many.
+            pub async fn sweep(&self) -> Result<u64, $crate::BackendError> {
+                self.remote.store().sweeper.sweep(u32::MAX).await
+            }
+
+            /// Rows deleted by sweeps so far.
+            pub fn swept(&self) -> u64 {
+                self.remote.store().sweeper.swept()
+            }
+
+            /// Forgets `key`'s buckets under `policy`: its next request finds them full (an
+            /// operator forgiving a client). Answers how many rows were deleted.
+            pub async fn reset(
+                &self,
+                policy: &$policy,
+                key: &$crate::Key,
+            ) -> Result<u64, $crate::BackendError> {
+                policy.inner.forget(key);
+                self.remote.store().reset(policy.inner.store(), key).await
+            }
+
+            /// The backend's counters now.
+            pub fn stats(&self) -> $crate::backend::remote::RemoteStats {
+                self.remote.stats()
+            }
+        }
+
+        impl $crate::backend::Backend for $backend {
+            type Policy = $policy;
+            type Future = $crate::backend::remote::RemoteFuture;
+
+            fn prepare(
+                &self,
+                policy: &$crate::Policy,
+                params: &[$crate::quota::QuotaParams],
+            ) -> Result<$policy, $crate::ConfigError> {
+                Ok($policy {
+                    inner: self.remote.prepare(policy, params)?,
+                })
+            }
+
+            fn decide(
+                &self,
+                policy: &$policy,
+                key: &$crate::Key,
+                cost: std::num::NonZeroU32,
+            ) -> Self::Future {
+                self.remote
+                    .decide(&policy.inner, key, cost, $crate::backend::Mode::Decide)
+            }
+
+            fn decide_with(
+                &self,
+                policy: &$policy,
+                key: &$crate::Key,
+                cost: std::num::NonZeroU32,
+                mode: $crate::backend::Mode,
+            ) -> Self::Future {
+                self.remote.decide(&policy.inner, key, cost, mode)
+            }
+
+            /// Deletes the key's rows, as the backend's own `reset`.
+            fn reset(&self, policy: &$policy, key: &$crate::Key) -> $crate::backend::ResetFuture {
+                policy.inner.forget(key);
+                let (remote, shared) = (self.remote.clone(), policy.inner.inner.clone());
+                let key = key.clone();
+                Box::pin(async move { remote.store().reset(&shared.store, &key).await.map(drop) })
+            }
+
+            /// The database and table, password left out: backends naming the same share
+            /// buckets.
+            fn store_id(&self) -> Option<String> {
+                let store = self.remote.store();
+                Some(format!(
+                    "{} table {} prefix {:?}",
+                    store.endpoint, store.names.table, store.prefix
+                ))
+            }
+        }
+    };
+}
+pub(crate) use sql_backend;
+
 #[cfg(test)]
 mod tests {
     use super::*;
