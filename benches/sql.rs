@@ -98,6 +98,31 @@ fn row(what: &str, r: &Run) {
     );
 }
 
+/// "one key" or "N keys".
+fn keys_label(keys: u64) -> String {
+    if keys == 1 {
+        "one key".to_owned()
+    } else {
+        format!("{keys} keys")
+    }
+}
+
+/// The backend's decisions per second and latency with 16, 64 and 256 callers, on one key and
+/// on 10 000 uniform keys, as a table.
+async fn tollgate_table<B: Backend + Clone>(b: &B) {
+    println!("| load | decisions/s | p50 µs | p99 µs | failed |\n|---|---|---|---|---|");
+    let p = Arc::new(b.prepare(&roomy(), &roomy().validate().unwrap()).unwrap());
+    for keys in [1, 10_000] {
+        for callers in [16, 64, 256] {
+            let r = load(b, &p, callers, keys).await;
+            row(
+                &format!("tollgate, {}, {callers} callers", keys_label(keys)),
+                &r,
+            );
+        }
+    }
+}
+
 /// The denied flood: 256 callers on one key that is always denied, with the deny cache on and
 /// off.
 async fn denied<B: Backend + Clone>(make: impl Fn(usize) -> B) {
@@ -142,29 +167,13 @@ async fn postgres() {
     let b = make(0);
     b.migrate().await.expect("migrate");
     println!("\n### PostgreSQL\n");
-    println!("| load | decisions/s | p50 µs | p99 µs | failed |\n|---|---|---|---|---|");
-    let p = Arc::new(b.prepare(&roomy(), &roomy().validate().unwrap()).unwrap());
-    for keys in [1, 10_000] {
-        for callers in [16, 64, 256] {
-            let r = load(&b, &p, callers, keys).await;
-            let what = if keys == 1 {
-                "one key".to_owned()
-            } else {
-                format!("{keys} keys")
-            };
-            row(&format!("tollgate, {what}, {callers} callers"), &r);
-        }
-    }
+    tollgate_table(&b).await;
     for keys in [1, 10_000] {
         for callers in [16, 64, 256] {
             let tps = pgbench(&server, callers, keys);
             println!(
-                "| pgbench (the function alone), {} , {callers} clients | {tps:.0} | | | |",
-                if keys == 1 {
-                    "one key".to_owned()
-                } else {
-                    format!("{keys} keys")
-                }
+                "| pgbench (the function alone), {}, {callers} clients | {tps:.0} | | | |",
+                keys_label(keys)
             );
         }
     }
@@ -265,27 +274,11 @@ async fn mysql() {
     let b = make(0);
     b.migrate().await.expect("migrate");
     println!("\n### MariaDB\n");
-    println!("| load | decisions/s | p50 µs | p99 µs | failed |\n|---|---|---|---|---|");
-    let p = Arc::new(b.prepare(&roomy(), &roomy().validate().unwrap()).unwrap());
-    for keys in [1, 10_000] {
-        for callers in [16, 64, 256] {
-            let r = load(&b, &p, callers, keys).await;
-            let what = if keys == 1 {
-                "one key".to_owned()
-            } else {
-                format!("{keys} keys")
-            };
-            row(&format!("tollgate, {what}, {callers} callers"), &r);
-        }
-    }
+    tollgate_table(&b).await;
     for keys in [1, 10_000] {
         for clients in [16, 64, 256] {
             let qps = slap(&server, clients, keys);
-            let what = if keys == 1 {
-                "one key".to_owned()
-            } else {
-                format!("{keys} keys")
-            };
+            let what = keys_label(keys);
             println!(
                 "| mariadb clients (the procedure alone), {what}, {clients} clients | {qps:.0} | | | |"
             );
