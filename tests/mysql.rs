@@ -3,17 +3,17 @@
 
 mod support;
 
-use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use support::conformance::{agree_with_local, remote_vectors};
+use support::outage::{self, TIMEOUT, allowed_of_concurrent};
 use support::sql::MariaDbServer;
 use support::{closed_port, cost, key, no_refill, prepare};
 use tollgate::backend::mysql::{MysqlBackend, MysqlBackendBuilder};
 use tollgate::backend::remote::{FailurePolicy, TestClock};
 use tollgate::backend::{Backend, Outcome};
-use tollgate::{BackendErrorKind, Policy, Quota};
+use tollgate::{Policy, Quota};
 
 /// A backend for `server` with a generous timeout for a loaded machine, no deny cache (every
 /// decision reaches the database) and no background sweep.
@@ -74,30 +74,6 @@ async fn modes_mysql() {
     let clock = TestClock::new();
     let b = builder(&server).test_clock(clock.clone()).build().unwrap();
     support::conformance::modes(&b, |by| clock.advance(by), "mysql").await;
-}
-
-/// `n` concurrent decisions on one key, spread over `backends`; how many were allowed.
-async fn allowed_of_concurrent(backends: &[MysqlBackend], policy: &Policy, n: usize) -> usize {
-    let prepared: Vec<_> = backends
-        .iter()
-        .map(|b| Arc::new(prepare(b, policy)))
-        .collect();
-    let mut tasks = Vec::new();
-    for i in 0..n {
-        let b = backends[i % backends.len()].clone();
-        let p = prepared[i % backends.len()].clone();
-        tasks.push(tokio::spawn(async move {
-            b.decide(&p, &key("hot"), cost(1))
-                .await
-                .unwrap()
-                .is_allowed()
-        }));
-    }
-    let mut allowed = 0;
-    for t in tasks {
-        allowed += usize::from(t.await.unwrap());
-    }
-    allowed
 }
 
 /// Two instances (two pools) and 500 concurrent requests on one key: exactly the burst passes,
@@ -359,11 +335,9 @@ async fn idle_rows_are_swept_and_keys_reset() {
     .await;
 }
 
-const TIMEOUT: Duration = Duration::from_millis(300);
-
-fn failing(server: &MariaDbServer, on_failure: FailurePolicy) -> MysqlBackend {
+fn failing(url: &str, on_failure: FailurePolicy) -> MysqlBackend {
     MysqlBackend::builder()
-        .url(server.url())
+        .url(url)
         .timeout(TIMEOUT)
         .on_failure(on_failure)
         .circuit_breaker(3, Duration::from_millis(100))
@@ -372,74 +346,14 @@ fn failing(server: &MariaDbServer, on_failure: FailurePolicy) -> MysqlBackend {
         .unwrap()
 }
 
-/// No request waits much past the timeout.
-async fn timed<F: Future<Output = T>, T>(f: F) -> T {
-    let started = Instant::now();
-    let out = f.await;
-    assert!(
-        started.elapsed() < TIMEOUT + Duration::from_millis(500),
-        "waited {:?}",
-        started.elapsed()
-    );
-    out
-}
-
 /// The database killed mid-stream and restarted, under each failure policy: answers within the
 /// timeout meanwhile, shared limits again after the restart.
 #[tokio::test]
 async fn killed_database_gets_the_failure_policy_and_recovers() {
     let mut server = MariaDbServer::start();
     migrated(builder(&server)).await;
-    for on_failure in [
-        FailurePolicy::FailOpen,
-        FailurePolicy::FailClosed,
-        FailurePolicy::FallbackLocal,
-    ] {
-        let b = failing(&server, on_failure);
-        let p = prepare(&b, &Policy::new("outage", no_refill(1000)));
-        let k = key("k");
-        let d = b.decide(&p, &k, cost(1)).await.unwrap();
-        assert_eq!(d.quotas().len(), 1, "{on_failure:?}");
-
-        server.kill();
-        for _ in 0..10 {
-            let r = timed(b.decide(&p, &k, cost(1))).await;
-            match on_failure {
-                FailurePolicy::FailOpen => assert!(r.unwrap().quotas().is_empty()),
-                FailurePolicy::FailClosed => {
-                    let err = r.unwrap_err();
-                    assert!(
-                        matches!(
-                            err.kind(),
-                            BackendErrorKind::Unavailable | BackendErrorKind::Timeout
-                        ),
-                        "{err}"
-                    );
-                }
-                _ => assert_eq!(r.unwrap().quotas().len(), 1, "local fallback"),
-            }
-        }
-        let s = b.stats();
-        assert!(s.breaker_open, "{on_failure:?}: {s:?}");
-        assert!(s.failing.is_some(), "{s:?}");
-
-        server.restart();
-        let started = Instant::now();
-        loop {
-            let before = b.stats().decisions;
-            let d = b.decide(&p, &k, cost(1)).await;
-            if b.stats().decisions > before && d.is_ok_and(|d| d.quotas().len() == 1) {
-                break;
-            }
-            assert!(
-                started.elapsed() < Duration::from_secs(10),
-                "shared limiting did not resume: {:?}",
-                b.stats()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        assert!(!b.stats().breaker_open);
-    }
+    let url = server.url();
+    outage::killed_and_restarted(&mut server, |on_failure| failing(&url, on_failure)).await;
 }
 
 /// A frozen database (connections open, nothing answers) costs each request the timeout at
@@ -448,21 +362,7 @@ async fn killed_database_gets_the_failure_policy_and_recovers() {
 async fn frozen_database_costs_at_most_the_timeout() {
     let server = MariaDbServer::start();
     migrated(builder(&server)).await;
-    let b = failing(&server, FailurePolicy::FailOpen);
-    let p = prepare(&b, &Policy::new("frozen", no_refill(1000)));
-    b.decide(&p, &key("k"), cost(1)).await.unwrap();
-    server.pause();
-    for i in 0..5 {
-        let t = Instant::now();
-        let d = timed(b.decide(&p, &key("k"), cost(1))).await.unwrap();
-        assert!(
-            d.quotas().is_empty(),
-            "{i} {:?} {d:?} {:?}",
-            t.elapsed(),
-            b.stats()
-        );
-    }
-    server.resume();
+    outage::frozen(&server, &failing(&server.url(), FailurePolicy::FailOpen)).await;
 }
 
 /// Building never connects; a database that refuses connections is reported as such, and no
@@ -511,7 +411,7 @@ fn closed_port_of(url: &str) -> u16 {
 /// decides again.
 #[tokio::test]
 async fn a_black_holed_connection_is_replaced() {
-    use support::proxy::{Fault, FaultProxy};
+    use support::proxy::FaultProxy;
     let server = MariaDbServer::start();
     migrated(builder(&server)).await;
     let proxy = FaultProxy::start(server.port).await;
@@ -528,28 +428,11 @@ async fn a_black_holed_connection_is_replaced() {
         .sweep(None, 1)
         .build()
         .unwrap();
-    let p = prepare(&b, &Policy::new("blackhole", no_refill(1000)));
-    let k = key("k");
-    assert!(b.decide(&p, &k, cost(1)).await.unwrap().is_allowed());
-    proxy.set(Fault::Stall);
-    for _ in 0..5 {
-        let r = timed(b.decide(&p, &k, cost(1))).await;
-        assert!(r.is_err(), "{r:?} {:?}", b.stats());
-    }
-    assert!(b.stats().breaker_open, "{:?}", b.stats());
-    proxy.set(Fault::Pass);
-    let started = std::time::Instant::now();
-    loop {
-        if let Ok(d) = b.decide(&p, &k, cost(1)).await
-            && !d.quotas().is_empty()
-        {
-            break;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "did not resume: {:?}",
-            b.stats()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    outage::black_holed(&proxy, &b).await;
+}
+
+impl outage::Remote for MysqlBackend {
+    fn stats(&self) -> tollgate::backend::remote::RemoteStats {
+        MysqlBackend::stats(self)
     }
 }

@@ -17,6 +17,8 @@ use tollgate::{Key, Policy, Quota};
 
 #[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
 pub mod conformance;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub mod outage;
 pub mod proxy;
 pub mod sql;
 

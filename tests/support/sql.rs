@@ -474,3 +474,35 @@ impl Drop for MariaDbServer {
         self.kill();
     }
 }
+
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+impl super::outage::Db for PgServer {
+    fn kill(&mut self) {
+        PgServer::kill(self)
+    }
+    fn restart(&mut self) {
+        PgServer::restart(self)
+    }
+    fn pause(&self) {
+        PgServer::pause(self)
+    }
+    fn resume(&self) {
+        PgServer::resume(self)
+    }
+}
+
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+impl super::outage::Db for MariaDbServer {
+    fn kill(&mut self) {
+        MariaDbServer::kill(self)
+    }
+    fn restart(&mut self) {
+        MariaDbServer::restart(self)
+    }
+    fn pause(&self) {
+        MariaDbServer::pause(self)
+    }
+    fn resume(&self) {
+        MariaDbServer::resume(self)
+    }
+}
