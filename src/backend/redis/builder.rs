@@ -204,6 +204,37 @@ impl RedisBackendBuilder {
     /// blocks nor fails when Redis is down: connections are made in the background from the
     /// first prepared policy (or the first decision) on, inside the Tokio runtime.
     pub fn build(self) -> Result<RedisBackend, ConfigError> {
+        let c = self.connect()?;
+        let store = RedisStore {
+            conn: c.conn,
+            endpoint: c.endpoint,
+            prefix: c.prefix,
+        };
+        Ok(RedisBackend {
+            remote: Remote::new(store, c.who, c.secrets, c.opts),
+        })
+    }
+
+    /// Builds the [approximate mode](super::approx): decisions made in this process from counts
+    /// kept in step with Redis, as `mode` says. The connection, [`prefix`](Self::prefix),
+    /// [`timeout`](Self::timeout) and [`circuit_breaker`](Self::circuit_breaker) options apply;
+    /// the failure policy and the deny cache do not (the mode decides locally whatever Redis
+    /// does, and denies without Redis anyway).
+    ///
+    /// # Errors
+    ///
+    /// As [`build`](Self::build).
+    pub fn build_approximate(
+        self,
+        mode: super::approx::Approximate,
+    ) -> Result<super::approx::ApproxBackend, ConfigError> {
+        let c = self.connect()?;
+        Ok(super::approx::ApproxBackend::new(
+            c.conn, c.endpoint, c.prefix, c.opts, mode,
+        ))
+    }
+
+    fn connect(self) -> Result<Connected, ConfigError> {
         keys::validate_prefix(&self.prefix)?;
         let (endpoint, who, secrets) = describe(self.target.as_ref());
         let conn = match self.target {
@@ -276,15 +307,25 @@ impl RedisBackendBuilder {
             Some(Target::Manager(c)) => Conn::Single(Lazy::ready(c)),
             Some(Target::ClusterConnection(c)) => Conn::Cluster(Lazy::ready(c)),
         };
-        let store = RedisStore {
+        Ok(Connected {
             conn,
             endpoint,
+            who,
+            secrets,
             prefix: self.prefix,
-        };
-        Ok(RedisBackend {
-            remote: Remote::new(store, who, secrets, self.opts),
+            opts: self.opts,
         })
     }
+}
+
+/// What every Redis mode is built from.
+struct Connected {
+    conn: Conn,
+    endpoint: String,
+    who: String,
+    secrets: Secrets,
+    prefix: String,
+    opts: Options,
 }
 
 /// Where a target is, passwords masked (for `RedisBackend::endpoint`), the same in a phrase for

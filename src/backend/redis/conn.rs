@@ -181,6 +181,34 @@ impl Conn {
         self.query(&redis::cmd("PING")).await
     }
 
+    /// Sends `pipe`, plain commands (no script), and returns their replies. On a cluster
+    /// every key of the pipeline must hash to one slot (the approximate mode sends one
+    /// pipeline per client key, whose keys share a hash tag); nothing is retried.
+    pub(crate) async fn pipeline(&self, pipe: &redis::Pipeline) -> RedisResult<Vec<redis::Value>> {
+        match self {
+            Conn::Single(lazy) => {
+                let shared = lazy.get(make_single)?;
+                let mut c = ConnectionManager::clone(&shared);
+                let result = pipe.query_async(&mut c).await;
+                discard_if_refused(lazy, &shared, &result);
+                result
+            }
+            Conn::Cluster(lazy) => {
+                let mut c = ClusterConnection::clone(&*lazy.get(make_cluster)?);
+                pipe.query_async(&mut c).await
+            }
+            Conn::Sentinel(sentinel) => {
+                let mut c = ConnectionManager::clone(&*Box::pin(sentinel.get()).await?);
+                pipe.query_async(&mut c).await
+            }
+        }
+    }
+
+    /// Whether this is a Redis Cluster (one pipeline per hash slot).
+    pub(crate) fn is_cluster(&self) -> bool {
+        matches!(self, Conn::Cluster(_))
+    }
+
     /// Sends `cmd` (a `PING`, a `DEL` of one client's keys) and drops its reply.
     pub(crate) async fn query(&self, cmd: &redis::Cmd) -> RedisResult<()> {
         let ping = cmd;

@@ -28,7 +28,8 @@ impl TestClock {
         self.ns.fetch_add(by, Ordering::AcqRel);
     }
 
-    pub(crate) fn now_ns(&self) -> u64 {
+    /// The clock's time in nanoseconds.
+    pub fn now_ns(&self) -> u64 {
         self.ns.load(Ordering::Acquire)
     }
 }

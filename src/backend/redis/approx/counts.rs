@@ -1,0 +1,337 @@
+//! One window quota's counts for one key on one instance, and the decision made from them.
+//!
+//! Each sub-window of the window holds two numbers: `fleet`, the fleet's count as Redis last
+//! told it (a read, or the reply to one of this instance's increments), and `mine`, this
+//! instance's units not yet known to be in `fleet` (admitted, and either not yet sent or sent
+//! without a reply yet). Their sum is this instance's view of the count, and it never exceeds
+//! the true count by more than the units of increments in flight (counted in `mine` until their
+//! reply comes back, though Redis may already have added them); it falls short of it by what
+//! other instances admitted since this one last heard from Redis.
+
+use std::num::NonZeroU32;
+
+use smallvec::SmallVec;
+
+use crate::backend::QuotaState;
+use crate::backend::window::{self, Code};
+use crate::quota::{QuotaKind, QuotaParams};
+
+/// A window quota as the approximate mode counts it.
+#[derive(Debug, Clone)]
+pub(crate) struct Spec {
+    /// The quota's place in the policy.
+    pub(crate) index: usize,
+    pub(crate) params: QuotaParams,
+    /// One sub-window in µs (the whole window for a fixed window).
+    pub(crate) slice_us: u64,
+    /// Sub-windows held: the window's and the one before (sliding), or one (fixed).
+    pub(crate) kept: usize,
+    /// The Redis key suffix naming the quota: `<index>a<sub-window µs>x<sub-windows>x<limit>`.
+    pub(crate) suffix: Box<[u8]>,
+}
+
+impl Spec {
+    /// The spec of a window quota; `None` for GCRA.
+    pub(crate) fn new(index: usize, params: QuotaParams) -> Option<Self> {
+        let (slice_us, kept) = match params.kind {
+            QuotaKind::FixedWindow { window_us } => (window_us, 1),
+            QuotaKind::SlidingWindow { slice_us, slices } => (slice_us, slices as usize + 1),
+            _ => return None,
+        };
+        let slices = kept.saturating_sub(1);
+        let suffix = format!("{index}a{slice_us}x{slices}x{}", params.burst)
+            .into_bytes()
+            .into_boxed_slice();
+        Some(Spec {
+            index,
+            params,
+            slice_us,
+            kept,
+            suffix,
+        })
+    }
+
+    fn sliding(&self) -> bool {
+        matches!(self.params.kind, QuotaKind::SlidingWindow { .. })
+    }
+
+    /// The sub-window holding `now_us`.
+    pub(crate) fn slice_at(&self, now_us: u64) -> u64 {
+        now_us / self.slice_us
+    }
+
+    /// How long a sub-window's Redis counter is kept: until it has left every window, plus a
+    /// margin for clocks that disagree (in ms).
+    pub(crate) fn ttl_ms(&self) -> u64 {
+        (self.slice_us.saturating_mul(self.kept as u64 + 1) / 1000).saturating_add(2_000)
+    }
+}
+
+/// One quota's counts for one key.
+#[derive(Debug, Clone)]
+pub(crate) struct Counts {
+    /// The newest sub-window held; `counts[kept - 1]` is its count.
+    slice: u64,
+    fleet: SmallVec<[u32; 4]>,
+    mine: SmallVec<[u32; 4]>,
+    /// Units of `mine` not sent yet (queued for the next flush, or back from a failed one).
+    unsent: SmallVec<[u32; 4]>,
+    /// The newest sub-window when the counts were last read from Redis; `None` before the first
+    /// read.
+    read: Option<u64>,
+}
+
+impl Counts {
+    pub(crate) fn new(spec: &Spec) -> Self {
+        let zeros = || smallvec::smallvec![0; spec.kept];
+        Counts {
+            slice: 0,
+            fleet: zeros(),
+            mine: zeros(),
+            unsent: zeros(),
+            read: None,
+        }
+    }
+
+    /// Moves on to the sub-window `slice`: counts that left the window are dropped (units not
+    /// sent for them no longer matter to anyone), the sub-windows since count zero.
+    pub(crate) fn advance(&mut self, slice: u64) {
+        let kept = self.fleet.len() as u64;
+        let by = slice.saturating_sub(self.slice);
+        if by == 0 {
+            return;
+        }
+        for v in [&mut self.fleet, &mut self.mine, &mut self.unsent] {
+            if by >= kept {
+                v.iter_mut().for_each(|c| *c = 0);
+            } else {
+                let by = by as usize;
+                v.rotate_left(by);
+                let len = v.len();
+                v[len - by..].iter_mut().for_each(|c| *c = 0);
+            }
+        }
+        self.slice = slice;
+    }
+
+    /// Where sub-window `slice` is held, if it is.
+    fn slot(&self, slice: u64) -> Option<usize> {
+        let oldest = self.slice.checked_sub(self.fleet.len() as u64 - 1);
+        let oldest = oldest.unwrap_or(0);
+        (slice >= oldest && slice <= self.slice).then(|| (slice - oldest) as usize)
+    }
+
+    /// This instance's view of the counts, oldest first.
+    fn view(&self) -> SmallVec<[u32; 4]> {
+        self.fleet
+            .iter()
+            .zip(&self.mine)
+            .map(|(f, m)| f.saturating_add(*m))
+            .collect()
+    }
+
+    /// What the quota says of `cost` at `now_us` (the counts already moved to `now_us`).
+    pub(crate) fn code(&self, spec: &Spec, now_us: u64, cost: NonZeroU32) -> Code {
+        let limit = spec.params.burst.get();
+        if cost.get() > limit {
+            return Code::NeverFits;
+        }
+        let view = self.view();
+        let used = if spec.sliding() {
+            window::estimate(&view, spec.slice_us, now_us % spec.slice_us)
+        } else {
+            f64::from(view[0])
+        };
+        if used + f64::from(cost.get()) <= f64::from(limit) {
+            Code::Allowed
+        } else {
+            Code::Denied
+        }
+    }
+
+    /// Counts `cost` admitted units into the current sub-window; `queue` when they are to be
+    /// sent by the next flush (the asynchronous mode), rather than by the request itself.
+    pub(crate) fn admit(&mut self, cost: u32, queue: bool) {
+        let newest = self.fleet.len() - 1;
+        self.mine[newest] = self.mine[newest].saturating_add(cost);
+        if queue {
+            self.unsent[newest] = self.unsent[newest].saturating_add(cost);
+        }
+    }
+
+    /// The quota's state after a decision with `code`, from the view at `now_us`.
+    pub(crate) fn state(
+        &self,
+        spec: &Spec,
+        code: Code,
+        now_us: u64,
+        cost: NonZeroU32,
+    ) -> QuotaState {
+        let view = self.view();
+        let r = now_us % spec.slice_us;
+        if spec.sliding() {
+            window::sliding_state(
+                spec.index,
+                &spec.params,
+                code,
+                &view,
+                spec.slice_us,
+                r,
+                cost,
+            )
+        } else {
+            window::fixed_state(spec.index, &spec.params, code, view[0], spec.slice_us - r)
+        }
+    }
+
+    /// Takes the units to send: `(sub-window, units)` for each sub-window with any. They stay
+    /// in `mine` until [`confirmed`](Self::confirmed).
+    pub(crate) fn take_unsent(&mut self) -> SmallVec<[(u64, u32); 2]> {
+        let oldest = self.slice + 1 - self.fleet.len() as u64;
+        let mut out = SmallVec::new();
+        for (i, u) in self.unsent.iter_mut().enumerate() {
+            if *u > 0 {
+                out.push((oldest + i as u64, *u));
+                *u = 0;
+            }
+        }
+        out
+    }
+
+    /// Redis added `units` to sub-window `slice`, making it `count`.
+    pub(crate) fn confirmed(&mut self, slice: u64, units: u32, count: u32) {
+        if let Some(i) = self.slot(slice) {
+            self.fleet[i] = self.fleet[i].max(count);
+            self.mine[i] = self.mine[i].saturating_sub(units);
+        }
+    }
+
+    /// Sending `units` for `slice` failed: they are sent again by a later flush. (A call that
+    /// timed out may have reached Redis: the units are then counted twice there, which can only
+    /// deny early, never admit more.)
+    pub(crate) fn failed(&mut self, slice: u64, units: u32) {
+        if let Some(i) = self.slot(slice) {
+            self.unsent[i] = self.unsent[i].saturating_add(units);
+        }
+    }
+
+    /// The sub-windows a read asks for: the `kept` newest up to the current one.
+    pub(crate) fn read_range(&self) -> (u64, usize) {
+        (self.slice + 1 - self.fleet.len() as u64, self.fleet.len())
+    }
+
+    /// Redis's counts of the sub-windows from `first` on, read as of current sub-window
+    /// `as_of`: they replace the fleet's counts held (a read is the freshest word on them).
+    pub(crate) fn read_reply(&mut self, first: u64, counts: &[u32], as_of: u64) {
+        for (k, &c) in counts.iter().enumerate() {
+            if let Some(i) = self.slot(first + k as u64) {
+                self.fleet[i] = c;
+            }
+        }
+        self.read = Some(self.read.map_or(as_of, |r| r.max(as_of)));
+    }
+
+    /// Whether a read is due at `now_us`: never read, or not since the current sub-window
+    /// began and `settle_us` have passed in it (time for the increments other instances made
+    /// at the end of the last one to reach Redis).
+    pub(crate) fn read_due(&self, spec: &Spec, now_us: u64, settle_us: u64) -> bool {
+        match self.read {
+            None => true,
+            Some(read) => read < self.slice && now_us % spec.slice_us >= settle_us,
+        }
+    }
+
+    /// Whether units wait to be sent.
+    pub(crate) fn has_unsent(&self) -> bool {
+        self.unsent.iter().any(|&u| u > 0)
+    }
+
+    /// Whether every count has left the window and nothing is owed to Redis.
+    pub(crate) fn is_idle(&self, spec: &Spec, now_us: u64) -> bool {
+        spec.slice_at(now_us) >= self.slice + self.fleet.len() as u64
+            || (self.fleet.iter().all(|&c| c == 0)
+                && self.mine.iter().all(|&c| c == 0)
+                && self.unsent.iter().all(|&c| c == 0)
+                && self.read.is_some())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Quota;
+    use crate::backend::Outcome;
+
+    fn spec(q: Quota) -> Spec {
+        Spec::new(0, q.params("p").unwrap()).unwrap()
+    }
+
+    const ONE: NonZeroU32 = NonZeroU32::MIN;
+
+    #[test]
+    fn gcra_has_no_spec() {
+        assert!(Spec::new(0, Quota::per_second(5).params("p").unwrap()).is_none());
+    }
+
+    #[test]
+    fn own_units_and_the_fleet_add_up() {
+        // 10 per second, sub-windows of 100 ms.
+        let s = spec(
+            Quota::per_second(10)
+                .sliding_window()
+                .resolution(std::time::Duration::from_millis(100)),
+        );
+        let mut c = Counts::new(&s);
+        let now = 50_000_000; // on a sub-window boundary
+        c.advance(s.slice_at(now));
+        // Redis says the fleet counted 6 in the last second (the sub-window before, full weight).
+        let (first, n) = c.read_range();
+        let mut fleet = vec![0; n];
+        fleet[n - 2] = 6;
+        c.read_reply(first, &fleet, c.slice);
+        for _ in 0..4 {
+            assert_eq!(c.code(&s, now, ONE), Code::Allowed);
+            c.admit(1, true);
+        }
+        assert_eq!(c.code(&s, now, ONE), Code::Denied);
+        let q = c.state(&s, Code::Denied, now, ONE);
+        assert_eq!(q.remaining, 0);
+        assert!(matches!(q.outcome, Outcome::Denied { .. }));
+        // The 4 are sent and confirmed: Redis counted 9 in this sub-window (5 from others).
+        let sent = c.take_unsent();
+        assert_eq!(sent.as_slice(), &[(c.slice, 4)]);
+        c.confirmed(c.slice, 4, 9);
+        // 6 + 9: still denied, and nothing is owed.
+        assert_eq!(c.code(&s, now, ONE), Code::Denied);
+        assert!(c.take_unsent().is_empty());
+        // A failed send comes back for the next flush.
+        c.admit(0, true);
+        c.failed(c.slice, 3);
+        assert_eq!(c.take_unsent().as_slice(), &[(c.slice, 3)]);
+    }
+
+    #[test]
+    fn counts_slide_out_and_reads_fall_due_after_the_settle_time() {
+        let s = spec(Quota::per_second(3).fixed_window());
+        let mut c = Counts::new(&s);
+        let t0 = 7_000_000;
+        c.advance(s.slice_at(t0));
+        assert!(c.read_due(&s, t0, 10_000), "never read");
+        c.read_reply(c.read_range().0, &[0], c.slice);
+        for _ in 0..3 {
+            assert_eq!(c.code(&s, t0, ONE), Code::Allowed);
+            c.admit(1, false);
+        }
+        assert_eq!(c.code(&s, t0, ONE), Code::Denied);
+        assert!(!c.read_due(&s, t0, 10_000));
+        let t1 = t0 + 1_000_000;
+        c.advance(s.slice_at(t1));
+        assert_eq!(c.code(&s, t1, ONE), Code::Allowed);
+        assert!(!c.read_due(&s, t1 + 9_999, 10_000), "settling");
+        assert!(c.read_due(&s, t1 + 10_000, 10_000));
+        // A reply for a sub-window that left the window changes nothing.
+        c.confirmed(s.slice_at(t0), 3, 100);
+        assert_eq!(c.code(&s, t1, ONE), Code::Allowed);
+        assert!(c.is_idle(&s, t1 + 1_000_000));
+    }
+}

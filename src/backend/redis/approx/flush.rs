@@ -1,0 +1,278 @@
+//! The background task: sends queued increments, reads the counts that are due, and sweeps
+//! keys whose windows have passed.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use redis::Value;
+use smallvec::SmallVec;
+
+use super::{Entry, Increments, PolicyShared, Shared};
+
+/// Keys per pipeline on a single node.
+const JOBS_PER_CALL: usize = 256;
+
+/// How often idle keys are swept.
+const SWEEP_EVERY: Duration = Duration::from_secs(1);
+
+/// The task's loop, until the backend is dropped.
+pub(super) async fn run(shared: Weak<Shared>, wake: Arc<tokio::sync::Notify>) {
+    let mut last_sweep = Instant::now();
+    loop {
+        let wait = match shared.upgrade() {
+            None => return,
+            Some(s) if has_work(&s) => s.mode.flush_every,
+            Some(_) => SWEEP_EVERY,
+        };
+        let _ = tokio::time::timeout(wait, wake.notified()).await;
+        let Some(mut s) = shared.upgrade() else {
+            return;
+        };
+        if has_work(&s) {
+            // Let more work join the batch, unless enough units are queued already.
+            if s.queued_units.load(Ordering::Relaxed) < s.mode.flush_after {
+                let every = s.mode.flush_every;
+                drop(s);
+                let _ = tokio::time::timeout(every, wake.notified()).await;
+                s = match shared.upgrade() {
+                    Some(s) => s,
+                    None => return,
+                };
+            }
+            flush(&s, false).await;
+        }
+        if last_sweep.elapsed() >= SWEEP_EVERY {
+            sweep(&s);
+            last_sweep = Instant::now();
+        }
+    }
+}
+
+fn has_work(s: &Shared) -> bool {
+    !s.dirty.lock().unwrap_or_else(|e| e.into_inner()).is_empty()
+}
+
+/// What one key sends in a flush.
+struct Job {
+    policy: Arc<PolicyShared>,
+    entry: Arc<Entry>,
+    writes: Increments,
+    /// Quota, first sub-window, how many, and the current sub-window of the read.
+    reads: SmallVec<[(usize, u64, usize, u64); 1]>,
+}
+
+impl Job {
+    /// The job of a queued key: its unsent units, and the reads due (all of them when `all`).
+    fn of(s: &Shared, policy: Arc<PolicyShared>, entry: Arc<Entry>, all: bool) -> Option<Job> {
+        let now_us = s.now.us();
+        let mut writes = Increments::new();
+        let mut reads = SmallVec::new();
+        {
+            let mut st = entry.lock();
+            st.queued = false;
+            let reading = st.reading;
+            for (spec, c) in policy.specs.iter().zip(st.quotas.iter_mut()) {
+                let slice = spec.slice_at(now_us);
+                c.advance(slice);
+                for (at, units) in c.take_unsent() {
+                    writes.push((spec.index, at, units));
+                }
+                if !reading && (all || c.read_due(spec, now_us, s.settle_us(spec))) {
+                    let (first, n) = c.read_range();
+                    reads.push((spec.index, first, n, slice));
+                }
+            }
+            if !reads.is_empty() {
+                st.reading = true;
+            }
+        }
+        (!writes.is_empty() || !reads.is_empty()).then_some(Job {
+            policy,
+            entry,
+            writes,
+            reads,
+        })
+    }
+
+    fn commands(&self, pipe: &mut redis::Pipeline) {
+        for &(q, slice, units) in &self.writes {
+            let spec = &self.policy.specs[q];
+            let key = self.entry.redis_key(spec, slice);
+            pipe.cmd("INCRBY").arg(&key).arg(units);
+            pipe.cmd("PEXPIRE").arg(&key).arg(spec.ttl_ms()).ignore();
+        }
+        for &(q, first, n, _) in &self.reads {
+            let spec = &self.policy.specs[q];
+            let mget = pipe.cmd("MGET");
+            for slice in first..first + n as u64 {
+                mget.arg(self.entry.redis_key(spec, slice));
+            }
+        }
+    }
+
+    fn replies(&self) -> usize {
+        self.writes.len() + self.reads.len()
+    }
+
+    /// Takes the replies in, or on failure (`None`) queues the units to be sent again.
+    fn apply(self, s: &Shared, values: Option<&[Value]>) {
+        let parsed = values.and_then(|v| self.parse(v));
+        let mut st = self.entry.lock();
+        st.reading = false;
+        match parsed {
+            Some((counts, reads)) => {
+                for (&(q, slice, units), count) in self.writes.iter().zip(counts) {
+                    st.quotas[q].confirmed(slice, units, count);
+                    s.units_sent.fetch_add(u64::from(units), Ordering::Relaxed);
+                }
+                for (&(q, first, _, as_of), fleet) in self.reads.iter().zip(reads) {
+                    st.quotas[q].read_reply(first, &fleet, as_of);
+                }
+                if !self.reads.is_empty() {
+                    s.reads.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            None => {
+                for &(q, slice, units) in &self.writes {
+                    st.quotas[q].failed(slice, units);
+                }
+                if !self.writes.is_empty() || !self.reads.is_empty() {
+                    s.enqueue(&self.policy, &self.entry, &mut st);
+                }
+            }
+        }
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn parse(&self, values: &[Value]) -> Option<(Vec<u32>, Vec<SmallVec<[u32; 4]>>)> {
+        if values.len() != self.replies() {
+            return None;
+        }
+        let (w, r) = values.split_at(self.writes.len());
+        let counts = w.iter().map(count).collect::<Option<Vec<u32>>>()?;
+        let reads = r
+            .iter()
+            .zip(&self.reads)
+            .map(|(v, &(_, _, n, _))| match v {
+                Value::Array(items) if items.len() == n => items.iter().map(count).collect(),
+                _ => None,
+            })
+            .collect::<Option<Vec<_>>>()?;
+        Some((counts, reads))
+    }
+}
+
+/// A counter's value in a reply: an integer, a number in a string, or nothing (zero).
+pub(super) fn count(v: &Value) -> Option<u32> {
+    let n: i64 = match v {
+        Value::Nil => 0,
+        Value::Int(n) => *n,
+        Value::BulkString(b) => std::str::from_utf8(b).ok()?.parse().ok()?,
+        Value::SimpleString(t) => t.parse().ok()?,
+        _ => return None,
+    };
+    Some(u32::try_from(n.max(0)).unwrap_or(u32::MAX))
+}
+
+/// Sends what is queued and reads what is due. `force` ignores an open circuit breaker.
+pub(super) async fn flush(s: &Shared, force: bool) {
+    if !force && !s.may_call() {
+        return;
+    }
+    let queued = std::mem::take(&mut *s.dirty.lock().unwrap_or_else(|e| e.into_inner()));
+    s.queued_units.store(0, Ordering::Relaxed);
+    let jobs: Vec<Job> = queued
+        .into_iter()
+        .filter_map(|(p, e)| Job::of(s, p, e, false))
+        .collect();
+    send(s, jobs).await;
+}
+
+/// Reads a key's counts now (a synchronous variant's first request on a key).
+pub(super) async fn read_now(s: &Shared, policy: &Arc<PolicyShared>, entry: &Arc<Entry>) {
+    if let Some(job) = Job::of(s, policy.clone(), entry.clone(), true) {
+        send(s, vec![job]).await;
+    }
+}
+
+/// Sends jobs, in pipelines of many keys on a single node, one per key on a cluster (whose
+/// keys must share a slot), all at once.
+async fn send(s: &Shared, jobs: Vec<Job>) {
+    if jobs.is_empty() {
+        return;
+    }
+    let per_call = if s.conn.is_cluster() {
+        1
+    } else {
+        JOBS_PER_CALL
+    };
+    let mut groups: Vec<Vec<Job>> = Vec::new();
+    let mut jobs = jobs.into_iter().peekable();
+    while jobs.peek().is_some() {
+        groups.push(jobs.by_ref().take(per_call).collect());
+    }
+    futures_util::future::join_all(groups.into_iter().map(|group| call(s, group))).await;
+}
+
+async fn call(s: &Shared, jobs: Vec<Job>) {
+    let mut pipe = redis::pipe();
+    for job in &jobs {
+        job.commands(&mut pipe);
+    }
+    let reply = tokio::time::timeout(s.opts.timeout, s.conn.pipeline(&pipe)).await;
+    let expected: usize = jobs.iter().map(Job::replies).sum();
+    match reply {
+        Ok(Ok(values)) if values.len() == expected => {
+            s.call_ok();
+            let mut at = 0;
+            for job in jobs {
+                let n = job.replies();
+                job.apply(s, Some(&values[at..at + n]));
+                at += n;
+            }
+        }
+        other => {
+            let err = match other {
+                Err(_) => "timed out".to_owned(),
+                Ok(Err(e)) => e.to_string(),
+                Ok(Ok(v)) => format!("{} replies for {expected} commands", v.len()),
+            };
+            s.call_failed(&err);
+            for job in jobs {
+                job.apply(s, None);
+            }
+        }
+    }
+}
+
+/// Forgets keys whose counts have all left their windows and that owe Redis nothing.
+fn sweep(s: &Shared) {
+    let now_us = s.now.us();
+    let policies: Vec<Arc<PolicyShared>> = s
+        .policies
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .filter_map(Weak::upgrade)
+        .collect();
+    for p in policies {
+        p.entries.retain(|_, e| {
+            if Arc::strong_count(e) > 1 {
+                return true; // a decision or a flush holds it
+            }
+            match e.state.try_lock() {
+                Ok(st) => {
+                    st.queued
+                        || st.reading
+                        || !p
+                            .specs
+                            .iter()
+                            .zip(st.quotas.iter())
+                            .all(|(spec, c)| c.is_idle(spec, now_us))
+                }
+                Err(_) => true,
+            }
+        });
+    }
+}

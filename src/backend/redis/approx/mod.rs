@@ -1,0 +1,819 @@
+//! The approximate mode: decisions made in this process, from window counts kept in step with
+//! Redis, so that no denied request touches the network (and, in the asynchronous variant, no
+//! request at all).
+//!
+//! The exact [`RedisBackend`](super::RedisBackend) asks Redis for every decision: one round trip
+//! per request, the price of a limit no fleet can overshoot. This mode trades a bounded
+//! over-admission for near-local speed. Each instance keeps, per key and window quota, the
+//! counts of the window's sub-windows: the fleet's counts as Redis last told them, plus its own
+//! units Redis has not confirmed yet. It decides from those counts with the same window
+//! arithmetic as every other backend (`docs/algorithms.md`), then:
+//!
+//! - **[`Approximate::synchronous`]**: an allowed request adds its units to the Redis counter of
+//!   its sub-window (`INCRBY`) before it goes on, and the reply (the fleet's count of that
+//!   sub-window) refreshes the instance's view. Denied requests never touch the network. The
+//!   first request of a key new to the instance waits for one read of the key's counts.
+//! - **[`Approximate::asynchronous`]**: nothing waits. Allowed units are queued and sent in
+//!   batches ([`flush_every`](Approximate::flush_every), or sooner once
+//!   [`flush_after`](Approximate::flush_after) units are queued), one pipeline for all keys.
+//!
+//! In both, the counts of a key are read from Redis (`MGET` of its sub-windows) when the
+//! instance first sees the key and again in every sub-window it is used in, once the
+//! *settle time* has passed into the sub-window (the [timeout](super::RedisBackendBuilder::timeout), plus
+//! the flush interval in the asynchronous variant, at most half a sub-window): by then the
+//! increments other instances made at the end of the last sub-window have landed.
+//!
+//! Only window quotas can be counted this way: [fixed](crate::Quota::fixed_window) and
+//! [sliding](crate::Quota::sliding_window) windows, whose
+//! [resolution](crate::Quota::resolution) is the sub-window. A policy with a GCRA quota is
+//! refused when the layer is built (`"10/s burst 20"` can be written `"20/2s sliding 100ms"`).
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use tollgate::backend::redis::{Approximate, RedisBackend};
+//! use tollgate::{Policy, Quota, RateLimitLayer, key::ClientIp};
+//!
+//! # fn main() -> Result<(), tollgate::ConfigError> {
+//! let backend = RedisBackend::builder()
+//!     .url("redis://127.0.0.1:6379")
+//!     .build_approximate(Approximate::asynchronous().flush_every(Duration::from_millis(5)))?;
+//! let layer = RateLimitLayer::builder()
+//!     // 600 a minute, counted in sub-windows of 5 s.
+//!     .policy(Policy::new(
+//!         "api",
+//!         Quota::per_minute(600).sliding_window().resolution(Duration::from_secs(5)),
+//!     ))
+//!     .key(ClientIp::new())
+//!     .backend(backend)
+//!     .build()?;
+//! # drop(layer);
+//! # Ok(()) }
+//! ```
+//!
+//! # How far over the limit a fleet can go
+//!
+//! `N` instances share a limit of `L` units per window `W`, counted in sub-windows of `r`. An
+//! instance counts its own units at once, and another instance's units once it hears of them:
+//! through a read (at most `r + settle` after they were admitted, if it keeps deciding on the
+//! key) or, in the synchronous variant, through the reply to any of its own increments. Call
+//! `D` that delay (`r + settle`, plus the flush interval `f` in the asynchronous variant).
+//!
+//! - **Always** (any traffic, Redis up or down): every instance admits at most `L` in any
+//!   window by its own count, so a fleet admits at most **`N × L`** per window.
+//! - **Staleness bound**: an instance admits only when what it has heard of, plus its own
+//!   units, leaves room; what it has not heard of is what the others admitted in the last `D`.
+//!   So the count of any window never exceeds **`L + A`**, where `A` is what the *other*
+//!   instances admitted in the `D` before the decision. Under a sustained overload spread
+//!   over the fleet, what frees up in `D` is about `L × D / W`, and each instance can spend it
+//!   before hearing of the others: over-admission about **`(N − 1) × L × D / W`**, that is
+//!   `(N − 1) × L × (1/k + settle/W)` with `k = W / r` sub-windows. A minute with 5 s
+//!   sub-windows and 4 instances: about 25 % in the worst spread; 1 s sub-windows, 5 %.
+//!   The synchronous variant does better than this in practice: each of its increments
+//!   brings back the fleet's count of the current sub-window.
+//! - **False denials**: the view only counts too much while increments are in flight (their
+//!   units are in `mine` until the reply) or when a call that timed out had reached Redis and
+//!   is sent again: at most the units of calls in flight or lost. Otherwise an instance denies
+//!   only what exact mode, counting the same units, would deny.
+//!
+//! The measurements (`tests/redis_approx.rs`, BENCHMARKS.md) drive several instances over the
+//! limit and check every window's count against these bounds.
+//!
+//! Windows are aligned to the Unix epoch of each instance's clock: instances whose clocks
+//! disagree by `δ` count a request into different sub-windows for `δ` around each boundary.
+//! Keep clocks synchronized (NTP) well within a sub-window.
+//!
+//! # When Redis fails
+//!
+//! Decisions go on from the counts held: an instance then counts the others' units only as far
+//! as it heard of them, so the fleet tends to `N × L` per window while Redis is away. Units
+//! admitted meanwhile are kept and sent once Redis answers again (the circuit breaker of
+//! [`circuit_breaker`](super::RedisBackendBuilder::circuit_breaker) stops the attempts in
+//! between; only the background task probes), and the counts are read afresh. In the
+//! synchronous variant a request waits at most the timeout, and none waits while the breaker is
+//! open. The failure policy does not apply: there is always a local answer.
+//!
+//! # Memory
+//!
+//! One entry per key in use, of a few dozen bytes plus four bytes per sub-window kept and
+//! counter; entries whose windows have passed are swept every second.
+
+use std::fmt;
+use std::future::Future;
+use std::num::NonZeroU32;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use dashmap::DashMap;
+use foldhash::quality::RandomState;
+use smallvec::SmallVec;
+
+use super::conn::Conn;
+use crate::backend::remote::{Options, TestClock, keys};
+use crate::backend::window::Code;
+use crate::backend::{Backend, Decision, Mode, ResetFuture};
+use crate::quota::QuotaParams;
+use crate::{BackendError, BackendErrorKind, ConfigError, Key, Policy};
+
+mod counts;
+mod flush;
+
+use counts::{Counts, Spec};
+
+/// How the approximate mode keeps its counts in step with Redis; see the [module docs](self).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Approximate {
+    writes: Writes,
+    flush_every: Duration,
+    flush_after: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Writes {
+    Sync,
+    Async,
+}
+
+impl Approximate {
+    /// Allowed requests add their units to Redis before they go on (one round trip each);
+    /// denied ones never touch the network.
+    pub fn synchronous() -> Self {
+        Approximate {
+            writes: Writes::Sync,
+            flush_every: Duration::from_millis(5),
+            flush_after: 1024,
+        }
+    }
+
+    /// No request waits on the network: allowed units are sent in batches, every
+    /// [`flush_every`](Self::flush_every) (5 ms by default) or once
+    /// [`flush_after`](Self::flush_after) units (1 024) are queued.
+    pub fn asynchronous() -> Self {
+        Approximate {
+            writes: Writes::Async,
+            ..Self::synchronous()
+        }
+    }
+
+    /// How long queued work waits to be sent with more (at least 1 ms, at most 10 s): the
+    /// asynchronous variant's increments, and both variants' reads and resent units.
+    pub fn flush_every(mut self, every: Duration) -> Self {
+        self.flush_every = every.clamp(Duration::from_millis(1), Duration::from_secs(10));
+        self
+    }
+
+    /// How many queued units send a batch before [`flush_every`](Self::flush_every) has
+    /// passed (at least 1).
+    pub fn flush_after(mut self, units: usize) -> Self {
+        self.flush_after = units.max(1);
+        self
+    }
+
+    /// Whether allowed requests wait for their increment.
+    pub fn is_synchronous(&self) -> bool {
+        self.writes == Writes::Sync
+    }
+}
+
+/// Counters of an [`ApproxBackend`], from [`ApproxBackend::stats`], since it was built.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ApproxStats {
+    /// Calls to Redis (pipelines: a flush, a request's increment, a first read).
+    pub calls: u64,
+    /// Of those, calls that failed or timed out.
+    pub failed_calls: u64,
+    /// Units Redis confirmed adding.
+    pub units_sent: u64,
+    /// Keys whose counts were read.
+    pub reads: u64,
+    /// Whether the circuit breaker is open (only the background task tries Redis).
+    pub breaker_open: bool,
+    /// How many times the circuit breaker opened.
+    pub breaker_trips: u64,
+    /// Keys this instance holds counts for now.
+    pub keys: usize,
+}
+
+/// The approximate Redis mode, as a [`Backend`]: built by
+/// [`RedisBackendBuilder::build_approximate`](super::RedisBackendBuilder::build_approximate).
+/// Cheap to clone: clones share counts, connection and background task.
+///
+/// See the [module docs](self) for what it guarantees.
+#[derive(Clone)]
+pub struct ApproxBackend {
+    shared: Arc<Shared>,
+}
+
+/// A policy prepared for an [`ApproxBackend`]: its window quotas, and the counts of its keys.
+#[derive(Clone)]
+pub struct ApproxPolicy {
+    inner: Arc<PolicyShared>,
+}
+
+impl fmt::Debug for ApproxPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ApproxPolicy")
+            .field("name", &self.inner.name)
+            .field("quotas", &self.inner.specs.len())
+            .field("keys", &self.inner.entries.len())
+            .finish()
+    }
+}
+
+pub(crate) struct PolicyShared {
+    name: String,
+    specs: Box<[Spec]>,
+    /// `<prefix>:{<policy>:`
+    key_prefix: Vec<u8>,
+    entries: DashMap<Key, Arc<Entry>, RandomState>,
+}
+
+/// One key's counts under one policy.
+pub(crate) struct Entry {
+    /// `<prefix>:{<policy>:<key>}:`, the hash-tagged start of its Redis keys.
+    base: Box<[u8]>,
+    state: Mutex<EntryState>,
+}
+
+struct EntryState {
+    quotas: SmallVec<[Counts; 1]>,
+    /// In the queue of the next flush.
+    queued: bool,
+    /// A read of its counts is on its way.
+    reading: bool,
+    /// A first read was tried (the synchronous variant waits for it once).
+    tried: bool,
+}
+
+impl Entry {
+    fn lock(&self) -> std::sync::MutexGuard<'_, EntryState> {
+        // The state is a few counters updated by arithmetic that does not panic: a poisoned
+        // lock still holds usable counts.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The Redis key of quota `spec`'s sub-window `slice`.
+    fn redis_key(&self, spec: &Spec, slice: u64) -> Vec<u8> {
+        let mut k = Vec::with_capacity(self.base.len() + spec.suffix.len() + 21);
+        k.extend_from_slice(&self.base);
+        k.extend_from_slice(&spec.suffix);
+        k.push(b':');
+        k.extend_from_slice(itoa::Buffer::new().format(slice).as_bytes());
+        k
+    }
+}
+
+/// Time in µs since the Unix epoch.
+enum Now {
+    Real { epoch_us: u64, origin: Instant },
+    Test(TestClock),
+}
+
+impl Now {
+    fn us(&self) -> u64 {
+        match self {
+            Now::Real { epoch_us, origin } => {
+                epoch_us + u64::try_from(origin.elapsed().as_micros()).unwrap_or(u64::MAX / 2)
+            }
+            Now::Test(c) => c.now_ns() / 1000,
+        }
+    }
+}
+
+pub(crate) struct Shared {
+    conn: Conn,
+    endpoint: String,
+    prefix: String,
+    opts: Options,
+    mode: Approximate,
+    now: Now,
+    /// Entries with something to send or read, for the next flush.
+    dirty: Mutex<Vec<(Arc<PolicyShared>, Arc<Entry>)>>,
+    /// Units queued since the last flush.
+    queued_units: AtomicUsize,
+    wake: Arc<tokio::sync::Notify>,
+    policies: Mutex<Vec<Weak<PolicyShared>>>,
+    started: AtomicBool,
+    // The circuit breaker, on the monotonic clock.
+    origin: Instant,
+    failures: AtomicU32,
+    open_until_ns: AtomicU64,
+    trips: AtomicU64,
+    // Counters.
+    calls: AtomicU64,
+    failed_calls: AtomicU64,
+    units_sent: AtomicU64,
+    reads: AtomicU64,
+}
+
+impl ApproxBackend {
+    pub(crate) fn new(
+        conn: Conn,
+        endpoint: String,
+        prefix: String,
+        opts: Options,
+        mode: Approximate,
+    ) -> Self {
+        let now = match &opts.test_clock {
+            Some(c) => Now::Test(c.clone()),
+            None => Now::Real {
+                epoch_us: SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(0)),
+                origin: Instant::now(),
+            },
+        };
+        ApproxBackend {
+            shared: Arc::new(Shared {
+                conn,
+                endpoint,
+                prefix,
+                opts,
+                mode,
+                now,
+                dirty: Mutex::new(Vec::new()),
+                queued_units: AtomicUsize::new(0),
+                wake: Arc::new(tokio::sync::Notify::new()),
+                policies: Mutex::new(Vec::new()),
+                started: AtomicBool::new(false),
+                origin: Instant::now(),
+                failures: AtomicU32::new(0),
+                open_until_ns: AtomicU64::new(0),
+                trips: AtomicU64::new(0),
+                calls: AtomicU64::new(0),
+                failed_calls: AtomicU64::new(0),
+                units_sent: AtomicU64::new(0),
+                reads: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    /// The mode this backend runs in.
+    pub fn mode(&self) -> Approximate {
+        self.shared.mode
+    }
+
+    /// The Redis endpoint, with any password masked.
+    pub fn endpoint(&self) -> &str {
+        &self.shared.endpoint
+    }
+
+    /// The backend's counters.
+    pub fn stats(&self) -> ApproxStats {
+        let s = &self.shared;
+        let keys = s
+            .policies
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter_map(Weak::upgrade)
+            .map(|p| p.entries.len())
+            .sum();
+        ApproxStats {
+            calls: s.calls.load(Ordering::Relaxed),
+            failed_calls: s.failed_calls.load(Ordering::Relaxed),
+            units_sent: s.units_sent.load(Ordering::Relaxed),
+            reads: s.reads.load(Ordering::Relaxed),
+            breaker_open: s.breaker_open(),
+            breaker_trips: s.trips.load(Ordering::Relaxed),
+            keys,
+        }
+    }
+
+    /// Sends what is queued now and reads the counts due, without waiting for the background
+    /// task (which does the same every [`flush_every`](Approximate::flush_every)): for tests
+    /// that step time by hand, and for a clean shutdown (units admitted since the last flush
+    /// reach Redis). Returns once the calls are answered or have failed.
+    pub async fn flush(&self) {
+        flush::flush(&self.shared, true).await;
+    }
+}
+
+impl Shared {
+    fn now_ns_mono(&self) -> u64 {
+        u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// The time a key's counts must be into a sub-window before they are read again.
+    fn settle_us(&self, spec: &Spec) -> u64 {
+        let mut settle = self.opts.timeout;
+        if self.mode.writes == Writes::Async {
+            settle += self.mode.flush_every;
+        }
+        u64::try_from(settle.as_micros())
+            .unwrap_or(u64::MAX)
+            .min(spec.slice_us / 2)
+    }
+
+    fn breaker_open(&self) -> bool {
+        self.failures.load(Ordering::Relaxed) >= self.opts.breaker_threshold
+    }
+
+    /// Whether the background task may call Redis now: the breaker is closed, or its probe is
+    /// due.
+    fn may_call(&self) -> bool {
+        !self.breaker_open() || self.now_ns_mono() >= self.open_until_ns.load(Ordering::Relaxed)
+    }
+
+    fn call_ok(&self) {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        if self.failures.swap(0, Ordering::Relaxed) >= self.opts.breaker_threshold {
+            tracing::info!(endpoint = %self.endpoint, "Redis answers again: approximate counts resume syncing");
+        }
+    }
+
+    fn call_failed(&self, err: &dyn fmt::Display) {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        self.failed_calls.fetch_add(1, Ordering::Relaxed);
+        let failures = self.failures.fetch_add(1, Ordering::Relaxed) + 1;
+        if failures >= self.opts.breaker_threshold {
+            let probe = u64::try_from(self.opts.probe_interval.as_nanos()).unwrap_or(u64::MAX);
+            self.open_until_ns
+                .store(self.now_ns_mono().saturating_add(probe), Ordering::Relaxed);
+            // A connection that stopped answering may never recover by itself.
+            self.conn.reconnect();
+            if failures == self.opts.breaker_threshold {
+                self.trips.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(endpoint = %self.endpoint, error = %err,
+                    "Redis failing: approximate mode decides from local counts until it answers");
+            }
+        }
+    }
+
+    /// Queues `entry` for the next flush, unless it is already queued.
+    fn enqueue(&self, policy: &Arc<PolicyShared>, entry: &Arc<Entry>, st: &mut EntryState) {
+        if st.queued {
+            return;
+        }
+        st.queued = true;
+        let first = {
+            let mut dirty = self.dirty.lock().unwrap_or_else(|e| e.into_inner());
+            dirty.push((policy.clone(), entry.clone()));
+            dirty.len() == 1
+        };
+        if first {
+            self.wake.notify_one();
+        }
+    }
+
+    fn start(self: &Arc<Self>) {
+        if self.started.load(Ordering::Relaxed) {
+            return;
+        }
+        let Ok(handle) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if self
+            .started
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+        {
+            handle.spawn(flush::run(Arc::downgrade(self), self.wake.clone()));
+        }
+    }
+}
+
+impl fmt::Debug for ApproxBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ApproxBackend")
+            .field("endpoint", &self.shared.endpoint)
+            .field("prefix", &self.shared.prefix)
+            .field("mode", &self.shared.mode)
+            .field("timeout", &self.shared.opts.timeout)
+            .finish()
+    }
+}
+
+/// The future of an [`ApproxBackend`] decision: ready at once, except a synchronous
+/// variant's allowed request (its increment) and a key's first request there (its read).
+pub struct ApproxFuture {
+    inner: FutureInner,
+}
+
+enum FutureInner {
+    Ready(Option<Decision>),
+    Waiting(Pin<Box<dyn Future<Output = Decision> + Send>>),
+}
+
+impl fmt::Debug for ApproxFuture {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self.inner {
+            FutureInner::Ready(_) => "ApproxFuture::Ready",
+            FutureInner::Waiting(_) => "ApproxFuture::Waiting",
+        })
+    }
+}
+
+impl Future for ApproxFuture {
+    type Output = Result<Decision, BackendError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match &mut self.inner {
+            FutureInner::Ready(d) => match d.take() {
+                Some(d) => Poll::Ready(Ok(d)),
+                None => Poll::Ready(Err(BackendError::new(
+                    BackendErrorKind::Protocol,
+                    "decision polled after it completed",
+                ))),
+            },
+            FutureInner::Waiting(f) => f.as_mut().poll(cx).map(Ok),
+        }
+    }
+}
+
+/// An increment a synchronous decision sends: quota, sub-window, units.
+type Increments = SmallVec<[(usize, u64, u32); 2]>;
+
+impl Shared {
+    /// Decides from the counts held, counting the units when allowed. Returns the decision,
+    /// and the increments to send now (synchronous variant).
+    fn decide_here(
+        &self,
+        policy: &Arc<PolicyShared>,
+        entry: &Arc<Entry>,
+        cost: NonZeroU32,
+        mode: Mode,
+    ) -> (Decision, Increments) {
+        let now_us = self.now.us();
+        let sync = self.mode.writes == Writes::Sync && !self.breaker_open();
+        let mut st = entry.lock();
+        let mut codes: SmallVec<[Code; 2]> = SmallVec::new();
+        for (spec, c) in policy.specs.iter().zip(st.quotas.iter_mut()) {
+            c.advance(spec.slice_at(now_us));
+            codes.push(c.code(spec, now_us, cost));
+        }
+        let take = mode != Mode::Peek && codes.iter().all(|c| *c == Code::Allowed);
+        let mut writes = Increments::new();
+        if take {
+            for (spec, c) in policy.specs.iter().zip(st.quotas.iter_mut()) {
+                c.admit(cost.get(), !sync);
+                if sync {
+                    writes.push((spec.index, spec.slice_at(now_us), cost.get()));
+                }
+            }
+            if !sync {
+                let queued = self
+                    .queued_units
+                    .fetch_add(cost.get() as usize, Ordering::Relaxed);
+                if queued < self.mode.flush_after
+                    && queued + cost.get() as usize >= self.mode.flush_after
+                {
+                    self.wake.notify_one();
+                }
+            }
+        }
+        let decision = Decision::new(
+            policy
+                .specs
+                .iter()
+                .zip(st.quotas.iter())
+                .zip(&codes)
+                .map(|((spec, c), code)| c.state(spec, *code, now_us, cost)),
+        );
+        let read_due = !st.reading
+            && policy
+                .specs
+                .iter()
+                .zip(st.quotas.iter())
+                .any(|(spec, c)| c.read_due(spec, now_us, self.settle_us(spec)));
+        if read_due || (take && !sync) {
+            self.enqueue(policy, entry, &mut st);
+        }
+        (decision, writes)
+    }
+
+    /// Sends a synchronous decision's increments, and takes the fleet's counts from the
+    /// replies; on failure the units are queued for the background task to send.
+    async fn write_now(&self, policy: &PolicyShared, entry: &Arc<Entry>, writes: &Increments) {
+        let mut pipe = redis::pipe();
+        for &(q, slice, units) in writes {
+            let spec = &policy.specs[q];
+            let key = entry.redis_key(spec, slice);
+            pipe.cmd("INCRBY").arg(&key).arg(units);
+            pipe.cmd("PEXPIRE").arg(&key).arg(spec.ttl_ms()).ignore();
+        }
+        let reply = tokio::time::timeout(self.opts.timeout, self.conn.pipeline(&pipe)).await;
+        let counts = match reply {
+            Ok(Ok(ref values)) if values.len() == writes.len() => values
+                .iter()
+                .map(flush::count)
+                .collect::<Option<Vec<u32>>>(),
+            _ => None,
+        };
+        let mut st = entry.lock();
+        match counts {
+            Some(counts) => {
+                self.call_ok();
+                for (&(q, slice, units), count) in writes.iter().zip(counts) {
+                    st.quotas[q].confirmed(slice, units, count);
+                    self.units_sent
+                        .fetch_add(u64::from(units), Ordering::Relaxed);
+                }
+            }
+            None => {
+                let err = match reply {
+                    Err(_) => "timed out".to_owned(),
+                    Ok(Err(e)) => e.to_string(),
+                    Ok(Ok(_)) => "unexpected reply".to_owned(),
+                };
+                self.call_failed(&err);
+                for &(q, slice, units) in writes {
+                    st.quotas[q].failed(slice, units);
+                }
+                drop(st);
+                // Queued by the caller's entry handle below.
+            }
+        }
+    }
+}
+
+impl Backend for ApproxBackend {
+    type Policy = ApproxPolicy;
+    type Future = ApproxFuture;
+
+    fn prepare(
+        &self,
+        policy: &Policy,
+        params: &[QuotaParams],
+    ) -> Result<ApproxPolicy, ConfigError> {
+        if params.is_empty() {
+            return Err(ConfigError::QuotaCount {
+                policy: policy.name().to_owned(),
+                count: 0,
+            });
+        }
+        let mut specs = Vec::with_capacity(params.len());
+        for (i, p) in params.iter().enumerate() {
+            let Some(spec) = Spec::new(i, *p) else {
+                return Err(ConfigError::InvalidQuota {
+                    policy: policy.name().to_owned(),
+                    quota: policy.quotas()[i],
+                    reason: "the approximate Redis mode counts windows: use a fixed or sliding \
+                             window (e.g. \"20/2s sliding 100ms\" for \"10/s burst 20\")",
+                });
+            };
+            specs.push(spec);
+        }
+        let inner = Arc::new(PolicyShared {
+            name: policy.name().to_owned(),
+            specs: specs.into_boxed_slice(),
+            key_prefix: keys::policy_prefix(&self.shared.prefix, policy.name()),
+            entries: DashMap::with_hasher(RandomState::default()),
+        });
+        let mut policies = self
+            .shared
+            .policies
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        policies.retain(|p| p.strong_count() > 0);
+        policies.push(Arc::downgrade(&inner));
+        Ok(ApproxPolicy { inner })
+    }
+
+    fn decide(&self, policy: &ApproxPolicy, key: &Key, cost: NonZeroU32) -> ApproxFuture {
+        self.decide_with(policy, key, cost, Mode::Decide)
+    }
+
+    /// Window quotas reserve nothing ahead: [`Mode::Reserve`] is answered as
+    /// [`Mode::Decide`] (a denial's `retry_after` tells when to ask again).
+    fn decide_with(
+        &self,
+        policy: &ApproxPolicy,
+        key: &Key,
+        cost: NonZeroU32,
+        mode: Mode,
+    ) -> ApproxFuture {
+        let shared = &self.shared;
+        shared.start();
+        let p = &policy.inner;
+        let entry = match p.entries.get(key) {
+            Some(e) => e.clone(),
+            None => p
+                .entries
+                .entry(key.clone())
+                .or_insert_with(|| {
+                    let mut base = Vec::new();
+                    keys::key_base(&p.key_prefix, key, &mut base);
+                    Arc::new(Entry {
+                        base: base.into_boxed_slice(),
+                        state: Mutex::new(EntryState {
+                            quotas: p.specs.iter().map(Counts::new).collect(),
+                            queued: false,
+                            reading: false,
+                            tried: false,
+                        }),
+                    })
+                })
+                .clone(),
+        };
+        let sync = shared.mode.writes == Writes::Sync && !shared.breaker_open();
+        if sync && mode != Mode::Peek && !std::mem::replace(&mut entry.lock().tried, true) {
+            // A key new to this instance: its first decision waits for the fleet's counts.
+            let (shared, policy) = (shared.clone(), p.clone());
+            return ApproxFuture {
+                inner: FutureInner::Waiting(Box::pin(async move {
+                    flush::read_now(&shared, &policy, &entry).await;
+                    decide_and_write(&shared, &policy, &entry, cost, mode).await
+                })),
+            };
+        }
+        let (decision, writes) = shared.decide_here(p, &entry, cost, mode);
+        if writes.is_empty() {
+            return ApproxFuture {
+                inner: FutureInner::Ready(Some(decision)),
+            };
+        }
+        let (shared, policy) = (shared.clone(), p.clone());
+        ApproxFuture {
+            inner: FutureInner::Waiting(Box::pin(async move {
+                shared.write_now(&policy, &entry, &writes).await;
+                requeue_unsent(&shared, &policy, &entry);
+                decision
+            })),
+        }
+    }
+
+    /// Deletes the key's counters in Redis and forgets its local counts. Other instances
+    /// learn of it at their next read of the key (their own unconfirmed units stay counted).
+    fn reset(&self, policy: &ApproxPolicy, key: &Key) -> ResetFuture {
+        let shared = self.shared.clone();
+        let p = policy.inner.clone();
+        let mut base = Vec::new();
+        keys::key_base(&p.key_prefix, key, &mut base);
+        p.entries.remove(key);
+        let entry = Entry {
+            base: base.into_boxed_slice(),
+            state: Mutex::new(EntryState {
+                quotas: SmallVec::new(),
+                queued: false,
+                reading: false,
+                tried: true,
+            }),
+        };
+        Box::pin(async move {
+            let now_us = shared.now.us();
+            let mut del = redis::cmd("DEL");
+            for spec in p.specs.iter() {
+                let newest = spec.slice_at(now_us);
+                for slice in newest.saturating_sub(spec.kept as u64)..=newest {
+                    del.arg(entry.redis_key(spec, slice));
+                }
+            }
+            match tokio::time::timeout(shared.opts.timeout, shared.conn.query(&del)).await {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(e)) => Err(BackendError::new(BackendErrorKind::Unavailable, e)),
+                Err(_) => Err(BackendError::from_kind(BackendErrorKind::Timeout)),
+            }
+        })
+    }
+
+    fn store_id(&self) -> Option<String> {
+        Some(format!(
+            "{} prefix {:?} (approximate)",
+            self.shared.endpoint, self.shared.prefix
+        ))
+    }
+}
+
+/// A synchronous decision after a key's first read.
+async fn decide_and_write(
+    shared: &Arc<Shared>,
+    policy: &Arc<PolicyShared>,
+    entry: &Arc<Entry>,
+    cost: NonZeroU32,
+    mode: Mode,
+) -> Decision {
+    let (decision, writes) = shared.decide_here(policy, entry, cost, mode);
+    if !writes.is_empty() {
+        shared.write_now(policy, entry, &writes).await;
+        requeue_unsent(shared, policy, entry);
+    }
+    decision
+}
+
+/// Queues the entry when a failed increment left units to send.
+fn requeue_unsent(shared: &Shared, policy: &Arc<PolicyShared>, entry: &Arc<Entry>) {
+    let mut st = entry.lock();
+    if st.quotas.iter().any(Counts::has_unsent) {
+        shared.enqueue(policy, entry, &mut st);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn modes_and_their_bounds() {
+        let a = Approximate::asynchronous()
+            .flush_every(Duration::ZERO)
+            .flush_after(0);
+        assert!(!a.is_synchronous());
+        assert_eq!(a.flush_every, Duration::from_millis(1));
+        assert_eq!(a.flush_after, 1);
+        assert!(Approximate::synchronous().is_synchronous());
+    }
+}

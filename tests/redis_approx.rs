@@ -1,0 +1,400 @@
+//! The approximate Redis mode: several instances (backends) on one real Redis, driven over the
+//! limit, hold the over-admission bound the docs state; under the limit they deny nothing;
+//! without Redis they keep deciding and resynchronize when it returns.
+#![cfg(feature = "redis")]
+
+mod support;
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use support::{RedisCluster, RedisServer, cost, key, prepare};
+use tollgate::backend::Backend;
+use tollgate::backend::redis::{ApproxBackend, ApproxPolicy, Approximate, RedisBackend, TestClock};
+use tollgate::{ConfigError, Policy, Quota};
+
+/// The limit: 100 per second, in sub-windows of 100 ms.
+const LIMIT: u32 = 100;
+const WINDOW_US: u64 = 1_000_000;
+const SLICE_US: u64 = 100_000;
+const TIMEOUT: Duration = Duration::from_millis(20);
+const FLUSH_US: u64 = 5_000;
+
+fn policy() -> Policy {
+    Policy::new(
+        "api",
+        Quota::per_second(LIMIT)
+            .sliding_window()
+            .resolution(Duration::from_micros(SLICE_US)),
+    )
+}
+
+fn instance(url: &str, clock: &TestClock, mode: Approximate) -> ApproxBackend {
+    RedisBackend::builder()
+        .url(url)
+        .timeout(TIMEOUT)
+        .circuit_breaker(2, Duration::from_millis(50))
+        .test_clock(clock.clone())
+        .build_approximate(mode.flush_every(Duration::from_micros(FLUSH_US)))
+        .unwrap()
+}
+
+/// Admissions of the fleet, per instance, at simulated microseconds.
+struct Log {
+    /// (time, instance) of every admitted unit, in time order.
+    admitted: Vec<(u64, usize)>,
+}
+
+impl Log {
+    /// The fleet's sliding-window estimate at `t` (the algorithm's own measure, on the true
+    /// fleet-wide counts of each sub-window), as exact mode would compute it.
+    fn estimate(&self, t: u64) -> f64 {
+        let slice = t / SLICE_US;
+        let n = WINDOW_US / SLICE_US;
+        let mut counts = vec![0u64; n as usize + 1];
+        for &(at, _) in &self.admitted {
+            let s = at / SLICE_US;
+            if at <= t && s + n >= slice {
+                counts[(s + n - slice) as usize] += 1;
+            }
+        }
+        let r = t % SLICE_US;
+        counts[0] as f64 * (SLICE_US - r) as f64 / SLICE_US as f64
+            + counts[1..].iter().sum::<u64>() as f64
+    }
+
+    /// Units instance `other_than` did not admit itself in `(t - d, t]`.
+    fn others_within(&self, t: u64, d: u64, other_than: usize) -> u64 {
+        self.admitted
+            .iter()
+            .filter(|&&(at, i)| at + d > t && at <= t && i != other_than)
+            .count() as u64
+    }
+}
+
+/// Drives `n` instances, each offered one request every `every_us` for `secs` simulated
+/// seconds, flushing every 5 ms; returns the log.
+async fn drive(
+    instances: &[(ApproxBackend, ApproxPolicy)],
+    clock: &TestClock,
+    every_us: u64,
+    secs: u64,
+) -> Log {
+    let k = key("client");
+    let mut log = Log {
+        admitted: Vec::new(),
+    };
+    let start = clock_us(clock);
+    let steps = secs * 1_000_000 / every_us;
+    for step in 0..steps {
+        let now = start + step * every_us;
+        for (i, (b, p)) in instances.iter().enumerate() {
+            if b.decide(p, &k, cost(1)).await.unwrap().is_allowed() {
+                log.admitted.push((clock_us(clock), i));
+            }
+        }
+        let next = start + (step + 1) * every_us;
+        if next / FLUSH_US != now / FLUSH_US {
+            for (b, _) in instances {
+                b.flush().await;
+            }
+        }
+        clock.advance(Duration::from_micros(next - clock_us(clock)));
+    }
+    log
+}
+
+fn clock_us(clock: &TestClock) -> u64 {
+    clock.now_ns() / 1000
+}
+
+/// Every admission is checked: the fleet's estimate right after it is within `L + A`, `A`
+/// the units other instances admitted in the `d` before it (the staleness bound), and within
+/// `N × L` (the bound that always holds). Returns the largest over-admission seen.
+fn check_bounds(log: &Log, n: usize, d: u64) -> f64 {
+    let mut worst: f64 = 0.0;
+    for &(t, i) in &log.admitted {
+        let e = log.estimate(t);
+        let a = log.others_within(t, d, i) as f64;
+        assert!(
+            e <= f64::from(LIMIT) + a + 1e-9,
+            "at {t}: estimate {e} over {LIMIT} + {a} unseen"
+        );
+        assert!(
+            e <= (n as u32 * LIMIT) as f64 + 1e-9,
+            "at {t}: {e} over N x L"
+        );
+        worst = worst.max(e - f64::from(LIMIT));
+    }
+    worst
+}
+
+async fn fleet(
+    url: &str,
+    clock: &TestClock,
+    n: usize,
+    mode: Approximate,
+) -> Vec<(ApproxBackend, ApproxPolicy)> {
+    (0..n)
+        .map(|_| {
+            let b = instance(url, clock, mode);
+            let p = prepare(&b, &policy());
+            (b, p)
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn gcra_quotas_are_refused_when_the_layer_is_built() {
+    let b = RedisBackend::builder()
+        .url("redis://127.0.0.1:1")
+        .build_approximate(Approximate::asynchronous())
+        .unwrap();
+    let p = Policy::new("api", Quota::per_minute(60)).and(Quota::per_second(5).fixed_window());
+    let err = b.prepare(&p, &p.validate().unwrap()).unwrap_err();
+    assert!(matches!(err, ConfigError::InvalidQuota { .. }), "{err}");
+    assert!(err.to_string().contains("sliding"), "{err}");
+}
+
+/// Three instances, each offered 10 times the limit: the fleet stays within the stated bound,
+/// and near the limit.
+async fn over_the_limit(mode: Approximate, d_us: u64) -> (f64, usize) {
+    let server = RedisServer::start();
+    let clock = TestClock::new();
+    let n = 3;
+    let instances = fleet(&server.url(), &clock, n, mode).await;
+    // 3 instances x 1 request per ms: 3 000/s offered against 100/s, for 4 s.
+    let log = drive(&instances, &clock, 1_000, 4).await;
+    let worst = check_bounds(&log, n, d_us);
+    let admitted = log.admitted.len();
+    // Not far under the limit either: in 4 s, at least 4 windows' worth.
+    assert!(admitted >= 4 * LIMIT as usize, "admitted {admitted}");
+    (worst, admitted)
+}
+
+#[tokio::test]
+async fn asynchronous_fleets_stay_within_the_bound() {
+    // D = r + settle + f, settle = timeout + f; plus one step of the drive.
+    let d = SLICE_US + (20_000 + FLUSH_US) + FLUSH_US + 1_000;
+    let (worst, admitted) = over_the_limit(Approximate::asynchronous(), d).await;
+    // The steady-state estimate of the docs: (N - 1) x L x D / W.
+    let model = 2.0 * f64::from(LIMIT) * d as f64 / WINDOW_US as f64;
+    eprintln!(
+        "asynchronous: {admitted} admitted in 4 s, worst over-admission {worst:.1} (model {model:.1})"
+    );
+    assert!(
+        worst <= model + 1.0,
+        "worst {worst} above the model {model}"
+    );
+}
+
+#[tokio::test]
+async fn synchronous_fleets_stay_within_the_bound() {
+    let d = SLICE_US + 20_000 + FLUSH_US + 1_000;
+    let (worst, admitted) = over_the_limit(Approximate::synchronous(), d).await;
+    let model = 2.0 * f64::from(LIMIT) * d as f64 / WINDOW_US as f64;
+    eprintln!(
+        "synchronous: {admitted} admitted in 4 s, worst over-admission {worst:.1} (model {model:.1})"
+    );
+    assert!(
+        worst <= model + 1.0,
+        "worst {worst} above the model {model}"
+    );
+}
+
+#[tokio::test]
+async fn under_the_limit_nothing_is_denied() {
+    let server = RedisServer::start();
+    for mode in [Approximate::asynchronous(), Approximate::synchronous()] {
+        let clock = TestClock::new();
+        let instances = fleet(&server.url(), &clock, 3, mode).await;
+        server.cmd(&["FLUSHALL"]);
+        // 3 instances x one request per 40 ms: 75 a second against 100.
+        let log = drive(&instances, &clock, 40_000, 3).await;
+        assert_eq!(log.admitted.len(), 3 * 75, "{mode:?}");
+    }
+}
+
+#[tokio::test]
+async fn instances_learn_each_others_counts_from_redis() {
+    let server = RedisServer::start();
+    let clock = TestClock::new();
+    let fixed = Policy::new("f", Quota::per_second(10).fixed_window());
+    let a = instance(&server.url(), &clock, Approximate::asynchronous());
+    let b = instance(&server.url(), &clock, Approximate::asynchronous());
+    let (pa, pb) = (prepare(&a, &fixed), prepare(&b, &fixed));
+    let k = key("k");
+    // Start on a window boundary.
+    clock.advance(Duration::from_micros(
+        1_000_000 - clock_us(&clock) % 1_000_000,
+    ));
+    for _ in 0..7 {
+        assert!(a.decide(&pa, &k, cost(1)).await.unwrap().is_allowed());
+    }
+    a.flush().await;
+    // B's first decision is blind (it never waits), and queues a read.
+    assert!(b.decide(&pb, &k, cost(1)).await.unwrap().is_allowed());
+    b.flush().await;
+    // B now counts A's 7 and its own 1: two more pass, the third does not.
+    let d = b.decide(&pb, &k, cost(1)).await.unwrap();
+    assert_eq!(d.quotas()[0].remaining, 1, "{d:?}");
+    assert!(b.decide(&pb, &k, cost(1)).await.unwrap().is_allowed());
+    assert!(!b.decide(&pb, &k, cost(1)).await.unwrap().is_allowed());
+    b.flush().await;
+    assert_eq!(
+        server.cmd(&["KEYS", "*"]).matches("0a1000000x0x10").count(),
+        1
+    );
+    // In the next window everything starts again.
+    clock.advance(Duration::from_secs(1));
+    assert!(a.decide(&pa, &k, cost(1)).await.unwrap().is_allowed());
+    let s = a.stats();
+    assert_eq!(s.units_sent, 7);
+    assert_eq!(s.keys, 1);
+}
+
+#[tokio::test]
+async fn a_synchronous_key_waits_for_its_first_read_and_each_increment() {
+    let server = RedisServer::start();
+    let clock = TestClock::new();
+    let fixed = Policy::new("f", Quota::per_second(5).fixed_window());
+    let a = instance(&server.url(), &clock, Approximate::synchronous());
+    let b = instance(&server.url(), &clock, Approximate::synchronous());
+    let (pa, pb) = (prepare(&a, &fixed), prepare(&b, &fixed));
+    let k = key("k");
+    clock.advance(Duration::from_micros(
+        1_000_000 - clock_us(&clock) % 1_000_000,
+    ));
+    for _ in 0..3 {
+        assert!(a.decide(&pa, &k, cost(1)).await.unwrap().is_allowed());
+    }
+    // No flush: A's increments were written before its requests went on, and B's first
+    // request reads them.
+    let d = b.decide(&pb, &k, cost(1)).await.unwrap();
+    assert!(d.is_allowed());
+    assert_eq!(d.quotas()[0].remaining, 1);
+    // A hears of B's unit through the reply to its own increment.
+    let d = a.decide(&pa, &k, cost(1)).await.unwrap();
+    assert!(d.is_allowed());
+    assert!(!a.decide(&pa, &k, cost(1)).await.unwrap().is_allowed());
+    assert_eq!(a.stats().units_sent, 4);
+}
+
+#[tokio::test]
+async fn without_redis_decisions_go_on_locally_and_resynchronize() {
+    let mut server = RedisServer::start();
+    let clock = TestClock::new();
+    let fixed = Policy::new("f", Quota::per_minute(50).fixed_window());
+    let a = instance(&server.url(), &clock, Approximate::asynchronous());
+    let b = instance(&server.url(), &clock, Approximate::asynchronous());
+    let (pa, pb) = (prepare(&a, &fixed), prepare(&b, &fixed));
+    let k = key("k");
+    clock.advance(Duration::from_micros(
+        60_000_000 - clock_us(&clock) % 60_000_000,
+    ));
+    server.kill();
+    // Every decision is ready at once: nothing waits on the network.
+    for _ in 0..20 {
+        let started = Instant::now();
+        let fa = a.decide(&pa, &k, cost(1));
+        let fb = b.decide(&pb, &k, cost(1));
+        let (da, db) = (fa.await.unwrap(), fb.await.unwrap());
+        assert!(started.elapsed() < Duration::from_millis(5));
+        assert!(da.is_allowed() && db.is_allowed());
+        a.flush().await;
+        b.flush().await;
+    }
+    assert!(a.stats().breaker_open, "{:?}", a.stats());
+    server.restart();
+    // Once Redis answers, the units admitted meanwhile reach it, and each instance counts the
+    // other's.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while a.stats().units_sent < 20 || b.stats().units_sent < 20 {
+        assert!(Instant::now() < deadline, "{:?} {:?}", a.stats(), b.stats());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        a.flush().await;
+        b.flush().await;
+    }
+    let key_name = server.cmd(&["KEYS", "*"]);
+    let key_name = key_name
+        .lines()
+        .find(|l| l.contains("0a"))
+        .unwrap()
+        .to_owned();
+    assert_eq!(server.cmd(&["GET", &key_name]).lines().last(), Some("40"));
+    // A hears of all of B's units, at the latest through the reply to its next increment.
+    a.decide(&pa, &k, cost(1)).await.unwrap();
+    a.flush().await;
+    let d = a.decide(&pa, &k, cost(1)).await.unwrap();
+    assert_eq!(d.quotas()[0].remaining, 50 - 42, "{d:?}");
+}
+
+#[tokio::test]
+async fn a_synchronous_request_waits_at_most_the_timeout_and_not_once_the_breaker_opens() {
+    let clock = TestClock::new();
+    let a = instance(
+        &format!("redis://127.0.0.1:{}", support::closed_port()),
+        &clock,
+        Approximate::synchronous(),
+    );
+    let p = prepare(&a, &Policy::new("f", Quota::per_second(5).fixed_window()));
+    let k = key("k");
+    let mut waits = VecDeque::new();
+    for _ in 0..5 {
+        let started = Instant::now();
+        assert!(a.decide(&p, &k, cost(1)).await.unwrap().is_allowed());
+        waits.push_back(started.elapsed());
+    }
+    assert!(
+        waits
+            .iter()
+            .all(|w| *w < TIMEOUT + Duration::from_millis(300)),
+        "{waits:?}"
+    );
+    assert!(a.stats().breaker_open);
+    let started = Instant::now();
+    assert!(!a.decide(&p, &k, cost(1)).await.unwrap().is_allowed());
+    assert!(started.elapsed() < Duration::from_millis(5));
+}
+
+#[tokio::test]
+async fn counts_are_shared_on_a_cluster() {
+    let cluster = RedisCluster::start();
+    let clock = TestClock::new();
+    let mk = || {
+        RedisBackend::builder()
+            .cluster_nodes(cluster.urls())
+            .timeout(Duration::from_millis(500))
+            .test_clock(clock.clone())
+            .build_approximate(Approximate::asynchronous())
+            .unwrap()
+    };
+    let (a, b) = (mk(), mk());
+    let fixed = Policy::new("f", Quota::per_second(10).fixed_window());
+    let (pa, pb) = (prepare(&a, &fixed), prepare(&b, &fixed));
+    clock.advance(Duration::from_micros(
+        1_000_000 - clock_us(&clock) % 1_000_000,
+    ));
+    // Keys spread over the slots of every node.
+    for i in 0..20 {
+        let k = key(&format!("client-{i}"));
+        for _ in 0..6 {
+            assert!(a.decide(&pa, &k, cost(1)).await.unwrap().is_allowed());
+        }
+        assert!(b.decide(&pb, &k, cost(1)).await.unwrap().is_allowed());
+    }
+    a.flush().await;
+    b.flush().await;
+    assert_eq!(a.stats().failed_calls, 0, "{:?}", a.stats());
+    assert_eq!(a.stats().units_sent, 120);
+    for i in 0..20 {
+        let k = key(&format!("client-{i}"));
+        b.decide(&pb, &k, cost(1)).await.unwrap();
+    }
+    b.flush().await;
+    for i in 0..20 {
+        let k = key(&format!("client-{i}"));
+        let d = b.decide(&pb, &k, cost(1)).await.unwrap();
+        assert_eq!(d.quotas()[0].remaining, 10 - 9, "client-{i}: {d:?}");
+    }
+}
