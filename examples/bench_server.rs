@@ -5,7 +5,7 @@
 //! `curl -i -H 'x-key: alice' localhost:3000/hello` shows `ok` with `RateLimit` headers.
 //!
 //! Environment:
-//! - `BACKEND=none|local|tower_governor|redis|postgres|mysql` (default `local`):
+//! - `BACKEND=none|local|tower_governor|redis|redis_approx|postgres|mysql` (default `local`):
 //!   - `none`: bare axum;
 //!   - `local`: tollgate's `RateLimitLayer` on the in-process backend, default configuration
 //!     (IETF `RateLimit`/`RateLimit-Policy` headers on every response);
@@ -16,6 +16,11 @@
 //!     configuration that, like tollgate's default, sends two rate-limit fields per response;
 //!   - `redis`: tollgate on the Redis backend (`REDIS_URL`, default `redis://127.0.0.1:6379`;
 //!     build with `--features redis`), default configuration (fail-open, deny cache on);
+//!   - `redis_approx`: tollgate on the approximate Redis mode (`REDIS_URL` as for `redis`;
+//!     `APPROX=async` (default) or `sync` picks the variant): decisions in process, counts
+//!     kept in step with Redis. It counts windows only: without `QUOTA`, the never-reached
+//!     limit is a sliding window of one second (`QUOTA="1000000000/s sliding"`, what the
+//!     `local_sliding` mode of `scripts/bench-http.sh` runs on the local backend);
 //!   - `postgres`, `mysql`: tollgate on the SQL backends (`DATABASE_URL`, default
 //!     `postgres://postgres@127.0.0.1:5432/test` and `mysql://root@127.0.0.1:3306/test`; build
 //!     with `--features postgres` or `--features mysql`), default configuration, migrated at
@@ -74,6 +79,9 @@ fn bench_key() -> BenchKey {
 fn quota() -> Result<Quota, ConfigError> {
     match std::env::var("QUOTA") {
         Ok(q) => q.parse(),
+        Err(_) if std::env::var("BACKEND").as_deref() == Ok("redis_approx") => {
+            Ok(Quota::per_second(1_000_000_000).sliding_window())
+        }
         Err(_) => Ok(Quota::per_hour(UNITS).burst(UNITS)),
     }
 }
@@ -294,6 +302,25 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             print_stats(move || format!("{:?}", stats.stats()));
             serve_layered!(listener, app, tollgate_layer(backend, deny_key)?, outer)?
         }
+        #[cfg(feature = "redis")]
+        "redis_approx" => {
+            let url =
+                std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+            use tollgate::backend::redis::Approximate;
+            let mode = match std::env::var("APPROX").as_deref() {
+                Ok("sync") => Approximate::synchronous(),
+                Ok("async") | Err(_) => Approximate::asynchronous(),
+                Ok(other) => {
+                    return Err(format!("unknown APPROX={other:?}: async or sync").into());
+                }
+            };
+            let backend = tollgate::backend::redis::RedisBackend::builder()
+                .url(url)
+                .build_approximate(mode)?;
+            let stats = backend.clone();
+            print_stats(move || format!("{:?}", stats.stats()));
+            serve_layered!(listener, app, tollgate_layer(backend, deny_key)?, outer)?
+        }
         #[cfg(feature = "postgres")]
         "postgres" => {
             let url = std::env::var("DATABASE_URL")
@@ -319,15 +346,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             serve_layered!(listener, app, tollgate_layer(backend, deny_key)?, outer)?
         }
         #[allow(unreachable_patterns)] // every store compiled in
-        "redis" | "postgres" | "mysql" => {
+        "redis" | "redis_approx" | "postgres" | "mysql" => {
+            let feature = backend.trim_end_matches("_approx");
             return Err(
-                format!("BACKEND={backend} needs a build with `--features {backend}`").into(),
+                format!("BACKEND={backend} needs a build with `--features {feature}`").into(),
             );
         }
         other => {
             return Err(format!(
                 "unknown BACKEND={other:?}: use none, local, tower_governor, \
-                 tower_governor_headers, redis, postgres or mysql"
+                 tower_governor_headers, redis, redis_approx, postgres or mysql"
             )
             .into());
         }

@@ -10,6 +10,9 @@
 #   MODES="none local tower_governor redis local_outer tower_governor_outer redis_outer local_deny redis_deny"
 #                     `local_fixed`, `local_sliding`, `redis_fixed`, `redis_sliding`: the same
 #                     never-reached limit as a fixed or a sliding window (QUOTA) instead of GCRA.
+#                     `redis_approx`, `redis_approx_sync`: the approximate Redis mode, asynchronous
+#                     and synchronous (BACKEND=redis_approx, APPROX), on a never-reached
+#                     one-second sliding window: compare with `local_sliding`.
 #                     `*_outer` modes wrap the whole router (LAYER=outer) instead of
 #                     `Router::layer`; `*_deny` modes flood one key that is always denied (DENY_KEY); the
 #                     redis modes use REDIS_URL, or a redis-server this script starts on a free
@@ -195,7 +198,7 @@ ticks_of() { awk '{print $14 + $15}' "/proc/$1/stat" 2>/dev/null || echo 0; }
 cpu_ticks() { # backend
     local t
     t=$(ticks_of "$SERVER_PID")
-    if [ "$1" = redis ] && [ -n "$REDIS_PID" ]; then
+    if [ "${1%_approx}" = redis ] && [ -n "$REDIS_PID" ]; then
         t=$((t + $(ticks_of "$REDIS_PID")))
     fi
     if [ "$1" = postgres ] && [ -n "$PG_PID" ]; then
@@ -211,7 +214,12 @@ cpu_ticks() { # backend
 
 run_mode() { # round mode
     local round=$1 mode=$2
-    local backend=${mode%_deny} deny_env=() wrk_header=() layer=route quota_env=()
+    local backend=${mode%_deny} deny_env=() wrk_header=() layer=route quota_env=() approx_env=()
+    # `redis_approx_sync`: the approximate mode's synchronous variant.
+    if [ "${backend%_approx_sync}" != "$backend" ]; then
+        backend=${backend%_sync}
+        approx_env=(APPROX=sync)
+    fi
     # `*_fixed` / `*_sliding`: the same never-reached limit as a fixed or sliding window.
     case "$backend" in
     *_fixed)
@@ -237,7 +245,7 @@ run_mode() { # round mode
     fi
     local db_env=()
     [ "$backend" = mysql ] && db_env=(DATABASE_URL="${MYSQL_URL:-}")
-    env "${deny_env[@]}" "${quota_env[@]}" "${db_env[@]}" BACKEND=$backend LAYER=$layer PORT=$PORT $PIN_SERVER "$BIN" >/dev/null 2>/tmp/bench_server.err &
+    env "${deny_env[@]}" "${quota_env[@]}" "${db_env[@]}" "${approx_env[@]}" BACKEND=$backend LAYER=$layer PORT=$PORT $PIN_SERVER "$BIN" >/dev/null 2>/tmp/bench_server.err &
     SERVER_PID=$!
     if ! wait_up; then
         echo "  $mode: server did not start ($(tail -1 /tmp/bench_server.err)); skipped" >&2
