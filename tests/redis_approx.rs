@@ -408,7 +408,16 @@ async fn counts_are_shared_on_a_cluster() {
 /// each over the limit through real TCP connections, in real time. Every admission the
 /// handlers saw is checked against the bound.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn layers_on_one_redis_driven_over_the_limit_hold_the_bound() {
+async fn asynchronous_layers_on_one_redis_driven_over_the_limit_hold_the_bound() {
+    layers_over_the_limit(Approximate::asynchronous()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn synchronous_layers_on_one_redis_driven_over_the_limit_hold_the_bound() {
+    layers_over_the_limit(Approximate::synchronous()).await;
+}
+
+async fn layers_over_the_limit(mode: Approximate) {
     use std::sync::{Arc, Mutex};
     use std::time::{SystemTime, UNIX_EPOCH};
     use tollgate::RateLimitLayer;
@@ -423,7 +432,7 @@ async fn layers_on_one_redis_driven_over_the_limit_hold_the_bound() {
         let backend = RedisBackend::builder()
             .url(server.url())
             .timeout(TIMEOUT)
-            .build_approximate(Approximate::asynchronous().flush_every(flush))
+            .build_approximate(mode.flush_every(flush))
             .unwrap();
         let layer = RateLimitLayer::builder()
             .policy(Policy::new(
@@ -503,8 +512,63 @@ async fn layers_on_one_redis_driven_over_the_limit_hold_the_bound() {
     let d = slice_us + 2 * 5_000 + 20_000 + 50_000;
     let worst = check_bounds(&log, 3, d);
     eprintln!(
-        "layers: {ok} passed and {limited} limited in 2.5 s; worst over-admission {worst:.1}"
+        "layers ({mode:?}): {ok} passed and {limited} limited in 2.5 s; worst over-admission {worst:.1}"
     );
     // At least the limit's worth over the run: the fleet is not starved.
     assert!(ok >= 2 * limit as usize, "{ok}");
+}
+
+#[tokio::test]
+async fn every_counter_expires_and_reset_clears_the_key() {
+    let server = RedisServer::start();
+    let clock = TestClock::new();
+    let sliding = Policy::new(
+        "s",
+        Quota::per_second(10)
+            .sliding_window()
+            .resolution(Duration::from_millis(250)),
+    );
+    let a = instance(&server.url(), &clock, Approximate::asynchronous());
+    let b = instance(&server.url(), &clock, Approximate::asynchronous());
+    let (pa, pb) = (prepare(&a, &sliding), prepare(&b, &sliding));
+    let k = key("k");
+    for _ in 0..6 {
+        for (x, p) in [(&a, &pa), (&b, &pb)] {
+            x.decide(p, &k, cost(1)).await.unwrap();
+            x.flush().await;
+        }
+        clock.advance(Duration::from_millis(100));
+    }
+    let keys = server.cmd(&["KEYS", "*"]);
+    let keys: Vec<&str> = keys.lines().filter(|l| l.contains("0a")).collect();
+    assert!(keys.len() >= 2, "{keys:?}");
+    for name in &keys {
+        let ttl: i64 = server
+            .cmd(&["PTTL", name])
+            .trim_start_matches(':')
+            .trim()
+            .parse()
+            .unwrap();
+        // A counter outlives every window holding its sub-window (the 4 sub-windows, the one
+        // weighed before them, one more), plus 2 s for clocks: 6 x 250 ms + 2 s.
+        assert!(ttl > 0 && ttl <= 3_500, "{name}: {ttl}");
+    }
+    a.reset(&pa, &k).await.unwrap();
+    // Both instances' units are gone from Redis: A starts afresh, and B does once it reads.
+    let d = a.decide(&pa, &k, cost(1)).await.unwrap();
+    assert_eq!(d.quotas()[0].remaining, 9, "{d:?}");
+    a.flush().await;
+    for name in server
+        .cmd(&["KEYS", "*"])
+        .lines()
+        .filter(|l| l.contains("0a"))
+    {
+        let ttl: i64 = server
+            .cmd(&["PTTL", name])
+            .trim_start_matches(':')
+            .trim()
+            .parse()
+            .unwrap();
+        assert!(ttl > 0, "{name}: {ttl}");
+    }
 }

@@ -76,6 +76,9 @@ pub(crate) struct Counts {
     mine: SmallVec<[u32; 4]>,
     /// Units of `mine` not sent yet (queued for the next flush, or back from a failed one).
     unsent: SmallVec<[u32; 4]>,
+    /// 1 where this instance has set the sub-window's Redis counter to expire (the first of its
+    /// increments there that Redis confirmed came with a `PEXPIRE`; later ones need none).
+    ttl_set: SmallVec<[u32; 4]>,
     /// The newest sub-window when the counts were last read from Redis; `None` before the first
     /// read.
     read: Option<u64>,
@@ -89,6 +92,7 @@ impl Counts {
             fleet: zeros(),
             mine: zeros(),
             unsent: zeros(),
+            ttl_set: zeros(),
             read: None,
         }
     }
@@ -101,7 +105,12 @@ impl Counts {
         if by == 0 {
             return;
         }
-        for v in [&mut self.fleet, &mut self.mine, &mut self.unsent] {
+        for v in [
+            &mut self.fleet,
+            &mut self.mine,
+            &mut self.unsent,
+            &mut self.ttl_set,
+        ] {
             if by >= kept {
                 v.iter_mut().for_each(|c| *c = 0);
             } else {
@@ -149,14 +158,11 @@ impl Counts {
         }
     }
 
-    /// Counts `cost` admitted units into the current sub-window; `queue` when they are to be
-    /// sent by the next flush (the asynchronous mode), rather than by the request itself.
-    pub(crate) fn admit(&mut self, cost: u32, queue: bool) {
+    /// Counts `cost` admitted units into the current sub-window, to be sent by the next flush.
+    pub(crate) fn admit(&mut self, cost: u32) {
         let newest = self.fleet.len() - 1;
         self.mine[newest] = self.mine[newest].saturating_add(cost);
-        if queue {
-            self.unsent[newest] = self.unsent[newest].saturating_add(cost);
-        }
+        self.unsent[newest] = self.unsent[newest].saturating_add(cost);
     }
 
     /// The quota's state after a decision with `code`, from the view at `now_us`.
@@ -184,25 +190,30 @@ impl Counts {
         }
     }
 
-    /// Takes the units to send: `(sub-window, units)` for each sub-window with any. They stay
-    /// in `mine` until [`confirmed`](Self::confirmed).
-    pub(crate) fn take_unsent(&mut self) -> SmallVec<[(u64, u32); 2]> {
+    /// Takes the units to send: `(sub-window, units, whether its counter still needs its
+    /// expiry set)` for each sub-window with any. They stay in `mine` until
+    /// [`confirmed`](Self::confirmed).
+    pub(crate) fn take_unsent(&mut self) -> SmallVec<[(u64, u32, bool); 2]> {
         let oldest = self.slice + 1 - self.fleet.len() as u64;
         let mut out = SmallVec::new();
         for (i, u) in self.unsent.iter_mut().enumerate() {
             if *u > 0 {
-                out.push((oldest + i as u64, *u));
+                out.push((oldest + i as u64, *u, self.ttl_set[i] == 0));
                 *u = 0;
             }
         }
         out
     }
 
-    /// Redis added `units` to sub-window `slice`, making it `count`.
-    pub(crate) fn confirmed(&mut self, slice: u64, units: u32, count: u32) {
+    /// Redis added `units` to sub-window `slice`, making it `count` (and set its expiry when
+    /// `ttl` was sent with them).
+    pub(crate) fn confirmed(&mut self, slice: u64, units: u32, count: u32, ttl: bool) {
         if let Some(i) = self.slot(slice) {
             self.fleet[i] = self.fleet[i].max(count);
             self.mine[i] = self.mine[i].saturating_sub(units);
+            if ttl {
+                self.ttl_set[i] = 1;
+            }
         }
     }
 
@@ -239,11 +250,6 @@ impl Counts {
             None => true,
             Some(read) => read < self.slice && now_us % spec.slice_us >= settle_us,
         }
-    }
-
-    /// Whether units wait to be sent.
-    pub(crate) fn has_unsent(&self) -> bool {
-        self.unsent.iter().any(|&u| u > 0)
     }
 
     /// Whether every count has left the window and nothing is owed to Redis.
@@ -291,7 +297,7 @@ mod tests {
         c.read_reply(first, &fleet, c.slice);
         for _ in 0..4 {
             assert_eq!(c.code(&s, now, ONE), Code::Allowed);
-            c.admit(1, true);
+            c.admit(1);
         }
         assert_eq!(c.code(&s, now, ONE), Code::Denied);
         let q = c.state(&s, Code::Denied, now, ONE);
@@ -299,15 +305,16 @@ mod tests {
         assert!(matches!(q.outcome, Outcome::Denied { .. }));
         // The 4 are sent and confirmed: Redis counted 9 in this sub-window (5 from others).
         let sent = c.take_unsent();
-        assert_eq!(sent.as_slice(), &[(c.slice, 4)]);
-        c.confirmed(c.slice, 4, 9);
+        assert_eq!(sent.as_slice(), &[(c.slice, 4, true)]);
+        c.confirmed(c.slice, 4, 9, true);
         // 6 + 9: still denied, and nothing is owed.
         assert_eq!(c.code(&s, now, ONE), Code::Denied);
         assert!(c.take_unsent().is_empty());
         // A failed send comes back for the next flush.
-        c.admit(0, true);
+        c.admit(0);
         c.failed(c.slice, 3);
-        assert_eq!(c.take_unsent().as_slice(), &[(c.slice, 3)]);
+        // The counter's expiry is set: the units go without one.
+        assert_eq!(c.take_unsent().as_slice(), &[(c.slice, 3, false)]);
     }
 
     #[test]
@@ -320,7 +327,7 @@ mod tests {
         c.read_reply(c.read_range().0, &[0], c.slice);
         for _ in 0..3 {
             assert_eq!(c.code(&s, t0, ONE), Code::Allowed);
-            c.admit(1, false);
+            c.admit(1);
         }
         assert_eq!(c.code(&s, t0, ONE), Code::Denied);
         assert!(!c.read_due(&s, t0, 10_000));
@@ -330,7 +337,7 @@ mod tests {
         assert!(!c.read_due(&s, t1 + 9_999, 10_000), "settling");
         assert!(c.read_due(&s, t1 + 10_000, 10_000));
         // A reply for a sub-window that left the window changes nothing.
-        c.confirmed(s.slice_at(t0), 3, 100);
+        c.confirmed(s.slice_at(t0), 3, 100, true);
         assert_eq!(c.code(&s, t1, ONE), Code::Allowed);
         assert!(c.is_idle(&s, t1 + 1_000_000));
     }

@@ -30,8 +30,12 @@ pub(super) async fn run(shared: Weak<Shared>, wake: Arc<tokio::sync::Notify>) {
             return;
         };
         if has_work(&s) {
-            // Let more work join the batch, unless enough units are queued already.
-            if s.queued_units.load(Ordering::Relaxed) < s.mode.flush_after {
+            // Let more work join the batch, unless enough units are queued already or
+            // requests wait for it.
+            if s.queued_units.load(Ordering::Relaxed) < s.mode.flush_after
+                && s.waiters.load(Ordering::Acquire) == 0
+                && !s.urgent.swap(false, Ordering::Relaxed)
+            {
                 let every = s.mode.flush_every;
                 drop(s);
                 let _ = tokio::time::timeout(every, wake.notified()).await;
@@ -75,8 +79,8 @@ impl Job {
             for (spec, c) in policy.specs.iter().zip(st.quotas.iter_mut()) {
                 let slice = spec.slice_at(now_us);
                 c.advance(slice);
-                for (at, units) in c.take_unsent() {
-                    writes.push((spec.index, at, units));
+                for (at, units, ttl) in c.take_unsent() {
+                    writes.push((spec.index, at, units, ttl));
                 }
                 if !reading && (all || c.read_due(spec, now_us, s.settle_us(spec))) {
                     let (first, n) = c.read_range();
@@ -96,11 +100,14 @@ impl Job {
     }
 
     fn commands(&self, pipe: &mut redis::Pipeline) {
-        for &(q, slice, units) in &self.writes {
+        for &(q, slice, units, ttl) in &self.writes {
             let spec = &self.policy.specs[q];
             let key = self.entry.redis_key(spec, slice);
             pipe.cmd("INCRBY").arg(&key).arg(units);
-            pipe.cmd("PEXPIRE").arg(&key).arg(spec.ttl_ms()).ignore();
+            // Once per sub-window and instance: the first increment Redis confirms sets it.
+            if ttl {
+                pipe.cmd("PEXPIRE").arg(&key).arg(spec.ttl_ms()).ignore();
+            }
         }
         for &(q, first, n, _) in &self.reads {
             let spec = &self.policy.specs[q];
@@ -122,8 +129,8 @@ impl Job {
         st.reading = false;
         match parsed {
             Some((counts, reads)) => {
-                for (&(q, slice, units), count) in self.writes.iter().zip(counts) {
-                    st.quotas[q].confirmed(slice, units, count);
+                for (&(q, slice, units, ttl), count) in self.writes.iter().zip(counts) {
+                    st.quotas[q].confirmed(slice, units, count, ttl);
                     s.units_sent.fetch_add(u64::from(units), Ordering::Relaxed);
                 }
                 for (&(q, first, _, as_of), fleet) in self.reads.iter().zip(reads) {
@@ -134,7 +141,7 @@ impl Job {
                 }
             }
             None => {
-                for &(q, slice, units) in &self.writes {
+                for &(q, slice, units, _) in &self.writes {
                     st.quotas[q].failed(slice, units);
                 }
                 if !self.writes.is_empty() || !self.reads.is_empty() {
@@ -164,7 +171,7 @@ impl Job {
 }
 
 /// A counter's value in a reply: an integer, a number in a string, or nothing (zero).
-pub(super) fn count(v: &Value) -> Option<u32> {
+fn count(v: &Value) -> Option<u32> {
     let n: i64 = match v {
         Value::Nil => 0,
         Value::Int(n) => *n,
@@ -180,6 +187,7 @@ pub(super) async fn flush(s: &Shared, force: bool) {
     if !force && !s.may_call() {
         return;
     }
+    let seq = s.flushes_started.fetch_add(1, Ordering::AcqRel) + 1;
     let queued = std::mem::take(&mut *s.dirty.lock().unwrap_or_else(|e| e.into_inner()));
     s.queued_units.store(0, Ordering::Relaxed);
     let jobs: Vec<Job> = queued
@@ -187,6 +195,7 @@ pub(super) async fn flush(s: &Shared, force: bool) {
         .filter_map(|(p, e)| Job::of(s, p, e, false))
         .collect();
     send(s, jobs).await;
+    s.flushed.send_modify(|done| *done = (*done).max(seq));
 }
 
 /// Reads a key's counts now (a synchronous variant's first request on a key).

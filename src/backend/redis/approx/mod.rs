@@ -9,13 +9,19 @@
 //! units Redis has not confirmed yet. It decides from those counts with the same window
 //! arithmetic as every other backend (`docs/algorithms.md`), then:
 //!
-//! - **[`Approximate::synchronous`]**: an allowed request adds its units to the Redis counter of
-//!   its sub-window (`INCRBY`) before it goes on, and the reply (the fleet's count of that
-//!   sub-window) refreshes the instance's view. Denied requests never touch the network. The
-//!   first request of a key new to the instance waits for one read of the key's counts.
+//! - **[`Approximate::synchronous`]**: an allowed request goes on once its units are added to
+//!   the Redis counter of its sub-window (`INCRBY`), and the reply (the fleet's count of that
+//!   sub-window) refreshes the instance's view. The background task sends at once, one
+//!   pipeline for every request queued meanwhile (one `INCRBY` per key and sub-window,
+//!   however many requests), and the requests go on when it is answered, or after the
+//!   timeout. Denied requests never touch the network. The first request of a key new to the
+//!   instance waits for one read of the key's counts.
 //! - **[`Approximate::asynchronous`]**: nothing waits. Allowed units are queued and sent in
 //!   batches ([`flush_every`](Approximate::flush_every), or sooner once
-//!   [`flush_after`](Approximate::flush_after) units are queued), one pipeline for all keys.
+//!   [`flush_after`](Approximate::flush_after) units are queued), one pipeline for all keys;
+//!   an admission that leaves a quota less than a tenth of its limit has the batch sent at
+//!   once, so that near the limit, where the others' units matter, instances hear of each
+//!   other within a round trip.
 //!
 //! In both, the counts of a key are read from Redis (`MGET` of its sub-windows) when the
 //! instance first sees the key and again in every sub-window it is used in, once the
@@ -297,6 +303,13 @@ pub(crate) struct Shared {
     wake: Arc<tokio::sync::Notify>,
     policies: Mutex<Vec<Weak<PolicyShared>>>,
     started: AtomicBool,
+    /// Flushes begun, and (watched by waiting requests) the newest one answered.
+    flushes_started: AtomicU64,
+    flushed: tokio::sync::watch::Sender<u64>,
+    /// Synchronous requests waiting for a flush: the task then sends at once.
+    waiters: AtomicUsize,
+    /// An admission left a quota near its limit: the task sends at once.
+    urgent: AtomicBool,
     // The circuit breaker, on the monotonic clock.
     origin: Instant,
     failures: AtomicU32,
@@ -339,6 +352,10 @@ impl ApproxBackend {
                 wake: Arc::new(tokio::sync::Notify::new()),
                 policies: Mutex::new(Vec::new()),
                 started: AtomicBool::new(false),
+                flushes_started: AtomicU64::new(0),
+                flushed: tokio::sync::watch::Sender::new(0),
+                waiters: AtomicUsize::new(0),
+                urgent: AtomicBool::new(false),
                 origin: Instant::now(),
                 failures: AtomicU32::new(0),
                 open_until_ns: AtomicU64::new(0),
@@ -524,19 +541,21 @@ impl Future for ApproxFuture {
     }
 }
 
-/// An increment a synchronous decision sends: quota, sub-window, units.
-type Increments = SmallVec<[(usize, u64, u32); 2]>;
+/// Increments a flush sends for one key: quota, sub-window, units, and whether the counter's
+/// expiry is set with them.
+type Increments = SmallVec<[(usize, u64, u32, bool); 2]>;
 
 impl Shared {
-    /// Decides from the counts held, counting the units when allowed. Returns the decision,
-    /// and the increments to send now (synchronous variant).
+    /// Decides from the counts held, counting the units when allowed and queueing them for
+    /// the next flush. Returns the decision, and whether it waits for that flush (the
+    /// synchronous variant's allowed requests, while Redis answers).
     fn decide_here(
         &self,
         policy: &Arc<PolicyShared>,
         entry: &Arc<Entry>,
         cost: NonZeroU32,
         mode: Mode,
-    ) -> (Decision, Increments) {
+    ) -> (Decision, bool) {
         let now_us = self.now.us();
         let sync = self.mode.writes == Writes::Sync && !self.breaker_open();
         let mut st = entry.lock();
@@ -546,23 +565,17 @@ impl Shared {
             codes.push(c.code(spec, now_us, cost));
         }
         let take = mode != Mode::Peek && codes.iter().all(|c| *c == Code::Allowed);
-        let mut writes = Increments::new();
         if take {
-            for (spec, c) in policy.specs.iter().zip(st.quotas.iter_mut()) {
-                c.admit(cost.get(), !sync);
-                if sync {
-                    writes.push((spec.index, spec.slice_at(now_us), cost.get()));
-                }
+            for c in st.quotas.iter_mut() {
+                c.admit(cost.get());
             }
-            if !sync {
-                let queued = self
-                    .queued_units
-                    .fetch_add(cost.get() as usize, Ordering::Relaxed);
-                if queued < self.mode.flush_after
-                    && queued + cost.get() as usize >= self.mode.flush_after
-                {
-                    self.wake.notify_one();
-                }
+            let queued = self
+                .queued_units
+                .fetch_add(cost.get() as usize, Ordering::Relaxed);
+            if queued < self.mode.flush_after
+                && queued + cost.get() as usize >= self.mode.flush_after
+            {
+                self.wake.notify_one();
             }
         }
         let decision = Decision::new(
@@ -573,60 +586,40 @@ impl Shared {
                 .zip(&codes)
                 .map(|((spec, c), code)| c.state(spec, *code, now_us, cost)),
         );
+        // Near the limit, the others' units matter most: an admission that leaves less than a
+        // tenth of a quota sends at once instead of waiting for the batch.
+        if take
+            && !sync
+            && decision
+                .quotas()
+                .iter()
+                .any(|q| u64::from(q.remaining) * 10 < u64::from(q.limit))
+        {
+            self.urgent.store(true, Ordering::Relaxed);
+            self.wake.notify_one();
+        }
         let read_due = !st.reading
             && policy
                 .specs
                 .iter()
                 .zip(st.quotas.iter())
                 .any(|(spec, c)| c.read_due(spec, now_us, self.settle_us(spec)));
-        if read_due || (take && !sync) {
+        if read_due || take {
             self.enqueue(policy, entry, &mut st);
         }
-        (decision, writes)
+        (decision, take && sync)
     }
 
-    /// Sends a synchronous decision's increments, and takes the fleet's counts from the
-    /// replies; on failure the units are queued for the background task to send.
-    async fn write_now(&self, policy: &PolicyShared, entry: &Arc<Entry>, writes: &Increments) {
-        let mut pipe = redis::pipe();
-        for &(q, slice, units) in writes {
-            let spec = &policy.specs[q];
-            let key = entry.redis_key(spec, slice);
-            pipe.cmd("INCRBY").arg(&key).arg(units);
-            pipe.cmd("PEXPIRE").arg(&key).arg(spec.ttl_ms()).ignore();
-        }
-        let reply = tokio::time::timeout(self.opts.timeout, self.conn.pipeline(&pipe)).await;
-        let counts = match reply {
-            Ok(Ok(ref values)) if values.len() == writes.len() => values
-                .iter()
-                .map(flush::count)
-                .collect::<Option<Vec<u32>>>(),
-            _ => None,
-        };
-        let mut st = entry.lock();
-        match counts {
-            Some(counts) => {
-                self.call_ok();
-                for (&(q, slice, units), count) in writes.iter().zip(counts) {
-                    st.quotas[q].confirmed(slice, units, count);
-                    self.units_sent
-                        .fetch_add(u64::from(units), Ordering::Relaxed);
-                }
-            }
-            None => {
-                let err = match reply {
-                    Err(_) => "timed out".to_owned(),
-                    Ok(Err(e)) => e.to_string(),
-                    Ok(Ok(_)) => "unexpected reply".to_owned(),
-                };
-                self.call_failed(&err);
-                for &(q, slice, units) in writes {
-                    st.quotas[q].failed(slice, units);
-                }
-                drop(st);
-                // Queued by the caller's entry handle below.
-            }
-        }
+    /// Waits (at most the timeout) until a flush that began after this call has been
+    /// answered: the units just queued were sent with it, coalesced with those of every
+    /// request queued meanwhile (one `INCRBY` per key and sub-window).
+    async fn flushed(&self) {
+        let mut done = self.flushed.subscribe();
+        let started = self.flushes_started.load(Ordering::Acquire);
+        self.waiters.fetch_add(1, Ordering::AcqRel);
+        self.wake.notify_one();
+        let _ = tokio::time::timeout(self.opts.timeout, done.wait_for(|&d| d > started)).await;
+        self.waiters.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -716,27 +709,30 @@ impl Backend for ApproxBackend {
             return ApproxFuture {
                 inner: FutureInner::Waiting(Box::pin(async move {
                     flush::read_now(&shared, &policy, &entry).await;
-                    decide_and_write(&shared, &policy, &entry, cost, mode).await
+                    let (decision, wait) = shared.decide_here(&policy, &entry, cost, mode);
+                    if wait {
+                        shared.flushed().await;
+                    }
+                    decision
                 })),
             };
         }
-        let (decision, writes) = shared.decide_here(p, &entry, cost, mode);
-        if writes.is_empty() {
+        let (decision, wait) = shared.decide_here(p, &entry, cost, mode);
+        if !wait {
             return ApproxFuture {
                 inner: FutureInner::Ready(Some(decision)),
             };
         }
-        let (shared, policy) = (shared.clone(), p.clone());
+        let shared = shared.clone();
         ApproxFuture {
             inner: FutureInner::Waiting(Box::pin(async move {
-                shared.write_now(&policy, &entry, &writes).await;
-                requeue_unsent(&shared, &policy, &entry);
+                shared.flushed().await;
                 decision
             })),
         }
     }
 
-    /// Deletes the key's counters in Redis and forgets its local counts. Other instances
+    /// Clears the key's counters in Redis and forgets its local counts. Other instances
     /// learn of it at their next read of the key (their own unconfirmed units stay counted).
     fn reset(&self, policy: &ApproxPolicy, key: &Key) -> ResetFuture {
         let shared = self.shared.clone();
@@ -754,16 +750,26 @@ impl Backend for ApproxBackend {
             }),
         };
         Box::pin(async move {
+            // The current sub-window's counter is set to zero rather than deleted: other
+            // instances set a counter's expiry with their first increment in a sub-window
+            // only, so it must keep one.
             let now_us = shared.now.us();
-            let mut del = redis::cmd("DEL");
+            let mut pipe = redis::pipe();
             for spec in p.specs.iter() {
                 let newest = spec.slice_at(now_us);
-                for slice in newest.saturating_sub(spec.kept as u64)..=newest {
+                let del = pipe.cmd("DEL").ignore();
+                for slice in newest.saturating_sub(spec.kept as u64)..newest {
                     del.arg(entry.redis_key(spec, slice));
                 }
+                pipe.cmd("SET")
+                    .arg(entry.redis_key(spec, newest))
+                    .arg(0)
+                    .arg("PX")
+                    .arg(spec.ttl_ms())
+                    .ignore();
             }
-            match tokio::time::timeout(shared.opts.timeout, shared.conn.query(&del)).await {
-                Ok(Ok(())) => Ok(()),
+            match tokio::time::timeout(shared.opts.timeout, shared.conn.pipeline(&pipe)).await {
+                Ok(Ok(_)) => Ok(()),
                 Ok(Err(e)) => Err(BackendError::new(BackendErrorKind::Unavailable, e)),
                 Err(_) => Err(BackendError::from_kind(BackendErrorKind::Timeout)),
             }
@@ -775,30 +781,6 @@ impl Backend for ApproxBackend {
             "{} prefix {:?} (approximate)",
             self.shared.endpoint, self.shared.prefix
         ))
-    }
-}
-
-/// A synchronous decision after a key's first read.
-async fn decide_and_write(
-    shared: &Arc<Shared>,
-    policy: &Arc<PolicyShared>,
-    entry: &Arc<Entry>,
-    cost: NonZeroU32,
-    mode: Mode,
-) -> Decision {
-    let (decision, writes) = shared.decide_here(policy, entry, cost, mode);
-    if !writes.is_empty() {
-        shared.write_now(policy, entry, &writes).await;
-        requeue_unsent(shared, policy, entry);
-    }
-    decision
-}
-
-/// Queues the entry when a failed increment left units to send.
-fn requeue_unsent(shared: &Shared, policy: &Arc<PolicyShared>, entry: &Arc<Entry>) {
-    let mut st = entry.lock();
-    if st.quotas.iter().any(Counts::has_unsent) {
-        shared.enqueue(policy, entry, &mut st);
     }
 }
 
