@@ -34,21 +34,33 @@
 //! [resolution](crate::Quota::resolution) is the sub-window. A policy with a GCRA quota is
 //! refused when the layer is built (`"10/s burst 20"` can be written `"20/2s sliding 100ms"`).
 //!
-//! ```no_run
+//! ```
 //! use std::time::Duration;
+//! use tollgate::backend::Backend;
 //! use tollgate::backend::redis::{Approximate, RedisBackend};
-//! use tollgate::{Policy, Quota, RateLimitLayer, key::ClientIp};
+//! use tollgate::{Key, Policy, Quota, RateLimitLayer, key::ClientIp};
 //!
-//! # fn main() -> Result<(), tollgate::ConfigError> {
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let backend = RedisBackend::builder()
-//!     .url("redis://127.0.0.1:6379")
+//!     .url("redis://127.0.0.1:1") // nothing listens here: decisions go on regardless
 //!     .build_approximate(Approximate::asynchronous().flush_every(Duration::from_millis(5)))?;
+//! // 600 a minute, counted in sub-windows of 5 s.
+//! let policy = Policy::new(
+//!     "api",
+//!     Quota::per_minute(600).sliding_window().resolution(Duration::from_secs(5)),
+//! );
+//! let prepared = backend.prepare(&policy, &policy.validate()?)?;
+//! let alice = Key::from_bytes("alice")?;
+//! let one = std::num::NonZeroU32::MIN;
+//! // Decided in this process, at once, from the counts it holds.
+//! let decision = backend.decide(&prepared, &alice, one).await?;
+//! assert!(decision.is_allowed());
+//! assert_eq!(decision.quotas()[0].remaining, 599);
+//!
+//! // In a layer, like any backend.
 //! let layer = RateLimitLayer::builder()
-//!     // 600 a minute, counted in sub-windows of 5 s.
-//!     .policy(Policy::new(
-//!         "api",
-//!         Quota::per_minute(600).sliding_window().resolution(Duration::from_secs(5)),
-//!     ))
+//!     .policy(policy)
 //!     .key(ClientIp::new())
 //!     .backend(backend)
 //!     .build()?;
