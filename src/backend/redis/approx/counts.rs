@@ -76,9 +76,13 @@ pub(crate) struct Counts {
     mine: SmallVec<[u32; 4]>,
     /// Units of `mine` not sent yet (queued for the next flush, or back from a failed one).
     unsent: SmallVec<[u32; 4]>,
-    /// 1 where this instance has set the sub-window's Redis counter to expire (the first of its
-    /// increments there that Redis confirmed came with a `PEXPIRE`; later ones need none).
-    ttl_set: SmallVec<[u32; 4]>,
+    /// Units of this instance Redis confirmed, per sub-window: a read never counts less (Redis
+    /// may have lost them: a restart without persistence, a failover).
+    own: SmallVec<[u32; 4]>,
+    /// Per sub-window, whether this instance set the Redis counter to expire: 0 not yet (its
+    /// next increment carries a `PEXPIRE`), 1 set, 2 owed (an increment without one created
+    /// the counter afresh: Redis lost it, or it was reset; the next flush sends one).
+    ttl: SmallVec<[u32; 4]>,
     /// The newest sub-window when the counts were last read from Redis; `None` before the first
     /// read.
     read: Option<u64>,
@@ -92,7 +96,8 @@ impl Counts {
             fleet: zeros(),
             mine: zeros(),
             unsent: zeros(),
-            ttl_set: zeros(),
+            own: zeros(),
+            ttl: zeros(),
             read: None,
         }
     }
@@ -109,7 +114,8 @@ impl Counts {
             &mut self.fleet,
             &mut self.mine,
             &mut self.unsent,
-            &mut self.ttl_set,
+            &mut self.own,
+            &mut self.ttl,
         ] {
             if by >= kept {
                 v.iter_mut().for_each(|c| *c = 0);
@@ -123,10 +129,14 @@ impl Counts {
         self.slice = slice;
     }
 
+    /// The oldest sub-window held (fewer than `kept` near the epoch: nothing is held before 0).
+    fn oldest(&self) -> u64 {
+        (self.slice + 1).saturating_sub(self.fleet.len() as u64)
+    }
+
     /// Where sub-window `slice` is held, if it is.
     fn slot(&self, slice: u64) -> Option<usize> {
-        let oldest = self.slice.checked_sub(self.fleet.len() as u64 - 1);
-        let oldest = oldest.unwrap_or(0);
+        let oldest = self.oldest();
         (slice >= oldest && slice <= self.slice).then(|| (slice - oldest) as usize)
     }
 
@@ -190,16 +200,17 @@ impl Counts {
         }
     }
 
-    /// Takes the units to send: `(sub-window, units, whether its counter still needs its
-    /// expiry set)` for each sub-window with any. They stay in `mine` until
-    /// [`confirmed`](Self::confirmed).
+    /// Takes the units to send: `(sub-window, units, whether the counter's expiry is sent
+    /// with them)` for each sub-window with units, or an expiry owed (then with zero units:
+    /// `INCRBY` by 0 reads the count). They stay in `mine` until [`confirmed`](Self::confirmed).
     pub(crate) fn take_unsent(&mut self) -> SmallVec<[(u64, u32, bool); 2]> {
-        let oldest = self.slice + 1 - self.fleet.len() as u64;
+        let oldest = self.oldest();
         let mut out = SmallVec::new();
-        for (i, u) in self.unsent.iter_mut().enumerate() {
-            if *u > 0 {
-                out.push((oldest + i as u64, *u, self.ttl_set[i] == 0));
-                *u = 0;
+        for i in 0..self.unsent.len() {
+            let (units, ttl) = (self.unsent[i], self.ttl[i]);
+            if units > 0 || ttl == 2 {
+                out.push((oldest + i as u64, units, ttl != 1));
+                self.unsent[i] = 0;
             }
         }
         out
@@ -211,10 +222,19 @@ impl Counts {
         if let Some(i) = self.slot(slice) {
             self.fleet[i] = self.fleet[i].max(count);
             self.mine[i] = self.mine[i].saturating_sub(units);
+            self.own[i] = self.own[i].saturating_add(units);
             if ttl {
-                self.ttl_set[i] = 1;
+                self.ttl[i] = 1;
+            } else if units > 0 && count <= units {
+                // This increment created the counter, without an expiry.
+                self.ttl[i] = 2;
             }
         }
+    }
+
+    /// Whether a flush owes Redis something: units, or an expiry.
+    pub(crate) fn owes(&self) -> bool {
+        self.unsent.iter().any(|&u| u > 0) || self.ttl.iter().any(|&t| t == 2)
     }
 
     /// Sending `units` for `slice` failed: they are sent again by a later flush. (A call that
@@ -226,20 +246,30 @@ impl Counts {
         }
     }
 
-    /// The sub-windows a read asks for: the `kept` newest up to the current one.
+    /// The sub-windows a read asks for: from the oldest held to the current one.
     pub(crate) fn read_range(&self) -> (u64, usize) {
-        (self.slice + 1 - self.fleet.len() as u64, self.fleet.len())
+        let oldest = self.oldest();
+        (oldest, (self.slice - oldest) as usize + 1)
     }
 
     /// Redis's counts of the sub-windows from `first` on, read as of current sub-window
-    /// `as_of`: they replace the fleet's counts held (a read is the freshest word on them).
-    pub(crate) fn read_reply(&mut self, first: u64, counts: &[u32], as_of: u64) {
+    /// `as_of`. With `fresh` (no increment of this key was confirmed since the read was sent)
+    /// they replace the fleet's counts held, so that a reset elsewhere is seen; otherwise a
+    /// confirmed increment may be newer, and the larger count is kept. Never below this
+    /// instance's own confirmed units.
+    pub(crate) fn read_reply(&mut self, first: u64, counts: &[u32], as_of: u64, fresh: bool) {
         for (k, &c) in counts.iter().enumerate() {
             if let Some(i) = self.slot(first + k as u64) {
-                self.fleet[i] = c;
+                let c = c.max(self.own[i]);
+                self.fleet[i] = if fresh { c } else { self.fleet[i].max(c) };
             }
         }
         self.read = Some(self.read.map_or(as_of, |r| r.max(as_of)));
+    }
+
+    /// Whether the counts were read from Redis since the instance first saw the key.
+    pub(crate) fn was_read(&self) -> bool {
+        self.read.is_some()
     }
 
     /// Whether a read is due at `now_us`: never read, or not since the current sub-window
@@ -254,7 +284,7 @@ impl Counts {
 
     /// Whether every count has left the window and nothing is owed to Redis.
     pub(crate) fn is_idle(&self, spec: &Spec, now_us: u64) -> bool {
-        spec.slice_at(now_us) >= self.slice + self.fleet.len() as u64
+        spec.slice_at(now_us) >= self.slice.saturating_add(self.fleet.len() as u64)
             || (self.fleet.iter().all(|&c| c == 0)
                 && self.mine.iter().all(|&c| c == 0)
                 && self.unsent.iter().all(|&c| c == 0)
@@ -294,7 +324,7 @@ mod tests {
         let (first, n) = c.read_range();
         let mut fleet = vec![0; n];
         fleet[n - 2] = 6;
-        c.read_reply(first, &fleet, c.slice);
+        c.read_reply(first, &fleet, c.slice, true);
         for _ in 0..4 {
             assert_eq!(c.code(&s, now, ONE), Code::Allowed);
             c.admit(1);
@@ -324,7 +354,7 @@ mod tests {
         let t0 = 7_000_000;
         c.advance(s.slice_at(t0));
         assert!(c.read_due(&s, t0, 10_000), "never read");
-        c.read_reply(c.read_range().0, &[0], c.slice);
+        c.read_reply(c.read_range().0, &[0], c.slice, true);
         for _ in 0..3 {
             assert_eq!(c.code(&s, t0, ONE), Code::Allowed);
             c.admit(1);

@@ -53,36 +53,61 @@ pub(super) async fn run(shared: Weak<Shared>, wake: Arc<tokio::sync::Notify>) {
     }
 }
 
+/// Something is queued, or a request waits for a flush (one that began after its units were
+/// taken by a flush already under way: an empty flush answers it).
 fn has_work(s: &Shared) -> bool {
-    !s.dirty.lock().unwrap_or_else(|e| e.into_inner()).is_empty()
+    s.waiters.load(Ordering::Acquire) > 0
+        || !s.dirty.lock().unwrap_or_else(|e| e.into_inner()).is_empty()
 }
 
 /// What one key sends in a flush.
 struct Job {
     policy: Arc<PolicyShared>,
     entry: Arc<Entry>,
+    /// The call's number for this key (see `EntryState::calls`).
+    call: u64,
     writes: Increments,
     /// Quota, first sub-window, how many, and the current sub-window of the read.
     reads: SmallVec<[(usize, u64, usize, u64); 1]>,
 }
 
+/// What a job takes from its key.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Take {
+    /// Units owed, and the reads due (a flush).
+    Due,
+    /// A read of every quota, and nothing else (a synchronous decision on a key not read yet).
+    Read,
+}
+
 impl Job {
-    /// The job of a queued key: its unsent units, and the reads due (all of them when `all`).
-    fn of(s: &Shared, policy: Arc<PolicyShared>, entry: Arc<Entry>, all: bool) -> Option<Job> {
+    fn of(s: &Shared, policy: Arc<PolicyShared>, entry: Arc<Entry>, take: Take) -> Option<Job> {
         let now_us = s.now.us();
         let mut writes = Increments::new();
         let mut reads = SmallVec::new();
+        let call;
         {
             let mut st = entry.lock();
-            st.queued = false;
-            let reading = st.reading;
+            if take == Take::Due {
+                st.queued = false;
+            }
+            let read_any = take == Take::Read || !st.reading;
             for (spec, c) in policy.specs.iter().zip(st.quotas.iter_mut()) {
                 let slice = spec.slice_at(now_us);
                 c.advance(slice);
-                for (at, units, ttl) in c.take_unsent() {
-                    writes.push((spec.index, at, units, ttl));
+                if take == Take::Due {
+                    for (at, units, ttl) in c.take_unsent() {
+                        writes.push((spec.index, at, units, ttl));
+                    }
                 }
-                if !reading && (all || c.read_due(spec, now_us, s.settle_us(spec))) {
+                let due = match take {
+                    Take::Read => true,
+                    // Nothing to learn of a key whose counts have all left the window.
+                    Take::Due => {
+                        c.read_due(spec, now_us, s.settle_us(spec)) && !c.is_idle(spec, now_us)
+                    }
+                };
+                if read_any && due {
                     let (first, n) = c.read_range();
                     reads.push((spec.index, first, n, slice));
                 }
@@ -90,10 +115,13 @@ impl Job {
             if !reads.is_empty() {
                 st.reading = true;
             }
+            st.calls += 1;
+            call = st.calls;
         }
         (!writes.is_empty() || !reads.is_empty()).then_some(Job {
             policy,
             entry,
+            call,
             writes,
             reads,
         })
@@ -104,7 +132,8 @@ impl Job {
             let spec = &self.policy.specs[q];
             let key = self.entry.redis_key(spec, slice);
             pipe.cmd("INCRBY").arg(&key).arg(units);
-            // Once per sub-window and instance: the first increment Redis confirms sets it.
+            // Once per sub-window and instance (the first increment Redis confirms sets it), and
+            // again when an increment finds the counter gone.
             if ttl {
                 pipe.cmd("PEXPIRE").arg(&key).arg(spec.ttl_ms()).ignore();
             }
@@ -126,18 +155,29 @@ impl Job {
     fn apply(self, s: &Shared, values: Option<&[Value]>) {
         let parsed = values.and_then(|v| self.parse(v));
         let mut st = self.entry.lock();
-        st.reading = false;
+        if !self.reads.is_empty() {
+            st.reading = false;
+        }
         match parsed {
             Some((counts, reads)) => {
                 for (&(q, slice, units, ttl), count) in self.writes.iter().zip(counts) {
                     st.quotas[q].confirmed(slice, units, count, ttl);
                     s.units_sent.fetch_add(u64::from(units), Ordering::Relaxed);
                 }
+                if !self.writes.is_empty() {
+                    st.newest_write = st.newest_write.max(self.call);
+                }
+                // A read made before a confirmed increment that was made after it may be older
+                // than the counts held.
+                let fresh = self.call > st.newest_write || !self.writes.is_empty();
                 for (&(q, first, _, as_of), fleet) in self.reads.iter().zip(reads) {
-                    st.quotas[q].read_reply(first, &fleet, as_of);
+                    st.quotas[q].read_reply(first, &fleet, as_of, fresh);
                 }
                 if !self.reads.is_empty() {
                     s.reads.fetch_add(1, Ordering::Relaxed);
+                }
+                if st.quotas.iter().any(|c| c.owes()) {
+                    s.enqueue(&self.policy, &self.entry, &mut st);
                 }
             }
             None => {
@@ -185,23 +225,47 @@ fn count(v: &Value) -> Option<u32> {
 /// Sends what is queued and reads what is due. `force` ignores an open circuit breaker.
 pub(super) async fn flush(s: &Shared, force: bool) {
     if !force && !s.may_call() {
+        prune(s);
         return;
     }
+    // One at a time, so that flushes are answered in the order they began.
+    let _one = s.flushing.lock().await;
     let seq = s.flushes_started.fetch_add(1, Ordering::AcqRel) + 1;
-    let queued = std::mem::take(&mut *s.dirty.lock().unwrap_or_else(|e| e.into_inner()));
+    // Before the queue is taken: units queued meanwhile count towards the next batch.
     s.queued_units.store(0, Ordering::Relaxed);
+    let queued = std::mem::take(&mut *s.dirty.lock().unwrap_or_else(|e| e.into_inner()));
     let jobs: Vec<Job> = queued
         .into_iter()
-        .filter_map(|(p, e)| Job::of(s, p, e, false))
+        .filter_map(|(p, e)| Job::of(s, p, e, Take::Due))
         .collect();
     send(s, jobs).await;
     s.flushed.send_modify(|done| *done = (*done).max(seq));
 }
 
-/// Reads a key's counts now (a synchronous variant's first request on a key).
-pub(super) async fn read_now(s: &Shared, policy: &Arc<PolicyShared>, entry: &Arc<Entry>) {
-    if let Some(job) = Job::of(s, policy.clone(), entry.clone(), true) {
-        send(s, vec![job]).await;
+/// While Redis is not called, drops from the queue the keys whose counts have all left their
+/// windows (nothing of theirs matters any more), so that the sweep can forget them.
+fn prune(s: &Shared) {
+    let now_us = s.now.us();
+    let mut dirty = s.dirty.lock().unwrap_or_else(|e| e.into_inner());
+    dirty.retain(|(p, e)| {
+        let mut st = e.lock();
+        let idle = p.specs.iter().zip(st.quotas.iter_mut()).all(|(spec, c)| {
+            c.advance(spec.slice_at(now_us));
+            c.is_idle(spec, now_us) && !c.owes()
+        });
+        if idle {
+            st.queued = false;
+        }
+        !idle
+    });
+}
+
+/// Reads a key's counts now (a synchronous decision on a key not read yet). The call runs on
+/// its own task: a request dropped meanwhile does not leave the key's read half done.
+pub(super) async fn read_now(s: &Arc<Shared>, policy: &Arc<PolicyShared>, entry: &Arc<Entry>) {
+    if let Some(job) = Job::of(s, policy.clone(), entry.clone(), Take::Read) {
+        let s = s.clone();
+        let _ = tokio::spawn(async move { send(&s, vec![job]).await }).await;
     }
 }
 

@@ -262,8 +262,23 @@ struct EntryState {
     queued: bool,
     /// A read of its counts is on its way.
     reading: bool,
-    /// A first read was tried (the synchronous variant waits for it once).
-    tried: bool,
+    /// Calls made for this key so far (each numbered by this count when it is made), and the
+    /// number of the newest one whose increments Redis confirmed: a read made before it may be
+    /// older than the counts held.
+    calls: u64,
+    newest_write: u64,
+}
+
+impl EntryState {
+    fn new(policy: &PolicyShared) -> Self {
+        EntryState {
+            quotas: policy.specs.iter().map(Counts::new).collect(),
+            queued: false,
+            reading: false,
+            calls: 0,
+            newest_write: 0,
+        }
+    }
 }
 
 impl Entry {
@@ -320,6 +335,9 @@ pub(crate) struct Shared {
     flushed: tokio::sync::watch::Sender<u64>,
     /// Synchronous requests waiting for a flush: the task then sends at once.
     waiters: AtomicUsize,
+    /// One flush at a time (the task's, or [`ApproxBackend::flush`]): flushes are answered in
+    /// the order they began, which waiting requests rely on.
+    flushing: tokio::sync::Mutex<()>,
     /// An admission left a quota near its limit: the task sends at once.
     urgent: AtomicBool,
     // The circuit breaker, on the monotonic clock.
@@ -367,6 +385,7 @@ impl ApproxBackend {
                 flushes_started: AtomicU64::new(0),
                 flushed: tokio::sync::watch::Sender::new(0),
                 waiters: AtomicUsize::new(0),
+                flushing: tokio::sync::Mutex::new(()),
                 urgent: AtomicBool::new(false),
                 origin: Instant::now(),
                 failures: AtomicU32::new(0),
@@ -500,8 +519,34 @@ impl Shared {
             .compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed)
             .is_ok()
         {
-            handle.spawn(flush::run(Arc::downgrade(self), self.wake.clone()));
+            // If the task ends (its runtime shut down), the next decision starts another.
+            let restart = Restart(Arc::downgrade(self));
+            let wake = self.wake.clone();
+            handle.spawn(async move {
+                let restart = restart;
+                flush::run(restart.0.clone(), wake).await;
+            });
         }
+    }
+}
+
+/// Marks the background task as gone when it ends, however it ends.
+struct Restart(Weak<Shared>);
+
+impl Drop for Restart {
+    fn drop(&mut self) {
+        if let Some(s) = self.0.upgrade() {
+            s.started.store(false, Ordering::Release);
+        }
+    }
+}
+
+/// Counts a synchronous request waiting for a flush, until it is done or dropped.
+struct Waiting<'a>(&'a AtomicUsize);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -629,9 +674,9 @@ impl Shared {
         let mut done = self.flushed.subscribe();
         let started = self.flushes_started.load(Ordering::Acquire);
         self.waiters.fetch_add(1, Ordering::AcqRel);
+        let _waiting = Waiting(&self.waiters);
         self.wake.notify_one();
         let _ = tokio::time::timeout(self.opts.timeout, done.wait_for(|&d| d > started)).await;
-        self.waiters.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -704,19 +749,16 @@ impl Backend for ApproxBackend {
                     keys::key_base(&p.key_prefix, key, &mut base);
                     Arc::new(Entry {
                         base: base.into_boxed_slice(),
-                        state: Mutex::new(EntryState {
-                            quotas: p.specs.iter().map(Counts::new).collect(),
-                            queued: false,
-                            reading: false,
-                            tried: false,
-                        }),
+                        state: Mutex::new(EntryState::new(p)),
                     })
                 })
                 .clone(),
         };
         let sync = shared.mode.writes == Writes::Sync && !shared.breaker_open();
-        if sync && mode != Mode::Peek && !std::mem::replace(&mut entry.lock().tried, true) {
-            // A key new to this instance: its first decision waits for the fleet's counts.
+        if sync && mode != Mode::Peek && !entry.lock().quotas.iter().all(Counts::was_read) {
+            // A key this instance has not read yet: its decisions wait for the fleet's counts
+            // (each request reads, so that none decides blind while another's read is on
+            // its way).
             let (shared, policy) = (shared.clone(), p.clone());
             return ApproxFuture {
                 inner: FutureInner::Waiting(Box::pin(async move {
@@ -744,34 +786,37 @@ impl Backend for ApproxBackend {
         }
     }
 
-    /// Clears the key's counters in Redis and forgets its local counts. Other instances
-    /// learn of it at their next read of the key (their own unconfirmed units stay counted).
+    /// Clears the key's counters in Redis and forgets its local counts, including units not
+    /// sent yet. Other instances learn of it at their next read of the key (their own
+    /// confirmed units stay counted).
     fn reset(&self, policy: &ApproxPolicy, key: &Key) -> ResetFuture {
         let shared = self.shared.clone();
         let p = policy.inner.clone();
-        let mut base = Vec::new();
-        keys::key_base(&p.key_prefix, key, &mut base);
-        p.entries.remove(key);
-        let entry = Entry {
-            base: base.into_boxed_slice(),
-            state: Mutex::new(EntryState {
-                quotas: SmallVec::new(),
-                queued: false,
-                reading: false,
-                tried: true,
-            }),
-        };
+        let key = key.clone();
         Box::pin(async move {
-            // The current sub-window's counter is set to zero rather than deleted: other
-            // instances set a counter's expiry with their first increment in a sub-window
-            // only, so it must keep one.
+            // Forgotten here first, so that no flush sends its units after the reset.
+            if let Some((_, old)) = p.entries.remove(&key) {
+                let mut st = old.lock();
+                st.quotas = p.specs.iter().map(Counts::new).collect();
+            }
+            let mut base = Vec::new();
+            keys::key_base(&p.key_prefix, &key, &mut base);
+            let entry = Entry {
+                base: base.into_boxed_slice(),
+                state: Mutex::new(EntryState::new(&p)),
+            };
+            // The current sub-window's counter is set to zero rather than deleted, so that it
+            // keeps an expiry (instances set one with their first increment in a sub-window).
             let now_us = shared.now.us();
             let mut pipe = redis::pipe();
             for spec in p.specs.iter() {
                 let newest = spec.slice_at(now_us);
-                let del = pipe.cmd("DEL").ignore();
-                for slice in newest.saturating_sub(spec.kept as u64)..newest {
-                    del.arg(entry.redis_key(spec, slice));
+                let older = newest.saturating_sub(spec.kept as u64)..newest;
+                if !older.is_empty() {
+                    let del = pipe.cmd("DEL").ignore();
+                    for slice in older {
+                        del.arg(entry.redis_key(spec, slice));
+                    }
                 }
                 pipe.cmd("SET")
                     .arg(entry.redis_key(spec, newest))
