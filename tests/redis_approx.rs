@@ -5,7 +5,6 @@
 
 mod support;
 
-use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use support::{RedisCluster, RedisServer, cost, key, prepare};
@@ -111,6 +110,16 @@ async fn drive(
     log
 }
 
+/// A decision's future is ready on its first poll: nothing waits on the network.
+fn ready_at_once(mut f: tollgate::backend::redis::ApproxFuture) -> tollgate::backend::Decision {
+    use std::future::Future;
+    use std::task::{Context, Poll, Waker};
+    match std::pin::Pin::new(&mut f).poll(&mut Context::from_waker(Waker::noop())) {
+        Poll::Ready(d) => d.unwrap(),
+        Poll::Pending => panic!("the decision waited"),
+    }
+}
+
 fn clock_us(clock: &TestClock) -> u64 {
     clock.now_ns() / 1000
 }
@@ -118,14 +127,15 @@ fn clock_us(clock: &TestClock) -> u64 {
 /// Every admission is checked: the fleet's estimate right after it is within `L + A`, `A`
 /// the units other instances admitted in the `d` before it (the staleness bound), and within
 /// `N × L` (the bound that always holds). Returns the largest over-admission seen.
-fn check_bounds(log: &Log, n: usize, d: u64) -> f64 {
+/// `slack`: units the recorded times may add (0 on the simulated clock).
+fn check_bounds(log: &Log, n: usize, d: u64, slack: f64) -> f64 {
     let limit = f64::from(log.limit);
     let mut worst: f64 = 0.0;
     for &(t, i) in &log.admitted {
         let e = log.estimate(t);
         let a = log.others_within(t, d, i) as f64;
         assert!(
-            e <= limit + a + 1e-9,
+            e <= limit + a + slack + 1e-9,
             "at {t}: estimate {e} over {limit} + {a} unseen"
         );
         assert!(e <= n as f64 * limit + 1e-9, "at {t}: {e} over N x L");
@@ -170,7 +180,7 @@ async fn over_the_limit(mode: Approximate, d_us: u64) -> (f64, usize) {
     let instances = fleet(&server.url(), &clock, n, mode).await;
     // 3 instances x 1 request per ms: 3 000/s offered against 100/s, for 4 s.
     let log = drive(&instances, &clock, 1_000, 4).await;
-    let worst = check_bounds(&log, n, d_us);
+    let worst = check_bounds(&log, n, d_us, 0.0);
     let admitted = log.admitted.len();
     // Not far under the limit either: in 4 s, at least 4 windows' worth.
     assert!(admitted >= 4 * LIMIT as usize, "admitted {admitted}");
@@ -300,11 +310,8 @@ async fn without_redis_decisions_go_on_locally_and_resynchronize() {
     server.kill();
     // Every decision is ready at once: nothing waits on the network.
     for _ in 0..20 {
-        let started = Instant::now();
-        let fa = a.decide(&pa, &k, cost(1));
-        let fb = b.decide(&pb, &k, cost(1));
-        let (da, db) = (fa.await.unwrap(), fb.await.unwrap());
-        assert!(started.elapsed() < Duration::from_millis(5));
+        let da = ready_at_once(a.decide(&pa, &k, cost(1)));
+        let db = ready_at_once(b.decide(&pb, &k, cost(1)));
         assert!(da.is_allowed() && db.is_allowed());
         a.flush().await;
         b.flush().await;
@@ -337,29 +344,30 @@ async fn without_redis_decisions_go_on_locally_and_resynchronize() {
 #[tokio::test]
 async fn a_synchronous_request_waits_at_most_the_timeout_and_not_once_the_breaker_opens() {
     let clock = TestClock::new();
-    let a = instance(
-        &format!("redis://127.0.0.1:{}", support::closed_port()),
-        &clock,
-        Approximate::synchronous(),
-    );
-    let p = prepare(&a, &Policy::new("f", Quota::per_second(5).fixed_window()));
+    let timeout = Duration::from_millis(200);
+    let a = RedisBackend::builder()
+        .url(format!("redis://127.0.0.1:{}", support::closed_port()))
+        .timeout(timeout)
+        .circuit_breaker(2, Duration::from_secs(60))
+        .test_clock(clock.clone())
+        .build_approximate(Approximate::synchronous())
+        .unwrap();
+    let p = prepare(&a, &Policy::new("f", Quota::per_second(100).fixed_window()));
     let k = key("k");
-    let mut waits = VecDeque::new();
-    for _ in 0..5 {
-        let started = Instant::now();
-        assert!(a.decide(&p, &k, cost(1)).await.unwrap().is_allowed());
-        waits.push_back(started.elapsed());
-    }
-    assert!(
-        waits
-            .iter()
-            .all(|w| *w < TIMEOUT + Duration::from_millis(300)),
-        "{waits:?}"
-    );
-    assert!(a.stats().breaker_open);
+    // The first request: a read and an increment, both refused at once by the closed port;
+    // the breaker opens after the second failure.
     let started = Instant::now();
-    assert!(!a.decide(&p, &k, cost(1)).await.unwrap().is_allowed());
-    assert!(started.elapsed() < Duration::from_millis(5));
+    assert!(a.decide(&p, &k, cost(1)).await.unwrap().is_allowed());
+    assert!(
+        started.elapsed() < 2 * timeout + Duration::from_millis(300),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(a.stats().breaker_open, "{:?}", a.stats());
+    // From then on allowed requests go on at once: nothing waits for a dead Redis.
+    for _ in 0..50 {
+        assert!(ready_at_once(a.decide(&p, &k, cost(1))).is_allowed());
+    }
 }
 
 #[tokio::test]
@@ -508,14 +516,23 @@ async fn layers_over_the_limit(mode: Approximate) {
         slice_us,
         window_us,
     };
-    // D = r + settle + f, settle = timeout + f; plus 50 ms for scheduling on a busy machine.
-    let d = slice_us + 2 * 5_000 + 20_000 + 50_000;
-    let worst = check_bounds(&log, 3, d);
+    // D = r + settle + f, settle = timeout + f; plus 150 ms: the times are taken in the
+    // handler, after a synchronous request's wait, on a machine busy with other tests.
+    let d = slice_us + 2 * 5_000 + 20_000 + 150_000;
+    // The handler records a unit after its decision: one decided just before a sub-window
+    // boundary and recorded after it weighs more in the test's estimate than it did in the
+    // instance's (up to a unit when it is in the oldest, weighted sub-window).
+    let worst = check_bounds(&log, 3, d, 2.0);
     eprintln!(
         "layers ({mode:?}): {ok} passed and {limited} limited in 2.5 s; worst over-admission {worst:.1}"
     );
-    // At least the limit's worth over the run: the fleet is not starved.
+    // At least the limit's worth over the run: the fleet is not starved; and far from what
+    // three instances deciding alone would admit (50 each per second: 375 and more in 2.5 s).
     assert!(ok >= 2 * limit as usize, "{ok}");
+    assert!(
+        ok < 7 * limit as usize,
+        "{ok}: the instances do not hear of each other"
+    );
 }
 
 #[tokio::test]
@@ -553,11 +570,31 @@ async fn every_counter_expires_and_reset_clears_the_key() {
         // weighed before them, one more), plus 2 s for clocks: 6 x 250 ms + 2 s.
         assert!(ttl > 0 && ttl <= 3_500, "{name}: {ttl}");
     }
+    // A admits 3 more without sending them, then resets the key: they are forgotten too.
+    for _ in 0..3 {
+        a.decide(&pa, &k, cost(1)).await.unwrap();
+    }
     a.reset(&pa, &k).await.unwrap();
-    // Both instances' units are gone from Redis: A starts afresh, and B does once it reads.
-    let d = a.decide(&pa, &k, cost(1)).await.unwrap();
-    assert_eq!(d.quotas()[0].remaining, 9, "{d:?}");
     a.flush().await;
+    b.flush().await;
+    let total: i64 = server
+        .cmd(&["KEYS", "*"])
+        .lines()
+        .filter(|l| l.contains("0a"))
+        .map(|name| {
+            let v = server.cmd(&["GET", name]);
+            v.lines().last().unwrap_or("0").parse::<i64>().unwrap_or(0)
+        })
+        .sum();
+    assert_eq!(total, 0, "counters left after the reset");
+    // B hears of the reset at its next read (after the settle time into a sub-window).
+    clock.advance(Duration::from_millis(250));
+    b.decide(&pb, &k, cost(1)).await.unwrap();
+    b.flush().await;
+    // With A's 6 units still counted, B (6 of its own) would be over the limit of 10; after
+    // the reset only its own confirmed units count.
+    let d = b.decide(&pb, &k, cost(1)).await.unwrap();
+    assert!(d.is_allowed(), "{d:?}");
     for name in server
         .cmd(&["KEYS", "*"])
         .lines()
@@ -571,4 +608,144 @@ async fn every_counter_expires_and_reset_clears_the_key() {
             .unwrap();
         assert!(ttl > 0, "{name}: {ttl}");
     }
+}
+
+#[tokio::test]
+async fn synchronous_requests_on_a_key_not_read_yet_all_wait_for_the_fleet_counts() {
+    let server = RedisServer::start();
+    let clock = TestClock::new();
+    let fixed = Policy::new("f", Quota::per_minute(10).fixed_window());
+    let a = instance(&server.url(), &clock, Approximate::synchronous());
+    let b = instance(&server.url(), &clock, Approximate::synchronous());
+    let (pa, pb) = (prepare(&a, &fixed), prepare(&b, &fixed));
+    let k = key("k");
+    clock.advance(Duration::from_micros(
+        60_000_000 - clock_us(&clock) % 60_000_000,
+    ));
+    for _ in 0..10 {
+        assert!(a.decide(&pa, &k, cost(1)).await.unwrap().is_allowed());
+    }
+    clock.advance(Duration::from_secs(30));
+    // Ten requests at once on B, which has never seen the key: none decides blind.
+    let decisions =
+        futures_util::future::join_all((0..10).map(|_| b.decide(&pb, &k, cost(1)))).await;
+    let allowed = decisions
+        .into_iter()
+        .filter(|d| d.as_ref().unwrap().is_allowed())
+        .count();
+    assert_eq!(allowed, 0);
+}
+
+#[tokio::test]
+async fn when_redis_loses_its_data_counters_expire_again_and_own_units_still_count() {
+    let server = RedisServer::start();
+    let clock = TestClock::new();
+    let fixed = Policy::new("f", Quota::per_minute(10).fixed_window());
+    let a = instance(&server.url(), &clock, Approximate::asynchronous());
+    let pa = prepare(&a, &fixed);
+    let k = key("k");
+    clock.advance(Duration::from_micros(
+        60_000_000 - clock_us(&clock) % 60_000_000,
+    ));
+    for _ in 0..6 {
+        assert!(a.decide(&pa, &k, cost(1)).await.unwrap().is_allowed());
+    }
+    a.flush().await;
+    // A restart without persistence, a failover to a replica that had nothing.
+    server.cmd(&["FLUSHALL"]);
+    assert!(a.decide(&pa, &k, cost(1)).await.unwrap().is_allowed());
+    a.flush().await; // recreates the counter (1), without an expiry
+    a.flush().await; // the expiry it owes
+    let name = server.cmd(&["KEYS", "*"]);
+    let name = name.lines().find(|l| l.contains("0a")).unwrap().to_owned();
+    let ttl: i64 = server
+        .cmd(&["PTTL", &name])
+        .trim_start_matches(':')
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(ttl > 0, "{name}: {ttl}");
+    // A read now says 1, but A's own 7 confirmed units still count: 3 more pass, not 9.
+    clock.advance(Duration::from_secs(1));
+    let mut allowed = 0;
+    for _ in 0..12 {
+        if a.decide(&pa, &k, cost(1)).await.unwrap().is_allowed() {
+            allowed += 1;
+        }
+        a.flush().await;
+    }
+    assert_eq!(allowed, 3);
+}
+
+#[tokio::test]
+async fn windows_of_decades_decide_without_panicking() {
+    let server = RedisServer::start();
+    let clock = TestClock::new(); // about 31.7 years after the epoch
+    let year = Duration::from_secs(365 * 86_400);
+    let long = Policy::new(
+        "long",
+        Quota::new(5, 60 * year)
+            .sliding_window()
+            .resolution(30 * year),
+    );
+    for mode in [Approximate::asynchronous(), Approximate::synchronous()] {
+        let a = instance(&server.url(), &clock, mode);
+        let p = prepare(&a, &long);
+        let k = key("k");
+        for _ in 0..5 {
+            assert!(a.decide(&p, &k, cost(1)).await.unwrap().is_allowed());
+        }
+        a.flush().await;
+        assert_eq!(a.stats().failed_calls, 0, "{:?}", a.stats());
+        server.cmd(&["FLUSHALL"]);
+    }
+}
+
+#[test]
+fn the_background_task_starts_again_in_a_new_runtime() {
+    let server = RedisServer::start();
+    let rt = || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    };
+    let b = RedisBackend::builder()
+        .url(server.url())
+        .build_approximate(Approximate::asynchronous())
+        .unwrap();
+    let p = prepare(&b, &Policy::new("f", Quota::per_minute(100).fixed_window()));
+    let k = key("k");
+    rt().block_on(async {
+        b.decide(&p, &k, cost(1)).await.unwrap();
+        support::eventually("the first unit sent", || b.stats().units_sent == 1).await;
+    });
+    // That runtime is gone, and its task with it; the next decision starts another.
+    rt().block_on(async {
+        b.decide(&p, &k, cost(1)).await.unwrap();
+        support::eventually("the second unit sent", || b.stats().units_sent == 2).await;
+    });
+}
+
+#[tokio::test]
+async fn keys_whose_windows_passed_are_swept_while_redis_is_down() {
+    let clock = TestClock::new();
+    let b = RedisBackend::builder()
+        .url(format!("redis://127.0.0.1:{}", support::closed_port()))
+        .timeout(TIMEOUT)
+        .circuit_breaker(1, Duration::from_secs(60))
+        .test_clock(clock.clone())
+        .build_approximate(Approximate::asynchronous())
+        .unwrap();
+    let p = prepare(&b, &Policy::new("f", Quota::per_second(10).fixed_window()));
+    for i in 0..500 {
+        b.decide(&p, &key(&format!("client-{i}")), cost(1))
+            .await
+            .unwrap();
+    }
+    support::eventually("the breaker opens", || b.stats().breaker_open).await;
+    assert_eq!(b.stats().keys, 500);
+    // Their windows pass: nothing of theirs matters, and nothing is kept for them.
+    clock.advance(Duration::from_secs(2));
+    support::eventually("the keys swept", || b.stats().keys == 0).await;
 }

@@ -225,7 +225,7 @@ pub use crate::backend::remote::RemoteFuture as RedisFuture;
 pub use crate::backend::remote::StoreFailure as RedisFailure;
 #[doc(hidden)]
 pub use crate::backend::remote::TestClock;
-pub use approx::{ApproxBackend, ApproxPolicy, ApproxStats, Approximate};
+pub use approx::{ApproxBackend, ApproxFuture, ApproxPolicy, ApproxStats, Approximate};
 pub use backend::{RedisBackend, RedisPolicy, RedisStats};
 pub use builder::RedisBackendBuilder;
 /// The redis-rs crate this backend speaks through, so that a connection handed to

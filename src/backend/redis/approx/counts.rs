@@ -220,9 +220,10 @@ impl Counts {
     /// `ttl` was sent with them).
     pub(crate) fn confirmed(&mut self, slice: u64, units: u32, count: u32, ttl: bool) {
         if let Some(i) = self.slot(slice) {
-            self.fleet[i] = self.fleet[i].max(count);
-            self.mine[i] = self.mine[i].saturating_sub(units);
             self.own[i] = self.own[i].saturating_add(units);
+            // Never below this instance's own units: Redis may have lost some.
+            self.fleet[i] = self.fleet[i].max(count).max(self.own[i]);
+            self.mine[i] = self.mine[i].saturating_sub(units);
             if ttl {
                 self.ttl[i] = 1;
             } else if units > 0 && count <= units {
@@ -287,8 +288,7 @@ impl Counts {
         spec.slice_at(now_us) >= self.slice.saturating_add(self.fleet.len() as u64)
             || (self.fleet.iter().all(|&c| c == 0)
                 && self.mine.iter().all(|&c| c == 0)
-                && self.unsent.iter().all(|&c| c == 0)
-                && self.read.is_some())
+                && self.unsent.iter().all(|&c| c == 0))
     }
 }
 

@@ -64,8 +64,8 @@ fn has_work(s: &Shared) -> bool {
 struct Job {
     policy: Arc<PolicyShared>,
     entry: Arc<Entry>,
-    /// The call's number for this key (see `EntryState::calls`).
-    call: u64,
+    /// The key's `confirmations` when the job was made.
+    seen: u64,
     writes: Increments,
     /// Quota, first sub-window, how many, and the current sub-window of the read.
     reads: SmallVec<[(usize, u64, usize, u64); 1]>,
@@ -85,7 +85,7 @@ impl Job {
         let now_us = s.now.us();
         let mut writes = Increments::new();
         let mut reads = SmallVec::new();
-        let call;
+        let seen;
         {
             let mut st = entry.lock();
             if take == Take::Due {
@@ -115,13 +115,12 @@ impl Job {
             if !reads.is_empty() {
                 st.reading = true;
             }
-            st.calls += 1;
-            call = st.calls;
+            seen = st.confirmations;
         }
         (!writes.is_empty() || !reads.is_empty()).then_some(Job {
             policy,
             entry,
-            call,
+            seen,
             writes,
             reads,
         })
@@ -160,16 +159,16 @@ impl Job {
         }
         match parsed {
             Some((counts, reads)) => {
+                // A read replaces the counts held only if no other call's increments were
+                // taken in since it was made (its own go before it in the same pipeline).
+                let fresh = st.confirmations == self.seen;
                 for (&(q, slice, units, ttl), count) in self.writes.iter().zip(counts) {
                     st.quotas[q].confirmed(slice, units, count, ttl);
                     s.units_sent.fetch_add(u64::from(units), Ordering::Relaxed);
                 }
                 if !self.writes.is_empty() {
-                    st.newest_write = st.newest_write.max(self.call);
+                    st.confirmations += 1;
                 }
-                // A read made before a confirmed increment that was made after it may be older
-                // than the counts held.
-                let fresh = self.call > st.newest_write || !self.writes.is_empty();
                 for (&(q, first, _, as_of), fleet) in self.reads.iter().zip(reads) {
                     st.quotas[q].read_reply(first, &fleet, as_of, fresh);
                 }

@@ -262,11 +262,9 @@ struct EntryState {
     queued: bool,
     /// A read of its counts is on its way.
     reading: bool,
-    /// Calls made for this key so far (each numbered by this count when it is made), and the
-    /// number of the newest one whose increments Redis confirmed: a read made before it may be
-    /// older than the counts held.
-    calls: u64,
-    newest_write: u64,
+    /// Replies to increments taken in so far: a read during which another was taken in may
+    /// be older than the counts held (the two calls may have run in either order).
+    confirmations: u64,
 }
 
 impl EntryState {
@@ -275,8 +273,7 @@ impl EntryState {
             quotas: policy.specs.iter().map(Counts::new).collect(),
             queued: false,
             reading: false,
-            calls: 0,
-            newest_write: 0,
+            confirmations: 0,
         }
     }
 }
