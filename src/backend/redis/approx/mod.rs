@@ -14,11 +14,12 @@
 //!   sub-window) refreshes the instance's view. The background task sends at once, one
 //!   pipeline for every request queued meanwhile (one `INCRBY` per key and sub-window,
 //!   however many requests), and the requests go on when it is answered, or after the
-//!   timeout. Denied requests never touch the network. The first request of a key new to the
-//!   instance waits for one read of the key's counts.
+//!   timeout, or at once when the call fails. Denied requests never touch the network.
+//!   Requests on a key the instance has not read yet wait for one read of its counts first
+//!   (so a key's first request may wait twice the timeout).
 //! - **[`Approximate::asynchronous`]**: nothing waits. Allowed units are queued and sent in
 //!   batches ([`flush_every`](Approximate::flush_every), or sooner once
-//!   [`flush_after`](Approximate::flush_after) units are queued), one pipeline for all keys;
+//!   [`flush_after`](Approximate::flush_after) units are queued), in pipelines of 256 keys;
 //!   an admission that leaves a quota less than a tenth of its limit has the batch sent at
 //!   once, so that near the limit, where the others' units matter, instances hear of each
 //!   other within a round trip.
@@ -76,12 +77,16 @@
 //! key) or, in the synchronous variant, through the reply to any of its own increments. Call
 //! `D` that delay (`r + settle`, plus the flush interval `f` in the asynchronous variant).
 //!
-//! - **Always** (any traffic, Redis up or down): every instance admits at most `L` in any
-//!   window by its own count, so a fleet admits at most **`N × L`** per window.
+//! - **Always** (any traffic, Redis up or down, even when Redis loses its data): every
+//!   instance admits at most `L` in any window by its own count (a read never lowers what it
+//!   counts of its own units), so a fleet admits at most **`N × L`** per window.
 //! - **Staleness bound**: an instance admits only when what it has heard of, plus its own
 //!   units, leaves room; what it has not heard of is what the others admitted in the last `D`.
 //!   So the count of any window never exceeds **`L + A`**, where `A` is what the *other*
-//!   instances admitted in the `D` before the decision. Under a sustained overload spread
+//!   instances admitted in the `D` before the decision, once the instance has read the key.
+//!   (The asynchronous variant decides a key new to it from its own counts until its first
+//!   read returns, a flush later: in those milliseconds only the `N × L` bound holds. The
+//!   synchronous variant reads first.) Under a sustained overload spread
 //!   over the fleet, what frees up in `D` is about `L × D / W`, and each instance can spend it
 //!   before hearing of the others: over-admission about **`(N − 1) × L × D / W`**, that is
 //!   `(N − 1) × L × (1/k + settle/W)` with `k = W / r` sub-windows. A minute with 5 s
@@ -107,13 +112,18 @@
 //! admitted meanwhile are kept and sent once Redis answers again (the circuit breaker of
 //! [`circuit_breaker`](super::RedisBackendBuilder::circuit_breaker) stops the attempts in
 //! between; only the background task probes), and the counts are read afresh. In the
-//! synchronous variant a request waits at most the timeout, and none waits while the breaker is
-//! open. The failure policy does not apply: there is always a local answer.
+//! synchronous variant a request waits at most the timeout (twice on a key not read yet), and
+//! none waits while the breaker is open. The failure policy does not apply: there is always a
+//! local answer. When Redis comes back without the counters (a restart without persistence, a
+//! failover), each instance keeps counting its own units, and a counter found gone gets its
+//! expiry set again.
 //!
 //! # Memory
 //!
-//! One entry per key in use, of a few dozen bytes plus four bytes per sub-window kept and
-//! counter; entries whose windows have passed are swept every second.
+//! One entry per key in use, of a few dozen bytes plus 20 bytes per sub-window kept; entries
+//! whose windows have passed are swept every second, also while Redis is down. Each counter in
+//! Redis expires once every window holding its sub-window has passed, plus 2 s: its first
+//! increment from each instance carries a `PEXPIRE`.
 
 use std::fmt;
 use std::future::Future;
