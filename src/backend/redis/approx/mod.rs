@@ -651,14 +651,16 @@ impl Shared {
                 .map(|((spec, c), code)| c.state(spec, *code, now_us, cost)),
         );
         // Near the limit, the others' units matter most: an admission that leaves less than a
-        // tenth of a quota sends at once instead of waiting for the batch.
-        if take
-            && !sync
-            && decision
+        // tenth of a quota sends at once instead of waiting for the batch; and so does a key
+        // this instance has not read yet, decided from its own counts until the read returns.
+        let near_limit = || {
+            decision
                 .quotas()
                 .iter()
                 .any(|q| u64::from(q.remaining) * 10 < u64::from(q.limit))
-        {
+        };
+        let unread = || !st.reading && !st.quotas.iter().all(Counts::was_read);
+        if !sync && ((take && near_limit()) || unread()) {
             self.urgent.store(true, Ordering::Relaxed);
             self.wake.notify_one();
         }
