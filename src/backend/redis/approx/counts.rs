@@ -235,7 +235,7 @@ impl Counts {
 
     /// Whether a flush owes Redis something: units, or an expiry.
     pub(crate) fn owes(&self) -> bool {
-        self.unsent.iter().any(|&u| u > 0) || self.ttl.iter().any(|&t| t == 2)
+        self.unsent.iter().any(|&u| u > 0) || self.ttl.contains(&2)
     }
 
     /// Sending `units` for `slice` failed: they are sent again by a later flush. (A call that
