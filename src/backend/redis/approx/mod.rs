@@ -20,9 +20,10 @@
 //! - **[`Approximate::asynchronous`]**: nothing waits. Allowed units are queued and sent in
 //!   batches ([`flush_every`](Approximate::flush_every), or sooner once
 //!   [`flush_after`](Approximate::flush_after) units are queued), in pipelines of 256 keys;
-//!   an admission that leaves a quota less than a tenth of its limit has the batch sent at
-//!   once, so that near the limit, where the others' units matter, instances hear of each
-//!   other within a round trip.
+//!   an admission that leaves a quota less than half of its limit has the batch sent at
+//!   once (and so does a key's first request, for its read), so that near the limit, where
+//!   the others' units matter, instances hear of each other within a round trip. Keys far
+//!   from their limits, most keys most of the time, keep the batching.
 //!
 //! In both, the counts of a key are read from Redis (`MGET` of its sub-windows) when the
 //! instance first sees the key and again in every sub-window it is used in, once the
@@ -650,14 +651,14 @@ impl Shared {
                 .zip(&codes)
                 .map(|((spec, c), code)| c.state(spec, *code, now_us, cost)),
         );
-        // Near the limit, the others' units matter most: an admission that leaves less than a
-        // tenth of a quota sends at once instead of waiting for the batch; and so does a key
+        // Near the limit, the others' units matter most: an admission that leaves less than
+        // half of a quota sends at once instead of waiting for the batch; and so does a key
         // this instance has not read yet, decided from its own counts until the read returns.
         let near_limit = || {
             decision
                 .quotas()
                 .iter()
-                .any(|q| u64::from(q.remaining) * 10 < u64::from(q.limit))
+                .any(|q| u64::from(q.remaining) * 2 < u64::from(q.limit))
         };
         let unread = || !st.reading && !st.quotas.iter().all(Counts::was_read);
         if !sync && ((take && near_limit()) || unread()) {
