@@ -755,3 +755,36 @@ async fn keys_whose_windows_passed_are_swept_while_redis_is_down() {
     clock.advance(Duration::from_secs(2));
     support::eventually("the keys swept", || b.stats().keys == 0).await;
 }
+
+#[tokio::test]
+async fn a_full_key_table_denies_new_keys_until_a_sweep_makes_room() {
+    let clock = TestClock::new();
+    let b = RedisBackend::builder()
+        .url(format!("redis://127.0.0.1:{}", support::closed_port()))
+        .timeout(TIMEOUT)
+        .test_clock(clock.clone())
+        .build_approximate(Approximate::asynchronous().max_keys(100))
+        .unwrap();
+    let p = prepare(&b, &Policy::new("f", Quota::per_second(10).fixed_window()));
+    for i in 0..100 {
+        let d = ready_at_once(b.decide(&p, &key(&format!("client-{i}")), cost(1)));
+        assert!(d.is_allowed());
+    }
+    // Full: a new key is denied for a second; the keys held keep their counts.
+    let d = ready_at_once(b.decide(&p, &key("newcomer"), cost(1)));
+    assert_eq!(d.retry_after(), Some(Duration::from_secs(1)));
+    let d = ready_at_once(b.decide(&p, &key("client-7"), cost(1)));
+    assert!(d.is_allowed());
+    assert_eq!(d.quotas()[0].remaining, 8);
+    assert_eq!(b.stats().refused_full, 1);
+    // Once their window has passed, the sweep (started at once by the refusal) makes room.
+    clock.advance(Duration::from_secs(2));
+    ready_at_once(b.decide(&p, &key("newcomer"), cost(1)));
+    support::eventually("room made", || b.stats().keys < 100).await;
+    let d = ready_at_once(b.decide(&p, &key("newcomer"), cost(1)));
+    assert!(d.is_allowed(), "{d:?}");
+    // A policy dropped takes its keys with it (once no queued work holds them).
+    drop(p);
+    clock.advance(Duration::from_secs(2));
+    support::eventually("the dropped policy's keys gone", || b.stats().keys == 0).await;
+}

@@ -46,7 +46,7 @@ pub(super) async fn run(shared: Weak<Shared>, wake: Arc<tokio::sync::Notify>) {
             }
             flush(&s, false).await;
         }
-        if last_sweep.elapsed() >= SWEEP_EVERY {
+        if last_sweep.elapsed() >= SWEEP_EVERY || s.sweep_now.swap(false, Ordering::Relaxed) {
             sweep(&s);
             last_sweep = Instant::now();
         }
@@ -328,12 +328,13 @@ fn sweep(s: &Shared) {
         .iter()
         .filter_map(Weak::upgrade)
         .collect();
+    let mut removed = 0;
     for p in policies {
         p.entries.retain(|_, e| {
             if Arc::strong_count(e) > 1 {
                 return true; // a decision or a flush holds it
             }
-            match e.state.try_lock() {
+            let keep = match e.state.try_lock() {
                 Ok(st) => {
                     st.queued
                         || st.reading
@@ -344,7 +345,10 @@ fn sweep(s: &Shared) {
                             .all(|(spec, c)| c.is_idle(spec, now_us))
                 }
                 Err(_) => true,
-            }
+            };
+            removed += usize::from(!keep);
+            keep
         });
     }
+    s.keys.fetch_sub(removed, Ordering::Relaxed);
 }

@@ -122,7 +122,9 @@
 //! # Memory
 //!
 //! One entry per key in use, of a few dozen bytes plus 20 bytes per sub-window kept; entries
-//! whose windows have passed are swept every second, also while Redis is down. Each counter in
+//! whose windows have passed are swept every second, also while Redis is down, and at most
+//! [`max_keys`](Approximate::max_keys) are held (1 000 000 by default): past that, requests
+//! on new keys are denied until a sweep makes room. Each counter in
 //! Redis expires once every window holding its sub-window has passed, plus 2 s: its first
 //! increment from each instance carries a `PEXPIRE`.
 
@@ -157,6 +159,7 @@ pub struct Approximate {
     writes: Writes,
     flush_every: Duration,
     flush_after: usize,
+    max_keys: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -173,6 +176,7 @@ impl Approximate {
             writes: Writes::Sync,
             flush_every: Duration::from_millis(5),
             flush_after: 1024,
+            max_keys: 1_000_000,
         }
     }
 
@@ -200,6 +204,16 @@ impl Approximate {
         self
     }
 
+    /// How many keys (summed over policies) the instance holds counts for, at most (1 000 000
+    /// by default; at least 1). When the table is full, a request on a new key is denied
+    /// (`Retry-After: 1`) and counted in [`ApproxStats::refused_full`], and a sweep starts at
+    /// once; keys already held keep their counts. Keys come from clients: this bounds the
+    /// memory a flood of new keys can take.
+    pub fn max_keys(mut self, keys: usize) -> Self {
+        self.max_keys = keys.max(1);
+        self
+    }
+
     /// Whether allowed requests wait for their increment.
     pub fn is_synchronous(&self) -> bool {
         self.writes == Writes::Sync
@@ -224,6 +238,8 @@ pub struct ApproxStats {
     pub breaker_trips: u64,
     /// Keys this instance holds counts for now.
     pub keys: usize,
+    /// Requests on new keys denied because [`max_keys`](Approximate::max_keys) were held.
+    pub refused_full: u64,
 }
 
 /// The approximate Redis mode, as a [`Backend`]: built by
@@ -258,6 +274,14 @@ pub(crate) struct PolicyShared {
     /// `<prefix>:{<policy>:`
     key_prefix: Vec<u8>,
     entries: DashMap<Key, Arc<Entry>, RandomState>,
+    /// The backend's count of keys held, which this policy's keys leave when it is dropped.
+    held: Arc<AtomicUsize>,
+}
+
+impl Drop for PolicyShared {
+    fn drop(&mut self) {
+        self.held.fetch_sub(self.entries.len(), Ordering::Relaxed);
+    }
 }
 
 /// One key's counts under one policy.
@@ -348,6 +372,11 @@ pub(crate) struct Shared {
     flushing: tokio::sync::Mutex<()>,
     /// An admission left a quota near its limit: the task sends at once.
     urgent: AtomicBool,
+    /// Keys held (all policies), requests refused because there were `max_keys`, and whether
+    /// the task should sweep at once.
+    keys: Arc<AtomicUsize>,
+    refused_full: AtomicU64,
+    sweep_now: AtomicBool,
     // The circuit breaker, on the monotonic clock.
     origin: Instant,
     failures: AtomicU32,
@@ -395,6 +424,9 @@ impl ApproxBackend {
                 waiters: AtomicUsize::new(0),
                 flushing: tokio::sync::Mutex::new(()),
                 urgent: AtomicBool::new(false),
+                keys: Arc::new(AtomicUsize::new(0)),
+                refused_full: AtomicU64::new(0),
+                sweep_now: AtomicBool::new(false),
                 origin: Instant::now(),
                 failures: AtomicU32::new(0),
                 open_until_ns: AtomicU64::new(0),
@@ -420,14 +452,7 @@ impl ApproxBackend {
     /// The backend's counters.
     pub fn stats(&self) -> ApproxStats {
         let s = &self.shared;
-        let keys = s
-            .policies
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .filter_map(Weak::upgrade)
-            .map(|p| p.entries.len())
-            .sum();
+        let keys = s.keys.load(Ordering::Relaxed);
         ApproxStats {
             calls: s.calls.load(Ordering::Relaxed),
             failed_calls: s.failed_calls.load(Ordering::Relaxed),
@@ -436,6 +461,7 @@ impl ApproxBackend {
             breaker_open: s.breaker_open(),
             breaker_trips: s.trips.load(Ordering::Relaxed),
             keys,
+            refused_full: s.refused_full.load(Ordering::Relaxed),
         }
     }
 
@@ -677,6 +703,30 @@ impl Shared {
         (decision, take && sync)
     }
 
+    /// The answer to a request on a new key while `max_keys` are held: denied for a second on
+    /// every quota, and a sweep now.
+    fn refuse_full(&self, policy: &PolicyShared) -> Decision {
+        if self.refused_full.fetch_add(1, Ordering::Relaxed) % 100_000 == 0 {
+            tracing::warn!(
+                max_keys = self.mode.max_keys,
+                "approximate mode: key table full, requests on new keys are denied"
+            );
+        }
+        if !self.sweep_now.swap(true, Ordering::Relaxed) {
+            self.wake.notify_one();
+        }
+        let second = std::time::Duration::from_secs(1);
+        Decision::new(policy.specs.iter().map(|spec| crate::backend::QuotaState {
+            index: spec.index,
+            outcome: crate::backend::Outcome::Denied {
+                retry_after: second,
+            },
+            limit: spec.params.burst.get(),
+            remaining: 0,
+            reset_after: second,
+        }))
+    }
+
     /// Waits (at most the timeout) until a flush that began after this call has been
     /// answered: the units just queued were sent with it, coalesced with those of every
     /// request queued meanwhile (one `INCRBY` per key and sub-window).
@@ -722,6 +772,7 @@ impl Backend for ApproxBackend {
             specs: specs.into_boxed_slice(),
             key_prefix: keys::policy_prefix(&self.shared.prefix, policy.name()),
             entries: DashMap::with_hasher(RandomState::default()),
+            held: self.shared.keys.clone(),
         });
         let mut policies = self
             .shared
@@ -751,10 +802,16 @@ impl Backend for ApproxBackend {
         let p = &policy.inner;
         let entry = match p.entries.get(key) {
             Some(e) => e.clone(),
+            None if shared.keys.load(Ordering::Relaxed) >= shared.mode.max_keys => {
+                return ApproxFuture {
+                    inner: FutureInner::Ready(Some(shared.refuse_full(p))),
+                };
+            }
             None => p
                 .entries
                 .entry(key.clone())
                 .or_insert_with(|| {
+                    shared.keys.fetch_add(1, Ordering::Relaxed);
                     let mut base = Vec::new();
                     keys::key_base(&p.key_prefix, key, &mut base);
                     Arc::new(Entry {
@@ -806,6 +863,7 @@ impl Backend for ApproxBackend {
         Box::pin(async move {
             // Forgotten here first, so that no flush sends its units after the reset.
             if let Some((_, old)) = p.entries.remove(&key) {
+                shared.keys.fetch_sub(1, Ordering::Relaxed);
                 let mut st = old.lock();
                 st.quotas = p.specs.iter().map(Counts::new).collect();
             }
