@@ -706,7 +706,11 @@ impl Shared {
     /// The answer to a request on a new key while `max_keys` are held: denied for a second on
     /// every quota, and a sweep now.
     fn refuse_full(&self, policy: &PolicyShared) -> Decision {
-        if self.refused_full.fetch_add(1, Ordering::Relaxed) % 100_000 == 0 {
+        if self
+            .refused_full
+            .fetch_add(1, Ordering::Relaxed)
+            .is_multiple_of(100_000)
+        {
             tracing::warn!(
                 max_keys = self.mode.max_keys,
                 "approximate mode: key table full, requests on new keys are denied"
