@@ -245,8 +245,10 @@ pub(super) async fn flush(s: &Shared, force: bool) {
 /// windows (nothing of theirs matters any more), so that the sweep can forget them.
 fn prune(s: &Shared) {
     let now_us = s.now.us();
-    let mut dirty = s.dirty.lock().unwrap_or_else(|e| e.into_inner());
-    dirty.retain(|(p, e)| {
+    // Out of the queue's lock while entries are locked: decisions lock an entry, then the
+    // queue (to queue it), and the opposite order here could deadlock with them.
+    let mut queued = std::mem::take(&mut *s.dirty.lock().unwrap_or_else(|e| e.into_inner()));
+    queued.retain(|(p, e)| {
         let mut st = e.lock();
         let idle = p.specs.iter().zip(st.quotas.iter_mut()).all(|(spec, c)| {
             c.advance(spec.slice_at(now_us));
@@ -257,6 +259,10 @@ fn prune(s: &Shared) {
         }
         !idle
     });
+    s.dirty
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .append(&mut queued);
 }
 
 /// Reads a key's counts now (a synchronous decision on a key not read yet). The call runs on
