@@ -702,9 +702,90 @@ async fn windows_of_decades_decide_without_panicking() {
             assert!(a.decide(&p, &k, cost(1)).await.unwrap().is_allowed());
         }
         a.flush().await;
+        assert!(!a.decide(&p, &k, cost(1)).await.unwrap().is_allowed());
         assert_eq!(a.stats().failed_calls, 0, "{:?}", a.stats());
+        // The units went to the current sub-window's counter, and were confirmed there.
+        assert_eq!(a.stats().units_sent, 5, "{mode:?}");
+        let name = server.cmd(&["KEYS", "*"]);
+        let name = name.lines().find(|l| l.contains("0a")).unwrap().to_owned();
+        let slice = (clock_us(&clock) / (30 * year).as_micros() as u64).to_string();
+        assert!(name.ends_with(&format!(":{slice}")), "{name}");
+        assert_eq!(server.cmd(&["GET", &name]).lines().last(), Some("5"));
         server.cmd(&["FLUSHALL"]);
     }
+}
+
+#[tokio::test]
+async fn a_flush_cancelled_midway_loses_no_units_and_reads_again() {
+    use std::future::Future;
+    use std::task::{Context, Waker};
+    let server = RedisServer::start();
+    let clock = TestClock::new();
+    let a = instance(&server.url(), &clock, Approximate::asynchronous());
+    let p = prepare(&a, &Policy::new("f", Quota::per_minute(100).fixed_window()));
+    let k = key("k");
+    clock.advance(Duration::from_micros(
+        60_000_000 - clock_us(&clock) % 60_000_000,
+    ));
+    // The background task is kept out of the way: Redis is paused, and A's flush is polled
+    // once (its call sent) and dropped, as a caller's timeout would.
+    server.pause();
+    for _ in 0..5 {
+        assert!(ready_at_once(a.decide(&p, &k, cost(1))).is_allowed());
+    }
+    {
+        let mut f = Box::pin(a.flush());
+        let _ = f.as_mut().poll(&mut Context::from_waker(Waker::noop()));
+    }
+    server.resume();
+    let reads = a.stats().reads;
+    support::eventually("the units sent again", || a.stats().units_sent >= 5).await;
+    a.flush().await;
+    // Nothing lost: the dropped call may have reached Redis too (then counted twice, which only
+    // denies early).
+    let name = server.cmd(&["KEYS", "*"]);
+    let name = name.lines().find(|l| l.contains("0a")).unwrap().to_owned();
+    let n: u32 = server
+        .cmd(&["GET", &name])
+        .lines()
+        .last()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((5..=10).contains(&n), "{n}");
+    // And the key's read, cancelled with the call, was made again.
+    assert!(a.stats().reads > reads, "{:?}", a.stats());
+}
+
+#[tokio::test]
+async fn a_command_redis_refuses_fails_alone() {
+    let server = RedisServer::start();
+    let clock = TestClock::new();
+    let a = instance(&server.url(), &clock, Approximate::asynchronous());
+    let p = prepare(&a, &Policy::new("f", Quota::per_minute(100).fixed_window()));
+    clock.advance(Duration::from_micros(
+        60_000_000 - clock_us(&clock) % 60_000_000,
+    ));
+    let (bad, good) = (key("bad"), key("good"));
+    a.decide(&p, &bad, cost(1)).await.unwrap();
+    a.flush().await;
+    // A key of another type where the counter of `bad` is.
+    let name = server.cmd(&["KEYS", "*bad*"]);
+    let name = name.lines().find(|l| l.contains("0a")).unwrap().to_owned();
+    server.cmd(&["DEL", &name]);
+    server.cmd(&["LPUSH", &name, "x"]);
+    let sent = a.stats().units_sent;
+    for _ in 0..3 {
+        a.decide(&p, &bad, cost(1)).await.unwrap();
+        a.decide(&p, &good, cost(1)).await.unwrap();
+    }
+    a.flush().await;
+    a.flush().await;
+    let s = a.stats();
+    // `good`'s 3 units went through in the same pipelines, `bad`'s were dropped, not resent.
+    assert_eq!(s.units_sent, sent + 3, "{s:?}");
+    assert_eq!(s.failed_calls, 0, "{s:?}");
+    assert!(!s.breaker_open);
 }
 
 #[test]

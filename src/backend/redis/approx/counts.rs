@@ -134,10 +134,18 @@ impl Counts {
         (self.slice + 1).saturating_sub(self.fleet.len() as u64)
     }
 
-    /// Where sub-window `slice` is held, if it is.
+    /// Where sub-window `slice` is held, if it is: the newest at the last index, each older
+    /// one a place before it.
     fn slot(&self, slice: u64) -> Option<usize> {
-        let oldest = self.oldest();
-        (slice >= oldest && slice <= self.slice).then(|| (slice - oldest) as usize)
+        let back = self.slice.checked_sub(slice)?;
+        let last = self.fleet.len() - 1;
+        (back <= last as u64).then(|| last - back as usize)
+    }
+
+    /// The sub-window held at index `i`, if any (none before the epoch).
+    fn slice_of(&self, i: usize) -> Option<u64> {
+        let back = (self.fleet.len() - 1 - i) as u64;
+        self.slice.checked_sub(back)
     }
 
     /// This instance's view of the counts, oldest first.
@@ -204,16 +212,25 @@ impl Counts {
     /// with them)` for each sub-window with units, or an expiry owed (then with zero units:
     /// `INCRBY` by 0 reads the count). They stay in `mine` until [`confirmed`](Self::confirmed).
     pub(crate) fn take_unsent(&mut self) -> SmallVec<[(u64, u32, bool); 2]> {
-        let oldest = self.oldest();
         let mut out = SmallVec::new();
         for i in 0..self.unsent.len() {
             let (units, ttl) = (self.unsent[i], self.ttl[i]);
-            if units > 0 || ttl == 2 {
-                out.push((oldest + i as u64, units, ttl != 1));
+            if let Some(slice) = self.slice_of(i)
+                && (units > 0 || ttl == 2)
+            {
+                out.push((slice, units, ttl != 1));
                 self.unsent[i] = 0;
             }
         }
         out
+    }
+
+    /// Redis refused an increment of `units` for `slice` (a key of another type in the way):
+    /// they are not sent again, and no longer counted as unconfirmed.
+    pub(crate) fn refused(&mut self, slice: u64, units: u32) {
+        if let Some(i) = self.slot(slice) {
+            self.mine[i] = self.mine[i].saturating_sub(units);
+        }
     }
 
     /// Redis added `units` to sub-window `slice`, making it `count` (and set its expiry when
@@ -268,19 +285,23 @@ impl Counts {
         self.read = Some(self.read.map_or(as_of, |r| r.max(as_of)));
     }
 
-    /// Whether the counts were read from Redis since the instance first saw the key.
-    pub(crate) fn was_read(&self) -> bool {
-        self.read.is_some()
-    }
-
-    /// Whether a read is due at `now_us`: never read, or not since the current sub-window
-    /// began and `settle_us` have passed in it (time for the increments other instances made
-    /// at the end of the last one to reach Redis).
+    /// Whether a read is due at `now_us`: never read, or [stale](Self::stale), or not since the
+    /// current sub-window began and `settle_us` have passed in it (time for the increments
+    /// other instances made at the end of the last one to reach Redis).
     pub(crate) fn read_due(&self, spec: &Spec, now_us: u64, settle_us: u64) -> bool {
         match self.read {
             None => true,
+            Some(_) if self.stale(spec, now_us) => true,
             Some(read) => read < self.slice && now_us % spec.slice_us >= settle_us,
         }
+    }
+
+    /// Whether the counts held are too old to decide from: never read, or last read before the
+    /// previous sub-window (the key was not used for a whole sub-window, during which the
+    /// others' units went unheard of).
+    pub(crate) fn stale(&self, spec: &Spec, now_us: u64) -> bool {
+        self.read
+            .is_none_or(|read| read.saturating_add(1) < spec.slice_at(now_us))
     }
 
     /// Whether every count has left the window and nothing is owed to Redis.

@@ -16,20 +16,25 @@ const JOBS_PER_CALL: usize = 256;
 /// How often idle keys are swept.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
 
+/// The least time between two sweeps a full key table asks for.
+const FORCED_SWEEP_GAP: Duration = Duration::from_millis(100);
+
 /// The task's loop, until the backend is dropped.
 pub(super) async fn run(shared: Weak<Shared>, wake: Arc<tokio::sync::Notify>) {
     let mut last_sweep = Instant::now();
     loop {
         let wait = match shared.upgrade() {
             None => return,
-            Some(s) if has_work(&s) => s.mode.flush_every,
+            Some(s) if has_work(&s) && s.may_call() => s.mode.flush_every,
+            // Redis is not called until the breaker's probe is due: nothing to do before.
+            Some(s) if has_work(&s) => s.until_probe().clamp(Duration::from_millis(1), SWEEP_EVERY),
             Some(_) => SWEEP_EVERY,
         };
         let _ = tokio::time::timeout(wait, wake.notified()).await;
         let Some(mut s) = shared.upgrade() else {
             return;
         };
-        if has_work(&s) {
+        if has_work(&s) && s.may_call() {
             // Let more work join the batch, unless enough units are queued already or
             // requests wait for it.
             if s.queued_units.load(Ordering::Relaxed) < s.mode.flush_after
@@ -45,8 +50,16 @@ pub(super) async fn run(shared: Weak<Shared>, wake: Arc<tokio::sync::Notify>) {
                 };
             }
             flush(&s, false).await;
+        } else if s.waiters.load(Ordering::Acquire) > 0 {
+            // The breaker opened under requests waiting for a flush: none will come soon.
+            release_waiters(&s);
         }
-        if last_sweep.elapsed() >= SWEEP_EVERY || s.sweep_now.swap(false, Ordering::Relaxed) {
+        let since = last_sweep.elapsed();
+        let forced = since >= FORCED_SWEEP_GAP && s.sweep_now.swap(false, Ordering::Relaxed);
+        if since >= SWEEP_EVERY || forced {
+            if !s.may_call() {
+                prune(&s);
+            }
             sweep(&s);
             last_sweep = Instant::now();
         }
@@ -60,8 +73,12 @@ fn has_work(s: &Shared) -> bool {
         || !s.dirty.lock().unwrap_or_else(|e| e.into_inner()).is_empty()
 }
 
-/// What one key sends in a flush.
+/// What one key sends in a flush. A job dropped before its replies were taken in (its call
+/// cancelled: a runtime shutting down, a caller's timeout) counts as failed: its units are
+/// sent again and its key read again.
 struct Job {
+    shared: Arc<Shared>,
+    done: bool,
     policy: Arc<PolicyShared>,
     entry: Arc<Entry>,
     /// The key's `confirmations` when the job was made.
@@ -81,7 +98,12 @@ enum Take {
 }
 
 impl Job {
-    fn of(s: &Shared, policy: Arc<PolicyShared>, entry: Arc<Entry>, take: Take) -> Option<Job> {
+    fn of(
+        s: &Arc<Shared>,
+        policy: Arc<PolicyShared>,
+        entry: Arc<Entry>,
+        take: Take,
+    ) -> Option<Job> {
         let now_us = s.now.us();
         let mut writes = Increments::new();
         let mut reads = SmallVec::new();
@@ -117,7 +139,9 @@ impl Job {
             }
             seen = st.confirmations;
         }
-        (!writes.is_empty() || !reads.is_empty()).then_some(Job {
+        (!writes.is_empty() || !reads.is_empty()).then(|| Job {
+            shared: s.clone(),
+            done: false,
             policy,
             entry,
             seen,
@@ -151,61 +175,88 @@ impl Job {
     }
 
     /// Takes the replies in, or on failure (`None`) queues the units to be sent again.
-    fn apply(self, s: &Shared, values: Option<&[Value]>) {
-        let parsed = values.and_then(|v| self.parse(v));
-        let mut st = self.entry.lock();
-        if !self.reads.is_empty() {
-            st.reading = false;
-        }
-        match parsed {
-            Some((counts, reads)) => {
-                // A read replaces the counts held only if no other call's increments were
-                // taken in since it was made (its own go before it in the same pipeline).
-                let fresh = st.confirmations == self.seen;
-                for (&(q, slice, units, ttl), count) in self.writes.iter().zip(counts) {
-                    st.quotas[q].confirmed(slice, units, count, ttl);
-                    s.units_sent.fetch_add(u64::from(units), Ordering::Relaxed);
-                }
-                if !self.writes.is_empty() {
-                    st.confirmations += 1;
-                }
-                for (&(q, first, _, as_of), fleet) in self.reads.iter().zip(reads) {
-                    st.quotas[q].read_reply(first, &fleet, as_of, fresh);
-                }
-                if !self.reads.is_empty() {
-                    s.reads.fetch_add(1, Ordering::Relaxed);
-                }
-                if st.quotas.iter().any(|c| c.owes()) {
-                    s.enqueue(&self.policy, &self.entry, &mut st);
-                }
-            }
-            None => {
-                for &(q, slice, units, _) in &self.writes {
-                    st.quotas[q].failed(slice, units);
-                }
-                if !self.writes.is_empty() || !self.reads.is_empty() {
-                    s.enqueue(&self.policy, &self.entry, &mut st);
-                }
-            }
-        }
-    }
-
-    #[allow(clippy::type_complexity)]
-    fn parse(&self, values: &[Value]) -> Option<(Vec<u32>, Vec<SmallVec<[u32; 4]>>)> {
-        if values.len() != self.replies() {
-            return None;
-        }
+    fn apply(mut self, values: Option<&[Value]>) {
+        self.done = true;
+        let s = &*self.shared;
+        let Some(values) = values.filter(|v| v.len() == self.replies()) else {
+            self.failed();
+            return;
+        };
         let (w, r) = values.split_at(self.writes.len());
-        let counts = w.iter().map(count).collect::<Option<Vec<u32>>>()?;
-        let reads = r
+        let reads: Option<Vec<SmallVec<[u32; 4]>>> = r
             .iter()
             .zip(&self.reads)
             .map(|(v, &(_, _, n, _))| match v {
                 Value::Array(items) if items.len() == n => items.iter().map(count).collect(),
                 _ => None,
             })
-            .collect::<Option<Vec<_>>>()?;
-        Some((counts, reads))
+            .collect();
+        let mut st = self.entry.lock();
+        if !self.reads.is_empty() {
+            st.reading = false;
+        }
+        // A read replaces the counts held only if no other call's increments were taken in
+        // since it was made (its own go before it in the same pipeline).
+        let fresh = st.confirmations == self.seen;
+        let mut refused = false;
+        for (&(q, slice, units, ttl), v) in self.writes.iter().zip(w) {
+            match count(v) {
+                Some(count) => {
+                    st.quotas[q].confirmed(slice, units, count, ttl);
+                    s.units_sent.fetch_add(u64::from(units), Ordering::Relaxed);
+                }
+                // Redis refused this one command (a key of another type in the way): sending
+                // it again would fail the same way, and a whole batch must not be resent.
+                None => {
+                    st.quotas[q].refused(slice, units);
+                    refused = true;
+                }
+            }
+        }
+        if !self.writes.is_empty() {
+            st.confirmations += 1;
+        }
+        if let Some(reads) = reads {
+            for (&(q, first, _, as_of), fleet) in self.reads.iter().zip(reads) {
+                st.quotas[q].read_reply(first, &fleet, as_of, fresh);
+            }
+            if !self.reads.is_empty() {
+                s.reads.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        if st.quotas.iter().any(|c| c.owes()) {
+            s.enqueue(&self.policy, &self.entry, &mut st);
+        }
+        drop(st);
+        if refused {
+            tracing::warn!(
+                policy = %self.policy.name,
+                "approximate mode: Redis refused an increment (a key of another type in the \
+                 way?); its units are counted here only"
+            );
+        }
+    }
+
+    /// The call failed, or never ran: the units go back to be sent again, and the key is read
+    /// again.
+    fn failed(&mut self) {
+        self.done = true;
+        let mut st = self.entry.lock();
+        if !self.reads.is_empty() {
+            st.reading = false;
+        }
+        for &(q, slice, units, _) in &self.writes {
+            st.quotas[q].failed(slice, units);
+        }
+        self.shared.enqueue(&self.policy, &self.entry, &mut st);
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        if !self.done {
+            self.failed();
+        }
     }
 }
 
@@ -222,14 +273,14 @@ fn count(v: &Value) -> Option<u32> {
 }
 
 /// Sends what is queued and reads what is due. `force` ignores an open circuit breaker.
-pub(super) async fn flush(s: &Shared, force: bool) {
+pub(super) async fn flush(s: &Arc<Shared>, force: bool) {
     if !force && !s.may_call() {
-        prune(s);
+        release_waiters(s);
         return;
     }
     // One at a time, so that flushes are answered in the order they began.
     let _one = s.flushing.lock().await;
-    let seq = s.flushes_started.fetch_add(1, Ordering::AcqRel) + 1;
+    let seq = s.flushes_started.fetch_add(1, Ordering::SeqCst) + 1;
     // Before the queue is taken: units queued meanwhile count towards the next batch.
     s.queued_units.store(0, Ordering::Relaxed);
     let queued = std::mem::take(&mut *s.dirty.lock().unwrap_or_else(|e| e.into_inner()));
@@ -239,6 +290,15 @@ pub(super) async fn flush(s: &Shared, force: bool) {
         .collect();
     send(s, jobs).await;
     s.flushed.send_modify(|done| *done = (*done).max(seq));
+}
+
+/// Lets requests waiting for a flush go on without one (Redis is not being called): their
+/// units stay queued for when it is.
+fn release_waiters(s: &Shared) {
+    if s.waiters.load(Ordering::Acquire) > 0 {
+        let seq = s.flushes_started.fetch_add(1, Ordering::SeqCst) + 1;
+        s.flushed.send_modify(|done| *done = (*done).max(seq));
+    }
 }
 
 /// While Redis is not called, drops from the queue the keys whose counts have all left their
@@ -295,6 +355,8 @@ async fn send(s: &Shared, jobs: Vec<Job>) {
 
 async fn call(s: &Shared, jobs: Vec<Job>) {
     let mut pipe = redis::pipe();
+    // A command Redis refuses fails alone (its reply is an error value), not the whole call.
+    pipe.ignore_errors();
     for job in &jobs {
         job.commands(&mut pipe);
     }
@@ -306,7 +368,7 @@ async fn call(s: &Shared, jobs: Vec<Job>) {
             let mut at = 0;
             for job in jobs {
                 let n = job.replies();
-                job.apply(s, Some(&values[at..at + n]));
+                job.apply(Some(&values[at..at + n]));
                 at += n;
             }
         }
@@ -318,7 +380,7 @@ async fn call(s: &Shared, jobs: Vec<Job>) {
             };
             s.call_failed(&err);
             for job in jobs {
-                job.apply(s, None);
+                job.apply(None);
             }
         }
     }
@@ -341,20 +403,24 @@ fn sweep(s: &Shared) {
                 return true; // a decision or a flush holds it
             }
             let keep = match e.state.try_lock() {
-                Ok(st) => {
-                    st.queued
-                        || st.reading
-                        || !p
-                            .specs
-                            .iter()
-                            .zip(st.quotas.iter())
-                            .all(|(spec, c)| c.is_idle(spec, now_us))
-                }
-                Err(_) => true,
+                Ok(st) => busy(&p, &st, now_us),
+                Err(std::sync::TryLockError::Poisoned(st)) => busy(&p, &st.into_inner(), now_us),
+                Err(std::sync::TryLockError::WouldBlock) => true,
             };
             removed += usize::from(!keep);
             keep
         });
     }
     s.keys.fetch_sub(removed, Ordering::Relaxed);
+}
+
+/// Whether an entry still matters: queued, being read, or with counts in their windows.
+fn busy(p: &PolicyShared, st: &super::EntryState, now_us: u64) -> bool {
+    st.queued
+        || st.reading
+        || !p
+            .specs
+            .iter()
+            .zip(st.quotas.iter())
+            .all(|(spec, c)| c.is_idle(spec, now_us))
 }

@@ -500,6 +500,12 @@ impl Shared {
         !self.breaker_open() || self.now_ns_mono() >= self.open_until_ns.load(Ordering::Relaxed)
     }
 
+    /// How long until the breaker's probe is due (zero if it is, or the breaker is closed).
+    fn until_probe(&self) -> Duration {
+        let at = self.open_until_ns.load(Ordering::Relaxed);
+        Duration::from_nanos(at.saturating_sub(self.now_ns_mono()))
+    }
+
     fn call_ok(&self) {
         self.calls.fetch_add(1, Ordering::Relaxed);
         if self.failures.swap(0, Ordering::Relaxed) >= self.opts.breaker_threshold {
@@ -686,8 +692,16 @@ impl Shared {
                 .iter()
                 .any(|q| u64::from(q.remaining) * 2 < u64::from(q.limit))
         };
-        let unread = || !st.reading && !st.quotas.iter().all(Counts::was_read);
-        if !sync && ((take && near_limit()) || unread()) {
+        let unread = || {
+            !st.reading
+                && policy
+                    .specs
+                    .iter()
+                    .zip(st.quotas.iter())
+                    .any(|(spec, c)| c.stale(spec, now_us))
+        };
+        let blocked = self.breaker_open();
+        if !sync && !blocked && ((take && near_limit()) || unread()) {
             self.urgent.store(true, Ordering::Relaxed);
             self.wake.notify_one();
         }
@@ -736,7 +750,9 @@ impl Shared {
     /// request queued meanwhile (one `INCRBY` per key and sub-window).
     async fn flushed(&self) {
         let mut done = self.flushed.subscribe();
-        let started = self.flushes_started.load(Ordering::Acquire);
+        // SeqCst, with the flush's increment: the units queued before this load are either
+        // taken by a flush counted in `started`, or by a later one.
+        let started = self.flushes_started.load(Ordering::SeqCst);
         self.waiters.fetch_add(1, Ordering::AcqRel);
         let _waiting = Waiting(&self.waiters);
         self.wake.notify_one();
@@ -806,7 +822,7 @@ impl Backend for ApproxBackend {
         let p = &policy.inner;
         let entry = match p.entries.get(key) {
             Some(e) => e.clone(),
-            None if shared.keys.load(Ordering::Relaxed) >= shared.mode.max_keys => {
+            None if p.held.load(Ordering::Relaxed) >= shared.mode.max_keys => {
                 return ApproxFuture {
                     inner: FutureInner::Ready(Some(shared.refuse_full(p))),
                 };
@@ -815,7 +831,7 @@ impl Backend for ApproxBackend {
                 .entries
                 .entry(key.clone())
                 .or_insert_with(|| {
-                    shared.keys.fetch_add(1, Ordering::Relaxed);
+                    p.held.fetch_add(1, Ordering::Relaxed);
                     let mut base = Vec::new();
                     keys::key_base(&p.key_prefix, key, &mut base);
                     Arc::new(Entry {
@@ -826,10 +842,18 @@ impl Backend for ApproxBackend {
                 .clone(),
         };
         let sync = shared.mode.writes == Writes::Sync && !shared.breaker_open();
-        if sync && mode != Mode::Peek && !entry.lock().quotas.iter().all(Counts::was_read) {
-            // A key this instance has not read yet: its decisions wait for the fleet's counts
-            // (each request reads, so that none decides blind while another's read is on
-            // its way).
+        let stale = || {
+            let now_us = shared.now.us();
+            let st = entry.lock();
+            p.specs
+                .iter()
+                .zip(st.quotas.iter())
+                .any(|(spec, c)| c.stale(spec, now_us))
+        };
+        if sync && mode != Mode::Peek && stale() {
+            // A key this instance has not read yet, or not since before the last sub-window:
+            // its decisions wait for the fleet's counts (each request reads, so that none
+            // decides from stale counts while another's read is on its way).
             let (shared, policy) = (shared.clone(), p.clone());
             return ApproxFuture {
                 inner: FutureInner::Waiting(Box::pin(async move {
@@ -865,9 +889,10 @@ impl Backend for ApproxBackend {
         let p = policy.inner.clone();
         let key = key.clone();
         Box::pin(async move {
-            // Forgotten here first, so that no flush sends its units after the reset.
+            // Forgotten here first, with the units it had not sent (a flush already under way
+            // may still land its own after the reset).
             if let Some((_, old)) = p.entries.remove(&key) {
-                shared.keys.fetch_sub(1, Ordering::Relaxed);
+                p.held.fetch_sub(1, Ordering::Relaxed);
                 let mut st = old.lock();
                 st.quotas = p.specs.iter().map(Counts::new).collect();
             }
