@@ -14,9 +14,10 @@
 //!   sub-window) refreshes the instance's view. The background task sends at once, one
 //!   pipeline for every request queued meanwhile (one `INCRBY` per key and sub-window,
 //!   however many requests), and the requests go on when it is answered, or after the
-//!   timeout, or at once when the call fails. Denied requests never touch the network.
-//!   Requests on a key the instance has not read yet wait for one read of its counts first
-//!   (so a key's first request may wait twice the timeout).
+//!   timeout, or at once when the call fails. Denied requests never touch the network, except
+//!   that requests on a key the instance has not read yet, or not since before the last
+//!   sub-window, wait for one read of its counts first (so such a request may wait twice the
+//!   timeout).
 //! - **[`Approximate::asynchronous`]**: nothing waits. Allowed units are queued and sent in
 //!   batches ([`flush_every`](Approximate::flush_every), or sooner once
 //!   [`flush_after`](Approximate::flush_after) units are queued), in pipelines of 256 keys;
@@ -26,7 +27,8 @@
 //!   from their limits, most keys most of the time, keep the batching.
 //!
 //! In both, the counts of a key are read from Redis (`MGET` of its sub-windows) when the
-//! instance first sees the key and again in every sub-window it is used in, once the
+//! instance first sees the key, when it comes back to it after a whole sub-window without it,
+//! and again in every sub-window it is used in, once the
 //! *settle time* has passed into the sub-window (the [timeout](super::RedisBackendBuilder::timeout), plus
 //! the flush interval in the asynchronous variant, at most half a sub-window): by then the
 //! increments other instances made at the end of the last sub-window have landed.
@@ -122,9 +124,10 @@
 //! # Memory
 //!
 //! One entry per key in use, of a few dozen bytes plus 20 bytes per sub-window kept; entries
-//! whose windows have passed are swept every second, also while Redis is down, and at most
-//! [`max_keys`](Approximate::max_keys) are held (1 000 000 by default): past that, requests
-//! on new keys are denied until a sweep makes room. Each counter in
+//! whose windows have passed are swept every second, also while Redis is down, and about
+//! [`max_keys`](Approximate::max_keys) are held at most (1 000 000 by default; concurrent
+//! inserts may overshoot by a few): while that many are held, requests on new keys are denied
+//! and a sweep is started (at most every 100 ms). Each counter in
 //! Redis expires once every window holding its sub-window has passed, plus 2 s: its first
 //! increment from each instance carries a `PEXPIRE`.
 
@@ -205,9 +208,10 @@ impl Approximate {
     }
 
     /// How many keys (summed over policies) the instance holds counts for, at most (1 000 000
-    /// by default; at least 1). When the table is full, a request on a new key is denied
-    /// (`Retry-After: 1`) and counted in [`ApproxStats::refused_full`], and a sweep starts at
-    /// once; keys already held keep their counts. Keys come from clients: this bounds the
+    /// by default; at least 1; concurrent inserts may overshoot by a few). While the table is
+    /// full, a request on a new key is denied (`Retry-After: 1`) and counted in
+    /// [`ApproxStats::refused_full`], and a sweep starts (at most every 100 ms); keys already
+    /// held keep their counts. Keys come from clients: this bounds the
     /// memory a flood of new keys can take.
     pub fn max_keys(mut self, keys: usize) -> Self {
         self.max_keys = keys.max(1);
