@@ -30,39 +30,21 @@ trap 'rm -rf "$WORK"' EXIT
 # Expiry an hour ahead, formatted once per call (as the script caches it).
 HEAD="local t = redis.call('TIME')
 local x = string.format('%d', t[1] * 1000 + 3600000)"
-cat >"$WORK/get_set.lua" <<LUA
-$HEAD
-for i = 1, #KEYS do
-  local v = redis.pcall('GET', KEYS[i])
-  redis.call('SET', KEYS[i], 'abcdefgh', 'PXAT', x)
-end
-return #KEYS
-LUA
-cat >"$WORK/mget_set.lua" <<LUA
-$HEAD
-local vs = redis.call('MGET', unpack(KEYS))
-for i = 1, #KEYS do
-  redis.call('SET', KEYS[i], 'abcdefgh', 'PXAT', x)
-end
-return #KEYS
-LUA
-cat >"$WORK/mget_keepttl.lua" <<LUA
-$HEAD
-local vs = redis.call('MGET', unpack(KEYS))
-for i = 1, #KEYS do
-  redis.call('SET', KEYS[i], 'abcdefgh', 'KEEPTTL')
-end
-return #KEYS
-LUA
-cat >"$WORK/mget.lua" <<LUA
-$HEAD
-local vs = redis.call('MGET', unpack(KEYS))
-return #KEYS
-LUA
-cat >"$WORK/time.lua" <<LUA
-$HEAD
-return #KEYS
-LUA
+script() { # name, a statement before the loop over the keys, the statement per key (or none)
+    {
+        echo "$HEAD"
+        [ -z "$2" ] || echo "$2"
+        [ -z "$3" ] || printf 'for i = 1, #KEYS do\n  %s\nend\n' "$3"
+        echo "return #KEYS"
+    } >"$WORK/$1.lua"
+}
+MGET="local vs = redis.call('MGET', unpack(KEYS))"
+SET_PXAT="redis.call('SET', KEYS[i], 'abcdefgh', 'PXAT', x)"
+script get_set "" "local v = redis.pcall('GET', KEYS[i]); $SET_PXAT"
+script mget_set "$MGET" "$SET_PXAT"
+script mget_keepttl "$MGET" "redis.call('SET', KEYS[i], 'abcdefgh', 'KEEPTTL')"
+script mget "$MGET" ""
+script time "" ""
 
 keys=()
 for i in $(seq 1 16); do keys+=("tollgate:{bench:client-$i}:0g1000x4000000000"); done

@@ -39,6 +39,51 @@ fn instance(url: &str, clock: &TestClock, mode: Approximate) -> ApproxBackend {
         .unwrap()
 }
 
+/// Moves the clock to the start of the next window of `window_us`.
+fn to_window_start(clock: &TestClock, window_us: u64) {
+    clock.advance(Duration::from_micros(
+        window_us - clock_us(clock) % window_us,
+    ));
+}
+
+/// Two instances on one Redis, each with `policy` prepared.
+fn pair(
+    server: &RedisServer,
+    clock: &TestClock,
+    mode: Approximate,
+    policy: &Policy,
+) -> [(ApproxBackend, ApproxPolicy); 2] {
+    [0, 1].map(|_| {
+        let b = instance(&server.url(), clock, mode);
+        let p = prepare(&b, policy);
+        (b, p)
+    })
+}
+
+/// The names of the approximate mode's counters in Redis whose names match `pattern`.
+fn counters(server: &RedisServer, pattern: &str) -> Vec<String> {
+    server
+        .cmd(&["KEYS", pattern])
+        .lines()
+        .filter(|l| l.contains("0a"))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The one counter matching `pattern`.
+fn counter(server: &RedisServer, pattern: &str) -> String {
+    let mut all = counters(server, pattern);
+    assert_eq!(all.len(), 1, "{all:?}");
+    all.remove(0)
+}
+
+/// A command's integer reply (`:n`, or a bulk string holding a number; 0 for nil).
+fn number(server: &RedisServer, args: &[&str]) -> i64 {
+    let reply = server.cmd(args);
+    let last = reply.lines().last().unwrap_or("");
+    last.trim_start_matches(':').trim().parse().unwrap_or(0)
+}
+
 /// Admissions of the fleet, per instance, at simulated microseconds.
 struct Log {
     /// (time, instance) of every admitted unit, in time order.
@@ -242,14 +287,10 @@ async fn instances_learn_each_others_counts_from_redis() {
     let server = RedisServer::start();
     let clock = TestClock::new();
     let fixed = Policy::new("f", Quota::per_second(10).fixed_window());
-    let a = instance(&server.url(), &clock, Approximate::asynchronous());
-    let b = instance(&server.url(), &clock, Approximate::asynchronous());
-    let (pa, pb) = (prepare(&a, &fixed), prepare(&b, &fixed));
+    let [(a, pa), (b, pb)] = pair(&server, &clock, Approximate::asynchronous(), &fixed);
     let k = key("k");
     // Start on a window boundary.
-    clock.advance(Duration::from_micros(
-        1_000_000 - clock_us(&clock) % 1_000_000,
-    ));
+    to_window_start(&clock, 1_000_000);
     for _ in 0..7 {
         assert!(a.decide(&pa, &k, cost(1)).await.unwrap().is_allowed());
     }
@@ -263,10 +304,7 @@ async fn instances_learn_each_others_counts_from_redis() {
     assert!(b.decide(&pb, &k, cost(1)).await.unwrap().is_allowed());
     assert!(!b.decide(&pb, &k, cost(1)).await.unwrap().is_allowed());
     b.flush().await;
-    assert_eq!(
-        server.cmd(&["KEYS", "*"]).matches("0a1000000x0x10").count(),
-        1
-    );
+    assert_eq!(counters(&server, "*0a1000000x0x10*").len(), 1);
     // In the next window everything starts again.
     clock.advance(Duration::from_secs(1));
     assert!(a.decide(&pa, &k, cost(1)).await.unwrap().is_allowed());
@@ -280,13 +318,9 @@ async fn a_synchronous_key_waits_for_its_first_read_and_each_increment() {
     let server = RedisServer::start();
     let clock = TestClock::new();
     let fixed = Policy::new("f", Quota::per_second(5).fixed_window());
-    let a = instance(&server.url(), &clock, Approximate::synchronous());
-    let b = instance(&server.url(), &clock, Approximate::synchronous());
-    let (pa, pb) = (prepare(&a, &fixed), prepare(&b, &fixed));
+    let [(a, pa), (b, pb)] = pair(&server, &clock, Approximate::synchronous(), &fixed);
     let k = key("k");
-    clock.advance(Duration::from_micros(
-        1_000_000 - clock_us(&clock) % 1_000_000,
-    ));
+    to_window_start(&clock, 1_000_000);
     for _ in 0..3 {
         assert!(a.decide(&pa, &k, cost(1)).await.unwrap().is_allowed());
     }
@@ -307,13 +341,9 @@ async fn without_redis_decisions_go_on_locally_and_resynchronize() {
     let mut server = RedisServer::start();
     let clock = TestClock::new();
     let fixed = Policy::new("f", Quota::per_minute(50).fixed_window());
-    let a = instance(&server.url(), &clock, Approximate::asynchronous());
-    let b = instance(&server.url(), &clock, Approximate::asynchronous());
-    let (pa, pb) = (prepare(&a, &fixed), prepare(&b, &fixed));
+    let [(a, pa), (b, pb)] = pair(&server, &clock, Approximate::asynchronous(), &fixed);
     let k = key("k");
-    clock.advance(Duration::from_micros(
-        60_000_000 - clock_us(&clock) % 60_000_000,
-    ));
+    to_window_start(&clock, 60_000_000);
     server.kill();
     // Every decision is ready at once: nothing waits on the network.
     for _ in 0..20 {
@@ -334,13 +364,7 @@ async fn without_redis_decisions_go_on_locally_and_resynchronize() {
         a.flush().await;
         b.flush().await;
     }
-    let key_name = server.cmd(&["KEYS", "*"]);
-    let key_name = key_name
-        .lines()
-        .find(|l| l.contains("0a"))
-        .unwrap()
-        .to_owned();
-    assert_eq!(server.cmd(&["GET", &key_name]).lines().last(), Some("40"));
+    assert_eq!(number(&server, &["GET", &counter(&server, "*")]), 40);
     // A hears of all of B's units, at the latest through the reply to its next increment.
     a.decide(&pa, &k, cost(1)).await.unwrap();
     a.flush().await;
@@ -392,9 +416,7 @@ async fn counts_are_shared_on_a_cluster() {
     let (a, b) = (mk(), mk());
     let fixed = Policy::new("f", Quota::per_second(10).fixed_window());
     let (pa, pb) = (prepare(&a, &fixed), prepare(&b, &fixed));
-    clock.advance(Duration::from_micros(
-        1_000_000 - clock_us(&clock) % 1_000_000,
-    ));
+    to_window_start(&clock, 1_000_000);
     // Keys spread over the slots of every node.
     for i in 0..20 {
         let k = key(&format!("client-{i}"));
@@ -549,9 +571,7 @@ async fn every_counter_expires_and_reset_clears_the_key() {
             .sliding_window()
             .resolution(Duration::from_millis(250)),
     );
-    let a = instance(&server.url(), &clock, Approximate::asynchronous());
-    let b = instance(&server.url(), &clock, Approximate::asynchronous());
-    let (pa, pb) = (prepare(&a, &sliding), prepare(&b, &sliding));
+    let [(a, pa), (b, pb)] = pair(&server, &clock, Approximate::asynchronous(), &sliding);
     let k = key("k");
     for _ in 0..6 {
         for (x, p) in [(&a, &pa), (&b, &pb)] {
@@ -560,16 +580,10 @@ async fn every_counter_expires_and_reset_clears_the_key() {
         }
         clock.advance(Duration::from_millis(100));
     }
-    let keys = server.cmd(&["KEYS", "*"]);
-    let keys: Vec<&str> = keys.lines().filter(|l| l.contains("0a")).collect();
+    let keys = counters(&server, "*");
     assert!(keys.len() >= 2, "{keys:?}");
     for name in &keys {
-        let ttl: i64 = server
-            .cmd(&["PTTL", name])
-            .trim_start_matches(':')
-            .trim()
-            .parse()
-            .unwrap();
+        let ttl = number(&server, &["PTTL", name]);
         // A counter outlives every window holding its sub-window (the 4 sub-windows, the one
         // weighed before them, one more), plus 2 s for clocks: 6 x 250 ms + 2 s.
         assert!(ttl > 0 && ttl <= 3_500, "{name}: {ttl}");
@@ -581,37 +595,23 @@ async fn every_counter_expires_and_reset_clears_the_key() {
     a.reset(&pa, &k).await.unwrap();
     a.flush().await;
     b.flush().await;
-    let total: i64 = server
-        .cmd(&["KEYS", "*"])
-        .lines()
-        .filter(|l| l.contains("0a"))
-        .map(|name| {
-            let v = server.cmd(&["GET", name]);
-            v.lines().last().unwrap_or("0").parse::<i64>().unwrap_or(0)
-        })
+    let total: i64 = counters(&server, "*")
+        .iter()
+        .map(|name| number(&server, &["GET", name]))
         .sum();
     assert_eq!(total, 0, "counters left after the reset");
     // B hears of the reset at its next read, due once the settle time (here 125 ms, half a
     // sub-window) has passed into a sub-window.
-    let into = clock_us(&clock) % 250_000;
-    clock.advance(Duration::from_micros(250_000 - into + 200_000));
+    to_window_start(&clock, 250_000);
+    clock.advance(Duration::from_millis(200));
     b.decide(&pb, &k, cost(1)).await.unwrap();
     b.flush().await;
     // With A's 6 units still counted, B (6 of its own) would be over the limit of 10; after
     // the reset only its own confirmed units count.
     let d = b.decide(&pb, &k, cost(1)).await.unwrap();
     assert!(d.is_allowed(), "{d:?}");
-    for name in server
-        .cmd(&["KEYS", "*"])
-        .lines()
-        .filter(|l| l.contains("0a"))
-    {
-        let ttl: i64 = server
-            .cmd(&["PTTL", name])
-            .trim_start_matches(':')
-            .trim()
-            .parse()
-            .unwrap();
+    for name in counters(&server, "*") {
+        let ttl = number(&server, &["PTTL", &name]);
         assert!(ttl > 0, "{name}: {ttl}");
     }
 }
@@ -621,13 +621,9 @@ async fn synchronous_requests_on_a_key_not_read_yet_all_wait_for_the_fleet_count
     let server = RedisServer::start();
     let clock = TestClock::new();
     let fixed = Policy::new("f", Quota::per_minute(10).fixed_window());
-    let a = instance(&server.url(), &clock, Approximate::synchronous());
-    let b = instance(&server.url(), &clock, Approximate::synchronous());
-    let (pa, pb) = (prepare(&a, &fixed), prepare(&b, &fixed));
+    let [(a, pa), (b, pb)] = pair(&server, &clock, Approximate::synchronous(), &fixed);
     let k = key("k");
-    clock.advance(Duration::from_micros(
-        60_000_000 - clock_us(&clock) % 60_000_000,
-    ));
+    to_window_start(&clock, 60_000_000);
     for _ in 0..10 {
         assert!(a.decide(&pa, &k, cost(1)).await.unwrap().is_allowed());
     }
@@ -650,9 +646,7 @@ async fn when_redis_loses_its_data_counters_expire_again_and_own_units_still_cou
     let a = instance(&server.url(), &clock, Approximate::asynchronous());
     let pa = prepare(&a, &fixed);
     let k = key("k");
-    clock.advance(Duration::from_micros(
-        60_000_000 - clock_us(&clock) % 60_000_000,
-    ));
+    to_window_start(&clock, 60_000_000);
     for _ in 0..6 {
         assert!(a.decide(&pa, &k, cost(1)).await.unwrap().is_allowed());
     }
@@ -662,14 +656,8 @@ async fn when_redis_loses_its_data_counters_expire_again_and_own_units_still_cou
     assert!(a.decide(&pa, &k, cost(1)).await.unwrap().is_allowed());
     a.flush().await; // recreates the counter (1), without an expiry
     a.flush().await; // the expiry it owes
-    let name = server.cmd(&["KEYS", "*"]);
-    let name = name.lines().find(|l| l.contains("0a")).unwrap().to_owned();
-    let ttl: i64 = server
-        .cmd(&["PTTL", &name])
-        .trim_start_matches(':')
-        .trim()
-        .parse()
-        .unwrap();
+    let name = counter(&server, "*");
+    let ttl = number(&server, &["PTTL", &name]);
     assert!(ttl > 0, "{name}: {ttl}");
     // A read now says 1, but A's own 7 confirmed units still count: 3 more pass, not 9.
     clock.advance(Duration::from_secs(1));
@@ -706,11 +694,10 @@ async fn windows_of_decades_decide_without_panicking() {
         assert_eq!(a.stats().failed_calls, 0, "{:?}", a.stats());
         // The units went to the current sub-window's counter, and were confirmed there.
         assert_eq!(a.stats().units_sent, 5, "{mode:?}");
-        let name = server.cmd(&["KEYS", "*"]);
-        let name = name.lines().find(|l| l.contains("0a")).unwrap().to_owned();
+        let name = counter(&server, "*");
         let slice = (clock_us(&clock) / (30 * year).as_micros() as u64).to_string();
         assert!(name.ends_with(&format!(":{slice}")), "{name}");
-        assert_eq!(server.cmd(&["GET", &name]).lines().last(), Some("5"));
+        assert_eq!(number(&server, &["GET", &name]), 5);
         server.cmd(&["FLUSHALL"]);
     }
 }
@@ -724,9 +711,7 @@ async fn a_flush_cancelled_midway_loses_no_units_and_reads_again() {
     let a = instance(&server.url(), &clock, Approximate::asynchronous());
     let p = prepare(&a, &Policy::new("f", Quota::per_minute(100).fixed_window()));
     let k = key("k");
-    clock.advance(Duration::from_micros(
-        60_000_000 - clock_us(&clock) % 60_000_000,
-    ));
+    to_window_start(&clock, 60_000_000);
     // The background task is kept out of the way: Redis is paused, and A's flush is polled
     // once (its call sent) and dropped, as a caller's timeout would.
     server.pause();
@@ -743,15 +728,7 @@ async fn a_flush_cancelled_midway_loses_no_units_and_reads_again() {
     a.flush().await;
     // Nothing lost: the dropped call may have reached Redis too (then counted twice, which only
     // denies early).
-    let name = server.cmd(&["KEYS", "*"]);
-    let name = name.lines().find(|l| l.contains("0a")).unwrap().to_owned();
-    let n: u32 = server
-        .cmd(&["GET", &name])
-        .lines()
-        .last()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let n = number(&server, &["GET", &counter(&server, "*")]);
     assert!((5..=10).contains(&n), "{n}");
     // And the key's read, cancelled with the call, was made again.
     assert!(a.stats().reads > reads, "{:?}", a.stats());
@@ -763,15 +740,12 @@ async fn a_command_redis_refuses_fails_alone() {
     let clock = TestClock::new();
     let a = instance(&server.url(), &clock, Approximate::asynchronous());
     let p = prepare(&a, &Policy::new("f", Quota::per_minute(100).fixed_window()));
-    clock.advance(Duration::from_micros(
-        60_000_000 - clock_us(&clock) % 60_000_000,
-    ));
+    to_window_start(&clock, 60_000_000);
     let (bad, good) = (key("bad"), key("good"));
     a.decide(&p, &bad, cost(1)).await.unwrap();
     a.flush().await;
     // A key of another type where the counter of `bad` is.
-    let name = server.cmd(&["KEYS", "*bad*"]);
-    let name = name.lines().find(|l| l.contains("0a")).unwrap().to_owned();
+    let name = counter(&server, "*bad*");
     server.cmd(&["DEL", &name]);
     server.cmd(&["LPUSH", &name, "x"]);
     let sent = a.stats().units_sent;

@@ -262,14 +262,8 @@ impl Drop for Job {
 
 /// A counter's value in a reply: an integer, a number in a string, or nothing (zero).
 fn count(v: &Value) -> Option<u32> {
-    let n: i64 = match v {
-        Value::Nil => 0,
-        Value::Int(n) => *n,
-        Value::BulkString(b) => std::str::from_utf8(b).ok()?.parse().ok()?,
-        Value::SimpleString(t) => t.parse().ok()?,
-        _ => return None,
-    };
-    Some(u32::try_from(n.max(0)).unwrap_or(u32::MAX))
+    let n: Option<i64> = redis::from_redis_value_ref(v).ok()?;
+    Some(u32::try_from(n.unwrap_or(0).max(0)).unwrap_or(u32::MAX))
 }
 
 /// Sends what is queued and reads what is due. `force` ignores an open circuit breaker.

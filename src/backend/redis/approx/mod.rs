@@ -326,13 +326,19 @@ impl Entry {
 
     /// The Redis key of quota `spec`'s sub-window `slice`.
     fn redis_key(&self, spec: &Spec, slice: u64) -> Vec<u8> {
-        let mut k = Vec::with_capacity(self.base.len() + spec.suffix.len() + 21);
-        k.extend_from_slice(&self.base);
-        k.extend_from_slice(&spec.suffix);
-        k.push(b':');
-        k.extend_from_slice(itoa::Buffer::new().format(slice).as_bytes());
-        k
+        counter_key(&self.base, spec, slice)
     }
+}
+
+/// The Redis key of quota `spec`'s sub-window `slice` for the key whose keys start with
+/// `base` (`<prefix>:{<policy>:<key>}:`).
+fn counter_key(base: &[u8], spec: &Spec, slice: u64) -> Vec<u8> {
+    let mut k = Vec::with_capacity(base.len() + spec.suffix.len() + 21);
+    k.extend_from_slice(base);
+    k.extend_from_slice(&spec.suffix);
+    k.push(b':');
+    k.extend_from_slice(itoa::Buffer::new().format(slice).as_bytes());
+    k
 }
 
 /// Time in µs since the Unix epoch.
@@ -902,10 +908,6 @@ impl Backend for ApproxBackend {
             }
             let mut base = Vec::new();
             keys::key_base(&p.key_prefix, &key, &mut base);
-            let entry = Entry {
-                base: base.into_boxed_slice(),
-                state: Mutex::new(EntryState::new(&p)),
-            };
             // The current sub-window's counter is set to zero rather than deleted, so that it
             // keeps an expiry (instances set one with their first increment in a sub-window).
             let now_us = shared.now.us();
@@ -916,11 +918,11 @@ impl Backend for ApproxBackend {
                 if !older.is_empty() {
                     let del = pipe.cmd("DEL").ignore();
                     for slice in older {
-                        del.arg(entry.redis_key(spec, slice));
+                        del.arg(counter_key(&base, spec, slice));
                     }
                 }
                 pipe.cmd("SET")
-                    .arg(entry.redis_key(spec, newest))
+                    .arg(counter_key(&base, spec, newest))
                     .arg(0)
                     .arg("PX")
                     .arg(spec.ttl_ms())
