@@ -76,11 +76,13 @@ struct Deciding<S, ReqBody, K, Bk: Backend> {
 }
 
 /// What a decision still being made carries to the rest of the request: a waiter's slot in
-/// wait mode (held until the request goes on), and what reads the wrapped service's answer for
-/// a request to slow down.
+/// wait mode (held until the request goes on), what reads the wrapped service's answer for
+/// a request to slow down, and in wait mode, until a reservation is made, the key and cost
+/// to reserve for if the store refuses the request for less than the longest wait.
 pub(crate) struct Then {
     pub(crate) slot: Option<Slot>,
     pub(crate) note: Option<Box<Note>>,
+    pub(crate) retry: Option<(crate::Key, std::num::NonZeroU32)>,
 }
 
 /// A reservation to make once a pause the wrapped service asked for has passed.
@@ -214,6 +216,17 @@ where
                 StateProj::Deciding { deciding } => {
                     let d = &mut **deciding;
                     let result = ready!(Pin::new(&mut d.decision).poll(cx));
+                    // Wait mode: refused now, but the units come within the longest wait and a
+                    // waiter's slot is free: reserve them.
+                    if let Some((key, cost)) = d.then.retry.take()
+                        && let Some((slot, max_wait)) = d.shared.may_wait(&d.policy, &result)
+                    {
+                        let mode = crate::backend::Mode::Reserve { max_wait };
+                        let backend = &d.shared.backend;
+                        d.decision = backend.decide_with(&d.policy.backend, &key, cost, mode);
+                        d.then.slot = Some(slot);
+                        continue;
+                    }
                     let Some((_, req)) = &d.inner else {
                         panic!("ResponseFuture polled after completion");
                     };
@@ -264,6 +277,7 @@ where
                     let then = Then {
                         slot: p.then.slot.take(),
                         note: p.then.note.take(),
+                        retry: None,
                     };
                     let next = State::Deciding {
                         deciding: Box::new(Deciding {

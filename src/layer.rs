@@ -281,7 +281,10 @@ impl<K, Bk> RateLimitLayerBuilder<K, Bk> {
     /// backend takes the request's units as of the time it will go on and answers that wait;
     /// the layer sleeps once, then calls the inner service. Waiters are served first come,
     /// first served, at exactly the policy's rate, on every backend (for GCRA quotas; a window
-    /// quota passes a request only when it has room now). A waiting request holds its request
+    /// quota passes a request only when it has room now). A request first asks for its units
+    /// now; only one refused for less than `max_wait` takes one of the `max_waiters` slots and
+    /// reserves, so requests that pass at once never hold a slot, on any store (a waiter on a
+    /// remote store costs a second round trip). A waiting request holds its request
     /// (headers and the unread body) and a clone of the inner service, and a slot among the
     /// `max_waiters`; its units are spent even if it is dropped while waiting (a client gone,
     /// a timeout), and its slot is given back then.
@@ -426,6 +429,9 @@ pub(crate) fn prepare<Bk: Backend>(
     let headers = PolicyHeaders::new(&policy, &params);
     Ok(Prepared {
         metrics: PolicyMetrics::new(&policy, &headers.labels),
+        reserves: params
+            .iter()
+            .all(|p| p.kind == crate::quota::QuotaKind::Gcra),
         headers,
         backend: prepared,
         policy,

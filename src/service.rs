@@ -108,6 +108,9 @@ pub(crate) struct Prepared<P> {
     pub(crate) backend: P,
     pub(crate) headers: PolicyHeaders,
     pub(crate) metrics: PolicyMetrics,
+    /// Whether every quota is GCRA, so that a reservation can wait (window quotas cannot count
+    /// into a window that has not begun: a reservation on them waits for nothing).
+    pub(crate) reserves: bool,
 }
 
 /// The policy of a layer: one, or chosen by live rules.
@@ -229,43 +232,53 @@ where
                 };
                 // Wait mode and pauses apply to enforced policies only: a shadow policy never
                 // holds a request back.
-                let enforced = !policy.policy.is_shadow();
+                let waits = shared
+                    .waiting
+                    .as_ref()
+                    .filter(|_| !policy.policy.is_shadow());
                 // The wrapped service asked to slow down for this key: wait out the pause,
                 // then reserve (wait mode), or answer for it.
                 let pause = (shared.pauses.as_ref())
-                    .filter(|_| enforced)
+                    .filter(|_| !policy.policy.is_shadow())
                     .and_then(|p| p.remaining(key));
-                let slot = (shared.waiting.as_ref())
-                    .filter(|_| enforced)
-                    .and_then(Waiting::enter);
                 if let Some(pause) = pause {
-                    return match (&slot, &shared.waiting) {
-                        (Some(_), Some(w)) if pause <= w.max_wait => {
+                    let slot = waits
+                        .filter(|w| pause <= w.max_wait)
+                        .and_then(Waiting::enter);
+                    return match (slot, waits) {
+                        (Some(slot), Some(w)) => {
                             let left = w.max_wait - pause;
-                            Step::PauseFirst(pause, left, policy.clone(), cost, slot)
+                            Step::PauseFirst(pause, left, policy.clone(), cost, Some(slot))
                         }
                         _ => Step::Done(shared.paused(policy, cost, pause, info.headers()), None),
                     };
                 }
                 // 3. backend. In-memory backends answer at once; others go on in the
-                // response future. In wait mode, a request that finds a waiter's slot
-                // reserves its units within the longest wait.
-                let mut decision = match (&slot, &shared.waiting) {
-                    (Some(_), Some(w)) => shared.backend.decide_with(
-                        &policy.backend,
-                        key,
-                        cost,
-                        Mode::Reserve {
-                            max_wait: w.max_wait,
-                        },
-                    ),
-                    _ => shared.backend.decide(&policy.backend, key, cost),
+                // response future. In wait mode a request first asks for its units now (a
+                // reservation that waits for nothing: all-or-nothing on every store); only one
+                // refused for less than the longest wait takes a waiter's slot and reserves. So
+                // requests that pass at once never hold a slot, even while a store answers.
+                let mut decision = match waits {
+                    Some(_) => shared.backend.decide_with(&policy.backend, key, cost, NOW),
+                    None => shared.backend.decide(&policy.backend, key, cost),
                 };
-                match Pin::new(&mut decision).poll(&mut Context::from_waker(Waker::noop())) {
-                    Poll::Ready(result) => {
-                        Step::Done(shared.verdict(policy, result, info.headers()), slot)
+                let result = match poll_now(&mut decision) {
+                    Poll::Ready(result) => result,
+                    Poll::Pending => {
+                        let retry = waits.map(|_| (key.clone(), cost));
+                        return Step::Pending(decision, policy.clone(), None, retry);
                     }
-                    Poll::Pending => Step::Pending(decision, policy.clone(), slot),
+                };
+                let Some((slot, max_wait)) = shared.may_wait(policy, &result) else {
+                    return Step::Done(shared.verdict(policy, result, info.headers()), None);
+                };
+                let mode = Mode::Reserve { max_wait };
+                let mut decision = shared.backend.decide_with(&policy.backend, key, cost, mode);
+                match poll_now(&mut decision) {
+                    Poll::Ready(result) => {
+                        Step::Done(shared.verdict(policy, result, info.headers()), Some(slot))
+                    }
+                    Poll::Pending => Step::Pending(decision, policy.clone(), Some(slot), None),
                 }
             });
             (step, key)
@@ -291,12 +304,12 @@ where
                 let ready = std::mem::replace(&mut self.inner, clone);
                 ResponseFuture::waiting(wait, ready, req, adds, slot, note)
             }
-            Step::Pending(decision, policy, slot) => {
+            Step::Pending(decision, policy, slot, retry) => {
                 let clone = self.inner.clone();
                 let ready = std::mem::replace(&mut self.inner, clone);
                 match self.shared.arc() {
                     Some(shared) => {
-                        let then = Then { slot, note };
+                        let then = Then { slot, note, retry };
                         ResponseFuture::deciding(decision, ready, req, shared, policy, then)
                     }
                     // Unreachable, as above.
@@ -308,7 +321,11 @@ where
                 let ready = std::mem::replace(&mut self.inner, clone);
                 match (self.shared.arc(), key) {
                     (Some(shared), Ok(key)) => {
-                        let then = Then { slot, note };
+                        let then = Then {
+                            slot,
+                            note,
+                            retry: None,
+                        };
                         let later = DecideLater {
                             shared,
                             policy,
@@ -366,10 +383,23 @@ fn count<P>(prepared: &Prepared<P>, result: &Result<Decision, BackendError>) {
     m.record(outcome, quota);
 }
 
+/// A first decision in wait mode: the units now, or a refusal that says how long they take.
+const NOW: Mode = Mode::Reserve {
+    max_wait: Duration::ZERO,
+};
+
+/// Polls a decision once, without a waker: in-memory backends are ready at once.
+#[inline]
+fn poll_now<F: Future + Unpin>(decision: &mut F) -> Poll<F::Output> {
+    Pin::new(decision).poll(&mut Context::from_waker(Waker::noop()))
+}
+
 /// Where a request stands once `call` has asked the backend.
 enum Step<F, P> {
     Done(Verdict, Option<Slot>),
-    Pending(F, Arc<Prepared<P>>, Option<Slot>),
+    /// The decision is being made; in wait mode, with what to reserve if it refuses for less
+    /// than the longest wait.
+    Pending(F, Arc<Prepared<P>>, Option<Slot>, Option<(Key, NonZeroU32)>),
     /// Wait mode, on a key the wrapped service paused: sleep this long, then reserve within
     /// the wait that is left.
     PauseFirst(
@@ -389,6 +419,27 @@ pub(crate) struct Note {
 }
 
 impl<K, Bk: Backend> Shared<K, Bk> {
+    /// Wait mode: whether a request refused now waits for its units instead, and if so a
+    /// waiter's slot for it and the longest wait. It does when its policy can reserve (GCRA
+    /// quotas only) and is enforced, the store refused it (not a failure, not a cost above a
+    /// burst) for less than the longest wait, and a slot is free.
+    pub(crate) fn may_wait(
+        &self,
+        prepared: &Prepared<Bk::Policy>,
+        result: &Result<Decision, BackendError>,
+    ) -> Option<(Slot, Duration)> {
+        let waiting = self.waiting.as_ref()?;
+        if !prepared.reserves || prepared.policy.is_shadow() {
+            return None;
+        }
+        // `None` when allowed, or when the cost can never fit.
+        let wait = result.as_ref().ok()?.retry_after()?;
+        if wait > waiting.max_wait {
+            return None;
+        }
+        Some((waiting.enter()?, waiting.max_wait))
+    }
+
     /// The answer for a request whose key the wrapped service asked to slow down for `pause`
     /// more: `429` with the time left, as if its policy's first quota denied it.
     fn paused(

@@ -76,6 +76,14 @@ async fn modes_mysql() {
     support::conformance::modes(&b, |by| clock.advance(by), "mysql").await;
 }
 
+/// Wait mode: requests that pass at once hold no waiter's slot while MariaDB answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_mysql() {
+    let server = MariaDbServer::start();
+    let b = migrated(builder(&server)).await;
+    support::conformance::waiters(b, "mysql").await;
+}
+
 /// Two instances (two pools) and 500 concurrent requests on one key: exactly the burst passes,
 /// for every algorithm.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

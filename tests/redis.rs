@@ -114,6 +114,20 @@ async fn modes_local() {
     modes(&b, |by| clock.advance(by), "local").await;
 }
 
+/// Wait mode: requests that pass at once hold no waiter's slot while Redis answers; the local
+/// backend, which answers at once, does the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_redis() {
+    let server = RedisServer::start();
+    waiters(uncached(&server).build().unwrap(), "redis").await;
+    waiters(backend(&server), "redis-cached").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_local() {
+    waiters(LocalBackend::new(), "local").await;
+}
+
 /// The window vectors again without the deny cache: every step is Redis's own answer.
 #[tokio::test]
 async fn conformance_redis_windows_uncached() {

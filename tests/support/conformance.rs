@@ -513,3 +513,56 @@ pub async fn modes<B: Backend>(backend: &B, advance: impl Fn(Duration), who: &st
     let d = reserve(&p3, 120_000).await.unwrap();
     assert!(!d.is_allowed(), "{who}: {d:?}");
 }
+
+/// Wait mode on `backend`, over TCP: 8 concurrent requests on a burst of 3 at 10 per second,
+/// at most 3 waiters for at most 2 s. 3 pass at once, 3 wait for the next units (100, 200 and
+/// 300 ms) and 2 are refused, on every store however long it takes to answer: requests that
+/// pass at once never hold a waiter's slot.
+pub async fn waiters<B: Backend + Clone>(backend: B, who: &str) {
+    use axum::{Router, routing::get};
+    let layer = tollgate::RateLimitLayer::builder()
+        .policy(Policy::new(
+            format!("waiters-{who}"),
+            Quota::per_second(10).burst(3),
+        ))
+        .key(tollgate::key::Global)
+        .backend(backend)
+        .wait(Duration::from_secs(2), 3)
+        .build()
+        .unwrap();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .route_layer(layer);
+    let addr = super::serve(app).await;
+    let client = reqwest::Client::new();
+    // Connections first, so that the requests go out together.
+    for _ in 0..8 {
+        let _ = client.get(format!("http://{addr}/nothing")).send().await;
+    }
+    let started = std::time::Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let (client, url) = (client.clone(), format!("http://{addr}/"));
+        tasks.push(tokio::spawn(async move {
+            let status = client.get(url).send().await.unwrap().status().as_u16();
+            (status, started.elapsed())
+        }));
+    }
+    let mut answers = Vec::new();
+    for t in tasks {
+        answers.push(t.await.unwrap());
+    }
+    answers.sort_by_key(|(_, at)| *at);
+    let count = |s: u16| answers.iter().filter(|(status, _)| *status == s).count();
+    assert_eq!((count(200), count(429)), (6, 2), "{who}: {answers:?}");
+    // The waiters went on after their units' time: sleeps never end early.
+    let mut passed: Vec<_> = (answers.iter())
+        .filter(|(s, _)| *s == 200)
+        .map(|(_, at)| *at)
+        .collect();
+    passed.sort();
+    assert!(
+        passed[5] >= Duration::from_millis(290) && passed[4] >= Duration::from_millis(190),
+        "{who}: {answers:?}"
+    );
+}
