@@ -843,3 +843,39 @@ async fn a_full_key_table_denies_new_keys_until_a_sweep_makes_room() {
     clock.advance(Duration::from_secs(2));
     support::eventually("the dropped policy's keys gone", || b.stats().keys == 0).await;
 }
+
+/// A peek answers what a decision would, with the request counted: the same as the exact mode
+/// and every other backend, in both variants, for both windows.
+#[tokio::test]
+async fn a_peek_is_the_decision_untaken() {
+    use tollgate::backend::Mode;
+    let server = RedisServer::start();
+    for mode in [Approximate::asynchronous(), Approximate::synchronous()] {
+        for quota in [
+            Quota::per_hour(3).fixed_window(),
+            Quota::per_hour(3).sliding_window(),
+        ] {
+            let clock = TestClock::new();
+            let b = instance(&server.url(), &clock, mode);
+            let p = prepare(&b, &Policy::new("peek", quota));
+            let k = key(&format!("peek-{mode:?}-{quota}"));
+            let ctx = format!("{mode:?} {quota}");
+            let peek = |c: u32| b.decide_with(&p, &k, cost(c), Mode::Peek);
+            let two = peek(2).await.unwrap();
+            assert_eq!(two.quotas()[0].remaining, 1, "{ctx}: {two:?}");
+            for step in 0..3u32 {
+                let peeked = peek(1).await.unwrap();
+                let decided = b.decide(&p, &k, cost(1)).await.unwrap();
+                assert_eq!(peeked, decided, "{ctx} step {step}");
+                assert_eq!(
+                    decided.quotas()[0].remaining,
+                    2 - step,
+                    "{ctx}: {decided:?}"
+                );
+            }
+            let peeked = peek(1).await.unwrap();
+            assert!(!peeked.is_allowed(), "{ctx}: {peeked:?}");
+            assert_eq!(peeked, b.decide(&p, &k, cost(1)).await.unwrap(), "{ctx}");
+        }
+    }
+}

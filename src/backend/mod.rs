@@ -170,9 +170,22 @@ pub enum DecidedBy {
 impl Decision {
     /// A decision made of the states of the quotas that were evaluated, in policy order. The
     /// request is allowed when every state is allowed.
+    ///
+    /// A request that can never fit (a state [`Outcome::NeverFits`]) is reported by the first
+    /// such quota alone, whatever the others said: what the others have is of no use to a
+    /// request that can never pass, and every backend reports it so (the local backend refuses
+    /// it before looking at the others).
     pub fn new(quotas: impl IntoIterator<Item = QuotaState>) -> Self {
+        let mut quotas: SmallVec<[QuotaState; 2]> = quotas.into_iter().collect();
+        if quotas.len() > 1
+            && let Some(q) = quotas.iter().find(|q| q.outcome == Outcome::NeverFits)
+        {
+            let q = *q;
+            quotas.clear();
+            quotas.push(q);
+        }
         Decision {
-            quotas: quotas.into_iter().collect(),
+            quotas,
             by: DecidedBy::Store,
             wait: Duration::ZERO,
         }
@@ -208,8 +221,9 @@ impl Decision {
 
     /// The evaluated quotas. A backend that stops at the first denying quota (the local
     /// backend) reports only the quotas up to and including it, or only the refusing quota
-    /// when it refuses before charging any bucket (a cost larger than a quota's burst, a full
-    /// key table).
+    /// when it refuses before charging any bucket (a full key table). A cost larger than a
+    /// quota's burst is reported by that quota alone, on every backend (see
+    /// [`new`](Self::new)).
     pub fn quotas(&self) -> &[QuotaState] {
         &self.quotas
     }

@@ -504,6 +504,55 @@ pub async fn modes<B: Backend>(backend: &B, advance: impl Fn(Duration), who: &st
     assert!(!d.is_allowed(), "{who}: {d:?}");
     assert_eq!(d.retry_after(), Some(ms(100)), "{who}: {d:?}");
 
+    // A peek on a window quota answers what a decision would, as on GCRA: the state after
+    // counting the request (the check right after it must agree to the bit).
+    for (name, quota) in [
+        ("peek-fixed", Quota::per_hour(3).fixed_window()),
+        ("peek-sliding", Quota::per_hour(3).sliding_window()),
+    ] {
+        let pw = prepare(backend, &Policy::new(name, quota));
+        let two = ask(&pw, 2, Mode::Peek).await.unwrap();
+        assert_eq!(two.quotas()[0].remaining, 1, "{who} {name}: {two:?}");
+        let peeked = ask(&pw, 1, Mode::Peek).await.unwrap();
+        let checked = backend.decide(&pw, &k, cost(1)).await.unwrap();
+        assert_eq!(
+            peeked, checked,
+            "{who} {name}: a peek is the decision, untaken"
+        );
+        assert_eq!(
+            checked.quotas()[0].remaining,
+            2,
+            "{who} {name}: {checked:?}"
+        );
+        let peeked = ask(&pw, 3, Mode::Peek).await.unwrap();
+        assert!(!peeked.is_allowed(), "{who} {name}: {peeked:?}");
+        assert_eq!(
+            peeked,
+            backend.decide(&pw, &k, cost(3)).await.unwrap(),
+            "{who} {name}: a refusal peeked is the refusal"
+        );
+    }
+
+    // A request that can never fit (a cost above a quota's limit) reports that quota alone,
+    // whatever the others say: `"nf-2";r=2` on a 413, on every store.
+    let nf = Policy::new("nf", Quota::per_second(10).burst(4))
+        .and(Quota::per_hour(5).fixed_window())
+        .and(Quota::per_minute(3).sliding_window());
+    let pn = prepare(backend, &nf);
+    assert!(backend.decide(&pn, &k, cost(1)).await.unwrap().is_allowed());
+    let d = backend.decide(&pn, &k, cost(4)).await.unwrap();
+    assert!(d.never_fits(), "{who}: {d:?}");
+    let [q] = d.quotas() else {
+        panic!("{who}: a never-fitting request reports the quota it cannot fit alone: {d:?}");
+    };
+    assert_eq!(
+        (q.index, q.outcome, q.limit, q.remaining),
+        (2, Outcome::NeverFits, 3, 2),
+        "{who}: {d:?}"
+    );
+    let peeked = ask(&pn, 4, Mode::Peek).await.unwrap();
+    assert_eq!(peeked, d, "{who}: peeked");
+
     // A fixed window reserves nothing it does not have now.
     let fixed = Policy::new("modes3", Quota::per_minute(2).fixed_window());
     let p3 = prepare(backend, &fixed);

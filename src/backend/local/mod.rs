@@ -655,13 +655,17 @@ where
     /// that refuses.
     fn peek(&self, policy: &LocalPolicy<C>, key: &Key, cost: NonZeroU32) -> Decision {
         let inner = &*self.inner;
+        // As `decide`: a quota the cost can never fit answers alone.
+        if let Some((index, quota)) =
+            (policy.limiters.iter().enumerate()).find(|(_, quota)| cost > quota.params.burst)
+        {
+            return Decision::new([quota.peek(index, key, inner)]);
+        }
         let mut states = smallvec::SmallVec::<[QuotaState; 2]>::new();
         for (index, quota) in policy.limiters.iter().enumerate() {
-            let state = if cost > quota.params.burst {
-                quota.peek(index, key, inner)
-            } else {
+            let state = {
                 match &quota.counter {
-                    Counter::Window(store) => store.check(index, key, inner.now_us(), cost),
+                    Counter::Window(store) => store.would(index, key, inner.now_us(), cost),
                     Counter::Gcra { store, start, .. } => {
                         let tat = (store.map.get(key)).map_or(0, |tat| tat.load(Ordering::Acquire));
                         let rel = until(*start, tat, &inner.clock);

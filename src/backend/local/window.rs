@@ -156,7 +156,10 @@ impl WindowStore {
         }
     }
 
-    /// What `key`'s counter would say of a request of `cost` at `now_us`, changing nothing.
+    /// Whether `key`'s counter would pass a request of `cost` at `now_us`, changing nothing and
+    /// allocating nothing: the outcome is [`decide`](Self::decide)'s, and so is the state of a
+    /// refusal (a sliding window's allowed state is the one before counting the request: see
+    /// [`would`](Self::would)).
     pub(super) fn check(
         &self,
         index: usize,
@@ -181,6 +184,32 @@ impl WindowStore {
                 }
                 None => SlidingState::new(*slices).check(index, p, *slice_us, now_us, cost),
             },
+        }
+    }
+
+    /// What deciding a request of `cost` on `key` at `now_us` would answer, changing nothing:
+    /// when it would pass, the state after counting it, as [`decide`](Self::decide) reports.
+    pub(super) fn would(
+        &self,
+        index: usize,
+        key: &Key,
+        now_us: u64,
+        cost: NonZeroU32,
+    ) -> QuotaState {
+        let p = &self.params;
+        match &self.counters {
+            Counters::Fixed { .. } => self.check(index, key, now_us, cost),
+            Counters::Sliding {
+                slice_us,
+                slices,
+                map,
+            } => {
+                let mut state = match map.get(key) {
+                    Some(state) => state.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+                    None => SlidingState::new(*slices),
+                };
+                state.decide(index, p, *slice_us, now_us, cost)
+            }
         }
     }
 

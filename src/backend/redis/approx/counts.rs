@@ -183,15 +183,20 @@ impl Counts {
         self.unsent[newest] = self.unsent[newest].saturating_add(cost);
     }
 
-    /// The quota's state after a decision with `code`, from the view at `now_us`.
+    /// The quota's state after a decision with `code`, from the view at `now_us` with `extra`
+    /// units more in the current sub-window (a peek's request, counted as a decision would).
     pub(crate) fn state(
         &self,
         spec: &Spec,
         code: Code,
         now_us: u64,
         cost: NonZeroU32,
+        extra: u32,
     ) -> QuotaState {
-        let view = self.view();
+        let mut view = self.view();
+        if let Some(newest) = view.last_mut() {
+            *newest = newest.saturating_add(extra);
+        }
         let r = now_us % spec.slice_us;
         if spec.sliding() {
             window::sliding_state(
@@ -351,7 +356,7 @@ mod tests {
             c.admit(1);
         }
         assert_eq!(c.code(&s, now, ONE), Code::Denied);
-        let q = c.state(&s, Code::Denied, now, ONE);
+        let q = c.state(&s, Code::Denied, now, ONE, 0);
         assert_eq!(q.remaining, 0);
         assert!(matches!(q.outcome, Outcome::Denied { .. }));
         // The 4 are sent and confirmed: Redis counted 9 in this sub-window (5 from others).

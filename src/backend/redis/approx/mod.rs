@@ -671,7 +671,14 @@ impl Shared {
             c.advance(spec.slice_at(now_us));
             codes.push(c.code(spec, now_us, cost));
         }
-        let take = mode != Mode::Peek && codes.iter().all(|c| *c == Code::Allowed);
+        let allowed = codes.iter().all(|c| *c == Code::Allowed);
+        let take = mode != Mode::Peek && allowed;
+        // A peek answers what the decision would: the state with the request counted.
+        let extra = if mode == Mode::Peek && allowed {
+            cost.get()
+        } else {
+            0
+        };
         if take {
             for c in st.quotas.iter_mut() {
                 c.admit(cost.get());
@@ -691,7 +698,7 @@ impl Shared {
                 .iter()
                 .zip(st.quotas.iter())
                 .zip(&codes)
-                .map(|((spec, c), code)| c.state(spec, *code, now_us, cost)),
+                .map(|((spec, c), code)| c.state(spec, *code, now_us, cost, extra)),
         );
         // Near the limit, the others' units matter most: an admission that leaves less than
         // half of a quota sends at once instead of waiting for the batch; and so does a key
