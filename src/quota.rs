@@ -622,27 +622,34 @@ impl std::str::FromStr for Quota {
                  \"5000/h fixed\", \"100/min sliding 5s\")"
             ),
         };
-        const KEYWORDS: [&str; 4] = ["burst", "fixed", "sliding", "gcra"];
-        let words: Vec<&str> = s.split_whitespace().collect();
-        let rate_len = words
-            .iter()
-            .position(|w| KEYWORDS.contains(w))
-            .unwrap_or(words.len());
-        let rate = words[..rate_len].join(" ");
-        let (count, period) = rate.split_once('/').ok_or_else(|| bad("missing `/`"))?;
-        let count = count
-            .trim()
-            .parse::<u32>()
-            .map_err(|_| bad("the count is not a number"))?;
-        let period = parse_duration(period.trim(), true).map_err(&bad)?;
-        let mut q = Quota::new(count, period);
-        let mut rest = words[rate_len..].iter().copied().peekable();
+        let (count, after) = s.split_once('/').ok_or_else(|| bad("missing `/`"))?;
+        let count =
+            parse_number(count.trim(), "count", u64::from(u32::MAX)).map_err(|e| bad(&e))?;
+        // The period: a unit, or a number and a unit (`/s`, `/10s`, `/ 30 min`); then keywords.
+        let mut words = after.split_whitespace().peekable();
+        let first = words
+            .next()
+            .ok_or_else(|| bad("missing the period after `/`"))?;
+        let period = match words.peek() {
+            Some(unit) if first.bytes().all(|b| b.is_ascii_digit()) && !is_keyword(unit) => {
+                let period = format!("{first}{unit}");
+                words.next();
+                period
+            }
+            _ => first.to_owned(),
+        };
+        let period = parse_duration(&period, true).map_err(|e| bad(&e))?;
+        // At most `u32::MAX`, checked just above.
+        let mut q = Quota::new(count as u32, period);
         let mut algorithm = None;
-        while let Some(word) = rest.next() {
+        while let Some(word) = words.next() {
             match word {
                 "burst" if q.burst.is_none() => {
-                    let b = rest.next().ok_or_else(|| bad("`burst` without a number"))?;
-                    q = q.burst(b.parse().map_err(|_| bad("the burst is not a number"))?);
+                    let b = words
+                        .next()
+                        .ok_or_else(|| bad("`burst` without a number"))?;
+                    let b = parse_number(b, "burst", u64::from(u32::MAX)).map_err(|e| bad(&e))?;
+                    q = q.burst(b as u32);
                 }
                 "fixed" | "sliding" | "gcra" if algorithm.is_none() => {
                     algorithm = Some(word);
@@ -653,24 +660,103 @@ impl std::str::FromStr for Quota {
                     };
                     // A resolution may follow `sliding`.
                     if word == "sliding"
-                        && let Some(next) = rest.peek()
-                        && !KEYWORDS.contains(next)
+                        && let Some(next) = words.peek()
+                        && !is_keyword(next)
                     {
-                        let r = parse_duration(next, false).map_err(&bad)?;
+                        let r = parse_duration(next, false)
+                            .map_err(|e| bad(&format!("the resolution {next:?}: {e}")))?;
                         q = q.resolution(r);
-                        rest.next();
+                        words.next();
                     }
                 }
-                _ => return Err(bad(&format!("unexpected {word:?}"))),
+                "burst" | "fixed" | "sliding" | "gcra" => {
+                    return Err(bad(&format!("{word:?} given twice (or two algorithms)")));
+                }
+                _ => return Err(bad(&unknown_word(word))),
             }
         }
         Ok(q)
     }
 }
 
+/// The keywords that may follow a quota's rate.
+const KEYWORDS: [&str; 4] = ["burst", "fixed", "sliding", "gcra"];
+
+fn is_keyword(word: &str) -> bool {
+    KEYWORDS.contains(&word)
+}
+
+/// Why a word after the rate is not understood, with the keyword it is closest to when it
+/// looks like a misspelling of one (`fixd`, `brust`, `slidng`).
+fn unknown_word(word: &str) -> String {
+    let mut reason = format!(
+        "unknown word {word:?} after the rate (expected `burst N`, `fixed`, `sliding` with an \
+         optional resolution, or `gcra`)"
+    );
+    if let Some(near) = closest(word, &KEYWORDS) {
+        reason.push_str(&format!("; did you mean `{near}`?"));
+    }
+    reason
+}
+
+/// The candidate `word` is a likely misspelling of: within two edits (and not a whole other
+/// word: at least half of it kept).
+pub(crate) fn closest<'a>(word: &str, candidates: &[&'a str]) -> Option<&'a str> {
+    let word = word.to_ascii_lowercase();
+    candidates
+        .iter()
+        .map(|c| (edit_distance(&word, c), *c))
+        .filter(|(d, c)| *d <= 2 && *d * 2 <= c.len())
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, c)| c)
+}
+
+/// Levenshtein distance with transpositions counted as one edit (optimal string alignment),
+/// over chars; words here are a few letters long.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let (a, b): (Vec<char>, Vec<char>) = (a.chars().collect(), b.chars().collect());
+    if a.len().abs_diff(b.len()) > 2 || a.len() > 64 {
+        return usize::MAX;
+    }
+    let mut d = vec![vec![0usize; b.len() + 1]; a.len() + 1];
+    for (i, row) in d.iter_mut().enumerate() {
+        row[0] = i;
+    }
+    for j in 0..=b.len() {
+        d[0][j] = j;
+    }
+    for i in 1..=a.len() {
+        for j in 1..=b.len() {
+            let sub = usize::from(a[i - 1] != b[j - 1]);
+            let mut best = (d[i - 1][j] + 1)
+                .min(d[i][j - 1] + 1)
+                .min(d[i - 1][j - 1] + sub);
+            if i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] {
+                best = best.min(d[i - 2][j - 2] + 1);
+            }
+            d[i][j] = best;
+        }
+    }
+    d[a.len()][b.len()]
+}
+
+/// A whole number of the quota syntax, named `what` in errors: digits only, at most `max`.
+fn parse_number(text: &str, what: &str, max: u64) -> Result<u64, String> {
+    if text.is_empty() {
+        return Err(format!("missing the {what}"));
+    }
+    if !text.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(format!("the {what} {text:?} is not a number"));
+    }
+    match text.parse::<u64>() {
+        Ok(n) if n <= max => Ok(n),
+        _ => Err(format!("the {what} {text} is too large (at most {max})")),
+    }
+}
+
 /// Parses a duration of the quota syntax: a number (optional in a period: `/s` is `/1s`) and
 /// a unit.
-fn parse_duration(text: &str, number_optional: bool) -> Result<Duration, &'static str> {
+fn parse_duration(text: &str, number_optional: bool) -> Result<Duration, String> {
     let digits = text
         .find(|c: char| !c.is_ascii_digit())
         .unwrap_or(text.len());
@@ -678,8 +764,9 @@ fn parse_duration(text: &str, number_optional: bool) -> Result<Duration, &'stati
     let n = if n.is_empty() && number_optional {
         1
     } else {
-        n.parse::<u64>().map_err(|_| "the period is not a number")?
+        parse_number(n, "period", u64::MAX).map_err(|_| "the period is too long".to_owned())?
     };
+    const UNITS: [&str; 7] = ["ns", "us", "ms", "s", "min", "h", "d"];
     let unit_ns: u64 = match unit.trim() {
         "ns" | "nanosecond" | "nanoseconds" => 1,
         "us" | "µs" | "microsecond" | "microseconds" => 1_000,
@@ -688,9 +775,32 @@ fn parse_duration(text: &str, number_optional: bool) -> Result<Duration, &'stati
         "m" | "min" | "minute" | "minutes" => 60_000_000_000,
         "h" | "hr" | "hour" | "hours" => 3_600_000_000_000,
         "d" | "day" | "days" => 86_400_000_000_000,
-        _ => return Err("unknown period unit"),
+        "" if n > 0 => {
+            return Err(format!(
+                "{text:?} has no unit (one of {})",
+                UNITS.join(", ")
+            ));
+        }
+        other => {
+            let long = [
+                "second",
+                "minute",
+                "hour",
+                "day",
+                "millisecond",
+                "microsecond",
+            ];
+            let near = closest(other, &long).or_else(|| closest(other, &UNITS));
+            let hint = near.map_or(String::new(), |n| format!("; did you mean `{n}`?"));
+            return Err(format!(
+                "unknown unit {other:?} in {text:?} (one of {}, or their names){hint}",
+                UNITS.join(", ")
+            ));
+        }
     };
-    let ns = n.checked_mul(unit_ns).ok_or("the period is too long")?;
+    let ns = n
+        .checked_mul(unit_ns)
+        .ok_or_else(|| format!("{text:?} is too long"))?;
     Ok(Duration::from_nanos(ns))
 }
 
@@ -744,30 +854,21 @@ impl std::fmt::Display for DisplayDuration {
     }
 }
 
-/// A quota in a configuration file: `"5/s burst 10"`, `"5000/h fixed"`, or a table,
+/// A quota in a configuration file as a table:
 /// `{ rate = "100/min", algorithm = "sliding", resolution = "5s", name = "minute" }`.
 #[cfg(feature = "serde")]
 #[derive(serde::Serialize, serde::Deserialize)]
-#[serde(untagged)]
-enum QuotaSpec<'a> {
-    Rate(#[serde(borrow)] std::borrow::Cow<'a, str>),
-    Table(QuotaTable<'a>),
-}
-
-#[cfg(feature = "serde")]
-#[derive(serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
-struct QuotaTable<'a> {
-    #[serde(borrow)]
-    rate: std::borrow::Cow<'a, str>,
-    #[serde(borrow, default, skip_serializing_if = "Option::is_none")]
-    name: Option<std::borrow::Cow<'a, str>>,
+struct QuotaTable {
+    rate: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    name: Option<String>,
     /// `gcra`, `fixed` or `sliding`.
-    #[serde(borrow, default, skip_serializing_if = "Option::is_none")]
-    algorithm: Option<std::borrow::Cow<'a, str>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    algorithm: Option<String>,
     /// A sliding window's sub-window length, e.g. `5s`.
-    #[serde(borrow, default, skip_serializing_if = "Option::is_none")]
-    resolution: Option<std::borrow::Cow<'a, str>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    resolution: Option<String>,
 }
 
 /// Written as its rate (`"5/s burst 10"`), or as a table when it has a name:
@@ -775,37 +876,65 @@ struct QuotaTable<'a> {
 #[cfg(feature = "serde")]
 impl serde::Serialize for Quota {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let rate = std::borrow::Cow::Owned(self.to_string());
         match self.name() {
-            None => QuotaSpec::Rate(rate),
-            Some(name) => QuotaSpec::Table(QuotaTable {
-                rate,
-                name: Some(name.into()),
+            None => s.collect_str(self),
+            Some(name) => QuotaTable {
+                rate: self.to_string(),
+                name: Some(name.to_owned()),
                 algorithm: None,
                 resolution: None,
-            }),
+            }
+            .serialize(s),
         }
-        .serialize(s)
+    }
+}
+
+/// Read from a string (`"5/s burst 10"`) or a table (`{ rate = "100/min", algorithm =
+/// "sliding", resolution = "5s", name = "minute" }`); a misspelt field or keyword is an error
+/// naming it and what is allowed.
+#[cfg(feature = "serde")]
+impl<'de> serde::Deserialize<'de> for Quota {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(QuotaVisitor)
     }
 }
 
 #[cfg(feature = "serde")]
-impl<'de> serde::Deserialize<'de> for Quota {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let t = match QuotaSpec::deserialize(d)? {
-            QuotaSpec::Rate(rate) => QuotaTable {
-                rate,
-                name: None,
-                algorithm: None,
-                resolution: None,
-            },
-            QuotaSpec::Table(t) => t,
-        };
+struct QuotaVisitor;
+
+#[cfg(feature = "serde")]
+impl<'de> serde::de::Visitor<'de> for QuotaVisitor {
+    type Value = Quota;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(
+            "a quota: a string such as \"5/min burst 10\", or a table with `rate` and optional \
+             `name`, `algorithm` and `resolution`",
+        )
+    }
+
+    fn visit_str<E: serde::de::Error>(self, rate: &str) -> Result<Quota, E> {
+        rate.parse().map_err(E::custom)
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<Quota, A::Error> {
+        use serde::de::Error;
+        let t: QuotaTable =
+            serde::Deserialize::deserialize(serde::de::value::MapAccessDeserializer::new(map))?;
         // The table's fields are written into the rate, so that both forms parse alike and a
         // field contradicting the rate (`rate = "1/s fixed", algorithm = "sliding"`) is an
         // error, never a silent choice.
-        let mut rate = t.rate.into_owned();
+        let mut rate = t.rate;
         if let Some(algorithm) = &t.algorithm {
+            const ALGORITHMS: [&str; 3] = ["gcra", "fixed", "sliding"];
+            if !ALGORITHMS.contains(&algorithm.as_str()) {
+                let hint = closest(algorithm, &ALGORITHMS)
+                    .map_or(String::new(), |n| format!("; did you mean `{n}`?"));
+                return Err(A::Error::custom(format!(
+                    "quota {rate:?}: unknown algorithm {algorithm:?} (expected `gcra`, `fixed` \
+                     or `sliding`){hint}"
+                )));
+            }
             rate.push(' ');
             rate.push_str(algorithm);
         }
@@ -813,14 +942,14 @@ impl<'de> serde::Deserialize<'de> for Quota {
             let sliding = t.algorithm.as_deref() == Some("sliding")
                 || (t.algorithm.is_none() && rate.split_whitespace().any(|w| w == "sliding"));
             if !sliding {
-                return Err(serde::de::Error::custom(format!(
+                return Err(A::Error::custom(format!(
                     "quota {rate:?}: `resolution` needs `algorithm = \"sliding\"`"
                 )));
             }
             rate.push(' ');
             rate.push_str(resolution);
         }
-        let quota: Quota = rate.parse().map_err(serde::de::Error::custom)?;
+        let quota: Quota = rate.parse().map_err(A::Error::custom)?;
         Ok(match t.name {
             Some(name) => quota.named(&name),
             None => quota,
@@ -854,6 +983,94 @@ mod parse_tests {
         assert_eq!(
             "2 / 30 min".parse::<Quota>().unwrap(),
             Quota::new(2, Duration::from_secs(1800))
+        );
+    }
+
+    #[test]
+    fn errors_name_the_word_that_is_wrong() {
+        let cases = [
+            ("5/min fixd", "\"fixd\"", Some("fixed")),
+            ("5/min brust 10", "\"brust\"", Some("burst")),
+            ("100/min slidng 5s", "\"slidng\"", Some("sliding")),
+            (
+                "100/min sliding 5sx",
+                "the resolution \"5sx\": unknown unit \"sx\"",
+                None,
+            ),
+            ("5/fortnight", "unknown unit \"fortnight\"", None),
+            ("5/minuets", "unknown unit \"minuets\"", Some("minute")),
+            ("5/s burst 10 burst 3", "\"burst\" given twice", None),
+            ("4294967296/s", "the count 4294967296 is too large", None),
+            (
+                "5/s burst 4294967296",
+                "the burst 4294967296 is too large",
+                None,
+            ),
+            ("99999999999999999999999/s", "too large", None),
+            ("5/99999999999999999d", "too long", None),
+            ("5/999999999999999999999d", "too long", None),
+            ("x/s", "the count \"x\" is not a number", None),
+            ("5/", "missing the period", None),
+            ("5/10 burst 2", "has no unit", None),
+        ];
+        for (input, names, hint) in cases {
+            let e = input.parse::<Quota>().unwrap_err().to_string();
+            assert!(e.contains(names), "{input}: {e}");
+            assert!(e.contains(&format!("{input:?}")), "{input}: {e}");
+            match hint {
+                Some(h) => assert!(e.contains(&format!("did you mean `{h}`?")), "{input}: {e}"),
+                None => assert!(!e.contains("did you mean"), "{input}: {e}"),
+            }
+            if names.contains("\"") && !names.contains("unit") {
+                assert!(!e.contains("unit"), "{input}: blames the period: {e}");
+            }
+        }
+    }
+
+    #[cfg(feature = "serde")]
+    #[test]
+    fn configuration_errors_name_the_field_that_is_wrong() {
+        let json = r#"{ "rate": "100/min", "algoritm": "sliding" }"#;
+        let toml_text = "q = { rate = \"100/min\", algoritm = \"sliding\" }";
+        let yaml = "rate: 100/min\nalgoritm: sliding\n";
+        #[derive(Debug, serde::Deserialize)]
+        struct File {
+            #[allow(dead_code)]
+            q: Quota,
+        }
+        let errors = [
+            serde_json::from_str::<Quota>(json).unwrap_err().to_string(),
+            toml::from_str::<File>(toml_text).unwrap_err().to_string(),
+            serde_norway::from_str::<Quota>(yaml)
+                .unwrap_err()
+                .to_string(),
+        ];
+        for e in errors {
+            assert!(e.contains("unknown field `algoritm`"), "{e}");
+            assert!(e.contains("`algorithm`") && e.contains("`rate`"), "{e}");
+            assert!(!e.contains("untagged"), "{e}");
+        }
+        let e = serde_json::from_str::<Quota>(r#"{ "rate": "100/min", "algorithm": "slidng" }"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unknown algorithm \"slidng\""), "{e}");
+        assert!(e.contains("did you mean `sliding`?"), "{e}");
+        let e = serde_json::from_str::<Quota>(r#""5/min fixd""#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("\"fixd\"") && e.contains("`fixed`"), "{e}");
+        let e = serde_json::from_str::<Quota>("5").unwrap_err().to_string();
+        assert!(e.contains("a quota: a string"), "{e}");
+        // Both forms still read.
+        let q: Quota =
+            serde_json::from_str(r#"{ "rate": "100/min", "algorithm": "sliding" }"#).unwrap();
+        assert_eq!(q, Quota::per_minute(100).sliding_window());
+        let q: Quota = serde_norway::from_str("100/min sliding 5s").unwrap();
+        assert_eq!(
+            q,
+            Quota::per_minute(100)
+                .sliding_window()
+                .resolution(Duration::from_secs(5))
         );
     }
 
