@@ -444,3 +444,26 @@ impl outage::Remote for MysqlBackend {
         MysqlBackend::stats(self)
     }
 }
+
+/// A URL the driver refuses is shown in the error with its user name, its password masked.
+#[test]
+fn url_errors_show_user_names_and_hide_passwords() {
+    let err = MysqlBackend::builder()
+        .url("postgres://postgres@127.0.0.1:5432/x")
+        .build()
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("postgres://postgres@127.0.0.1:5432/x"),
+        "{err}"
+    );
+    assert!(err.contains("scheme `postgres'"), "{err}");
+    assert!(!err.contains("***"), "{err}");
+    let err = MysqlBackend::builder()
+        .url("postgres://app:hunter2@127.0.0.1:5432/x")
+        .build()
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("postgres://app:***@127.0.0.1:5432/x"), "{err}");
+    assert!(!err.contains("hunter2"), "{err}");
+}

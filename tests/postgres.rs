@@ -409,3 +409,26 @@ impl outage::Remote for PostgresBackend {
         PostgresBackend::stats(self)
     }
 }
+
+/// A URL the driver refuses is shown in the error with its user name, its password masked.
+#[test]
+fn url_errors_show_user_names_and_hide_passwords() {
+    for (url, shown) in [
+        (
+            "postgres://app@127.0.0.1:5432/x?sslmode=sometimes",
+            "postgres://app@127.0.0.1:5432/x?sslmode=sometimes",
+        ),
+        (
+            "postgres://app:hunter2@127.0.0.1:5432/x?sslmode=sometimes",
+            "postgres://app:***@127.0.0.1:5432/x?sslmode=sometimes",
+        ),
+    ] {
+        let err = PostgresBackend::builder()
+            .url(url)
+            .build()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(shown), "{err}");
+        assert!(!err.contains("hunter2"), "{err}");
+    }
+}

@@ -1,8 +1,8 @@
 //! Keeping credentials out of errors, logs and `Debug` output.
 //!
 //! Every URL the backend shows goes through [`url`], which replaces the password of its
-//! userinfo (`redis://user:***@host:6379/0`) and the `pass`/`password` query parameters of Unix
-//! socket URLs. Texts that come from redis-rs go through [`Secrets::scrub`], which also removes
+//! userinfo (`redis://user:***@host:6379/0`) and query parameters holding secrets (`pass` and
+//! `password` of Unix socket URLs, tokens); user names are shown. Texts that come from redis-rs go through [`Secrets::scrub`], which also removes
 //! the passwords themselves, wherever they appear: redis-rs error texts may echo a URL or a part
 //! of it.
 //!
@@ -13,20 +13,24 @@ use std::borrow::Cow;
 /// What replaces a secret.
 const MASK: &str = "***";
 
-/// `url` with its credentials replaced by `***`: the password of the userinfo (the whole
-/// userinfo when it has no `:`, since `redis://secret@host` is a common way to misplace a
-/// password), and the values of `pass` and `password` query parameters.
+/// `url` with its secrets replaced by `***`: the password of the userinfo, and the values of
+/// query parameters that hold secrets (`password`, `pass`, `token`, `secret`, `api_key`, ...).
+/// User names are not secrets: `postgres://app@db/x` is shown as it is, so that an error can
+/// say which user was meant.
 pub(crate) fn url(url: &str) -> String {
     let (scheme, rest) = split_scheme(url);
     let mut out = String::with_capacity(url.len());
     out.push_str(scheme);
     let rest = match userinfo_end(scheme, rest) {
         Some(at) => {
-            if let Some((user, _password)) = rest[..at].split_once(':') {
-                out.push_str(user);
-                out.push(':');
+            match rest[..at].split_once(':') {
+                Some((user, _password)) => {
+                    out.push_str(user);
+                    out.push(':');
+                    out.push_str(MASK);
+                }
+                None => out.push_str(&rest[..at]),
             }
-            out.push_str(MASK);
             out.push('@');
             &rest[at + 1..]
         }
@@ -74,8 +78,13 @@ fn userinfo_end(scheme: &str, rest: &str) -> Option<usize> {
     rest.rfind('@')
 }
 
+/// Whether a query parameter holds a secret: a password, a token, a key or a secret by name
+/// (`password`, `sslpassword`, `pass`, `token`, `access_token`, `secret`, `api_key`, `apikey`,
+/// `auth`).
 fn is_secret_param(name: &str) -> bool {
-    name.eq_ignore_ascii_case("pass") || name.eq_ignore_ascii_case("password")
+    let name = name.to_ascii_lowercase();
+    ["pass", "token", "secret"].iter().any(|s| name.contains(s))
+        || ["auth", "key", "apikey", "api_key", "api-key"].contains(&name.as_str())
 }
 
 /// The passwords of some URLs, to be removed from any text shown to the user.
@@ -127,15 +136,16 @@ impl Secrets {
     }
 }
 
-/// The secret parts of one URL, as written: the userinfo's password (or the whole userinfo
-/// without `:`), and the values of `pass`/`password` query parameters.
+/// The secret parts of one URL, as written: the userinfo's password (not its user name), and
+/// the values of query parameters that hold secrets.
 fn secrets_of(url: &str) -> Vec<&str> {
     let (scheme, rest) = split_scheme(url);
     let mut found = Vec::new();
     let query_from = match userinfo_end(scheme, rest) {
         Some(at) => {
-            let userinfo = &rest[..at];
-            found.push(userinfo.split_once(':').map_or(userinfo, |(_, pw)| pw));
+            if let Some((_, password)) = rest[..at].split_once(':') {
+                found.push(password);
+            }
             at + 1
         }
         None => 0,
@@ -190,7 +200,15 @@ mod tests {
                 "redis://:***@127.0.0.1:6379/2",
             ),
             ("rediss://user:s3cret@host/0", "rediss://user:***@host/0"),
-            ("redis://s3cret@host", "redis://***@host"),
+            ("redis://app@host", "redis://app@host"),
+            (
+                "postgres://postgres@127.0.0.1:5432/x",
+                "postgres://postgres@127.0.0.1:5432/x",
+            ),
+            (
+                "postgres://h/db?user=app&sslpassword=k&access_token=t",
+                "postgres://h/db?user=app&sslpassword=***&access_token=***",
+            ),
             ("redis://:p@ss/w#rd@host:1/0", "redis://:***@host:1/0"),
             (
                 "redis+unix:///tmp/r.sock?db=1&pass=s3cret",
@@ -199,7 +217,8 @@ mod tests {
             (":s3cret@host", ":***@host"),
             ("unix:///s?pass=p@ss", "unix:///s?pass=***"),
             ("", ""),
-            ("://@", "://***@"),
+            ("://@", "://@"),
+            ("://:@", "://:***@"),
         ];
         for (given, shown) in cases {
             assert_eq!(url(given), shown, "{given}");
@@ -218,6 +237,12 @@ mod tests {
             "failed: redis://user:***@host:1 said *** and ***"
         );
         assert!(matches!(s.scrub("nothing here"), Cow::Borrowed(_)));
+        // A user name is not a secret: not removed from texts that name it elsewhere.
+        let s = Secrets::of(["postgres://postgres@127.0.0.1:5432/x"]);
+        assert_eq!(
+            s.scrub("Unsupported connection URL scheme `postgres'"),
+            "Unsupported connection URL scheme `postgres'"
+        );
         assert_eq!(Secrets::default().scrub("x://a:b@c"), "x://a:***@c");
     }
 
