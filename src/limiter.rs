@@ -97,6 +97,11 @@ pub enum AcquireError {
     NeverFits(Decision),
     /// The backend could not decide (and its failure policy is to fail closed).
     Backend(BackendError),
+    /// The upstream asked to slow down (`429` or `503` with `Retry-After`, gRPC
+    /// `grpc-retry-pushback-ms`) and the key is paused for this long yet, longer than the wait
+    /// allowed (the reqwest middleware's `obey_retry_after`, feature `reqwest`). Nothing was
+    /// taken.
+    Paused(Duration),
 }
 
 impl fmt::Display for AcquireError {
@@ -108,6 +113,12 @@ impl fmt::Display for AcquireError {
             },
             AcquireError::NeverFits(_) => f.write_str("the cost is larger than a quota's burst"),
             AcquireError::Backend(err) => write!(f, "the backend could not decide: {err}"),
+            AcquireError::Paused(left) => {
+                write!(
+                    f,
+                    "the upstream asked to slow down: paused for {left:?} more"
+                )
+            }
         }
     }
 }

@@ -25,6 +25,13 @@
 //! `err.downcast_ref::<AcquireError>()` on the inner error tells when to come back. Waiting is
 //! a reservation, as for [`Limiter::acquire`]: callers (and, on a shared backend, processes) go
 //! on first come, first served, at the policy's rate.
+//!
+//! With [`obey_retry_after(true)`](RateLimitMiddleware::obey_retry_after), an upstream's
+//! `429` or `503` with `Retry-After` (seconds or an HTTP date), or gRPC's
+//! `grpc-retry-pushback-ms`, pauses the call's key, as the layer's
+//! [`obey_retry_after`](crate::RateLimitLayerBuilder::obey_retry_after) does: later calls
+//! wait out the pause when waiting allows it, and fail with [`AcquireError::Paused`]
+//! otherwise, without reaching the upstream.
 
 use std::fmt;
 use std::num::NonZeroU32;
@@ -37,6 +44,7 @@ use reqwest_middleware::{Middleware, Next};
 use crate::Key;
 use crate::backend::Backend;
 use crate::limiter::{AcquireError, Limiter};
+use crate::wait::Pauses;
 
 type KeyFn = dyn Fn(&reqwest::Request) -> Option<Key> + Send + Sync;
 
@@ -46,6 +54,8 @@ pub struct RateLimitMiddleware<B: Backend> {
     key: Arc<KeyFn>,
     wait: Option<Duration>,
     cost: NonZeroU32,
+    /// Keys the upstream asked to slow down, when obeyed.
+    pauses: Option<Arc<Pauses>>,
 }
 
 impl<B: Backend> Clone for RateLimitMiddleware<B> {
@@ -55,6 +65,7 @@ impl<B: Backend> Clone for RateLimitMiddleware<B> {
             key: self.key.clone(),
             wait: self.wait,
             cost: self.cost,
+            pauses: self.pauses.clone(),
         }
     }
 }
@@ -65,6 +76,7 @@ impl<B: Backend> fmt::Debug for RateLimitMiddleware<B> {
             .field("limiter", &self.limiter)
             .field("wait", &self.wait)
             .field("cost", &self.cost)
+            .field("obey_retry_after", &self.pauses.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -86,6 +98,7 @@ impl<B: Backend> RateLimitMiddleware<B> {
             key: Arc::new(host_key),
             wait: None,
             cost: NonZeroU32::MIN,
+            pauses: None,
         }
     }
 
@@ -109,6 +122,18 @@ impl<B: Backend> RateLimitMiddleware<B> {
         self.cost = cost;
         self
     }
+
+    /// When the upstream answers `429` or `503` with `Retry-After` (seconds or an HTTP date),
+    /// or gRPC `RESOURCE_EXHAUSTED` with `grpc-retry-pushback-ms`, the call's key is paused
+    /// until then (at most an hour): later calls for it wait out the pause when it is within
+    /// the [wait](Self::wait), and otherwise fail at once with [`AcquireError::Paused`],
+    /// without reaching the upstream. The same as the layer's
+    /// [`obey_retry_after`](crate::RateLimitLayerBuilder::obey_retry_after); clones of the
+    /// middleware share the pauses (in memory, at most 65 536 keys at once).
+    pub fn obey_retry_after(mut self, on: bool) -> Self {
+        self.pauses = on.then(Arc::default);
+        self
+    }
 }
 
 #[async_trait::async_trait]
@@ -119,10 +144,26 @@ impl<B: Backend> Middleware for RateLimitMiddleware<B> {
         extensions: &mut Extensions,
         next: Next<'_>,
     ) -> reqwest_middleware::Result<reqwest::Response> {
-        if let Some(key) = (self.key)(&req) {
-            let turn = match self.wait {
-                Some(max_wait) => self.limiter.acquire(&key, self.cost, max_wait).await,
-                None => match self.limiter.check(&key, self.cost).await {
+        let key = (self.key)(&req);
+        if let Some(key) = &key {
+            // The upstream asked to slow down for this key: wait out the pause (within the
+            // wait), or fail now.
+            let mut max_wait = self.wait;
+            if let Some(pause) = self.pauses.as_ref().and_then(|p| p.remaining(key)) {
+                match max_wait {
+                    Some(wait) if pause <= wait => {
+                        tokio::time::sleep(pause).await;
+                        max_wait = Some(wait - pause);
+                    }
+                    _ => {
+                        let paused = AcquireError::Paused(pause);
+                        return Err(reqwest_middleware::Error::middleware(paused));
+                    }
+                }
+            }
+            let turn = match max_wait {
+                Some(max_wait) => self.limiter.acquire(key, self.cost, max_wait).await,
+                None => match self.limiter.check(key, self.cost).await {
                     Ok(d) if d.is_allowed() => Ok(d),
                     Ok(d) if d.never_fits() => Err(AcquireError::NeverFits(d)),
                     Ok(d) => Err(AcquireError::TooLong(d)),
@@ -131,6 +172,10 @@ impl<B: Backend> Middleware for RateLimitMiddleware<B> {
             };
             turn.map_err(reqwest_middleware::Error::middleware)?;
         }
-        next.run(req, extensions).await
+        let res = next.run(req, extensions).await;
+        if let (Some(pauses), Some(key), Ok(res)) = (&self.pauses, &key, &res) {
+            pauses.note_answer(key, res.status(), res.headers());
+        }
+        res
     }
 }

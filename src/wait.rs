@@ -80,7 +80,17 @@ impl Pauses {
 
     /// Reads the wrapped service's answer for `key`: a request to slow down pauses it.
     pub(crate) fn note<B>(&self, key: &crate::Key, res: &http::Response<B>) {
-        let Some(wait) = upstream_wait(res) else {
+        self.note_answer(key, res.status(), res.headers());
+    }
+
+    /// Reads an answer for `key` given as its status and headers (a reqwest response).
+    pub(crate) fn note_answer(
+        &self,
+        key: &crate::Key,
+        status: http::StatusCode,
+        headers: &http::HeaderMap,
+    ) {
+        let Some(wait) = answer_wait(status, headers) else {
             return;
         };
         let until = std::time::Instant::now() + wait.min(MAX_PAUSE);
@@ -100,9 +110,13 @@ impl Pauses {
 /// How long an answer asks its caller to wait: `Retry-After` (seconds or an HTTP date) on a
 /// `429` or `503`, or gRPC's `grpc-retry-pushback-ms` on a `RESOURCE_EXHAUSTED` answered
 /// trailers-only (a negative pushback, "do not retry", pauses nothing).
+#[cfg(any(test, fuzzing))]
 pub(crate) fn upstream_wait<B>(res: &http::Response<B>) -> Option<Duration> {
-    let headers = res.headers();
-    let status = res.status();
+    answer_wait(res.status(), res.headers())
+}
+
+/// [`upstream_wait`] of an answer given as its status and headers.
+pub(crate) fn answer_wait(status: http::StatusCode, headers: &http::HeaderMap) -> Option<Duration> {
     if status == http::StatusCode::TOO_MANY_REQUESTS
         || status == http::StatusCode::SERVICE_UNAVAILABLE
     {

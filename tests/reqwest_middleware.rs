@@ -95,3 +95,125 @@ async fn waiting_keeps_the_server_at_the_rate() {
     );
     assert_eq!(hits.load(Ordering::SeqCst), 6);
 }
+
+/// An upstream that answers its first call with `status` and `Retry-After: retry_after`, and
+/// 200 after.
+async fn refusing_once(
+    status: u16,
+    retry_after: String,
+) -> (std::net::SocketAddr, Arc<AtomicUsize>) {
+    let hits = Arc::new(AtomicUsize::new(0));
+    let counted = hits.clone();
+    let app = Router::new().route(
+        "/",
+        get(move || {
+            let first = counted.fetch_add(1, Ordering::SeqCst) == 0;
+            let retry_after = retry_after.clone();
+            async move {
+                let status = if first {
+                    http::StatusCode::from_u16(status).unwrap()
+                } else {
+                    http::StatusCode::OK
+                };
+                (status, [("retry-after", retry_after)], "answer")
+            }
+        }),
+    );
+    (support::serve(app).await, hits)
+}
+
+/// With `obey_retry_after`, an upstream's `429` with `Retry-After` pauses the key: failing
+/// fast, the next call fails at once with the time left and is not sent; waiting, it goes
+/// out when the pause ends.
+#[tokio::test]
+async fn an_upstreams_retry_after_pauses_the_key() {
+    let (addr, hits) = refusing_once(429, "1".to_owned()).await;
+    let url = format!("http://{addr}/");
+    let fast =
+        client(RateLimitMiddleware::new(limiter(Quota::per_second(100))).obey_retry_after(true));
+    assert_eq!(fast.get(&url).send().await.unwrap().status(), 429);
+    let err = fast.get(&url).send().await.unwrap_err();
+    let reqwest_middleware::Error::Middleware(inner) = &err else {
+        panic!("{err:?}")
+    };
+    let Some(AcquireError::Paused(left)) = inner.downcast_ref::<AcquireError>() else {
+        panic!("{inner:?}")
+    };
+    assert!(
+        *left > Duration::from_millis(500) && *left <= Duration::from_secs(1),
+        "{left:?}"
+    );
+    assert_eq!(
+        hits.load(Ordering::SeqCst),
+        1,
+        "the paused call was not sent"
+    );
+
+    // Waiting: the call after the 429 goes out once the second has passed.
+    let (addr, hits) = refusing_once(429, "1".to_owned()).await;
+    let url = format!("http://{addr}/");
+    let waiting = client(
+        RateLimitMiddleware::new(limiter(Quota::per_second(100)))
+            .wait(Duration::from_secs(2))
+            .obey_retry_after(true),
+    );
+    let started = Instant::now();
+    assert_eq!(waiting.get(&url).send().await.unwrap().status(), 429);
+    assert_eq!(waiting.get(&url).send().await.unwrap().status(), 200);
+    assert!(
+        started.elapsed() >= Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(hits.load(Ordering::SeqCst), 2);
+
+    // A pause longer than the wait fails at once.
+    let (addr, _) = refusing_once(503, "30".to_owned()).await;
+    let url = format!("http://{addr}/");
+    let short = client(
+        RateLimitMiddleware::new(limiter(Quota::per_second(100)))
+            .wait(Duration::from_secs(2))
+            .obey_retry_after(true),
+    );
+    assert_eq!(short.get(&url).send().await.unwrap().status(), 503);
+    let err = short.get(&url).send().await.unwrap_err();
+    assert!(err.to_string().contains("paused"), "{err}");
+}
+
+/// `Retry-After` as an HTTP date pauses until then; without `obey_retry_after`, and on a
+/// success, nothing is paused.
+#[tokio::test]
+async fn retry_after_dates_pause_and_nothing_else_does() {
+    let at = httpdate::fmt_http_date(std::time::SystemTime::now() + Duration::from_secs(20));
+    let (addr, _) = refusing_once(429, at).await;
+    let url = format!("http://{addr}/");
+    let c =
+        client(RateLimitMiddleware::new(limiter(Quota::per_second(100))).obey_retry_after(true));
+    assert_eq!(c.get(&url).send().await.unwrap().status(), 429);
+    let err = c.get(&url).send().await.unwrap_err();
+    let reqwest_middleware::Error::Middleware(inner) = &err else {
+        panic!("{err:?}")
+    };
+    let Some(AcquireError::Paused(left)) = inner.downcast_ref::<AcquireError>() else {
+        panic!("{inner:?}")
+    };
+    assert!(*left > Duration::from_secs(15), "{left:?}");
+
+    // Not obeyed: the next call goes out.
+    let (addr, hits) = refusing_once(429, "30".to_owned()).await;
+    let url = format!("http://{addr}/");
+    let c = client(RateLimitMiddleware::new(limiter(Quota::per_second(100))));
+    assert_eq!(c.get(&url).send().await.unwrap().status(), 429);
+    assert_eq!(c.get(&url).send().await.unwrap().status(), 200);
+    assert_eq!(hits.load(Ordering::SeqCst), 2);
+
+    // A 200 carrying `Retry-After` pauses nothing.
+    let (addr, hits) = refusing_once(200, "30".to_owned()).await;
+    let url = format!("http://{addr}/");
+    let c =
+        client(RateLimitMiddleware::new(limiter(Quota::per_second(100))).obey_retry_after(true));
+    for _ in 0..3 {
+        assert_eq!(c.get(&url).send().await.unwrap().status(), 200);
+    }
+    assert_eq!(hits.load(Ordering::SeqCst), 3);
+}
