@@ -265,11 +265,12 @@ where
                 let result = match poll_now(&mut decision) {
                     Poll::Ready(result) => result,
                     Poll::Pending => {
-                        let retry = waits.map(|_| (key.clone(), cost));
+                        let retry = waits.map(|_| cost);
                         return Step::Pending(decision, policy.clone(), None, retry);
                     }
                 };
-                let Some((slot, max_wait)) = shared.may_wait(policy, &result) else {
+                let Some((slot, max_wait)) = waits.and_then(|_| shared.may_wait(policy, &result))
+                else {
                     return Step::Done(shared.verdict(policy, result, info.headers()), None);
                 };
                 let mode = Mode::Reserve { max_wait };
@@ -309,6 +310,7 @@ where
                 let ready = std::mem::replace(&mut self.inner, clone);
                 match self.shared.arc() {
                     Some(shared) => {
+                        let retry = retry.zip(key.ok()).map(|(cost, key)| (key, cost));
                         let then = Then { slot, note, retry };
                         ResponseFuture::deciding(decision, ready, req, shared, policy, then)
                     }
@@ -397,9 +399,9 @@ fn poll_now<F: Future + Unpin>(decision: &mut F) -> Poll<F::Output> {
 /// Where a request stands once `call` has asked the backend.
 enum Step<F, P> {
     Done(Verdict, Option<Slot>),
-    /// The decision is being made; in wait mode, with what to reserve if it refuses for less
-    /// than the longest wait.
-    Pending(F, Arc<Prepared<P>>, Option<Slot>, Option<(Key, NonZeroU32)>),
+    /// The decision is being made; in wait mode, with the cost to reserve if it refuses for
+    /// less than the longest wait.
+    Pending(F, Arc<Prepared<P>>, Option<Slot>, Option<NonZeroU32>),
     /// Wait mode, on a key the wrapped service paused: sleep this long, then reserve within
     /// the wait that is left.
     PauseFirst(

@@ -172,23 +172,29 @@ impl Decision {
     /// request is allowed when every state is allowed.
     ///
     /// A request that can never fit (a state [`Outcome::NeverFits`]) is reported by the first
-    /// such quota alone, whatever the others said: what the others have is of no use to a
-    /// request that can never pass, and every backend reports it so (the local backend refuses
-    /// it before looking at the others).
+    /// such quota alone on every backend of this crate (see [`quotas`](Self::quotas)); a
+    /// backend of your own should do the same.
     pub fn new(quotas: impl IntoIterator<Item = QuotaState>) -> Self {
-        let mut quotas: SmallVec<[QuotaState; 2]> = quotas.into_iter().collect();
-        if quotas.len() > 1
-            && let Some(q) = quotas.iter().find(|q| q.outcome == Outcome::NeverFits)
-        {
-            let q = *q;
-            quotas.clear();
-            quotas.push(q);
-        }
         Decision {
-            quotas,
+            quotas: quotas.into_iter().collect(),
             by: DecidedBy::Store,
             wait: Duration::ZERO,
         }
+    }
+
+    /// The same decision, reported as every backend reports it: a request that can never fit
+    /// by the first quota it cannot fit alone, whatever the others said (what they have is of
+    /// no use to a request that can never pass; the local backend refuses it before looking
+    /// at them). For stores that evaluate every quota.
+    pub(crate) fn never_fits_alone(mut self) -> Self {
+        if self.quotas.len() > 1
+            && let Some(q) = self.quotas.iter().find(|q| q.outcome == Outcome::NeverFits)
+        {
+            let q = *q;
+            self.quotas.clear();
+            self.quotas.push(q);
+        }
+        self
     }
 
     /// The same decision, made by `by` (a failure policy of a remote backend).

@@ -142,7 +142,7 @@ pub(crate) fn decision(
             wait = wait.max(reply::reservation_wait(p, n(1)));
         }
     }
-    let decision = Decision::new(states);
+    let decision = Decision::new(states).never_fits_alone();
     Ok(if decision.is_allowed() {
         decision.after(Duration::from_nanos(wait))
     } else {

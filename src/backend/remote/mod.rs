@@ -89,7 +89,7 @@ pub(crate) fn never_fits(
             crate::backend::QuotaState::never_fits(index, p, std::time::Duration::ZERO)
         })
         .collect();
-    (!states.is_empty()).then(|| crate::backend::Decision::new(states))
+    (!states.is_empty()).then(|| crate::backend::Decision::new(states).never_fits_alone())
 }
 
 /// The builder options every remote backend has, as builder methods on `$builder` (whose

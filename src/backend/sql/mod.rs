@@ -222,7 +222,7 @@ fn decision(
             }
         });
     }
-    let decision = Decision::new(states);
+    let decision = Decision::new(states).never_fits_alone();
     Ok(if decision.is_allowed() {
         decision.after(Duration::from_nanos(wait))
     } else {

@@ -699,7 +699,8 @@ impl Shared {
                 .zip(st.quotas.iter())
                 .zip(&codes)
                 .map(|((spec, c), code)| c.state(spec, *code, now_us, cost, extra)),
-        );
+        )
+        .never_fits_alone();
         // Near the limit, the others' units matter most: an admission that leaves less than
         // half of a quota sends at once instead of waiting for the batch; and so does a key
         // this instance has not read yet, decided from its own counts until the read returns.
