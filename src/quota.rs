@@ -330,7 +330,8 @@ impl Quota {
                                 "the resolution must be a positive whole number of microseconds",
                             ));
                         }
-                        let r = (r / 1000) as u64;
+                        // Beyond u64 microseconds is beyond the window (at most a century).
+                        let r = u64::try_from(r / 1000).unwrap_or(u64::MAX);
                         if r > window_us || !window_us.is_multiple_of(r) {
                             return Err(bad("the resolution must divide the window evenly"));
                         }
@@ -699,45 +700,16 @@ fn unknown_word(word: &str) -> String {
     reason
 }
 
-/// The candidate `word` is a likely misspelling of: within two edits (and not a whole other
-/// word: at least half of it kept).
+/// The candidate `word` is a likely misspelling of: within two edits, a transposition counting
+/// as one (and not a whole other word: at least half of it kept).
 pub(crate) fn closest<'a>(word: &str, candidates: &[&'a str]) -> Option<&'a str> {
     let word = word.to_ascii_lowercase();
     candidates
         .iter()
-        .map(|c| (edit_distance(&word, c), *c))
+        .map(|c| (strsim::osa_distance(&word, c), *c))
         .filter(|(d, c)| *d <= 2 && *d * 2 <= c.len())
         .min_by_key(|(d, _)| *d)
         .map(|(_, c)| c)
-}
-
-/// Levenshtein distance with transpositions counted as one edit (optimal string alignment),
-/// over chars; words here are a few letters long.
-fn edit_distance(a: &str, b: &str) -> usize {
-    let (a, b): (Vec<char>, Vec<char>) = (a.chars().collect(), b.chars().collect());
-    if a.len().abs_diff(b.len()) > 2 || a.len() > 64 {
-        return usize::MAX;
-    }
-    let mut d = vec![vec![0usize; b.len() + 1]; a.len() + 1];
-    for (i, row) in d.iter_mut().enumerate() {
-        row[0] = i;
-    }
-    for j in 0..=b.len() {
-        d[0][j] = j;
-    }
-    for i in 1..=a.len() {
-        for j in 1..=b.len() {
-            let sub = usize::from(a[i - 1] != b[j - 1]);
-            let mut best = (d[i - 1][j] + 1)
-                .min(d[i][j - 1] + 1)
-                .min(d[i - 1][j - 1] + sub);
-            if i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] {
-                best = best.min(d[i - 2][j - 2] + 1);
-            }
-            d[i][j] = best;
-        }
-    }
-    d[a.len()][b.len()]
 }
 
 /// A whole number of the quota syntax, named `what` in errors: digits only, at most `max`.
@@ -764,7 +736,7 @@ fn parse_duration(text: &str, number_optional: bool) -> Result<Duration, String>
     let n = if n.is_empty() && number_optional {
         1
     } else {
-        parse_number(n, "period", u64::MAX).map_err(|_| "the period is too long".to_owned())?
+        parse_number(n, "period", u64::MAX).map_err(|_| format!("{text:?} is too long"))?
     };
     const UNITS: [&str; 7] = ["ns", "us", "ms", "s", "min", "h", "d"];
     let unit_ns: u64 = match unit.trim() {
@@ -798,10 +770,11 @@ fn parse_duration(text: &str, number_optional: bool) -> Result<Duration, String>
             ));
         }
     };
-    let ns = n
-        .checked_mul(unit_ns)
-        .ok_or_else(|| format!("{text:?} is too long"))?;
-    Ok(Duration::from_nanos(ns))
+    // In u128: a `Duration` holds more than u64 nanoseconds (a quota of a million per 1000
+    // years is written `1000000/365000d`), up to u64 seconds.
+    let ns = u128::from(n) * u128::from(unit_ns);
+    let secs = u64::try_from(ns / 1_000_000_000).map_err(|_| format!("{text:?} is too long"))?;
+    Ok(Duration::new(secs, (ns % 1_000_000_000) as u32))
 }
 
 /// Formats as [`FromStr`](std::str::FromStr) parses: `"5/s burst 10"`.
@@ -872,10 +845,19 @@ struct QuotaTable {
 }
 
 /// Written as its rate (`"5/s burst 10"`), or as a table when it has a name:
-/// `{ rate = "5/s burst 10", name = "burst" }`.
+/// `{ rate = "5/s burst 10", name = "burst" }`. A name longer than
+/// [`MAX_NAME_LEN`](Quota::MAX_NAME_LEN), which `build()` refuses, is an error here too, rather
+/// than written cut short (which would read back valid, under another name).
 #[cfg(feature = "serde")]
 impl serde::Serialize for Quota {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        if self.name_too_long() {
+            return Err(serde::ser::Error::custom(format!(
+                "quota {self}: its name is longer than {} bytes (kept cut short: {:?})",
+                Quota::MAX_NAME_LEN,
+                self.name().unwrap_or_default()
+            )));
+        }
         match self.name() {
             None => s.collect_str(self),
             Some(name) => QuotaTable {

@@ -139,7 +139,7 @@ pub(crate) fn decision(
         let n = |i: usize| r.get(i).copied().map_or(0, nonneg);
         states.push(state(index, p, cost, r[0], n(1), n(2), n(3))?);
         if matches!(mode, Mode::Reserve { .. }) && r[0] == 0 && p.kind == QuotaKind::Gcra {
-            wait = wait.max(reply::reservation_wait(p, n(1)));
+            wait = wait.max(reply::reservation_wait(p, n(1), mode.max_wait_ns()));
         }
     }
     let decision = Decision::new(states).never_fits_alone();

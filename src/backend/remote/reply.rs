@@ -36,6 +36,7 @@ pub(crate) fn gcra(
     code: Code,
     tat_ns: u64,
 ) -> QuotaState {
+    let tat_ns = tat_ns.min(longest_tat(p));
     match code {
         Code::Allowed => QuotaState::allowed(index, p, Duration::from_nanos(tat_ns)),
         Code::Denied => {
@@ -52,8 +53,21 @@ pub(crate) fn gcra(
 /// The wait a reservation's GCRA quota implies, from its TAT after the reservation: it was
 /// charged as of the time the request goes on, so that time is the TAT less a full bucket
 /// (`TAT − burst × T`), or now.
-pub(crate) fn reservation_wait(p: &QuotaParams, tat_ns: u64) -> u64 {
-    tat_ns.saturating_sub(p.emission_ns.saturating_mul(u64::from(p.burst.get())))
+///
+/// At most `max_wait_ns`, the longest the caller accepted: a store can never have reserved
+/// more (a reply saying otherwise is not trusted).
+pub(crate) fn reservation_wait(p: &QuotaParams, tat_ns: u64, max_wait_ns: u64) -> u64 {
+    tat_ns
+        .saturating_sub(p.emission_ns.saturating_mul(u64::from(p.burst.get())))
+        .min(max_wait_ns)
+}
+
+/// The latest TAT a GCRA bucket can have, from now: a full bucket's span past the longest
+/// reservation (a day). A reply beyond it is not trusted, and read as that.
+fn longest_tat(p: &QuotaParams) -> u64 {
+    let full = p.emission_ns.saturating_mul(u64::from(p.burst.get()));
+    let day = u64::try_from(crate::backend::MAX_RESERVE.as_nanos()).unwrap_or(u64::MAX);
+    full.saturating_add(day)
 }
 
 /// A fixed window's state from its count after the decision and the µs until its end.

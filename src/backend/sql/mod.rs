@@ -205,7 +205,7 @@ fn decision(
         *at += len;
         let code = reply::code(r[0])?;
         if matches!(mode, Mode::Reserve { .. }) && r[0] == 0 && p.kind == QuotaKind::Gcra {
-            wait = wait.max(reply::reservation_wait(p, nonneg(r[1])));
+            wait = wait.max(reply::reservation_wait(p, nonneg(r[1]), mode.max_wait_ns()));
         }
         states.push(match p.kind {
             QuotaKind::Gcra => reply::gcra(index, p, cost, code, nonneg(r[1])),
