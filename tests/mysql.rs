@@ -210,7 +210,14 @@ async fn multi_quota_is_all_or_nothing() {
     assert_eq!(d.quotas()[0].remaining, 7);
     let d = b.decide(&p2, &k, cost(5)).await.unwrap();
     assert!(d.never_fits());
-    assert_eq!(d.quotas()[0].remaining, 7);
+    // Reported by the quota it can never fit alone (4 a day, 3 used), and nothing taken.
+    assert_eq!((d.quotas().len(), d.quotas()[0].index), (1, 1), "{d:?}");
+    assert_eq!(d.quotas()[0].remaining, 1);
+    let d = b
+        .decide_with(&p2, &k, cost(1), tollgate::backend::Mode::Peek)
+        .await
+        .unwrap();
+    assert_eq!(d.quotas()[0].remaining, 6, "the first quota untouched: {d:?}");
     let rows = server.sql("SELECT count(*) FROM tollgate_buckets");
     assert_eq!(rows, "4");
 }
