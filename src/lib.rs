@@ -75,6 +75,9 @@ pub mod backend;
 pub mod body;
 mod error;
 pub mod future;
+#[cfg(any(test, fuzzing))]
+#[doc(hidden)]
+pub mod fuzz;
 pub mod key;
 mod layer;
 pub mod limiter;

@@ -625,7 +625,7 @@ impl std::str::FromStr for Quota {
         };
         let (count, after) = s.split_once('/').ok_or_else(|| bad("missing `/`"))?;
         let count =
-            parse_number(count.trim(), "count", u64::from(u32::MAX)).map_err(|e| bad(&e))?;
+            parse_number(count.trim(), "count", u128::from(u32::MAX)).map_err(|e| bad(&e))?;
         // The period: a unit, or a number and a unit (`/s`, `/10s`, `/ 30 min`); then keywords.
         let mut words = after.split_whitespace().peekable();
         let first = words
@@ -649,7 +649,7 @@ impl std::str::FromStr for Quota {
                     let b = words
                         .next()
                         .ok_or_else(|| bad("`burst` without a number"))?;
-                    let b = parse_number(b, "burst", u64::from(u32::MAX)).map_err(|e| bad(&e))?;
+                    let b = parse_number(b, "burst", u128::from(u32::MAX)).map_err(|e| bad(&e))?;
                     q = q.burst(b as u32);
                 }
                 "fixed" | "sliding" | "gcra" if algorithm.is_none() => {
@@ -713,14 +713,14 @@ pub(crate) fn closest<'a>(word: &str, candidates: &[&'a str]) -> Option<&'a str>
 }
 
 /// A whole number of the quota syntax, named `what` in errors: digits only, at most `max`.
-fn parse_number(text: &str, what: &str, max: u64) -> Result<u64, String> {
+fn parse_number(text: &str, what: &str, max: u128) -> Result<u128, String> {
     if text.is_empty() {
         return Err(format!("missing the {what}"));
     }
     if !text.bytes().all(|b| b.is_ascii_digit()) {
         return Err(format!("the {what} {text:?} is not a number"));
     }
-    match text.parse::<u64>() {
+    match text.parse::<u128>() {
         Ok(n) if n <= max => Ok(n),
         _ => Err(format!("the {what} {text} is too large (at most {max})")),
     }
@@ -736,7 +736,10 @@ fn parse_duration(text: &str, number_optional: bool) -> Result<Duration, String>
     let n = if n.is_empty() && number_optional {
         1
     } else {
-        parse_number(n, "period", u64::MAX).map_err(|_| format!("{text:?} is too long"))?
+        // Up to u64 seconds of nanoseconds: a `Duration` holds more than u64 nanoseconds,
+        // and a period that is not whole microseconds is written in nanoseconds.
+        parse_number(n, "period", u128::from(u64::MAX) * 1_000_000_000)
+            .map_err(|_| format!("{text:?} is too long"))?
     };
     const UNITS: [&str; 7] = ["ns", "us", "ms", "s", "min", "h", "d"];
     let unit_ns: u64 = match unit.trim() {
@@ -772,7 +775,9 @@ fn parse_duration(text: &str, number_optional: bool) -> Result<Duration, String>
     };
     // In u128: a `Duration` holds more than u64 nanoseconds (a quota of a million per 1000
     // years is written `1000000/365000d`), up to u64 seconds.
-    let ns = u128::from(n) * u128::from(unit_ns);
+    let ns = n
+        .checked_mul(u128::from(unit_ns))
+        .ok_or_else(|| format!("{text:?} is too long"))?;
     let secs = u64::try_from(ns / 1_000_000_000).map_err(|_| format!("{text:?} is too long"))?;
     Ok(Duration::new(secs, (ns % 1_000_000_000) as u32))
 }
@@ -960,6 +965,13 @@ mod parse_tests {
         ] {
             let q: Quota = s.parse().unwrap();
             assert_eq!(q.to_string().parse::<Quota>().unwrap(), q, "{s}");
+        }
+        // Periods beyond u64 nanoseconds (~584 years), in days or in nanoseconds.
+        for q in [
+            Quota::new(1_000_000, Duration::from_secs(365_000 * 86_400)),
+            Quota::new(1_000_000, Duration::new(31_536_000_000, 1)).burst(1),
+        ] {
+            assert_eq!(q.to_string().parse::<Quota>().unwrap(), q, "{q}");
         }
         assert_eq!("1000/h".parse::<Quota>().unwrap(), Quota::per_hour(1000));
         assert_eq!(

@@ -225,7 +225,11 @@ async fn multi_quota_is_all_or_nothing() {
         .decide_with(&p2, &k, cost(1), tollgate::backend::Mode::Peek)
         .await
         .unwrap();
-    assert_eq!(d.quotas()[0].remaining, 6, "the first quota untouched: {d:?}");
+    assert_eq!(
+        d.quotas()[0].remaining,
+        6,
+        "the first quota untouched: {d:?}"
+    );
     let rows = server.psql("SELECT count(*) FROM tollgate_buckets");
     assert_eq!(rows, "4");
 }

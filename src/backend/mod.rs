@@ -186,6 +186,10 @@ impl Decision {
     /// by the first quota it cannot fit alone, whatever the others said (what they have is of
     /// no use to a request that can never pass; the local backend refuses it before looking
     /// at them). For stores that evaluate every quota.
+    #[cfg_attr(
+        not(any(feature = "redis", feature = "postgres", feature = "mysql")),
+        allow(dead_code)
+    )]
     pub(crate) fn never_fits_alone(mut self) -> Self {
         if self.quotas.len() > 1
             && let Some(q) = self.quotas.iter().find(|q| q.outcome == Outcome::NeverFits)

@@ -214,7 +214,7 @@ mod backend;
 mod builder;
 mod conn;
 mod failure;
-mod script;
+pub(crate) mod script;
 mod tls;
 
 /// What requests get while Redis cannot decide: the failure policy of every remote backend.
