@@ -122,6 +122,17 @@ async fn refusing_once(
     (support::serve(app).await, hits)
 }
 
+/// How long a call failed by a pause says the key is paused yet.
+fn paused(err: reqwest_middleware::Error) -> Duration {
+    let reqwest_middleware::Error::Middleware(inner) = &err else {
+        panic!("{err:?}")
+    };
+    match inner.downcast_ref::<AcquireError>() {
+        Some(AcquireError::Paused(left)) => *left,
+        _ => panic!("{inner:?}"),
+    }
+}
+
 /// With `obey_retry_after`, an upstream's `429` with `Retry-After` pauses the key: failing
 /// fast, the next call fails at once with the time left and is not sent; waiting, it goes
 /// out when the pause ends.
@@ -132,15 +143,9 @@ async fn an_upstreams_retry_after_pauses_the_key() {
     let fast =
         client(RateLimitMiddleware::new(limiter(Quota::per_second(100))).obey_retry_after(true));
     assert_eq!(fast.get(&url).send().await.unwrap().status(), 429);
-    let err = fast.get(&url).send().await.unwrap_err();
-    let reqwest_middleware::Error::Middleware(inner) = &err else {
-        panic!("{err:?}")
-    };
-    let Some(AcquireError::Paused(left)) = inner.downcast_ref::<AcquireError>() else {
-        panic!("{inner:?}")
-    };
+    let left = paused(fast.get(&url).send().await.unwrap_err());
     assert!(
-        *left > Duration::from_millis(500) && *left <= Duration::from_secs(1),
+        left > Duration::from_millis(500) && left <= Duration::from_secs(1),
         "{left:?}"
     );
     assert_eq!(
@@ -190,14 +195,8 @@ async fn retry_after_dates_pause_and_nothing_else_does() {
     let c =
         client(RateLimitMiddleware::new(limiter(Quota::per_second(100))).obey_retry_after(true));
     assert_eq!(c.get(&url).send().await.unwrap().status(), 429);
-    let err = c.get(&url).send().await.unwrap_err();
-    let reqwest_middleware::Error::Middleware(inner) = &err else {
-        panic!("{err:?}")
-    };
-    let Some(AcquireError::Paused(left)) = inner.downcast_ref::<AcquireError>() else {
-        panic!("{inner:?}")
-    };
-    assert!(*left > Duration::from_secs(15), "{left:?}");
+    let left = paused(c.get(&url).send().await.unwrap_err());
+    assert!(left > Duration::from_secs(15), "{left:?}");
 
     // Not obeyed: the next call goes out.
     let (addr, hits) = refusing_once(429, "30".to_owned()).await;
