@@ -109,9 +109,10 @@ redis_run() { # calls decisions keys algo
         for i in $(seq "$2"); do args+=(1 "$([ "$3" = 2 ] && echo "$i" || echo 1)"); done
     elif [ "$3" = 2 ]; then
         args+=("$(printf %x "$2")")
-        for i in $(seq "$2"); do args+=(1 1 "$(printf %x "$i")"); done
+        # Runs: count, policy, cost, longest wait (0: a plain decision), peek (0).
+        for i in $(seq "$2"); do args+=(1 1 "$(printf %x "$i")" 0 0); done
     else
-        args+=(1 "$(printf %x "$2")" 1 1)
+        args+=(1 "$(printf %x "$2")" 1 1 0 0)
     fi
     redis-benchmark -p "$PORT" -n "$1" -c 1 -q "${args[@]}" >/dev/null 2>&1
     # Check the script answered (an error reply would be cheap and wrong).
