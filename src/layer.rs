@@ -7,41 +7,16 @@ use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use http::StatusCode;
 use tower_layer::Layer;
 
 use crate::backend::Backend;
 use crate::body::{KeepBody, WrapBody};
-use crate::key::{ClientIp, KeyExtractor};
-use crate::metrics::PolicyMetrics;
-use crate::response::{HeaderStyle, PolicyHeaders, RejectionBody, Responder};
+use crate::key::{ClientIp, KeyExtractor, OnMissingKey};
+use crate::response::{HeaderStyle, RejectionBody, Responder};
 use crate::rules::{LiveRules, RuleSet, RulesHandle};
 use crate::service::{Erased, Policies, Prepared, RateLimit, Shared};
 use crate::wait::Waiting;
 use crate::{ConfigError, Policy};
-
-/// What happens to a request from which no key can be extracted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum OnMissingKey {
-    /// Answer with this status (gRPC: the closest gRPC code) and a body naming what is
-    /// missing. The default is `400 Bad Request`.
-    ///
-    /// A request without a peer address ([`KeyError::NoPeerAddr`](crate::KeyError)) is not
-    /// the client's fault but the server's setup: it gets `500` (gRPC `INTERNAL`) with a
-    /// generic body whatever this status, and the explanation is logged once.
-    Reject(StatusCode),
-    /// Let the request through, unlimited and without rate-limit headers. This also lets
-    /// through requests without a peer address (a server on a Unix socket keyed by IP), with
-    /// the explanation logged once.
-    Allow,
-}
-
-impl Default for OnMissingKey {
-    fn default() -> Self {
-        OnMissingKey::Reject(StatusCode::BAD_REQUEST)
-    }
-}
 
 /// Applies rate limiting to a service: see the [crate docs](crate).
 ///
@@ -350,7 +325,7 @@ fn build<K: KeyExtractor, Bk: Backend>(
         Source::Fixed(policy) => {
             let names = vec![buckets_of(&policy)];
             (
-                Policies::Fixed(Arc::new(prepare(&*backend, policy)?)),
+                Policies::Fixed(Arc::new(Prepared::new(&*backend, policy)?)),
                 names,
             )
         }
@@ -418,22 +393,4 @@ fn warn_on_shared_names<K, Bk>(store: String, names: Vec<(String, String)>, laye
             );
         }
     }
-}
-
-pub(crate) fn prepare<Bk: Backend>(
-    backend: &Bk,
-    policy: Policy,
-) -> Result<Prepared<Bk::Policy>, ConfigError> {
-    let params = policy.validate()?;
-    let prepared = backend.prepare(&policy, &params)?;
-    let headers = PolicyHeaders::new(&policy, &params);
-    Ok(Prepared {
-        metrics: PolicyMetrics::new(&policy, &headers.labels),
-        reserves: params
-            .iter()
-            .all(|p| p.kind == crate::quota::QuotaKind::Gcra),
-        headers,
-        backend: prepared,
-        policy,
-    })
 }

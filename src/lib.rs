@@ -95,8 +95,8 @@ mod wait;
 
 pub use body::ResponseBody;
 pub use error::{BackendError, BackendErrorKind, ConfigError};
-pub use key::{Key, KeyError, KeyExtractor};
-pub use layer::{OnMissingKey, RateLimitLayer, RateLimitLayerBuilder, Unset};
+pub use key::{Key, KeyError, KeyExtractor, OnMissingKey};
+pub use layer::{RateLimitLayer, RateLimitLayerBuilder, Unset};
 pub use policy::Policy;
 pub use quota::{Quota, QuotaParams};
 pub use request::RequestInfo;

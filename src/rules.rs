@@ -138,7 +138,6 @@ use http::Method;
 use smallvec::SmallVec;
 
 use crate::backend::Backend;
-use crate::layer::prepare;
 use crate::service::Prepared;
 use crate::{ConfigError, Key, Policy, RequestInfo};
 
@@ -655,7 +654,7 @@ pub(crate) fn compile<Bk: Backend>(
             } else {
                 p.clone()
             };
-            prepare(backend, p).map(Arc::new)
+            Prepared::new(backend, p).map(Arc::new)
         })
         .collect::<Result<Vec<_>, _>>()?;
     let mut tier_ids: HashMap<&str, usize> = HashMap::new();

@@ -18,14 +18,13 @@ use tower_service::Service;
 use crate::backend::{Backend, DecidedBy, Decision, Mode};
 use crate::body::{BodyMode, KeepBody};
 use crate::future::{DecideLater, ResponseFuture, Then};
-use crate::key::{KeyError, KeyExtractor};
-use crate::layer::OnMissingKey;
+use crate::key::{KeyError, KeyExtractor, OnMissingKey};
 use crate::metrics::{Outcome as Counted, PolicyMetrics};
 use crate::request::grpc_content_type;
 use crate::response::{self, HeaderAdds, PolicyHeaders, Rejection, RejectionKind, Responder};
 use crate::rules::LiveRules;
 use crate::wait::{Pauses, Slot, Waiting};
-use crate::{BackendError, Key, Policy, RequestInfo};
+use crate::{BackendError, ConfigError, Key, Policy, RequestInfo};
 
 /// Rate-limits requests to the inner service. Made by [`RateLimitLayer`](crate::RateLimitLayer).
 ///
@@ -111,6 +110,27 @@ pub(crate) struct Prepared<P> {
     /// Whether every quota is GCRA, so that a reservation can wait (window quotas cannot count
     /// into a window that has not begun: a reservation on them waits for nothing).
     pub(crate) reserves: bool,
+}
+
+impl<P> Prepared<P> {
+    /// `policy` validated and prepared for `backend`, with its header material and counters.
+    pub(crate) fn new<Bk: Backend<Policy = P>>(
+        backend: &Bk,
+        policy: Policy,
+    ) -> Result<Self, ConfigError> {
+        let params = policy.validate()?;
+        let prepared = backend.prepare(&policy, &params)?;
+        let headers = PolicyHeaders::new(&policy, &params);
+        Ok(Prepared {
+            metrics: PolicyMetrics::new(&policy, &headers.labels),
+            reserves: params
+                .iter()
+                .all(|p| p.kind == crate::quota::QuotaKind::Gcra),
+            headers,
+            backend: prepared,
+            policy,
+        })
+    }
 }
 
 /// The policy of a layer: one, or chosen by live rules.

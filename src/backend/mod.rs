@@ -106,6 +106,7 @@ pub type ResetFuture =
     std::pin::Pin<Box<dyn Future<Output = Result<(), BackendError>> + Send + 'static>>;
 
 /// The longest wait a reservation accepts: longer ones count as a day.
+#[cfg_attr(not(feature = "local"), allow(dead_code))]
 pub(crate) const MAX_RESERVE: Duration = Duration::from_secs(86_400);
 
 /// How [`Backend::decide_with`] treats a request.
@@ -134,6 +135,7 @@ pub enum Mode {
 
 impl Mode {
     /// The longest wait of a reservation, in nanoseconds (zero for the other modes).
+    #[cfg_attr(not(feature = "local"), allow(dead_code))]
     pub(crate) fn max_wait_ns(self) -> u64 {
         match self {
             // At most a day: a longer wait is not a rate limiter's, and unbounded waits would

@@ -47,6 +47,30 @@ pub use ip::{ClientIp, ForwardedHeader, PeerIp};
 pub(crate) use ip::{DEFAULT_V6_PREFIX, group};
 
 use crate::RequestInfo;
+use http::StatusCode;
+
+/// What happens to a request from which no key can be extracted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum OnMissingKey {
+    /// Answer with this status (gRPC: the closest gRPC code) and a body naming what is
+    /// missing. The default is `400 Bad Request`.
+    ///
+    /// A request without a peer address ([`KeyError::NoPeerAddr`](crate::KeyError)) is not
+    /// the client's fault but the server's setup: it gets `500` (gRPC `INTERNAL`) with a
+    /// generic body whatever this status, and the explanation is logged once.
+    Reject(StatusCode),
+    /// Let the request through, unlimited and without rate-limit headers. This also lets
+    /// through requests without a peer address (a server on a Unix socket keyed by IP), with
+    /// the explanation logged once.
+    Allow,
+}
+
+impl Default for OnMissingKey {
+    fn default() -> Self {
+        OnMissingKey::Reject(StatusCode::BAD_REQUEST)
+    }
+}
 
 /// The identity a request is limited by: an IP address, bytes (a header value, a user id), a
 /// composite of several, or the one global key.
