@@ -879,3 +879,31 @@ async fn a_peek_is_the_decision_untaken() {
         }
     }
 }
+
+/// A request that can never fit is reported by the quota it cannot fit alone, as on every
+/// store, and takes nothing.
+#[tokio::test]
+async fn a_never_fitting_request_reports_that_quota_alone() {
+    let server = RedisServer::start();
+    for mode in [Approximate::asynchronous(), Approximate::synchronous()] {
+        let clock = TestClock::new();
+        let b = instance(&server.url(), &clock, mode);
+        let policy = Policy::new("nf", Quota::per_hour(5).fixed_window())
+            .and(Quota::per_minute(3).sliding_window());
+        let p = prepare(&b, &policy);
+        let k = key(&format!("nf-{mode:?}"));
+        assert!(b.decide(&p, &k, cost(1)).await.unwrap().is_allowed());
+        let d = b.decide(&p, &k, cost(4)).await.unwrap();
+        assert!(d.never_fits(), "{mode:?}: {d:?}");
+        let [q] = d.quotas() else {
+            panic!("{mode:?}: {d:?}")
+        };
+        assert_eq!(
+            (q.index, q.limit, q.remaining),
+            (1, 3, 2),
+            "{mode:?}: {d:?}"
+        );
+        let d = b.decide(&p, &k, cost(1)).await.unwrap();
+        assert_eq!(d.quotas()[1].remaining, 1, "nothing taken: {mode:?}: {d:?}");
+    }
+}
