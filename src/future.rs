@@ -12,10 +12,10 @@ use http::{Request, Response};
 use pin_project_lite::pin_project;
 use tower_service::Service;
 
+use crate::admit::{Note, Prepared, Shared, Verdict};
 use crate::backend::Backend;
 use crate::body::{BodyMode, KeepBody};
 use crate::response::{HeaderAdds, add_headers};
-use crate::service::{Note, Prepared, Shared, Verdict};
 use crate::wait::Slot;
 
 pin_project! {

@@ -9,12 +9,13 @@ use std::time::Duration;
 
 use tower_layer::Layer;
 
+use crate::admit::{Policies, Prepared, Shared};
 use crate::backend::Backend;
 use crate::body::{KeepBody, WrapBody};
 use crate::key::{ClientIp, KeyExtractor, OnMissingKey};
 use crate::response::{HeaderStyle, RejectionBody, Responder};
 use crate::rules::{LiveRules, RuleSet, RulesHandle};
-use crate::service::{Erased, Policies, Prepared, RateLimit, Shared};
+use crate::service::{Erased, RateLimit};
 use crate::wait::Waiting;
 use crate::{ConfigError, Policy};
 

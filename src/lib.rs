@@ -71,6 +71,7 @@
 //! [governor]: https://docs.rs/governor
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod admit;
 pub mod backend;
 pub mod body;
 mod error;
