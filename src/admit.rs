@@ -15,7 +15,7 @@ use crate::metrics::{Outcome as Counted, PolicyMetrics};
 use crate::request::grpc_content_type;
 use crate::response::{self, HeaderAdds, PolicyHeaders, Rejection, RejectionKind, Responder};
 use crate::rules::LiveRules;
-use crate::wait::{Pauses, Slot, Waiting};
+use crate::wait::{Pauses, Waiting};
 use crate::{BackendError, ConfigError, Key, Policy, RequestInfo};
 
 /// Everything the services of one layer share.
@@ -149,27 +149,6 @@ pub(crate) struct Note {
 }
 
 impl<K, Bk: Backend> Shared<K, Bk> {
-    /// Wait mode: whether a request refused now waits for its units instead, and if so a
-    /// waiter's slot for it and the longest wait. It does when its policy can reserve (GCRA
-    /// quotas only) and is enforced, the store refused it (not a failure, not a cost above a
-    /// burst) for less than the longest wait, and a slot is free.
-    pub(crate) fn may_wait(
-        &self,
-        prepared: &Prepared<Bk::Policy>,
-        result: &Result<Decision, BackendError>,
-    ) -> Option<(Slot, Duration)> {
-        let waiting = self.waiting.as_ref()?;
-        if !prepared.reserves || prepared.policy.is_shadow() {
-            return None;
-        }
-        // `None` when allowed, or when the cost can never fit.
-        let wait = result.as_ref().ok()?.retry_after()?;
-        if wait > waiting.max_wait {
-            return None;
-        }
-        Some((waiting.enter()?, waiting.max_wait))
-    }
-
     /// The answer for a request whose key the wrapped service asked to slow down for `pause`
     /// more: `429` with the time left, as if its policy's first quota denied it.
     pub(crate) fn paused(

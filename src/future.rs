@@ -218,8 +218,11 @@ where
                     let result = ready!(Pin::new(&mut d.decision).poll(cx));
                     // Wait mode: refused now, but the units come within the longest wait and a
                     // waiter's slot is free: reserve them.
+                    // (`retry` is set in wait mode only, for enforced policies.)
                     if let Some((key, cost)) = d.then.retry.take()
-                        && let Some((slot, max_wait)) = d.shared.may_wait(&d.policy, &result)
+                        && let Some(waiting) = &d.shared.waiting
+                        && let Some((slot, max_wait)) =
+                            waiting.after_refusal(d.policy.reserves, &result)
                     {
                         let mode = crate::backend::Mode::Reserve { max_wait };
                         let backend = &d.shared.backend;

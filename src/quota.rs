@@ -702,7 +702,7 @@ fn unknown_word(word: &str) -> String {
 
 /// The candidate `word` is a likely misspelling of: within two edits, a transposition counting
 /// as one (and not a whole other word: at least half of it kept).
-pub(crate) fn closest<'a>(word: &str, candidates: &[&'a str]) -> Option<&'a str> {
+fn closest<'a>(word: &str, candidates: &[&'a str]) -> Option<&'a str> {
     let word = word.to_ascii_lowercase();
     candidates
         .iter()
@@ -750,7 +750,7 @@ fn parse_duration(text: &str, number_optional: bool) -> Result<Duration, String>
         "m" | "min" | "minute" | "minutes" => 60_000_000_000,
         "h" | "hr" | "hour" | "hours" => 3_600_000_000_000,
         "d" | "day" | "days" => 86_400_000_000_000,
-        "" if n > 0 => {
+        "" => {
             return Err(format!(
                 "{text:?} has no unit (one of {})",
                 UNITS.join(", ")

@@ -206,7 +206,8 @@ where
                         return Step::Pending(decision, policy.clone(), None, retry);
                     }
                 };
-                let Some((slot, max_wait)) = waits.and_then(|_| shared.may_wait(policy, &result))
+                let Some((slot, max_wait)) =
+                    waits.and_then(|w| w.after_refusal(policy.reserves, &result))
                 else {
                     return Step::Done(shared.verdict(policy, result, info.headers()), None);
                 };

@@ -40,6 +40,28 @@ impl Waiting {
     }
 }
 
+impl Waiting {
+    /// Whether a request refused now waits for its units instead, and if so a waiter's slot
+    /// for it and the longest wait: its policy can reserve (`reserves`: GCRA quotas only), the
+    /// store refused it (not a failure, not a cost above a burst) for at most the longest
+    /// wait, and a slot is free. (Shadow policies never wait: callers do not ask for them.)
+    pub(crate) fn after_refusal(
+        &self,
+        reserves: bool,
+        result: &Result<crate::backend::Decision, crate::BackendError>,
+    ) -> Option<(Slot, Duration)> {
+        if !reserves {
+            return None;
+        }
+        // `None` when allowed, or when the cost can never fit.
+        let wait = result.as_ref().ok()?.retry_after()?;
+        if wait > self.max_wait {
+            return None;
+        }
+        Some((self.enter()?, self.max_wait))
+    }
+}
+
 /// One waiting request's place among the waiters.
 #[derive(Debug)]
 pub(crate) struct Slot(Arc<AtomicUsize>);

@@ -106,8 +106,7 @@ pub type ResetFuture =
     std::pin::Pin<Box<dyn Future<Output = Result<(), BackendError>> + Send + 'static>>;
 
 /// The longest wait a reservation accepts: longer ones count as a day.
-#[cfg_attr(not(feature = "local"), allow(dead_code))]
-pub(crate) const MAX_RESERVE: Duration = Duration::from_secs(86_400);
+const MAX_RESERVE: Duration = Duration::from_secs(86_400);
 
 /// How [`Backend::decide_with`] treats a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -663,14 +663,12 @@ where
         }
         let mut states = smallvec::SmallVec::<[QuotaState; 2]>::new();
         for (index, quota) in policy.limiters.iter().enumerate() {
-            let state = {
-                match &quota.counter {
-                    Counter::Window(store) => store.would(index, key, inner.now_us(), cost),
-                    Counter::Gcra { store, start, .. } => {
-                        let tat = (store.map.get(key)).map_or(0, |tat| tat.load(Ordering::Acquire));
-                        let rel = until(*start, tat, &inner.clock);
-                        gcra_state(index, &quota.params, cost, rel, Duration::ZERO)
-                    }
+            let state = match &quota.counter {
+                Counter::Window(store) => store.would(index, key, inner.now_us(), cost),
+                Counter::Gcra { store, start, .. } => {
+                    let tat = (store.map.get(key)).map_or(0, |tat| tat.load(Ordering::Acquire));
+                    let rel = until(*start, tat, &inner.clock);
+                    gcra_state(index, &quota.params, cost, rel, Duration::ZERO)
                 }
             };
             let stop = state.outcome != Outcome::Allowed;

@@ -66,7 +66,10 @@ pub(crate) fn reservation_wait(p: &QuotaParams, tat_ns: u64, max_wait_ns: u64) -
 /// reservation (a day). A reply beyond it is not trusted, and read as that.
 fn longest_tat(p: &QuotaParams) -> u64 {
     let full = p.emission_ns.saturating_mul(u64::from(p.burst.get()));
-    let day = u64::try_from(crate::backend::MAX_RESERVE.as_nanos()).unwrap_or(u64::MAX);
+    let day = crate::backend::Mode::Reserve {
+        max_wait: Duration::MAX,
+    }
+    .max_wait_ns();
     full.saturating_add(day)
 }
 
