@@ -2,9 +2,9 @@
 //!
 //! Every URL the backend shows goes through [`url`], which replaces the password of its
 //! userinfo (`redis://user:***@host:6379/0`) and query parameters holding secrets (`pass` and
-//! `password` of Unix socket URLs, tokens); user names are shown. Texts that come from redis-rs go through [`Secrets::scrub`], which also removes
-//! the passwords themselves, wherever they appear: redis-rs error texts may echo a URL or a part
-//! of it.
+//! `password` of Unix socket URLs, tokens); user names are shown. Texts that come from redis-rs
+//! go through [`Secrets::scrub`], which also removes the passwords themselves, wherever they
+//! appear: redis-rs error texts may echo a URL or a part of it.
 //!
 //! Both work on any string, parsable or not: a URL that redis-rs refused is shown redacted too.
 
