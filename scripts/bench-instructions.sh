@@ -14,6 +14,9 @@
 #                    MODES= measures only redis-server's instructions per decision)
 #   DURATION=8s      wrk load per mode (the server runs ~50x slower under callgrind)
 #   PORT=3911
+#   KEYS=one         the key distribution of scripts/wrk-keys.lua (e.g. uniform:10000)
+#   HEADERS=ietf     tollgate's header style (bench_server's HEADERS; none, legacy, both)
+#   BIN=...          a bench_server binary built elsewhere (not rebuilt), e.g. an older build
 #
 # For each mode: (instructions with load - instructions of a start and stop with no load)
 # / requests served. Under callgrind the server is slow and Redis (not instrumented) is not,
@@ -38,11 +41,12 @@ need valgrind valgrind
 need wrk wrk
 need redis-server redis-server
 
-if [ -n "$MODES" ]; then
+KEYS=${KEYS:-one}
+if [ -n "$MODES" ] && [ -z "${BIN:-}" ]; then
     echo "building bench_server (release)..." >&2
     cargo build --release --quiet --example bench_server --features "local axum redis metrics"
 fi
-BIN="$TARGET/release/examples/bench_server"
+BIN=${BIN:-"$TARGET/release/examples/bench_server"}
 
 WORK=$(mktemp -d)
 REDIS_PORT=$((PORT + 1000))
@@ -69,7 +73,8 @@ run() { # mode load
         backend=${backend%_outer}
         layer=outer
     fi
-    METRICS=$metrics BACKEND=$backend LAYER=$layer PORT=$PORT REDIS_URL="redis://127.0.0.1:$REDIS_PORT" \
+    # One worker thread: the server's work is counted the same way whatever the machine.
+    TOKIO_WORKER_THREADS=1 METRICS=$metrics BACKEND=$backend LAYER=$layer PORT=$PORT REDIS_URL="redis://127.0.0.1:$REDIS_PORT" \
         valgrind --tool=callgrind --callgrind-out-file="$WORK/cg.out" "$BIN" >/dev/null 2>&1 &
     local pid=$!
     for _ in $(seq 1 300); do
@@ -77,7 +82,8 @@ run() { # mode load
         sleep 0.1
     done
     if [ "$load" = 1 ]; then
-        requests=$(wrk -t1 -c8 -d"$DURATION" "http://127.0.0.1:$PORT/hello" |
+        requests=$(KEYS=$KEYS wrk -t1 -c8 -d"$DURATION" -s scripts/wrk-keys.lua \
+            "http://127.0.0.1:$PORT/hello" |
             awk '/requests in/ { print $1 }')
     fi
     # SIGTERM: background jobs of a non-interactive shell ignore SIGINT.
@@ -86,6 +92,7 @@ run() { # mode load
     echo "$(total "$WORK/cg.out") $requests"
 }
 
+echo "keys: $KEYS, tollgate headers: ${HEADERS:-ietf}" >&2
 printf '%-22s %14s %12s\n' mode instr/request vs_bare
 bare=""
 for mode in $MODES; do

@@ -1,21 +1,29 @@
-//! Admission: a request's key, its policy, the backend's decision, and the verdict (pass, wait
-//! or reject), with shadow policies decided here.
+//! Admission, the first stage of a request: its key, its policy, the backend's decision and the
+//! verdict (pass, wait or reject). Shadow policies are decided here: a shadow policy never holds
+//! a request back, and its refusals are logged and counted instead of answered.
+//!
+//! In-memory backends decide at once, in [`Shared::admit`]; a store's decision goes on in the
+//! response future as [`Admitting`].
 
+use std::future::Future;
 use std::num::NonZeroU32;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll, Waker, ready};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderMap, Response, StatusCode};
+use http::{HeaderMap, Request, Response, StatusCode};
 
-use crate::backend::{Backend, DecidedBy, Decision};
-use crate::key::{KeyError, OnMissingKey};
+use crate::backend::{Backend, DecidedBy, Decision, Mode};
+use crate::key::{KeyError, KeyExtractor, OnMissingKey};
 use crate::metrics::{Outcome as Counted, PolicyMetrics};
 use crate::request::grpc_content_type;
 use crate::response::{self, HeaderAdds, PolicyHeaders, Rejection, RejectionKind, Responder};
 use crate::rules::LiveRules;
-use crate::wait::{Pauses, Waiting};
+use crate::settle::Settle;
+use crate::wait::{Pauses, Slot, Waiting};
 use crate::{BackendError, ConfigError, Key, Policy, RequestInfo};
 
 /// Everything the services of one layer share.
@@ -96,9 +104,219 @@ impl<Bk: Backend> Policies<Bk> {
 /// What to do with a request once the backend has answered.
 pub(crate) enum Verdict {
     Pass(HeaderAdds),
-    /// Pass after waiting this long (a reservation in wait mode).
-    Wait(HeaderAdds, Duration),
+    /// Pass after waiting this long (a reservation in wait mode), holding a waiter's slot
+    /// meanwhile.
+    Wait(HeaderAdds, Duration, Option<Slot>),
     Reject(Box<Response<Bytes>>),
+}
+
+impl Verdict {
+    /// The verdict, with the waiter's slot `slot` held while it waits (given back at once
+    /// otherwise).
+    fn holding(self, slot: Option<Slot>) -> Self {
+        match self {
+            Verdict::Wait(adds, wait, _) => Verdict::Wait(adds, wait, slot),
+            other => other,
+        }
+    }
+}
+
+/// A request's admission: the verdict now, or a decision a store is still making.
+pub(crate) enum Admission<Bk: Backend> {
+    Now(Verdict),
+    Later(Later<Bk>),
+}
+
+/// A decision still to be made, once [`Shared::admit`] has returned.
+pub(crate) struct Later<Bk: Backend> {
+    policy: Arc<Prepared<Bk::Policy>>,
+    step: Step<Bk>,
+    /// A waiter's slot, in wait mode, from the first refusal or pause on.
+    slot: Option<Slot>,
+}
+
+enum Step<Bk: Backend> {
+    /// The store is deciding; in wait mode, with the key and cost to reserve for if it
+    /// refuses the request for less than the longest wait.
+    Deciding(Bk::Future, Option<(Key, NonZeroU32)>),
+    /// Wait mode, on a key the wrapped service paused: the pause is waited out, then the
+    /// units reserved within what is left of the longest wait.
+    Pausing(Pin<Box<tokio::time::Sleep>>, Key, NonZeroU32, Duration),
+}
+
+/// Admission in the response future, for a decision a store makes over the network.
+pub(crate) struct Admitting<K, Bk: Backend> {
+    shared: Arc<Shared<K, Bk>>,
+    later: Later<Bk>,
+}
+
+impl<K, Bk: Backend> Admitting<K, Bk> {
+    pub(crate) fn new(shared: Arc<Shared<K, Bk>>, later: Later<Bk>) -> Self {
+        Admitting { shared, later }
+    }
+
+    /// The verdict, once the store has answered (`headers`: the request's, for the form of a
+    /// rejection).
+    pub(crate) fn poll(&mut self, cx: &mut Context<'_>, headers: &HeaderMap) -> Poll<Verdict> {
+        let (shared, later) = (&*self.shared, &mut self.later);
+        let policy = &*later.policy;
+        loop {
+            match &mut later.step {
+                Step::Pausing(sleep, key, cost, max_wait) => {
+                    ready!(sleep.as_mut().poll(cx));
+                    let mode = Mode::Reserve {
+                        max_wait: *max_wait,
+                    };
+                    let decision = shared
+                        .backend
+                        .decide_with(&policy.backend, key, *cost, mode);
+                    later.step = Step::Deciding(decision, None);
+                }
+                Step::Deciding(decision, retry) => {
+                    let result = ready!(Pin::new(decision).poll(cx));
+                    // Wait mode: refused now, but the units come within the longest wait and
+                    // a waiter's slot is free: reserve them.
+                    if let Some((key, cost)) = retry.take()
+                        && let Some(waiting) = &shared.waiting
+                        && let Some((slot, max_wait)) =
+                            waiting.after_refusal(policy.reserves, &result)
+                    {
+                        let mode = Mode::Reserve { max_wait };
+                        let decision =
+                            shared
+                                .backend
+                                .decide_with(&policy.backend, &key, cost, mode);
+                        later.step = Step::Deciding(decision, None);
+                        later.slot = Some(slot);
+                        continue;
+                    }
+                    let verdict = shared.verdict(policy, result, headers);
+                    return Poll::Ready(verdict.holding(later.slot.take()));
+                }
+            }
+        }
+    }
+}
+
+/// A first decision in wait mode: the units now, or a refusal that says how long they take.
+const NOW: Mode = Mode::Reserve {
+    max_wait: Duration::ZERO,
+};
+
+/// Polls a decision once, without a waker: in-memory backends are ready at once.
+#[inline]
+fn poll_now<F: Future + Unpin>(decision: &mut F) -> Poll<F::Output> {
+    Pin::new(decision).poll(&mut Context::from_waker(Waker::noop()))
+}
+
+impl<K: KeyExtractor, Bk: Backend> Shared<K, Bk> {
+    /// Admits `req`: its key, its policy, the backend's decision and the verdict, or the
+    /// decision still to be made; and what the request settles once answered.
+    #[inline]
+    pub(crate) fn admit<B>(&self, req: &Request<B>) -> (Admission<Bk>, Option<Box<Settle>>) {
+        let info = RequestInfo::new(req);
+        // 1. key
+        let key = self.key.extract(&info);
+        // 2. policy, 3. decision
+        let admission = (self.policies).with(&info, key.as_ref().ok(), |policy| match &key {
+            Ok(key) => self.decide(policy, key, &info),
+            Err(err) => Admission::Now(self.missing_key(policy, err, info.headers())),
+        });
+        (admission, Settle::new(self, key.ok()))
+    }
+
+    /// The backend's decision on `key` under `policy`.
+    #[inline]
+    fn decide(
+        &self,
+        policy: &Arc<Prepared<Bk::Policy>>,
+        key: &Key,
+        info: &RequestInfo<'_>,
+    ) -> Admission<Bk> {
+        let Some(cost) = NonZeroU32::new(policy.policy.cost_of(info)) else {
+            policy.metrics.record(Counted::Free, None);
+            return Admission::Now(Verdict::Pass(HeaderAdds::new()));
+        };
+        // Wait mode and pauses apply to enforced policies only: a shadow policy never holds a
+        // request back.
+        let enforced = !policy.policy.is_shadow();
+        let waits = self.waiting.as_ref().filter(|_| enforced);
+        let paused = (self.pauses.as_ref().filter(|_| enforced)).and_then(|p| p.remaining(key));
+        if let Some(pause) = paused {
+            return self.paused(policy, key, cost, pause, info.headers());
+        }
+        // In wait mode a request first asks for its units now (a reservation that waits for
+        // nothing: all-or-nothing on every store); only one refused for less than the longest
+        // wait takes a waiter's slot and reserves. So requests that pass at once never hold a
+        // slot, even while a store answers.
+        let mut decision = match waits {
+            Some(_) => self.backend.decide_with(&policy.backend, key, cost, NOW),
+            None => self.backend.decide(&policy.backend, key, cost),
+        };
+        let result = match poll_now(&mut decision) {
+            Poll::Ready(result) => result,
+            Poll::Pending => {
+                let retry = waits.map(|_| (key.clone(), cost));
+                return later(policy, Step::Deciding(decision, retry), None);
+            }
+        };
+        let Some((slot, max_wait)) = waits.and_then(|w| w.after_refusal(policy.reserves, &result))
+        else {
+            return Admission::Now(self.verdict(policy, result, info.headers()));
+        };
+        let mode = Mode::Reserve { max_wait };
+        let mut decision = self.backend.decide_with(&policy.backend, key, cost, mode);
+        match poll_now(&mut decision) {
+            Poll::Ready(result) => Admission::Now(
+                self.verdict(policy, result, info.headers())
+                    .holding(Some(slot)),
+            ),
+            Poll::Pending => later(policy, Step::Deciding(decision, None), Some(slot)),
+        }
+    }
+
+    /// A request on a key the wrapped service asked to slow down for `pause` more: in wait
+    /// mode, when the pause fits the longest wait and a slot is free, it waits the pause out
+    /// and then reserves; otherwise `429` with the time left, as if its policy's first quota
+    /// denied it.
+    fn paused(
+        &self,
+        prepared: &Arc<Prepared<Bk::Policy>>,
+        key: &Key,
+        cost: NonZeroU32,
+        pause: Duration,
+        headers: &HeaderMap,
+    ) -> Admission<Bk> {
+        if let Some(waiting) = self.waiting.as_ref().filter(|w| pause <= w.max_wait)
+            && let Some(slot) = waiting.enter()
+        {
+            let sleep = Box::pin(tokio::time::sleep(pause));
+            let step = Step::Pausing(sleep, key.clone(), cost, waiting.max_wait - pause);
+            return later(prepared, step, Some(slot));
+        }
+        let params = prepared
+            .policy
+            .validate()
+            .ok()
+            .and_then(|p| p.first().copied());
+        let decision = match params {
+            Some(p) => Decision::new([crate::backend::QuotaState::denied(0, &p, cost, pause)]),
+            None => Decision::new([]),
+        };
+        Admission::Now(self.verdict(prepared, Ok(decision), headers))
+    }
+}
+
+fn later<Bk: Backend>(
+    policy: &Arc<Prepared<Bk::Policy>>,
+    step: Step<Bk>,
+    slot: Option<Slot>,
+) -> Admission<Bk> {
+    Admission::Later(Later {
+        policy: policy.clone(),
+        step,
+        slot,
+    })
 }
 
 /// Counts a backend's answer in the policy's metrics.
@@ -141,35 +359,7 @@ pub(crate) fn count<P>(prepared: &Prepared<P>, result: &Result<Decision, Backend
     m.record(outcome, quota);
 }
 
-/// What the response future needs to read the wrapped service's answer for a request to slow
-/// down.
-pub(crate) struct Note {
-    pub(crate) key: Key,
-    pub(crate) pauses: Arc<Pauses>,
-}
-
 impl<K, Bk: Backend> Shared<K, Bk> {
-    /// The answer for a request whose key the wrapped service asked to slow down for `pause`
-    /// more: `429` with the time left, as if its policy's first quota denied it.
-    pub(crate) fn paused(
-        &self,
-        prepared: &Prepared<Bk::Policy>,
-        cost: NonZeroU32,
-        pause: Duration,
-        headers: &HeaderMap,
-    ) -> Verdict {
-        let params = prepared
-            .policy
-            .validate()
-            .ok()
-            .and_then(|p| p.first().copied());
-        let decision = match params {
-            Some(p) => Decision::new([crate::backend::QuotaState::denied(0, &p, cost, pause)]),
-            None => Decision::new([]),
-        };
-        self.verdict(prepared, Ok(decision), headers)
-    }
-
     /// The answer for a request without a key, as `on_missing_key` says.
     pub(crate) fn missing_key(
         &self,
@@ -202,10 +392,7 @@ impl<K, Bk: Backend> Shared<K, Bk> {
                 retry_after: None,
                 quota_names: &[],
             };
-            let res =
-                self.responder
-                    .reject(&rejection, grpc_content_type(headers), HeaderAdds::new());
-            return Verdict::Reject(Box::new(res));
+            return self.reject(&rejection, headers, HeaderAdds::new());
         }
         prepared.metrics.record(Counted::MissingKey, None);
         match self.on_missing_key {
@@ -231,12 +418,7 @@ impl<K, Bk: Backend> Shared<K, Bk> {
                     retry_after: None,
                     quota_names: &[],
                 };
-                let res = self.responder.reject(
-                    &rejection,
-                    grpc_content_type(headers),
-                    HeaderAdds::new(),
-                );
-                Verdict::Reject(Box::new(res))
+                self.reject(&rejection, headers, HeaderAdds::new())
             }
         }
     }
@@ -248,75 +430,22 @@ impl<K, Bk: Backend> Shared<K, Bk> {
         result: Result<Decision, BackendError>,
         headers: &HeaderMap,
     ) -> Verdict {
-        let policy = prepared.policy.name();
         count(prepared, &result);
-        match result {
-            Ok(decision) if decision.is_allowed() => {
-                // A shadow policy is not enforced: its fields would make clients back off for
-                // nothing, unless asked for.
-                if prepared.policy.is_shadow() && !prepared.policy.sends_shadow_headers() {
-                    return Verdict::Pass(HeaderAdds::new());
-                }
-                let adds = response::rate_limit_headers(
-                    self.responder.style,
-                    &prepared.headers,
-                    &decision,
-                );
-                match decision.wait() {
-                    Duration::ZERO => Verdict::Pass(adds),
-                    wait => Verdict::Wait(adds, wait),
-                }
-            }
-            Ok(decision) if prepared.policy.is_shadow() => {
-                tracing::info!(
-                    policy,
-                    shadow = true,
-                    retry_after_ms = decision.retry_after().map(|d| d.as_millis() as u64),
-                    "request would have been rate limited (shadow mode)"
-                );
-                Verdict::Pass(HeaderAdds::new())
-            }
+        if prepared.policy.is_shadow() {
+            return self.shadow(prepared, result);
+        }
+        let policy = prepared.policy.name();
+        let (decision, adds) = match result {
             Ok(decision) => {
-                let retry_after = decision.retry_after();
-                tracing::debug!(
-                    policy,
-                    retry_after_ms = retry_after.map(|d| d.as_millis() as u64),
-                    never_fits = decision.never_fits(),
-                    "request rate limited"
-                );
-                let adds = response::rate_limit_headers(
-                    self.responder.style,
-                    &prepared.headers,
-                    &decision,
-                );
-                // A cost larger than a quota's burst can never pass: not "too many", but too
-                // large, and no `Retry-After`.
-                let status = if decision.never_fits() {
-                    StatusCode::PAYLOAD_TOO_LARGE
-                } else {
-                    StatusCode::TOO_MANY_REQUESTS
-                };
-                let rejection = Rejection {
-                    kind: RejectionKind::RateLimited(&decision),
-                    policy,
-                    status,
-                    retry_after,
-                    quota_names: &prepared.headers.labels,
-                };
-                Verdict::Reject(Box::new(self.responder.reject(
-                    &rejection,
-                    grpc_content_type(headers),
-                    adds,
-                )))
-            }
-            Err(error) if prepared.policy.is_shadow() => {
-                tracing::debug!(
-                    policy,
-                    shadow = true,
-                    %error,
-                    "rate-limit backend failed; allowed (shadow mode)"
-                );
-                Verdict::Pass(HeaderAdds::new())
+                let style = self.responder.style;
+                let adds = response::rate_limit_headers(style, &prepared.headers, &decision);
+                if decision.is_allowed() {
+                    return match decision.wait() {
+                        Duration::ZERO => Verdict::Pass(adds),
+                        wait => Verdict::Wait(adds, wait, None),
+                    };
+                }
+                (decision, adds)
             }
             Err(error) => {
                 // Backends log their failures once per change of state (the Redis backend: a
@@ -327,15 +456,81 @@ impl<K, Bk: Backend> Shared<K, Bk> {
                     kind: RejectionKind::BackendUnavailable,
                     policy,
                     status: StatusCode::SERVICE_UNAVAILABLE,
-                    retry_after: Some(std::time::Duration::from_secs(1)),
+                    retry_after: Some(Duration::from_secs(1)),
                     quota_names: &prepared.headers.labels,
                 };
-                Verdict::Reject(Box::new(self.responder.reject(
-                    &rejection,
-                    grpc_content_type(headers),
-                    HeaderAdds::new(),
-                )))
+                return self.reject(&rejection, headers, HeaderAdds::new());
+            }
+        };
+        let retry_after = decision.retry_after();
+        tracing::debug!(
+            policy,
+            retry_after_ms = retry_after.map(|d| d.as_millis() as u64),
+            never_fits = decision.never_fits(),
+            "request rate limited"
+        );
+        // A cost larger than a quota's burst can never pass: not "too many", but too large,
+        // and no `Retry-After`.
+        let status = if decision.never_fits() {
+            StatusCode::PAYLOAD_TOO_LARGE
+        } else {
+            StatusCode::TOO_MANY_REQUESTS
+        };
+        let rejection = Rejection {
+            kind: RejectionKind::RateLimited(&decision),
+            policy,
+            status,
+            retry_after,
+            quota_names: &prepared.headers.labels,
+        };
+        self.reject(&rejection, headers, adds)
+    }
+
+    /// The verdict of a shadow policy: every request passes. Refusals and failures are
+    /// logged (and counted, by [`count`]); the fields go out on allowed responses only when
+    /// asked for, since they would make clients back off for nothing.
+    fn shadow(
+        &self,
+        prepared: &Prepared<Bk::Policy>,
+        result: Result<Decision, BackendError>,
+    ) -> Verdict {
+        let policy = prepared.policy.name();
+        match result {
+            Ok(decision) if decision.is_allowed() => {
+                if !prepared.policy.sends_shadow_headers() {
+                    return Verdict::Pass(HeaderAdds::new());
+                }
+                let style = self.responder.style;
+                Verdict::Pass(response::rate_limit_headers(
+                    style,
+                    &prepared.headers,
+                    &decision,
+                ))
+            }
+            Ok(decision) => {
+                tracing::info!(
+                    policy,
+                    shadow = true,
+                    retry_after_ms = decision.retry_after().map(|d| d.as_millis() as u64),
+                    "request would have been rate limited (shadow mode)"
+                );
+                Verdict::Pass(HeaderAdds::new())
+            }
+            Err(error) => {
+                tracing::debug!(
+                    policy,
+                    shadow = true,
+                    %error,
+                    "rate-limit backend failed; allowed (shadow mode)"
+                );
+                Verdict::Pass(HeaderAdds::new())
             }
         }
+    }
+
+    /// The rejection's response, in the request's protocol (`headers`: the request's).
+    fn reject(&self, rejection: &Rejection<'_>, headers: &HeaderMap, adds: HeaderAdds) -> Verdict {
+        let grpc = grpc_content_type(headers);
+        Verdict::Reject(Box::new(self.responder.reject(rejection, grpc, adds)))
     }
 }

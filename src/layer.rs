@@ -1,6 +1,5 @@
 //! The layer and its builder.
 
-use std::any::Any;
 use std::collections::HashMap;
 use std::fmt;
 use std::marker::PhantomData;
@@ -60,13 +59,12 @@ where
     Bk: Backend + fmt::Debug,
 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mut d = f.debug_struct("RateLimitLayer");
-        if let Some(shared) = self.shared.get() {
-            d.field("key", &shared.key)
-                .field("backend", &shared.backend)
-                .field("policy", &shared.policies.default_name());
-        }
-        d.finish()
+        let shared = self.shared.get();
+        f.debug_struct("RateLimitLayer")
+            .field("key", &shared.key)
+            .field("backend", &shared.backend)
+            .field("policy", &shared.policies.default_name())
+            .finish()
     }
 }
 
@@ -113,7 +111,7 @@ impl<K: KeyExtractor, Bk: Backend, M> RateLimitLayer<K, Bk, M> {
     /// The handle that replaces this layer's rules at run time, when it was built with
     /// [`rules`](RateLimitLayerBuilder::rules); `None` for a single fixed policy.
     pub fn rules_handle(&self) -> Option<RulesHandle> {
-        match &self.shared.get()?.policies {
+        match &self.shared.get().policies {
             Policies::Rules(live) => Some(RulesHandle::new(live.clone())),
             Policies::Fixed(_) => None,
         }
@@ -370,7 +368,7 @@ fn buckets_of(policy: &Policy) -> (String, String) {
 
 /// The layers built in this process, by (store, policy name): a name seen in two layers built
 /// separately on one store means shared buckets, which is worth a word in the log.
-type Registry = HashMap<(String, String), Weak<dyn Any + Send + Sync>>;
+type Registry = HashMap<(String, String), Weak<dyn Send + Sync>>;
 
 /// Warns when another layer, built separately and still alive, uses one of `names` on `store`:
 /// the two share those policies' buckets (see "Which layers share buckets" in the crate docs).

@@ -74,6 +74,7 @@
 mod admit;
 pub mod backend;
 pub mod body;
+mod call;
 mod error;
 pub mod future;
 #[cfg(any(test, fuzzing))]
@@ -92,6 +93,7 @@ mod request;
 pub mod response;
 pub mod rules;
 mod service;
+mod settle;
 mod wait;
 
 pub use body::ResponseBody;

@@ -1,28 +1,22 @@
-//! The rate-limit service: admit (key → policy → backend → verdict, in [`admit`](crate::admit)),
-//! then call the inner service, in its response future.
+//! The rate-limit service. [`call`](RateLimit::call) reads as a request's whole path:
+//! admit ([`admit`](crate::admit): key → policy → the backend's decision → verdict), call (the
+//! inner service, after a wait where wait mode decided one: [`call`](crate::call)), settle (what
+//! the answer says, in the response future: [`settle`](crate::settle)).
 
-use std::any::Any;
 use std::fmt;
-use std::future::Future;
 use std::marker::PhantomData;
-use std::num::NonZeroU32;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll, Waker};
-use std::time::Duration;
+use std::task::{Context, Poll};
 
 use http::{Request, Response};
 use tower_service::Service;
 
-use crate::RequestInfo;
-use crate::admit::{Note, Prepared, Shared, Verdict};
-use crate::backend::{Backend, Mode};
+use crate::admit::{Admission, Admitting, Shared, Verdict};
+use crate::backend::Backend;
 use crate::body::{BodyMode, KeepBody};
-use crate::future::{DecideLater, ResponseFuture, Then};
+use crate::call::take_ready;
+use crate::future::ResponseFuture;
 use crate::key::KeyExtractor;
-use crate::metrics::Outcome as Counted;
-use crate::response::HeaderAdds;
-use crate::wait::{Slot, Waiting};
 
 /// Rate-limits requests to the inner service. Made by [`RateLimitLayer`](crate::RateLimitLayer).
 ///
@@ -39,50 +33,67 @@ pub struct RateLimit<S, K, Bk, M = KeepBody> {
     mode: PhantomData<fn() -> M>,
 }
 
-/// A layer's [`Shared`] state with its backend's types hidden, so that the public types need
-/// no `Bk: Backend` bound on their definitions. Only [`Erased::new`] makes one, from a
-/// `Shared<K, Bk>`, so [`get`](Erased::get) always finds it.
-pub(crate) struct Erased<K, Bk> {
-    any: Arc<dyn Any + Send + Sync>,
-    types: PhantomData<fn() -> (K, Bk)>,
+/// A layer's [`Shared`] state behind a trait object whose methods carry the `Bk: Backend`
+/// bound, so that the public types need none on their definitions.
+pub(crate) struct Erased<K, Bk>(Arc<dyn Layered<K, Bk>>);
+
+/// What hides a layer's [`Shared`] state: implemented by it alone.
+pub(crate) trait Layered<K, Bk>: Send + Sync + 'static {
+    /// The shared state.
+    fn get(&self) -> &Shared<K, Bk>
+    where
+        Bk: Backend;
+
+    /// The shared state, for a future that outlives the service's borrow.
+    fn arc(self: Arc<Self>) -> Arc<Shared<K, Bk>>
+    where
+        Bk: Backend;
+}
+
+impl<K: KeyExtractor, Bk: Backend> Layered<K, Bk> for Shared<K, Bk> {
+    #[inline]
+    fn get(&self) -> &Shared<K, Bk> {
+        self
+    }
+
+    fn arc(self: Arc<Self>) -> Arc<Shared<K, Bk>> {
+        self
+    }
 }
 
 impl<K, Bk> Clone for Erased<K, Bk> {
     fn clone(&self) -> Self {
-        Erased {
-            any: self.any.clone(),
-            types: PhantomData,
-        }
+        Erased(self.0.clone())
     }
 }
 
 impl<K, Bk> Erased<K, Bk> {
-    pub(crate) fn downgrade(&self) -> std::sync::Weak<dyn Any + Send + Sync> {
-        Arc::downgrade(&self.any)
+    /// A weak handle, to tell whether the layer is still alive.
+    pub(crate) fn downgrade(&self) -> std::sync::Weak<dyn Send + Sync> {
+        let weak: std::sync::Weak<dyn Layered<K, Bk>> = Arc::downgrade(&self.0);
+        weak
     }
 
     /// Whether `other` is this layer's state.
-    pub(crate) fn is(&self, other: &Arc<dyn Any + Send + Sync>) -> bool {
-        Arc::ptr_eq(&self.any, other)
+    pub(crate) fn is(&self, other: &Arc<dyn Send + Sync>) -> bool {
+        std::ptr::addr_eq(Arc::as_ptr(&self.0), Arc::as_ptr(other))
     }
 }
 
 impl<K: KeyExtractor, Bk: Backend> Erased<K, Bk> {
     pub(crate) fn new(shared: Shared<K, Bk>) -> Self {
-        Erased {
-            any: Arc::new(shared),
-            types: PhantomData,
-        }
+        Erased(Arc::new(shared))
     }
 
-    /// The shared state (a type-id comparison, no allocation).
-    pub(crate) fn get(&self) -> Option<&Shared<K, Bk>> {
-        self.any.downcast_ref()
+    /// The shared state.
+    #[inline]
+    pub(crate) fn get(&self) -> &Shared<K, Bk> {
+        self.0.get()
     }
 
     /// The shared state, for a future that outlives the service's borrow.
-    pub(crate) fn arc(&self) -> Option<Arc<Shared<K, Bk>>> {
-        self.any.clone().downcast().ok()
+    pub(crate) fn arc(&self) -> Arc<Shared<K, Bk>> {
+        self.0.clone().arc()
     }
 }
 
@@ -123,10 +134,9 @@ impl<S: Clone, K, Bk, M> Clone for RateLimit<S, K, Bk, M> {
 
 impl<S: fmt::Debug, K: KeyExtractor, Bk: Backend, M> fmt::Debug for RateLimit<S, K, Bk, M> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let policy = self.shared.get().map(|s| s.policies.default_name());
         f.debug_struct("RateLimit")
             .field("inner", &self.inner)
-            .field("policy", &policy.unwrap_or_default())
+            .field("policy", &self.shared.get().policies.default_name())
             .finish()
     }
 }
@@ -147,166 +157,23 @@ where
     }
 
     fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
-        let Some(shared) = self.shared.get() else {
-            // Unreachable: `Erased` is only ever made from a `Shared<K, Bk>`.
-            return ResponseFuture::called(self.inner.call(req), HeaderAdds::new(), None);
-        };
-        let (step, key) = {
-            let info = RequestInfo::new(&req);
-            // 1. key
-            let key = shared.key.extract(&info);
-            // 2. policy
-            let step = shared.policies.with(&info, key.as_ref().ok(), |policy| {
-                let key = match &key {
-                    Ok(key) => key,
-                    Err(err) => {
-                        return Step::Done(shared.missing_key(policy, err, info.headers()), None);
-                    }
-                };
-                let Some(cost) = NonZeroU32::new(policy.policy.cost_of(&info)) else {
-                    policy.metrics.record(Counted::Free, None);
-                    return Step::Done(Verdict::Pass(HeaderAdds::new()), None);
-                };
-                // Wait mode and pauses apply to enforced policies only: a shadow policy never
-                // holds a request back.
-                let waits = shared
-                    .waiting
-                    .as_ref()
-                    .filter(|_| !policy.policy.is_shadow());
-                // The wrapped service asked to slow down for this key: wait out the pause,
-                // then reserve (wait mode), or answer for it.
-                let pause = (shared.pauses.as_ref())
-                    .filter(|_| !policy.policy.is_shadow())
-                    .and_then(|p| p.remaining(key));
-                if let Some(pause) = pause {
-                    let slot = waits
-                        .filter(|w| pause <= w.max_wait)
-                        .and_then(Waiting::enter);
-                    return match (slot, waits) {
-                        (Some(slot), Some(w)) => {
-                            let left = w.max_wait - pause;
-                            Step::PauseFirst(pause, left, policy.clone(), cost, Some(slot))
-                        }
-                        _ => Step::Done(shared.paused(policy, cost, pause, info.headers()), None),
-                    };
-                }
-                // 3. backend. In-memory backends answer at once; others go on in the
-                // response future. In wait mode a request first asks for its units now (a
-                // reservation that waits for nothing: all-or-nothing on every store); only one
-                // refused for less than the longest wait takes a waiter's slot and reserves. So
-                // requests that pass at once never hold a slot, even while a store answers.
-                let mut decision = match waits {
-                    Some(_) => shared.backend.decide_with(&policy.backend, key, cost, NOW),
-                    None => shared.backend.decide(&policy.backend, key, cost),
-                };
-                let result = match poll_now(&mut decision) {
-                    Poll::Ready(result) => result,
-                    Poll::Pending => {
-                        let retry = waits.map(|_| cost);
-                        return Step::Pending(decision, policy.clone(), None, retry);
-                    }
-                };
-                let Some((slot, max_wait)) =
-                    waits.and_then(|w| w.after_refusal(policy.reserves, &result))
-                else {
-                    return Step::Done(shared.verdict(policy, result, info.headers()), None);
-                };
-                let mode = Mode::Reserve { max_wait };
-                let mut decision = shared.backend.decide_with(&policy.backend, key, cost, mode);
-                match poll_now(&mut decision) {
-                    Poll::Ready(result) => {
-                        Step::Done(shared.verdict(policy, result, info.headers()), Some(slot))
-                    }
-                    Poll::Pending => Step::Pending(decision, policy.clone(), Some(slot), None),
-                }
-            });
-            (step, key)
-        };
-        // The wrapped service's answer for this key is read for requests to slow down.
-        let note = match (&shared.pauses, &key) {
-            (Some(pauses), Ok(key)) => Some(Box::new(Note {
-                key: key.clone(),
-                pauses: pauses.clone(),
-            })),
-            _ => None,
-        };
-        // 4. pass, wait or reject
-        match step {
-            Step::Done(Verdict::Pass(adds), _) => {
-                ResponseFuture::called(self.inner.call(req), adds, note)
+        // 1. admit: key → policy → the backend's decision → verdict (with what the request
+        // settles when answered)
+        let (admission, settle) = self.shared.get().admit(&req);
+        // 2. call the inner service: at once, after a wait, or once a store has decided;
+        // 3. settle: in the response future, when the inner service answers
+        match admission {
+            Admission::Now(Verdict::Pass(adds)) => {
+                ResponseFuture::calling(self.inner.call(req), adds, settle)
             }
-            Step::Done(Verdict::Reject(res), _) => ResponseFuture::rejected(res),
-            Step::Done(Verdict::Wait(adds, wait), slot) => {
-                // The service that was polled ready waits with the request (tower's
-                // ready-clone rule); a fresh clone takes its place.
-                let clone = self.inner.clone();
-                let ready = std::mem::replace(&mut self.inner, clone);
-                ResponseFuture::waiting(wait, ready, req, adds, slot, note)
+            Admission::Now(Verdict::Reject(response)) => ResponseFuture::refused(response),
+            Admission::Now(wait) => {
+                ResponseFuture::admitted(wait, take_ready(&mut self.inner), req, settle)
             }
-            Step::Pending(decision, policy, slot, retry) => {
-                let clone = self.inner.clone();
-                let ready = std::mem::replace(&mut self.inner, clone);
-                match self.shared.arc() {
-                    Some(shared) => {
-                        let retry = retry.zip(key.ok()).map(|(cost, key)| (key, cost));
-                        let then = Then { slot, note, retry };
-                        ResponseFuture::deciding(decision, ready, req, shared, policy, then)
-                    }
-                    // Unreachable, as above.
-                    None => ResponseFuture::called({ ready }.call(req), HeaderAdds::new(), None),
-                }
-            }
-            Step::PauseFirst(pause, left, policy, cost, slot) => {
-                let clone = self.inner.clone();
-                let ready = std::mem::replace(&mut self.inner, clone);
-                match (self.shared.arc(), key) {
-                    (Some(shared), Ok(key)) => {
-                        let then = Then {
-                            slot,
-                            note,
-                            retry: None,
-                        };
-                        let later = DecideLater {
-                            shared,
-                            policy,
-                            key,
-                            cost,
-                            max_wait: left,
-                        };
-                        ResponseFuture::pausing(pause, ready, req, later, then)
-                    }
-                    // Unreachable: a pause needs a key, and `Erased` a `Shared`.
-                    _ => ResponseFuture::called({ ready }.call(req), HeaderAdds::new(), None),
-                }
+            Admission::Later(later) => {
+                let admitting = Admitting::new(self.shared.arc(), later);
+                ResponseFuture::admitting(admitting, take_ready(&mut self.inner), req, settle)
             }
         }
     }
-}
-
-/// A first decision in wait mode: the units now, or a refusal that says how long they take.
-const NOW: Mode = Mode::Reserve {
-    max_wait: Duration::ZERO,
-};
-
-/// Polls a decision once, without a waker: in-memory backends are ready at once.
-#[inline]
-fn poll_now<F: Future + Unpin>(decision: &mut F) -> Poll<F::Output> {
-    Pin::new(decision).poll(&mut Context::from_waker(Waker::noop()))
-}
-
-/// Where a request stands once `call` has asked the backend.
-enum Step<F, P> {
-    Done(Verdict, Option<Slot>),
-    /// The decision is being made; in wait mode, with the cost to reserve if it refuses for
-    /// less than the longest wait.
-    Pending(F, Arc<Prepared<P>>, Option<Slot>, Option<NonZeroU32>),
-    /// Wait mode, on a key the wrapped service paused: sleep this long, then reserve within
-    /// the wait that is left.
-    PauseFirst(
-        Duration,
-        Duration,
-        Arc<Prepared<P>>,
-        NonZeroU32,
-        Option<Slot>,
-    ),
 }
