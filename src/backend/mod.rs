@@ -183,6 +183,18 @@ impl Decision {
         }
     }
 
+    /// [`new`](Self::new) for states already gathered as a decision keeps them: moved as they
+    /// are, not collected one by one again.
+    #[cfg_attr(not(feature = "local"), allow(dead_code))]
+    #[inline]
+    pub(crate) fn from_states(quotas: SmallVec<[QuotaState; 2]>) -> Self {
+        Decision {
+            quotas,
+            by: DecidedBy::Store,
+            wait: Duration::ZERO,
+        }
+    }
+
     /// The same decision, reported as every backend reports it: a request that can never fit
     /// by the first quota it cannot fit alone, whatever the others said (what they have is of
     /// no use to a request that can never pass; the local backend refuses it before looking

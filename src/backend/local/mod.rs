@@ -109,7 +109,28 @@ use crate::{BackendError, ConfigError, Key, Policy};
 pub use governor;
 pub use governor::clock::{Clock, FakeRelativeClock, MonotonicClock, Reference};
 
-type Limiter<C> = RateLimiter<Key, Store, C, StateInformationMiddleware>;
+type Limiter<C> = RateLimiter<Key, Store, Stamped<C>, StateInformationMiddleware>;
+
+/// The backend's clock as its governor limiters see it: nanoseconds since the backend's origin,
+/// each reading also kept for the thread that made it, so that the decision governor just made
+/// is reported (its reset, its wait) from the same reading, without reading the clock and
+/// converting its time again.
+#[derive(Clone)]
+struct Stamped<C: Clock> {
+    clock: C,
+    origin: C::Instant,
+}
+
+impl<C: Clock> Clock for Stamped<C> {
+    type Instant = Nanos;
+
+    #[inline]
+    fn now(&self) -> Nanos {
+        let now = self.clock.now().duration_since(self.origin);
+        LAST_NOW.set(now.as_u64());
+        now
+    }
+}
 
 /// The in-process GCRA backend. Cheap to clone: clones share their buckets.
 ///
@@ -164,7 +185,7 @@ struct Inner<C: Clock> {
 /// A quota's counters, held weakly so that dropped policies free their buckets: a GCRA
 /// limiter, its store and the instant it counts its time from, or a window store.
 enum Registered<C: Clock> {
-    Gcra(Weak<Limiter<C>>, Weak<StoreMap>, C::Instant),
+    Gcra(Weak<Limiter<C>>, Weak<StoreMap>, Nanos),
     Window(Weak<WindowStore>),
 }
 
@@ -439,7 +460,7 @@ enum Counter<C: Clock> {
         /// Read just before the limiter was made, so never later than the instant governor
         /// counts the stored times from: times computed from it are never later than
         /// governor's.
-        start: C::Instant,
+        start: Nanos,
     },
     Window(Arc<WindowStore>),
 }
@@ -504,12 +525,16 @@ where
                     map: DashMap::with_hasher(RandomState::default()),
                     tracked: self.inner.tracked.clone(),
                 });
-                let start = self.inner.clock.now();
+                let clock = Stamped {
+                    clock: self.inner.clock.clone(),
+                    origin: self.inner.origin,
+                };
+                let start = clock.now();
                 let limiter = Arc::new(
-                    RateLimiter::<Key, Store, C, NoOpMiddleware<C::Instant>>::new(
+                    RateLimiter::<Key, Store, Stamped<C>, NoOpMiddleware<Nanos>>::new(
                         quota,
                         Store(store.clone()),
-                        self.inner.clock.clone(),
+                        clock,
                     )
                     .with_middleware::<StateInformationMiddleware>(),
                 );
@@ -550,7 +575,6 @@ where
             Some(Refusal::Allow) => return ready(Ok(Decision::new([]))),
         }
         let inner = &*self.inner;
-        let clock = &inner.clock;
         // One reading of the time for every window quota of the decision.
         let now_us = std::cell::OnceCell::new();
         let now_us = || *now_us.get_or_init(|| inner.now_us());
@@ -585,7 +609,7 @@ where
                         // The bucket's new arrival time, as the store just wrote it.
                         let tat = LAST_TAT.get();
                         let mut state =
-                            QuotaState::allowed(index, params, until(*start, tat, clock));
+                            QuotaState::allowed(index, params, until(*start, tat, LAST_NOW.get()));
                         // governor's count is exact; ours may be one more right at a boundary.
                         state.remaining = snapshot.remaining_burst_capacity().min(state.limit);
                         state
@@ -594,7 +618,7 @@ where
                         index,
                         params,
                         cost,
-                        not_until.wait_time_from(clock.now()),
+                        not_until.wait_time_from(Nanos::from(LAST_NOW.get())),
                     ),
                     Err(_insufficient) => quota.peek(index, key, inner),
                 },
@@ -609,7 +633,7 @@ where
         if windows {
             states.sort_unstable_by_key(|s| s.index);
         }
-        ready(Ok(Decision::new(states)))
+        ready(Ok(Decision::from_states(states)))
     }
 
     fn decide_with(
@@ -667,7 +691,7 @@ where
                 Counter::Window(store) => store.would(index, key, inner.now_us(), cost),
                 Counter::Gcra { store, start, .. } => {
                     let tat = (store.map.get(key)).map_or(0, |tat| tat.load(Ordering::Acquire));
-                    let rel = until(*start, tat, &inner.clock);
+                    let rel = until(*start, tat, inner.elapsed_ns());
                     gcra_state(index, &quota.params, cost, rel, Duration::ZERO)
                 }
             };
@@ -677,7 +701,7 @@ where
                 break;
             }
         }
-        Decision::new(states)
+        Decision::from_states(states)
     }
 
     /// A reservation (see [`Mode::Reserve`]): window quotas must have room now; GCRA quotas
@@ -723,7 +747,7 @@ where
                 }
                 Counter::Gcra { store, start, .. } => {
                     let tat = (store.map.get(key)).map_or(0, |tat| tat.load(Ordering::Acquire));
-                    let rel = until(*start, tat, &inner.clock);
+                    let rel = until(*start, tat, inner.elapsed_ns());
                     let w = gcra_wait(&quota.params, cost, rel);
                     if w > max_wait {
                         return Decision::new([gcra_state(
@@ -744,7 +768,7 @@ where
                 Counter::Window(store) => store.decide(index, key, now_us, cost),
                 Counter::Gcra { store, start, .. } => {
                     let p = &quota.params;
-                    let now = inner.clock.now().duration_since(*start).as_u64();
+                    let now = inner.elapsed_ns().saturating_sub(start.as_u64());
                     let step = p.emission_ns.saturating_mul(u64::from(cost.get()));
                     let longest = std::cell::Cell::new(wait);
                     let charged = Store(store.clone()).measure_and_replace(key, |tat| {
@@ -774,10 +798,10 @@ where
             let stop = state.outcome != Outcome::Allowed;
             states.push(state);
             if stop {
-                return Decision::new(states);
+                return Decision::from_states(states);
             }
         }
-        Decision::new(states).after(Duration::from_nanos(wait))
+        Decision::from_states(states).after(Duration::from_nanos(wait))
     }
 
     /// The state of the first quota that refuses `cost` on `key` without looking at its
@@ -905,11 +929,10 @@ fn gcra_state(
     }
 }
 
-/// How far from now a theoretical arrival time `tat` (governor's nanoseconds since the
-/// limiter's `start`) lies: zero when passed. Never more than governor's own reading, by at
-/// most the time the decision took.
-fn until<C: Clock>(start: C::Instant, tat: u64, clock: &C) -> Duration {
-    let elapsed = clock.now().duration_since(start).as_u64();
+/// How far from `now` (nanoseconds since the backend's origin) a theoretical arrival time `tat`
+/// (governor's nanoseconds since the limiter's `start`) lies: zero when passed.
+fn until(start: Nanos, tat: u64, now: u64) -> Duration {
+    let elapsed = now.saturating_sub(start.as_u64());
     Duration::from_nanos(tat.saturating_sub(elapsed))
 }
 
@@ -920,7 +943,7 @@ impl<C: Clock> PreparedQuota<C> {
         match &self.counter {
             Counter::Gcra { store, start, .. } => {
                 let tat = (store.map.get(key)).map_or(0, |tat| tat.load(Ordering::Acquire));
-                QuotaState::never_fits(index, &self.params, until(*start, tat, &inner.clock))
+                QuotaState::never_fits(index, &self.params, until(*start, tat, inner.elapsed_ns()))
             }
             Counter::Window(store) => store.peek(index, key, inner.now_us()),
         }
@@ -955,6 +978,9 @@ thread_local! {
     /// The arrival time the store last wrote on this thread: governor reports remaining units,
     /// not the time, and `decide` reads it right after the check it made on this thread.
     static LAST_TAT: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    /// The time a limiter last read on this thread ([`Stamped`]), in nanoseconds since the
+    /// backend's origin: the `now` of the decision `decide` just had governor make.
+    static LAST_NOW: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
 /// Governor state store: one atomic theoretical arrival time per key, counted against the
