@@ -213,30 +213,40 @@ impl<K: KeyExtractor, Bk: Backend> Shared<K, Bk> {
     /// Admits `req`: its key, its policy, the backend's decision and the verdict, or the
     /// decision still to be made; and what the request settles once answered.
     #[inline]
-    pub(crate) fn admit<B>(&self, req: &Request<B>) -> (Admission<Bk>, Option<Box<Settle>>) {
+    pub(crate) fn admit<B>(&self, req: &Request<B>) -> (Admission<Bk>, Option<Box<Settle<Bk>>>) {
         let info = RequestInfo::new(req);
         // 1. key
         let key = self.key.extract(&info);
-        // 2. policy, 3. decision
-        let admission = (self.policies).with(&info, key.as_ref().ok(), |policy| match &key {
-            Ok(key) => self.decide(policy, key, &info),
-            Err(err) => Admission::Now(self.missing_key(policy, err, info.headers())),
-        });
-        (admission, Settle::new(self, key.ok()))
+        // 2. policy
+        (self.policies).with(&info, key.as_ref().ok(), |policy| {
+            let key = match &key {
+                Ok(key) => key,
+                Err(err) => {
+                    let verdict = self.missing_key(policy, err, info.headers());
+                    return (Admission::Now(verdict), None);
+                }
+            };
+            let Some(cost) = NonZeroU32::new(policy.policy.cost_of(&info)) else {
+                policy.metrics.record(Counted::Free, None);
+                let pass = Admission::Now(Verdict::Pass(HeaderAdds::new()));
+                return (pass, Settle::new(self, None, key));
+            };
+            // 3. decision
+            let charge = policy.policy.settle_rules().map(|_| (policy, cost));
+            let settle = Settle::new(self, charge, key);
+            (self.decide(policy, key, cost, &info), settle)
+        })
     }
 
-    /// The backend's decision on `key` under `policy`.
+    /// The backend's decision on `key` under `policy`, for `cost` units.
     #[inline]
     fn decide(
         &self,
         policy: &Arc<Prepared<Bk::Policy>>,
         key: &Key,
+        cost: NonZeroU32,
         info: &RequestInfo<'_>,
     ) -> Admission<Bk> {
-        let Some(cost) = NonZeroU32::new(policy.policy.cost_of(info)) else {
-            policy.metrics.record(Counted::Free, None);
-            return Admission::Now(Verdict::Pass(HeaderAdds::new()));
-        };
         // Wait mode and pauses apply to enforced policies only: a shadow policy never holds a
         // request back.
         let enforced = !policy.policy.is_shadow();

@@ -9,6 +9,7 @@ use std::time::Duration;
 use http::Request;
 use tower_service::Service;
 
+use crate::backend::Backend;
 use crate::response::HeaderAdds;
 use crate::settle::Settle;
 use crate::wait::Slot;
@@ -23,24 +24,24 @@ pub(crate) fn take_ready<S: Clone>(inner: &mut S) -> S {
 
 /// A request held before its call (wait mode): its units are reserved, and it goes on when the
 /// sleep ends.
-pub(crate) struct Wait<S, ReqBody> {
+pub(crate) struct Wait<S, ReqBody, Bk: Backend> {
     sleep: Pin<Box<tokio::time::Sleep>>,
-    call: Option<Call<S, ReqBody>>,
+    call: Option<Call<S, ReqBody, Bk>>,
     // Given back when the request goes on, or when it is dropped while waiting.
     _slot: Option<Slot>,
 }
 
 /// A call to make: the ready service and its request, with what admission decided for the
 /// response.
-pub(crate) struct Call<S, ReqBody> {
+pub(crate) struct Call<S, ReqBody, Bk: Backend> {
     pub(crate) inner: S,
     pub(crate) req: Request<ReqBody>,
     pub(crate) adds: HeaderAdds,
-    pub(crate) settle: Option<Box<Settle>>,
+    pub(crate) settle: Option<Box<Settle<Bk>>>,
 }
 
-impl<S, ReqBody> Wait<S, ReqBody> {
-    pub(crate) fn new(wait: Duration, slot: Option<Slot>, call: Call<S, ReqBody>) -> Self {
+impl<S, ReqBody, Bk: Backend> Wait<S, ReqBody, Bk> {
+    pub(crate) fn new(wait: Duration, slot: Option<Slot>, call: Call<S, ReqBody, Bk>) -> Self {
         Wait {
             sleep: Box::pin(tokio::time::sleep(wait)),
             call: Some(call),
@@ -49,7 +50,7 @@ impl<S, ReqBody> Wait<S, ReqBody> {
     }
 
     /// The call, once the wait is over (`None` if asked again after that).
-    pub(crate) fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Option<Call<S, ReqBody>>>
+    pub(crate) fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Option<Call<S, ReqBody, Bk>>>
     where
         S: Service<Request<ReqBody>>,
     {

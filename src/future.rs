@@ -48,13 +48,13 @@ pin_project! {
             admitting: Box<Pending<S, ReqBody, K, Bk>>,
         },
         Waiting {
-            wait: Box<Wait<S, ReqBody>>,
+            wait: Box<Wait<S, ReqBody, Bk>>,
         },
         Calling {
             #[pin]
             fut: S::Future,
             adds: Option<HeaderAdds>,
-            settle: Option<Box<Settle>>,
+            settle: Option<Box<Settle<Bk>>>,
         },
         Refused {
             response: Option<Box<Response<Bytes>>>,
@@ -66,7 +66,7 @@ pin_project! {
 struct Pending<S, ReqBody, K, Bk: Backend> {
     admitting: Admitting<K, Bk>,
     call: Option<(S, Request<ReqBody>)>,
-    settle: Option<Box<Settle>>,
+    settle: Option<Box<Settle<Bk>>>,
 }
 
 impl<S, ReqBody, K, Bk, M> ResponseFuture<S, ReqBody, K, Bk, M>
@@ -86,7 +86,7 @@ where
         admitting: Admitting<K, Bk>,
         inner: S,
         req: Request<ReqBody>,
-        settle: Option<Box<Settle>>,
+        settle: Option<Box<Settle<Bk>>>,
     ) -> Self {
         let call = Some((inner, req));
         let admitting = Box::new(Pending {
@@ -98,7 +98,12 @@ where
     }
 
     /// The inner service is called (passed at once).
-    pub(crate) fn calling(fut: S::Future, adds: HeaderAdds, settle: Option<Box<Settle>>) -> Self {
+    pub(crate) fn calling(
+        fut: S::Future,
+        adds: HeaderAdds,
+        mut settle: Option<Box<Settle<Bk>>>,
+    ) -> Self {
+        Settle::arm(&mut settle);
         Self::new(State::Calling {
             fut,
             adds: Some(adds),
@@ -119,11 +124,13 @@ where
         verdict: Verdict,
         mut inner: S,
         req: Request<ReqBody>,
-        settle: Option<Box<Settle>>,
+        settle: Option<Box<Settle<Bk>>>,
     ) -> Self {
         match verdict {
             Verdict::Pass(adds) => Self::calling(inner.call(req), adds, settle),
             Verdict::Wait(adds, wait, slot) => {
+                let mut settle = settle;
+                Settle::arm(&mut settle);
                 let call = Call {
                     inner,
                     req,
@@ -178,7 +185,7 @@ where
                     settle: s,
                 } => {
                     let res = ready!(fut.poll(cx))?;
-                    return Poll::Ready(Ok(settle::<_, M>(res, adds.take(), s.take())));
+                    return Poll::Ready(Ok(settle::<_, M, Bk>(res, adds.take(), s.take())));
                 }
                 StateProj::Refused { response } => {
                     let res = response

@@ -93,7 +93,7 @@ mod request;
 pub mod response;
 pub mod rules;
 mod service;
-mod settle;
+pub mod settle;
 mod wait;
 
 pub use body::ResponseBody;
@@ -105,3 +105,4 @@ pub use quota::{Quota, QuotaParams};
 pub use request::RequestInfo;
 pub use response::{HeaderStyle, Rejection, RejectionKind};
 pub use service::RateLimit;
+pub use settle::Charge;

@@ -30,6 +30,8 @@ pub struct Policy {
     cost: Cost,
     shadow: bool,
     shadow_headers: bool,
+    /// How requests are settled after their response, when they are.
+    settle: Option<Arc<crate::settle::Rules>>,
 }
 
 #[derive(Clone)]
@@ -52,6 +54,7 @@ impl Policy {
             cost: Cost::Fixed(1),
             shadow: false,
             shadow_headers: false,
+            settle: None,
         }
     }
 
@@ -96,6 +99,54 @@ impl Policy {
     pub fn shadow_headers(mut self, send: bool) -> Self {
         self.shadow_headers = send;
         self
+    }
+
+    /// Counts a request only when its response matches `when`: the units taken at admission
+    /// are given back when it does not. A key at its limit is still refused before the inner
+    /// service runs.
+    ///
+    /// ```
+    /// use tollgate::settle::ChargeWhen;
+    /// use tollgate::{Policy, Quota};
+    ///
+    /// // 5 failed logins per 15 minutes; successful ones are free.
+    /// let login = Policy::new("login", Quota::new(5, std::time::Duration::from_secs(900)))
+    ///     .charge_when(ChargeWhen::status([401, 403]));
+    /// assert!(login.settles());
+    /// ```
+    pub fn charge_when(mut self, when: crate::settle::ChargeWhen) -> Self {
+        Arc::make_mut(self.settle.get_or_insert_with(Default::default)).when = Some(when);
+        self
+    }
+
+    /// Charges a request what its response reports (see [`CostFrom`](crate::settle::CostFrom)):
+    /// the request's cost is taken at admission as an estimate, and the difference is settled
+    /// when the response comes (more taken, or some given back). A key taken past its limit is
+    /// in debt, and refused until it is repaid.
+    pub fn cost_from(mut self, from: crate::settle::CostFrom) -> Self {
+        Arc::make_mut(self.settle.get_or_insert_with(Default::default)).cost = Some(from);
+        self
+    }
+
+    /// What a settling request is charged when it ends without a response (the client went
+    /// away and its future was dropped): [`Cancelled::Charge`](crate::settle::Cancelled) (the
+    /// default) keeps what was taken at admission, `Refund` gives it back.
+    pub fn on_cancel(mut self, cancelled: crate::settle::Cancelled) -> Self {
+        Arc::make_mut(self.settle.get_or_insert_with(Default::default)).cancelled = cancelled;
+        self
+    }
+
+    /// Whether requests are settled after their response
+    /// ([`charge_when`](Self::charge_when), [`cost_from`](Self::cost_from)).
+    pub fn settles(&self) -> bool {
+        self.settle
+            .as_ref()
+            .is_some_and(|r| r.when.is_some() || r.cost.is_some())
+    }
+
+    /// The settlement rules, when the policy settles.
+    pub(crate) fn settle_rules(&self) -> Option<&Arc<crate::settle::Rules>> {
+        self.settle.as_ref().filter(|_| self.settles())
     }
 
     /// Whether a shadow policy sends its rate-limit fields (see
@@ -189,7 +240,7 @@ fn one() -> Option<u32> {
 
 /// Serialized as `{ name, quotas = ["5/s burst 10", { rate = "1000/h", name = "hourly" }, ...],
 /// cost, shadow }`: a quota with a name is a table. A cost computed by a closure cannot be
-/// serialized and is left out.
+/// serialized and is left out, as are settlement rules (closures and header names).
 #[cfg(feature = "serde")]
 impl serde::Serialize for Policy {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
@@ -217,6 +268,7 @@ impl<'de> serde::Deserialize<'de> for Policy {
             cost: Cost::Fixed(spec.cost.unwrap_or(1)),
             shadow: spec.shadow,
             shadow_headers: spec.shadow_headers,
+            settle: None,
         })
     }
 }
@@ -243,6 +295,7 @@ impl fmt::Debug for Policy {
                 },
             )
             .field("shadow", &self.shadow)
+            .field("settle", &self.settle_rules())
             .finish()
     }
 }

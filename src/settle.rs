@@ -1,55 +1,388 @@
-//! Settling, the last stage of a request: what the wrapped service's answer says, once it comes,
-//! and the fields admission decided, added to it.
+//! Settling, the last stage of a request: what the wrapped service's answer says, once it comes.
 //!
-//! Today a request settles one thing: with
-//! [`obey_retry_after`](crate::RateLimitLayerBuilder::obey_retry_after), an answer asking to
-//! slow down pauses the request's key. A layer that settles nothing carries no [`Settle`] at
-//! all (a `None`, checked once per response).
+//! A policy can charge a request by its outcome instead of by its arrival alone:
+//!
+//! - [`Policy::charge_when`](crate::Policy::charge_when): the request counts only when its
+//!   response matches ([`ChargeWhen`]); otherwise the units taken at admission are given back.
+//!   Brute-force protection counts failed logins only.
+//! - [`Policy::cost_from`](crate::Policy::cost_from): the request costs what its response
+//!   reports ([`CostFrom`]: a header, or a [`Charge`] the handler puts in the response's
+//!   extensions); the request's cost is taken at admission as an estimate and the difference
+//!   settled (more taken, or some given back). A key taken past its limit is in debt, and
+//!   refused until it is repaid.
+//! - [`Policy::on_cancel`](crate::Policy::on_cancel): what a request is charged when it ends
+//!   without a response (its future dropped because the client went away).
+//!
+//! Admission still refuses a key that is at its limit before the inner service runs: a client
+//! with five failed logins gets `429` without its password being checked.
+//!
+//! The settlement is made on the same store as the admission, atomically per bucket: a refund
+//! never fills a bucket past full, a debit past empty leaves the key in debt. It is made when
+//! the response's head comes back from the inner service (its status, headers and extensions:
+//! a body that is still streaming does not change it).
+//!
+//! Which stores settle: the local backend, on GCRA quotas. A policy that settles is refused
+//! when the layer is built on window quotas or on another store, with an error saying so.
+//!
+//! ```
+//! use std::convert::Infallible;
+//! use http::{Request, Response, StatusCode};
+//! use tollgate::settle::ChargeWhen;
+//! use tollgate::{Policy, Quota, RateLimitLayer, key::Global};
+//! use tower::{Layer, Service, ServiceExt};
+//!
+//! # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+//! // Two failures per hour; successes are free.
+//! let layer = RateLimitLayer::builder()
+//!     .key(Global)
+//!     .policy(Policy::new("login", Quota::per_hour(2)).charge_when(ChargeWhen::status([401])))
+//!     .build()
+//!     .unwrap();
+//! let mut svc = layer.layer(tower::service_fn(|req: Request<&'static str>| async move {
+//!     let status = if *req.body() == "right" { StatusCode::OK } else { StatusCode::UNAUTHORIZED };
+//!     let mut res = Response::new(http_body_util::Full::<bytes::Bytes>::default());
+//!     *res.status_mut() = status;
+//!     Ok::<_, Infallible>(res)
+//! }));
+//! let mut call = async |body| svc.ready().await.unwrap().call(Request::new(body)).await.unwrap().status();
+//! for _ in 0..5 {
+//!     assert_eq!(call("right").await, StatusCode::OK); // free
+//! }
+//! assert_eq!(call("wrong").await, StatusCode::UNAUTHORIZED);
+//! assert_eq!(call("wrong").await, StatusCode::UNAUTHORIZED);
+//! // Two failures: refused before the handler runs, even with the right password.
+//! assert_eq!(call("right").await, StatusCode::TOO_MANY_REQUESTS);
+//! # });
+//! ```
 
+use std::fmt;
+use std::future::Future;
+use std::num::NonZeroU32;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
 
-use http::Response;
+use http::{Extensions, HeaderMap, HeaderName, Response, StatusCode};
 
 use crate::Key;
-use crate::admit::Shared;
-use crate::backend::Backend;
+use crate::admit::{Prepared, Shared};
+use crate::backend::{Backend, Mode};
 use crate::body::BodyMode;
 use crate::response::{HeaderAdds, add_headers};
 use crate::wait::Pauses;
 
-/// What a request settles once the wrapped service has answered.
-pub(crate) struct Settle {
-    key: Key,
-    /// Keys the wrapped service asked to slow down.
-    pauses: Arc<Pauses>,
+/// What a handler charges for its request, put in its response's extensions and read by
+/// [`CostFrom::extension`]: e.g. the tokens an LLM call used.
+///
+/// ```
+/// let mut res = http::Response::new(());
+/// res.extensions_mut().insert(tollgate::Charge(1200));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Charge(pub u32);
+
+/// The parts of a response a settlement reads.
+#[derive(Debug, Clone, Copy)]
+pub struct ResponseInfo<'a> {
+    status: StatusCode,
+    headers: &'a HeaderMap,
+    extensions: &'a Extensions,
 }
 
-impl Settle {
-    /// What a request on `key` settles under `shared`'s configuration: nothing (`None`) unless
-    /// the layer obeys the wrapped service's requests to slow down and the request has a key.
+impl<'a> ResponseInfo<'a> {
+    fn new<B>(res: &'a Response<B>) -> Self {
+        ResponseInfo {
+            status: res.status(),
+            headers: res.headers(),
+            extensions: res.extensions(),
+        }
+    }
+
+    /// The response's status.
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    /// The response's headers.
+    pub fn headers(&self) -> &'a HeaderMap {
+        self.headers
+    }
+
+    /// The response's extensions.
+    pub fn extensions(&self) -> &'a Extensions {
+        self.extensions
+    }
+}
+
+/// Which responses count against a policy set with
+/// [`Policy::charge_when`](crate::Policy::charge_when).
+#[derive(Clone)]
+pub struct ChargeWhen {
+    matches: Arc<dyn Fn(&ResponseInfo<'_>) -> bool + Send + Sync>,
+    what: Arc<str>,
+}
+
+impl ChargeWhen {
+    /// Responses with one of these status codes (e.g. `[401, 403]` for failed logins).
+    pub fn status(codes: impl IntoIterator<Item = u16>) -> Self {
+        let codes: Vec<u16> = codes.into_iter().collect();
+        let what = format!("status in {codes:?}");
+        Self::new(what, move |res| codes.contains(&res.status().as_u16()))
+    }
+
+    /// Responses that are not server errors (`5xx`): a request the server failed costs the
+    /// client nothing.
+    pub fn not_server_error() -> Self {
+        Self::new("not 5xx", |res| !res.status().is_server_error())
+    }
+
+    /// Client errors (`4xx`).
+    pub fn client_error() -> Self {
+        Self::new("4xx", |res| res.status().is_client_error())
+    }
+
+    /// Responses for which `f` is true.
+    pub fn predicate<F>(f: F) -> Self
+    where
+        F: Fn(&ResponseInfo<'_>) -> bool + Send + Sync + 'static,
+    {
+        Self::new("<fn>", f)
+    }
+
+    fn new(
+        what: impl Into<Arc<str>>,
+        f: impl Fn(&ResponseInfo<'_>) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        ChargeWhen {
+            matches: Arc::new(f),
+            what: what.into(),
+        }
+    }
+}
+
+impl fmt::Debug for ChargeWhen {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("ChargeWhen").field(&self.what).finish()
+    }
+}
+
+/// Where a response reports its request's cost, for
+/// [`Policy::cost_from`](crate::Policy::cost_from). A response that reports nothing (or a
+/// value that is not a count of units) keeps the cost taken at admission.
+#[derive(Debug, Clone)]
+pub struct CostFrom(Source);
+
+#[derive(Debug, Clone)]
+enum Source {
+    Header(HeaderName),
+    Extension,
+}
+
+impl CostFrom {
+    /// A response header holding a decimal count of units, e.g. `x-tokens-used: 1200`.
+    pub fn header(name: HeaderName) -> Self {
+        CostFrom(Source::Header(name))
+    }
+
+    /// A [`Charge`] in the response's extensions.
+    pub fn extension() -> Self {
+        CostFrom(Source::Extension)
+    }
+
+    /// The cost `res` reports, if any.
+    fn read(&self, res: &ResponseInfo<'_>) -> Option<u32> {
+        match &self.0 {
+            Source::Header(name) => {
+                let value = res.headers().get(name)?.to_str().ok()?;
+                value.trim().parse().ok()
+            }
+            Source::Extension => res.extensions().get::<Charge>().map(|c| c.0),
+        }
+    }
+}
+
+/// What a settling request is charged when it ends without a response, for
+/// [`Policy::on_cancel`](crate::Policy::on_cancel).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Cancelled {
+    /// Keep what was taken at admission (the default): a client cannot avoid being charged
+    /// by hanging up.
+    #[default]
+    Charge,
+    /// Give back what was taken at admission.
+    Refund,
+}
+
+/// A policy's settlement rules.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Rules {
+    pub(crate) when: Option<ChargeWhen>,
+    pub(crate) cost: Option<CostFrom>,
+    pub(crate) cancelled: Cancelled,
+}
+
+impl Rules {
+    /// The settlement for a request admitted at `cost` whose response is `res`: the mode and
+    /// units, or nothing to do.
+    fn settlement(&self, cost: NonZeroU32, res: &ResponseInfo<'_>) -> Option<(Mode, NonZeroU32)> {
+        if let Some(when) = &self.when
+            && !(when.matches)(res)
+        {
+            return Some((Mode::Refund, cost));
+        }
+        let reported = self.cost.as_ref()?.read(res)?;
+        match reported.cmp(&cost.get()) {
+            std::cmp::Ordering::Equal => None,
+            std::cmp::Ordering::Greater => {
+                Some((Mode::Debit, NonZeroU32::new(reported - cost.get())?))
+            }
+            std::cmp::Ordering::Less => {
+                Some((Mode::Refund, NonZeroU32::new(cost.get() - reported)?))
+            }
+        }
+    }
+}
+
+/// The error for a policy that settles on a store that does not settle yet.
+#[cfg_attr(
+    not(any(feature = "redis", feature = "postgres", feature = "mysql")),
+    allow(dead_code)
+)]
+pub(crate) fn unsupported(policy: &crate::Policy, store: &str) -> crate::ConfigError {
+    crate::ConfigError::Invalid {
+        option: "Policy::charge_when / Policy::cost_from",
+        reason: format!(
+            "policy `{}` settles requests after their response, which {store} does not do yet \
+             (the local backend does, on GCRA quotas)",
+            policy.name()
+        ),
+    }
+}
+
+/// What a request settles once the wrapped service has answered. A layer and a policy that
+/// settle nothing carry none (a `None`, checked once per response).
+pub(crate) struct Settle<Bk: Backend> {
+    /// An upstream's request to slow down, noted for the key (`obey_retry_after`).
+    note: Option<(Key, Arc<Pauses>)>,
+    /// The charge by outcome, when the policy settles.
+    charge: Option<Charging<Bk>>,
+}
+
+/// A request's admission, to be settled by its policy's rules.
+struct Charging<Bk: Backend> {
+    backend: Arc<Bk>,
+    policy: Arc<Prepared<Bk::Policy>>,
+    rules: Arc<Rules>,
+    key: Key,
+    cost: NonZeroU32,
+    /// Set once the request was admitted (its units taken): only then is there anything to
+    /// settle, by its response or, if it never comes, by the cancellation rule.
+    armed: bool,
+}
+
+impl<Bk: Backend> Settle<Bk> {
+    /// What a request on `key` of `cost` under `policy` settles: nothing (`None`) unless the
+    /// layer obeys the wrapped service's requests to slow down (and the request has a key), or
+    /// the policy settles.
     #[inline]
-    pub(crate) fn new<K, Bk: Backend>(
+    pub(crate) fn new<K>(
         shared: &Shared<K, Bk>,
-        key: Option<Key>,
+        charge: Option<(&Arc<Prepared<Bk::Policy>>, NonZeroU32)>,
+        key: &Key,
     ) -> Option<Box<Self>> {
-        let pauses = shared.pauses.as_ref()?;
-        Some(Box::new(Settle {
-            key: key?,
-            pauses: pauses.clone(),
-        }))
+        if shared.pauses.is_none() && charge.is_none() {
+            return None;
+        }
+        let charge = charge.and_then(|(policy, cost)| {
+            Some(Charging {
+                backend: shared.backend.clone(),
+                rules: policy.policy.settle_rules()?.clone(),
+                policy: policy.clone(),
+                key: key.clone(),
+                cost,
+                armed: false,
+            })
+        });
+        let note = shared.pauses.clone().map(|p| (key.clone(), p));
+        if note.is_none() && charge.is_none() {
+            return None;
+        }
+        Some(Box::new(Settle { note, charge }))
+    }
+
+    /// The request was admitted: from now on it is settled by its response, or by the
+    /// cancellation rule if none comes.
+    #[inline]
+    pub(crate) fn arm(settle: &mut Option<Box<Self>>) {
+        if let Some(Charging { armed, .. }) = settle.as_mut().and_then(|s| s.charge.as_mut()) {
+            *armed = true;
+        }
+    }
+}
+
+impl<Bk: Backend> Charging<Bk> {
+    /// Settles as `res` says.
+    fn settle(&mut self, res: &ResponseInfo<'_>) {
+        let armed = std::mem::take(&mut self.armed);
+        if let Some((mode, units)) = self.rules.settlement(self.cost, res).filter(|_| armed) {
+            self.send(mode, units);
+        }
+    }
+
+    /// Makes the settlement on the store: at once for an in-memory store, else in a task of
+    /// its own (the response does not wait for it; the store's timeout bounds it).
+    fn send(&self, mode: Mode, units: NonZeroU32) {
+        let policy = &self.policy;
+        let mut settled = (self.backend).decide_with(&policy.backend, &self.key, units, mode);
+        let name = policy.policy.name();
+        match Pin::new(&mut settled).poll(&mut Context::from_waker(Waker::noop())) {
+            Poll::Ready(Ok(_)) => {}
+            Poll::Ready(Err(error)) => {
+                tracing::debug!(policy = name, %error, ?mode, "settlement failed");
+            }
+            Poll::Pending => match tokio::runtime::Handle::try_current() {
+                Ok(runtime) => {
+                    let name = name.to_owned();
+                    runtime.spawn(async move {
+                        if let Err(error) = settled.await {
+                            tracing::debug!(policy = name, %error, ?mode, "settlement failed");
+                        }
+                    });
+                }
+                Err(_) => {
+                    tracing::debug!(policy = name, ?mode, "settlement dropped: no runtime");
+                }
+            },
+        }
+    }
+}
+
+impl<Bk: Backend> Drop for Charging<Bk> {
+    /// A request admitted and never answered (its future dropped) is settled by its policy's
+    /// cancellation rule.
+    fn drop(&mut self) {
+        if self.armed && self.rules.cancelled == Cancelled::Refund {
+            self.send(Mode::Refund, self.cost);
+        }
     }
 }
 
 /// The wrapped service's response, settled, in the layer's body type, with the fields admission
 /// decided.
 #[inline]
-pub(crate) fn settle<B, M: BodyMode<B>>(
+pub(crate) fn settle<B, M: BodyMode<B>, Bk: Backend>(
     res: Response<B>,
     adds: Option<HeaderAdds>,
-    settle: Option<Box<Settle>>,
+    settle: Option<Box<Settle<Bk>>>,
 ) -> Response<M::Body> {
-    if let Some(settle) = settle {
-        settle.pauses.note(&settle.key, &res);
+    if let Some(mut settle) = settle {
+        if let Some((key, pauses)) = &settle.note {
+            pauses.note(key, &res);
+        }
+        if let Some(charge) = &mut settle.charge {
+            charge.settle(&ResponseInfo::new(&res));
+        }
     }
     let mut res = res.map(M::pass);
     if let Some(adds) = adds {

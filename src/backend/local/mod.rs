@@ -98,7 +98,7 @@ use governor::state::StateStore;
 use governor::state::keyed::ShrinkableKeyedStateStore;
 
 use super::{Backend, Decision, Mode, Outcome, QuotaState, ResetFuture};
-use crate::quota::QuotaParams;
+use crate::quota::{QuotaKind, QuotaParams};
 use window::WindowStore;
 
 mod window;
@@ -486,6 +486,19 @@ where
         policy: &Policy,
         params: &[QuotaParams],
     ) -> Result<LocalPolicy<C>, ConfigError> {
+        if policy.settles()
+            && let Some(q) = params.iter().position(|p| p.kind != QuotaKind::Gcra)
+        {
+            return Err(ConfigError::Invalid {
+                option: "Policy::charge_when / Policy::cost_from",
+                reason: format!(
+                    "policy `{}`: quota {q} is a window; requests are settled after the \
+                     response on GCRA quotas only so far (e.g. \"5/15min\" without `fixed` \
+                     or `sliding`)",
+                    policy.name()
+                ),
+            });
+        }
         self.start_sweeper();
         let mut map = self
             .inner
@@ -652,6 +665,7 @@ where
                 }
                 ready(Ok(self.reserve(policy, key, cost, max_wait)))
             }
+            Mode::Refund | Mode::Debit => ready(self.settle(policy, key, cost, mode)),
         }
     }
 
@@ -913,6 +927,73 @@ fn gcra_wait(p: &QuotaParams, cost: NonZeroU32, tat: Duration) -> u64 {
 
 /// What a decision of `cost` on a GCRA bucket whose theoretical arrival time is `tat` from now
 /// would answer: allowed (the TAT after it), or denied with its wait.
+impl<C> LocalBackend<C>
+where
+    C: Clock + Clone + Send + Sync + 'static,
+    C::Instant: Send + Sync,
+{
+    /// A settlement ([`Mode::Refund`] or [`Mode::Debit`]) of `cost` units on every quota of
+    /// `policy` (GCRA only: `prepare` refuses window quotas in policies that settle).
+    fn settle(
+        &self,
+        policy: &LocalPolicy<C>,
+        key: &Key,
+        cost: NonZeroU32,
+        mode: Mode,
+    ) -> Result<Decision, BackendError> {
+        let inner = &*self.inner;
+        let now = inner.elapsed_ns();
+        let mut states = smallvec::SmallVec::<[QuotaState; 2]>::new();
+        for (index, quota) in policy.limiters.iter().enumerate() {
+            let Counter::Gcra { store, start, .. } = &quota.counter else {
+                return Err(BackendError::new(
+                    crate::BackendErrorKind::Protocol,
+                    "window quotas are not settled by the local backend",
+                ));
+            };
+            let p = &quota.params;
+            let step = p.emission_ns.saturating_mul(u64::from(cost.get()));
+            // The limiter's time, never later than governor's (see `start`).
+            let at = now.saturating_sub(start.as_u64());
+            let settled = match mode {
+                // A key without a bucket is full: nothing to give back.
+                Mode::Refund => store
+                    .map
+                    .get(key)
+                    .map(|tat| update(&tat, |tat| tat.saturating_sub(step).max(at))),
+                _ => {
+                    let debit = |tat: u64| tat.max(at).saturating_add(step);
+                    Some(match store.map.get(key) {
+                        Some(tat) => update(&tat, debit),
+                        None => match store.map.entry(key.clone()) {
+                            Entry::Occupied(e) => update(e.get(), debit),
+                            Entry::Vacant(e) => {
+                                track_add(&store.tracked, 1);
+                                update(&e.insert(AtomicU64::new(0)), debit)
+                            }
+                        },
+                    })
+                }
+            };
+            let tat = settled.unwrap_or(0);
+            states.push(QuotaState::allowed(index, p, until(*start, tat, now)));
+        }
+        Ok(Decision::from_states(states))
+    }
+}
+
+/// Replaces a bucket's arrival time with `f` of it, atomically; returns the new one.
+fn update(tat: &AtomicU64, f: impl Fn(u64) -> u64) -> u64 {
+    let mut prev = tat.load(Ordering::Acquire);
+    loop {
+        let next = f(prev);
+        match tat.compare_exchange_weak(prev, next, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => return next,
+            Err(actual) => prev = actual,
+        }
+    }
+}
+
 fn gcra_state(
     index: usize,
     p: &QuotaParams,

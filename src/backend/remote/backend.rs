@@ -146,6 +146,12 @@ impl<S: Store> Remote<S> {
         policy: &Policy,
         params: &[QuotaParams],
     ) -> Result<RemotePolicy<S>, ConfigError> {
+        if policy.settles() {
+            return Err(crate::settle::unsupported(
+                policy,
+                &format!("the {} backend", S::KIND),
+            ));
+        }
         if params.is_empty() {
             return Err(ConfigError::QuotaCount {
                 policy: policy.name().to_owned(),
@@ -178,6 +184,15 @@ impl<S: Store> Remote<S> {
         cost: NonZeroU32,
         mode: Mode,
     ) -> RemoteFuture {
+        if mode.is_settlement() {
+            return RemoteFuture::ready(Err(BackendError::new(
+                BackendErrorKind::Protocol,
+                format!(
+                    "the {} backend does not settle requests after their response yet",
+                    S::KIND
+                ),
+            )));
+        }
         let p = &policy.inner;
         let inner = &self.inner;
         let now_ns = inner.clock.now_ns();

@@ -619,13 +619,15 @@ pub struct ApproxFuture {
 
 enum FutureInner {
     Ready(Option<Decision>),
+    /// A settlement ([`Mode::Refund`], [`Mode::Debit`]): not made in this mode.
+    Unsettled,
     Waiting(Pin<Box<dyn Future<Output = Decision> + Send>>),
 }
 
 impl fmt::Debug for ApproxFuture {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self.inner {
-            FutureInner::Ready(_) => "ApproxFuture::Ready",
+            FutureInner::Ready(_) | FutureInner::Unsettled => "ApproxFuture::Ready",
             FutureInner::Waiting(_) => "ApproxFuture::Waiting",
         })
     }
@@ -644,6 +646,10 @@ impl Future for ApproxFuture {
                 ))),
             },
             FutureInner::Waiting(f) => f.as_mut().poll(cx).map(Ok),
+            FutureInner::Unsettled => Poll::Ready(Err(BackendError::new(
+                BackendErrorKind::Protocol,
+                "the approximate Redis mode does not settle requests after their response",
+            ))),
         }
     }
 }
@@ -787,6 +793,12 @@ impl Backend for ApproxBackend {
         policy: &Policy,
         params: &[QuotaParams],
     ) -> Result<ApproxPolicy, ConfigError> {
+        if policy.settles() {
+            return Err(crate::settle::unsupported(
+                policy,
+                "the approximate Redis mode",
+            ));
+        }
         if params.is_empty() {
             return Err(ConfigError::QuotaCount {
                 policy: policy.name().to_owned(),
@@ -835,6 +847,11 @@ impl Backend for ApproxBackend {
         cost: NonZeroU32,
         mode: Mode,
     ) -> ApproxFuture {
+        if mode.is_settlement() {
+            return ApproxFuture {
+                inner: FutureInner::Unsettled,
+            };
+        }
         let shared = &self.shared;
         shared.start();
         let p = &policy.inner;

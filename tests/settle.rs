@@ -1,0 +1,258 @@
+//! Settling after the response, over a real TCP listener, on a clock the test moves: failures
+//! counted and successes refunded, costs read from the response (debit into debt, refund of
+//! the difference), server errors free, cancelled requests by their rule, and stores that do
+//! not settle refusing such policies when the layer is built.
+
+mod support;
+
+use std::time::Duration;
+
+use axum::extract::Query;
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::IntoResponse;
+use axum::{Router, routing::get, routing::post};
+use governor::clock::FakeRelativeClock;
+use tollgate::backend::LocalBackend;
+use tollgate::key::{Global, Header};
+use tollgate::settle::{Cancelled, ChargeWhen, CostFrom};
+use tollgate::{Charge, Policy, Quota, RateLimitLayer};
+
+/// Serves `app` limited by `policy` (keyed by `x-user`) on a fake clock.
+async fn serve(policy: Policy, app: Router) -> (String, FakeRelativeClock) {
+    let clock = FakeRelativeClock::default();
+    let backend = LocalBackend::builder().clock(clock.clone()).build();
+    let limit = RateLimitLayer::builder()
+        .key(Header::new("x-user"))
+        .backend(backend)
+        .policy(policy)
+        .build()
+        .unwrap();
+    let addr = support::serve(app.route_layer(limit)).await;
+    (format!("http://{addr}"), clock)
+}
+
+/// `POST /login` with `password`: 200 for `wonderland`, 401 otherwise.
+fn login_app() -> Router {
+    Router::new().route(
+        "/login",
+        post(|body: String| async move {
+            if body == "wonderland" {
+                StatusCode::OK
+            } else {
+                StatusCode::UNAUTHORIZED
+            }
+        }),
+    )
+}
+
+async fn login(base: &str, user: &str, password: &'static str) -> (u16, Option<String>) {
+    let res = reqwest::Client::new()
+        .post(format!("{base}/login"))
+        .header("x-user", user)
+        .body(password)
+        .send()
+        .await
+        .unwrap();
+    let retry = res
+        .headers()
+        .get("retry-after")
+        .map(|v| v.to_str().unwrap().to_owned());
+    (res.status().as_u16(), retry)
+}
+
+#[tokio::test]
+async fn only_failed_logins_count_and_a_locked_key_is_refused_before_the_handler() {
+    let policy = Policy::new("login", Quota::new(5, Duration::from_secs(900)))
+        .charge_when(ChargeWhen::status([401, 403]));
+    let (base, clock) = serve(policy, login_app()).await;
+    // Successes are free, however many.
+    for _ in 0..20 {
+        assert_eq!(login(&base, "alice", "wonderland").await.0, 200);
+    }
+    for _ in 0..5 {
+        assert_eq!(login(&base, "alice", "guess").await.0, 401);
+    }
+    // Five failures: refused, even with the right password, which is not checked.
+    let (status, retry) = login(&base, "alice", "wonderland").await;
+    assert_eq!(status, 429);
+    assert_eq!(
+        retry.as_deref(),
+        Some("180"),
+        "one failure's worth: 900 s / 5"
+    );
+    // Another user is untouched.
+    assert_eq!(login(&base, "bob", "guess").await.0, 401);
+    // One failure's time later, one attempt is back.
+    clock.advance(Duration::from_secs(180));
+    assert_eq!(login(&base, "alice", "wonderland").await.0, 200);
+    assert_eq!(login(&base, "alice", "guess").await.0, 401);
+    assert_eq!(login(&base, "alice", "wonderland").await.0, 429);
+}
+
+/// `POST /generate?tokens=N`: reports `N` in `x-tokens-used`, or as a [`Charge`] with
+/// `ext=true`.
+fn tokens_app() -> Router {
+    #[derive(serde::Deserialize)]
+    struct Q {
+        tokens: u32,
+        #[serde(default)]
+        ext: bool,
+    }
+    Router::new().route(
+        "/generate",
+        post(|Query(q): Query<Q>| async move {
+            let mut res = "generated".into_response();
+            if q.ext {
+                res.extensions_mut().insert(Charge(q.tokens));
+            } else {
+                res.headers_mut()
+                    .insert("x-tokens-used", HeaderValue::from(q.tokens));
+            }
+            res
+        }),
+    )
+}
+
+async fn generate(base: &str, query: &str) -> (u16, HeaderMap) {
+    let res = reqwest::Client::new()
+        .post(format!("{base}/generate?{query}"))
+        .header("x-user", "key-1")
+        .send()
+        .await
+        .unwrap();
+    (res.status().as_u16(), res.headers().clone())
+}
+
+#[tokio::test]
+async fn a_reported_cost_is_debited_into_debt_and_repaid_over_time() {
+    // 1000 tokens per minute: one token every 60 ms.
+    let policy = Policy::new("tokens", Quota::per_minute(1000))
+        .cost_from(CostFrom::header("x-tokens-used".parse().unwrap()));
+    let (base, clock) = serve(policy, tokens_app()).await;
+    assert_eq!(generate(&base, "tokens=600").await.0, 200);
+    assert_eq!(generate(&base, "tokens=600").await.0, 200);
+    // 1200 used of 1000: 200 tokens of debt, refused until repaid (12 s), and one more token
+    // for the request itself.
+    let (status, headers) = generate(&base, "tokens=1").await;
+    assert_eq!(status, 429);
+    assert_eq!(headers["retry-after"], "13", "{headers:?}");
+    clock.advance(Duration::from_secs(12));
+    assert_eq!(
+        generate(&base, "tokens=1").await.0,
+        429,
+        "the debt is repaid, not the unit"
+    );
+    clock.advance(Duration::from_millis(60));
+    assert_eq!(generate(&base, "tokens=1").await.0, 200);
+}
+
+#[tokio::test]
+async fn a_smaller_reported_cost_refunds_the_difference() {
+    // The estimate taken at admission is the request's cost (100); the response reports 1.
+    let policy = Policy::new("tokens", Quota::per_day(1000))
+        .cost(100)
+        .cost_from(CostFrom::extension());
+    let (base, _clock) = serve(policy, tokens_app()).await;
+    for _ in 0..100 {
+        assert_eq!(generate(&base, "tokens=1&ext=true").await.0, 200);
+    }
+    // 100 units used: 900 left, so nine requests of 100 pass at admission, not a tenth.
+    for _ in 0..9 {
+        assert_eq!(generate(&base, "tokens=100&ext=true").await.0, 200);
+    }
+    assert_eq!(generate(&base, "tokens=1&ext=true").await.0, 429);
+}
+
+#[tokio::test]
+async fn a_response_without_a_reported_cost_keeps_the_estimate() {
+    let policy = Policy::new("tokens", Quota::per_day(3))
+        .cost_from(CostFrom::header("x-tokens-used".parse().unwrap()));
+    let app = Router::new().route("/generate", post(|| async { "no header" }));
+    let (base, _clock) = serve(policy, app).await;
+    for _ in 0..3 {
+        assert_eq!(generate(&base, "").await.0, 200);
+    }
+    assert_eq!(generate(&base, "").await.0, 429);
+}
+
+#[tokio::test]
+async fn server_errors_are_refunded() {
+    let policy = Policy::new("api", Quota::per_day(2)).charge_when(ChargeWhen::not_server_error());
+    let app = Router::new().route(
+        "/generate",
+        post(
+            |Query(q): Query<std::collections::HashMap<String, u16>>| async move {
+                StatusCode::from_u16(q["status"]).unwrap()
+            },
+        ),
+    );
+    let (base, _clock) = serve(policy, app).await;
+    for _ in 0..10 {
+        assert_eq!(generate(&base, "status=503").await.0, 503);
+    }
+    assert_eq!(generate(&base, "status=200").await.0, 200);
+    assert_eq!(generate(&base, "status=404").await.0, 404);
+    assert_eq!(generate(&base, "status=503").await.0, 429);
+}
+
+/// A request whose future is dropped before the handler answers (a client that went away).
+async fn cancelled(rule: Cancelled) -> Vec<u16> {
+    let policy = Policy::new("api", Quota::per_day(1))
+        .charge_when(ChargeWhen::status([200]))
+        .on_cancel(rule);
+    let app = Router::new()
+        .route(
+            "/slow",
+            get(|| async {
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+                "late"
+            }),
+        )
+        .route("/fast", get(|| async { "ok" }));
+    let (base, _clock) = serve(policy, app).await;
+    let client = reqwest::Client::new();
+    let slow = client
+        .get(format!("{base}/slow"))
+        .header("x-user", "u")
+        .timeout(Duration::from_millis(200))
+        .send()
+        .await;
+    assert!(slow.is_err(), "the slow request times out on the client");
+    // The server sees the connection close and drops the request's future.
+    let mut seen = Vec::new();
+    for _ in 0..2 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let res = client
+            .get(format!("{base}/fast"))
+            .header("x-user", "u")
+            .send()
+            .await
+            .unwrap();
+        seen.push(res.status().as_u16());
+    }
+    seen
+}
+
+#[tokio::test]
+async fn a_cancelled_request_is_charged_by_default() {
+    assert_eq!(cancelled(Cancelled::Charge).await, [429, 429]);
+}
+
+#[tokio::test]
+async fn a_cancelled_request_can_be_refunded() {
+    assert_eq!(cancelled(Cancelled::Refund).await, [200, 429]);
+}
+
+#[test]
+fn policies_that_settle_are_refused_on_window_quotas() {
+    let err = RateLimitLayer::builder()
+        .key(Global)
+        .policy(
+            Policy::new("login", "5/15min fixed".parse::<Quota>().unwrap())
+                .charge_when(ChargeWhen::client_error()),
+        )
+        .build()
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("window") && err.contains("login"), "{err}");
+}
