@@ -17,6 +17,11 @@
 #   KEYS=one         the key distribution of scripts/wrk-keys.lua (e.g. uniform:10000)
 #   HEADERS=ietf     tollgate's header style (bench_server's HEADERS; none, legacy, both)
 #   BIN=...          a bench_server binary built elsewhere (not rebuilt), e.g. an older build
+#   WARMUP=8s        with KEYS other than one: load first for this long, then zero the counts
+#                    (callgrind_control -z), so that the count holds no key's first request (a
+#                    new key's insertion and the tables' growth). Without it, modes serving
+#                    fewer requests per run count more first requests each, and runs differ by
+#                    a few hundred instructions.
 #
 # For each mode: (instructions with load - instructions of a start and stop with no load)
 # / requests served. Under callgrind the server is slow and Redis (not instrumented) is not,
@@ -42,6 +47,7 @@ need wrk wrk
 need redis-server redis-server
 
 KEYS=${KEYS:-one}
+WARMUP=${WARMUP:-$([ "$KEYS" = one ] && echo 0 || echo 8s)}
 if [ -n "$MODES" ] && [ -z "${BIN:-}" ]; then
     echo "building bench_server (release)..." >&2
     cargo build --release --quiet --example bench_server --features "local axum redis metrics"
@@ -81,10 +87,17 @@ run() { # mode load
         (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null && break
         sleep 0.1
     done
+    if [ "$WARMUP" != 0 ]; then
+        KEYS=$KEYS wrk -t1 -c8 -d"$WARMUP" -s scripts/wrk-keys.lua "http://127.0.0.1:$PORT/hello" \
+            >/dev/null
+        callgrind_control -z "$pid" >/dev/null
+    fi
     if [ "$load" = 1 ]; then
         requests=$(KEYS=$KEYS wrk -t1 -c8 -d"$DURATION" -s scripts/wrk-keys.lua \
             "http://127.0.0.1:$PORT/hello" |
             awk '/requests in/ { print $1 }')
+    elif [ "$WARMUP" != 0 ]; then
+        sleep "${DURATION%s}"
     fi
     # SIGTERM: background jobs of a non-interactive shell ignore SIGINT.
     kill "$pid"
