@@ -90,7 +90,7 @@ run() { # mode load
     if [ "$WARMUP" != 0 ]; then
         KEYS=$KEYS wrk -t1 -c8 -d"$WARMUP" -s scripts/wrk-keys.lua "http://127.0.0.1:$PORT/hello" \
             >/dev/null
-        callgrind_control -z "$pid" >/dev/null
+        callgrind_control -z "$pid" >/dev/null 2>&1
     fi
     if [ "$load" = 1 ]; then
         requests=$(KEYS=$KEYS wrk -t1 -c8 -d"$DURATION" -s scripts/wrk-keys.lua \
