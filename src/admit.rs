@@ -80,6 +80,7 @@ pub(crate) enum Policies<Bk: Backend> {
 impl<Bk: Backend> Policies<Bk> {
     /// Runs `f` with the policy for this request. The rules are read through an atomic
     /// pointer: no lock, no allocation.
+    #[inline]
     pub(crate) fn with<R>(
         &self,
         req: &RequestInfo<'_>,
@@ -124,7 +125,9 @@ impl Verdict {
 /// A request's admission: the verdict now, or a decision a store is still making.
 pub(crate) enum Admission<Bk: Backend> {
     Now(Verdict),
-    Later(Later<Bk>),
+    /// Boxed: only stores that answer over the network come here, and keeping their decision
+    /// inline would make every admission larger to move.
+    Later(Box<Later<Bk>>),
 }
 
 /// A decision still to be made, once [`Shared::admit`] has returned.
@@ -147,18 +150,18 @@ enum Step<Bk: Backend> {
 /// Admission in the response future, for a decision a store makes over the network.
 pub(crate) struct Admitting<K, Bk: Backend> {
     shared: Arc<Shared<K, Bk>>,
-    later: Later<Bk>,
+    later: Box<Later<Bk>>,
 }
 
 impl<K, Bk: Backend> Admitting<K, Bk> {
-    pub(crate) fn new(shared: Arc<Shared<K, Bk>>, later: Later<Bk>) -> Self {
+    pub(crate) fn new(shared: Arc<Shared<K, Bk>>, later: Box<Later<Bk>>) -> Self {
         Admitting { shared, later }
     }
 
     /// The verdict, once the store has answered (`headers`: the request's, for the form of a
     /// rejection).
     pub(crate) fn poll(&mut self, cx: &mut Context<'_>, headers: &HeaderMap) -> Poll<Verdict> {
-        let (shared, later) = (&*self.shared, &mut self.later);
+        let (shared, later) = (&*self.shared, &mut *self.later);
         let policy = &*later.policy;
         loop {
             match &mut later.step {
@@ -190,7 +193,7 @@ impl<K, Bk: Backend> Admitting<K, Bk> {
                         later.slot = Some(slot);
                         continue;
                     }
-                    let verdict = shared.verdict(policy, result, headers);
+                    let verdict = shared.verdict(policy, &result, headers);
                     return Poll::Ready(verdict.holding(later.slot.take()));
                 }
             }
@@ -272,13 +275,13 @@ impl<K: KeyExtractor, Bk: Backend> Shared<K, Bk> {
         };
         let Some((slot, max_wait)) = waits.and_then(|w| w.after_refusal(policy.reserves, &result))
         else {
-            return Admission::Now(self.verdict(policy, result, info.headers()));
+            return Admission::Now(self.verdict(policy, &result, info.headers()));
         };
         let mode = Mode::Reserve { max_wait };
         let mut decision = self.backend.decide_with(&policy.backend, key, cost, mode);
         match poll_now(&mut decision) {
             Poll::Ready(result) => Admission::Now(
-                self.verdict(policy, result, info.headers())
+                self.verdict(policy, &result, info.headers())
                     .holding(Some(slot)),
             ),
             Poll::Pending => later(policy, Step::Deciding(decision, None), Some(slot)),
@@ -313,7 +316,7 @@ impl<K: KeyExtractor, Bk: Backend> Shared<K, Bk> {
             Some(p) => Decision::new([crate::backend::QuotaState::denied(0, &p, cost, pause)]),
             None => Decision::new([]),
         };
-        Admission::Now(self.verdict(prepared, Ok(decision), headers))
+        Admission::Now(self.verdict(prepared, &Ok(decision), headers))
     }
 }
 
@@ -322,11 +325,11 @@ fn later<Bk: Backend>(
     step: Step<Bk>,
     slot: Option<Slot>,
 ) -> Admission<Bk> {
-    Admission::Later(Later {
+    Admission::Later(Box::new(Later {
         policy: policy.clone(),
         step,
         slot,
-    })
+    }))
 }
 
 /// Counts a backend's answer in the policy's metrics.
@@ -347,8 +350,10 @@ pub(crate) fn count<P>(prepared: &Prepared<P>, result: &Result<Decision, Backend
             _ => Counted::Allowed,
         };
         m.record(outcome, None);
-        // Near the limit: the tightest quota has less than a tenth of it left.
-        if let Some(q) = decision.tightest()
+        // Near the limit: the tightest quota (`Decision::tightest` of an allowed decision) has
+        // less than a tenth of it left.
+        let tightest = (decision.quotas().iter()).min_by_key(|q| (q.remaining, q.limit));
+        if let Some(q) = tightest
             && u64::from(q.remaining) * 10 < u64::from(q.limit)
         {
             m.near_limit(q.index);
@@ -434,13 +439,36 @@ impl<K, Bk: Backend> Shared<K, Bk> {
     }
 
     /// Turns a backend's answer into a verdict, logging rejections and failures.
+    #[inline]
     pub(crate) fn verdict(
         &self,
         prepared: &Prepared<Bk::Policy>,
-        result: Result<Decision, BackendError>,
+        result: &Result<Decision, BackendError>,
         headers: &HeaderMap,
     ) -> Verdict {
-        count(prepared, &result);
+        count(prepared, result);
+        if let Ok(decision) = result
+            && decision.is_allowed()
+            && !prepared.policy.is_shadow()
+        {
+            let style = self.responder.style;
+            let adds = response::rate_limit_headers(style, &prepared.headers, decision);
+            return match decision.wait() {
+                Duration::ZERO => Verdict::Pass(adds),
+                wait => Verdict::Wait(adds, wait, None),
+            };
+        }
+        self.refused_or_shadow(prepared, result, headers)
+    }
+
+    /// [`verdict`](Self::verdict) for a refusal, a failure, or a shadow policy's answer.
+    #[inline(never)]
+    fn refused_or_shadow(
+        &self,
+        prepared: &Prepared<Bk::Policy>,
+        result: &Result<Decision, BackendError>,
+        headers: &HeaderMap,
+    ) -> Verdict {
         if prepared.policy.is_shadow() {
             return self.shadow(prepared, result);
         }
@@ -502,7 +530,7 @@ impl<K, Bk: Backend> Shared<K, Bk> {
     fn shadow(
         &self,
         prepared: &Prepared<Bk::Policy>,
-        result: Result<Decision, BackendError>,
+        result: &Result<Decision, BackendError>,
     ) -> Verdict {
         let policy = prepared.policy.name();
         match result {
@@ -544,3 +572,4 @@ impl<K, Bk: Backend> Shared<K, Bk> {
         Verdict::Reject(Box::new(self.responder.reject(rejection, grpc, adds)))
     }
 }
+

@@ -240,6 +240,15 @@ pub trait BodyMode<B>: sealed::Sealed {
     /// The body of a rejection.
     #[doc(hidden)]
     fn reject(data: Bytes) -> Self::Body;
+    /// A response of the inner service, with its body as [`pass`](Self::pass) makes it.
+    #[doc(hidden)]
+    #[inline]
+    fn pass_response(res: http::Response<B>) -> http::Response<Self::Body>
+    where
+        Self: Sized,
+    {
+        res.map(Self::pass)
+    }
 }
 
 /// Responses keep the inner service's body type, which must implement [`RateLimitBody`]. The
@@ -261,6 +270,12 @@ impl<B: RateLimitBody> BodyMode<B> for KeepBody {
 
     fn reject(data: Bytes) -> B {
         B::rejection(data)
+    }
+
+    /// The response as it is: not taken apart and put together again.
+    #[inline]
+    fn pass_response(res: http::Response<B>) -> http::Response<B> {
+        res
     }
 }
 

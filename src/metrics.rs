@@ -308,6 +308,7 @@ mod imp {
                 .unwrap_or_else(|| SharedString::const_str(""))
         }
 
+        #[inline]
         pub(super) fn record(&self, outcome: Outcome, quota: Option<usize>) {
             let slots = self.quotas.len() + 1;
             let slot = quota

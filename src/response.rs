@@ -223,11 +223,20 @@ fn int_value(n: u64) -> HeaderValue {
     HeaderValue::from(n)
 }
 
+#[inline]
 pub(crate) fn rate_limit_headers(
     style: HeaderStyle,
     headers: &PolicyHeaders,
     decision: &Decision,
 ) -> HeaderAdds {
+    if style == HeaderStyle::None {
+        return HeaderAdds::new();
+    }
+    fields(style, headers, decision)
+}
+
+/// The fields of [`rate_limit_headers`], for a style that sends some.
+fn fields(style: HeaderStyle, headers: &PolicyHeaders, decision: &Decision) -> HeaderAdds {
     let mut out = HeaderAdds::new();
     // A decision without quota states (a backend failing open) has nothing to report.
     if decision.quotas().is_empty() {
@@ -316,6 +325,7 @@ fn write_items(buf: &mut [u8], headers: &PolicyHeaders, quotas: &[QuotaState]) -
     at
 }
 
+#[inline]
 pub(crate) fn add_headers(map: &mut http::HeaderMap, adds: HeaderAdds) {
     if let Some((policy, limit)) = adds.ietf {
         // Appended, not replaced: with nested layers (a global limit and a route limit) each

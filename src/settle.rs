@@ -384,7 +384,7 @@ pub(crate) fn settle<B, M: BodyMode<B>, Bk: Backend>(
             charge.settle(&ResponseInfo::new(&res));
         }
     }
-    let mut res = res.map(M::pass);
+    let mut res = M::pass_response(res);
     if let Some(adds) = adds {
         add_headers(res.headers_mut(), adds);
     }

@@ -243,16 +243,19 @@ impl Decision {
 
     /// For an allowed reservation ([`Mode::Reserve`]), how long the caller waits before going
     /// on: its units are taken, counted at that time. Zero otherwise.
+    #[inline]
     pub fn wait(&self) -> Duration {
         self.wait
     }
 
     /// Who made the decision.
+    #[inline]
     pub fn made_by(&self) -> DecidedBy {
         self.by
     }
 
     /// Whether the request may pass.
+    #[inline]
     pub fn is_allowed(&self) -> bool {
         self.quotas.iter().all(|q| q.outcome == Outcome::Allowed)
     }
@@ -262,6 +265,7 @@ impl Decision {
     /// when it refuses before charging any bucket (a full key table). A cost larger than a
     /// quota's burst is reported by that quota alone, on every backend (see
     /// [`new`](Self::new)).
+    #[inline]
     pub fn quotas(&self) -> &[QuotaState] {
         &self.quotas
     }
@@ -283,6 +287,7 @@ impl Decision {
     }
 
     /// Whether the request's cost exceeds the burst of some quota: it can never pass.
+    #[inline]
     pub fn never_fits(&self) -> bool {
         self.quotas.iter().any(|q| q.outcome == Outcome::NeverFits)
     }
@@ -331,6 +336,7 @@ pub struct QuotaState {
 impl QuotaState {
     /// An allowed quota whose bucket, after the decision, has its theoretical arrival time
     /// `tat` from now (zero or less: full).
+    #[inline]
     pub fn allowed(index: usize, params: &QuotaParams, tat: Duration) -> Self {
         let (remaining, reset_after) = bucket_state(params, tat);
         QuotaState {
@@ -381,6 +387,7 @@ impl QuotaState {
 
 /// `remaining` and `reset_after` of a GCRA bucket whose theoretical arrival time is `tat` from
 /// now: a full bucket holds `burst * T` of time, and a unit comes back every `T`.
+#[inline]
 fn bucket_state(params: &QuotaParams, tat: Duration) -> (u32, Duration) {
     let t = params.emission_ns.max(1);
     let burst = params.burst.get();
@@ -399,6 +406,7 @@ fn bucket_state(params: &QuotaParams, tat: Duration) -> (u32, Duration) {
 
 /// Nanoseconds until the next unit comes back, `ns` from now being a whole number of units
 /// later than it (units come back every `t` ns): `ns` modulo `t`, or `t` when it divides.
+#[inline]
 fn next_unit(ns: u64, t: u64) -> u64 {
     if ns == 0 { 0 } else { (ns - 1) % t + 1 }
 }

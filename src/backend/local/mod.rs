@@ -445,6 +445,13 @@ impl<C: Clock> Inner<C> {
 /// A prepared policy for the [`LocalBackend`]: one governor limiter per quota.
 pub struct LocalPolicy<C: Clock = MonotonicClock> {
     limiters: Vec<PreparedQuota<C>>,
+    /// Whether window quotas are checked before any quota is charged and charged last (a
+    /// policy of several quotas with a window among them).
+    windows: bool,
+    /// The quotas' indices in the order they are charged: GCRA quotas first when `windows`.
+    order: Box<[usize]>,
+    /// The smallest burst: a request costing more can never pass.
+    min_burst: u32,
 }
 
 struct PreparedQuota<C: Clock> {
@@ -565,7 +572,21 @@ where
                 })
             })
             .collect::<Result<_, ConfigError>>()?;
-        Ok(LocalPolicy { limiters })
+        let limiters: Vec<PreparedQuota<C>> = limiters;
+        let is_window = |q: &PreparedQuota<C>| matches!(q.counter, Counter::Window(_));
+        let windows = limiters.len() > 1 && limiters.iter().any(is_window);
+        let mut order: Vec<usize> = (0..limiters.len()).collect();
+        if windows {
+            // Stable: GCRA quotas first, then windows, each in policy order.
+            order.sort_by_key(|&i| is_window(&limiters[i]));
+        }
+        let min_burst = (limiters.iter().map(|q| q.params.burst.get()).min()).unwrap_or(0);
+        Ok(LocalPolicy {
+            limiters,
+            windows,
+            order: order.into_boxed_slice(),
+            min_burst,
+        })
     }
 
     /// This backend and its clones: `local@<address>`.
@@ -594,9 +615,7 @@ where
         // Window quotas are this crate's own counters: in a policy of several quotas, a
         // request one of them refuses is refused before any quota is charged. They are then
         // charged last, after the GCRA quotas (which governor cannot test without charging).
-        let windows = policy.limiters.len() > 1
-            && (policy.limiters.iter()).any(|q| matches!(q.counter, Counter::Window(_)));
-        if windows {
+        if policy.windows {
             for (index, quota) in policy.limiters.iter().enumerate() {
                 if let Counter::Window(store) = &quota.counter {
                     let state = store.check(index, key, now_us(), cost);
@@ -606,14 +625,11 @@ where
                 }
             }
         }
-        let order = (policy.limiters.iter().enumerate())
-            .filter(|(_, q)| !windows || matches!(q.counter, Counter::Gcra { .. }))
-            .chain(
-                (policy.limiters.iter().enumerate())
-                    .filter(|(_, q)| windows && matches!(q.counter, Counter::Window(_))),
-            );
         let mut states = smallvec::SmallVec::<[QuotaState; 2]>::new();
-        for (index, quota) in order {
+        for &index in &policy.order {
+            let Some(quota) = policy.limiters.get(index) else {
+                continue;
+            };
             let params = &quota.params;
             let state = match &quota.counter {
                 Counter::Window(store) => store.decide(index, key, now_us(), cost),
@@ -643,7 +659,7 @@ where
             }
         }
         // Reported in policy order.
-        if windows {
+        if policy.windows {
             states.sort_unstable_by_key(|s| s.index);
         }
         ready(Ok(Decision::from_states(states)))
@@ -822,7 +838,28 @@ where
     /// bucket: one the cost can never fit (governor's `t * (cost - 1)` would also overflow
     /// for huge costs), or, when the buckets `key` still lacks would not fit in the table,
     /// the first quota lacking one.
+    #[inline]
     fn refuse_before_charging(
+        &self,
+        policy: &LocalPolicy<C>,
+        key: &Key,
+        cost: NonZeroU32,
+    ) -> Option<Refusal> {
+        let inner = &self.inner;
+        let quotas = policy.limiters.len();
+        // Only near the cap is it worth looking the key up before charging.
+        if cost.get() <= policy.min_burst
+            && inner.tracked.load(Ordering::Relaxed).saturating_add(quotas) <= inner.max_keys
+        {
+            return None;
+        }
+        self.refuse_before_charging_slow(policy, key, cost)
+    }
+
+    /// [`refuse_before_charging`](Self::refuse_before_charging), for a request that can never
+    /// fit or a table near its cap.
+    #[cold]
+    fn refuse_before_charging_slow(
         &self,
         policy: &LocalPolicy<C>,
         key: &Key,
@@ -835,7 +872,6 @@ where
         }
         let inner = &self.inner;
         let quotas = policy.limiters.len();
-        // Only near the cap is it worth looking the key up before charging.
         if inner.tracked.load(Ordering::Relaxed).saturating_add(quotas) <= inner.max_keys {
             return None;
         }
