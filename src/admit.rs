@@ -476,7 +476,7 @@ impl<K, Bk: Backend> Shared<K, Bk> {
         let (decision, adds) = match result {
             Ok(decision) => {
                 let style = self.responder.style;
-                let adds = response::rate_limit_headers(style, &prepared.headers, &decision);
+                let adds = response::rate_limit_headers(style, &prepared.headers, decision);
                 if decision.is_allowed() {
                     return match decision.wait() {
                         Duration::ZERO => Verdict::Pass(adds),
@@ -515,7 +515,7 @@ impl<K, Bk: Backend> Shared<K, Bk> {
             StatusCode::TOO_MANY_REQUESTS
         };
         let rejection = Rejection {
-            kind: RejectionKind::RateLimited(&decision),
+            kind: RejectionKind::RateLimited(decision),
             policy,
             status,
             retry_after,
@@ -542,7 +542,7 @@ impl<K, Bk: Backend> Shared<K, Bk> {
                 Verdict::Pass(response::rate_limit_headers(
                     style,
                     &prepared.headers,
-                    &decision,
+                    decision,
                 ))
             }
             Ok(decision) => {
@@ -572,4 +572,3 @@ impl<K, Bk: Backend> Shared<K, Bk> {
         Verdict::Reject(Box::new(self.responder.reject(rejection, grpc, adds)))
     }
 }
-
