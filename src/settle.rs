@@ -21,8 +21,9 @@
 //! the response's head comes back from the inner service (its status, headers and extensions:
 //! a body that is still streaming does not change it).
 //!
-//! Which stores settle: the local backend, on GCRA quotas. A policy that settles is refused
-//! when the layer is built on window quotas or on another store, with an error saying so.
+//! Which stores settle: the local backend, on every algorithm (a window gives units back only
+//! to the window, or sub-window, that counted them). A policy that settles is refused when the
+//! layer is built on another store, with an error saying so.
 //!
 //! ```
 //! use std::convert::Infallible;
@@ -225,11 +226,16 @@ pub(crate) struct Rules {
 impl Rules {
     /// The settlement for a request admitted at `cost` whose response is `res`: the mode and
     /// units, or nothing to do.
-    fn settlement(&self, cost: NonZeroU32, res: &ResponseInfo<'_>) -> Option<(Mode, NonZeroU32)> {
+    fn settlement(
+        &self,
+        cost: NonZeroU32,
+        res: &ResponseInfo<'_>,
+        refund: Mode,
+    ) -> Option<(Mode, NonZeroU32)> {
         if let Some(when) = &self.when
             && !(when.matches)(res)
         {
-            return Some((Mode::Refund, cost));
+            return Some((refund, cost));
         }
         let reported = self.cost.as_ref()?.read(res)?;
         match reported.cmp(&cost.get()) {
@@ -237,9 +243,7 @@ impl Rules {
             std::cmp::Ordering::Greater => {
                 Some((Mode::Debit, NonZeroU32::new(reported - cost.get())?))
             }
-            std::cmp::Ordering::Less => {
-                Some((Mode::Refund, NonZeroU32::new(cost.get() - reported)?))
-            }
+            std::cmp::Ordering::Less => Some((refund, NonZeroU32::new(cost.get() - reported)?)),
         }
     }
 }
@@ -254,7 +258,7 @@ pub(crate) fn unsupported(policy: &crate::Policy, store: &str) -> crate::ConfigE
         option: "Policy::charge_when / Policy::cost_from",
         reason: format!(
             "policy `{}` settles requests after their response, which {store} does not do yet \
-             (the local backend does, on GCRA quotas)",
+             (the local backend does)",
             policy.name()
         ),
     }
@@ -276,9 +280,9 @@ struct Charging<Bk: Backend> {
     rules: Arc<Rules>,
     key: Key,
     cost: NonZeroU32,
-    /// Set once the request was admitted (its units taken): only then is there anything to
-    /// settle, by its response or, if it never comes, by the cancellation rule.
-    armed: bool,
+    /// Set once the request was admitted (its units taken), to when: only then is there
+    /// anything to settle, by its response or, if it never comes, by the cancellation rule.
+    admitted: Option<std::time::Instant>,
 }
 
 impl<Bk: Backend> Settle<Bk> {
@@ -301,7 +305,7 @@ impl<Bk: Backend> Settle<Bk> {
                 policy: policy.clone(),
                 key: key.clone(),
                 cost,
-                armed: false,
+                admitted: None,
             })
         });
         let note = shared.pauses.clone().map(|p| (key.clone(), p));
@@ -315,8 +319,8 @@ impl<Bk: Backend> Settle<Bk> {
     /// cancellation rule if none comes.
     #[inline]
     pub(crate) fn arm(settle: &mut Option<Box<Self>>) {
-        if let Some(Charging { armed, .. }) = settle.as_mut().and_then(|s| s.charge.as_mut()) {
-            *armed = true;
+        if let Some(charge) = settle.as_mut().and_then(|s| s.charge.as_mut()) {
+            charge.admitted = Some(std::time::Instant::now());
         }
     }
 }
@@ -324,8 +328,11 @@ impl<Bk: Backend> Settle<Bk> {
 impl<Bk: Backend> Charging<Bk> {
     /// Settles as `res` says.
     fn settle(&mut self, res: &ResponseInfo<'_>) {
-        let armed = std::mem::take(&mut self.armed);
-        if let Some((mode, units)) = self.rules.settlement(self.cost, res).filter(|_| armed) {
+        let Some(admitted) = self.admitted.take() else {
+            return;
+        };
+        let refund = refund_of(admitted);
+        if let Some((mode, units)) = self.rules.settlement(self.cost, res, refund) {
             self.send(mode, units);
         }
     }
@@ -362,9 +369,18 @@ impl<Bk: Backend> Drop for Charging<Bk> {
     /// A request admitted and never answered (its future dropped) is settled by its policy's
     /// cancellation rule.
     fn drop(&mut self) {
-        if self.armed && self.rules.cancelled == Cancelled::Refund {
-            self.send(Mode::Refund, self.cost);
+        if let Some(admitted) = self.admitted
+            && self.rules.cancelled == Cancelled::Refund
+        {
+            self.send(refund_of(admitted), self.cost);
         }
+    }
+}
+
+/// A refund of units taken at `admitted`.
+fn refund_of(admitted: std::time::Instant) -> Mode {
+    Mode::Refund {
+        admitted_ago: admitted.elapsed(),
     }
 }
 

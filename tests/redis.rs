@@ -1223,3 +1223,36 @@ async fn the_deny_cache_forgets_a_key_redis_has_since_allowed() {
         );
     }
 }
+
+/// Settling after the response is not made on Redis yet: a policy that settles is refused when
+/// the layer is built, saying so, and a settlement asked of the backend directly is an error,
+/// never taken as a decision.
+#[tokio::test]
+async fn policies_that_settle_are_refused_until_redis_settles() {
+    use tollgate::backend::Mode;
+    use tollgate::settle::ChargeWhen;
+    let server = RedisServer::start();
+    let settling = Policy::new("login", no_refill(5)).charge_when(ChargeWhen::status([401]));
+    let err = RateLimitLayer::builder()
+        .key(Global)
+        .backend(backend(&server))
+        .policy(settling)
+        .build()
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("login") && err.contains("redis"), "{err}");
+    let b = backend(&server);
+    let p = prepare(&b, &Policy::new("plain", no_refill(1)));
+    let refund = Mode::Refund {
+        admitted_ago: Duration::ZERO,
+    };
+    for mode in [refund, Mode::Debit] {
+        let err = b
+            .decide_with(&p, &key("k"), cost(1), mode)
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), BackendErrorKind::Protocol, "{err}");
+    }
+    // Nothing was taken: the one unit is still there.
+    assert!(b.decide(&p, &key("k"), cost(1)).await.unwrap().is_allowed());
+}

@@ -1,7 +1,7 @@
 //! Settling after the response, over a real TCP listener, on a clock the test moves: failures
 //! counted and successes refunded, costs read from the response (debit into debt, refund of
 //! the difference), server errors free, cancelled requests by their rule, and stores that do
-//! not settle refusing such policies when the layer is built.
+//! not settle yet refusing such policies when the layer is built (tests/redis.rs).
 
 mod support;
 
@@ -13,7 +13,7 @@ use axum::response::IntoResponse;
 use axum::{Router, routing::get, routing::post};
 use governor::clock::FakeRelativeClock;
 use tollgate::backend::LocalBackend;
-use tollgate::key::{Global, Header};
+use tollgate::key::Header;
 use tollgate::settle::{Cancelled, ChargeWhen, CostFrom};
 use tollgate::{Charge, Policy, Quota, RateLimitLayer};
 
@@ -243,16 +243,33 @@ async fn a_cancelled_request_can_be_refunded() {
     assert_eq!(cancelled(Cancelled::Refund).await, [200, 429]);
 }
 
-#[test]
-fn policies_that_settle_are_refused_on_window_quotas() {
-    let err = RateLimitLayer::builder()
-        .key(Global)
-        .policy(
-            Policy::new("login", "5/15min fixed".parse::<Quota>().unwrap())
-                .charge_when(ChargeWhen::client_error()),
-        )
-        .build()
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("window") && err.contains("login"), "{err}");
+#[tokio::test]
+async fn window_quotas_count_only_failures_too() {
+    for quota in ["5/15min fixed", "5/15min sliding 1min"] {
+        let policy = Policy::new("login", quota.parse::<Quota>().unwrap())
+            .charge_when(ChargeWhen::status([401]));
+        let (base, _clock) = serve(policy, login_app()).await;
+        for _ in 0..10 {
+            assert_eq!(login(&base, "alice", "wonderland").await.0, 200, "{quota}");
+        }
+        for _ in 0..5 {
+            assert_eq!(login(&base, "alice", "guess").await.0, 401, "{quota}");
+        }
+        assert_eq!(login(&base, "alice", "wonderland").await.0, 429, "{quota}");
+    }
+}
+
+#[tokio::test]
+async fn a_debit_on_a_fixed_window_lasts_until_the_window_ends() {
+    let policy = Policy::new("tokens", "1000/min fixed".parse::<Quota>().unwrap())
+        .cost_from(CostFrom::header("x-tokens-used".parse().unwrap()));
+    let (base, clock) = serve(policy, tokens_app()).await;
+    assert_eq!(generate(&base, "tokens=1500").await.0, 200);
+    let (status, headers) = generate(&base, "tokens=1").await;
+    assert_eq!(status, 429);
+    // The window ends on the minute (the fake clock starts at the epoch of the backend).
+    let retry: u64 = headers["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!((1..=60).contains(&retry), "{headers:?}");
+    clock.advance(Duration::from_secs(retry));
+    assert_eq!(generate(&base, "tokens=1").await.0, 200);
 }

@@ -130,11 +130,14 @@ pub enum Mode {
     },
     /// What [`Decide`](Mode::Decide) would answer now, taking nothing.
     Peek,
-    /// A settlement: give back `cost` units taken earlier (the response showed that the request
-    /// does not count, or cost less than admitted). A bucket never fills past full: units given
-    /// back after their time has passed are gone. Always allowed; the states are the buckets'
-    /// after the refund.
-    Refund,
+    /// A settlement: give back `cost` units taken `admitted_ago` (the response showed that the
+    /// request does not count, or cost less than admitted). A bucket never fills past full,
+    /// and a window gives units back only to the (sub-)window that counted them: units whose
+    /// time has passed are gone. Always allowed; the states are the quotas' after the refund.
+    Refund {
+        /// How long ago the units were taken.
+        admitted_ago: Duration,
+    },
     /// A settlement: take `cost` more units whatever the bucket holds (the response showed that
     /// the request cost more than admitted). A bucket taken past empty is in debt: requests
     /// are refused until it is repaid, and their `retry_after` says when. Always allowed; the
@@ -158,7 +161,7 @@ impl Mode {
 
     /// Whether this is a settlement ([`Refund`](Mode::Refund) or [`Debit`](Mode::Debit)).
     pub fn is_settlement(self) -> bool {
-        matches!(self, Mode::Refund | Mode::Debit)
+        matches!(self, Mode::Refund { .. } | Mode::Debit)
     }
 }
 

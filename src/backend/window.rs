@@ -63,6 +63,30 @@ impl FixedState {
         fixed_state(index, params, code, self.count, until_end)
     }
 
+    /// Settles `units` at `now_us`: a debit counts them in the current window (past the limit
+    /// if need be: refused until the window ends); a refund of units counted at `admitted_us`
+    /// takes them off that window's count, if it is still the current one (never below zero).
+    pub(crate) fn settle(
+        &mut self,
+        index: usize,
+        params: &QuotaParams,
+        window_us: u64,
+        now_us: u64,
+        settlement: Settlement,
+    ) -> QuotaState {
+        self.advance(now_us / window_us);
+        match settlement {
+            Settlement::Debit(units) => self.count = self.count.saturating_add(units),
+            Settlement::Refund { units, admitted_us } => {
+                if admitted_us / window_us == self.window {
+                    self.count = self.count.saturating_sub(units);
+                }
+            }
+        }
+        let until_end = (self.window + 1) * window_us - now_us;
+        fixed_state(index, params, Code::Allowed, self.count, until_end)
+    }
+
     /// The state at `now_us` without deciding anything.
     pub(crate) fn peek(
         mut self,
@@ -129,6 +153,16 @@ pub(crate) fn fixed_state(
     }
 }
 
+/// A settlement of a window quota's count (see [`Mode::Refund`](super::Mode::Refund) and
+/// [`Mode::Debit`](super::Mode::Debit)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Settlement {
+    /// Count `units` more now.
+    Debit(u32),
+    /// Give back `units` counted at `admitted_us`.
+    Refund { units: u32, admitted_us: u64 },
+}
+
 /// A sliding window's counts: of the sub-window `slice` (the newest) and the `n` before it,
 /// oldest first.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -186,6 +220,44 @@ impl SlidingState {
             Code::Denied
         };
         sliding_state(index, params, code, &self.counts, slice_us, r, cost)
+    }
+
+    /// Settles `units` at `now_us`: a debit counts them in the newest sub-window (past the
+    /// limit if need be: refused until they slide out); a refund of units counted at
+    /// `admitted_us` takes them off that sub-window's count, if it is still in the window
+    /// (never below zero).
+    pub(crate) fn settle(
+        &mut self,
+        index: usize,
+        params: &QuotaParams,
+        slice_us: u64,
+        now_us: u64,
+        settlement: Settlement,
+    ) -> QuotaState {
+        self.advance(now_us / slice_us);
+        let newest = self.counts.len() - 1;
+        match settlement {
+            Settlement::Debit(units) => {
+                self.counts[newest] = self.counts[newest].saturating_add(units);
+            }
+            Settlement::Refund { units, admitted_us } => {
+                let ago = self.slice.checked_sub(admitted_us / slice_us);
+                if let Some(at) = ago.and_then(|ago| newest.checked_sub(usize::try_from(ago).ok()?))
+                {
+                    self.counts[at] = self.counts[at].saturating_sub(units);
+                }
+            }
+        }
+        let r = now_us % slice_us;
+        sliding_state(
+            index,
+            params,
+            Code::Allowed,
+            &self.counts,
+            slice_us,
+            r,
+            NonZeroU32::MIN,
+        )
     }
 
     /// What a request of `cost` at `now_us` would get, changing nothing and allocating
@@ -383,6 +455,71 @@ mod tests {
         assert_eq!((q.outcome, q.remaining), (Outcome::Allowed, 2));
         let q = s.decide(0, &p, 1_000_000, at(1000), NonZeroU32::new(4).unwrap());
         assert_eq!((q.outcome, q.remaining), (Outcome::NeverFits, 2));
+    }
+
+    #[test]
+    fn a_fixed_window_refunds_only_the_window_that_counted() {
+        let p = params(Quota::per_second(3).fixed_window());
+        let mut s = FixedState::default();
+        let one = NonZeroU32::MIN;
+        let w = 1_000_000;
+        let at = |ms: u64| 10_000_000 + ms * 1000;
+        s.decide(0, &p, w, at(100), one);
+        s.decide(0, &p, w, at(200), one);
+        // A refund in the same window gives one back.
+        let refund = |units, admitted_us| Settlement::Refund { units, admitted_us };
+        let q = s.settle(0, &p, w, at(300), refund(1, at(100)));
+        assert_eq!(q.remaining, 2);
+        // Never below zero.
+        let q = s.settle(0, &p, w, at(300), refund(5, at(200)));
+        assert_eq!((q.remaining, q.reset_after), (3, Duration::ZERO));
+        // Counted in this window, refunded in the next: that window's count is untouched.
+        s.decide(0, &p, w, at(900), one);
+        s.decide(0, &p, w, at(1100), one);
+        let q = s.settle(0, &p, w, at(1200), refund(1, at(900)));
+        assert_eq!(q.remaining, 2);
+        // A debit counts past the limit, until the window ends.
+        let q = s.settle(0, &p, w, at(1300), Settlement::Debit(10));
+        assert_eq!(q.remaining, 0);
+        assert!(s.decide(0, &p, w, at(1999), one).outcome != Outcome::Allowed);
+        assert_eq!(s.decide(0, &p, w, at(2000), one).outcome, Outcome::Allowed);
+    }
+
+    #[test]
+    fn a_sliding_window_refunds_the_sub_window_that_counted() {
+        // 4 per second in sub-windows of 250 ms.
+        let p = params(
+            Quota::per_second(4)
+                .sliding_window()
+                .resolution(Duration::from_millis(250)),
+        );
+        let (slice_us, slices) = match p.kind {
+            crate::quota::QuotaKind::SlidingWindow { slice_us, slices } => (slice_us, slices),
+            _ => unreachable!("a sliding quota"),
+        };
+        let mut s = SlidingState::new(slices);
+        let one = NonZeroU32::MIN;
+        let at = |ms: u64| 10_000_000 + ms * 1000;
+        s.decide(0, &p, slice_us, at(0), one);
+        s.decide(0, &p, slice_us, at(300), one);
+        let newest = s.counts.len() - 1;
+        assert_eq!(&s.counts[newest - 1..], &[1, 1]);
+        // The unit counted at 0 ms is given back to its own sub-window, later.
+        let refund = Settlement::Refund {
+            units: 1,
+            admitted_us: at(0),
+        };
+        s.settle(0, &p, slice_us, at(400), refund);
+        assert_eq!(&s.counts[newest - 1..], &[0, 1]);
+        // A refund for a sub-window that has slid out changes nothing, not the counts now.
+        s.decide(0, &p, slice_us, at(5_000), one);
+        let old = Settlement::Refund {
+            units: 1,
+            admitted_us: at(300),
+        };
+        s.settle(0, &p, slice_us, at(5_100), old);
+        assert_eq!(s.counts.iter().sum::<u32>(), 1);
+        assert_eq!(s.counts[newest], 1);
     }
 
     #[test]

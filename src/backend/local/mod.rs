@@ -97,8 +97,9 @@ use governor::nanos::Nanos;
 use governor::state::StateStore;
 use governor::state::keyed::ShrinkableKeyedStateStore;
 
+use super::window::Settlement;
 use super::{Backend, Decision, Mode, Outcome, QuotaState, ResetFuture};
-use crate::quota::{QuotaKind, QuotaParams};
+use crate::quota::QuotaParams;
 use window::WindowStore;
 
 mod window;
@@ -493,19 +494,6 @@ where
         policy: &Policy,
         params: &[QuotaParams],
     ) -> Result<LocalPolicy<C>, ConfigError> {
-        if policy.settles()
-            && let Some(q) = params.iter().position(|p| p.kind != QuotaKind::Gcra)
-        {
-            return Err(ConfigError::Invalid {
-                option: "Policy::charge_when / Policy::cost_from",
-                reason: format!(
-                    "policy `{}`: quota {q} is a window; requests are settled after the \
-                     response on GCRA quotas only so far (e.g. \"5/15min\" without `fixed` \
-                     or `sliding`)",
-                    policy.name()
-                ),
-            });
-        }
         self.start_sweeper();
         let mut map = self
             .inner
@@ -681,7 +669,7 @@ where
                 }
                 ready(Ok(self.reserve(policy, key, cost, max_wait)))
             }
-            Mode::Refund | Mode::Debit => ready(self.settle(policy, key, cost, mode)),
+            Mode::Refund { .. } | Mode::Debit => ready(Ok(self.settle(policy, key, cost, mode))),
         }
     }
 
@@ -969,52 +957,61 @@ where
     C::Instant: Send + Sync,
 {
     /// A settlement ([`Mode::Refund`] or [`Mode::Debit`]) of `cost` units on every quota of
-    /// `policy` (GCRA only: `prepare` refuses window quotas in policies that settle).
-    fn settle(
-        &self,
-        policy: &LocalPolicy<C>,
-        key: &Key,
-        cost: NonZeroU32,
-        mode: Mode,
-    ) -> Result<Decision, BackendError> {
+    /// `policy`.
+    fn settle(&self, policy: &LocalPolicy<C>, key: &Key, cost: NonZeroU32, mode: Mode) -> Decision {
         let inner = &*self.inner;
         let now = inner.elapsed_ns();
+        let admitted_ago = match mode {
+            Mode::Refund { admitted_ago } => Some(admitted_ago),
+            _ => None,
+        };
         let mut states = smallvec::SmallVec::<[QuotaState; 2]>::new();
         for (index, quota) in policy.limiters.iter().enumerate() {
-            let Counter::Gcra { store, start, .. } = &quota.counter else {
-                return Err(BackendError::new(
-                    crate::BackendErrorKind::Protocol,
-                    "window quotas are not settled by the local backend",
-                ));
-            };
             let p = &quota.params;
-            let step = p.emission_ns.saturating_mul(u64::from(cost.get()));
-            // The limiter's time, never later than governor's (see `start`).
-            let at = now.saturating_sub(start.as_u64());
-            let settled = match mode {
-                // A key without a bucket is full: nothing to give back.
-                Mode::Refund => store
-                    .map
-                    .get(key)
-                    .map(|tat| update(&tat, |tat| tat.saturating_sub(step).max(at))),
-                _ => {
-                    let debit = |tat: u64| tat.max(at).saturating_add(step);
-                    Some(match store.map.get(key) {
-                        Some(tat) => update(&tat, debit),
-                        None => match store.map.entry(key.clone()) {
-                            Entry::Occupied(e) => update(e.get(), debit),
-                            Entry::Vacant(e) => {
-                                track_add(&store.tracked, 1);
-                                update(&e.insert(AtomicU64::new(0)), debit)
-                            }
+            let state = match &quota.counter {
+                Counter::Window(store) => {
+                    let now_us = inner.now_us();
+                    let settlement = match admitted_ago {
+                        Some(ago) => Settlement::Refund {
+                            units: cost.get(),
+                            admitted_us: now_us
+                                .saturating_sub(u64::try_from(ago.as_micros()).unwrap_or(u64::MAX)),
                         },
-                    })
+                        None => Settlement::Debit(cost.get()),
+                    };
+                    store.settle(index, key, now_us, settlement)
+                }
+                Counter::Gcra { store, start, .. } => {
+                    let step = p.emission_ns.saturating_mul(u64::from(cost.get()));
+                    // The limiter's time, never later than governor's (see `start`).
+                    let at = now.saturating_sub(start.as_u64());
+                    let settled = match admitted_ago {
+                        // A key without a bucket is full: nothing to give back. A bucket
+                        // never fills past full (an arrival time before now).
+                        Some(_) => store
+                            .map
+                            .get(key)
+                            .map(|tat| update(&tat, |tat| tat.saturating_sub(step).max(at))),
+                        None => {
+                            let debit = |tat: u64| tat.max(at).saturating_add(step);
+                            Some(match store.map.get(key) {
+                                Some(tat) => update(&tat, debit),
+                                None => match store.map.entry(key.clone()) {
+                                    Entry::Occupied(e) => update(e.get(), debit),
+                                    Entry::Vacant(e) => {
+                                        track_add(&store.tracked, 1);
+                                        update(&e.insert(AtomicU64::new(0)), debit)
+                                    }
+                                },
+                            })
+                        }
+                    };
+                    QuotaState::allowed(index, p, until(*start, settled.unwrap_or(0), now))
                 }
             };
-            let tat = settled.unwrap_or(0);
-            states.push(QuotaState::allowed(index, p, until(*start, tat, now)));
+            states.push(state);
         }
-        Ok(Decision::from_states(states))
+        Decision::from_states(states)
     }
 }
 

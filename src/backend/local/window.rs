@@ -16,7 +16,7 @@ use foldhash::quality::RandomState;
 
 use crate::Key;
 use crate::backend::QuotaState;
-use crate::backend::window::{FixedState, SlidingState};
+use crate::backend::window::{FixedState, Settlement, SlidingState};
 use crate::quota::{QuotaKind, QuotaParams};
 
 /// The counters of one window quota, by key, counted against the backend's key cap.
@@ -152,6 +152,68 @@ impl WindowStore {
                 });
                 let mut state = state.lock().unwrap_or_else(|p| p.into_inner());
                 state.decide(index, p, *slice_us, now_us, cost)
+            }
+        }
+    }
+
+    /// Settles `key`'s counter at `now_us` (see [`Settlement`]). A refund on a key without a
+    /// counter has nothing to give back and makes none.
+    pub(super) fn settle(
+        &self,
+        index: usize,
+        key: &Key,
+        now_us: u64,
+        settlement: Settlement,
+    ) -> QuotaState {
+        let p = &self.params;
+        let refund = matches!(settlement, Settlement::Refund { .. });
+        match &self.counters {
+            Counters::Fixed { window_us, map } => {
+                let now_window = now_us / window_us;
+                let settle = |packed: u64| {
+                    let mut state = match packed {
+                        0 => FixedState::default(),
+                        packed => unpack(packed, now_window),
+                    };
+                    let settled = state.settle(index, p, *window_us, now_us, settlement);
+                    (settled, pack(state))
+                };
+                let counter = match map.get(key) {
+                    Some(counter) => counter,
+                    None if refund => return settle(0).0,
+                    None => entry(map, key, &self.tracked, || AtomicU64::new(0)),
+                };
+                let mut packed = counter.load(Ordering::Acquire);
+                loop {
+                    let (settled, next) = settle(packed);
+                    match counter.compare_exchange_weak(
+                        packed,
+                        next,
+                        Ordering::AcqRel,
+                        Ordering::Acquire,
+                    ) {
+                        Ok(_) => return settled,
+                        Err(actual) => packed = actual,
+                    }
+                }
+            }
+            Counters::Sliding {
+                slice_us,
+                slices,
+                map,
+            } => {
+                let state = match map.get(key) {
+                    Some(state) => state,
+                    None if refund => {
+                        let mut empty = SlidingState::new(*slices);
+                        return empty.settle(index, p, *slice_us, now_us, settlement);
+                    }
+                    None => entry(map, key, &self.tracked, || {
+                        Mutex::new(SlidingState::new(*slices))
+                    }),
+                };
+                let mut state = state.lock().unwrap_or_else(|p| p.into_inner());
+                state.settle(index, p, *slice_us, now_us, settlement)
             }
         }
     }
