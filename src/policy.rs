@@ -129,8 +129,9 @@ impl Policy {
     }
 
     /// What a settling request is charged when it ends without a response (the client went
-    /// away and its future was dropped): [`Cancelled::Charge`](crate::settle::Cancelled) (the
-    /// default) keeps what was taken at admission, `Refund` gives it back.
+    /// away and its future was dropped, or the inner service answered with an error instead of
+    /// a response): [`Cancelled::Charge`](crate::settle::Cancelled) (the default) keeps what
+    /// was taken at admission, `Refund` gives it back.
     pub fn on_cancel(mut self, cancelled: crate::settle::Cancelled) -> Self {
         Arc::make_mut(self.settle.get_or_insert_with(Default::default)).cancelled = cancelled;
         self

@@ -11,7 +11,8 @@
 //!   settled (more taken, or some given back). A key taken past its limit is in debt, and
 //!   refused until it is repaid.
 //! - [`Policy::on_cancel`](crate::Policy::on_cancel): what a request is charged when it ends
-//!   without a response (its future dropped because the client went away).
+//!   without a response (its future dropped because the client went away, or the inner
+//!   service's error instead of a response).
 //!
 //! Admission still refuses a key that is at its limit before the inner service runs: a client
 //! with five failed logins gets `429` without its password being checked.
