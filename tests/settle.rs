@@ -273,3 +273,39 @@ async fn a_debit_on_a_fixed_window_lasts_until_the_window_ends() {
     clock.advance(Duration::from_secs(retry));
     assert_eq!(generate(&base, "tokens=1").await.0, 200);
 }
+
+/// An inner service answering with an error instead of a response settles by the cancellation
+/// rule (here: refunded), as a dropped request does.
+#[tokio::test]
+async fn an_inner_error_settles_by_the_cancellation_rule() {
+    use tower::{Layer, Service, ServiceExt};
+    for (rule, second) in [(Cancelled::Refund, true), (Cancelled::Charge, false)] {
+        let layer = RateLimitLayer::builder()
+            .key(tollgate::key::Global)
+            .policy(
+                Policy::new("api", Quota::per_day(1))
+                    .charge_when(ChargeWhen::status([200]))
+                    .on_cancel(rule),
+            )
+            .build()
+            .unwrap();
+        let mut svc = layer.layer(tower::service_fn(|_: http::Request<()>| async {
+            Err::<http::Response<http_body_util::Full<bytes::Bytes>>, _>("inner failure")
+        }));
+        let first = svc
+            .ready()
+            .await
+            .unwrap()
+            .call(http::Request::new(()))
+            .await;
+        assert_eq!(first.unwrap_err(), "inner failure");
+        let again = svc
+            .ready()
+            .await
+            .unwrap()
+            .call(http::Request::new(()))
+            .await;
+        // Refunded: the next request is admitted (and fails inside again); charged: refused.
+        assert_eq!(again.is_err(), second, "{rule:?}");
+    }
+}
