@@ -232,6 +232,27 @@ struct PolicySpec {
     shadow: bool,
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     shadow_headers: bool,
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        serialize_with = "crate::settle::serde_forms::ser_charge_when",
+        deserialize_with = "crate::settle::serde_forms::de_charge_when"
+    )]
+    charge_when: Option<crate::settle::ChargeWhen>,
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        serialize_with = "crate::settle::serde_forms::ser_cost_from",
+        deserialize_with = "crate::settle::serde_forms::de_cost_from"
+    )]
+    cost_from: Option<crate::settle::CostFrom>,
+    #[serde(
+        default,
+        skip_serializing_if = "crate::settle::serde_forms::is_charge",
+        serialize_with = "crate::settle::serde_forms::ser_cancelled",
+        deserialize_with = "crate::settle::serde_forms::de_cancelled"
+    )]
+    on_cancel: crate::settle::Cancelled,
 }
 
 #[cfg(feature = "serde")]
@@ -240,8 +261,9 @@ fn one() -> Option<u32> {
 }
 
 /// Serialized as `{ name, quotas = ["5/s burst 10", { rate = "1000/h", name = "hourly" }, ...],
-/// cost, shadow }`: a quota with a name is a table. A cost computed by a closure cannot be
-/// serialized and is left out, as are settlement rules (closures and header names).
+/// cost, shadow }`, with the settlement rules when there are (`charge_when`, `cost_from`,
+/// `on_cancel`: see [`settle`](crate::settle)): a quota with a name is a table. A cost computed
+/// by a closure cannot be serialized and is left out; a `charge_when` predicate is an error.
 #[cfg(feature = "serde")]
 impl serde::Serialize for Policy {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
@@ -254,6 +276,13 @@ impl serde::Serialize for Policy {
             },
             shadow: self.shadow,
             shadow_headers: self.shadow_headers,
+            charge_when: self.settle.as_ref().and_then(|r| r.when.clone()),
+            cost_from: self.settle.as_ref().and_then(|r| r.cost.clone()),
+            on_cancel: self
+                .settle
+                .as_ref()
+                .map(|r| r.cancelled)
+                .unwrap_or_default(),
         }
         .serialize(s)
     }
@@ -263,13 +292,29 @@ impl serde::Serialize for Policy {
 impl<'de> serde::Deserialize<'de> for Policy {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let spec = PolicySpec::deserialize(d)?;
+        if spec.charge_when.is_none()
+            && spec.cost_from.is_none()
+            && spec.on_cancel != crate::settle::Cancelled::Charge
+        {
+            return Err(serde::de::Error::custom(format!(
+                "policy `{}`: `on_cancel` applies to policies that settle (with `charge_when` \
+                 or `cost_from`), and this one does not",
+                spec.name
+            )));
+        }
         Ok(Policy {
             name: spec.name.into(),
             quotas: spec.quotas.into_iter().collect(),
             cost: Cost::Fixed(spec.cost.unwrap_or(1)),
             shadow: spec.shadow,
             shadow_headers: spec.shadow_headers,
-            settle: None,
+            settle: (spec.charge_when.is_some() || spec.cost_from.is_some()).then(|| {
+                Arc::new(crate::settle::Rules {
+                    when: spec.charge_when,
+                    cost: spec.cost_from,
+                    cancelled: spec.on_cancel,
+                })
+            }),
         })
     }
 }

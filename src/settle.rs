@@ -121,26 +121,37 @@ impl<'a> ResponseInfo<'a> {
 #[derive(Clone)]
 pub struct ChargeWhen {
     matches: Arc<dyn Fn(&ResponseInfo<'_>) -> bool + Send + Sync>,
-    what: Arc<str>,
+    kind: Kind,
+}
+
+/// What a [`ChargeWhen`] is, for its `Debug` and serde forms.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Kind {
+    Status(Vec<u16>),
+    ClientError,
+    NotServerError,
+    Predicate,
 }
 
 impl ChargeWhen {
     /// Responses with one of these status codes (e.g. `[401, 403]` for failed logins).
     pub fn status(codes: impl IntoIterator<Item = u16>) -> Self {
         let codes: Vec<u16> = codes.into_iter().collect();
-        let what = format!("status in {codes:?}");
-        Self::new(what, move |res| codes.contains(&res.status().as_u16()))
+        let matching = codes.clone();
+        Self::new(Kind::Status(codes), move |res| {
+            matching.contains(&res.status().as_u16())
+        })
     }
 
     /// Responses that are not server errors (`5xx`): a request the server failed costs the
     /// client nothing.
     pub fn not_server_error() -> Self {
-        Self::new("not 5xx", |res| !res.status().is_server_error())
+        Self::new(Kind::NotServerError, |res| !res.status().is_server_error())
     }
 
     /// Client errors (`4xx`).
     pub fn client_error() -> Self {
-        Self::new("4xx", |res| res.status().is_client_error())
+        Self::new(Kind::ClientError, |res| res.status().is_client_error())
     }
 
     /// Responses for which `f` is true.
@@ -148,23 +159,155 @@ impl ChargeWhen {
     where
         F: Fn(&ResponseInfo<'_>) -> bool + Send + Sync + 'static,
     {
-        Self::new("<fn>", f)
+        Self::new(Kind::Predicate, f)
     }
 
-    fn new(
-        what: impl Into<Arc<str>>,
-        f: impl Fn(&ResponseInfo<'_>) -> bool + Send + Sync + 'static,
-    ) -> Self {
+    fn new(kind: Kind, f: impl Fn(&ResponseInfo<'_>) -> bool + Send + Sync + 'static) -> Self {
         ChargeWhen {
             matches: Arc::new(f),
-            what: what.into(),
+            kind,
         }
     }
 }
 
 impl fmt::Debug for ChargeWhen {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_tuple("ChargeWhen").field(&self.what).finish()
+        match &self.kind {
+            Kind::Status(codes) => f.debug_tuple("ChargeWhen::status").field(codes).finish(),
+            Kind::ClientError => f.write_str("ChargeWhen::client_error"),
+            Kind::NotServerError => f.write_str("ChargeWhen::not_server_error"),
+            Kind::Predicate => f.write_str("ChargeWhen::predicate(<fn>)"),
+        }
+    }
+}
+
+/// The serde forms of the settlement rules, in a policy's table (TOML shown):
+///
+/// ```toml
+/// charge_when = [401, 403]          # status codes; or "4xx", or "not 5xx"
+/// cost_from = "header x-tokens-used" # or "extension" (a `Charge` in the response)
+/// on_cancel = "refund"              # or "charge" (the default)
+/// ```
+///
+/// A predicate ([`ChargeWhen::predicate`]) cannot be serialized: serializing a policy holding
+/// one is an error.
+#[cfg(feature = "serde")]
+pub(crate) mod serde_forms {
+    use std::fmt;
+
+    use serde::de::{self, SeqAccess, Visitor};
+    use serde::{Deserializer, Serializer};
+
+    use super::{Cancelled, ChargeWhen, CostFrom, Kind, Source};
+
+    const CHARGE_WHEN: &str = "a list of status codes (e.g. [401, 403]), \"4xx\" or \"not 5xx\"";
+
+    pub(crate) fn ser_charge_when<S: Serializer>(
+        when: &Option<ChargeWhen>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        match when.as_ref().map(|w| &w.kind) {
+            None => s.serialize_none(),
+            Some(Kind::Status(codes)) => s.serialize_some(codes),
+            Some(Kind::ClientError) => s.serialize_some("4xx"),
+            Some(Kind::NotServerError) => s.serialize_some("not 5xx"),
+            Some(Kind::Predicate) => Err(serde::ser::Error::custom(
+                "`charge_when` is a predicate (a closure), which cannot be serialized",
+            )),
+        }
+    }
+
+    pub(crate) fn de_charge_when<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Option<ChargeWhen>, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = ChargeWhen;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(CHARGE_WHEN)
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<ChargeWhen, E> {
+                match v.trim() {
+                    "4xx" => Ok(ChargeWhen::client_error()),
+                    "not 5xx" => Ok(ChargeWhen::not_server_error()),
+                    other => Err(E::custom(format!(
+                        "`charge_when = {other:?}`: expected {CHARGE_WHEN}"
+                    ))),
+                }
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<ChargeWhen, A::Error> {
+                let mut codes = Vec::new();
+                while let Some(code) = seq.next_element::<u64>()? {
+                    match u16::try_from(code) {
+                        Ok(code @ 100..=599) => codes.push(code),
+                        _ => {
+                            return Err(de::Error::custom(format!(
+                                "`charge_when`: {code} is not an HTTP status code (100 to 599)"
+                            )));
+                        }
+                    }
+                }
+                if codes.is_empty() {
+                    return Err(de::Error::custom(
+                        "`charge_when = []` matches no response: every request would be refunded",
+                    ));
+                }
+                Ok(ChargeWhen::status(codes))
+            }
+        }
+        d.deserialize_any(V).map(Some)
+    }
+
+    pub(crate) fn ser_cost_from<S: Serializer>(
+        from: &Option<CostFrom>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        match from.as_ref().map(|c| &c.0) {
+            None => s.serialize_none(),
+            Some(Source::Header(name)) => s.serialize_some(&format!("header {name}")),
+            Some(Source::Extension) => s.serialize_some("extension"),
+        }
+    }
+
+    pub(crate) fn de_cost_from<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Option<CostFrom>, D::Error> {
+        let v: String = serde::Deserialize::deserialize(d)?;
+        let mut words = v.split_whitespace();
+        match (words.next(), words.next(), words.next()) {
+            (Some("extension"), None, None) => Ok(Some(CostFrom::extension())),
+            (Some("header"), Some(name), None) => match name.parse() {
+                Ok(name) => Ok(Some(CostFrom::header(name))),
+                Err(_) => Err(de::Error::custom(format!(
+                    "`cost_from`: {name:?} is not a valid header name"
+                ))),
+            },
+            _ => Err(de::Error::custom(format!(
+                "`cost_from = {v:?}`: expected \"header <name>\" (e.g. \"header x-tokens-used\") or \"extension\""
+            ))),
+        }
+    }
+
+    pub(crate) fn ser_cancelled<S: Serializer>(c: &Cancelled, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(match c {
+            Cancelled::Charge => "charge",
+            Cancelled::Refund => "refund",
+        })
+    }
+
+    pub(crate) fn de_cancelled<'de, D: Deserializer<'de>>(d: D) -> Result<Cancelled, D::Error> {
+        let v: String = serde::Deserialize::deserialize(d)?;
+        match v.as_str() {
+            "charge" => Ok(Cancelled::Charge),
+            "refund" => Ok(Cancelled::Refund),
+            other => Err(de::Error::custom(format!(
+                "`on_cancel = {other:?}`: expected \"charge\" or \"refund\""
+            ))),
+        }
+    }
+
+    pub(crate) fn is_charge(c: &Cancelled) -> bool {
+        *c == Cancelled::Charge
     }
 }
 

@@ -309,3 +309,75 @@ async fn an_inner_error_settles_by_the_cancellation_rule() {
         assert_eq!(again.is_err(), second, "{rule:?}");
     }
 }
+
+/// The settlement rules in a policy's table, as in a rules file: read, applied and written
+/// back; mistakes named.
+#[cfg(feature = "serde")]
+#[tokio::test]
+async fn settlement_rules_in_config() {
+    let policy: Policy = toml::from_str(
+        r#"
+        name = "login"
+        quotas = ["5/15min"]
+        charge_when = [401, 403]
+        on_cancel = "refund"
+        "#,
+    )
+    .unwrap();
+    assert!(policy.settles());
+    // Round trip.
+    let text = toml::to_string(&policy).unwrap();
+    assert!(
+        text.contains("charge_when = [401, 403]") && text.contains("on_cancel = \"refund\""),
+        "{text}"
+    );
+    // Applied: failures count, successes do not.
+    let (base, _clock) = serve(policy, login_app()).await;
+    for _ in 0..10 {
+        assert_eq!(login(&base, "alice", "wonderland").await.0, 200);
+    }
+    for _ in 0..5 {
+        assert_eq!(login(&base, "alice", "guess").await.0, 401);
+    }
+    assert_eq!(login(&base, "alice", "wonderland").await.0, 429);
+
+    for (table, cost_from) in [
+        (
+            r#"cost_from = "header x-tokens-used""#,
+            "header x-tokens-used",
+        ),
+        (r#"cost_from = "extension""#, "extension"),
+    ] {
+        let p: Policy =
+            toml::from_str(&format!("name = \"t\"\nquotas = [\"1000/min\"]\n{table}")).unwrap();
+        let json = serde_json::to_value(&p).unwrap();
+        assert_eq!(json["cost_from"], cost_from);
+        assert!(json.get("charge_when").is_none() && json.get("on_cancel").is_none());
+    }
+    let p: Policy =
+        serde_json::from_str(r#"{"name": "api", "quotas": ["10/s"], "charge_when": "not 5xx"}"#)
+            .unwrap();
+    assert_eq!(serde_json::to_value(&p).unwrap()["charge_when"], "not 5xx");
+
+    let err = |text: &str| {
+        toml::from_str::<Policy>(&format!("name = \"p\"\nquotas = [\"5/min\"]\n{text}"))
+            .unwrap_err()
+            .to_string()
+    };
+    assert!(err("charge_when = [401, 700]").contains("700 is not an HTTP status code"));
+    assert!(err("charge_when = []").contains("matches no response"));
+    assert!(err(r#"charge_when = "5xx""#).contains(r#"expected a list of status codes"#));
+    assert!(err(r#"cost_from = "trailer grpc-tokens""#).contains(r#"expected "header <name>""#));
+    assert!(err(r#"cost_from = "header bad name""#).contains("expected \"header <name>\""));
+    assert!(err(r#"on_cancel = "forgive""#).contains(r#"expected "charge" or "refund""#));
+    assert!(err(r#"on_cancel = "refund""#).contains("applies to policies that settle"));
+    // A predicate cannot be written.
+    let closure = Policy::new("p", Quota::per_minute(5))
+        .charge_when(ChargeWhen::predicate(|r| r.status().is_client_error()));
+    assert!(
+        toml::to_string(&closure)
+            .unwrap_err()
+            .to_string()
+            .contains("predicate")
+    );
+}
