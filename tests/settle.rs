@@ -381,3 +381,34 @@ async fn settlement_rules_in_config() {
             .contains("predicate")
     );
 }
+
+/// Concurrent failures on one key: exactly the budget reaches the handler, whatever the
+/// interleaving of admissions and settlements.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_failures_spend_exactly_the_budget() {
+    let policy = Policy::new("login", Quota::new(5, Duration::from_secs(900)))
+        .charge_when(ChargeWhen::status([401]));
+    let (base, _clock) = serve(policy, login_app()).await;
+    let tasks: Vec<_> = (0..100)
+        .map(|i| {
+            let base = base.clone();
+            // Every other one with the right password: refunded, if admitted.
+            let password = if i % 2 == 0 { "guess" } else { "wonderland" };
+            tokio::spawn(async move { login(&base, "alice", password).await.0 })
+        })
+        .collect();
+    let mut seen = std::collections::HashMap::new();
+    for t in tasks {
+        *seen.entry(t.await.unwrap()).or_insert(0) += 1;
+    }
+    let failures = seen.get(&401).copied().unwrap_or(0);
+    assert!(failures <= 5, "{seen:?}");
+    // Whatever passed, exactly 5 failures are counted in all: the rest of the budget is gone
+    // once the remaining failures are tried one by one.
+    let mut more = 0;
+    while login(&base, "alice", "guess").await.0 == 401 {
+        more += 1;
+        assert!(more <= 5, "{seen:?}");
+    }
+    assert_eq!(failures + more, 5, "{seen:?}");
+}
