@@ -232,11 +232,10 @@ impl<K: KeyExtractor, Bk: Backend> Shared<K, Bk> {
             let Some(cost) = NonZeroU32::new(policy.policy.cost_of(&info)) else {
                 policy.metrics.record(Counted::Free, None);
                 let pass = Admission::Now(Verdict::Pass(HeaderAdds::new()));
-                return (pass, Settle::new(self, None, key));
+                return (pass, Settle::new(self, policy, None, key));
             };
             // 3. decision
-            let charge = policy.policy.settle_rules().map(|_| (policy, cost));
-            let settle = Settle::new(self, charge, key);
+            let settle = Settle::new(self, policy, Some(cost), key);
             (self.decide(policy, key, cost, &info), settle)
         })
     }

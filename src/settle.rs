@@ -181,6 +181,243 @@ impl fmt::Debug for ChargeWhen {
     }
 }
 
+/// Where a response reports its request's cost, for
+/// [`Policy::cost_from`](crate::Policy::cost_from). A response that reports nothing (or a
+/// value that is not a count of units) keeps the cost taken at admission.
+#[derive(Debug, Clone)]
+pub struct CostFrom(Source);
+
+#[derive(Debug, Clone)]
+enum Source {
+    Header(HeaderName),
+    Extension,
+}
+
+impl CostFrom {
+    /// A response header holding a decimal count of units, e.g. `x-tokens-used: 1200`.
+    pub fn header(name: HeaderName) -> Self {
+        CostFrom(Source::Header(name))
+    }
+
+    /// A [`Charge`] in the response's extensions.
+    pub fn extension() -> Self {
+        CostFrom(Source::Extension)
+    }
+
+    /// The cost `res` reports, if any.
+    fn read(&self, res: &ResponseInfo<'_>) -> Option<u32> {
+        match &self.0 {
+            Source::Header(name) => {
+                let value = res.headers().get(name)?.to_str().ok()?;
+                value.trim().parse().ok()
+            }
+            Source::Extension => res.extensions().get::<Charge>().map(|c| c.0),
+        }
+    }
+}
+
+/// What a settling request is charged when it ends without a response, for
+/// [`Policy::on_cancel`](crate::Policy::on_cancel).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Cancelled {
+    /// Keep what was taken at admission (the default): a client cannot avoid being charged
+    /// by hanging up.
+    #[default]
+    Charge,
+    /// Give back what was taken at admission.
+    Refund,
+}
+
+/// A policy's settlement rules.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Rules {
+    pub(crate) when: Option<ChargeWhen>,
+    pub(crate) cost: Option<CostFrom>,
+    pub(crate) cancelled: Cancelled,
+}
+
+impl Rules {
+    /// The settlement for a request admitted at `cost` whose response is `res`: the mode and
+    /// units, or nothing to do.
+    fn settlement(
+        &self,
+        cost: NonZeroU32,
+        res: &ResponseInfo<'_>,
+        refund: Mode,
+    ) -> Option<(Mode, NonZeroU32)> {
+        if let Some(when) = &self.when
+            && !(when.matches)(res)
+        {
+            return Some((refund, cost));
+        }
+        let reported = self.cost.as_ref()?.read(res)?;
+        match reported.cmp(&cost.get()) {
+            std::cmp::Ordering::Equal => None,
+            std::cmp::Ordering::Greater => {
+                Some((Mode::Debit, NonZeroU32::new(reported - cost.get())?))
+            }
+            std::cmp::Ordering::Less => Some((refund, NonZeroU32::new(cost.get() - reported)?)),
+        }
+    }
+}
+
+/// The error for a policy that settles on a store that does not settle yet.
+#[cfg_attr(
+    not(any(feature = "redis", feature = "postgres", feature = "mysql")),
+    allow(dead_code)
+)]
+pub(crate) fn unsupported(policy: &crate::Policy, store: &str) -> crate::ConfigError {
+    crate::ConfigError::Invalid {
+        option: "Policy::charge_when / Policy::cost_from",
+        reason: format!(
+            "policy `{}` settles requests after their response, which {store} does not do yet \
+             (the local backend does)",
+            policy.name()
+        ),
+    }
+}
+
+/// What a request settles once the wrapped service has answered. A layer and a policy that
+/// settle nothing carry none (a `None`, checked once per response).
+pub(crate) struct Settle<Bk: Backend> {
+    /// An upstream's request to slow down, noted for the key (`obey_retry_after`).
+    note: Option<(Key, Arc<Pauses>)>,
+    /// The charge by outcome, when the policy settles.
+    charge: Option<Charging<Bk>>,
+}
+
+/// A request's admission, to be settled by its policy's rules.
+struct Charging<Bk: Backend> {
+    backend: Arc<Bk>,
+    policy: Arc<Prepared<Bk::Policy>>,
+    rules: Arc<Rules>,
+    key: Key,
+    cost: NonZeroU32,
+    /// Set once the request was admitted (its units taken), to when: only then is there
+    /// anything to settle, by its response or, if it never comes, by the cancellation rule.
+    admitted: Option<std::time::Instant>,
+}
+
+impl<Bk: Backend> Settle<Bk> {
+    /// What a request on `key` under `policy` settles: nothing (`None`) unless the layer obeys
+    /// the wrapped service's requests to slow down, or the policy settles a request that costs
+    /// something (`cost`).
+    #[inline]
+    pub(crate) fn new<K>(
+        shared: &Shared<K, Bk>,
+        policy: &Arc<Prepared<Bk::Policy>>,
+        cost: Option<NonZeroU32>,
+        key: &Key,
+    ) -> Option<Box<Self>> {
+        let charged = cost.and_then(|cost| Some((policy.policy.settle_rules()?, cost)));
+        if shared.pauses.is_none() && charged.is_none() {
+            return None;
+        }
+        let charge = charged.map(|(rules, cost)| Charging {
+            backend: shared.backend.clone(),
+            rules: rules.clone(),
+            policy: policy.clone(),
+            key: key.clone(),
+            cost,
+            admitted: None,
+        });
+        let note = shared.pauses.clone().map(|p| (key.clone(), p));
+        Some(Box::new(Settle { note, charge }))
+    }
+
+    /// The request was admitted: from now on it is settled by its response, or by the
+    /// cancellation rule if none comes.
+    #[inline]
+    pub(crate) fn arm(settle: &mut Option<Box<Self>>) {
+        if let Some(charge) = settle.as_mut().and_then(|s| s.charge.as_mut()) {
+            charge.admitted = Some(std::time::Instant::now());
+        }
+    }
+}
+
+impl<Bk: Backend> Charging<Bk> {
+    /// Settles as `res` says.
+    fn settle(&mut self, res: &ResponseInfo<'_>) {
+        let Some(admitted) = self.admitted.take() else {
+            return;
+        };
+        let refund = refund_of(admitted);
+        if let Some((mode, units)) = self.rules.settlement(self.cost, res, refund) {
+            self.send(mode, units);
+        }
+    }
+
+    /// Makes the settlement on the store: at once for an in-memory store, else in a task of
+    /// its own (the response does not wait for it; the store's timeout bounds it).
+    fn send(&self, mode: Mode, units: NonZeroU32) {
+        let policy = &self.policy;
+        let mut settled = (self.backend).decide_with(&policy.backend, &self.key, units, mode);
+        let name = policy.policy.name();
+        match Pin::new(&mut settled).poll(&mut Context::from_waker(Waker::noop())) {
+            Poll::Ready(Ok(_)) => {}
+            Poll::Ready(Err(error)) => {
+                tracing::debug!(policy = name, %error, ?mode, "settlement failed");
+            }
+            Poll::Pending => match tokio::runtime::Handle::try_current() {
+                Ok(runtime) => {
+                    let name = name.to_owned();
+                    runtime.spawn(async move {
+                        if let Err(error) = settled.await {
+                            tracing::debug!(policy = name, %error, ?mode, "settlement failed");
+                        }
+                    });
+                }
+                Err(_) => {
+                    tracing::debug!(policy = name, ?mode, "settlement dropped: no runtime");
+                }
+            },
+        }
+    }
+}
+
+impl<Bk: Backend> Drop for Charging<Bk> {
+    /// A request admitted and never answered (its future dropped) is settled by its policy's
+    /// cancellation rule.
+    fn drop(&mut self) {
+        if let Some(admitted) = self.admitted
+            && self.rules.cancelled == Cancelled::Refund
+        {
+            self.send(refund_of(admitted), self.cost);
+        }
+    }
+}
+
+/// A refund of units taken at `admitted`.
+fn refund_of(admitted: std::time::Instant) -> Mode {
+    Mode::Refund {
+        admitted_ago: admitted.elapsed(),
+    }
+}
+
+/// The wrapped service's response, settled, in the layer's body type, with the fields admission
+/// decided.
+#[inline]
+pub(crate) fn settle<B, M: BodyMode<B>, Bk: Backend>(
+    res: Response<B>,
+    adds: Option<HeaderAdds>,
+    settle: Option<Box<Settle<Bk>>>,
+) -> Response<M::Body> {
+    if let Some(mut settle) = settle {
+        if let Some((key, pauses)) = &settle.note {
+            pauses.note(key, &res);
+        }
+        if let Some(charge) = &mut settle.charge {
+            charge.settle(&ResponseInfo::new(&res));
+        }
+    }
+    let mut res = M::pass_response(res);
+    if let Some(adds) = adds {
+        add_headers(res.headers_mut(), adds);
+    }
+    res
+}
+
 /// The serde forms of the settlement rules, in a policy's table (TOML shown):
 ///
 /// ```toml
@@ -309,244 +546,4 @@ pub(crate) mod serde_forms {
     pub(crate) fn is_charge(c: &Cancelled) -> bool {
         *c == Cancelled::Charge
     }
-}
-
-/// Where a response reports its request's cost, for
-/// [`Policy::cost_from`](crate::Policy::cost_from). A response that reports nothing (or a
-/// value that is not a count of units) keeps the cost taken at admission.
-#[derive(Debug, Clone)]
-pub struct CostFrom(Source);
-
-#[derive(Debug, Clone)]
-enum Source {
-    Header(HeaderName),
-    Extension,
-}
-
-impl CostFrom {
-    /// A response header holding a decimal count of units, e.g. `x-tokens-used: 1200`.
-    pub fn header(name: HeaderName) -> Self {
-        CostFrom(Source::Header(name))
-    }
-
-    /// A [`Charge`] in the response's extensions.
-    pub fn extension() -> Self {
-        CostFrom(Source::Extension)
-    }
-
-    /// The cost `res` reports, if any.
-    fn read(&self, res: &ResponseInfo<'_>) -> Option<u32> {
-        match &self.0 {
-            Source::Header(name) => {
-                let value = res.headers().get(name)?.to_str().ok()?;
-                value.trim().parse().ok()
-            }
-            Source::Extension => res.extensions().get::<Charge>().map(|c| c.0),
-        }
-    }
-}
-
-/// What a settling request is charged when it ends without a response, for
-/// [`Policy::on_cancel`](crate::Policy::on_cancel).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub enum Cancelled {
-    /// Keep what was taken at admission (the default): a client cannot avoid being charged
-    /// by hanging up.
-    #[default]
-    Charge,
-    /// Give back what was taken at admission.
-    Refund,
-}
-
-/// A policy's settlement rules.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct Rules {
-    pub(crate) when: Option<ChargeWhen>,
-    pub(crate) cost: Option<CostFrom>,
-    pub(crate) cancelled: Cancelled,
-}
-
-impl Rules {
-    /// The settlement for a request admitted at `cost` whose response is `res`: the mode and
-    /// units, or nothing to do.
-    fn settlement(
-        &self,
-        cost: NonZeroU32,
-        res: &ResponseInfo<'_>,
-        refund: Mode,
-    ) -> Option<(Mode, NonZeroU32)> {
-        if let Some(when) = &self.when
-            && !(when.matches)(res)
-        {
-            return Some((refund, cost));
-        }
-        let reported = self.cost.as_ref()?.read(res)?;
-        match reported.cmp(&cost.get()) {
-            std::cmp::Ordering::Equal => None,
-            std::cmp::Ordering::Greater => {
-                Some((Mode::Debit, NonZeroU32::new(reported - cost.get())?))
-            }
-            std::cmp::Ordering::Less => Some((refund, NonZeroU32::new(cost.get() - reported)?)),
-        }
-    }
-}
-
-/// The error for a policy that settles on a store that does not settle yet.
-#[cfg_attr(
-    not(any(feature = "redis", feature = "postgres", feature = "mysql")),
-    allow(dead_code)
-)]
-pub(crate) fn unsupported(policy: &crate::Policy, store: &str) -> crate::ConfigError {
-    crate::ConfigError::Invalid {
-        option: "Policy::charge_when / Policy::cost_from",
-        reason: format!(
-            "policy `{}` settles requests after their response, which {store} does not do yet \
-             (the local backend does)",
-            policy.name()
-        ),
-    }
-}
-
-/// What a request settles once the wrapped service has answered. A layer and a policy that
-/// settle nothing carry none (a `None`, checked once per response).
-pub(crate) struct Settle<Bk: Backend> {
-    /// An upstream's request to slow down, noted for the key (`obey_retry_after`).
-    note: Option<(Key, Arc<Pauses>)>,
-    /// The charge by outcome, when the policy settles.
-    charge: Option<Charging<Bk>>,
-}
-
-/// A request's admission, to be settled by its policy's rules.
-struct Charging<Bk: Backend> {
-    backend: Arc<Bk>,
-    policy: Arc<Prepared<Bk::Policy>>,
-    rules: Arc<Rules>,
-    key: Key,
-    cost: NonZeroU32,
-    /// Set once the request was admitted (its units taken), to when: only then is there
-    /// anything to settle, by its response or, if it never comes, by the cancellation rule.
-    admitted: Option<std::time::Instant>,
-}
-
-impl<Bk: Backend> Settle<Bk> {
-    /// What a request on `key` of `cost` under `policy` settles: nothing (`None`) unless the
-    /// layer obeys the wrapped service's requests to slow down (and the request has a key), or
-    /// the policy settles.
-    #[inline]
-    pub(crate) fn new<K>(
-        shared: &Shared<K, Bk>,
-        charge: Option<(&Arc<Prepared<Bk::Policy>>, NonZeroU32)>,
-        key: &Key,
-    ) -> Option<Box<Self>> {
-        if shared.pauses.is_none() && charge.is_none() {
-            return None;
-        }
-        let charge = charge.and_then(|(policy, cost)| {
-            Some(Charging {
-                backend: shared.backend.clone(),
-                rules: policy.policy.settle_rules()?.clone(),
-                policy: policy.clone(),
-                key: key.clone(),
-                cost,
-                admitted: None,
-            })
-        });
-        let note = shared.pauses.clone().map(|p| (key.clone(), p));
-        if note.is_none() && charge.is_none() {
-            return None;
-        }
-        Some(Box::new(Settle { note, charge }))
-    }
-
-    /// The request was admitted: from now on it is settled by its response, or by the
-    /// cancellation rule if none comes.
-    #[inline]
-    pub(crate) fn arm(settle: &mut Option<Box<Self>>) {
-        if let Some(charge) = settle.as_mut().and_then(|s| s.charge.as_mut()) {
-            charge.admitted = Some(std::time::Instant::now());
-        }
-    }
-}
-
-impl<Bk: Backend> Charging<Bk> {
-    /// Settles as `res` says.
-    fn settle(&mut self, res: &ResponseInfo<'_>) {
-        let Some(admitted) = self.admitted.take() else {
-            return;
-        };
-        let refund = refund_of(admitted);
-        if let Some((mode, units)) = self.rules.settlement(self.cost, res, refund) {
-            self.send(mode, units);
-        }
-    }
-
-    /// Makes the settlement on the store: at once for an in-memory store, else in a task of
-    /// its own (the response does not wait for it; the store's timeout bounds it).
-    fn send(&self, mode: Mode, units: NonZeroU32) {
-        let policy = &self.policy;
-        let mut settled = (self.backend).decide_with(&policy.backend, &self.key, units, mode);
-        let name = policy.policy.name();
-        match Pin::new(&mut settled).poll(&mut Context::from_waker(Waker::noop())) {
-            Poll::Ready(Ok(_)) => {}
-            Poll::Ready(Err(error)) => {
-                tracing::debug!(policy = name, %error, ?mode, "settlement failed");
-            }
-            Poll::Pending => match tokio::runtime::Handle::try_current() {
-                Ok(runtime) => {
-                    let name = name.to_owned();
-                    runtime.spawn(async move {
-                        if let Err(error) = settled.await {
-                            tracing::debug!(policy = name, %error, ?mode, "settlement failed");
-                        }
-                    });
-                }
-                Err(_) => {
-                    tracing::debug!(policy = name, ?mode, "settlement dropped: no runtime");
-                }
-            },
-        }
-    }
-}
-
-impl<Bk: Backend> Drop for Charging<Bk> {
-    /// A request admitted and never answered (its future dropped) is settled by its policy's
-    /// cancellation rule.
-    fn drop(&mut self) {
-        if let Some(admitted) = self.admitted
-            && self.rules.cancelled == Cancelled::Refund
-        {
-            self.send(refund_of(admitted), self.cost);
-        }
-    }
-}
-
-/// A refund of units taken at `admitted`.
-fn refund_of(admitted: std::time::Instant) -> Mode {
-    Mode::Refund {
-        admitted_ago: admitted.elapsed(),
-    }
-}
-
-/// The wrapped service's response, settled, in the layer's body type, with the fields admission
-/// decided.
-#[inline]
-pub(crate) fn settle<B, M: BodyMode<B>, Bk: Backend>(
-    res: Response<B>,
-    adds: Option<HeaderAdds>,
-    settle: Option<Box<Settle<Bk>>>,
-) -> Response<M::Body> {
-    if let Some(mut settle) = settle {
-        if let Some((key, pauses)) = &settle.note {
-            pauses.note(key, &res);
-        }
-        if let Some(charge) = &mut settle.charge {
-            charge.settle(&ResponseInfo::new(&res));
-        }
-    }
-    let mut res = M::pass_response(res);
-    if let Some(adds) = adds {
-        add_headers(res.headers_mut(), adds);
-    }
-    res
 }

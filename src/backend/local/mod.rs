@@ -404,8 +404,12 @@ impl<C: Clock> Inner<C> {
     /// Microseconds since the Unix epoch, on this backend's clock: windows start at the same
     /// instants here as on every other replica and in Redis.
     fn now_us(&self) -> u64 {
-        self.epoch_us
-            .saturating_add(self.clock.now().duration_since(self.origin).as_u64() / 1000)
+        self.us_at(self.elapsed_ns())
+    }
+
+    /// [`now_us`](Self::now_us) at `elapsed_ns` after the origin.
+    fn us_at(&self, elapsed_ns: u64) -> u64 {
+        self.epoch_us.saturating_add(elapsed_ns / 1000)
     }
 
     fn elapsed_ns(&self) -> u64 {
@@ -789,7 +793,8 @@ where
                     let now = inner.elapsed_ns().saturating_sub(start.as_u64());
                     let step = p.emission_ns.saturating_mul(u64::from(cost.get()));
                     let longest = std::cell::Cell::new(wait);
-                    let charged = Store(store.clone()).measure_and_replace(key, |tat| {
+                    let bucket = entry(&store.map, key, &store.tracked, || AtomicU64::new(0));
+                    let charged = measure(&bucket, |tat| {
                         let tat = tat.map_or(0, |t| t.as_u64());
                         let w = gcra_wait(p, cost, Duration::from_nanos(tat.saturating_sub(now)));
                         let w = w.max(wait);
@@ -961,6 +966,7 @@ where
     fn settle(&self, policy: &LocalPolicy<C>, key: &Key, cost: NonZeroU32, mode: Mode) -> Decision {
         let inner = &*self.inner;
         let now = inner.elapsed_ns();
+        let now_us = inner.us_at(now);
         let admitted_ago = match mode {
             Mode::Refund { admitted_ago } => Some(admitted_ago),
             _ => None,
@@ -970,7 +976,6 @@ where
             let p = &quota.params;
             let state = match &quota.counter {
                 Counter::Window(store) => {
-                    let now_us = inner.now_us();
                     let settlement = match admitted_ago {
                         Some(ago) => Settlement::Refund {
                             units: cost.get(),
@@ -988,25 +993,21 @@ where
                     let settled = match admitted_ago {
                         // A key without a bucket is full: nothing to give back. A bucket
                         // never fills past full (an arrival time before now).
-                        Some(_) => store
-                            .map
-                            .get(key)
-                            .map(|tat| update(&tat, |tat| tat.saturating_sub(step).max(at))),
+                        Some(_) => store.map.get(key).map_or(0, |tat| {
+                            swap(&tat, |tat| {
+                                let next = tat.saturating_sub(step).max(at);
+                                (next, next)
+                            })
+                        }),
                         None => {
-                            let debit = |tat: u64| tat.max(at).saturating_add(step);
-                            Some(match store.map.get(key) {
-                                Some(tat) => update(&tat, debit),
-                                None => match store.map.entry(key.clone()) {
-                                    Entry::Occupied(e) => update(e.get(), debit),
-                                    Entry::Vacant(e) => {
-                                        track_add(&store.tracked, 1);
-                                        update(&e.insert(AtomicU64::new(0)), debit)
-                                    }
-                                },
+                            let tat = entry(&store.map, key, &store.tracked, || AtomicU64::new(0));
+                            swap(&tat, |tat| {
+                                let next = tat.max(at).saturating_add(step);
+                                (next, next)
                             })
                         }
                     };
-                    QuotaState::allowed(index, p, until(*start, settled.unwrap_or(0), now))
+                    QuotaState::allowed(index, p, until(*start, settled, now))
                 }
             };
             states.push(state);
@@ -1015,14 +1016,38 @@ where
     }
 }
 
-/// Replaces a bucket's arrival time with `f` of it, atomically; returns the new one.
-fn update(tat: &AtomicU64, f: impl Fn(u64) -> u64) -> u64 {
-    let mut prev = tat.load(Ordering::Acquire);
+/// Replaces `cell`'s value with the one `f` makes of it, atomically (compare-and-swap, again
+/// if another thread changed it meanwhile); returns what `f` returned with it. Nothing is
+/// written when the value stays the same.
+fn swap<R>(cell: &AtomicU64, mut f: impl FnMut(u64) -> (R, u64)) -> R {
+    let mut prev = cell.load(Ordering::Acquire);
     loop {
-        let next = f(prev);
-        match tat.compare_exchange_weak(prev, next, Ordering::AcqRel, Ordering::Acquire) {
-            Ok(_) => return next,
+        let (result, next) = f(prev);
+        if next == prev {
+            return result;
+        }
+        match cell.compare_exchange_weak(prev, next, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => return result,
             Err(actual) => prev = actual,
+        }
+    }
+}
+
+/// `key`'s entry in `map`, made (and counted in `tracked`) on its first request.
+fn entry<'a, V>(
+    map: &'a DashMap<Key, V, RandomState>,
+    key: &Key,
+    tracked: &AtomicUsize,
+    fresh: impl FnOnce() -> V,
+) -> dashmap::mapref::one::Ref<'a, Key, V> {
+    if let Some(v) = map.get(key) {
+        return v;
+    }
+    match map.entry(key.clone()) {
+        Entry::Occupied(e) => e.into_ref().downgrade(),
+        Entry::Vacant(e) => {
+            track_add(tracked, 1);
+            e.insert(fresh()).downgrade()
         }
     }
 }
@@ -1130,17 +1155,10 @@ impl StateStore for Store {
     where
         F: Fn(Option<Nanos>) -> Result<(T, Nanos), E>,
     {
-        if let Some(tat) = self.0.map.get(key) {
-            return measure(&tat, f);
-        }
-        match self.0.map.entry(key.clone()) {
-            Entry::Occupied(e) => measure(e.get(), f),
-            Entry::Vacant(e) => {
-                track_add(&self.0.tracked, 1);
-                let tat = e.insert(AtomicU64::new(0));
-                measure(&tat, f)
-            }
-        }
+        measure(
+            &entry(&self.0.map, key, &self.0.tracked, || AtomicU64::new(0)),
+            f,
+        )
     }
 }
 

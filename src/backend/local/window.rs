@@ -11,9 +11,9 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use dashmap::DashMap;
-use dashmap::mapref::entry::Entry;
 use foldhash::quality::RandomState;
 
+use super::{entry, swap};
 use crate::Key;
 use crate::backend::QuotaState;
 use crate::backend::window::{FixedState, Settlement, SlidingState};
@@ -69,25 +69,6 @@ fn pack(state: FixedState) -> u64 {
     (state.window & 0xFFFF_FFFF) << 32 | u64::from(state.count)
 }
 
-/// `key`'s entry in `map`, made (and counted) on its first request.
-fn entry<'a, V>(
-    map: &'a DashMap<Key, V, RandomState>,
-    key: &Key,
-    tracked: &AtomicUsize,
-    fresh: impl FnOnce() -> V,
-) -> dashmap::mapref::one::Ref<'a, Key, V> {
-    if let Some(v) = map.get(key) {
-        return v;
-    }
-    match map.entry(key.clone()) {
-        Entry::Occupied(e) => e.into_ref().downgrade(),
-        Entry::Vacant(e) => {
-            super::track_add(tracked, 1);
-            e.insert(fresh()).downgrade()
-        }
-    }
-}
-
 impl WindowStore {
     /// A store for a window quota (`None` unless `params.kind` is a window kind).
     pub(super) fn new(params: QuotaParams, tracked: Arc<AtomicUsize>) -> Option<Self> {
@@ -123,24 +104,11 @@ impl WindowStore {
             Counters::Fixed { window_us, map } => {
                 let counter = entry(map, key, &self.tracked, || AtomicU64::new(0));
                 let now_window = now_us / window_us;
-                let mut packed = counter.load(Ordering::Acquire);
-                loop {
+                swap(&counter, |packed| {
                     let mut state = unpack(packed, now_window);
                     let decided = state.decide(index, p, *window_us, now_us, cost);
-                    let next = pack(state);
-                    if next == packed {
-                        return decided;
-                    }
-                    match counter.compare_exchange_weak(
-                        packed,
-                        next,
-                        Ordering::AcqRel,
-                        Ordering::Acquire,
-                    ) {
-                        Ok(_) => return decided,
-                        Err(actual) => packed = actual,
-                    }
-                }
+                    (decided, pack(state))
+                })
             }
             Counters::Sliding {
                 slice_us,
@@ -183,19 +151,7 @@ impl WindowStore {
                     None if refund => return settle(0).0,
                     None => entry(map, key, &self.tracked, || AtomicU64::new(0)),
                 };
-                let mut packed = counter.load(Ordering::Acquire);
-                loop {
-                    let (settled, next) = settle(packed);
-                    match counter.compare_exchange_weak(
-                        packed,
-                        next,
-                        Ordering::AcqRel,
-                        Ordering::Acquire,
-                    ) {
-                        Ok(_) => return settled,
-                        Err(actual) => packed = actual,
-                    }
-                }
+                swap(&counter, settle)
             }
             Counters::Sliding {
                 slice_us,
