@@ -48,6 +48,8 @@ pub(crate) struct Prepared<P> {
     /// Whether every quota is GCRA, so that a reservation can wait (window quotas cannot count
     /// into a window that has not begun: a reservation on them waits for nothing).
     pub(crate) reserves: bool,
+    /// Whether the policy has a concurrent quota: its requests hold a slot until they end.
+    pub(crate) holds_slots: bool,
 }
 
 impl<P> Prepared<P> {
@@ -61,6 +63,7 @@ impl<P> Prepared<P> {
         let headers = PolicyHeaders::new(&policy, &params);
         Ok(Prepared {
             metrics: PolicyMetrics::new(&policy, &headers.labels),
+            holds_slots: params.iter().any(|p| p.is_concurrent()),
             reserves: params
                 .iter()
                 .all(|p| p.kind == crate::quota::QuotaKind::Gcra),
@@ -105,6 +108,9 @@ impl<Bk: Backend> Policies<Bk> {
 /// What to do with a request once the backend has answered.
 pub(crate) enum Verdict {
     Pass(HeaderAdds),
+    /// Pass, nothing having been taken (a shadow policy's refusal, a store failing open, a
+    /// key the backend does not track): nothing to settle.
+    Unsettled(HeaderAdds),
     /// Pass after waiting this long (a reservation in wait mode), holding a waiter's slot
     /// meanwhile.
     Wait(HeaderAdds, Duration, Option<Slot>),
@@ -448,6 +454,7 @@ impl<K, Bk: Backend> Shared<K, Bk> {
         count(prepared, result);
         if let Ok(decision) = result
             && decision.is_allowed()
+            && !decision.quotas().is_empty()
             && !prepared.policy.is_shadow()
         {
             let style = self.responder.style;
@@ -477,10 +484,9 @@ impl<K, Bk: Backend> Shared<K, Bk> {
                 let style = self.responder.style;
                 let adds = response::rate_limit_headers(style, &prepared.headers, decision);
                 if decision.is_allowed() {
-                    return match decision.wait() {
-                        Duration::ZERO => Verdict::Pass(adds),
-                        wait => Verdict::Wait(adds, wait, None),
-                    };
+                    // Without quota states: let through, nothing taken (failing open, or a
+                    // key the local backend's full table does not track).
+                    return Verdict::Unsettled(adds);
                 }
                 (decision, adds)
             }
@@ -551,7 +557,7 @@ impl<K, Bk: Backend> Shared<K, Bk> {
                     retry_after_ms = decision.retry_after().map(|d| d.as_millis() as u64),
                     "request would have been rate limited (shadow mode)"
                 );
-                Verdict::Pass(HeaderAdds::new())
+                Verdict::Unsettled(HeaderAdds::new())
             }
             Err(error) => {
                 tracing::debug!(
@@ -560,7 +566,7 @@ impl<K, Bk: Backend> Shared<K, Bk> {
                     %error,
                     "rate-limit backend failed; allowed (shadow mode)"
                 );
-                Verdict::Pass(HeaderAdds::new())
+                Verdict::Unsettled(HeaderAdds::new())
             }
         }
     }

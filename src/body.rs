@@ -58,6 +58,7 @@ pin_project! {
         Inner {
             #[pin]
             body: B,
+            guard: Option<BodyGuard>,
         },
         Full {
             data: Option<Bytes>,
@@ -68,7 +69,7 @@ pin_project! {
 impl<B> ResponseBody<B> {
     pub(crate) fn inner(body: B) -> Self {
         ResponseBody {
-            kind: Kind::Inner { body },
+            kind: Kind::Inner { body, guard: None },
         }
     }
 
@@ -93,21 +94,27 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
         match self.project().kind.project() {
-            KindProj::Inner { body } => body.poll_frame(cx),
+            KindProj::Inner { body, guard } => {
+                let frame = body.poll_frame(cx);
+                if let Poll::Ready(None | Some(Err(_))) = &frame {
+                    guard.take();
+                }
+                frame
+            }
             KindProj::Full { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
         }
     }
 
     fn is_end_stream(&self) -> bool {
         match &self.kind {
-            Kind::Inner { body } => body.is_end_stream(),
+            Kind::Inner { body, .. } => body.is_end_stream(),
             Kind::Full { data } => data.is_none(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match &self.kind {
-            Kind::Inner { body } => body.size_hint(),
+            Kind::Inner { body, .. } => body.size_hint(),
             Kind::Full { data } => {
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
             }
@@ -135,10 +142,84 @@ impl<B> std::fmt::Debug for ResponseBody<B> {
 impl From<ResponseBody<axum::body::Body>> for axum::body::Body {
     fn from(body: ResponseBody<axum::body::Body>) -> Self {
         match body.kind {
-            Kind::Inner { body } => body,
+            Kind::Inner { body, guard: None } => body,
+            Kind::Inner { body, guard } => axum::body::Body::new(Guarded { body, guard }),
             Kind::Full { data: Some(data) } => axum::body::Body::from(data),
             Kind::Full { data: None } => axum::body::Body::empty(),
         }
+    }
+}
+
+/// Something a response body holds until it ends: a request's slot in a concurrent quota
+/// ([`Quota::concurrent`](crate::Quota::concurrent)), given back when the guard is dropped.
+///
+/// [`Guarded`] drops it when the body's last frame has been read, or when the body is dropped
+/// unfinished (the client went away).
+pub struct BodyGuard(#[allow(dead_code)] Box<dyn Send + Sync>);
+
+impl BodyGuard {
+    pub(crate) fn new(held: impl Send + Sync + 'static) -> Self {
+        BodyGuard(Box::new(held))
+    }
+}
+
+impl std::fmt::Debug for BodyGuard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("BodyGuard")
+    }
+}
+
+pin_project! {
+    /// A body that holds a [`BodyGuard`] until it ends: its frames are the inner body's, and
+    /// the guard is dropped once the inner body has no more (or when this body is dropped).
+    /// For [`RateLimitBody::hold`] on a body type of your own.
+    pub struct Guarded<B> {
+        #[pin]
+        body: B,
+        guard: Option<BodyGuard>,
+    }
+}
+
+impl<B: Body> Guarded<B> {
+    /// `body`, holding `guard` until it ends. A body that has already ended drops the guard
+    /// at once.
+    pub fn new(body: B, guard: BodyGuard) -> Self {
+        let guard = (!body.is_end_stream()).then_some(guard);
+        Guarded { body, guard }
+    }
+}
+
+impl<B: Body> Body for Guarded<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<B::Data>, B::Error>>> {
+        let this = self.project();
+        let frame = this.body.poll_frame(cx);
+        // The end: no more frames, or an error (after which nothing more is read).
+        if let Poll::Ready(None | Some(Err(_))) = &frame {
+            this.guard.take();
+        }
+        frame
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+impl<B> std::fmt::Debug for Guarded<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Guarded")
+            .field("held", &self.guard.is_some())
+            .finish_non_exhaustive()
     }
 }
 
@@ -178,6 +259,15 @@ impl From<ResponseBody<axum::body::Body>> for axum::body::Body {
 pub trait RateLimitBody: Sized {
     /// A body holding `data` (empty for gRPC rejections).
     fn rejection(data: Bytes) -> Self;
+
+    /// This body, holding `guard` until it ends (see [`Guarded`]): how a request's slot in a
+    /// concurrent quota is held while its response streams. The default drops the guard at
+    /// once, so that the slot is given back when the response's head is sent; axum's,
+    /// tonic's and the boxed bodies hold it to the end (boxing the body once more).
+    fn hold(self, guard: BodyGuard) -> Self {
+        drop(guard);
+        self
+    }
 }
 
 #[cfg(feature = "axum")]
@@ -185,12 +275,20 @@ impl RateLimitBody for axum::body::Body {
     fn rejection(data: Bytes) -> Self {
         axum::body::Body::from(data)
     }
+
+    fn hold(self, guard: BodyGuard) -> Self {
+        axum::body::Body::new(Guarded::new(self, guard))
+    }
 }
 
 #[cfg(feature = "tonic")]
 impl RateLimitBody for tonic::body::Body {
     fn rejection(data: Bytes) -> Self {
         tonic::body::Body::new(http_body_util::Full::new(data))
+    }
+
+    fn hold(self, guard: BodyGuard) -> Self {
+        tonic::body::Body::new(Guarded::new(self, guard))
     }
 }
 
@@ -207,6 +305,11 @@ impl<E: 'static> RateLimitBody for http_body_util::combinators::BoxBody<Bytes, E
             .map_err(|never| match never {})
             .boxed()
     }
+
+    fn hold(self, guard: BodyGuard) -> Self {
+        use http_body_util::BodyExt;
+        Guarded::new(self, guard).boxed()
+    }
 }
 
 impl<E: 'static> RateLimitBody for http_body_util::combinators::UnsyncBoxBody<Bytes, E> {
@@ -216,11 +319,29 @@ impl<E: 'static> RateLimitBody for http_body_util::combinators::UnsyncBoxBody<By
             .map_err(|never| match never {})
             .boxed_unsync()
     }
+
+    fn hold(self, guard: BodyGuard) -> Self {
+        use http_body_util::BodyExt;
+        Guarded::new(self, guard).boxed_unsync()
+    }
 }
 
-impl<B> RateLimitBody for ResponseBody<B> {
+impl<B: Body> RateLimitBody for ResponseBody<B> {
     fn rejection(data: Bytes) -> Self {
         ResponseBody::full(data)
+    }
+
+    fn hold(self, guard: BodyGuard) -> Self {
+        match self.kind {
+            Kind::Inner { body, guard: None } => ResponseBody {
+                kind: Kind::Inner {
+                    guard: (!body.is_end_stream()).then_some(guard),
+                    body,
+                },
+            },
+            // A rejection, or a body already holding a guard: nothing to hold it for.
+            kind => ResponseBody { kind },
+        }
     }
 }
 
@@ -249,6 +370,9 @@ pub trait BodyMode<B>: sealed::Sealed {
     {
         res.map(Self::pass)
     }
+    /// A response of the inner service whose body holds `guard` until it ends.
+    #[doc(hidden)]
+    fn hold(res: http::Response<B>, guard: BodyGuard) -> http::Response<Self::Body>;
 }
 
 /// Responses keep the inner service's body type, which must implement [`RateLimitBody`]. The
@@ -277,6 +401,10 @@ impl<B: RateLimitBody> BodyMode<B> for KeepBody {
     fn pass_response(res: http::Response<B>) -> http::Response<B> {
         res
     }
+
+    fn hold(res: http::Response<B>, guard: BodyGuard) -> http::Response<B> {
+        res.map(|body| body.hold(guard))
+    }
 }
 
 impl<B> BodyMode<B> for WrapBody {
@@ -288,5 +416,14 @@ impl<B> BodyMode<B> for WrapBody {
 
     fn reject(data: Bytes) -> ResponseBody<B> {
         ResponseBody::full(data)
+    }
+
+    fn hold(res: http::Response<B>, guard: BodyGuard) -> http::Response<ResponseBody<B>> {
+        res.map(|body| ResponseBody {
+            kind: Kind::Inner {
+                body,
+                guard: Some(guard),
+            },
+        })
     }
 }

@@ -97,13 +97,19 @@ where
         Self::new(State::Admitting { admitting })
     }
 
-    /// The inner service is called (passed at once).
+    /// The inner service is called (passed at once, its units taken).
     pub(crate) fn calling(
         fut: S::Future,
         adds: HeaderAdds,
         mut settle: Option<Box<Settle<Bk>>>,
     ) -> Self {
         Settle::arm(&mut settle);
+        Self::unsettled(fut, adds, settle)
+    }
+
+    /// The inner service is called, nothing having been taken for it: its response settles
+    /// nothing (it may still note a pause).
+    fn unsettled(fut: S::Future, adds: HeaderAdds, settle: Option<Box<Settle<Bk>>>) -> Self {
         Self::new(State::Calling {
             fut,
             adds: Some(adds),
@@ -128,6 +134,7 @@ where
     ) -> Self {
         match verdict {
             Verdict::Pass(adds) => Self::calling(inner.call(req), adds, settle),
+            Verdict::Unsettled(adds) => Self::unsettled(inner.call(req), adds, settle),
             Verdict::Wait(adds, wait, slot) => {
                 let mut settle = settle;
                 Settle::arm(&mut settle);

@@ -423,6 +423,10 @@ fn check_quota(q: &Quota) {
                 "{q:?}: {p:?}"
             );
         }
+        QuotaKind::Concurrent { lease_ms } => {
+            assert_eq!(q.algorithm(), Algorithm::Concurrent);
+            assert_eq!(u128::from(lease_ms) * 1_000_000, q.period().as_nanos());
+        }
     }
     // A valid quota is written as a string that parses back to it.
     let shown = q.to_string();
@@ -434,6 +438,9 @@ fn check_quota(q: &Quota) {
 
 /// The quota without its name (`to_string` leaves the name out).
 fn unnamed(q: &Quota) -> Quota {
+    if q.algorithm() == Algorithm::Concurrent {
+        return Quota::concurrent(q.count()).lease(q.period());
+    }
     let mut out = Quota::new(q.count(), q.period());
     if q.burst_size() != q.count() || q.to_string().contains(" burst ") {
         out = out.burst(q.burst_size());
@@ -998,6 +1005,10 @@ fn check_decision(d: &Decision, params: &[QuotaParams], cost: NonZeroU32, mode: 
             QuotaKind::SlidingWindow { slice_us, slices } => {
                 let w = Duration::from_micros(slice_us * (u64::from(slices) + 1));
                 (w, Some(w))
+            }
+            QuotaKind::Concurrent { .. } => {
+                let retry = crate::backend::window::IN_FLIGHT_RETRY;
+                (retry, Some(retry))
             }
         };
         assert!(s.reset_after <= next, "{s:?} of {p:?}");

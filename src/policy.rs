@@ -145,6 +145,14 @@ impl Policy {
             .is_some_and(|r| r.when.is_some() || r.cost.is_some())
     }
 
+    /// Whether the policy has a concurrent quota ([`Quota::concurrent`](crate::Quota::concurrent)):
+    /// its requests hold a slot until their response ends.
+    pub fn holds_slots(&self) -> bool {
+        self.quotas
+            .iter()
+            .any(|q| q.algorithm() == crate::quota::Algorithm::Concurrent)
+    }
+
     /// The settlement rules, when the policy settles.
     pub(crate) fn settle_rules(&self) -> Option<&Arc<crate::settle::Rules>> {
         self.settle.as_ref().filter(|_| self.settles())
@@ -206,7 +214,22 @@ impl Policy {
                 });
             }
         }
-        self.quotas.iter().map(|q| q.params(&self.name)).collect()
+        let params: SmallVec<[QuotaParams; 2]> = self
+            .quotas
+            .iter()
+            .map(|q| q.params(&self.name))
+            .collect::<Result<_, _>>()?;
+        if params.iter().filter(|p| p.is_concurrent()).count() > 1 {
+            return Err(ConfigError::Invalid {
+                option: "Quota::concurrent",
+                reason: format!(
+                    "policy `{}` has more than one concurrent quota: a request holds one slot, \
+                     so only the smallest would count; keep one",
+                    self.name
+                ),
+            });
+        }
+        Ok(params)
     }
 
     /// The name a quota has in the headers: its own, the policy's (single quota), or

@@ -37,6 +37,9 @@ pub struct Quota {
     algorithm: Algorithm,
     /// A sliding window's sub-window length, as given (checked by `params`).
     resolution: Option<Duration>,
+    /// Whether `period` is a concurrent quota's lease (set by `concurrent` and `lease`;
+    /// checked by `params`).
+    leased: bool,
     name: Option<QuotaName>,
 }
 
@@ -56,6 +59,10 @@ pub enum Algorithm {
     /// epoch-aligned sub-windows, the oldest weighted by how much of it is still inside the
     /// window. With one sub-window (the default) it is the two-counter form.
     SlidingWindow,
+    /// Requests in flight: a slot per request, held from admission until its response body
+    /// ends or is dropped ([`Quota::concurrent`]). Not a rate: its count is the number of
+    /// slots, and its period the longest a slot is held in a shared store (its lease).
+    Concurrent,
 }
 
 /// A quota's own name, inline so that [`Quota`] stays `Copy`: up to
@@ -108,9 +115,56 @@ impl Quota {
             burst: None,
             algorithm: Algorithm::Gcra,
             resolution: None,
+            leased: false,
             name: None,
         }
     }
+
+    /// At most `slots` requests in flight per key: a request holds a slot from admission until
+    /// its response body ends (or is dropped, or the request is cancelled), and a request that
+    /// finds every slot taken is refused (`429`, `Retry-After: 1`). A slot is one request
+    /// whatever the request's cost.
+    ///
+    /// In a shared store a slot is a lease that expires after [`lease`](Self::lease)
+    /// ([`DEFAULT_LEASE`](Self::DEFAULT_LEASE) unless set), so that an instance that dies
+    /// cannot hold slots longer than that; the local backend holds it exactly as long as the
+    /// request. Combines with rate quotas in one policy (at most one concurrent quota per
+    /// policy). The `RateLimit-Policy` field says `qu="concurrent-requests"`, and `RateLimit`'s
+    /// `r` is the slots left.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::{Policy, Quota};
+    ///
+    /// // At most 2 exports at once per key, and 100 an hour.
+    /// let policy = Policy::new("exports", Quota::concurrent(2)).and(Quota::per_hour(100));
+    /// assert!(policy.validate().is_ok());
+    /// assert_eq!("2 concurrent".parse(), Ok(Quota::concurrent(2)));
+    /// assert_eq!(
+    ///     "2 concurrent lease 30s".parse(),
+    ///     Ok(Quota::concurrent(2).lease(Duration::from_secs(30)))
+    /// );
+    /// ```
+    pub const fn concurrent(slots: u32) -> Self {
+        let mut q = Self::new(slots, Self::DEFAULT_LEASE);
+        q.algorithm = Algorithm::Concurrent;
+        q.leased = true;
+        q
+    }
+
+    /// How long a [`concurrent`](Self::concurrent) quota's slot is held at most in a shared
+    /// store: a slot whose request still runs after this is given back (and the request's end
+    /// then gives back nothing more). Whole milliseconds, at least one. Only for concurrent
+    /// quotas.
+    pub const fn lease(mut self, lease: Duration) -> Self {
+        self.period = lease;
+        self.leased = true;
+        self
+    }
+
+    /// The lease of a [`concurrent`](Self::concurrent) quota's slot when none is set: five
+    /// minutes.
+    pub const DEFAULT_LEASE: Duration = Duration::from_secs(300);
 
     /// `count` requests per second.
     pub const fn per_second(count: u32) -> Self {
@@ -214,7 +268,8 @@ impl Quota {
         self.count
     }
 
-    /// The period over which [`count`](Self::count) requests are allowed.
+    /// The period over which [`count`](Self::count) requests are allowed; for a
+    /// [`concurrent`](Self::concurrent) quota, its lease.
     pub const fn period(&self) -> Duration {
         self.period
     }
@@ -257,6 +312,14 @@ impl Quota {
         if self.count == 0 {
             return Err(bad("the count is zero; use a positive number of requests"));
         }
+        if self.algorithm == Algorithm::Concurrent {
+            return self.concurrent_params(bad);
+        }
+        if self.leased {
+            return Err(bad(
+                "a lease is only for concurrent quotas (`Quota::concurrent(n).lease(..)`)",
+            ));
+        }
         if self.period.is_zero() {
             return Err(bad("the period is zero"));
         }
@@ -290,6 +353,41 @@ impl Quota {
             emission_ns: emission,
             burst,
             kind: QuotaKind::Gcra,
+        })
+    }
+
+    /// The parameters of a concurrent quota: its slots and its lease, in whole milliseconds.
+    fn concurrent_params(
+        &self,
+        bad: impl Fn(&'static str) -> ConfigError,
+    ) -> Result<QuotaParams, ConfigError> {
+        if self.burst.is_some() {
+            return Err(bad(
+                "a burst is only for GCRA quotas: a concurrent quota's limit is its slots",
+            ));
+        }
+        if self.resolution.is_some() {
+            return Err(bad("a resolution is only for sliding windows"));
+        }
+        let ns = self.period.as_nanos();
+        if ns == 0 || !ns.is_multiple_of(1_000_000) {
+            return Err(bad(
+                "a lease must be a positive whole number of milliseconds",
+            ));
+        }
+        const MAX_LEASE_MS: u128 = 365 * 24 * 3600 * 1000;
+        if ns / 1_000_000 > MAX_LEASE_MS {
+            return Err(bad(
+                "the lease is longer than a year, the longest supported",
+            ));
+        }
+        let slots = NonZeroU32::new(self.count).ok_or_else(|| bad("the count is zero"))?;
+        Ok(QuotaParams {
+            emission_ns: u64::try_from(ns).unwrap_or(u64::MAX),
+            burst: slots,
+            kind: QuotaKind::Concurrent {
+                lease_ms: (ns / 1_000_000) as u64,
+            },
         })
     }
 
@@ -394,6 +492,12 @@ pub enum QuotaKind {
         /// How many sub-windows make the window (1 to [`Quota::MAX_SUB_WINDOWS`]).
         slices: u32,
     },
+    /// Requests in flight: `burst` slots, each held as a lease of at most `lease_ms`
+    /// milliseconds in a shared store ([`Quota::concurrent`]).
+    Concurrent {
+        /// The longest a slot is held, in milliseconds.
+        lease_ms: u64,
+    },
 }
 
 impl QuotaParams {
@@ -415,7 +519,14 @@ impl QuotaParams {
             QuotaKind::SlidingWindow { slice_us, slices } => {
                 Duration::from_micros(slice_us * u64::from(slices))
             }
+            QuotaKind::Concurrent { lease_ms } => Duration::from_millis(lease_ms),
         }
+    }
+
+    /// Whether this is a [`concurrent`](Quota::concurrent) quota (requests in flight).
+    #[inline]
+    pub fn is_concurrent(&self) -> bool {
+        matches!(self.kind, QuotaKind::Concurrent { .. })
     }
 
     /// Time for one unit to come back.
@@ -620,10 +731,20 @@ impl std::str::FromStr for Quota {
             option: "quota",
             reason: format!(
                 "{s:?}: {reason} (expected e.g. \"100/s\", \"1000/h\", \"5/min burst 10\", \
-                 \"5000/h fixed\", \"100/min sliding 5s\")"
+                 \"5000/h fixed\", \"100/min sliding 5s\", \"2 concurrent\")"
             ),
         };
-        let (count, after) = s.split_once('/').ok_or_else(|| bad("missing `/`"))?;
+        if !s.contains('/') && s.split_whitespace().nth(1) == Some("concurrent") {
+            return parse_concurrent(s).map_err(|e| bad(&e));
+        }
+        let (count, after) =
+            s.split_once('/')
+                .ok_or_else(|| match s.split_whitespace().nth(1) {
+                    Some(word) if closest(word, &["concurrent"]).is_some() => bad(&format!(
+                        "missing `/`, or {word:?}: did you mean `concurrent`?"
+                    )),
+                    _ => bad("missing `/`"),
+                })?;
         let count =
             parse_number(count.trim(), "count", u128::from(u32::MAX)).map_err(|e| bad(&e))?;
         // The period: a unit, or a number and a unit (`/s`, `/10s`, `/ 30 min`); then keywords.
@@ -678,6 +799,32 @@ impl std::str::FromStr for Quota {
         }
         Ok(q)
     }
+}
+
+/// `"N concurrent"`, optionally followed by `lease <duration>`.
+fn parse_concurrent(s: &str) -> Result<Quota, String> {
+    let mut words = s.split_whitespace();
+    let slots = words.next().unwrap_or_default();
+    let slots = parse_number(slots, "number of slots", u128::from(u32::MAX))?;
+    words.next(); // `concurrent`
+    let mut q = Quota::concurrent(slots as u32);
+    match (words.next(), words.next(), words.next()) {
+        (None, _, _) => {}
+        (Some("lease"), Some(lease), None) => {
+            let lease = parse_duration(lease, false).map_err(|e| format!("the lease: {e}"))?;
+            q = q.lease(lease);
+        }
+        (Some("lease"), None, _) => return Err("`lease` without a duration".to_owned()),
+        (Some(word), _, _) => {
+            let mut reason =
+                format!("unknown word {word:?} after `concurrent` (expected `lease <duration>`)");
+            if closest(word, &["lease"]).is_some() {
+                reason.push_str("; did you mean `lease`?");
+            }
+            return Err(reason);
+        }
+    }
+    Ok(q)
 }
 
 /// The keywords that may follow a quota's rate.
@@ -785,6 +932,13 @@ fn parse_duration(text: &str, number_optional: bool) -> Result<Duration, String>
 /// Formats as [`FromStr`](std::str::FromStr) parses: `"5/s burst 10"`.
 impl std::fmt::Display for Quota {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.algorithm == Algorithm::Concurrent {
+            write!(f, "{} concurrent", self.count)?;
+            if self.period != Self::DEFAULT_LEASE {
+                write!(f, " lease {}", DisplayDuration(self.period))?;
+            }
+            return Ok(());
+        }
         let (n, unit) = in_units(self.period);
         write!(f, "{}/", self.count)?;
         if n != 1 {
@@ -798,6 +952,7 @@ impl std::fmt::Display for Quota {
             Algorithm::Gcra => {}
             Algorithm::FixedWindow => f.write_str(" fixed")?,
             Algorithm::SlidingWindow => f.write_str(" sliding")?,
+            Algorithm::Concurrent => {}
         }
         if let Some(r) = self.resolution {
             write!(f, " {}", DisplayDuration(r))?;
@@ -949,6 +1104,49 @@ mod parse_tests {
     use super::*;
 
     #[test]
+    fn concurrent_quotas_parse_and_check() {
+        let q: Quota = "2 concurrent".parse().unwrap();
+        assert_eq!(q, Quota::concurrent(2));
+        assert_eq!(q.algorithm(), Algorithm::Concurrent);
+        assert_eq!(q.to_string(), "2 concurrent");
+        let p = q.params("p").unwrap();
+        assert_eq!(p.burst.get(), 2);
+        assert_eq!(p.kind, QuotaKind::Concurrent { lease_ms: 300_000 });
+        assert!(p.is_concurrent());
+        let q: Quota = "2 concurrent lease 1500ms".parse().unwrap();
+        assert_eq!(q.period(), Duration::from_millis(1500));
+        assert_eq!(q.to_string(), "2 concurrent lease 1500ms");
+        for (bad, why) in [
+            ("0 concurrent", "zero"),
+            ("2 concurrent lease", "without a duration"),
+            ("2 concurrent leas 5s", "did you mean `lease`"),
+            ("2 concurrent lease 5", "no unit"),
+            ("x concurrent", "not a number"),
+        ] {
+            let err = match bad.parse::<Quota>() {
+                Ok(q) => q.params("p").unwrap_err().to_string(),
+                Err(e) => e.to_string(),
+            };
+            assert!(err.contains(why), "{bad}: {err}");
+        }
+        for (q, why) in [
+            (Quota::concurrent(2).burst(3), "burst"),
+            (Quota::concurrent(2).lease(Duration::ZERO), "milliseconds"),
+            (
+                Quota::concurrent(2).lease(Duration::from_micros(1500)),
+                "milliseconds",
+            ),
+            (
+                Quota::per_second(2).lease(Duration::from_secs(1)),
+                "only for concurrent",
+            ),
+        ] {
+            let err = q.params("p").unwrap_err().to_string();
+            assert!(err.contains(why), "{q:?}: {err}");
+        }
+    }
+
+    #[test]
     fn round_trips() {
         for s in [
             "100/s",
@@ -962,6 +1160,8 @@ mod parse_tests {
             "100/min sliding",
             "100/min sliding 5s",
             "10/s burst 20 gcra",
+            "2 concurrent",
+            "3 concurrent lease 30s",
         ] {
             let q: Quota = s.parse().unwrap();
             assert_eq!(q.to_string().parse::<Quota>().unwrap(), q, "{s}");

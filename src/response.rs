@@ -175,8 +175,16 @@ impl PolicyHeaders {
             if i > 0 {
                 value.push_str(", ");
             }
-            let w = ceil_secs(p.window()).max(1);
-            value.push_str(&format!("\"{label}\";q={};w={w}", p.burst));
+            if p.is_concurrent() {
+                // Requests in flight: no window (a lease is not one the client can pace by).
+                value.push_str(&format!(
+                    "\"{label}\";q={};qu=\"concurrent-requests\"",
+                    p.burst
+                ));
+            } else {
+                let w = ceil_secs(p.window()).max(1);
+                value.push_str(&format!("\"{label}\";q={};w={w}", p.burst));
+            }
             prefixes.push(format!("\"{label}\";r=").into_bytes().into_boxed_slice());
             labels.push(label.into_boxed_str());
         }

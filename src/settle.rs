@@ -69,7 +69,7 @@ use http::{Extensions, HeaderMap, HeaderName, Response, StatusCode};
 use crate::Key;
 use crate::admit::{Prepared, Shared};
 use crate::backend::{Backend, Mode};
-use crate::body::BodyMode;
+use crate::body::{BodyGuard, BodyMode};
 use crate::response::{HeaderAdds, add_headers};
 use crate::wait::Pauses;
 
@@ -268,11 +268,18 @@ impl Rules {
     allow(dead_code)
 )]
 pub(crate) fn unsupported(policy: &crate::Policy, store: &str) -> crate::ConfigError {
+    let (option, what) = if policy.settles() {
+        (
+            "Policy::charge_when / Policy::cost_from",
+            "settles requests after their response",
+        )
+    } else {
+        ("Quota::concurrent", "caps requests in flight")
+    };
     crate::ConfigError::Invalid {
-        option: "Policy::charge_when / Policy::cost_from",
+        option,
         reason: format!(
-            "policy `{}` settles requests after their response, which {store} does not do yet \
-             (the local backend does)",
+            "policy `{}` {what}, which {store} does not do yet (the local backend does)",
             policy.name()
         ),
     }
@@ -285,6 +292,32 @@ pub(crate) struct Settle<Bk: Backend> {
     note: Option<(Key, Arc<Pauses>)>,
     /// The charge by outcome, when the policy settles.
     charge: Option<Charging<Bk>>,
+    /// The request's slot in its policy's concurrent quota, when it has one: given back when
+    /// the response body ends or is dropped, or when the request ends without a response.
+    slot: Option<Slot<Bk>>,
+}
+
+/// A request's slot in a concurrent quota, given back when dropped (once taken).
+struct Slot<Bk: Backend> {
+    backend: Arc<Bk>,
+    policy: Arc<Prepared<Bk::Policy>>,
+    key: Key,
+    /// Whether the slot was taken (the request admitted): only then is there one to give back.
+    taken: bool,
+}
+
+impl<Bk: Backend> Drop for Slot<Bk> {
+    fn drop(&mut self) {
+        if self.taken {
+            send(
+                &*self.backend,
+                &self.policy,
+                &self.key,
+                NonZeroU32::MIN,
+                Mode::Release,
+            );
+        }
+    }
 }
 
 /// A request's admission, to be settled by its policy's rules.
@@ -311,9 +344,16 @@ impl<Bk: Backend> Settle<Bk> {
         key: &Key,
     ) -> Option<Box<Self>> {
         let charged = cost.and_then(|cost| Some((policy.policy.settle_rules()?, cost)));
-        if shared.pauses.is_none() && charged.is_none() {
+        let holds = cost.is_some() && policy.holds_slots;
+        if shared.pauses.is_none() && charged.is_none() && !holds {
             return None;
         }
+        let slot = holds.then(|| Slot {
+            backend: shared.backend.clone(),
+            policy: policy.clone(),
+            key: key.clone(),
+            taken: false,
+        });
         let charge = charged.map(|(rules, cost)| Charging {
             backend: shared.backend.clone(),
             rules: rules.clone(),
@@ -323,15 +363,21 @@ impl<Bk: Backend> Settle<Bk> {
             admitted: None,
         });
         let note = shared.pauses.clone().map(|p| (key.clone(), p));
-        Some(Box::new(Settle { note, charge }))
+        Some(Box::new(Settle { note, charge, slot }))
     }
 
     /// The request was admitted: from now on it is settled by its response, or by the
     /// cancellation rule if none comes.
     #[inline]
     pub(crate) fn arm(settle: &mut Option<Box<Self>>) {
-        if let Some(charge) = settle.as_mut().and_then(|s| s.charge.as_mut()) {
+        let Some(settle) = settle.as_mut() else {
+            return;
+        };
+        if let Some(charge) = &mut settle.charge {
             charge.admitted = Some(std::time::Instant::now());
+        }
+        if let Some(slot) = &mut settle.slot {
+            slot.taken = true;
         }
     }
 }
@@ -348,31 +394,40 @@ impl<Bk: Backend> Charging<Bk> {
         }
     }
 
-    /// Makes the settlement on the store: at once for an in-memory store, else in a task of
-    /// its own (the response does not wait for it; the store's timeout bounds it).
     fn send(&self, mode: Mode, units: NonZeroU32) {
-        let policy = &self.policy;
-        let mut settled = (self.backend).decide_with(&policy.backend, &self.key, units, mode);
-        let name = policy.policy.name();
-        match Pin::new(&mut settled).poll(&mut Context::from_waker(Waker::noop())) {
-            Poll::Ready(Ok(_)) => {}
-            Poll::Ready(Err(error)) => {
-                tracing::debug!(policy = name, %error, ?mode, "settlement failed");
-            }
-            Poll::Pending => match tokio::runtime::Handle::try_current() {
-                Ok(runtime) => {
-                    let name = name.to_owned();
-                    runtime.spawn(async move {
-                        if let Err(error) = settled.await {
-                            tracing::debug!(policy = name, %error, ?mode, "settlement failed");
-                        }
-                    });
-                }
-                Err(_) => {
-                    tracing::debug!(policy = name, ?mode, "settlement dropped: no runtime");
-                }
-            },
+        send(&*self.backend, &self.policy, &self.key, units, mode);
+    }
+}
+
+/// Makes a settlement on the store: at once for an in-memory store, else in a task of its own
+/// (the response does not wait for it; the store's timeout bounds it).
+fn send<Bk: Backend>(
+    backend: &Bk,
+    policy: &Prepared<Bk::Policy>,
+    key: &Key,
+    units: NonZeroU32,
+    mode: Mode,
+) {
+    let mut settled = backend.decide_with(&policy.backend, key, units, mode);
+    let name = policy.policy.name();
+    match Pin::new(&mut settled).poll(&mut Context::from_waker(Waker::noop())) {
+        Poll::Ready(Ok(_)) => {}
+        Poll::Ready(Err(error)) => {
+            tracing::debug!(policy = name, %error, ?mode, "settlement failed");
         }
+        Poll::Pending => match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                let name = name.to_owned();
+                runtime.spawn(async move {
+                    if let Err(error) = settled.await {
+                        tracing::debug!(policy = name, %error, ?mode, "settlement failed");
+                    }
+                });
+            }
+            Err(_) => {
+                tracing::debug!(policy = name, ?mode, "settlement dropped: no runtime");
+            }
+        },
     }
 }
 
@@ -401,9 +456,9 @@ fn refund_of(admitted: std::time::Instant) -> Mode {
 pub(crate) fn settle<B, M: BodyMode<B>, Bk: Backend>(
     res: Response<B>,
     adds: Option<HeaderAdds>,
-    settle: Option<Box<Settle<Bk>>>,
+    mut settle: Option<Box<Settle<Bk>>>,
 ) -> Response<M::Body> {
-    if let Some(mut settle) = settle {
+    if let Some(settle) = &mut settle {
         if let Some((key, pauses)) = &settle.note {
             pauses.note(key, &res);
         }
@@ -411,7 +466,12 @@ pub(crate) fn settle<B, M: BodyMode<B>, Bk: Backend>(
             charge.settle(&ResponseInfo::new(&res));
         }
     }
-    let mut res = M::pass_response(res);
+    let slot = settle.and_then(|mut s| s.slot.take()).filter(|s| s.taken);
+    let mut res = match slot {
+        None => M::pass_response(res),
+        // The slot goes with the body, given back when it ends or is dropped.
+        Some(slot) => M::hold(res, BodyGuard::new(slot)),
+    };
     if let Some(adds) = adds {
         add_headers(res.headers_mut(), adds);
     }

@@ -1241,12 +1241,23 @@ async fn policies_that_settle_are_refused_until_redis_settles() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("login") && err.contains("redis"), "{err}");
+    let err = RateLimitLayer::builder()
+        .key(Global)
+        .backend(backend(&server))
+        .policy(Policy::new("exports", Quota::concurrent(2)))
+        .build()
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("exports") && err.contains("in flight"),
+        "{err}"
+    );
     let b = backend(&server);
     let p = prepare(&b, &Policy::new("plain", no_refill(1)));
     let refund = Mode::Refund {
         admitted_ago: Duration::ZERO,
     };
-    for mode in [refund, Mode::Debit] {
+    for mode in [refund, Mode::Debit, Mode::Release] {
         let err = b
             .decide_with(&p, &key("k"), cost(1), mode)
             .await

@@ -143,6 +143,10 @@ pub enum Mode {
     /// are refused until it is repaid, and their `retry_after` says when. Always allowed; the
     /// states are the buckets' after the debit.
     Debit,
+    /// The end of a request: give back its slot in every concurrent quota
+    /// ([`Quota::concurrent`](crate::Quota::concurrent)); rate quotas are untouched. Always
+    /// allowed; the states are the concurrent quotas' after the release.
+    Release,
 }
 
 impl Mode {
@@ -159,9 +163,10 @@ impl Mode {
         }
     }
 
-    /// Whether this is a settlement ([`Refund`](Mode::Refund) or [`Debit`](Mode::Debit)).
+    /// Whether this is a settlement ([`Refund`](Mode::Refund), [`Debit`](Mode::Debit) or
+    /// [`Release`](Mode::Release)).
     pub fn is_settlement(self) -> bool {
-        matches!(self, Mode::Refund { .. } | Mode::Debit)
+        matches!(self, Mode::Refund { .. } | Mode::Debit | Mode::Release)
     }
 }
 

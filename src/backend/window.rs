@@ -153,6 +153,38 @@ pub(crate) fn fixed_state(
     }
 }
 
+/// The state of a concurrent quota holding `held` slots: its free slots; never a time until
+/// more (a slot comes back when a request ends, not at a time).
+pub(crate) fn in_flight_state(
+    index: usize,
+    params: &QuotaParams,
+    held: u64,
+    allowed: bool,
+) -> QuotaState {
+    let slots = params.burst.get();
+    QuotaState {
+        index,
+        outcome: if allowed {
+            Outcome::Allowed
+        } else {
+            // A slot comes back when a request ends: ask again in a second.
+            Outcome::Denied {
+                retry_after: IN_FLIGHT_RETRY,
+            }
+        },
+        limit: slots,
+        remaining: slots.saturating_sub(u32::try_from(held).unwrap_or(u32::MAX)),
+        reset_after: if allowed {
+            Duration::ZERO
+        } else {
+            IN_FLIGHT_RETRY
+        },
+    }
+}
+
+/// When a request refused by a full concurrent quota is told to try again.
+pub(crate) const IN_FLIGHT_RETRY: Duration = Duration::from_secs(1);
+
 /// A settlement of a window quota's count (see [`Mode::Refund`](super::Mode::Refund) and
 /// [`Mode::Debit`](super::Mode::Debit)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

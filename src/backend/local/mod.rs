@@ -572,7 +572,12 @@ where
             // Stable: GCRA quotas first, then windows, each in policy order.
             order.sort_by_key(|&i| is_window(&limiters[i]));
         }
-        let min_burst = (limiters.iter().map(|q| q.params.burst.get()).min()).unwrap_or(0);
+        // A concurrent quota takes one slot whatever the cost.
+        let min_burst = (limiters.iter())
+            .filter(|q| !q.params.is_concurrent())
+            .map(|q| q.params.burst.get())
+            .min()
+            .unwrap_or(u32::MAX);
         Ok(LocalPolicy {
             limiters,
             windows,
@@ -674,6 +679,7 @@ where
                 ready(Ok(self.reserve(policy, key, cost, max_wait)))
             }
             Mode::Refund { .. } | Mode::Debit => ready(Ok(self.settle(policy, key, cost, mode))),
+            Mode::Release => ready(Ok(self.release(policy, key))),
         }
     }
 
@@ -703,7 +709,7 @@ where
         let inner = &*self.inner;
         // As `decide`: a quota the cost can never fit answers alone.
         if let Some((index, quota)) =
-            (policy.limiters.iter().enumerate()).find(|(_, quota)| cost > quota.params.burst)
+            (policy.limiters.iter().enumerate()).find(|(_, quota)| quota.never_fits(cost))
         {
             return Decision::new([quota.peek(index, key, inner)]);
         }
@@ -859,7 +865,7 @@ where
         cost: NonZeroU32,
     ) -> Option<Refusal> {
         if let Some((index, quota)) =
-            (policy.limiters.iter().enumerate()).find(|(_, quota)| cost > quota.params.burst)
+            (policy.limiters.iter().enumerate()).find(|(_, quota)| quota.never_fits(cost))
         {
             return Some(Refusal::Deny(quota.peek(index, key, &self.inner)));
         }
@@ -961,8 +967,17 @@ where
     C: Clock + Clone + Send + Sync + 'static,
     C::Instant: Send + Sync,
 {
+    /// A request's end ([`Mode::Release`]): its slot back in every concurrent quota of `policy`.
+    fn release(&self, policy: &LocalPolicy<C>, key: &Key) -> Decision {
+        let states = policy.limiters.iter().enumerate();
+        Decision::new(states.filter_map(|(index, quota)| match &quota.counter {
+            Counter::Window(store) => store.release(index, key),
+            Counter::Gcra { .. } => None,
+        }))
+    }
+
     /// A settlement ([`Mode::Refund`] or [`Mode::Debit`]) of `cost` units on every quota of
-    /// `policy`.
+    /// `policy` that counts units (not requests in flight, whose state is reported as it is).
     fn settle(&self, policy: &LocalPolicy<C>, key: &Key, cost: NonZeroU32, mode: Mode) -> Decision {
         let inner = &*self.inner;
         let now = inner.elapsed_ns();
@@ -1076,6 +1091,13 @@ fn until(start: Nanos, tat: u64, now: u64) -> Duration {
 }
 
 impl<C: Clock> PreparedQuota<C> {
+    /// Whether a request of `cost` can never pass this quota: it exceeds the burst (a
+    /// concurrent quota takes one slot whatever the cost).
+    #[inline]
+    fn never_fits(&self, cost: NonZeroU32) -> bool {
+        cost > self.params.burst && !self.params.is_concurrent()
+    }
+
     /// The state of `key`'s bucket or window for a request that can never fit it, read
     /// without changing anything.
     fn peek(&self, index: usize, key: &Key, inner: &Inner<C>) -> QuotaState {

@@ -16,7 +16,7 @@ use foldhash::quality::RandomState;
 use super::{entry, swap};
 use crate::Key;
 use crate::backend::QuotaState;
-use crate::backend::window::{FixedState, Settlement, SlidingState};
+use crate::backend::window::{FixedState, Settlement, SlidingState, in_flight_state};
 use crate::quota::{QuotaKind, QuotaParams};
 
 /// The counters of one window quota, by key, counted against the backend's key cap.
@@ -39,6 +39,11 @@ enum Counters {
         slice_us: u64,
         slices: u32,
         map: DashMap<Key, Mutex<SlidingState>, RandomState>,
+    },
+    /// A concurrent quota's requests in flight per key: a count, up by one at admission and
+    /// down by one at release. A count back at zero is swept like a passed window.
+    InFlight {
+        map: DashMap<Key, AtomicU64, RandomState>,
     },
 }
 
@@ -82,7 +87,10 @@ impl WindowStore {
                 slices,
                 map: DashMap::with_hasher(RandomState::default()),
             },
-            _ => return None,
+            QuotaKind::Concurrent { .. } => Counters::InFlight {
+                map: DashMap::with_hasher(RandomState::default()),
+            },
+            QuotaKind::Gcra => return None,
         };
         Some(WindowStore {
             counters,
@@ -121,7 +129,34 @@ impl WindowStore {
                 let mut state = state.lock().unwrap_or_else(|p| p.into_inner());
                 state.decide(index, p, *slice_us, now_us, cost)
             }
+            // One slot per request, whatever its cost.
+            Counters::InFlight { map } => {
+                let held = entry(map, key, &self.tracked, || AtomicU64::new(0));
+                let slots = u64::from(p.burst.get());
+                swap(&held, |held| {
+                    if held < slots {
+                        (in_flight_state(index, p, held + 1, true), held + 1)
+                    } else {
+                        (in_flight_state(index, p, held, false), held)
+                    }
+                })
+            }
         }
+    }
+
+    /// Gives back the slot of a request on `key` that has ended (a concurrent quota; a window
+    /// has nothing to give back). Never below zero: a slot given back twice is not counted
+    /// twice.
+    pub(super) fn release(&self, index: usize, key: &Key) -> Option<QuotaState> {
+        let Counters::InFlight { map } = &self.counters else {
+            return None;
+        };
+        let p = &self.params;
+        let held = map.get(key)?;
+        Some(swap(&held, |held| {
+            let next = held.saturating_sub(1);
+            (in_flight_state(index, p, next, true), next)
+        }))
     }
 
     /// Settles `key`'s counter at `now_us` (see [`Settlement`]). A refund on a key without a
@@ -171,6 +206,8 @@ impl WindowStore {
                 let mut state = state.lock().unwrap_or_else(|p| p.into_inner());
                 state.settle(index, p, *slice_us, now_us, settlement)
             }
+            // Slots are given back by `release`, never by a charge's settlement.
+            Counters::InFlight { .. } => self.peek(index, key, now_us),
         }
     }
 
@@ -202,6 +239,11 @@ impl WindowStore {
                 }
                 None => SlidingState::new(*slices).check(index, p, *slice_us, now_us, cost),
             },
+            Counters::InFlight { map } => {
+                let held = map.get(key).map_or(0, |h| h.load(Ordering::Acquire));
+                let free = held < u64::from(p.burst.get());
+                in_flight_state(index, p, held + u64::from(free), free)
+            }
         }
     }
 
@@ -216,7 +258,9 @@ impl WindowStore {
     ) -> QuotaState {
         let p = &self.params;
         match &self.counters {
-            Counters::Fixed { .. } => self.check(index, key, now_us, cost),
+            Counters::Fixed { .. } | Counters::InFlight { .. } => {
+                self.check(index, key, now_us, cost)
+            }
             Counters::Sliding {
                 slice_us,
                 slices,
@@ -249,21 +293,27 @@ impl WindowStore {
                 }
                 None => SlidingState::new(*slices).peek(index, p, *slice_us, now_us),
             },
+            Counters::InFlight { map } => {
+                let held = map.get(key).map_or(0, |h| h.load(Ordering::Acquire));
+                in_flight_state(index, p, held, true)
+            }
         }
     }
 
     /// Whether `key` has a counter here.
     pub(super) fn contains(&self, key: &Key) -> bool {
         match &self.counters {
-            Counters::Fixed { map, .. } => map.contains_key(key),
+            Counters::Fixed { map, .. } | Counters::InFlight { map } => map.contains_key(key),
             Counters::Sliding { map, .. } => map.contains_key(key),
         }
     }
 
-    /// Forgets `key`'s counters.
+    /// Forgets `key`'s counters. Requests in flight are not forgotten: they still run, and
+    /// give their slots back when they end.
     pub(super) fn remove(&self, key: &Key) {
         let removed = match &self.counters {
             Counters::Fixed { map, .. } => map.remove(key).is_some(),
+            Counters::InFlight { .. } => false,
             Counters::Sliding { map, .. } => map.remove(key).is_some(),
         };
         if removed {
@@ -273,7 +323,7 @@ impl WindowStore {
 
     fn len(&self) -> usize {
         match &self.counters {
-            Counters::Fixed { map, .. } => map.len(),
+            Counters::Fixed { map, .. } | Counters::InFlight { map } => map.len(),
             Counters::Sliding { map, .. } => map.len(),
         }
     }
@@ -296,6 +346,15 @@ impl WindowStore {
                 map.retain(|_, state| {
                     let state = state.get_mut().unwrap_or_else(|p| p.into_inner());
                     let idle = state.is_idle(*slice_us, now_us);
+                    removed += usize::from(idle);
+                    !idle
+                });
+                map.shrink_to_fit();
+            }
+            // Under the map's write lock: no request holds the entry while it is checked.
+            Counters::InFlight { map } => {
+                map.retain(|_, held| {
+                    let idle = *held.get_mut() == 0;
                     removed += usize::from(idle);
                     !idle
                 });

@@ -34,6 +34,7 @@ fn quota_reply_len(p: &QuotaParams) -> usize {
         QuotaKind::Gcra => 2,
         QuotaKind::FixedWindow { .. } => 3,
         QuotaKind::SlidingWindow { .. } => 4,
+        QuotaKind::Concurrent { .. } => 2,
     }
 }
 
@@ -48,6 +49,7 @@ fn quota_args(p: &QuotaParams) -> [u64; PER_QUOTA] {
         QuotaKind::FixedWindow { window_us } => [1, window_us, limit, 0],
         QuotaKind::SlidingWindow { slice_us, slices } => [2, slice_us, limit, u64::from(slices)],
         QuotaKind::Gcra => [0, p.emission_ns, limit, 0],
+        QuotaKind::Concurrent { lease_ms } => [3, lease_ms, limit, 0],
     }
 }
 
@@ -191,6 +193,10 @@ fn state(
         }
         // `code, TAT after the decision (ns from now)`.
         QuotaKind::Gcra => reply::gcra(index, p, cost, code, x),
+        // `code, slots held after the decision`.
+        QuotaKind::Concurrent { .. } => {
+            crate::backend::window::in_flight_state(index, p, x, code != Code::Denied)
+        }
     })
 }
 

@@ -146,7 +146,7 @@ impl<S: Store> Remote<S> {
         policy: &Policy,
         params: &[QuotaParams],
     ) -> Result<RemotePolicy<S>, ConfigError> {
-        if policy.settles() {
+        if policy.settles() || policy.holds_slots() {
             return Err(crate::settle::unsupported(
                 policy,
                 &format!("the {} backend", S::KIND),

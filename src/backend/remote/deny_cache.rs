@@ -293,7 +293,10 @@ fn replay(entry: &Entry, cost: NonZeroU32, now_ns: u64, params: &[QuotaParams]) 
             // past it), and the count, so `remaining`, cannot fall before then. Sliding: the
             // same cost only, never past `reset_after`, so `remaining` is unchanged. Both
             // waits point at the same instants as when the store gave them.
-            QuotaKind::FixedWindow { .. } | QuotaKind::SlidingWindow { .. } => QuotaState {
+            // A concurrent quota: told to ask again after a fixed time, shrinking the same way.
+            QuotaKind::FixedWindow { .. }
+            | QuotaKind::SlidingWindow { .. }
+            | QuotaKind::Concurrent { .. } => QuotaState {
                 outcome: Outcome::Denied {
                     retry_after: shrink(retry_after),
                 },

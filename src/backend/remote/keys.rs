@@ -98,6 +98,7 @@ pub(crate) fn quota_suffixes(params: &[QuotaParams]) -> Vec<Box<[u8]>> {
                 QuotaKind::SlidingWindow { slice_us, slices } => {
                     format!("{i}s{slice_us}x{slices}x{limit}")
                 }
+                QuotaKind::Concurrent { lease_ms } => format!("{i}c{lease_ms}x{limit}"),
             }
             .into_bytes()
             .into_boxed_slice()

@@ -82,6 +82,7 @@ fn quota_args(p: &QuotaParams) -> [i64; 4] {
         QuotaKind::Gcra => [0, int(p.emission_ns), limit, 0],
         QuotaKind::FixedWindow { window_us } => [1, int(window_us), limit, 0],
         QuotaKind::SlidingWindow { slice_us, slices } => [2, int(slice_us), limit, slices.into()],
+        QuotaKind::Concurrent { lease_ms } => [3, int(lease_ms), limit, 0],
     }
 }
 
@@ -194,6 +195,7 @@ fn decision(
             QuotaKind::Gcra => 2,
             QuotaKind::FixedWindow { .. } => 3,
             QuotaKind::SlidingWindow { slices, .. } => 3 + slices as usize,
+            QuotaKind::Concurrent { .. } => 2,
         };
         let Some(r) = reply.get(*at..*at + len) else {
             *at = reply.len() + 1;
@@ -219,6 +221,9 @@ fn decision(
                     .map(|&c| u32::try_from(nonneg(c)).unwrap_or(u32::MAX))
                     .collect();
                 window::sliding_state(index, p, code, &counts, slice_us, into, cost)
+            }
+            QuotaKind::Concurrent { .. } => {
+                window::in_flight_state(index, p, nonneg(r[1]), code != window::Code::Denied)
             }
         });
     }

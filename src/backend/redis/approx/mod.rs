@@ -793,7 +793,7 @@ impl Backend for ApproxBackend {
         policy: &Policy,
         params: &[QuotaParams],
     ) -> Result<ApproxPolicy, ConfigError> {
-        if policy.settles() {
+        if policy.settles() || policy.holds_slots() {
             return Err(crate::settle::unsupported(
                 policy,
                 "the approximate Redis mode",
