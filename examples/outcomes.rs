@@ -149,7 +149,7 @@ async fn export(Query(q): Query<Export>) -> Bytes {
 }
 
 /// The three routes, each with its limit, on `backend`.
-pub fn app<B: Backend + Clone>(backend: B) -> Result<Router, tollgate::ConfigError> {
+pub(crate) fn app<B: Backend + Clone>(backend: B) -> Result<Router, tollgate::ConfigError> {
     // 5 failed logins per 15 minutes per (client IP, user); successes are free.
     let login_limit = RateLimitLayer::builder()
         .key((ClientIp::new(), Extension::<LoginUser>::new()))
