@@ -242,17 +242,20 @@ impl<K: KeyExtractor, Bk: Backend> Shared<K, Bk> {
             };
             // 3. decision
             let settle = Settle::new(self, policy, Some(cost), key);
-            (self.decide(policy, key, cost, &info), settle)
+            let lease = Settle::lease(&settle);
+            (self.decide(policy, key, cost, lease, &info), settle)
         })
     }
 
-    /// The backend's decision on `key` under `policy`, for `cost` units.
+    /// The backend's decision on `key` under `policy`, for `cost` units (holding a slot under
+    /// `lease` when the policy has a concurrent quota).
     #[inline]
     fn decide(
         &self,
         policy: &Arc<Prepared<Bk::Policy>>,
         key: &Key,
         cost: NonZeroU32,
+        lease: Option<u64>,
         info: &RequestInfo<'_>,
     ) -> Admission<Bk> {
         // Wait mode and pauses apply to enforced policies only: a shadow policy never holds a
@@ -267,9 +270,14 @@ impl<K: KeyExtractor, Bk: Backend> Shared<K, Bk> {
         // nothing: all-or-nothing on every store); only one refused for less than the longest
         // wait takes a waiter's slot and reserves. So requests that pass at once never hold a
         // slot, even while a store answers.
-        let mut decision = match waits {
-            Some(_) => self.backend.decide_with(&policy.backend, key, cost, NOW),
-            None => self.backend.decide(&policy.backend, key, cost),
+        // A request holding a slot cannot wait for one: it is taken now or refused.
+        let backend = &self.backend;
+        let mut decision = match (waits, lease) {
+            (_, Some(lease)) => {
+                backend.decide_with(&policy.backend, key, cost, Mode::Hold { lease })
+            }
+            (Some(_), None) => backend.decide_with(&policy.backend, key, cost, NOW),
+            (None, None) => backend.decide(&policy.backend, key, cost),
         };
         let result = match poll_now(&mut decision) {
             Poll::Ready(result) => result,
@@ -305,7 +313,9 @@ impl<K: KeyExtractor, Bk: Backend> Shared<K, Bk> {
         pause: Duration,
         headers: &HeaderMap,
     ) -> Admission<Bk> {
-        if let Some(waiting) = self.waiting.as_ref().filter(|w| pause <= w.max_wait)
+        // A request holding a slot does not wait (it holds its slot from its admission on).
+        if let Some(waiting) =
+            (self.waiting.as_ref()).filter(|w| pause <= w.max_wait && !prepared.holds_slots)
             && let Some(slot) = waiting.enter()
         {
             let sleep = Box::pin(tokio::time::sleep(pause));

@@ -302,6 +302,8 @@ struct Slot<Bk: Backend> {
     backend: Arc<Bk>,
     policy: Arc<Prepared<Bk::Policy>>,
     key: Key,
+    /// The request's lease id ([`Mode::Hold`]).
+    lease: u64,
     /// Whether the slot was taken (the request admitted): only then is there one to give back.
     taken: bool,
 }
@@ -309,15 +311,32 @@ struct Slot<Bk: Backend> {
 impl<Bk: Backend> Drop for Slot<Bk> {
     fn drop(&mut self) {
         if self.taken {
+            let release = Mode::Release { lease: self.lease };
             send(
                 &*self.backend,
                 &self.policy,
                 &self.key,
                 NonZeroU32::MIN,
-                Mode::Release,
+                release,
             );
         }
     }
+}
+
+/// A lease id unique to a request: a counter from a random start per process, so that the
+/// instances sharing a store do not give out the same ids.
+fn next_lease() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: std::sync::OnceLock<AtomicU64> = std::sync::OnceLock::new();
+    let next = NEXT.get_or_init(|| {
+        let start = std::collections::hash_map::RandomState::new()
+            .build_hasher()
+            .finish();
+        AtomicU64::new(start)
+    });
+    // Never 0, which the stores read as no lease.
+    next.fetch_add(1, Ordering::Relaxed).max(1)
 }
 
 /// A request's admission, to be settled by its policy's rules.
@@ -352,6 +371,7 @@ impl<Bk: Backend> Settle<Bk> {
             backend: shared.backend.clone(),
             policy: policy.clone(),
             key: key.clone(),
+            lease: next_lease(),
             taken: false,
         });
         let charge = charged.map(|(rules, cost)| Charging {
@@ -364,6 +384,13 @@ impl<Bk: Backend> Settle<Bk> {
         });
         let note = shared.pauses.clone().map(|p| (key.clone(), p));
         Some(Box::new(Settle { note, charge, slot }))
+    }
+
+    /// The lease id the request holds its slot under, when its policy has a concurrent
+    /// quota: admission decides with [`Mode::Hold`].
+    #[inline]
+    pub(crate) fn lease(settle: &Option<Box<Self>>) -> Option<u64> {
+        settle.as_ref()?.slot.as_ref().map(|s| s.lease)
     }
 
     /// The request was admitted: from now on it is settled by its response, or by the

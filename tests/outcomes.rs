@@ -1,10 +1,12 @@
-//! The `outcomes` example over real HTTP, on the local backend: failed logins counted and a
-//! locked key refused before the password is checked, tokens charged from the response into
-//! debt, and at most two exports in flight per API key.
+//! The `outcomes` example over real HTTP, on the local backend and as two instances sharing
+//! Redis: failed logins counted and a locked key refused before the password is checked,
+//! tokens charged from the response into debt, and at most two exports in flight per API key
+//! (one failure count, one token budget and one in-flight cap across both instances).
 
 #[allow(dead_code)]
 #[path = "../examples/outcomes.rs"]
 mod example;
+mod support;
 
 use std::net::SocketAddr;
 
@@ -113,4 +115,14 @@ async fn story(bases: &[String]) {
 #[tokio::test]
 async fn the_outcomes_example_on_the_local_backend() {
     story(&[serve(LocalBackend::new()).await]).await;
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn two_instances_of_the_outcomes_example_share_redis() {
+    use tollgate::backend::redis::RedisBackend;
+    let server = support::RedisServer::start();
+    let instance = || RedisBackend::builder().url(server.url()).build().unwrap();
+    let bases = [serve(instance()).await, serve(instance()).await];
+    story(&bases).await;
 }

@@ -1224,46 +1224,80 @@ async fn the_deny_cache_forgets_a_key_redis_has_since_allowed() {
     }
 }
 
-/// Settling after the response is not made on Redis yet: a policy that settles is refused when
-/// the layer is built, saying so, and a settlement asked of the backend directly is an error,
-/// never taken as a decision.
+/// Settlements and slots, as on every backend that settles.
 #[tokio::test]
-async fn policies_that_settle_are_refused_until_redis_settles() {
-    use tollgate::backend::Mode;
-    use tollgate::settle::ChargeWhen;
+async fn settlements_redis() {
     let server = RedisServer::start();
-    let settling = Policy::new("login", no_refill(5)).charge_when(ChargeWhen::status([401]));
-    let err = RateLimitLayer::builder()
-        .key(Global)
-        .backend(backend(&server))
-        .policy(settling)
-        .build()
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("login") && err.contains("redis"), "{err}");
-    let err = RateLimitLayer::builder()
-        .key(Global)
-        .backend(backend(&server))
-        .policy(Policy::new("exports", Quota::concurrent(2)))
-        .build()
-        .unwrap_err()
-        .to_string();
-    assert!(
-        err.contains("exports") && err.contains("in flight"),
-        "{err}"
-    );
+    let clock = aligned_test_clock();
+    let b = at_time(&server, &clock);
+    settlements(&b, |by| clock.advance(by), "redis").await;
+}
+
+#[tokio::test]
+async fn settlements_local() {
+    let clock = FakeRelativeClock::default();
+    let b = LocalBackend::builder()
+        .clock(clock.clone())
+        .clock_epoch(Duration::ZERO)
+        .build();
+    settlements(&b, |by| clock.advance(by), "local").await;
+}
+
+/// A slot is a lease: one whose request still runs after the lease time is given back (so a
+/// killed instance cannot hold slots longer), and that request's release, when it comes, gives
+/// back nothing more.
+#[tokio::test]
+async fn a_lease_that_expires_while_its_request_runs_frees_its_slot_once() {
+    use tollgate::backend::Mode;
+    let server = RedisServer::start();
+    let clock = TestClock::new();
+    let b = at_time(&server, &clock);
+    let policy = Policy::new("lease", Quota::concurrent(1).lease(Duration::from_secs(1)));
+    let p = prepare(&b, &policy);
+    let k = key("k");
+    let ask = |mode| b.decide_with(&p, &k, cost(1), mode);
+    assert!(ask(Mode::Hold { lease: 1 }).await.unwrap().is_allowed());
+    assert!(!ask(Mode::Hold { lease: 2 }).await.unwrap().is_allowed());
+    clock.advance(Duration::from_millis(999));
+    assert!(!ask(Mode::Hold { lease: 2 }).await.unwrap().is_allowed());
+    clock.advance(Duration::from_millis(1));
+    // Lease 1 expired: its slot is free again, and lease 2 takes it.
+    let d = ask(Mode::Hold { lease: 2 }).await.unwrap();
+    assert!(d.is_allowed(), "{d:?}");
+    // Lease 1's request ends: nothing to give back; lease 2 still holds the slot.
+    let d = ask(Mode::Release { lease: 1 }).await.unwrap();
+    assert_eq!(remaining(&d), [0], "{d:?}");
+    assert!(!ask(Mode::Hold { lease: 3 }).await.unwrap().is_allowed());
+    let d = ask(Mode::Release { lease: 2 }).await.unwrap();
+    assert_eq!(remaining(&d), [1], "{d:?}");
+    // The key expires with its newest lease: nothing is left behind in Redis.
+    assert!(ask(Mode::Hold { lease: 4 }).await.unwrap().is_allowed());
+    let keys = server.cmd(&["KEYS", "*"]);
+    let name = (keys.lines())
+        .find(|k| k.contains("c1000x1"))
+        .unwrap_or_else(|| panic!("no lease key in {keys:?}"));
+    assert!(server.cmd(&["TYPE", name]).contains("zset"));
+    let ttl = server.cmd(&["PTTL", name]);
+    let ttl: i64 = ttl.trim().trim_start_matches(':').parse().unwrap();
+    assert!((1..=1000).contains(&ttl), "{ttl}");
+}
+
+/// A refund makes a cached denial of its key stale: the next request asks Redis again.
+#[tokio::test]
+async fn a_refund_forgets_the_cached_denial() {
+    use tollgate::backend::Mode;
+    let server = RedisServer::start();
     let b = backend(&server);
-    let p = prepare(&b, &Policy::new("plain", no_refill(1)));
+    let p = prepare(&b, &Policy::new("refunded", no_refill(1)));
+    let k = key("k");
+    assert!(b.decide(&p, &k, cost(1)).await.unwrap().is_allowed());
+    assert!(!b.decide(&p, &k, cost(1)).await.unwrap().is_allowed());
+    let hits = b.stats().deny_cache_hits;
+    assert!(!b.decide(&p, &k, cost(1)).await.unwrap().is_allowed());
+    assert_eq!(b.stats().deny_cache_hits, hits + 1, "the denial is cached");
     let refund = Mode::Refund {
         admitted_ago: Duration::ZERO,
     };
-    for mode in [refund, Mode::Debit, Mode::Release] {
-        let err = b
-            .decide_with(&p, &key("k"), cost(1), mode)
-            .await
-            .unwrap_err();
-        assert_eq!(err.kind(), BackendErrorKind::Protocol, "{err}");
-    }
-    // Nothing was taken: the one unit is still there.
-    assert!(b.decide(&p, &key("k"), cost(1)).await.unwrap().is_allowed());
+    b.decide_with(&p, &k, cost(1), refund).await.unwrap();
+    assert!(b.decide(&p, &k, cost(1)).await.unwrap().is_allowed());
 }

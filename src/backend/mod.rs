@@ -143,10 +143,21 @@ pub enum Mode {
     /// are refused until it is repaid, and their `retry_after` says when. Always allowed; the
     /// states are the buckets' after the debit.
     Debit,
-    /// The end of a request: give back its slot in every concurrent quota
-    /// ([`Quota::concurrent`](crate::Quota::concurrent)); rate quotas are untouched. Always
-    /// allowed; the states are the concurrent quotas' after the release.
-    Release,
+    /// [`Decide`](Mode::Decide), and the request holds a slot of every concurrent quota
+    /// ([`Quota::concurrent`](crate::Quota::concurrent)) under the lease `lease` (an id unique
+    /// to the request) until [`Release`](Mode::Release) gives it back, or, in a shared store,
+    /// the quota's lease time passes.
+    Hold {
+        /// The request's lease id.
+        lease: u64,
+    },
+    /// The end of a request: give back the slot it holds under `lease` in every concurrent
+    /// quota; rate quotas are untouched. A lease already given back (or expired) gives back
+    /// nothing. Always allowed; the states are the concurrent quotas' after the release.
+    Release {
+        /// The lease id the request was admitted with ([`Hold`](Mode::Hold)).
+        lease: u64,
+    },
 }
 
 impl Mode {
@@ -166,7 +177,10 @@ impl Mode {
     /// Whether this is a settlement ([`Refund`](Mode::Refund), [`Debit`](Mode::Debit) or
     /// [`Release`](Mode::Release)).
     pub fn is_settlement(self) -> bool {
-        matches!(self, Mode::Refund { .. } | Mode::Debit | Mode::Release)
+        matches!(
+            self,
+            Mode::Refund { .. } | Mode::Debit | Mode::Release { .. }
+        )
     }
 }
 

@@ -615,3 +615,128 @@ pub async fn waiters<B: Backend + Clone>(backend: B, who: &str) {
         "{who}: {answers:?}"
     );
 }
+
+/// Settlements (refunds, debits) and slots of concurrent quotas, the same on every backend that
+/// settles, at times set by `advance` (from a clock at a whole number of days after the Unix
+/// epoch, so that windows start at step 0): a refund never fills a bucket past full and goes
+/// only to the window that counted the units; a debit leaves the key in debt until it is
+/// repaid; a slot is held until its release, a release given twice gives back one slot, and a
+/// refusal for slots takes nothing from the policy's other quotas.
+pub async fn settlements<B: Backend>(backend: &B, advance: impl Fn(Duration), who: &str) {
+    use tollgate::backend::{Decision, Mode};
+    let ms = Duration::from_millis;
+    let k = key("settle");
+    let refund = |ago: u64| Mode::Refund {
+        admitted_ago: ms(ago),
+    };
+    // (allowed, remaining, retry_after) of the first quota, and of the second when there is one.
+    let seen = |d: &Decision| {
+        d.quotas()
+            .iter()
+            .map(|q| (q.outcome == Outcome::Allowed, q.remaining))
+            .collect::<Vec<_>>()
+    };
+
+    // GCRA, a unit every 100 ms, burst 2.
+    let gcra = prepare(
+        backend,
+        &Policy::new("settle-gcra", Quota::per_second(10).burst(2)),
+    );
+    let ask = |p, c: u32, mode: Mode| backend.decide_with(p, &k, cost(c), mode);
+    ask(&gcra, 2, Mode::Decide).await.unwrap();
+    let d = ask(&gcra, 1, refund(0)).await.unwrap();
+    assert_eq!(seen(&d), [(true, 1)], "{who}: refund of one: {d:?}");
+    let d = ask(&gcra, 5, refund(0)).await.unwrap();
+    assert_eq!(seen(&d), [(true, 2)], "{who}: never past full: {d:?}");
+    let d = ask(&gcra, 5, Mode::Debit).await.unwrap();
+    assert_eq!(seen(&d), [(true, 0)], "{who}: debit into debt: {d:?}");
+    // 500 ms of debt: a unit of the burst of 2 fits again after 400 ms.
+    let d = ask(&gcra, 1, Mode::Decide).await.unwrap();
+    assert_eq!(d.retry_after(), Some(ms(400)), "{who}: in debt: {d:?}");
+    advance(ms(400));
+    assert!(
+        ask(&gcra, 1, Mode::Decide).await.unwrap().is_allowed(),
+        "{who}: repaid"
+    );
+
+    // A fixed window of 3 a second (the clock is 400 ms into one).
+    let fixed = prepare(
+        backend,
+        &Policy::new("settle-fixed", Quota::per_second(3).fixed_window()),
+    );
+    ask(&fixed, 3, Mode::Decide).await.unwrap();
+    let d = ask(&fixed, 1, refund(100)).await.unwrap();
+    assert_eq!(seen(&d), [(true, 1)], "{who}: refund in its window: {d:?}");
+    advance(ms(600));
+    // The next window: units taken in the last one are not given back to this one.
+    ask(&fixed, 2, Mode::Decide).await.unwrap();
+    let d = ask(&fixed, 1, refund(700)).await.unwrap();
+    assert_eq!(
+        seen(&d),
+        [(true, 1)],
+        "{who}: refund of a past window: {d:?}"
+    );
+    let d = ask(&fixed, 4, Mode::Debit).await.unwrap();
+    assert_eq!(seen(&d), [(true, 0)], "{who}: {d:?}");
+    let d = ask(&fixed, 1, Mode::Decide).await.unwrap();
+    assert_eq!(
+        d.retry_after(),
+        Some(ms(1000)),
+        "{who}: in debt to the window's end: {d:?}"
+    );
+
+    // A sliding window of 4 a second in two sub-windows of 500 ms (the clock is on a second).
+    let sliding = prepare(
+        backend,
+        &Policy::new(
+            "settle-sliding",
+            Quota::per_second(4).sliding_window().resolution(ms(500)),
+        ),
+    );
+    ask(&sliding, 2, Mode::Decide).await.unwrap();
+    advance(ms(500));
+    ask(&sliding, 2, Mode::Decide).await.unwrap();
+    // A refund of the first sub-window's units, still in the window.
+    let d = ask(&sliding, 1, refund(500)).await.unwrap();
+    assert_eq!(seen(&d), [(true, 1)], "{who}: {d:?}");
+    advance(ms(500));
+    // The first sub-window has left the window: a refund of its units gives back nothing.
+    let d = ask(&sliding, 1, refund(1000)).await.unwrap();
+    assert_eq!(seen(&d), [(true, 2)], "{who}: {d:?}");
+    let d = ask(&sliding, 1, refund(500)).await.unwrap();
+    assert_eq!(seen(&d), [(true, 3)], "{who}: {d:?}");
+
+    // Two slots, with 5 requests an hour beside them.
+    let policy = Policy::new("settle-slots", Quota::concurrent(2)).and(Quota::per_hour(5));
+    let slots = prepare(backend, &policy);
+    let hold = |lease| Mode::Hold { lease };
+    let release = |lease| Mode::Release { lease };
+    let d = ask(&slots, 1, hold(1)).await.unwrap();
+    assert_eq!(seen(&d), [(true, 1), (true, 4)], "{who}: {d:?}");
+    let d = ask(&slots, 3, hold(2)).await.unwrap();
+    assert_eq!(
+        seen(&d),
+        [(true, 0), (true, 1)],
+        "{who}: a slot whatever the cost: {d:?}"
+    );
+    let d = ask(&slots, 1, hold(3)).await.unwrap();
+    assert!(!d.is_allowed(), "{who}: {d:?}");
+    assert_eq!(d.retry_after(), Some(ms(1000)), "{who}: {d:?}");
+    // A plain decision checks the slots and takes none.
+    let d = ask(&slots, 1, Mode::Decide).await.unwrap();
+    assert!(!d.is_allowed(), "{who}: {d:?}");
+    let d = ask(&slots, 1, release(1)).await.unwrap();
+    assert_eq!(d.quotas()[0].remaining, 1, "{who}: {d:?}");
+    // The refusals took nothing from the hourly quota: one unit is left for this one.
+    let d = ask(&slots, 1, hold(4)).await.unwrap();
+    assert_eq!(seen(&d), [(true, 0), (true, 0)], "{who}: {d:?}");
+    for lease in [2, 4] {
+        ask(&slots, 1, release(lease)).await.unwrap();
+    }
+    // A peek (as a plain decision) reports the slots free now, taking none.
+    let d = ask(&slots, 1, Mode::Peek).await.unwrap();
+    assert_eq!(d.quotas()[0].remaining, 2, "{who}: every slot back: {d:?}");
+    // Refunds and debits leave the slots alone; releases leave the hourly quota alone.
+    let d = ask(&slots, 2, refund(0)).await.unwrap();
+    assert_eq!(seen(&d), [(true, 2), (true, 2)], "{who}: {d:?}");
+}

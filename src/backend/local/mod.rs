@@ -592,6 +592,62 @@ where
     }
 
     fn decide(&self, policy: &LocalPolicy<C>, key: &Key, cost: NonZeroU32) -> Self::Future {
+        self.decide_holding(policy, key, cost, false)
+    }
+
+    fn decide_with(
+        &self,
+        policy: &LocalPolicy<C>,
+        key: &Key,
+        cost: NonZeroU32,
+        mode: Mode,
+    ) -> Self::Future {
+        match mode {
+            Mode::Decide => self.decide(policy, key, cost),
+            // The local backend's slots need no lease: a request's end gives its slot back.
+            Mode::Hold { .. } => self.decide_holding(policy, key, cost, true),
+            Mode::Peek => ready(Ok(self.peek(policy, key, cost))),
+            Mode::Reserve { max_wait } => {
+                if !self.inner.sweeper_started.load(Ordering::Relaxed) {
+                    self.start_sweeper();
+                }
+                ready(Ok(self.reserve(policy, key, cost, max_wait)))
+            }
+            Mode::Refund { .. } | Mode::Debit => ready(Ok(self.settle(policy, key, cost, mode))),
+            Mode::Release { .. } => ready(Ok(self.release(policy, key))),
+        }
+    }
+
+    fn reset(&self, policy: &LocalPolicy<C>, key: &Key) -> ResetFuture {
+        for quota in &policy.limiters {
+            match &quota.counter {
+                Counter::Gcra { store, .. } => {
+                    if store.map.remove(key).is_some() {
+                        track_sub(&store.tracked, 1);
+                    }
+                }
+                Counter::Window(store) => store.remove(key),
+            }
+        }
+        Box::pin(std::future::ready(Ok(())))
+    }
+}
+
+impl<C> LocalBackend<C>
+where
+    C: Clock + Clone + Send + Sync + 'static,
+    C::Instant: Send + Sync,
+{
+    /// A decision ([`Mode::Decide`]), taking a slot of every concurrent quota when `hold`
+    /// ([`Mode::Hold`]; without it a concurrent quota is only checked).
+    #[inline]
+    fn decide_holding(
+        &self,
+        policy: &LocalPolicy<C>,
+        key: &Key,
+        cost: NonZeroU32,
+        hold: bool,
+    ) -> Ready<Result<Decision, BackendError>> {
         if !self.inner.sweeper_started.load(Ordering::Relaxed) {
             // Built outside a runtime: start sweeping from the first request inside one.
             self.start_sweeper();
@@ -629,7 +685,7 @@ where
             };
             let params = &quota.params;
             let state = match &quota.counter {
-                Counter::Window(store) => store.decide(index, key, now_us(), cost),
+                Counter::Window(store) => store.decide(index, key, now_us(), cost, hold),
                 Counter::Gcra { limiter, start, .. } => match limiter.check_key_n(key, cost) {
                     Ok(Ok(snapshot)) => {
                         // The bucket's new arrival time, as the store just wrote it.
@@ -660,41 +716,6 @@ where
             states.sort_unstable_by_key(|s| s.index);
         }
         ready(Ok(Decision::from_states(states)))
-    }
-
-    fn decide_with(
-        &self,
-        policy: &LocalPolicy<C>,
-        key: &Key,
-        cost: NonZeroU32,
-        mode: Mode,
-    ) -> Self::Future {
-        match mode {
-            Mode::Decide => self.decide(policy, key, cost),
-            Mode::Peek => ready(Ok(self.peek(policy, key, cost))),
-            Mode::Reserve { max_wait } => {
-                if !self.inner.sweeper_started.load(Ordering::Relaxed) {
-                    self.start_sweeper();
-                }
-                ready(Ok(self.reserve(policy, key, cost, max_wait)))
-            }
-            Mode::Refund { .. } | Mode::Debit => ready(Ok(self.settle(policy, key, cost, mode))),
-            Mode::Release => ready(Ok(self.release(policy, key))),
-        }
-    }
-
-    fn reset(&self, policy: &LocalPolicy<C>, key: &Key) -> ResetFuture {
-        for quota in &policy.limiters {
-            match &quota.counter {
-                Counter::Gcra { store, .. } => {
-                    if store.map.remove(key).is_some() {
-                        track_sub(&store.tracked, 1);
-                    }
-                }
-                Counter::Window(store) => store.remove(key),
-            }
-        }
-        Box::pin(std::future::ready(Ok(())))
     }
 }
 
@@ -793,7 +814,7 @@ where
         let mut states = smallvec::SmallVec::<[QuotaState; 2]>::new();
         for (index, quota) in policy.limiters.iter().enumerate() {
             let state = match &quota.counter {
-                Counter::Window(store) => store.decide(index, key, now_us, cost),
+                Counter::Window(store) => store.decide(index, key, now_us, cost, false),
                 Counter::Gcra { store, start, .. } => {
                     let p = &quota.params;
                     let now = inner.elapsed_ns().saturating_sub(start.as_u64());

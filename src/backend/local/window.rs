@@ -99,13 +99,15 @@ impl WindowStore {
         })
     }
 
-    /// Decides a request of `cost` on `key` at `now_us`, counting it when it passes.
+    /// Decides a request of `cost` on `key` at `now_us`, counting it when it passes (a
+    /// concurrent quota takes a slot only when `hold`; otherwise it is only checked).
     pub(super) fn decide(
         &self,
         index: usize,
         key: &Key,
         now_us: u64,
         cost: NonZeroU32,
+        hold: bool,
     ) -> QuotaState {
         let p = &self.params;
         match &self.counters {
@@ -129,6 +131,7 @@ impl WindowStore {
                 let mut state = state.lock().unwrap_or_else(|p| p.into_inner());
                 state.decide(index, p, *slice_us, now_us, cost)
             }
+            Counters::InFlight { .. } if !hold => self.check(index, key, now_us, cost),
             // One slot per request, whatever its cost.
             Counters::InFlight { map } => {
                 let held = entry(map, key, &self.tracked, || AtomicU64::new(0));
@@ -239,10 +242,10 @@ impl WindowStore {
                 }
                 None => SlidingState::new(*slices).check(index, p, *slice_us, now_us, cost),
             },
+            // Checked, not taken: the slots free now.
             Counters::InFlight { map } => {
                 let held = map.get(key).map_or(0, |h| h.load(Ordering::Acquire));
-                let free = held < u64::from(p.burst.get());
-                in_flight_state(index, p, held + u64::from(free), free)
+                in_flight_state(index, p, held, held < u64::from(p.burst.get()))
             }
         }
     }

@@ -205,6 +205,7 @@ impl Backend for RedisBackend {
 
 impl Store for RedisStore {
     const KIND: &'static str = "redis";
+    const SETTLES: bool = true;
     type Prepared = Prepared;
 
     fn prepare(&self, policy: &Policy, params: &[QuotaParams]) -> Result<Prepared, ConfigError> {

@@ -12,14 +12,25 @@
 --     0 emission burst 0      GCRA: emission interval (integer ns >= 1), burst (units >= 1)
 --     1 window limit 0        fixed window: length (integer us >= 1), limit (>= 1)
 --     2 slice limit slices    sliding window of `slices` (>= 1) sub-windows of `slice` us
--- then               number of runs R >= 1; then per run, in order, "count p cost wait peek":
+--     3 lease slots 0         requests in flight: `slots` (>= 1), each a lease of `lease` ms
+-- then               number of runs R >= 1; then per run, in order, "count p cost arg op":
 --                    `count` decisions in a row of policy p (1..P) costing `cost` units (>= 1)
---                    each; `wait` > 0 makes them reservations: a GCRA quota passes when the
---                    cost fits within `wait` ns, and is charged as of the time the decision
---                    goes on (the longest wait over its GCRA quotas); `peek` = 1 answers
---                    what the decisions would get and writes nothing; the decisions are those
---                    of the runs one after another, D in all, and the keys of each are the
---                    next n_p KEYS, in order
+--                    each, as `op` says:
+--                    0  decide; `arg` > 0 makes them reservations: a GCRA quota passes when
+--                       the cost fits within `arg` ns, and is charged as of the time the
+--                       decision goes on (the longest wait over its GCRA quotas); a
+--                       concurrent quota is checked, no slot taken
+--                    1  peek: what the decisions would get, nothing written
+--                    2  decide, and hold a slot of each concurrent quota under the lease id
+--                       `arg` (its hexadecimal text is the lease's member)
+--                    3  refund `cost` units taken `arg` us ago: a GCRA bucket never past full,
+--                       a window only into the (sub-)window that counted them
+--                    4  debit `cost` more units, past empty into debt
+--                    5  release the slot held under the lease id `arg` (none if it expired)
+--                    (ops 3 to 5 are settlements: always allowed, concurrent quotas untouched
+--                    by 3 and 4, rate quotas by 5); the decisions are those of the runs one
+--                    after another, D in all, and the keys of each are the next n_p KEYS, in
+--                    order
 -- KEYS               one per quota of every decision, in the order above (on a Redis Cluster a
 --                    call holds one decision, whose keys share one {hash tag})
 --
@@ -36,6 +47,9 @@
 --            window's end.
 --   sliding  "<d" then slices + 1 times "I4": the newest sub-window's index, then the counts
 --            c_oldest ... c_newest; expires when every count has slid out of the window.
+--   concurrent  a sorted set: one member per lease (its id), scored by its expiry (ms since the
+--            Unix epoch); expired leases are removed when the key is read; the key expires
+--            with its newest lease.
 --   A value of another length (written by someone else) counts as nothing stored.
 -- Expiries are absolute (SET ... PXAT, computed from TIME) on Redis 7+: a relative PX is
 -- rewritten by Redis into PXAT for replication, which costs an object per write; before
@@ -57,10 +71,11 @@
 --            (until the cost fits) is TAT + T * (cost - burst), computed by the caller
 --   fixed    code, count after the decision, us until the window's end
 --   sliding  code, remaining, reset (us), retry (denied: us until the cost fits)
+--   concurrent  code, slots held after the decision
 --   (code 4: the code then zeros, as many integers as the algorithm's)
 
 -- Library functions in locals: global lookups cost a table access each in Redis's sandbox.
-local tonumber, type, floor, ceil, fmod = tonumber, type, math.floor, math.ceil, math.fmod
+local tonumber, type, floor, ceil, fmod, ipairs = tonumber, type, math.floor, math.ceil, math.fmod, ipairs
 local format, rep = string.format, string.rep
 local spack, sunpack, tunpack = struct.pack, struct.unpack, unpack
 local call, pcall_redis = redis.call, redis.pcall
@@ -100,6 +115,7 @@ else
   now_us = now_s * 1000000 + floor(now_ns / 1000)
 end
 
+local now_ms = floor(now_us / 1000)
 local CLAMP = 9000000000000000000
 
 -- Microseconds from now until a request of `cost` (at most `limit`) fits in a sliding window
@@ -174,7 +190,7 @@ for p = 1, tonumber(ARGV[a], 16) do
     local kind, len = tonumber(ARGV[j], 16), tonumber(ARGV[j + 1], 16)
     local c = tonumber(ARGV[j + 3], 16)
     at[g - 7], at[g - 6], at[g - 5], at[g - 4] = kind, len, tonumber(ARGV[j + 2], 16), c
-    if kind ~= 0 then
+    if kind == 1 or kind == 2 then
       local r = fmod(now_us, len)
       at[g - 3], at[g - 2] = r, (now_us - r) / len
       if kind == 2 then
@@ -191,13 +207,20 @@ end
 -- the newest sub-window's index. False when Redis refused the key. Values of another length
 -- (written by someone else) count as nothing stored.
 local function load(key, g)
+  local kind = at[8 * g - 7]
+  if kind == 3 then
+    -- The leases still running: the expired ones are removed first.
+    if type(pcall_redis('ZREMRANGEBYSCORE', key, '-inf', now_ms)) == 'table' then
+      return false
+    end
+    return call('ZCARD', key)
+  end
   -- pcall: a refused key fails its decisions, not the whole call. A value is a string, a
   -- missing key false, an error a table.
   local stored = pcall_redis('GET', key)
   if stored and type(stored) == 'table' then
     return false
   end
-  local kind = at[8 * g - 7]
   if kind == 0 then
     if stored and #stored == 8 then
       local sec, ns = sunpack('<I4I4', stored)
@@ -265,16 +288,153 @@ local nd = 0
 local cur = {}
 local reply = {}
 local nr = 0
+-- The leases each concurrent key takes in this call, written at the end with its other
+-- changes (adds[key]: the members).
+local adds = {}
+
+-- Appends a sliding window's reply for its counts `st` (quota g), code `c`, and the wait of a
+-- denied request of `cost`.
+local function put_sliding(st, g, c, cost)
+  local s, m, r, limit = at[8 * g - 6], at[8 * g - 4] + 1, at[8 * g - 3], at[8 * g - 5]
+  local rest = st[m + 1]
+  local remaining = floor(limit - (st[1] * (s - r) / s + rest))
+  if remaining <= 0 then
+    remaining = 0
+  end
+  local reset, retry = 0, 0
+  if remaining < limit then
+    reset = wait_us(st, m, s, r, limit, remaining + 1, st[1] + rest)
+  end
+  if c == 1 then
+    retry = wait_us(st, m, s, r, limit, cost, st[1] + rest)
+  end
+  reply[nr + 1], reply[nr + 2], reply[nr + 3], reply[nr + 4] = c, remaining, reset, retry
+  nr = nr + 4
+end
+
+-- Marks `key` (quota g) to be written at the end, once.
+local function touch(key, g)
+  if not dq[key] then
+    dq[key] = g
+    nd = nd + 1
+    dirty[nd] = key
+  end
+end
 
 a = a + 1
 local k = 0
 for _ = 1, tonumber(ARGV[a], 16) do
   local count, p, cost = tonumber(ARGV[a + 1], 16), tonumber(ARGV[a + 2], 16), tonumber(ARGV[a + 3], 16)
-  local maxw, peek = tonumber(ARGV[a + 4], 16), ARGV[a + 5] == '1'
+  local arg, op = ARGV[a + 4], ARGV[a + 5]
+  local maxw, peek, lease = 0, op == '1', nil
+  if op == '0' then
+    maxw = tonumber(arg, 16)
+  elseif op == '2' or op == '5' then
+    lease = arg
+  end
   a = a + 5
   local n, f = pq[2 * p - 1], pq[2 * p]
   local g1 = f + 1
-  if n == 1 and at[8 * g1 - 7] == 0 then
+  if op == '3' or op == '4' or op == '5' then
+    -- Settlements: every quota as the op says, always allowed, nothing refused.
+    local ago = 0
+    if op == '3' then
+      ago = tonumber(arg, 16)
+    end
+    for _ = 1, count do
+      for i = 1, n do
+        local key, g = KEYS[k + i], f + i
+        local st = states[key]
+        if st == nil then
+          st = load(key, g)
+          states[key] = st
+        end
+        local kind = at[8 * g - 7]
+        if st == false then
+          reply[nr + 1], reply[nr + 2] = 4, 0
+          nr = nr + 2
+          if kind == 1 or kind == 2 then
+            reply[nr + 1] = 0
+            nr = nr + 1
+            if kind == 2 then
+              reply[nr + 1] = 0
+              nr = nr + 1
+            end
+          end
+        elseif kind == 0 then
+          local step = cost * at[8 * g - 6]
+          if op == '3' then
+            -- Never past full: a TAT before now is a full bucket.
+            st = st - step
+            if st < 0 then
+              st = 0
+            end
+            touch(key, g)
+          elseif op == '4' then
+            st = st + step
+            touch(key, g)
+          end
+          states[key] = st
+          local tat = st
+          if tat > CLAMP then
+            tat = CLAMP
+          end
+          reply[nr + 1], reply[nr + 2] = 0, tat
+          nr = nr + 2
+        elseif kind == 1 then
+          local len = at[8 * g - 6]
+          if op == '3' then
+            -- Only into the window that counted the units.
+            if floor((now_us - ago) / len) == at[8 * g - 2] then
+              st = st - cost
+              if st < 0 then
+                st = 0
+              end
+              touch(key, g)
+            end
+          elseif op == '4' then
+            st = st + cost
+            touch(key, g)
+          end
+          states[key] = st
+          reply[nr + 1], reply[nr + 2], reply[nr + 3] = 0, st, len - at[8 * g - 3]
+          nr = nr + 3
+        elseif kind == 2 then
+          local m = at[8 * g - 4] + 1
+          if op == '3' then
+            -- Only into the sub-window that counted the units, if still in the window.
+            local pos = m - (st[m + 2] - floor((now_us - ago) / at[8 * g - 6]))
+            if pos >= 1 and pos <= m then
+              local old = st[pos]
+              local new = old - cost
+              if new < 0 then
+                new = 0
+              end
+              st[pos] = new
+              if pos >= 2 then
+                st[m + 1] = st[m + 1] - (old - new)
+              end
+              touch(key, g)
+            end
+          elseif op == '4' then
+            st[m] = st[m] + cost
+            st[m + 1] = st[m + 1] + cost
+            touch(key, g)
+          end
+          put_sliding(st, g, 0, cost)
+        else
+          if op == '5' and call('ZREM', key, lease) == 1 then
+            st = st - 1
+            states[key] = st
+          end
+          reply[nr + 1], reply[nr + 2] = 0, st
+          nr = nr + 2
+        end
+      end
+      k = k + n
+    end
+    count = 0
+  elseif n == 1 and at[8 * g1 - 7] == 0 then
     -- One GCRA quota (the usual policy): the same decision as below, with the quota's
     -- numbers for this cost worked out once per run. Fits when TAT + T * (cost - burst) <= 0.
     local t, burst = at[8 * g1 - 6], at[8 * g1 - 5]
@@ -337,7 +497,13 @@ for _ = 1, tonumber(ARGV[a], 16) do
       end
       local kind, limit = at[8 * g - 7], at[8 * g - 5]
       local c = 0
-      if cost > limit then
+      if kind == 3 then
+        -- One slot per request, whatever its cost.
+        if st + 1 > limit then
+          c = 1
+          denied = true
+        end
+      elseif cost > limit then
         c = 2
         denied = true
       elseif kind == 0 then
@@ -370,7 +536,7 @@ for _ = 1, tonumber(ARGV[a], 16) do
         local kind = at[8 * (f + i) - 7]
         reply[nr + 1], reply[nr + 2] = 4, 0
         nr = nr + 2
-        if kind ~= 0 then
+        if kind == 1 or kind == 2 then
           reply[nr + 1] = 0
           nr = nr + 1
           if kind == 2 then
@@ -391,6 +557,19 @@ for _ = 1, tonumber(ARGV[a], 16) do
         if denied then
           if c == 0 then
             c = 3
+          end
+        elseif kind == 3 then
+          -- A slot is taken under the request's lease (op 2); otherwise only checked.
+          if lease and not peek then
+            st = st + 1
+            states[key] = st
+            local list = adds[key]
+            if list == nil then
+              list = {}
+              adds[key] = list
+            end
+            list[#list + 1] = lease
+            touch(key, g)
           end
         else
           if kind == 0 then
@@ -413,14 +592,13 @@ for _ = 1, tonumber(ARGV[a], 16) do
               states[key] = st
             end
             -- First change of this key in this call: remember to write it.
-            if not dq[key] then
-              dq[key] = g
-              nd = nd + 1
-              dirty[nd] = key
-            end
+            touch(key, g)
           end
         end
-        if kind == 0 then
+        if kind == 3 then
+          reply[nr + 1], reply[nr + 2] = c, st
+          nr = nr + 2
+        elseif kind == 0 then
           local tat = st
           if tat > CLAMP then
             tat = CLAMP
@@ -431,22 +609,9 @@ for _ = 1, tonumber(ARGV[a], 16) do
           reply[nr + 1], reply[nr + 2], reply[nr + 3] = c, st, at[8 * g - 6] - at[8 * g - 3]
           nr = nr + 3
         else
-          local s, m, r = at[8 * g - 6], at[8 * g - 4] + 1, at[8 * g - 3]
-          local rest = st[m + 1]
-          local remaining = floor(limit - (st[1] * (s - r) / s + rest))
-          if remaining <= 0 then
-            remaining = 0
-          end
-          local reset, retry = 0, 0
-          if remaining < limit then
-            reset = wait_us(st, m, s, r, limit, remaining + 1, st[1] + rest)
-          end
-          if c == 1 then
-            retry = wait_us(st, m, s, r, limit, cost, st[1] + rest)
-          end
-          reply[nr + 1], reply[nr + 2], reply[nr + 3], reply[nr + 4] = c, remaining, reset, retry
-          nr = nr + 4
+          put_sliding(st, g, c, cost)
           if undo then
+            local m = at[8 * g - 4] + 1
             st[m] = st[m] - cost
             st[m + 1] = st[m + 1] - cost
           end
@@ -469,7 +634,14 @@ for i = 1, nd do
   local kind, len = at[8 * g - 7], at[8 * g - 6]
   local st = states[key]
   local value, ms
-  if kind == 0 then
+  if kind == 3 then
+    -- The leases taken, each expiring `len` ms from now; the key with the newest.
+    local expiry = now_ms + len
+    for _, member in ipairs(adds[key]) do
+      call('ZADD', key, expiry, member)
+    end
+    ms = base_ms + ceil((base_us + len * 1000) / 1000)
+  elseif kind == 0 then
     -- The TAT, now + st ns, as seconds and nanoseconds; `%` is exact up to rounding of its
     -- quotient, which can only make r negative by one second.
     local total = now_ns + st
@@ -496,6 +668,14 @@ for i = 1, nd do
     x = format('%d', ms)
     expiries[ms] = x
   end
-  call('SET', key, value, px, x)
+  if kind == 3 then
+    if px == 'PXAT' then
+      call('PEXPIREAT', key, x)
+    else
+      call('PEXPIRE', key, x)
+    end
+  else
+    call('SET', key, value, px, x)
+  end
 end
 return reply

@@ -92,22 +92,28 @@ impl Hex {
 }
 
 /// The decisions of a call, in the script's arguments: runs of consecutive decisions with the
-/// same policy (1-based, in the call's list), cost and mode, as `count policy cost wait peek`,
+/// same policy (1-based, in the call's list), cost and mode, as `count policy cost arg op`,
 /// so that a busy call on one policy (the usual case) carries five numbers, not four per
-/// decision. `wait` is a reservation's longest wait in ns (0 for a decision), `peek` 1 for a
-/// peek.
+/// decision. `op` and `arg` (see `gcra.lua`): 0 a decision, `arg` a reservation's longest wait
+/// in ns (0 for a decision); 1 a peek; 2 a decision holding a slot under the lease id `arg`;
+/// 3 a refund of units taken `arg` µs ago; 4 a debit; 5 the release of the lease `arg`.
 pub(crate) fn runs(
     decisions: impl IntoIterator<Item = (usize, u32, Mode)>,
 ) -> SmallVec<[[u64; 5]; 4]> {
     let mut runs: SmallVec<[[u64; 5]; 4]> = SmallVec::new();
     for (policy, cost, mode) in decisions {
-        let run = [
-            1,
-            policy as u64,
-            u64::from(cost),
-            mode.max_wait_ns(),
-            u64::from(mode == Mode::Peek),
-        ];
+        let (arg, op) = match mode {
+            Mode::Peek => (0, 1),
+            Mode::Hold { lease } => (lease, 2),
+            Mode::Refund { admitted_ago } => (
+                u64::try_from(admitted_ago.as_micros()).unwrap_or(u64::MAX),
+                3,
+            ),
+            Mode::Debit => (0, 4),
+            Mode::Release { lease } => (lease, 5),
+            _ => (mode.max_wait_ns(), 0),
+        };
+        let run = [1, policy as u64, u64::from(cost), arg, op];
         match runs.last_mut() {
             Some(last) if last[1..] == run[1..] => last[0] += 1,
             _ => runs.push(run),

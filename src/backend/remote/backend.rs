@@ -146,7 +146,7 @@ impl<S: Store> Remote<S> {
         policy: &Policy,
         params: &[QuotaParams],
     ) -> Result<RemotePolicy<S>, ConfigError> {
-        if policy.settles() || policy.holds_slots() {
+        if (policy.settles() || policy.holds_slots()) && !S::SETTLES {
             return Err(crate::settle::unsupported(
                 policy,
                 &format!("the {} backend", S::KIND),
@@ -184,7 +184,7 @@ impl<S: Store> Remote<S> {
         cost: NonZeroU32,
         mode: Mode,
     ) -> RemoteFuture {
-        if mode.is_settlement() {
+        if mode.is_settlement() && !S::SETTLES {
             return RemoteFuture::ready(Err(BackendError::new(
                 BackendErrorKind::Protocol,
                 format!(
@@ -206,9 +206,25 @@ impl<S: Store> Remote<S> {
             }
             mode => mode,
         };
+        // A settlement is made whatever a cached denial says; one that gives units or a slot
+        // back makes the denial stale at once.
+        if mode.is_settlement() {
+            if mode != Mode::Debit {
+                p.deny.forget(key);
+            }
+            // A slot the local fallback gave while the store was failing is given back there
+            // (a release on a key the fallback holds no slot of gives back nothing; one that
+            // does gives one back, which may be another request's over a failover).
+            if let (Mode::Release { .. }, Some(local), Some(twin)) =
+                (mode, &self.inner.local, &p.local)
+            {
+                // In memory: made at once.
+                let released = crate::backend::Backend::decide_with(local, twin, key, cost, mode);
+                drop(released.into_inner());
+            }
         // A cached denial answers a reservation too when its wait is longer than the caller
         // accepts: the store's own wait is at least as long (see the deny cache).
-        if let Some(decision) = p.deny.get(key, cost, now_ns, &p.params)
+        } else if let Some(decision) = p.deny.get(key, cost, now_ns, &p.params)
             && decision.retry_after().is_none_or(|wait| {
                 u64::try_from(wait.as_nanos()).unwrap_or(u64::MAX) > mode.max_wait_ns()
             })

@@ -260,6 +260,12 @@ impl<S: Store> Inner<S> {
         mode: Mode,
         err: BackendError,
     ) -> Result<Decision, BackendError> {
+        // A settlement that cannot be made is lost, whatever the failure policy: the store's
+        // counts are unchanged (a refund not given, a debit not taken, a slot held until its
+        // lease expires). The local fallback never saw the request.
+        if mode.is_settlement() {
+            return Err(err);
+        }
         // A request that can never pass is refused whatever the failure policy; its bucket's
         // state is unknown while the store cannot be asked, and is shown as full.
         if let Some(decision) = super::never_fits(&p.params, cost) {

@@ -84,7 +84,8 @@ pub(crate) fn never_fits(
     let states: smallvec::SmallVec<[crate::backend::QuotaState; 2]> = params
         .iter()
         .enumerate()
-        .filter(|(_, p)| cost > p.burst)
+        // A concurrent quota takes one slot whatever the cost.
+        .filter(|(_, p)| cost > p.burst && !p.is_concurrent())
         .map(|(index, p)| {
             crate::backend::QuotaState::never_fits(index, p, std::time::Duration::ZERO)
         })

@@ -22,6 +22,11 @@ pub(crate) trait Store: Send + Sync + Sized + 'static {
     /// The store's kind, as the `backend` label of metrics: `redis`, `postgres`, `mysql`.
     const KIND: &'static str;
 
+    /// Whether the store settles requests after their response (refunds, debits, and the
+    /// slots of concurrent quotas: [`Mode::is_settlement`](crate::backend::Mode::is_settlement)
+    /// and [`Mode::Hold`](crate::backend::Mode::Hold)).
+    const SETTLES: bool = false;
+
     /// What the store needs of a prepared policy (key prefixes, formatted arguments).
     type Prepared: Send + Sync + 'static;
 
