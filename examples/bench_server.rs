@@ -33,6 +33,12 @@
 //! - `QUOTA=<quota>`: the server's quota instead, in the configuration syntax, e.g.
 //!   `QUOTA="20/s sliding"`, `QUOTA="1000/min fixed"`, `QUOTA="5/s burst 10"`: with every
 //!   backend (tower_governor has GCRA only: a window quota is refused for it).
+//!   `QUOTA="1000000 concurrent"` measures the in-flight cap (a slot held and given back per
+//!   request).
+//! - `SETTLE=keep|refund` (tollgate modes): the policy settles after the response; `keep`
+//!   charges every answer (`charge_when` matches it: nothing more is sent to the store),
+//!   `refund` none (`charge_when` never matches: every request's unit is given back, one more
+//!   store call per request, batched like decisions).
 //! - `METRICS=1` (a build with `--features metrics`): install a Prometheus recorder, so that
 //!   tollgate's metrics are recorded (to measure what they cost per request).
 //! - `ON_FAILURE=open|closed|local` (Redis; default `open`): the failure policy.
@@ -57,6 +63,7 @@ use axum::routing::get;
 use http::{HeaderValue, Request};
 use tollgate::backend::{Backend, LocalBackend};
 use tollgate::key::{ClientIp, Header, KeyExtractor, KeyExtractorExt, Or};
+use tollgate::settle::ChargeWhen;
 use tollgate::{
     ConfigError, HeaderStyle, Key, Policy, Quota, RateLimitLayer, RateLimitLayerBuilder,
     RequestInfo,
@@ -90,6 +97,11 @@ fn quota() -> Result<Quota, ConfigError> {
 /// that after its first request it is denied.
 fn policy(quota: Quota, deny_key: Option<Key>) -> Policy {
     let policy = Policy::new("bench", quota);
+    let policy = match std::env::var("SETTLE").as_deref() {
+        Ok("keep") => policy.charge_when(ChargeWhen::not_server_error()),
+        Ok("refund") => policy.charge_when(ChargeWhen::status([599])),
+        _ => policy,
+    };
     let Some(deny_key) = deny_key else {
         return policy;
     };
