@@ -264,3 +264,19 @@ async fn a_killed_primary_fails_over_to_its_replica() {
     let d = b.decide(&p, &k, cost(1)).await.unwrap();
     assert!(d.is_allowed());
 }
+
+/// Settlements and slots of concurrent quotas on the cluster: the same states as on every
+/// backend (the conformance suite's `settlements`), each decision's keys, the sorted set of
+/// leases among them, in one slot.
+#[tokio::test]
+async fn cluster_settlements() {
+    let cluster = RedisCluster::start();
+    let clock = support::conformance::aligned_test_clock();
+    let b = RedisBackend::builder()
+        .cluster_nodes(cluster.urls())
+        .timeout(Duration::from_secs(2))
+        .test_clock(clock.clone())
+        .build()
+        .unwrap();
+    support::conformance::settlements(&b, |by| clock.advance(by), "redis cluster").await;
+}
