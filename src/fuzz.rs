@@ -1060,7 +1060,7 @@ pub fn redis_reply(data: &[u8]) {
     let mode = fuzz_mode(&mut b);
     let reply = fuzz_reply(&mut b);
     let expected = script::reply_len(&params);
-    match script::decision(&reply, &params, cost, mode) {
+    match script::decision(&reply, &params, cost, mode, false) {
         Ok(d) => {
             assert_eq!(reply.len(), expected);
             check_decision(&d, &params, cost, mode);
@@ -1068,7 +1068,7 @@ pub fn redis_reply(data: &[u8]) {
         Err(e) => assert_eq!(e.kind(), crate::BackendErrorKind::Protocol, "{e}"),
     }
     // The arguments of the same policy: one count, then four numbers per quota, in hex.
-    let args = script::policy_args(&params);
+    let args = script::policy_args(&params, None);
     assert_eq!(args.len(), 1 + script::PER_QUOTA * params.len());
 }
 

@@ -32,6 +32,8 @@ pub struct Policy {
     shadow_headers: bool,
     /// How requests are settled after their response, when they are.
     settle: Option<Arc<crate::settle::Rules>>,
+    /// How long a key is refused once refused (`block_for`).
+    block: Option<std::time::Duration>,
 }
 
 #[derive(Clone)]
@@ -55,6 +57,7 @@ impl Policy {
             shadow: false,
             shadow_headers: false,
             settle: None,
+            block: None,
         }
     }
 
@@ -135,6 +138,32 @@ impl Policy {
     pub fn on_cancel(mut self, cancelled: crate::settle::Cancelled) -> Self {
         Arc::make_mut(self.settle.get_or_insert_with(Default::default)).cancelled = cancelled;
         self
+    }
+
+    /// A penalty: once a request of a key is refused by one of the policy's quotas, the key is
+    /// refused for `duration` from then, whatever its quotas hold meanwhile (requests during
+    /// the block do not extend it). `Retry-After` is the block's end. Every store shares the
+    /// block like the quotas' counts (the deny cache answers a blocked key without a store
+    /// call). A request that can never fit (a cost larger than a burst) does not start a block.
+    ///
+    /// Whole milliseconds, from 1 ms to a year; not on a shadow policy (which refuses nothing).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::{Policy, Quota};
+    ///
+    /// // 10 a second; a client that goes over is shut out for a minute.
+    /// let api = Policy::new("api", Quota::per_second(10)).block_for(Duration::from_secs(60));
+    /// assert_eq!(api.block(), Some(Duration::from_secs(60)));
+    /// ```
+    pub fn block_for(mut self, duration: std::time::Duration) -> Self {
+        self.block = Some(duration);
+        self
+    }
+
+    /// The penalty set with [`block_for`](Self::block_for), if any.
+    pub fn block(&self) -> Option<std::time::Duration> {
+        self.block
     }
 
     /// Whether requests are settled after their response
@@ -219,6 +248,27 @@ impl Policy {
             .iter()
             .map(|q| q.params(&self.name))
             .collect::<Result<_, _>>()?;
+        if let Some(block) = self.block {
+            let bad = |reason: &str| ConfigError::Invalid {
+                option: "Policy::block_for",
+                reason: format!("policy `{}`: {reason}", self.name),
+            };
+            if self.shadow {
+                return Err(bad(
+                    "a shadow policy refuses nothing, so a block would never start; remove \
+                     `block_for` or the shadow mode",
+                ));
+            }
+            let ns = block.as_nanos();
+            if ns == 0 || !ns.is_multiple_of(1_000_000) {
+                return Err(bad(
+                    "a block must be a positive whole number of milliseconds",
+                ));
+            }
+            if block > MAX_BLOCK {
+                return Err(bad("a block is at most a year"));
+            }
+        }
         if params.iter().filter(|p| p.is_concurrent()).count() > 1 {
             return Err(ConfigError::Invalid {
                 option: "Quota::concurrent",
@@ -276,6 +326,14 @@ struct PolicySpec {
         deserialize_with = "crate::settle::serde_forms::de_cancelled"
     )]
     on_cancel: crate::settle::Cancelled,
+    /// `Policy::block_for`, as a duration of the quota syntax (`"15min"`, `"30s"`).
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        serialize_with = "crate::quota::serde_duration::ser",
+        deserialize_with = "crate::quota::serde_duration::de"
+    )]
+    block_for: Option<std::time::Duration>,
 }
 
 #[cfg(feature = "serde")]
@@ -306,6 +364,7 @@ impl serde::Serialize for Policy {
                 .as_ref()
                 .map(|r| r.cancelled)
                 .unwrap_or_default(),
+            block_for: self.block,
         }
         .serialize(s)
     }
@@ -338,9 +397,13 @@ impl<'de> serde::Deserialize<'de> for Policy {
                     cancelled: spec.on_cancel,
                 })
             }),
+            block: spec.block_for,
         })
     }
 }
+
+/// The longest block (`Policy::block_for`).
+const MAX_BLOCK: std::time::Duration = std::time::Duration::from_secs(365 * 86_400);
 
 /// 1 to 64 visible ASCII characters without `"` or `\`: safe in a header string and in JSON.
 fn valid_name(name: &str) -> bool {
@@ -365,6 +428,7 @@ impl fmt::Debug for Policy {
             )
             .field("shadow", &self.shadow)
             .field("settle", &self.settle_rules())
+            .field("block", &self.block)
             .finish()
     }
 }

@@ -987,6 +987,27 @@ impl std::fmt::Display for DisplayDuration {
     }
 }
 
+/// A duration in configuration files, as the quota syntax writes it: `"15min"`, `"30s"`,
+/// `"500ms"`.
+#[cfg(feature = "serde")]
+pub(crate) mod serde_duration {
+    use std::time::Duration;
+
+    pub(crate) fn ser<S: serde::Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+        match d {
+            Some(d) => s.collect_str(&super::DisplayDuration(*d)),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub(crate) fn de<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+        let text: String = serde::Deserialize::deserialize(d)?;
+        super::parse_duration(text.trim(), false)
+            .map(Some)
+            .map_err(|e| serde::de::Error::custom(format!("the duration {text:?}: {e}")))
+    }
+}
+
 /// A quota in a configuration file as a table:
 /// `{ rate = "100/min", algorithm = "sliding", resolution = "5s", name = "minute" }`.
 #[cfg(feature = "serde")]

@@ -273,8 +273,10 @@ pub(crate) fn unsupported(policy: &crate::Policy, store: &str) -> crate::ConfigE
             "Policy::charge_when / Policy::cost_from",
             "settles requests after their response",
         )
-    } else {
+    } else if policy.holds_slots() {
         ("Quota::concurrent", "caps requests in flight")
+    } else {
+        ("Policy::block_for", "blocks keys once refused")
     };
     crate::ConfigError::Invalid {
         option,

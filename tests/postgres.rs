@@ -459,6 +459,10 @@ async fn policies_that_settle_are_refused_until_postgres_settles() {
             "after their response",
         ),
         (Policy::new("exports", Quota::concurrent(2)), "in flight"),
+        (
+            Policy::new("blocked", no_refill(5)).block_for(Duration::from_secs(60)),
+            "blocks keys",
+        ),
     ] {
         let err = tollgate::RateLimitLayer::builder()
             .key(tollgate::key::Global)

@@ -1301,3 +1301,44 @@ async fn a_refund_forgets_the_cached_denial() {
     b.decide_with(&p, &k, cost(1), refund).await.unwrap();
     assert!(b.decide(&p, &k, cost(1)).await.unwrap().is_allowed());
 }
+
+/// Penalties, as on every backend that blocks.
+#[tokio::test]
+async fn blocks_redis() {
+    let server = RedisServer::start();
+    let clock = TestClock::new();
+    let b = at_time(&server, &clock);
+    blocks(&b, |by| clock.advance(by), "redis").await;
+}
+
+#[tokio::test]
+async fn blocks_local() {
+    let clock = FakeRelativeClock::default();
+    let b = LocalBackend::builder().clock(clock.clone()).build();
+    blocks(&b, |by| clock.advance(by), "local").await;
+}
+
+/// A blocked key is answered by the deny cache until its block ends, without a call to Redis,
+/// whatever the cost.
+#[tokio::test]
+async fn the_deny_cache_answers_a_blocked_key() {
+    let server = RedisServer::start();
+    let b = backend(&server);
+    let policy = Policy::new("cached-block", no_refill(1)).block_for(Duration::from_secs(60));
+    let p = prepare(&b, &policy);
+    let k = key("k");
+    assert!(b.decide(&p, &k, cost(1)).await.unwrap().is_allowed());
+    let d = b.decide(&p, &k, cost(1)).await.unwrap();
+    assert!(d.is_blocked(), "{d:?}");
+    let calls = b.stats().script_calls;
+    for c in [1, 1, 1] {
+        let d = b.decide(&p, &k, cost(c)).await.unwrap();
+        assert!(d.is_blocked(), "{d:?}");
+        let left = d.retry_after().unwrap();
+        assert!(
+            left > Duration::from_secs(59) && left <= Duration::from_secs(60),
+            "{left:?}"
+        );
+    }
+    assert_eq!(b.stats().script_calls, calls, "no call to Redis");
+}

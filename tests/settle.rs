@@ -412,3 +412,66 @@ async fn concurrent_failures_spend_exactly_the_budget() {
     }
     assert_eq!(failures + more, 5, "{seen:?}");
 }
+
+async fn get_status(base: &str) -> (u16, HeaderMap) {
+    let res = reqwest::Client::new()
+        .get(format!("{base}/"))
+        .header("x-user", "u")
+        .send()
+        .await
+        .unwrap();
+    (res.status().as_u16(), res.headers().clone())
+}
+
+#[tokio::test]
+async fn a_refused_key_is_blocked_for_the_penalty() {
+    let policy = Policy::new("api", Quota::per_second(2)).block_for(Duration::from_secs(60));
+    let app = Router::new().route("/", get(|| async { "ok" }));
+    let (base, clock) = serve(policy, app).await;
+    assert_eq!(get_status(&base).await.0, 200);
+    assert_eq!(get_status(&base).await.0, 200);
+    let (status, headers) = get_status(&base).await;
+    assert_eq!(status, 429);
+    assert_eq!(headers["retry-after"], "60");
+    assert_eq!(headers["ratelimit"], r#""api";r=0;t=60"#);
+    // Half a minute on, the quota is full again but the key is still blocked.
+    clock.advance(Duration::from_secs(30));
+    let (status, headers) = get_status(&base).await;
+    assert_eq!(status, 429);
+    assert_eq!(headers["retry-after"], "30");
+    clock.advance(Duration::from_secs(30));
+    assert_eq!(get_status(&base).await.0, 200);
+}
+
+#[cfg(feature = "serde")]
+#[test]
+fn penalties_in_config() {
+    let policy: Policy =
+        serde_json::from_str(r#"{"name":"api","quotas":["2/s"],"block_for":"15min"}"#).unwrap();
+    assert_eq!(policy.block(), Some(Duration::from_secs(900)));
+    let back = serde_json::to_string(&policy).unwrap();
+    assert!(back.contains(r#""block_for":"15min""#), "{back}");
+    let err = serde_json::from_str::<Policy>(r#"{"name":"api","quotas":["2/s"],"block_for":"15"}"#)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("no unit"), "{err}");
+    for (policy, why) in [
+        (
+            Policy::new("api", Quota::per_second(2))
+                .block_for(Duration::from_secs(60))
+                .shadow(true),
+            "shadow",
+        ),
+        (
+            Policy::new("api", Quota::per_second(2)).block_for(Duration::ZERO),
+            "milliseconds",
+        ),
+        (
+            Policy::new("api", Quota::per_second(2)).block_for(Duration::from_secs(400 * 86_400)),
+            "a year",
+        ),
+    ] {
+        let err = policy.validate().unwrap_err().to_string();
+        assert!(err.contains(why) && err.contains("block_for"), "{err}");
+    }
+}

@@ -189,6 +189,8 @@ impl Mode {
 pub struct Decision {
     quotas: SmallVec<[QuotaState; 2]>,
     by: DecidedBy,
+    /// Refused because the key is blocked (`Policy::block_for`).
+    blocked: bool,
     wait: Duration,
 }
 
@@ -216,6 +218,7 @@ impl Decision {
         Decision {
             quotas: quotas.into_iter().collect(),
             by: DecidedBy::Store,
+            blocked: false,
             wait: Duration::ZERO,
         }
     }
@@ -228,6 +231,7 @@ impl Decision {
         Decision {
             quotas,
             by: DecidedBy::Store,
+            blocked: false,
             wait: Duration::ZERO,
         }
     }
@@ -249,6 +253,31 @@ impl Decision {
             self.quotas.push(q);
         }
         self
+    }
+
+    /// A refusal because the key is blocked for `left` more (a penalty,
+    /// [`Policy::block_for`](crate::Policy::block_for)): reported by the policy's first quota
+    /// (`params`), with nothing remaining and `retry_after` and `reset_after` both at the
+    /// block's end.
+    pub fn blocked(params: &QuotaParams, left: Duration) -> Self {
+        let state = QuotaState {
+            index: 0,
+            outcome: Outcome::Denied { retry_after: left },
+            limit: params.burst.get(),
+            remaining: 0,
+            reset_after: left,
+        };
+        Decision {
+            blocked: true,
+            ..Decision::new([state])
+        }
+    }
+
+    /// Whether the request was refused because its key is blocked
+    /// ([`Policy::block_for`](crate::Policy::block_for)).
+    #[inline]
+    pub fn is_blocked(&self) -> bool {
+        self.blocked
     }
 
     /// The same decision, made by `by` (a failure policy of a remote backend).

@@ -740,3 +740,68 @@ pub async fn settlements<B: Backend>(backend: &B, advance: impl Fn(Duration), wh
     let d = ask(&slots, 2, refund(0)).await.unwrap();
     assert_eq!(seen(&d), [(true, 2), (true, 2)], "{who}: {d:?}");
 }
+
+/// Penalties (`Policy::block_for`), the same on every backend that blocks, at times set by
+/// `advance`: a refusal blocks the key for the block's length whatever its quotas hold, the
+/// requests meanwhile do not extend it, a request that can never fit starts none, and other
+/// keys are not touched.
+pub async fn blocks<B: Backend>(backend: &B, advance: impl Fn(Duration), who: &str) {
+    use tollgate::backend::Mode;
+    let ms = Duration::from_millis;
+    // A unit every 100 ms, burst 2; blocked for a second once refused.
+    let policy = Policy::new("blocks", Quota::per_second(10).burst(2)).block_for(ms(1000));
+    let p = prepare(backend, &policy);
+    let (k, other) = (key("blocked"), key("other"));
+    let ask = |k, c: u32, mode: Mode| backend.decide_with(&p, k, cost(c), mode);
+    for _ in 0..2 {
+        assert!(
+            ask(&k, 1, Mode::Decide).await.unwrap().is_allowed(),
+            "{who}"
+        );
+    }
+    let d = ask(&k, 1, Mode::Decide).await.unwrap();
+    assert!(d.is_blocked(), "{who}: the refusal starts the block: {d:?}");
+    assert_eq!(d.retry_after(), Some(ms(1000)), "{who}: {d:?}");
+    assert_eq!(
+        (d.quotas()[0].remaining, d.quotas()[0].reset_after),
+        (0, ms(1000)),
+        "{who}: `t` is the block's end: {d:?}"
+    );
+    // Half a second later the bucket is full again, but the key is still blocked, for what is
+    // left of the block, whatever the cost or the mode; asking does not extend it.
+    advance(ms(500));
+    for (c, mode) in [
+        (1, Mode::Decide),
+        (2, Mode::Decide),
+        (1, Mode::Peek),
+        (
+            1,
+            Mode::Reserve {
+                max_wait: ms(10_000),
+            },
+        ),
+    ] {
+        let d = ask(&k, c, mode).await.unwrap();
+        assert!(d.is_blocked(), "{who}: {mode:?}: {d:?}");
+        assert_eq!(d.retry_after(), Some(ms(500)), "{who}: {mode:?}: {d:?}");
+    }
+    // Another key is not blocked; a request that can never fit starts no block.
+    let d = ask(&other, 3, Mode::Decide).await.unwrap();
+    assert!(d.never_fits() && !d.is_blocked(), "{who}: {d:?}");
+    assert!(
+        ask(&other, 1, Mode::Decide).await.unwrap().is_allowed(),
+        "{who}"
+    );
+    advance(ms(500));
+    // The block is over, the bucket full.
+    let d = ask(&k, 1, Mode::Decide).await.unwrap();
+    assert!(d.is_allowed(), "{who}: {d:?}");
+    assert_eq!(d.quotas()[0].remaining, 1, "{who}: {d:?}");
+    // A reservation refused for its wait blocks too.
+    ask(&k, 1, Mode::Decide).await.unwrap();
+    let d = ask(&k, 1, Mode::Reserve { max_wait: ms(50) })
+        .await
+        .unwrap();
+    assert!(d.is_blocked(), "{who}: {d:?}");
+    assert_eq!(d.retry_after(), Some(ms(1000)), "{who}: {d:?}");
+}

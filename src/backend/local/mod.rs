@@ -102,8 +102,10 @@ use super::{Backend, Decision, Mode, Outcome, QuotaState, ResetFuture};
 use crate::quota::QuotaParams;
 use window::WindowStore;
 
+mod block;
 mod window;
 use crate::{BackendError, ConfigError, Key, Policy};
+use block::Blocks;
 
 /// The governor crate this backend is built on, for its clocks ([`Clock`],
 /// [`FakeRelativeClock`] in tests) without matching its version by hand.
@@ -188,6 +190,8 @@ struct Inner<C: Clock> {
 enum Registered<C: Clock> {
     Gcra(Weak<Limiter<C>>, Weak<StoreMap>, Nanos),
     Window(Weak<WindowStore>),
+    /// A policy's blocks (`block_for`), under the policy's name and `BLOCKS`.
+    Blocks(Weak<Blocks>),
 }
 
 impl<C: Clock> Registered<C> {
@@ -195,6 +199,7 @@ impl<C: Clock> Registered<C> {
         match self {
             Registered::Gcra(l, _, _) => l.strong_count() > 0,
             Registered::Window(w) => w.strong_count() > 0,
+            Registered::Blocks(b) => b.strong_count() > 0,
         }
     }
 
@@ -206,9 +211,21 @@ impl<C: Clock> Registered<C> {
                 start: *start,
             },
             Registered::Window(w) => Counter::Window(w.upgrade()?),
+            Registered::Blocks(_) => return None,
         })
     }
 }
+
+/// The refusal of a key blocked for `left_us` more.
+fn blocked<C: Clock>(policy: &LocalPolicy<C>, left_us: u64) -> Decision {
+    match policy.limiters.first() {
+        Some(q) => Decision::blocked(&q.params, Duration::from_micros(left_us)),
+        None => Decision::new([]),
+    }
+}
+
+/// The index of a policy's blocks among its registered counters (its quotas are 0..n).
+const BLOCKS: usize = usize::MAX;
 
 #[derive(Clone, PartialEq, Eq, Hash)]
 struct LimiterId {
@@ -384,12 +401,23 @@ impl<C: Clock> Drop for RestartSweeper<C> {
 
 impl<C: Clock> Inner<C> {
     fn sweep(&self) {
-        let limiters: Vec<Counter<C>> = {
+        let (limiters, blocks): (Vec<Counter<C>>, Vec<Arc<Blocks>>) = {
             let mut map = self.limiters.lock().unwrap_or_else(|p| p.into_inner());
             map.retain(|_, r| r.is_alive());
-            map.values().filter_map(Registered::upgrade).collect()
+            let blocks = map.values().filter_map(|r| match r {
+                Registered::Blocks(b) => b.upgrade(),
+                _ => None,
+            });
+            let blocks = blocks.collect();
+            (
+                map.values().filter_map(Registered::upgrade).collect(),
+                blocks,
+            )
         };
         let now_us = self.now_us();
+        for blocks in blocks {
+            blocks.sweep(now_us);
+        }
         for counter in limiters {
             match counter {
                 Counter::Gcra { limiter, .. } => {
@@ -457,6 +485,8 @@ pub struct LocalPolicy<C: Clock = MonotonicClock> {
     order: Box<[usize]>,
     /// The smallest burst: a request costing more can never pass.
     min_burst: u32,
+    /// The policy's blocks, when it has `block_for`.
+    blocks: Option<Arc<Blocks>>,
 }
 
 struct PreparedQuota<C: Clock> {
@@ -578,11 +608,28 @@ where
             .map(|q| q.params.burst.get())
             .min()
             .unwrap_or(u32::MAX);
+        let blocks = policy.block().map(|block| {
+            let block_us = u64::try_from(block.as_micros()).unwrap_or(u64::MAX);
+            let id = LimiterId {
+                policy: policy.name().into(),
+                index: BLOCKS,
+                params: QuotaParams::gcra(block_us.max(1), NonZeroU32::MIN),
+            };
+            if let Some(Registered::Blocks(b)) = map.get(&id)
+                && let Some(blocks) = b.upgrade()
+            {
+                return blocks;
+            }
+            let blocks = Arc::new(Blocks::new(block_us, self.inner.tracked.clone()));
+            map.insert(id, Registered::Blocks(Arc::downgrade(&blocks)));
+            blocks
+        });
         Ok(LocalPolicy {
             limiters,
             windows,
             order: order.into_boxed_slice(),
             min_burst,
+            blocks,
         })
     }
 
@@ -606,12 +653,18 @@ where
             Mode::Decide => self.decide(policy, key, cost),
             // The local backend's slots need no lease: a request's end gives its slot back.
             Mode::Hold { .. } => self.decide_holding(policy, key, cost, true),
-            Mode::Peek => ready(Ok(self.peek(policy, key, cost))),
+            Mode::Peek => match &policy.blocks {
+                None => ready(Ok(self.peek(policy, key, cost))),
+                Some(blocks) => ready(Ok(self.peek_blocking(policy, blocks, key, cost))),
+            },
             Mode::Reserve { max_wait } => {
                 if !self.inner.sweeper_started.load(Ordering::Relaxed) {
                     self.start_sweeper();
                 }
-                ready(Ok(self.reserve(policy, key, cost, max_wait)))
+                ready(Ok(match &policy.blocks {
+                    None => self.reserve(policy, key, cost, max_wait),
+                    Some(blocks) => self.reserve_blocking(policy, blocks, key, cost, max_wait),
+                }))
             }
             Mode::Refund { .. } | Mode::Debit => ready(Ok(self.settle(policy, key, cost, mode))),
             Mode::Release { .. } => ready(Ok(self.release(policy, key))),
@@ -628,6 +681,9 @@ where
                 }
                 Counter::Window(store) => store.remove(key),
             }
+        }
+        if let Some(blocks) = &policy.blocks {
+            blocks.remove(key);
         }
         Box::pin(std::future::ready(Ok(())))
     }
@@ -648,6 +704,92 @@ where
         cost: NonZeroU32,
         hold: bool,
     ) -> Ready<Result<Decision, BackendError>> {
+        ready(Ok(match &policy.blocks {
+            None => self.decide_now(policy, key, cost, hold),
+            Some(blocks) => self.decide_blocking(policy, blocks, key, cost, hold),
+        }))
+    }
+
+    /// [`decide_holding`](Self::decide_holding) for a policy with a penalty: a blocked key is
+    /// refused until its block ends; a refusal starts a block.
+    #[inline(never)]
+    fn decide_blocking(
+        &self,
+        policy: &LocalPolicy<C>,
+        blocks: &Blocks,
+        key: &Key,
+        cost: NonZeroU32,
+        hold: bool,
+    ) -> Decision {
+        let now_us = self.inner.now_us();
+        if let Some(left) = blocks.left(key, now_us) {
+            return blocked(policy, left);
+        }
+        let decision = self.decide_now(policy, key, cost, hold);
+        self.penalize(policy, blocks, key, decision, now_us)
+    }
+
+    /// A peek at a policy with a penalty: a blocked key is reported blocked.
+    fn peek_blocking(
+        &self,
+        policy: &LocalPolicy<C>,
+        blocks: &Blocks,
+        key: &Key,
+        cost: NonZeroU32,
+    ) -> Decision {
+        match blocks.left(key, self.inner.now_us()) {
+            Some(left) => blocked(policy, left),
+            None => self.peek(policy, key, cost),
+        }
+    }
+
+    /// A reservation on a policy with a penalty: a blocked key is refused, a refusal starts a
+    /// block.
+    fn reserve_blocking(
+        &self,
+        policy: &LocalPolicy<C>,
+        blocks: &Blocks,
+        key: &Key,
+        cost: NonZeroU32,
+        max_wait: Duration,
+    ) -> Decision {
+        let now_us = self.inner.now_us();
+        if let Some(left) = blocks.left(key, now_us) {
+            return blocked(policy, left);
+        }
+        let decision = self.reserve(policy, key, cost, max_wait);
+        self.penalize(policy, blocks, key, decision, now_us)
+    }
+
+    /// `decision`, or a block from `now_us` when it refused the request: not when the request
+    /// can never fit (its cost, not its rate, is at fault), nor when the key table is full (a
+    /// new key turned away would need room for its block).
+    fn penalize(
+        &self,
+        policy: &LocalPolicy<C>,
+        blocks: &Blocks,
+        key: &Key,
+        decision: Decision,
+        now_us: u64,
+    ) -> Decision {
+        let inner = &self.inner;
+        if decision.is_allowed()
+            || decision.never_fits()
+            || inner.tracked.load(Ordering::Relaxed) >= inner.max_keys
+        {
+            return decision;
+        }
+        blocked(policy, blocks.start(key, now_us))
+    }
+
+    #[inline]
+    fn decide_now(
+        &self,
+        policy: &LocalPolicy<C>,
+        key: &Key,
+        cost: NonZeroU32,
+        hold: bool,
+    ) -> Decision {
         if !self.inner.sweeper_started.load(Ordering::Relaxed) {
             // Built outside a runtime: start sweeping from the first request inside one.
             self.start_sweeper();
@@ -657,9 +799,9 @@ where
         // earlier quotas of a multi-quota policy.
         match self.refuse_before_charging(policy, key, cost) {
             None => {}
-            Some(Refusal::Deny(refused)) => return ready(Ok(Decision::new([refused]))),
+            Some(Refusal::Deny(refused)) => return Decision::new([refused]),
             // Untracked, so unlimited: a decision without quota states carries no headers.
-            Some(Refusal::Allow) => return ready(Ok(Decision::new([]))),
+            Some(Refusal::Allow) => return Decision::new([]),
         }
         let inner = &*self.inner;
         // One reading of the time for every window quota of the decision.
@@ -673,7 +815,7 @@ where
                 if let Counter::Window(store) = &quota.counter {
                     let state = store.check(index, key, now_us(), cost);
                     if state.outcome != Outcome::Allowed {
-                        return ready(Ok(Decision::new([state])));
+                        return Decision::new([state]);
                     }
                 }
             }
@@ -715,7 +857,7 @@ where
         if policy.windows {
             states.sort_unstable_by_key(|s| s.index);
         }
-        ready(Ok(Decision::from_states(states)))
+        Decision::from_states(states)
     }
 }
 

@@ -131,6 +131,9 @@ pub(crate) struct Prepared {
     pub(crate) args: Vec<Vec<u8>>,
     /// Integers per decision in the script's reply (`script::reply_len`).
     pub(crate) reply_len: usize,
+    /// Whether the policy blocks keys once refused (`block_for`): the block's key and reply
+    /// follow the quotas'.
+    pub(crate) blocks: bool,
 }
 
 impl fmt::Debug for RedisPolicy {
@@ -209,11 +212,17 @@ impl Store for RedisStore {
     type Prepared = Prepared;
 
     fn prepare(&self, policy: &Policy, params: &[QuotaParams]) -> Result<Prepared, ConfigError> {
+        let block_us = (policy.block()).map(|b| u64::try_from(b.as_micros()).unwrap_or(u64::MAX));
+        let mut key_suffixes = keys::quota_suffixes(params);
+        if let Some(us) = block_us {
+            key_suffixes.push(format!("b{us}").into_bytes().into_boxed_slice());
+        }
         Ok(Prepared {
             key_prefix: keys::policy_prefix(&self.prefix, policy.name()),
-            key_suffixes: keys::quota_suffixes(params),
-            args: script::policy_args(params),
-            reply_len: script::reply_len(params),
+            key_suffixes,
+            args: script::policy_args(params, block_us),
+            reply_len: script::reply_len(params) + if block_us.is_some() { 2 } else { 0 },
+            blocks: block_us.is_some(),
         })
     }
 
@@ -237,7 +246,8 @@ impl Store for RedisStore {
                 let end = (start + job.prepared().reply_len).min(reply.len());
                 let part = &reply[start..end];
                 start = end;
-                script::decision(part, job.params(), job.cost, job.mode)
+                let p = job.prepared();
+                script::decision(part, job.params(), job.cost, job.mode, p.blocks)
             })
             .collect())
     }

@@ -13,6 +13,8 @@
 --     1 window limit 0        fixed window: length (integer us >= 1), limit (>= 1)
 --     2 slice limit slices    sliding window of `slices` (>= 1) sub-windows of `slice` us
 --     3 lease slots 0         requests in flight: `slots` (>= 1), each a lease of `lease` ms
+--     4 block 1 0             a penalty, last if any: once a quota refuses (code 1), the key
+--                             is refused for `block` us (requests meanwhile do not extend it)
 -- then               number of runs R >= 1; then per run, in order, "count p cost arg op":
 --                    `count` decisions in a row of policy p (1..P) costing `cost` units (>= 1)
 --                    each, as `op` says:
@@ -47,6 +49,7 @@
 --            window's end.
 --   sliding  "<d" then slices + 1 times "I4": the newest sub-window's index, then the counts
 --            c_oldest ... c_newest; expires when every count has slid out of the window.
+--   block    "<d": the Unix time (us) the block ends; expires then.
 --   concurrent  a sorted set: one member per lease (its id), scored by its expiry (ms since the
 --            Unix epoch); expired leases are removed when the key is read; the key expires
 --            with its newest lease.
@@ -72,6 +75,8 @@
 --   fixed    code, count after the decision, us until the window's end
 --   sliding  code, remaining, reset (us), retry (denied: us until the cost fits)
 --   concurrent  code, slots held after the decision
+--   block    1 and the us left when the key is blocked (before the decision, or from it),
+--            else 0, 0
 --   (code 4: the code then zeros, as many integers as the algorithm's)
 
 -- Library functions in locals: global lookups cost a table access each in Redis's sandbox.
@@ -221,7 +226,15 @@ local function load(key, g)
   if stored and type(stored) == 'table' then
     return false
   end
-  if kind == 0 then
+  if kind == 4 then
+    if stored and #stored == 8 then
+      local left = sunpack('<d', stored) - now_us
+      if left > 0 then
+        return left
+      end
+    end
+    return 0
+  elseif kind == 0 then
     if stored and #stored == 8 then
       local sec, ns = sunpack('<I4I4', stored)
       local rel = (sec - now_s) * 1000000000 + (ns - now_ns)
@@ -422,6 +435,13 @@ for _ = 1, tonumber(ARGV[a], 16) do
             touch(key, g)
           end
           put_sliding(st, g, 0, cost)
+        elseif kind == 4 then
+          local c = 0
+          if st > 0 then
+            c = 1
+          end
+          reply[nr + 1], reply[nr + 2] = c, st
+          nr = nr + 2
         else
           if op == '5' and call('ZREM', key, lease) == 1 then
             st = st - 1
@@ -479,7 +499,8 @@ for _ = 1, tonumber(ARGV[a], 16) do
     count = 0
   end
   for _ = 1, count do
-    local denied, refused = false, false
+    -- `refusal`: a quota refused the request (code 1), which starts a block.
+    local denied, refused, refusal = false, false, false
     -- The wait of a reservation: the longest over its GCRA quotas (0 for a decision).
     local w = 0
     -- First every quota is checked, nothing written.
@@ -497,7 +518,13 @@ for _ = 1, tonumber(ARGV[a], 16) do
       end
       local kind, limit = at[8 * g - 7], at[8 * g - 5]
       local c = 0
-      if kind == 3 then
+      if kind == 4 then
+        -- Blocked: refused, whatever the quotas hold.
+        if st > 0 then
+          c = 1
+          denied = true
+        end
+      elseif kind == 3 then
         -- One slot per request, whatever its cost.
         if st + 1 > limit then
           c = 1
@@ -529,6 +556,9 @@ for _ = 1, tonumber(ARGV[a], 16) do
         end
       end
       cur[i] = c
+      if c == 1 and kind ~= 4 then
+        refusal = true
+      end
     end
 
     if refused then
@@ -554,7 +584,19 @@ for _ = 1, tonumber(ARGV[a], 16) do
         local kind, limit = at[8 * g - 7], at[8 * g - 5]
         local st = states[key]
         local undo = false
-        if denied then
+        if kind == 4 then
+          -- A refusal starts a block, unless one runs (a peek starts none).
+          if refusal and st == 0 and not peek then
+            st = at[8 * g - 6]
+            states[key] = st
+            touch(key, g)
+          end
+          if st > 0 then
+            c = 1
+          else
+            c = 0
+          end
+        elseif denied then
           if c == 0 then
             c = 3
           end
@@ -595,7 +637,7 @@ for _ = 1, tonumber(ARGV[a], 16) do
             touch(key, g)
           end
         end
-        if kind == 3 then
+        if kind == 3 or kind == 4 then
           reply[nr + 1], reply[nr + 2] = c, st
           nr = nr + 2
         elseif kind == 0 then
@@ -634,7 +676,11 @@ for i = 1, nd do
   local kind, len = at[8 * g - 7], at[8 * g - 6]
   local st = states[key]
   local value, ms
-  if kind == 3 then
+  if kind == 4 then
+    -- The block's end; the key expires then.
+    value = spack('<d', now_us + st)
+    ms = base_ms + ceil((base_us + st) / 1000)
+  elseif kind == 3 then
     -- The leases taken, each expiring `len` ms from now; the key with the newest.
     local expiry = now_ms + len
     for _, member in ipairs(adds[key]) do

@@ -54,10 +54,13 @@ fn quota_args(p: &QuotaParams) -> [u64; PER_QUOTA] {
 }
 
 /// A policy's entry in the script's arguments, formatted once in `prepare()`: the number of
-/// quotas, then four numbers per quota.
-pub(crate) fn policy_args(params: &[QuotaParams]) -> Vec<Vec<u8>> {
-    std::iter::once(params.len() as u64)
+/// quotas, then four numbers per quota; a policy that blocks keys once refused has one more,
+/// `4 block 1 0` (the block's length in µs), last.
+pub(crate) fn policy_args(params: &[QuotaParams], block_us: Option<u64>) -> Vec<Vec<u8>> {
+    let block = block_us.map(|us| [4, us, 1, 0]);
+    std::iter::once((params.len() + usize::from(block.is_some())) as u64)
         .chain(params.iter().flat_map(quota_args))
+        .chain(block.into_iter().flatten())
         .map(|n| hex(n).as_bytes().to_vec())
         .collect()
 }
@@ -130,8 +133,9 @@ pub(crate) fn decision(
     params: &[QuotaParams],
     cost: NonZeroU32,
     mode: Mode,
+    blocks: bool,
 ) -> Result<Decision, BackendError> {
-    let expected = reply_len(params);
+    let expected = reply_len(params) + if blocks { 2 } else { 0 };
     if reply.len() != expected {
         return Err(protocol(format!(
             "script replied {} integers, expected {expected}",
@@ -149,6 +153,16 @@ pub(crate) fn decision(
         if matches!(mode, Mode::Reserve { .. }) && r[0] == 0 && p.kind == QuotaKind::Gcra {
             wait = wait.max(reply::reservation_wait(p, n(1), mode.max_wait_ns()));
         }
+    }
+    // The block, last: `1, µs left` when the key is blocked (before this decision, or from
+    // it), `0, 0` otherwise. Settlements are made whatever the block.
+    if blocks
+        && reply.get(at) == Some(&1)
+        && !mode.is_settlement()
+        && let Some(p) = params.first()
+    {
+        let left = reply.get(at + 1).copied().map_or(0, nonneg);
+        return Ok(Decision::blocked(p, Duration::from_micros(left)));
     }
     let decision = Decision::new(states).never_fits_alone();
     Ok(if decision.is_allowed() {
@@ -217,7 +231,7 @@ mod tests {
     #[test]
     fn one_request_on_a_fresh_bucket_leaves_burst_minus_one() {
         let p = [params(5, 10)];
-        let d = decision(&[0, 200_000_000], &p, NonZeroU32::MIN, Mode::Decide).unwrap();
+        let d = decision(&[0, 200_000_000], &p, NonZeroU32::MIN, Mode::Decide, false).unwrap();
         assert!(d.is_allowed());
         assert_eq!(d.quotas()[0].remaining, 9);
         assert_eq!(d.quotas()[0].reset_after, Duration::from_millis(200));
@@ -228,7 +242,7 @@ mod tests {
         // Burst 5 at 1/s, cost 5, three units missing: the TAT is 3 s ahead.
         let p = [params(1, 5)];
         let cost = NonZeroU32::new(5).unwrap();
-        let d = decision(&[1, 3_000_000_000], &p, cost, Mode::Decide).unwrap();
+        let d = decision(&[1, 3_000_000_000], &p, cost, Mode::Decide, false).unwrap();
         assert_eq!(d.retry_after(), Some(Duration::from_secs(3)));
         assert_eq!(d.quotas()[0].remaining, 2);
         // The next unit is back in a second (`t`); the request fits in three.
@@ -239,7 +253,7 @@ mod tests {
     fn malformed_replies_are_protocol_errors() {
         let p = [params(1, 5)];
         for reply in [&[0][..], &[9, 0][..], &[][..], &[0, 0, 0][..]] {
-            let err = decision(reply, &p, NonZeroU32::MIN, Mode::Decide).unwrap_err();
+            let err = decision(reply, &p, NonZeroU32::MIN, Mode::Decide, false).unwrap_err();
             assert_eq!(err.kind(), crate::BackendErrorKind::Protocol);
         }
     }
@@ -257,7 +271,7 @@ mod tests {
                 .resolution(Duration::from_secs(5)),
         );
         let gcra = params(5, 10);
-        let args: Vec<String> = policy_args(&[gcra, fixed, sliding])
+        let args: Vec<String> = policy_args(&[gcra, fixed, sliding], None)
             .into_iter()
             .map(|a| String::from_utf8(a).unwrap())
             .collect();
@@ -272,6 +286,7 @@ mod tests {
             &[gcra, fixed, sliding],
             NonZeroU32::MIN,
             Mode::Decide,
+            false,
         )
         .unwrap();
         assert_eq!(d.retry_after(), Some(Duration::from_secs(20)));
@@ -293,7 +308,14 @@ mod tests {
         let fixed = window(crate::Quota::per_minute(10).fixed_window());
         let sliding = window(crate::Quota::per_second(10).sliding_window());
         let reply = [1, i64::MAX, i64::MAX, 1, i64::MAX, -1, i64::MAX];
-        let d = decision(&reply, &[fixed, sliding], NonZeroU32::MIN, Mode::Decide).unwrap();
+        let d = decision(
+            &reply,
+            &[fixed, sliding],
+            NonZeroU32::MIN,
+            Mode::Decide,
+            false,
+        )
+        .unwrap();
         let q = d.quotas();
         assert_eq!(q[0].remaining, 0);
         assert_eq!(q[0].reset_after, Duration::from_secs(60));

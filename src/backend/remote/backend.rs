@@ -146,7 +146,7 @@ impl<S: Store> Remote<S> {
         policy: &Policy,
         params: &[QuotaParams],
     ) -> Result<RemotePolicy<S>, ConfigError> {
-        if (policy.settles() || policy.holds_slots()) && !S::SETTLES {
+        if (policy.settles() || policy.holds_slots() || policy.block().is_some()) && !S::SETTLES {
             return Err(crate::settle::unsupported(
                 policy,
                 &format!("the {} backend", S::KIND),

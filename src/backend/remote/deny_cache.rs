@@ -101,6 +101,9 @@ struct Entry {
     cost: NonZeroU32,
     /// Whether requests costing more may be answered too (see the module docs).
     larger: bool,
+    /// A block (`Policy::block_for`): every request of the key is refused until it ends,
+    /// whatever its cost.
+    blocked: bool,
     states: SmallVec<[QuotaState; 2]>,
 }
 
@@ -128,10 +131,12 @@ impl DenyCache {
         let expired = {
             let entry = self.map.get(key)?;
             if now_ns < entry.until_ns {
-                if cost < entry.cost
-                    || (cost > entry.cost
-                        && (!entry.larger || params.iter().any(|p| cost > p.burst)))
-                {
+                let other_cost = if entry.blocked {
+                    false
+                } else {
+                    cost < entry.cost || (cost > entry.cost && !entry.larger)
+                };
+                if other_cost || (cost > entry.cost && params.iter().any(|p| cost > p.burst)) {
                     return None;
                 }
                 return Some(replay(&entry, cost, now_ns, params));
@@ -164,6 +169,7 @@ impl DenyCache {
         let Some(mut wait) = decision.retry_after() else {
             return;
         };
+        let blocked = decision.is_blocked();
         // A sliding window's `remaining` grows at its `reset_after`, which only the store can tell
         // the next value of: hold its denial until then (module docs).
         let mut larger = decision.quotas().len() == params.len();
@@ -184,6 +190,12 @@ impl DenyCache {
         if wait.is_zero() {
             return;
         }
+        // A block refuses every cost until its end (its state is the first quota's, whatever
+        // that quota's algorithm).
+        if blocked {
+            larger = true;
+            wait = decision.retry_after().unwrap_or(wait);
+        }
         let until_ns = sent_ns.saturating_add(u64::try_from(wait.as_nanos()).unwrap_or(u64::MAX));
         let reserved = !self.map.contains_key(key);
         if reserved && !self.reserve(sent_ns) {
@@ -194,6 +206,7 @@ impl DenyCache {
             sent_ns,
             cost,
             larger,
+            blocked,
             states: decision.quotas().iter().copied().collect(),
         };
         let replaced = self.map.insert(key.clone(), entry).is_some();
@@ -266,12 +279,17 @@ impl Drop for DenyCache {
 /// since the call was sent; the other quotas are reported as the store reported them.
 fn replay(entry: &Entry, cost: NonZeroU32, now_ns: u64, params: &[QuotaParams]) -> Decision {
     let elapsed = now_ns.saturating_sub(entry.sent_ns);
-    let extra_units = u64::from(cost.get() - entry.cost.get());
     // A wait that was running stays at least 1 ns until the entry expires.
     let shrink = |d: Duration| {
         let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
         Duration::from_nanos(ns.saturating_sub(elapsed).max(u64::from(ns > 0)))
     };
+    if entry.blocked
+        && let (Some(p), Some(left)) = (params.first(), entry.states.first())
+    {
+        return Decision::blocked(p, shrink(left.reset_after));
+    }
+    let extra_units = u64::from(cost.get().saturating_sub(entry.cost.get()));
     Decision::new(entry.states.iter().map(|s| {
         let Outcome::Denied { retry_after } = s.outcome else {
             return *s;

@@ -793,7 +793,7 @@ impl Backend for ApproxBackend {
         policy: &Policy,
         params: &[QuotaParams],
     ) -> Result<ApproxPolicy, ConfigError> {
-        if policy.settles() || policy.holds_slots() {
+        if policy.settles() || policy.holds_slots() || policy.block().is_some() {
             return Err(crate::settle::unsupported(
                 policy,
                 "the approximate Redis mode",
