@@ -280,3 +280,17 @@ async fn cluster_settlements() {
         .unwrap();
     support::conformance::settlements(&b, |by| clock.advance(by), "redis cluster").await;
 }
+
+/// Penalties on the cluster: the block's key in the slot of its decision's other keys.
+#[tokio::test]
+async fn cluster_blocks() {
+    let cluster = RedisCluster::start();
+    let clock = TestClock::new();
+    let b = RedisBackend::builder()
+        .cluster_nodes(cluster.urls())
+        .timeout(Duration::from_secs(2))
+        .test_clock(clock.clone())
+        .build()
+        .unwrap();
+    support::conformance::blocks(&b, |by| clock.advance(by), "redis cluster").await;
+}
