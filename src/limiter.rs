@@ -45,6 +45,43 @@
 //! until the denial's `retry_after` and asks again (polling: several waiters may wake at once,
 //! and one gets the room). Prefer GCRA quotas for outbound limits.
 //!
+//! # Permits: requests in flight, and a cost known at the end
+//!
+//! [`admit`](Limiter::admit) is what the layer does for a request: it takes the units now (or
+//! refuses), holds a slot of the policy's concurrent quota if it has one
+//! ([`Quota::concurrent`](crate::Quota::concurrent)), and returns a [`Permit`]. Dropping the
+//! permit ends the work: its slot is given back. [`Permit::settle`] ends it with the work's
+//! real cost, the difference from the admitted cost debited or refunded (the tokens a call
+//! used, say), on the stores that settle (the local backend and Redis).
+//!
+//! ```
+//! use std::num::NonZeroU32;
+//! use tollgate::backend::LocalBackend;
+//! use tollgate::limiter::Limiter;
+//! use tollgate::{Key, Policy, Quota};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! // Two jobs at once per tenant, and 1000 tokens an hour.
+//! let policy = Policy::new("jobs", Quota::concurrent(2)).and(Quota::per_hour(1000));
+//! let limiter = Limiter::new(policy, LocalBackend::new())?;
+//! let tenant = Key::from_bytes("tenant-7")?;
+//! let one = NonZeroU32::MIN;
+//!
+//! let first = limiter.admit(&tenant, one).await?;
+//! let second = limiter.admit(&tenant, one).await?;
+//! assert!(limiter.admit(&tenant, one).await.is_err(), "two in flight");
+//! drop(first); // done: its slot is back
+//! let third = limiter.admit(&tenant, one).await?;
+//! // The second job used 400 tokens: 399 more than admitted.
+//! second.settle(400).await?;
+//! third.settle(1).await?;
+//! // 402 tokens used (the refusal took none); a peek says what one more would leave.
+//! let d = limiter.peek(&tenant, one).await?;
+//! assert_eq!(d.quotas()[1].remaining, 1000 - 402 - 1);
+//! # Ok(()) }
+//! ```
+//!
 //! **Cancellation.** A reservation is taken before the sleep: if the future of `acquire` is
 //! dropped while it sleeps (a timeout, a cancelled task), the units stay spent. Giving them back
 //! is not safe in general, since later reservations were counted after them; the cost is that a
@@ -56,6 +93,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::backend::{Backend, Decision, Mode};
+use crate::settle::{next_lease, send};
 use crate::{BackendError, ConfigError, Key, Policy};
 
 /// A policy on a backend, for code that is not a request handler. Cheap to clone: clones share
@@ -68,6 +106,8 @@ struct Inner<B: Backend> {
     backend: B,
     policy: B::Policy,
     name: String,
+    /// Whether the policy has a concurrent quota (its permits hold a slot).
+    holds_slots: bool,
 }
 
 impl<B: Backend> Clone for Limiter<B> {
@@ -148,6 +188,7 @@ impl<B: Backend> Limiter<B> {
                 backend,
                 policy: prepared,
                 name: policy.name().to_owned(),
+                holds_slots: policy.holds_slots(),
             }),
         })
     }
@@ -192,6 +233,33 @@ impl<B: Backend> Limiter<B> {
         i.backend.decide_with(&i.policy, key, cost, mode).await
     }
 
+    /// Admits work of `cost` units on `key` now, or refuses it ([`AcquireError::TooLong`]
+    /// with the refusal, [`AcquireError::NeverFits`]): the units are taken, and a slot of the
+    /// policy's concurrent quota is held, until the [`Permit`] is dropped or settled (see the
+    /// [module docs](self)).
+    pub async fn admit(&self, key: &Key, cost: NonZeroU32) -> Result<Permit<B>, AcquireError> {
+        let i = &self.inner;
+        let lease = next_lease();
+        let decision = (i.backend)
+            .decide_with(&i.policy, key, cost, Mode::Hold { lease })
+            .await?;
+        if decision.never_fits() {
+            return Err(AcquireError::NeverFits(decision));
+        }
+        if !decision.is_allowed() {
+            return Err(AcquireError::TooLong(decision));
+        }
+        Ok(Permit {
+            limiter: self.clone(),
+            key: key.clone(),
+            cost,
+            lease,
+            admitted: std::time::Instant::now(),
+            decision,
+            open: i.holds_slots,
+        })
+    }
+
     /// Waits until `cost` units of `key` are this caller's, for at most `max_wait`: one
     /// reservation, then one sleep (see the [module docs](self)). Answers the decision that
     /// let it go on; with [`AcquireError::TooLong`] at once, without waiting, when the units
@@ -220,5 +288,89 @@ impl<B: Backend> Limiter<B> {
                 _ => return Err(AcquireError::TooLong(decision)),
             }
         }
+    }
+}
+
+/// Work admitted by [`Limiter::admit`]: its units taken, its slot of a concurrent quota held
+/// until it is dropped (the work is over) or [settled](Permit::settle).
+#[must_use = "dropping a permit ends its work at once: its slot is given back"]
+pub struct Permit<B: Backend> {
+    limiter: Limiter<B>,
+    key: Key,
+    cost: NonZeroU32,
+    lease: u64,
+    admitted: std::time::Instant,
+    decision: Decision,
+    /// Whether the slot is still held (not yet given back by `settle` or the drop).
+    open: bool,
+}
+
+impl<B: Backend> Permit<B> {
+    /// The decision that admitted the work.
+    pub fn decision(&self) -> &Decision {
+        &self.decision
+    }
+
+    /// Ends the work, which cost `cost` units in all: the difference from the admitted cost is
+    /// taken (into debt if need be) or given back (never past full), then the slot is given
+    /// back. On a store that does not settle (PostgreSQL, MySQL) a different cost is an error;
+    /// the slot is given back either way.
+    pub async fn settle(mut self, cost: u32) -> Result<(), BackendError> {
+        let i = &self.limiter.inner;
+        let admitted = self.cost.get();
+        let settlement = match cost.cmp(&admitted) {
+            std::cmp::Ordering::Equal => None,
+            std::cmp::Ordering::Greater => {
+                NonZeroU32::new(cost - admitted).map(|n| (n, Mode::Debit))
+            }
+            std::cmp::Ordering::Less => NonZeroU32::new(admitted - cost).map(|n| {
+                let ago = self.admitted.elapsed();
+                (n, Mode::Refund { admitted_ago: ago })
+            }),
+        };
+        let settled = match settlement {
+            Some((units, mode)) => i
+                .backend
+                .decide_with(&i.policy, &self.key, units, mode)
+                .await
+                .map(drop),
+            None => Ok(()),
+        };
+        if !std::mem::replace(&mut self.open, false) {
+            return settled;
+        }
+        let release = Mode::Release { lease: self.lease };
+        let released = i
+            .backend
+            .decide_with(&i.policy, &self.key, NonZeroU32::MIN, release);
+        released.await.map(drop).and(settled)
+    }
+}
+
+impl<B: Backend> Drop for Permit<B> {
+    /// The work is over: its slot is given back (at once in memory, else in a task of its own).
+    fn drop(&mut self) {
+        if self.open {
+            let i = &self.limiter.inner;
+            let release = Mode::Release { lease: self.lease };
+            send(
+                &i.backend,
+                &i.policy,
+                &i.name,
+                &self.key,
+                NonZeroU32::MIN,
+                release,
+            );
+        }
+    }
+}
+
+impl<B: Backend> fmt::Debug for Permit<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Permit")
+            .field("policy", &self.limiter.inner.name)
+            .field("key", &self.key)
+            .field("cost", &self.cost)
+            .finish_non_exhaustive()
     }
 }

@@ -314,9 +314,12 @@ impl<Bk: Backend> Drop for Slot<Bk> {
     fn drop(&mut self) {
         if self.taken {
             let release = Mode::Release { lease: self.lease };
+            let policy = &self.policy;
+            let name = policy.policy.name();
             send(
                 &*self.backend,
-                &self.policy,
+                &policy.backend,
+                name,
                 &self.key,
                 NonZeroU32::MIN,
                 release,
@@ -327,7 +330,7 @@ impl<Bk: Backend> Drop for Slot<Bk> {
 
 /// A lease id unique to a request: a counter from a random start per process, so that the
 /// instances sharing a store do not give out the same ids.
-fn next_lease() -> u64 {
+pub(crate) fn next_lease() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     use std::sync::atomic::{AtomicU64, Ordering};
     static NEXT: std::sync::OnceLock<AtomicU64> = std::sync::OnceLock::new();
@@ -424,21 +427,30 @@ impl<Bk: Backend> Charging<Bk> {
     }
 
     fn send(&self, mode: Mode, units: NonZeroU32) {
-        send(&*self.backend, &self.policy, &self.key, units, mode);
+        let policy = &self.policy;
+        let name = policy.policy.name();
+        send(
+            &*self.backend,
+            &policy.backend,
+            name,
+            &self.key,
+            units,
+            mode,
+        );
     }
 }
 
 /// Makes a settlement on the store: at once for an in-memory store, else in a task of its own
 /// (the response does not wait for it; the store's timeout bounds it).
-fn send<Bk: Backend>(
+pub(crate) fn send<Bk: Backend>(
     backend: &Bk,
-    policy: &Prepared<Bk::Policy>,
+    policy: &Bk::Policy,
+    name: &str,
     key: &Key,
     units: NonZeroU32,
     mode: Mode,
 ) {
-    let mut settled = backend.decide_with(&policy.backend, key, units, mode);
-    let name = policy.policy.name();
+    let mut settled = backend.decide_with(policy, key, units, mode);
     match Pin::new(&mut settled).poll(&mut Context::from_waker(Waker::noop())) {
         Poll::Ready(Ok(_)) => {}
         Poll::Ready(Err(error)) => {

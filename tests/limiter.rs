@@ -165,3 +165,64 @@ async fn two_limiters_on_one_redis_share_the_rate() {
         assert!(pair[1] - pair[0] >= Duration::from_millis(30), "{done:?}");
     }
 }
+
+/// Permits on `backend`: two in flight, a third refused; a dropped permit gives its slot back;
+/// a settled one charges its real cost (into debt) and gives its slot back.
+async fn permits<B: tollgate::backend::Backend>(backend: B, who: &str) {
+    let policy = Policy::new("jobs", Quota::concurrent(2)).and(Quota::per_hour(10));
+    let limiter = Limiter::new(policy, backend).unwrap();
+    let k = key("tenant");
+    let first = limiter.admit(&k, cost(1)).await.unwrap();
+    let second = limiter.admit(&k, cost(1)).await.unwrap();
+    assert_eq!(second.decision().quotas()[0].remaining, 0, "{who}");
+    match limiter.admit(&k, cost(1)).await {
+        Err(AcquireError::TooLong(d)) => assert_eq!(d.retry_after(), Some(Duration::from_secs(1))),
+        other => panic!("{who}: {other:?}"),
+    }
+    drop(first);
+    // Given back at once in memory, in a task of its own for a store.
+    let mut third = None;
+    for _ in 0..100 {
+        match limiter.admit(&k, cost(1)).await {
+            Ok(permit) => {
+                third = Some(permit);
+                break;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+        }
+    }
+    let third = third.unwrap_or_else(|| panic!("{who}: the dropped permit's slot came back"));
+    // The second job cost 12 in all: the hourly quota is 4 in debt.
+    second.settle(12).await.unwrap();
+    third.settle(1).await.unwrap();
+    let d = limiter.peek(&k, cost(1)).await.unwrap();
+    assert_eq!(d.quotas()[0].remaining, 2, "{who}: every slot back: {d:?}");
+    assert!(!d.is_allowed(), "{who}: in debt: {d:?}");
+    match limiter.admit(&k, cost(1)).await {
+        Err(AcquireError::TooLong(d)) => {
+            // 5 units over (4 in debt, and this one): 5 × 6 min, less the time the test took.
+            let wait = d.retry_after().unwrap();
+            assert!(
+                wait > Duration::from_secs(1790) && wait <= Duration::from_secs(1800),
+                "{who}: {d:?}"
+            )
+        }
+        other => panic!("{who}: {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn permits_local() {
+    permits(LocalBackend::new(), "local").await;
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn permits_redis() {
+    let server = support::RedisServer::start();
+    let backend = tollgate::backend::redis::RedisBackend::builder()
+        .url(server.url())
+        .build()
+        .unwrap();
+    permits(backend, "redis").await;
+}
