@@ -174,6 +174,28 @@ impl Mode {
         }
     }
 
+    /// How the stores' scripts and procedures receive this mode: `(arg, op)`, op 0 a decision
+    /// (`arg` a reservation's longest wait in ns, 0 for a decision), 1 a peek, 2 a decision
+    /// holding a slot under the lease id `arg`, 3 a refund of units taken `arg` µs ago, 4 a
+    /// debit, 5 the release of the lease `arg`.
+    #[cfg_attr(
+        not(any(feature = "redis", feature = "postgres", feature = "mysql")),
+        allow(dead_code)
+    )]
+    pub(crate) fn op_arg(self) -> (u64, u64) {
+        match self {
+            Mode::Peek => (0, 1),
+            Mode::Hold { lease } => (lease, 2),
+            Mode::Refund { admitted_ago } => (
+                u64::try_from(admitted_ago.as_micros()).unwrap_or(u64::MAX),
+                3,
+            ),
+            Mode::Debit => (0, 4),
+            Mode::Release { lease } => (lease, 5),
+            Mode::Decide | Mode::Reserve { .. } => (self.max_wait_ns(), 0),
+        }
+    }
+
     /// Whether this is a settlement ([`Refund`](Mode::Refund), [`Debit`](Mode::Debit) or
     /// [`Release`](Mode::Release)).
     pub fn is_settlement(self) -> bool {

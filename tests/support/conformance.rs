@@ -805,3 +805,34 @@ pub async fn blocks<B: Backend>(backend: &B, advance: impl Fn(Duration), who: &s
     assert!(d.is_blocked(), "{who}: {d:?}");
     assert_eq!(d.retry_after(), Some(ms(1000)), "{who}: {d:?}");
 }
+
+/// Leases, on the shared stores (the local backend needs none): a slot whose request still
+/// runs after the lease time is given back (so a killed instance cannot hold slots longer),
+/// and that request's release, when it comes, gives back nothing more. One slot, a lease of a
+/// second, at times set by `advance`.
+pub async fn leases<B: Backend>(backend: &B, advance: impl Fn(Duration), who: &str) {
+    use tollgate::backend::Mode;
+    let policy = Policy::new("lease", Quota::concurrent(1).lease(Duration::from_secs(1)));
+    let p = prepare(backend, &policy);
+    let k = key("k");
+    let ask = |mode| backend.decide_with(&p, &k, cost(1), mode);
+    let hold = |lease| Mode::Hold { lease };
+    assert!(ask(hold(1)).await.unwrap().is_allowed(), "{who}");
+    assert!(!ask(hold(2)).await.unwrap().is_allowed(), "{who}");
+    advance(Duration::from_millis(999));
+    assert!(!ask(hold(2)).await.unwrap().is_allowed(), "{who}");
+    advance(Duration::from_millis(1));
+    // Lease 1 expired: its slot is free again, and lease 2 takes it.
+    let d = ask(hold(2)).await.unwrap();
+    assert!(d.is_allowed(), "{who}: {d:?}");
+    // Lease 1's request ends: nothing to give back; lease 2 still holds the slot.
+    let d = ask(Mode::Release { lease: 1 }).await.unwrap();
+    assert_eq!(d.quotas()[0].remaining, 0, "{who}: {d:?}");
+    assert!(!ask(hold(3)).await.unwrap().is_allowed(), "{who}");
+    let d = ask(Mode::Release { lease: 2 }).await.unwrap();
+    assert_eq!(d.quotas()[0].remaining, 1, "{who}: {d:?}");
+    // Lease ids are 64 bits, all of them.
+    assert!(ask(hold(u64::MAX)).await.unwrap().is_allowed(), "{who}");
+    let d = ask(Mode::Release { lease: u64::MAX }).await.unwrap();
+    assert_eq!(d.quotas()[0].remaining, 1, "{who}: {d:?}");
+}

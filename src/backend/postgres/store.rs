@@ -210,6 +210,7 @@ pub(crate) fn to_backend(err: CallError) -> BackendError {
 
 impl Store for PgStore {
     const KIND: &'static str = "postgres";
+    const SETTLES: bool = true;
     type Prepared = Prepared;
 
     fn prepare(&self, policy: &Policy, params: &[QuotaParams]) -> Result<Prepared, ConfigError> {

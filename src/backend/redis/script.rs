@@ -105,17 +105,7 @@ pub(crate) fn runs(
 ) -> SmallVec<[[u64; 5]; 4]> {
     let mut runs: SmallVec<[[u64; 5]; 4]> = SmallVec::new();
     for (policy, cost, mode) in decisions {
-        let (arg, op) = match mode {
-            Mode::Peek => (0, 1),
-            Mode::Hold { lease } => (lease, 2),
-            Mode::Refund { admitted_ago } => (
-                u64::try_from(admitted_ago.as_micros()).unwrap_or(u64::MAX),
-                3,
-            ),
-            Mode::Debit => (0, 4),
-            Mode::Release { lease } => (lease, 5),
-            _ => (mode.max_wait_ns(), 0),
-        };
+        let (arg, op) = mode.op_arg();
         let run = [1, policy as u64, u64::from(cost), arg, op];
         match runs.last_mut() {
             Some(last) if last[1..] == run[1..] => last[0] += 1,

@@ -10,6 +10,8 @@
 //! | GCRA | code, TAT after the decision relative to now (ns, 0: full) |
 //! | fixed window | code, count after the decision, µs until the window's end |
 //! | sliding window | code, µs into the current sub-window, the sub-windows' counts after the decision (oldest first) |
+//! | concurrent | code, slots held after the decision |
+//! | a policy's block (last) | 1 and the µs left when the key is blocked, else 0, 0 |
 //!
 //! A sliding window's `remaining` and waits are computed here, from the counts, by the local
 //! backend's own window code.
@@ -58,17 +60,28 @@ pub(crate) struct Prepared {
     /// The length of `<prefix>`, kept in digested keys.
     pub(crate) prefix_len: usize,
     pub(crate) key_suffixes: Vec<Box<[u8]>>,
-    /// Four numbers per quota: kind, length (ns or µs), limit, sub-windows.
+    /// Four numbers per quota: kind, length (ns or µs), limit, sub-windows; a policy that
+    /// blocks keys once refused has one more, `4, block µs, 1, 0`, last, with its own key.
     pub(crate) quotas: Vec<i64>,
+    /// Whether the policy blocks keys once refused (`block_for`).
+    pub(crate) blocks: bool,
 }
 
 impl Prepared {
     pub(crate) fn new(prefix: &str, policy: &crate::Policy, params: &[QuotaParams]) -> Self {
+        let block_us = (policy.block()).map(|b| i64::try_from(b.as_micros()).unwrap_or(i64::MAX));
+        let mut key_suffixes = keys::quota_suffixes(params);
+        let mut quotas: Vec<i64> = params.iter().flat_map(quota_args).collect();
+        if let Some(us) = block_us {
+            key_suffixes.push(format!("b{us}").into_bytes().into_boxed_slice());
+            quotas.extend([4, us, 1, 0]);
+        }
         Prepared {
             key_prefix: keys::policy_prefix(prefix, policy.name()),
             prefix_len: prefix.len(),
-            key_suffixes: keys::quota_suffixes(params),
-            quotas: params.iter().flat_map(quota_args).collect(),
+            key_suffixes,
+            quotas,
+            blocks: block_us.is_some(),
         }
     }
 }
@@ -87,8 +100,9 @@ fn quota_args(p: &QuotaParams) -> [i64; 4] {
 }
 
 /// A call's arguments: the row keys (one per quota of every decision), four numbers per key,
-/// and per decision its number of keys, its cost, a reservation's longest wait (ns, 0 for a
-/// decision) and whether it only peeks.
+/// and per decision its number of keys, its cost, and its mode as `arg, op`
+/// ([`Mode::op_arg`]; a store that does not settle gets only ops 0 and 1: 0 a decision, `arg`
+/// a reservation's longest wait in ns, 1 a peek).
 #[derive(Debug, Default)]
 pub(crate) struct Args {
     pub(crate) keys: Vec<Vec<u8>>,
@@ -109,12 +123,17 @@ impl Args {
                 args.keys.push(key);
             }
             args.quotas.extend_from_slice(&p.quotas);
-            let max_wait = i64::try_from(job.mode.max_wait_ns()).unwrap_or(i64::MAX);
+            let (arg, op) = match job.mode {
+                // A store that does not settle holds no slots: a plain decision.
+                Mode::Hold { .. } if !S::SETTLES => (0, 0),
+                mode => mode.op_arg(),
+            };
             args.decisions.extend([
                 p.key_suffixes.len() as i64,
                 i64::from(job.cost.get()),
-                max_wait,
-                i64::from(job.mode == Mode::Peek),
+                // A lease id's 64 bits as they are (the store compares them, nothing more).
+                arg as i64,
+                op as i64,
             ]);
         }
         args
@@ -137,23 +156,27 @@ pub(crate) fn row_keys(p: &Prepared, key: &Key) -> Vec<Vec<u8>> {
 
 /// Reads a call's reply, decision after decision. A reply too short for a decision fails that
 /// decision (and the ones after it) as a protocol error.
-pub(crate) fn decisions<S: Store>(
+pub(crate) fn decisions<S: Store<Prepared = Prepared>>(
     reply: &[i64],
     jobs: &[Job<S>],
 ) -> Vec<Result<Decision, BackendError>> {
-    decode_all(reply, jobs.iter().map(|j| (j.params(), j.cost, j.mode)))
+    decode_all(
+        reply,
+        jobs.iter()
+            .map(|j| (j.params(), j.cost, j.mode, j.prepared().blocks)),
+    )
 }
 
 /// The decisions of a reply, from each decision's quotas, cost and mode.
 fn decode_all<'a>(
     reply: &[i64],
-    items: impl IntoIterator<Item = (&'a [QuotaParams], NonZeroU32, Mode)>,
+    items: impl IntoIterator<Item = (&'a [QuotaParams], NonZeroU32, Mode, bool)>,
 ) -> Vec<Result<Decision, BackendError>> {
     let items: Vec<_> = items.into_iter().collect();
     let mut at = 0;
     let mut out = Vec::with_capacity(items.len());
-    for (params, cost, mode) in &items {
-        let d = decision(reply, &mut at, params, *cost, *mode);
+    for (params, cost, mode, blocks) in &items {
+        let d = decision(reply, &mut at, params, *cost, *mode, *blocks);
         if let Err(err) = &d {
             // Where the next decision starts is unknown now: it and the rest fail too.
             let err = clone_error(err);
@@ -187,6 +210,7 @@ fn decision(
     params: &[QuotaParams],
     cost: NonZeroU32,
     mode: Mode,
+    blocks: bool,
 ) -> Result<Decision, BackendError> {
     let mut states = SmallVec::<[QuotaState; 2]>::new();
     let mut wait = 0;
@@ -226,6 +250,24 @@ fn decision(
                 window::in_flight_state(index, p, nonneg(r[1]), code != window::Code::Denied)
             }
         });
+    }
+    // The block, last: `1, µs left` when the key is blocked (before this decision, or from
+    // it), `0, 0` otherwise. Settlements are made whatever the block.
+    if blocks {
+        let Some(&[code, left]) = reply.get(*at..*at + 2) else {
+            *at = reply.len() + 1;
+            return Err(protocol(format!(
+                "the store's reply is too short ({} integers)",
+                reply.len()
+            )));
+        };
+        *at += 2;
+        if code == 1
+            && !mode.is_settlement()
+            && let Some(p) = params.first()
+        {
+            return Ok(Decision::blocked(p, Duration::from_micros(nonneg(left))));
+        }
     }
     let decision = Decision::new(states).never_fits_alone();
     Ok(if decision.is_allowed() {
@@ -486,7 +528,7 @@ mod tests {
     #[test]
     fn a_bad_decision_fails_the_rest_of_the_reply() {
         let gcra = QuotaParams::gcra(200_000_000, NonZeroU32::new(10).unwrap());
-        let one = (&[gcra][..], NonZeroU32::MIN, Mode::Decide);
+        let one = (&[gcra][..], NonZeroU32::MIN, Mode::Decide, false);
         // An unknown code in the first: where the second starts is unknown, it fails too.
         let out = decode_all(&[9, 0, 0, 0], [one, one]);
         assert_eq!(out.len(), 2);
@@ -517,14 +559,42 @@ mod tests {
         let mut at = 0;
         // GCRA allowed (one unit used); sliding: 100 ms into a 1 s sub-window, counts 4 and 1.
         let reply = [0, 200_000_000, 0, 100_000, 4, 1];
-        let d = decision(&reply, &mut at, &params, NonZeroU32::MIN, Mode::Decide).unwrap();
+        let d = decision(
+            &reply,
+            &mut at,
+            &params,
+            NonZeroU32::MIN,
+            Mode::Decide,
+            false,
+        )
+        .unwrap();
         assert_eq!(at, reply.len());
         assert_eq!(d.quotas()[0].remaining, 9);
         // E = 4 × 0.9 + 1 = 4.6: 5 more fit.
         assert_eq!(d.quotas()[1].remaining, 5);
         let mut at = 0;
-        assert!(decision(&reply[..5], &mut at, &params, NonZeroU32::MIN, Mode::Decide).is_err());
+        assert!(
+            decision(
+                &reply[..5],
+                &mut at,
+                &params,
+                NonZeroU32::MIN,
+                Mode::Decide,
+                false
+            )
+            .is_err()
+        );
         let mut at = 0;
-        assert!(decision(&[7, 0], &mut at, &[gcra], NonZeroU32::MIN, Mode::Decide).is_err());
+        assert!(
+            decision(
+                &[7, 0],
+                &mut at,
+                &[gcra],
+                NonZeroU32::MIN,
+                Mode::Decide,
+                false
+            )
+            .is_err()
+        );
     }
 }

@@ -18,7 +18,9 @@
 --               sliding window: the index of the newest sub-window kept (now_us / sub-window)
 --   n           fixed window: the count of window a
 --   c           sliding window: the slices + 1 counts kept, oldest first, the last that of
---               sub-window a (NULL otherwise; counts of another length count as nothing)
+--               sub-window a (NULL otherwise; counts of another length count as nothing);
+--               concurrent quota: the leases, (id, expiry in us since the epoch) pairs
+--   (a block: a is the Unix time in us it ends)
 --   expires_us  us since the epoch after which the row is the same as no row (GCRA: the TAT,
 --               rounded up, when the bucket is full again; fixed: the window's end; sliding:
 --               when every count has slid out); the sweep deletes rows past it.
@@ -38,11 +40,23 @@ CREATE {unlogged}TABLE IF NOT EXISTS {table} (
 --                0, emission interval (ns >= 1), burst (>= 1), 0          GCRA
 --                1, window (us >= 1), limit (>= 1), 0                     fixed window
 --                2, sub-window (us >= 1), limit (>= 1), slices (>= 1)     sliding window
---   decisions  4 numbers per decision: q (it uses the next q keys), cost (>= 1), max_wait
---              (ns; > 0: a reservation: a GCRA quota passes when the cost fits within it, and
---              is charged as of the time the request goes on, the longest wait over the
---              decision's GCRA quotas), peek (1: answer what the decision would get, write
---              nothing)
+--                3, lease (ms >= 1), slots (>= 1), 0                      requests in flight
+--                4, block (us >= 1), 1, 0      a penalty, last of its decision's keys if any:
+--                                              once a quota refuses (code 1), the key is
+--                                              refused for `block` us (not extended meanwhile)
+--   decisions  4 numbers per decision: q (it uses the next q keys), cost (>= 1), arg, op:
+--                0  decide; arg > 0 makes it a reservation: a GCRA quota passes when the cost
+--                   fits within arg ns, and is charged as of the time the request goes on,
+--                   the longest wait over the decision's GCRA quotas; a concurrent quota is
+--                   checked, no slot taken
+--                1  peek: answer what the decision would get, write nothing
+--                2  decide, and hold a slot of each concurrent quota under the lease id arg
+--                3  refund cost units taken arg us ago (a GCRA bucket never past full, a
+--                   window only into the (sub-)window that counted them)
+--                4  debit cost more units (past empty: into debt)
+--                5  release the slot held under the lease id arg (none if it expired)
+--              (3 to 5 are settlements: always allowed, concurrent quotas untouched by 3 and
+--              4, rate quotas by 5)
 --   now_ns     NULL: the database's clock (clock_timestamp(), read once the keys are locked);
 --              otherwise a fixed time in ns since the epoch (tests)
 -- Reply, decision after decision, quota after quota (codes: 0 allowed, 1 denied, 2 never fits:
@@ -52,6 +66,9 @@ CREATE {unlogged}TABLE IF NOT EXISTS {table} (
 --   fixed    code, count after the decision, us until the window's end
 --   sliding  code, r = now_us mod sub-window, then the slices + 1 counts after the decision,
 --            oldest first (moved on to now's sub-window)
+--   concurrent  code, slots held after the decision
+--   block    1 and the us left when the key is blocked (before the decision or from it), else
+--            0, 0
 --
 -- Exactness under concurrency (any number of connections and instances, READ COMMITTED, no
 -- SERIALIZABLE needed):
@@ -134,6 +151,19 @@ DECLARE
     w bigint;
     wq bigint;
     saved bigint;
+    -- The decision's op and arg (see above), and whether a quota refused it (code 1: a
+    -- block starts).
+    op bigint;
+    arg bigint;
+    refusal boolean;
+    ip int;
+    -- The live leases of the call's concurrent keys: id, expiry (us), slot (0: released).
+    lids bigint[] := ARRAY[]::bigint[];
+    lexp bigint[] := ARRAY[]::bigint[];
+    lslot int[] := ARRAY[]::int[];
+    nl int := 0;
+    newc bigint[];
+    ex bigint;
 BEGIN
     IF nk = 0 THEN
         RETURN reply;
@@ -180,6 +210,23 @@ BEGIN
             -- Another window's count (a past one, or a future one after a clock step back)
             -- is not this window's.
             st[p] := CASE WHEN rec.ra = now_us / qa THEN rec.rn ELSE 0 END;
+        ELSIF kind = 3 THEN
+            -- The leases still running (the expired ones are dropped).
+            st[p] := 0;
+            IF rec.rc IS NOT NULL AND array_lower(rec.rc, 1) = 1 THEN
+                FOR i IN 1 .. cardinality(rec.rc) / 2 LOOP
+                    IF rec.rc[2 * i] > now_us THEN
+                        nl := nl + 1;
+                        lids[nl] := rec.rc[2 * i - 1];
+                        lexp[nl] := rec.rc[2 * i];
+                        lslot[nl] := p;
+                        st[p] := st[p] + 1;
+                    END IF;
+                END LOOP;
+            END IF;
+        ELSIF kind = 4 THEN
+            -- The us left of the block.
+            st[p] := greatest(rec.ra - now_us, 0);
         ELSE
             m := quotas[4 * p] + 1;
             ix := now_us / qa;
@@ -215,10 +262,97 @@ BEGIN
     FOR d IN 1 .. coalesce(cardinality(decisions), 0) / 4 LOOP
         nq := decisions[4 * d - 3];
         cost := decisions[4 * d - 2];
-        maxw := decisions[4 * d - 1];
-        pk := decisions[4 * d] = 1;
+        arg := decisions[4 * d - 1];
+        op := decisions[4 * d];
+        maxw := CASE WHEN op = 0 THEN arg ELSE 0 END;
+        pk := op = 1;
         denied := false;
+        refusal := false;
         w := 0;
+        IF op >= 3 THEN
+            -- A settlement: every quota as the op says, always allowed.
+            FOR j IN 1 .. nq LOOP
+                p := pos + j;
+                s := slot[p];
+                kind := quotas[4 * p - 3];
+                qa := quotas[4 * p - 2];
+                IF kind = 0 THEN
+                    IF op = 3 THEN
+                        -- Never past full: a TAT before now is a full bucket.
+                        st[s] := greatest(st[s] - cost * qa, 0);
+                        dirty[s] := true;
+                    ELSIF op = 4 THEN
+                        st[s] := st[s] + cost * qa;
+                        dirty[s] := true;
+                    END IF;
+                    reply[nr + 1] := 0;
+                    reply[nr + 2] := least(st[s], 9000000000000000000);
+                    nr := nr + 2;
+                ELSIF kind = 1 THEN
+                    IF op = 3 THEN
+                        -- Only into the window that counted the units.
+                        IF (now_us - arg) / qa = now_us / qa THEN
+                            st[s] := greatest(st[s] - cost, 0);
+                            dirty[s] := true;
+                        END IF;
+                    ELSIF op = 4 THEN
+                        st[s] := st[s] + cost;
+                        dirty[s] := true;
+                    END IF;
+                    reply[nr + 1] := 0;
+                    reply[nr + 2] := st[s];
+                    reply[nr + 3] := qa - now_us % qa;
+                    nr := nr + 3;
+                ELSIF kind = 2 THEN
+                    m := quotas[4 * p] + 1;
+                    o := off[s];
+                    IF op = 3 THEN
+                        -- Only into the sub-window that counted the units, if still counted.
+                        ix := m - (st[s] - (now_us - arg) / qa);
+                        IF ix >= 1 AND ix <= m THEN
+                            ip := ix;
+                            r := least(cs[o + ip], cost);
+                            cs[o + ip] := cs[o + ip] - r;
+                            IF ip >= 2 THEN
+                                rest[s] := rest[s] - r;
+                            END IF;
+                            dirty[s] := true;
+                        END IF;
+                    ELSIF op = 4 THEN
+                        cs[o + m] := cs[o + m] + cost;
+                        rest[s] := rest[s] + cost;
+                        dirty[s] := true;
+                    END IF;
+                    reply[nr + 1] := 0;
+                    reply[nr + 2] := now_us % qa;
+                    nr := nr + 2;
+                    FOR y IN 1 .. m LOOP
+                        reply[nr + y] := cs[o + y];
+                    END LOOP;
+                    nr := nr + m;
+                ELSIF kind = 3 THEN
+                    IF op = 5 THEN
+                        FOR i IN 1 .. nl LOOP
+                            IF lslot[i] = s AND lids[i] = arg THEN
+                                lslot[i] := 0;
+                                st[s] := st[s] - 1;
+                                dirty[s] := true;
+                                EXIT;
+                            END IF;
+                        END LOOP;
+                    END IF;
+                    reply[nr + 1] := 0;
+                    reply[nr + 2] := st[s];
+                    nr := nr + 2;
+                ELSE
+                    reply[nr + 1] := CASE WHEN st[s] > 0 THEN 1 ELSE 0 END;
+                    reply[nr + 2] := st[s];
+                    nr := nr + 2;
+                END IF;
+            END LOOP;
+            pos := pos + nq;
+            CONTINUE;
+        END IF;
         -- First every quota is checked, nothing changed.
         FOR j IN 1 .. nq LOOP
             p := pos + j;
@@ -226,7 +360,13 @@ BEGIN
             kind := quotas[4 * p - 3];
             qa := quotas[4 * p - 2];
             lim := quotas[4 * p - 1];
-            IF cost > lim THEN
+            IF kind = 4 THEN
+                -- Blocked: refused, whatever the quotas hold.
+                code := CASE WHEN st[s] > 0 THEN 1 ELSE 0 END;
+            ELSIF kind = 3 THEN
+                -- One slot per request, whatever its cost.
+                code := CASE WHEN st[s] + 1 > lim THEN 1 ELSE 0 END;
+            ELSIF cost > lim THEN
                 code := 2;
             ELSIF kind = 0 THEN
                 -- Fits when TAT + T * (cost - burst) <= 0 (TAT relative to now); a
@@ -249,6 +389,9 @@ BEGIN
             IF code <> 0 THEN
                 denied := true;
             END IF;
+            IF code = 1 AND kind <> 4 THEN
+                refusal := true;
+            END IF;
         END LOOP;
         -- Then, all allowed, every quota takes the cost; or, one denied, none does.
         FOR j IN 1 .. nq LOOP
@@ -257,9 +400,26 @@ BEGIN
             kind := quotas[4 * p - 3];
             qa := quotas[4 * p - 2];
             code := codes[j];
-            IF denied THEN
+            IF kind = 4 THEN
+                -- A refusal starts a block, unless one runs (a peek starts none).
+                IF refusal AND st[s] = 0 AND NOT pk THEN
+                    st[s] := qa;
+                    dirty[s] := true;
+                END IF;
+                code := CASE WHEN st[s] > 0 THEN 1 ELSE 0 END;
+            ELSIF denied THEN
                 IF code = 0 THEN
                     code := 3;
+                END IF;
+            ELSIF kind = 3 THEN
+                -- A slot is taken under the request's lease (op 2); otherwise only checked.
+                IF op = 2 THEN
+                    st[s] := st[s] + 1;
+                    nl := nl + 1;
+                    lids[nl] := arg;
+                    lexp[nl] := now_us + qa * 1000;
+                    lslot[nl] := s;
+                    dirty[s] := true;
                 END IF;
             ELSE
                 -- A peek changes the state for its reply, and puts it back after.
@@ -288,6 +448,10 @@ BEGIN
                 reply[nr + 2] := st[s];
                 reply[nr + 3] := qa - now_us % qa;
                 nr := nr + 3;
+            ELSIF kind >= 3 THEN
+                reply[nr + 1] := code;
+                reply[nr + 2] := st[s];
+                nr := nr + 2;
             ELSE
                 m := quotas[4 * p] + 1;
                 o := off[s];
@@ -299,7 +463,7 @@ BEGIN
                 END LOOP;
                 nr := nr + m;
             END IF;
-            IF pk AND NOT denied THEN
+            IF pk AND NOT denied AND kind <= 2 THEN
                 IF kind = 2 THEN
                     cs[o + m] := cs[o + m] - cost;
                     rest[s] := rest[s] - cost;
@@ -324,6 +488,21 @@ BEGIN
         ELSIF kind = 1 THEN
             ix := now_us / qa;
             UPDATE {table} SET a = ix, n = st[q], c = NULL, expires_us = (ix + 1) * qa
+            WHERE k = keys[q];
+        ELSIF kind = 3 THEN
+            -- The leases still held; the row expires with the last.
+            newc := ARRAY[]::bigint[];
+            ex := now_us;
+            FOR i IN 1 .. nl LOOP
+                IF lslot[i] = q THEN
+                    newc := newc || lids[i] || lexp[i];
+                    ex := greatest(ex, lexp[i]);
+                END IF;
+            END LOOP;
+            UPDATE {table} SET a = 0, n = cardinality(newc) / 2, c = newc, expires_us = ex
+            WHERE k = keys[q];
+        ELSIF kind = 4 THEN
+            UPDATE {table} SET a = now_us + st[q], n = 0, c = NULL, expires_us = now_us + st[q]
             WHERE k = keys[q];
         ELSE
             m := quotas[4 * q] + 1;
