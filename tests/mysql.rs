@@ -478,46 +478,47 @@ fn url_errors_show_user_names_and_hide_passwords() {
     assert!(err.contains("postgres://app:***@127.0.0.1:5432/x"), "{err}");
     assert!(!err.contains("hunter2"), "{err}");
 }
-/// Policies that settle after the response, or hold slots, are refused when the layer is built
-/// on a store that does not settle yet, and a settlement asked of it is an error that changes
-/// nothing.
+/// Settlements and slots, as on every backend that settles.
 #[tokio::test]
-async fn policies_that_settle_are_refused_until_mysql_settles() {
-    use tollgate::backend::Mode;
-    use tollgate::settle::ChargeWhen;
+async fn settlements_mysql() {
     let server = MariaDbServer::start();
-    let b = migrated(builder(&server)).await;
-    for (policy, what) in [
-        (
-            Policy::new("login", no_refill(5)).charge_when(ChargeWhen::status([401])),
-            "after their response",
-        ),
-        (Policy::new("exports", Quota::concurrent(2)), "in flight"),
-        (
-            Policy::new("blocked", no_refill(5)).block_for(Duration::from_secs(60)),
-            "blocks keys",
-        ),
-    ] {
-        let err = tollgate::RateLimitLayer::builder()
-            .key(tollgate::key::Global)
-            .backend(b.clone())
-            .policy(policy)
-            .build()
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("mysql") && err.contains(what), "{err}");
-    }
-    let p = prepare(&b, &Policy::new("plain", no_refill(1)));
-    let refund = Mode::Refund {
-        admitted_ago: Duration::ZERO,
-    };
-    for mode in [refund, Mode::Debit, Mode::Release { lease: 1 }] {
-        let err = b
-            .decide_with(&p, &key("k"), cost(1), mode)
-            .await
-            .unwrap_err();
-        assert_eq!(err.kind(), tollgate::BackendErrorKind::Protocol, "{err}");
-    }
-    // Nothing was taken: the one unit is still there.
-    assert!(b.decide(&p, &key("k"), cost(1)).await.unwrap().is_allowed());
+    migrated(builder(&server)).await;
+    let clock = support::conformance::aligned_test_clock();
+    let b = builder(&server).test_clock(clock.clone()).build().unwrap();
+    support::conformance::settlements(&b, |by| clock.advance(by), "mysql").await;
+}
+
+/// Penalties, as on every backend that blocks.
+#[tokio::test]
+async fn blocks_mysql() {
+    let server = MariaDbServer::start();
+    migrated(builder(&server)).await;
+    let clock = TestClock::new();
+    let b = builder(&server).test_clock(clock.clone()).build().unwrap();
+    support::conformance::blocks(&b, |by| clock.advance(by), "mysql").await;
+}
+
+/// Leases expire: a killed instance's slots come back.
+#[tokio::test]
+async fn leases_mysql() {
+    let server = MariaDbServer::start();
+    migrated(builder(&server)).await;
+    let clock = TestClock::new();
+    let b = builder(&server).test_clock(clock.clone()).build().unwrap();
+    support::conformance::leases(&b, |by| clock.advance(by), "mysql").await;
+}
+
+/// A concurrent quota larger than a row can hold leases for is refused when the layer is built.
+#[tokio::test]
+async fn too_many_slots_for_a_row_are_refused() {
+    let url = format!("mysql://root@127.0.0.1:{}/test", closed_port());
+    let b = MysqlBackend::builder().url(url).build().unwrap();
+    let err = tollgate::RateLimitLayer::builder()
+        .key(tollgate::key::Global)
+        .backend(b)
+        .policy(Policy::new("exports", Quota::concurrent(1000)))
+        .build()
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("256") && err.contains("exports"), "{err}");
 }

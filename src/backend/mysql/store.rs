@@ -337,9 +337,26 @@ impl MysqlStore {
 
 impl Store for MysqlStore {
     const KIND: &'static str = "mysql";
+    const SETTLES: bool = true;
     type Prepared = Prepared;
 
     fn prepare(&self, policy: &Policy, params: &[QuotaParams]) -> Result<Prepared, ConfigError> {
+        // A concurrent quota's leases are kept as text in the key's row (`c`, 11 100 bytes):
+        // room for this many, at their longest (`-9223372036854775808:<16 digits>,`).
+        const MAX_SLOTS: u32 = 256;
+        if let Some(p) = params
+            .iter()
+            .find(|p| p.is_concurrent() && p.burst.get() > MAX_SLOTS)
+        {
+            return Err(ConfigError::Invalid {
+                option: "Quota::concurrent",
+                reason: format!(
+                    "policy `{}`: {} slots; the MySQL store holds at most {MAX_SLOTS} per key",
+                    policy.name(),
+                    p.burst
+                ),
+            });
+        }
         sql::Sweeper::start(&self.sweeper);
         Ok(Prepared::new(&self.prefix, policy, params))
     }

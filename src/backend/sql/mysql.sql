@@ -20,7 +20,9 @@
 --   n           fixed window: the count of window a; sliding window: the sum of the counts c
 --   c           sliding window: the slices + 1 counts kept, oldest first, the last that of
 --               sub-window a, decimal, comma-separated (NULL otherwise; counts of another
---               length count as nothing)
+--               length count as nothing); concurrent quota: the leases, "id:expiry_us",
+--               comma-separated (n their number)
+--   (a block: a is the Unix time in us it ends)
 --   expires_us  us since the epoch after which the row is the same as no row (GCRA: the TAT,
 --               rounded up, when the bucket is full again; fixed: the window's end; sliding:
 --               when every count has slid out); the sweep deletes rows past it.
@@ -46,17 +48,30 @@ DROP PROCEDURE IF EXISTS {decide}
 --           keys      = hexkey *( "," hexkey )     every distinct key of the call, once, in
 --                                                  ascending byte order (= ascending order of
 --                                                  the lowercase hex strings)
---           decision  = cost "," max_wait "," peek 1*( "|" quota )
---                                           cost >= 1; max_wait in ns (> 0: a reservation:
---                                           a GCRA quota passes when the cost fits within it,
---                                           charged as of the time the request goes on, the
---                                           longest wait of the decision's GCRA quotas); peek
---                                           1 answers what the decision would get and writes
---                                           nothing; then the decision's quotas
+--           decision  = cost "," arg "," op 1*( "|" quota )
+--                                           cost >= 1; op (arg):
+--                                           0  decide; arg > 0 (ns) makes it a reservation:
+--                                              a GCRA quota passes when the cost fits within
+--                                              it, charged as of the time the request goes
+--                                              on, the longest wait of the decision's GCRA
+--                                              quotas; a concurrent quota is checked only
+--                                           1  peek: what the decision would get, nothing
+--                                              written
+--                                           2  decide, holding a slot of each concurrent
+--                                              quota under the lease id arg
+--                                           3  refund cost units taken arg us ago
+--                                           4  debit cost more units (into debt)
+--                                           5  release the slot of the lease id arg
+--                                           (3 to 5: settlements, always allowed, as in
+--                                           gcra.lua); then the decision's quotas
 --           quota     = kind "," a "," limit "," slices "," hexkey
 --                       0,emission ns (>= 1),burst (>= 1),0            GCRA
 --                       1,window us (>= 1),limit (>= 1),0              fixed window
 --                       2,sub-window us (>= 1),limit (>= 1),slices     sliding window
+--                       3,lease ms (>= 1),slots (>= 1),0               requests in flight
+--                       4,block us (>= 1),1,0                          a penalty, last: once
+--                                                  a quota refuses (code 1), the key is
+--                                                  refused for `block` us
 --         e.g. one GCRA decision of cost 1 on key 0x6b31:  "6b31;1,0,0|0,200000000,10,0,6b31"
 --         Nothing else (no spaces). A key of a quota missing from `keys` is an error (45000).
 -- Reply, decimal integers separated by ",", decision after decision, quota after quota
@@ -67,6 +82,9 @@ DROP PROCEDURE IF EXISTS {decide}
 --   fixed    code, count after the decision, us until the window's end
 --   sliding  code, r = now_us mod sub-window, then the slices + 1 counts after the decision,
 --            oldest first (moved on to now's sub-window)
+--   concurrent  code, slots held after the decision
+--   block    1 and the us left when the key is blocked (before the decision or from it), else
+--            0, 0
 --
 -- Call it in autocommit mode, outside any transaction: the procedure sets READ COMMITTED for
 -- its own transaction (SET TRANSACTION, the next transaction only, which is not allowed while
@@ -112,6 +130,13 @@ BEGIN
     DECLARE mw, wq, wx BIGINT DEFAULT 0;
     DECLARE pk TINYINT DEFAULT 0;
     DECLARE dhead VARCHAR(64);
+    -- The decision's op and arg; whether a quota refused it (code 1: a block starts); the
+    -- leases being filtered (li, lnum, lpart, lx, lmax, lcs) and a refund's sub-window (ip).
+    DECLARE op, arg, lx, lmax BIGINT DEFAULT 0;
+    DECLARE refusal TINYINT DEFAULT 0;
+    DECLARE li, lnum, ip INT;
+    DECLARE lpart VARCHAR(64) CHARACTER SET ascii;
+    DECLARE lcs VARCHAR(11100) CHARACTER SET ascii;
     DECLARE cs VARCHAR(11100) CHARACTER SET ascii;
     DECLARE e DOUBLE;
     DECLARE EXIT HANDLER FOR SQLEXCEPTION
@@ -169,10 +194,12 @@ BEGIN
         SET pos = de + 1;
         SET dhead = SUBSTRING_INDEX(dtext, '|', 1);
         SET cost = CAST(SUBSTRING_INDEX(dhead, ',', 1) AS SIGNED);
-        SET mw = CAST(SUBSTRING_INDEX(SUBSTRING_INDEX(dhead, ',', 2), ',', -1) AS SIGNED);
-        SET pk = CAST(SUBSTRING_INDEX(dhead, ',', -1) AS SIGNED);
+        SET arg = CAST(SUBSTRING_INDEX(SUBSTRING_INDEX(dhead, ',', 2), ',', -1) AS SIGNED);
+        SET op = CAST(SUBSTRING_INDEX(dhead, ',', -1) AS SIGNED);
+        SET mw = IF(op = 0, arg, 0), pk = IF(op = 1, 1, 0);
         SET nq = LENGTH(dtext) - LENGTH(REPLACE(dtext, '|', ''));
-        SET pass = IF(nq = 1, 0, 1), denied = 0, codes = '', wx = 0;
+        -- Settlements are made in one pass, always allowed.
+        SET pass = IF(nq = 1 OR op >= 3, 0, 1), denied = 0, refusal = 0, codes = '', wx = 0;
         passes: LOOP
             SET i = 1;
             WHILE i <= nq DO
@@ -227,6 +254,25 @@ BEGIN
                     ELSE
                         SET code = 0;
                     END IF;
+                ELSEIF kind = 3 THEN
+                    -- The leases still running (expired ones dropped; a release's too), and
+                    -- the last expiry among them. One slot per request, whatever its cost.
+                    SET lcs = '', cur = 0, lmax = now_us, li = 1;
+                    SET lnum = IF(rc IS NULL OR rc = '', 0, LENGTH(rc) - LENGTH(REPLACE(rc, ',', '')) + 1);
+                    WHILE li <= lnum DO
+                        SET lpart = SUBSTRING_INDEX(SUBSTRING_INDEX(rc, ',', li), ',', -1);
+                        SET lx = CAST(SUBSTRING_INDEX(lpart, ':', -1) AS SIGNED);
+                        IF lx > now_us AND NOT (op = 5 AND CAST(SUBSTRING_INDEX(lpart, ':', 1) AS SIGNED) = arg) THEN
+                            SET lcs = IF(lcs = '', lpart, CONCAT(lcs, ',', lpart));
+                            SET cur = cur + 1, lmax = GREATEST(lmax, lx);
+                        END IF;
+                        SET li = li + 1;
+                    END WHILE;
+                    SET code = IF(cur + 1 > lim, 1, 0);
+                ELSEIF kind = 4 THEN
+                    -- Blocked for cur us more: refused, whatever the quotas hold.
+                    SET cur = GREATEST(ra - now_us, 0);
+                    SET code = IF(cur > 0, 1, 0);
                 ELSE
                     SET m = sl + 1, ix = now_us DIV qa, r = now_us % qa;
                     SET newest = ix, byn = m;
@@ -267,14 +313,95 @@ BEGIN
                     IF code <> 0 THEN
                         SET denied = 1;
                     END IF;
+                    IF code = 1 AND kind <> 4 THEN
+                        SET refusal = 1;
+                    END IF;
+                ELSEIF op >= 3 THEN
+                    -- A settlement: the quota as the op says.
+                    SET code = 0;
+                    IF kind = 0 THEN
+                        IF op = 3 THEN
+                            -- Never past full: a TAT before now is a full bucket.
+                            SET cur = GREATEST(cur - cost * qa, 0);
+                        ELSEIF op = 4 THEN
+                            SET cur = cur + cost * qa;
+                        END IF;
+                        IF op <> 5 THEN
+                            SET ra = now_ns + cur, rn = 0, rc = NULL, rexp = (now_ns + cur + 999) DIV 1000;
+                            SET dirty = 1;
+                        END IF;
+                    ELSEIF kind = 1 THEN
+                        IF op = 3 AND (now_us - arg) DIV qa = w THEN
+                            -- Only into the window that counted the units.
+                            SET cur = GREATEST(cur - cost, 0);
+                            SET ra = w, rn = cur, rc = NULL, rexp = (w + 1) * qa, dirty = 1;
+                        ELSEIF op = 4 THEN
+                            SET cur = cur + cost;
+                            SET ra = w, rn = cur, rc = NULL, rexp = (w + 1) * qa, dirty = 1;
+                        END IF;
+                    ELSEIF kind = 2 THEN
+                        IF op = 3 THEN
+                            -- Only into the sub-window that counted the units, if still counted.
+                            SET ip = m - (newest - (now_us - arg) DIV qa);
+                            IF ip >= 1 AND ip <= m THEN
+                                SET lcs = '', li = 1;
+                                WHILE li <= m DO
+                                    SET lx = CAST(SUBSTRING_INDEX(SUBSTRING_INDEX(cs, ',', li), ',', -1) AS SIGNED);
+                                    IF li = ip THEN
+                                        SET total = total - LEAST(lx, cost), lx = lx - LEAST(lx, cost);
+                                    END IF;
+                                    SET lcs = IF(li = 1, CAST(lx AS CHAR), CONCAT(lcs, ',', lx));
+                                    SET li = li + 1;
+                                END WHILE;
+                                SET cs = lcs;
+                                SET ra = newest, rn = total, rc = cs, rexp = (newest + m) * qa, dirty = 1;
+                            END IF;
+                        ELSEIF op = 4 THEN
+                            SET cs = CONCAT(SUBSTRING_INDEX(cs, ',', m - 1), ',',
+                                CAST(SUBSTRING_INDEX(cs, ',', -1) AS SIGNED) + cost);
+                            SET total = total + cost;
+                            SET ra = newest, rn = total, rc = cs, rexp = (newest + m) * qa, dirty = 1;
+                        END IF;
+                    ELSEIF kind = 3 THEN
+                        IF op = 5 THEN
+                            SET ra = 0, rn = cur, rc = lcs, rexp = lmax, dirty = 1;
+                        END IF;
+                    ELSE
+                        SET code = IF(cur > 0, 1, 0);
+                    END IF;
+                    IF kind = 0 THEN
+                        SET reply = CONCAT(reply, ',', code, ',', LEAST(cur, 9000000000000000000));
+                    ELSEIF kind = 1 THEN
+                        SET reply = CONCAT(reply, ',', code, ',', cur, ',', qa - r);
+                    ELSEIF kind >= 3 THEN
+                        SET reply = CONCAT(reply, ',', code, ',', cur);
+                    ELSE
+                        SET reply = CONCAT(reply, ',', code, ',', r, ',', cs);
+                    END IF;
                 ELSE
                     IF pass = 2 THEN
                         SET code = CAST(SUBSTRING(codes, i, 1) AS SIGNED);
-                        IF denied AND code = 0 THEN
+                        IF kind = 4 THEN
+                            -- A refusal starts a block, unless one runs (a peek starts none).
+                            IF refusal AND cur = 0 AND pk = 0 THEN
+                                SET cur = qa;
+                                SET ra = now_us + cur, rn = 0, rc = NULL, rexp = now_us + cur;
+                                SET dirty = 1;
+                            END IF;
+                            SET code = IF(cur > 0, 1, 0);
+                        ELSEIF denied AND code = 0 THEN
                             SET code = 3;
                         END IF;
                     END IF;
-                    IF code = 0 THEN
+                    IF kind = 3 THEN
+                        -- A slot is taken under the request's lease (op 2); otherwise checked.
+                        IF code = 0 AND op = 2 THEN
+                            SET lx = now_us + qa * 1000;
+                            SET lcs = IF(lcs = '', CONCAT(arg, ':', lx), CONCAT(lcs, ',', arg, ':', lx));
+                            SET cur = cur + 1;
+                            SET ra = 0, rn = cur, rc = lcs, rexp = GREATEST(lmax, lx), dirty = 1;
+                        END IF;
+                    ELSEIF code = 0 AND kind <> 4 THEN
                         -- Take the cost (a reservation's GCRA quotas as of the time it goes
                         -- on, wx from now); the row (to be written) follows, unless the
                         -- decision only peeks.
@@ -305,6 +432,8 @@ BEGIN
                         SET reply = CONCAT(reply, ',', code, ',', LEAST(cur, 9000000000000000000));
                     ELSEIF kind = 1 THEN
                         SET reply = CONCAT(reply, ',', code, ',', cur, ',', qa - r);
+                    ELSEIF kind >= 3 THEN
+                        SET reply = CONCAT(reply, ',', code, ',', cur);
                     ELSE
                         SET reply = CONCAT(reply, ',', code, ',', r, ',', cs);
                     END IF;
