@@ -94,11 +94,9 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
         match self.project().kind.project() {
-            KindProj::Inner { body, guard } => {
-                let frame = body.poll_frame(cx);
-                if let Poll::Ready(None | Some(Err(_))) = &frame {
-                    guard.take();
-                }
+            KindProj::Inner { mut body, guard } => {
+                let frame = body.as_mut().poll_frame(cx);
+                BodyGuard::observe(guard, &frame, body.is_end_stream());
                 frame
             }
             KindProj::Full { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
@@ -151,15 +149,72 @@ impl From<ResponseBody<axum::body::Body>> for axum::body::Body {
 }
 
 /// Something a response body holds until it ends: a request's slot in a concurrent quota
-/// ([`Quota::concurrent`](crate::Quota::concurrent)), given back when the guard is dropped.
+/// ([`Quota::concurrent`](crate::Quota::concurrent)), given back when the guard is dropped,
+/// and a settlement made when the body ends (a cost reported in a trailer, the bytes sent, a
+/// gRPC status).
 ///
-/// [`Guarded`] drops it when the body's last frame has been read, or when the body is dropped
-/// unfinished (the client went away).
-pub struct BodyGuard(#[allow(dead_code)] Box<dyn Send + Sync>);
+/// [`Guarded`] shows it the body's frames, tells it when the last has been read, and drops it
+/// then, or when the body is dropped unfinished (the client went away: the policy's
+/// cancellation rule applies).
+pub struct BodyGuard(Box<dyn Held>);
+
+/// What a [`BodyGuard`] holds: told of the body's data and trailers as they are read, and of
+/// its end; dropped afterwards (or unfinished).
+pub(crate) trait Held: Send + Sync {
+    /// `n` more bytes of data were read.
+    fn data(&mut self, n: u64);
+    /// The body's trailers were read.
+    fn trailers(&mut self, trailers: &http::HeaderMap);
+    /// The body has ended: everything was read.
+    fn ended(&mut self);
+}
 
 impl BodyGuard {
-    pub(crate) fn new(held: impl Send + Sync + 'static) -> Self {
+    pub(crate) fn new(held: impl Held + 'static) -> Self {
         BodyGuard(Box::new(held))
+    }
+
+    /// The body is complete as it is (one that cannot hold the guard): whatever waited for its
+    /// end is done now, and the guard is dropped.
+    pub fn finish(mut self) {
+        self.0.ended();
+    }
+
+    /// Shows the guard a frame the body produced (`end`: whether the body has ended with it),
+    /// and drops it at the end, or on an error (after which nothing more is read, as for a
+    /// body dropped unfinished).
+    fn observe<D: bytes::Buf, E>(
+        guard: &mut Option<BodyGuard>,
+        frame: &Poll<Option<Result<Frame<D>, E>>>,
+        end: bool,
+    ) {
+        let Some(held) = guard.as_mut() else {
+            return;
+        };
+        match frame {
+            Poll::Ready(Some(Ok(frame))) => {
+                // Trailers are a body's last frame: a server sends them and stops polling.
+                let mut end = end;
+                if let Some(data) = frame.data_ref() {
+                    held.0.data(data.remaining() as u64);
+                } else if let Some(trailers) = frame.trailers_ref() {
+                    held.0.trailers(trailers);
+                    end = true;
+                }
+                if end {
+                    held.0.ended();
+                    guard.take();
+                }
+            }
+            Poll::Ready(None) => {
+                held.0.ended();
+                guard.take();
+            }
+            Poll::Ready(Some(Err(_))) => {
+                guard.take();
+            }
+            Poll::Pending => {}
+        }
     }
 }
 
@@ -181,11 +236,17 @@ pin_project! {
 }
 
 impl<B: Body> Guarded<B> {
-    /// `body`, holding `guard` until it ends. A body that has already ended drops the guard
-    /// at once.
+    /// `body`, holding `guard` until it ends. A body that has already ended finishes the
+    /// guard at once.
     pub fn new(body: B, guard: BodyGuard) -> Self {
-        let guard = (!body.is_end_stream()).then_some(guard);
-        Guarded { body, guard }
+        if body.is_end_stream() {
+            guard.finish();
+            return Guarded { body, guard: None };
+        }
+        Guarded {
+            body,
+            guard: Some(guard),
+        }
     }
 }
 
@@ -197,12 +258,9 @@ impl<B: Body> Body for Guarded<B> {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<B::Data>, B::Error>>> {
-        let this = self.project();
-        let frame = this.body.poll_frame(cx);
-        // The end: no more frames, or an error (after which nothing more is read).
-        if let Poll::Ready(None | Some(Err(_))) = &frame {
-            this.guard.take();
-        }
+        let mut this = self.project();
+        let frame = this.body.as_mut().poll_frame(cx);
+        BodyGuard::observe(this.guard, &frame, this.body.is_end_stream());
         frame
     }
 
@@ -261,11 +319,12 @@ pub trait RateLimitBody: Sized {
     fn rejection(data: Bytes) -> Self;
 
     /// This body, holding `guard` until it ends (see [`Guarded`]): how a request's slot in a
-    /// concurrent quota is held while its response streams. The default drops the guard at
-    /// once, so that the slot is given back when the response's head is sent; axum's,
-    /// tonic's and the boxed bodies hold it to the end (boxing the body once more).
+    /// concurrent quota is held while its response streams, and a settlement waits for the
+    /// body's end. The default [finishes](BodyGuard::finish) the guard at once, as if the
+    /// body had ended with its head (no bytes or trailers seen); axum's, tonic's and the
+    /// boxed bodies hold it to the end (boxing the body once more).
     fn hold(self, guard: BodyGuard) -> Self {
-        drop(guard);
+        guard.finish();
         self
     }
 }
@@ -333,12 +392,17 @@ impl<B: Body> RateLimitBody for ResponseBody<B> {
 
     fn hold(self, guard: BodyGuard) -> Self {
         match self.kind {
-            Kind::Inner { body, guard: None } => ResponseBody {
-                kind: Kind::Inner {
-                    guard: (!body.is_end_stream()).then_some(guard),
-                    body,
-                },
-            },
+            Kind::Inner { body, guard: None } => {
+                let guard = if body.is_end_stream() {
+                    guard.finish();
+                    None
+                } else {
+                    Some(guard)
+                };
+                ResponseBody {
+                    kind: Kind::Inner { body, guard },
+                }
+            }
             // A rejection, or a body already holding a guard: nothing to hold it for.
             kind => ResponseBody { kind },
         }

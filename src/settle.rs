@@ -19,12 +19,14 @@
 //!
 //! The settlement is made on the same store as the admission, atomically per bucket: a refund
 //! never fills a bucket past full, a debit past empty leaves the key in debt. It is made when
-//! the response's head comes back from the inner service (its status, headers and extensions:
-//! a body that is still streaming does not change it).
+//! the response's head comes back from the inner service (its status, headers and
+//! extensions), or, for the rules that read it ([`ChargeWhen::grpc_status`],
+//! [`CostFrom::trailer`], [`CostFrom::response_bytes`]), when its body ends; a body dropped
+//! before its end (the client went away) is settled by the cancellation rule.
 //!
-//! Which stores settle: the local backend, on every algorithm (a window gives units back only
-//! to the window, or sub-window, that counted them). A policy that settles is refused when the
-//! layer is built on another store, with an error saying so.
+//! Which stores settle: every one (the local backend, Redis, PostgreSQL, MySQL), on every
+//! algorithm (a window gives units back only to the window, or sub-window, that counted them),
+//! except the approximate Redis mode, which refuses such a policy when the layer is built.
 //!
 //! ```
 //! use std::convert::Infallible;
@@ -69,7 +71,7 @@ use http::{Extensions, HeaderMap, HeaderName, Response, StatusCode};
 use crate::Key;
 use crate::admit::{Prepared, Shared};
 use crate::backend::{Backend, Mode};
-use crate::body::{BodyGuard, BodyMode};
+use crate::body::{BodyGuard, BodyMode, Held};
 use crate::response::{HeaderAdds, add_headers};
 use crate::wait::Pauses;
 
@@ -131,6 +133,9 @@ enum Kind {
     ClientError,
     NotServerError,
     Predicate,
+    /// gRPC status codes, known at the body's end (the trailers), or from the head of a
+    /// trailers-only response.
+    Grpc(Vec<i32>),
 }
 
 impl ChargeWhen {
@@ -152,6 +157,18 @@ impl ChargeWhen {
     /// Client errors (`4xx`).
     pub fn client_error() -> Self {
         Self::new(Kind::ClientError, |res| res.status().is_client_error())
+    }
+
+    /// gRPC responses whose status (`grpc-status`, in the trailers, or in the head of a
+    /// trailers-only response; a response without one counts as `2`, UNKNOWN) is one of
+    /// `codes`: e.g. `[16, 7]` (UNAUTHENTICATED, PERMISSION_DENIED) for failed logins. The
+    /// settlement waits for the end of the response's body, where gRPC puts its status.
+    pub fn grpc_status(codes: impl IntoIterator<Item = i32>) -> Self {
+        let codes: Vec<i32> = codes.into_iter().collect();
+        let matching = codes.clone();
+        Self::new(Kind::Grpc(codes), move |res| {
+            matching.contains(&grpc_status(res.headers()).unwrap_or(GRPC_UNKNOWN))
+        })
     }
 
     /// Responses for which `f` is true.
@@ -177,6 +194,10 @@ impl fmt::Debug for ChargeWhen {
             Kind::ClientError => f.write_str("ChargeWhen::client_error"),
             Kind::NotServerError => f.write_str("ChargeWhen::not_server_error"),
             Kind::Predicate => f.write_str("ChargeWhen::predicate(<fn>)"),
+            Kind::Grpc(codes) => f
+                .debug_tuple("ChargeWhen::grpc_status")
+                .field(codes)
+                .finish(),
         }
     }
 }
@@ -191,6 +212,10 @@ pub struct CostFrom(Source);
 enum Source {
     Header(HeaderName),
     Extension,
+    /// A trailer (or, for a trailers-only response, a header) of this name: known at the end.
+    Trailer(HeaderName),
+    /// The data bytes of the response's body, as sent: known at the end.
+    ResponseBytes,
 }
 
 impl CostFrom {
@@ -204,6 +229,20 @@ impl CostFrom {
         CostFrom(Source::Extension)
     }
 
+    /// A trailer holding a decimal count of units, read when the response's body ends (a gRPC
+    /// trailer such as `x-tokens-used`, or an HTTP trailer); a header of that name counts too
+    /// (a gRPC trailers-only response puts its trailers in the head).
+    pub fn trailer(name: HeaderName) -> Self {
+        CostFrom(Source::Trailer(name))
+    }
+
+    /// The response body's data bytes, counted as they are sent, when the body ends: a
+    /// `content-bytes` quota (the IETF draft's `qu="content-bytes"`). A body dropped before its
+    /// end is settled by the cancellation rule.
+    pub fn response_bytes() -> Self {
+        CostFrom(Source::ResponseBytes)
+    }
+
     /// The cost `res` reports, if any.
     fn read(&self, res: &ResponseInfo<'_>) -> Option<u32> {
         match &self.0 {
@@ -212,8 +251,44 @@ impl CostFrom {
                 value.trim().parse().ok()
             }
             Source::Extension => res.extensions().get::<Charge>().map(|c| c.0),
+            Source::Trailer(name) => decimal(res.headers().get(name)?),
+            Source::ResponseBytes => None,
         }
     }
+}
+
+/// A decimal count of units in a header value.
+fn decimal(value: &http::HeaderValue) -> Option<u32> {
+    value.to_str().ok()?.trim().parse().ok()
+}
+
+/// gRPC's UNKNOWN: the status of a response that states none.
+const GRPC_UNKNOWN: i32 = 2;
+
+/// The `grpc-status` in `headers` (the trailers, or a trailers-only response's head).
+fn grpc_status(headers: &HeaderMap) -> Option<i32> {
+    headers
+        .get("grpc-status")?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// What the end of a response's body tells a settlement that waits for it, with what its head
+/// already told.
+#[derive(Debug, Default)]
+struct End {
+    /// Whether the response matched a `ChargeWhen` the head decides (status codes, a
+    /// predicate); `None` without one.
+    head_match: Option<bool>,
+    /// The gRPC status: from a trailers-only head, or the trailers.
+    grpc: Option<i32>,
+    /// The cost a header, an extension or a trailer reported.
+    reported: Option<u32>,
+    /// Data bytes sent.
+    bytes: u64,
 }
 
 /// What a settling request is charged when it ends without a response, for
@@ -238,6 +313,16 @@ pub(crate) struct Rules {
 }
 
 impl Rules {
+    /// Whether the settlement waits for the end of the response's body (a gRPC status, a
+    /// trailer, the bytes sent).
+    fn needs_end(&self) -> bool {
+        matches!(self.when.as_ref().map(|w| &w.kind), Some(Kind::Grpc(_)))
+            || matches!(
+                self.cost.as_ref().map(|c| &c.0),
+                Some(Source::Trailer(_) | Source::ResponseBytes)
+            )
+    }
+
     /// The settlement for a request admitted at `cost` whose response is `res`: the mode and
     /// units, or nothing to do.
     fn settlement(
@@ -246,12 +331,69 @@ impl Rules {
         res: &ResponseInfo<'_>,
         refund: Mode,
     ) -> Option<(Mode, NonZeroU32)> {
-        if let Some(when) = &self.when
-            && !(when.matches)(res)
+        let matched = self.when.as_ref().is_none_or(|when| (when.matches)(res));
+        let reported = || self.cost.as_ref()?.read(res);
+        Self::units(cost, matched, reported, refund)
+    }
+
+    /// What the head of a response tells a settlement that waits for its body's end.
+    fn head(&self, res: &ResponseInfo<'_>) -> End {
+        let head_match = match self.when.as_ref() {
+            Some(when) if !matches!(when.kind, Kind::Grpc(_)) => Some((when.matches)(res)),
+            _ => None,
+        };
+        let reported = self.cost.as_ref().and_then(|c| c.read(res));
+        End {
+            head_match,
+            grpc: grpc_status(res.headers()),
+            reported,
+            bytes: 0,
+        }
+    }
+
+    /// What trailers tell a settlement.
+    fn trailers(&self, end: &mut End, trailers: &HeaderMap) {
+        if let Some(status) = grpc_status(trailers) {
+            end.grpc = Some(status);
+        }
+        if let Some(Source::Trailer(name)) = self.cost.as_ref().map(|c| &c.0)
+            && let Some(n) = trailers.get(name).and_then(decimal)
         {
+            end.reported = Some(n);
+        }
+    }
+
+    /// The settlement of a response whose body has ended, as `end` says.
+    fn settlement_at_end(
+        &self,
+        cost: NonZeroU32,
+        end: &End,
+        refund: Mode,
+    ) -> Option<(Mode, NonZeroU32)> {
+        let matched = match self.when.as_ref().map(|w| &w.kind) {
+            None => true,
+            Some(Kind::Grpc(codes)) => codes.contains(&end.grpc.unwrap_or(GRPC_UNKNOWN)),
+            Some(_) => end.head_match.unwrap_or(true),
+        };
+        let reported = || match self.cost.as_ref().map(|c| &c.0) {
+            Some(Source::ResponseBytes) => Some(u32::try_from(end.bytes).unwrap_or(u32::MAX)),
+            _ => end.reported,
+        };
+        Self::units(cost, matched, reported, refund)
+    }
+
+    /// A request admitted at `cost` whose response `matched` the rule (or not: all of it
+    /// refunded) and `reported` a cost (or not: the admitted cost stands).
+    fn units(
+        cost: NonZeroU32,
+        matched: bool,
+        reported: impl FnOnce() -> Option<u32>,
+        refund: Mode,
+    ) -> Option<(Mode, NonZeroU32)> {
+        if !matched {
             return Some((refund, cost));
         }
-        let reported = self.cost.as_ref()?.read(res)?;
+        let reported = reported()?;
         match reported.cmp(&cost.get()) {
             std::cmp::Ordering::Equal => None,
             std::cmp::Ordering::Greater => {
@@ -297,6 +439,34 @@ pub(crate) struct Settle<Bk: Backend> {
     /// The request's slot in its policy's concurrent quota, when it has one: given back when
     /// the response body ends or is dropped, or when the request ends without a response.
     slot: Option<Slot<Bk>>,
+}
+
+/// What waits for the end of a response's body: a charge whose rules read it, and a slot of a
+/// concurrent quota. At the end the charge settles; dropped before, it settles by its policy's
+/// cancellation rule; the slot is given back either way.
+struct Tail<Bk: Backend> {
+    charge: Option<Charging<Bk>>,
+    /// Held for its drop, which gives the slot back.
+    _slot: Option<Slot<Bk>>,
+    end: End,
+}
+
+impl<Bk: Backend> Held for Tail<Bk> {
+    fn data(&mut self, n: u64) {
+        self.end.bytes = self.end.bytes.saturating_add(n);
+    }
+
+    fn trailers(&mut self, trailers: &HeaderMap) {
+        if let Some(charge) = &self.charge {
+            charge.rules.trailers(&mut self.end, trailers);
+        }
+    }
+
+    fn ended(&mut self) {
+        if let Some(mut charge) = self.charge.take() {
+            charge.settle_at_end(&self.end);
+        }
+    }
 }
 
 /// A request's slot in a concurrent quota, given back when dropped (once taken).
@@ -426,6 +596,17 @@ impl<Bk: Backend> Charging<Bk> {
         }
     }
 
+    /// Settles as the end of the response's body says.
+    fn settle_at_end(&mut self, end: &End) {
+        let Some(admitted) = self.admitted.take() else {
+            return;
+        };
+        let refund = refund_of(admitted);
+        if let Some((mode, units)) = self.rules.settlement_at_end(self.cost, end, refund) {
+            self.send(mode, units);
+        }
+    }
+
     fn send(&self, mode: Mode, units: NonZeroU32) {
         let policy = &self.policy;
         let name = policy.policy.name();
@@ -497,21 +678,40 @@ fn refund_of(admitted: std::time::Instant) -> Mode {
 pub(crate) fn settle<B, M: BodyMode<B>, Bk: Backend>(
     res: Response<B>,
     adds: Option<HeaderAdds>,
-    mut settle: Option<Box<Settle<Bk>>>,
+    settle: Option<Box<Settle<Bk>>>,
 ) -> Response<M::Body> {
-    if let Some(settle) = &mut settle {
-        if let Some((key, pauses)) = &settle.note {
-            pauses.note(key, &res);
-        }
-        if let Some(charge) = &mut settle.charge {
-            charge.settle(&ResponseInfo::new(&res));
-        }
+    if let Some((key, pauses)) = settle.as_ref().and_then(|s| s.note.as_ref()) {
+        pauses.note(key, &res);
     }
-    let slot = settle.and_then(|mut s| s.slot.take()).filter(|s| s.taken);
-    let mut res = match slot {
-        None => M::pass_response(res),
-        // The slot goes with the body, given back when it ends or is dropped.
-        Some(slot) => M::hold(res, BodyGuard::new(slot)),
+    let (charge, slot) = match settle {
+        Some(mut s) => (s.charge.take(), s.slot.take().filter(|s| s.taken)),
+        None => (None, None),
+    };
+    // A charge that waits for the body's end goes with the body, as does a slot: given back
+    // when it ends or is dropped.
+    let charge = match charge {
+        Some(mut charge) if !charge.rules.needs_end() => {
+            charge.settle(&ResponseInfo::new(&res));
+            None
+        }
+        Some(charge) if charge.admitted.is_some() => {
+            let end = charge.rules.head(&ResponseInfo::new(&res));
+            Some((charge, end))
+        }
+        _ => None,
+    };
+    let mut res = if charge.is_none() && slot.is_none() {
+        M::pass_response(res)
+    } else {
+        let (charge, end) = charge.map_or((None, End::default()), |(c, e)| (Some(c), e));
+        M::hold(
+            res,
+            BodyGuard::new(Tail {
+                charge,
+                _slot: slot,
+                end,
+            }),
+        )
     };
     if let Some(adds) = adds {
         add_headers(res.headers_mut(), adds);
@@ -538,7 +738,8 @@ pub(crate) mod serde_forms {
 
     use super::{Cancelled, ChargeWhen, CostFrom, Kind, Source};
 
-    const CHARGE_WHEN: &str = "a list of status codes (e.g. [401, 403]), \"4xx\" or \"not 5xx\"";
+    const CHARGE_WHEN: &str = "a list of status codes (e.g. [401, 403]), \"4xx\", \"not 5xx\" \
+                               or gRPC status codes (e.g. \"grpc 16 7\")";
 
     pub(crate) fn ser_charge_when<S: Serializer>(
         when: &Option<ChargeWhen>,
@@ -549,6 +750,10 @@ pub(crate) mod serde_forms {
             Some(Kind::Status(codes)) => s.serialize_some(codes),
             Some(Kind::ClientError) => s.serialize_some("4xx"),
             Some(Kind::NotServerError) => s.serialize_some("not 5xx"),
+            Some(Kind::Grpc(codes)) => {
+                let codes: Vec<String> = codes.iter().map(i32::to_string).collect();
+                s.serialize_some(&format!("grpc {}", codes.join(" ")))
+            }
             Some(Kind::Predicate) => Err(serde::ser::Error::custom(
                 "`charge_when` is a predicate (a closure), which cannot be serialized",
             )),
@@ -565,6 +770,22 @@ pub(crate) mod serde_forms {
                 f.write_str(CHARGE_WHEN)
             }
             fn visit_str<E: de::Error>(self, v: &str) -> Result<ChargeWhen, E> {
+                let grpc = v.trim().strip_prefix("grpc ").map(|codes| {
+                    let codes = codes.split_whitespace().map(|c| match c.parse::<i32>() {
+                        Ok(code @ 0..=16) => Ok(code),
+                        _ => Err(E::custom(format!(
+                            "`charge_when = {v:?}`: {c:?} is not a gRPC status code (0 to 16)"
+                        ))),
+                    });
+                    codes.collect::<Result<Vec<i32>, E>>()
+                });
+                match grpc {
+                    Some(Ok(codes)) if !codes.is_empty() => {
+                        return Ok(ChargeWhen::grpc_status(codes));
+                    }
+                    Some(Err(e)) => return Err(e),
+                    _ => {}
+                }
                 match v.trim() {
                     "4xx" => Ok(ChargeWhen::client_error()),
                     "not 5xx" => Ok(ChargeWhen::not_server_error()),
@@ -604,6 +825,8 @@ pub(crate) mod serde_forms {
             None => s.serialize_none(),
             Some(Source::Header(name)) => s.serialize_some(&format!("header {name}")),
             Some(Source::Extension) => s.serialize_some("extension"),
+            Some(Source::Trailer(name)) => s.serialize_some(&format!("trailer {name}")),
+            Some(Source::ResponseBytes) => s.serialize_some("response bytes"),
         }
     }
 
@@ -614,14 +837,16 @@ pub(crate) mod serde_forms {
         let mut words = v.split_whitespace();
         match (words.next(), words.next(), words.next()) {
             (Some("extension"), None, None) => Ok(Some(CostFrom::extension())),
-            (Some("header"), Some(name), None) => match name.parse() {
-                Ok(name) => Ok(Some(CostFrom::header(name))),
+            (Some("response"), Some("bytes"), None) => Ok(Some(CostFrom::response_bytes())),
+            (Some(kind @ ("header" | "trailer")), Some(name), None) => match name.parse() {
+                Ok(name) if kind == "header" => Ok(Some(CostFrom::header(name))),
+                Ok(name) => Ok(Some(CostFrom::trailer(name))),
                 Err(_) => Err(de::Error::custom(format!(
                     "`cost_from`: {name:?} is not a valid header name"
                 ))),
             },
             _ => Err(de::Error::custom(format!(
-                "`cost_from = {v:?}`: expected \"header <name>\" (e.g. \"header x-tokens-used\") or \"extension\""
+                "`cost_from = {v:?}`: expected \"header <name>\" (e.g. \"header x-tokens-used\"), \"trailer <name>\", \"response bytes\" or \"extension\""
             ))),
         }
     }

@@ -256,3 +256,51 @@ async fn no_connect_info_allowed_when_configured() {
         assert_eq!(res.into_inner().message, "Hello uds!");
     }
 }
+
+/// Answers `alice` and refuses everyone else with UNAUTHENTICATED.
+struct LoginGreeter;
+
+#[tonic::async_trait]
+impl Greeter for LoginGreeter {
+    async fn say_hello(
+        &self,
+        request: Request<HelloRequest>,
+    ) -> Result<Response<HelloReply>, Status> {
+        match request.into_inner().name.as_str() {
+            "alice" => Ok(Response::new(HelloReply {
+                message: "welcome".to_owned(),
+            })),
+            _ => Err(Status::unauthenticated("who are you?")),
+        }
+    }
+}
+
+/// Brute-force protection over gRPC: only UNAUTHENTICATED answers count (their status is in
+/// the trailers, read when the response's body ends), and a key with two of them is refused
+/// before the service runs.
+#[tokio::test]
+async fn only_unauthenticated_answers_count() {
+    use tollgate::settle::ChargeWhen;
+    let limit = RateLimitLayer::builder()
+        .policy(Policy::new("login", Quota::per_hour(2)).charge_when(ChargeWhen::grpc_status([16])))
+        .key(PeerIp::new())
+        .build()
+        .unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = Server::builder()
+        .layer(limit)
+        .add_service(GreeterServer::new(LoginGreeter));
+    tokio::spawn(server.serve_with_incoming(TcpListenerStream::new(listener)));
+    let mut client = GreeterClient::new(connect(addr, None).await);
+    // Successes are free: their status (OK) comes in the trailers, and refunds the unit.
+    for _ in 0..5 {
+        client.say_hello(hello("alice")).await.unwrap();
+    }
+    for _ in 0..2 {
+        let err = client.say_hello(hello("mallory")).await.unwrap_err();
+        assert_eq!(err.code(), Code::Unauthenticated);
+    }
+    let err = client.say_hello(hello("alice")).await.unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
+}

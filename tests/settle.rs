@@ -347,6 +347,11 @@ async fn settlement_rules_in_config() {
             "header x-tokens-used",
         ),
         (r#"cost_from = "extension""#, "extension"),
+        (
+            r#"cost_from = "trailer x-tokens-used""#,
+            "trailer x-tokens-used",
+        ),
+        (r#"cost_from = "response bytes""#, "response bytes"),
     ] {
         let p: Policy =
             toml::from_str(&format!("name = \"t\"\nquotas = [\"1000/min\"]\n{table}")).unwrap();
@@ -358,6 +363,14 @@ async fn settlement_rules_in_config() {
         serde_json::from_str(r#"{"name": "api", "quotas": ["10/s"], "charge_when": "not 5xx"}"#)
             .unwrap();
     assert_eq!(serde_json::to_value(&p).unwrap()["charge_when"], "not 5xx");
+    let p: Policy = serde_json::from_str(
+        r#"{"name": "login", "quotas": ["5/min"], "charge_when": "grpc 16 7"}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        serde_json::to_value(&p).unwrap()["charge_when"],
+        "grpc 16 7"
+    );
 
     let err = |text: &str| {
         toml::from_str::<Policy>(&format!("name = \"p\"\nquotas = [\"5/min\"]\n{text}"))
@@ -367,7 +380,8 @@ async fn settlement_rules_in_config() {
     assert!(err("charge_when = [401, 700]").contains("700 is not an HTTP status code"));
     assert!(err("charge_when = []").contains("matches no response"));
     assert!(err(r#"charge_when = "5xx""#).contains(r#"expected a list of status codes"#));
-    assert!(err(r#"cost_from = "trailer grpc-tokens""#).contains(r#"expected "header <name>""#));
+    assert!(err(r#"cost_from = "body bytes""#).contains(r#"expected "header <name>""#));
+    assert!(err(r#"charge_when = "grpc 16 99""#).contains("99"));
     assert!(err(r#"cost_from = "header bad name""#).contains("expected \"header <name>\""));
     assert!(err(r#"on_cancel = "forgive""#).contains(r#"expected "charge" or "refund""#));
     assert!(err(r#"on_cancel = "refund""#).contains("applies to policies that settle"));
@@ -474,4 +488,148 @@ fn penalties_in_config() {
         let err = policy.validate().unwrap_err().to_string();
         assert!(err.contains(why) && err.contains("block_for"), "{err}");
     }
+}
+
+/// A body of `n` bytes in chunks of 100, streamed.
+fn streamed(n: usize) -> axum::body::Body {
+    let chunks = (0..n.div_ceil(100)).map(move |i| {
+        let len = (n - i * 100).min(100);
+        Ok::<_, std::convert::Infallible>(bytes::Bytes::from(vec![b'x'; len]))
+    });
+    axum::body::Body::from_stream(tokio_stream::iter(chunks))
+}
+
+#[tokio::test]
+async fn a_content_bytes_quota_charges_the_bytes_sent() {
+    // 1000 bytes an hour, charged what each response's body turns out to be.
+    let policy = Policy::new("bytes", Quota::per_hour(1000)).cost_from(CostFrom::response_bytes());
+    let app = Router::new().route(
+        "/download",
+        get(
+            |Query(q): Query<std::collections::HashMap<String, usize>>| async move {
+                streamed(q.get("n").copied().unwrap_or(0))
+            },
+        ),
+    );
+    let (base, _clock) = serve(policy, app).await;
+    let fetch = |n: usize| {
+        let url = format!("{base}/download?n={n}");
+        async move {
+            let res = reqwest::Client::new()
+                .get(url)
+                .header("x-user", "u")
+                .send()
+                .await
+                .unwrap();
+            let status = res.status().as_u16();
+            let body = res.bytes().await.unwrap();
+            (status, body.len())
+        }
+    };
+    assert_eq!(fetch(450).await, (200, 450));
+    assert_eq!(fetch(450).await, (200, 450));
+    // 900 of 1000 spent (each admitted at 1, then charged its bytes): 100 left.
+    let (status, headers) = get_status_of(&base, "/download?n=1").await;
+    assert_eq!(status, 200);
+    assert_eq!(headers["ratelimit"], r#""bytes";r=99;t=4"#);
+    assert_eq!(fetch(500).await, (200, 500));
+    // Now in debt.
+    assert_eq!(fetch(1).await.0, 429);
+}
+
+async fn get_status_of(base: &str, path: &str) -> (u16, HeaderMap) {
+    let res = reqwest::Client::new()
+        .get(format!("{base}{path}"))
+        .header("x-user", "u")
+        .send()
+        .await
+        .unwrap();
+    let status = res.status().as_u16();
+    let headers = res.headers().clone();
+    res.bytes().await.unwrap();
+    (status, headers)
+}
+
+#[tokio::test]
+async fn a_cost_in_a_trailer_is_charged_when_the_body_ends() {
+    use http_body_util::StreamBody;
+    let policy = Policy::new("tokens", Quota::per_hour(100)).cost_from(CostFrom::trailer(
+        http::HeaderName::from_static("x-tokens-used"),
+    ));
+    let app = Router::new().route(
+        "/generate",
+        get(|| async {
+            let mut trailers = http::HeaderMap::new();
+            trailers.insert("x-tokens-used", http::HeaderValue::from_static("60"));
+            let frames = [
+                Ok::<_, std::convert::Infallible>(http_body::Frame::data(
+                    bytes::Bytes::from_static(b"some tokens"),
+                )),
+                Ok(http_body::Frame::trailers(trailers)),
+            ];
+            axum::body::Body::new(StreamBody::new(tokio_stream::iter(frames)))
+        }),
+    );
+    let (base, _clock) = serve(policy, app).await;
+    assert_eq!(get_status_of(&base, "/generate").await.0, 200);
+    // 60 charged: 40 left, and this one takes 1 at admission.
+    let (status, headers) = get_status_of(&base, "/generate").await;
+    assert_eq!(status, 200);
+    assert_eq!(headers["ratelimit"], r#""tokens";r=39;t=36"#);
+    // 120 of 100: in debt.
+    assert_eq!(get_status_of(&base, "/generate").await.0, 429);
+}
+
+/// A response whose body the client abandons after `seen` bytes, under `rule`; then the
+/// `RateLimit` of the next request.
+async fn abandoned(rule: Cancelled) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    // Charged the bytes sent when the body ends; by `rule` when it does not.
+    let policy = Policy::new("bytes", Quota::per_hour(1000))
+        .cost_from(CostFrom::response_bytes())
+        .on_cancel(rule);
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<bytes::Bytes, std::convert::Infallible>>(1);
+    let rx = std::sync::Arc::new(tokio::sync::Mutex::new(Some(rx)));
+    let app = Router::new()
+        .route(
+            "/slow",
+            get(move || {
+                let rx = rx.clone();
+                async move {
+                    let rx = rx.lock().await.take().unwrap();
+                    axum::body::Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+                }
+            }),
+        )
+        .route("/fast", get(|| async { "ok" }));
+    let (base, _clock) = serve(policy, app).await;
+    // A raw client that reads the head and 500 bytes of the body, then hangs up.
+    let mut conn = tokio::net::TcpStream::connect(base.trim_start_matches("http://"))
+        .await
+        .unwrap();
+    conn.write_all(b"GET /slow HTTP/1.1\r\nhost: x\r\nx-user: u\r\n\r\n")
+        .await
+        .unwrap();
+    tx.send(Ok(bytes::Bytes::from(vec![b'x'; 500])))
+        .await
+        .unwrap();
+    let mut buf = vec![0u8; 4096];
+    let mut seen = 0;
+    while seen < 500 {
+        seen += conn.read(&mut buf).await.unwrap();
+    }
+    drop(conn);
+    // The server drops the body once it sees the connection closed.
+    tx.closed().await;
+    let (status, headers) = get_status_of(&base, "/fast").await;
+    assert_eq!(status, 200);
+    headers["ratelimit"].to_str().unwrap().to_owned()
+}
+
+#[tokio::test]
+async fn a_body_dropped_before_its_end_settles_by_the_cancellation_rule() {
+    // Refunded: only this request's admission is taken.
+    assert_eq!(abandoned(Cancelled::Refund).await, r#""bytes";r=999;t=4"#);
+    // Charged what was taken at admission (1), not the bytes it had sent.
+    assert_eq!(abandoned(Cancelled::Charge).await, r#""bytes";r=998;t=4"#);
 }
