@@ -302,37 +302,9 @@ local cur = {}
 local reply = {}
 local nr = 0
 -- The leases each concurrent key takes in this call, written at the end with its other
--- changes (adds[key]: the members).
-local adds = {}
-
--- Appends a sliding window's reply for its counts `st` (quota g), code `c`, and the wait of a
--- denied request of `cost`.
-local function put_sliding(st, g, c, cost)
-  local s, m, r, limit = at[8 * g - 6], at[8 * g - 4] + 1, at[8 * g - 3], at[8 * g - 5]
-  local rest = st[m + 1]
-  local remaining = floor(limit - (st[1] * (s - r) / s + rest))
-  if remaining <= 0 then
-    remaining = 0
-  end
-  local reset, retry = 0, 0
-  if remaining < limit then
-    reset = wait_us(st, m, s, r, limit, remaining + 1, st[1] + rest)
-  end
-  if c == 1 then
-    retry = wait_us(st, m, s, r, limit, cost, st[1] + rest)
-  end
-  reply[nr + 1], reply[nr + 2], reply[nr + 3], reply[nr + 4] = c, remaining, reset, retry
-  nr = nr + 4
-end
-
--- Marks `key` (quota g) to be written at the end, once.
-local function touch(key, g)
-  if not dq[key] then
-    dq[key] = g
-    nd = nd + 1
-    dirty[nd] = key
-  end
-end
+-- changes (adds[key]: the members); made only when a slot is taken. (No helper functions here:
+-- each would be a closure made on every call, garbage for the collector.)
+local adds
 
 a = a + 1
 local k = 0
@@ -382,10 +354,18 @@ for _ = 1, tonumber(ARGV[a], 16) do
             if st < 0 then
               st = 0
             end
-            touch(key, g)
+            if not dq[key] then
+              dq[key] = g
+              nd = nd + 1
+              dirty[nd] = key
+            end
           elseif op == '4' then
             st = st + step
-            touch(key, g)
+            if not dq[key] then
+              dq[key] = g
+              nd = nd + 1
+              dirty[nd] = key
+            end
           end
           states[key] = st
           local tat = st
@@ -403,11 +383,19 @@ for _ = 1, tonumber(ARGV[a], 16) do
               if st < 0 then
                 st = 0
               end
-              touch(key, g)
+              if not dq[key] then
+                dq[key] = g
+                nd = nd + 1
+                dirty[nd] = key
+              end
             end
           elseif op == '4' then
             st = st + cost
-            touch(key, g)
+            if not dq[key] then
+              dq[key] = g
+              nd = nd + 1
+              dirty[nd] = key
+            end
           end
           states[key] = st
           reply[nr + 1], reply[nr + 2], reply[nr + 3] = 0, st, len - at[8 * g - 3]
@@ -427,14 +415,38 @@ for _ = 1, tonumber(ARGV[a], 16) do
               if pos >= 2 then
                 st[m + 1] = st[m + 1] - (old - new)
               end
-              touch(key, g)
+              if not dq[key] then
+                dq[key] = g
+                nd = nd + 1
+                dirty[nd] = key
+              end
             end
           elseif op == '4' then
             st[m] = st[m] + cost
             st[m + 1] = st[m + 1] + cost
-            touch(key, g)
+            if not dq[key] then
+              dq[key] = g
+              nd = nd + 1
+              dirty[nd] = key
+            end
           end
-          put_sliding(st, g, 0, cost)
+          do
+            local s, m, r, limit = at[8 * g - 6], at[8 * g - 4] + 1, at[8 * g - 3], at[8 * g - 5]
+            local rest = st[m + 1]
+            local remaining = floor(limit - (st[1] * (s - r) / s + rest))
+            if remaining <= 0 then
+              remaining = 0
+            end
+            local reset, retry = 0, 0
+            if remaining < limit then
+              reset = wait_us(st, m, s, r, limit, remaining + 1, st[1] + rest)
+            end
+            if 0 == 1 then
+              retry = wait_us(st, m, s, r, limit, cost, st[1] + rest)
+            end
+            reply[nr + 1], reply[nr + 2], reply[nr + 3], reply[nr + 4] = 0, remaining, reset, retry
+            nr = nr + 4
+          end
         elseif kind == 4 then
           local c = 0
           if st > 0 then
@@ -589,7 +601,11 @@ for _ = 1, tonumber(ARGV[a], 16) do
           if refusal and st == 0 and not peek then
             st = at[8 * g - 6]
             states[key] = st
-            touch(key, g)
+            if not dq[key] then
+              dq[key] = g
+              nd = nd + 1
+              dirty[nd] = key
+            end
           end
           if st > 0 then
             c = 1
@@ -605,13 +621,20 @@ for _ = 1, tonumber(ARGV[a], 16) do
           if lease and not peek then
             st = st + 1
             states[key] = st
+            if adds == nil then
+              adds = {}
+            end
             local list = adds[key]
             if list == nil then
               list = {}
               adds[key] = list
             end
             list[#list + 1] = lease
-            touch(key, g)
+            if not dq[key] then
+              dq[key] = g
+              nd = nd + 1
+              dirty[nd] = key
+            end
           end
         else
           if kind == 0 then
@@ -634,7 +657,11 @@ for _ = 1, tonumber(ARGV[a], 16) do
               states[key] = st
             end
             -- First change of this key in this call: remember to write it.
-            touch(key, g)
+            if not dq[key] then
+              dq[key] = g
+              nd = nd + 1
+              dirty[nd] = key
+            end
           end
         end
         if kind == 3 or kind == 4 then
@@ -651,7 +678,23 @@ for _ = 1, tonumber(ARGV[a], 16) do
           reply[nr + 1], reply[nr + 2], reply[nr + 3] = c, st, at[8 * g - 6] - at[8 * g - 3]
           nr = nr + 3
         else
-          put_sliding(st, g, c, cost)
+          do
+            local s, m, r, limit = at[8 * g - 6], at[8 * g - 4] + 1, at[8 * g - 3], at[8 * g - 5]
+            local rest = st[m + 1]
+            local remaining = floor(limit - (st[1] * (s - r) / s + rest))
+            if remaining <= 0 then
+              remaining = 0
+            end
+            local reset, retry = 0, 0
+            if remaining < limit then
+              reset = wait_us(st, m, s, r, limit, remaining + 1, st[1] + rest)
+            end
+            if c == 1 then
+              retry = wait_us(st, m, s, r, limit, cost, st[1] + rest)
+            end
+            reply[nr + 1], reply[nr + 2], reply[nr + 3], reply[nr + 4] = c, remaining, reset, retry
+            nr = nr + 4
+          end
           if undo then
             local m = at[8 * g - 4] + 1
             st[m] = st[m] - cost
