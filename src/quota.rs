@@ -37,11 +37,17 @@ pub struct Quota {
     algorithm: Algorithm,
     /// A sliding window's sub-window length, as given (checked by `params`).
     resolution: Option<Duration>,
-    /// Whether `period` is a concurrent quota's lease (set by `concurrent` and `lease`;
-    /// checked by `params`).
-    leased: bool,
+    /// [`LEASED`]: `period` is a concurrent quota's lease (set by `concurrent` and `lease`;
+    /// checked by `params`); [`BYTES`]: the quota counts bytes of content (`bytes`), for the
+    /// `RateLimit-Policy` unit. One byte, so that `Quota` stays small to copy.
+    flags: u8,
     name: Option<QuotaName>,
 }
+
+/// [`Quota`]'s flag: its period is a concurrent quota's lease.
+const LEASED: u8 = 1;
+/// [`Quota`]'s flag: it counts bytes of content.
+const BYTES: u8 = 2;
 
 /// How a quota counts (see `docs/algorithms.md` for the three side by side).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
@@ -115,7 +121,7 @@ impl Quota {
             burst: None,
             algorithm: Algorithm::Gcra,
             resolution: None,
-            leased: false,
+            flags: 0,
             name: None,
         }
     }
@@ -148,7 +154,7 @@ impl Quota {
     pub const fn concurrent(slots: u32) -> Self {
         let mut q = Self::new(slots, Self::DEFAULT_LEASE);
         q.algorithm = Algorithm::Concurrent;
-        q.leased = true;
+        q.flags |= LEASED;
         q
     }
 
@@ -158,8 +164,35 @@ impl Quota {
     /// quotas.
     pub const fn lease(mut self, lease: Duration) -> Self {
         self.period = lease;
-        self.leased = true;
+        self.flags |= LEASED;
         self
+    }
+
+    /// Counts bytes of content rather than requests: the `RateLimit-Policy` field says
+    /// `qu="content-bytes"` for it (the IETF draft's unit). The quota counts whatever each
+    /// request costs: pair it with a cost in bytes, e.g.
+    /// [`CostFrom::response_bytes`](crate::settle::CostFrom::response_bytes) for the bytes a
+    /// response sends, or a [`cost_fn`](crate::Policy::cost_fn) reading a request's
+    /// `Content-Length`. In the quota syntax, the word `bytes`: `"10000000/h bytes"`.
+    ///
+    /// ```
+    /// use tollgate::settle::CostFrom;
+    /// use tollgate::{Policy, Quota};
+    ///
+    /// // 10 MB an hour per key, charged what each response sends.
+    /// let downloads = Policy::new("downloads", Quota::per_hour(10_000_000).bytes())
+    ///     .cost_from(CostFrom::response_bytes());
+    /// assert_eq!("10000000/h bytes".parse(), Ok(Quota::per_hour(10_000_000).bytes()));
+    /// # assert!(downloads.validate().is_ok());
+    /// ```
+    pub const fn bytes(mut self) -> Self {
+        self.flags |= BYTES;
+        self
+    }
+
+    /// Whether the quota counts bytes of content ([`bytes`](Self::bytes)).
+    pub const fn counts_bytes(&self) -> bool {
+        self.flags & BYTES != 0
     }
 
     /// The lease of a [`concurrent`](Self::concurrent) quota's slot when none is set: five
@@ -315,7 +348,7 @@ impl Quota {
         if self.algorithm == Algorithm::Concurrent {
             return self.concurrent_params(bad);
         }
-        if self.leased {
+        if self.flags & LEASED != 0 {
             return Err(bad(
                 "a lease is only for concurrent quotas (`Quota::concurrent(n).lease(..)`)",
             ));
@@ -368,6 +401,11 @@ impl Quota {
         }
         if self.resolution.is_some() {
             return Err(bad("a resolution is only for sliding windows"));
+        }
+        if self.counts_bytes() {
+            return Err(bad(
+                "a concurrent quota counts requests in flight, not bytes",
+            ));
         }
         let ns = self.period.as_nanos();
         if ns == 0 || !ns.is_multiple_of(1_000_000) {
@@ -791,7 +829,8 @@ impl std::str::FromStr for Quota {
                         words.next();
                     }
                 }
-                "burst" | "fixed" | "sliding" | "gcra" => {
+                "bytes" if !q.counts_bytes() => q = q.bytes(),
+                "burst" | "fixed" | "sliding" | "gcra" | "bytes" => {
                     return Err(bad(&format!("{word:?} given twice (or two algorithms)")));
                 }
                 _ => return Err(bad(&unknown_word(word))),
@@ -828,7 +867,7 @@ fn parse_concurrent(s: &str) -> Result<Quota, String> {
 }
 
 /// The keywords that may follow a quota's rate.
-const KEYWORDS: [&str; 4] = ["burst", "fixed", "sliding", "gcra"];
+const KEYWORDS: [&str; 5] = ["burst", "fixed", "sliding", "gcra", "bytes"];
 
 fn is_keyword(word: &str) -> bool {
     KEYWORDS.contains(&word)
@@ -839,7 +878,7 @@ fn is_keyword(word: &str) -> bool {
 fn unknown_word(word: &str) -> String {
     let mut reason = format!(
         "unknown word {word:?} after the rate (expected `burst N`, `fixed`, `sliding` with an \
-         optional resolution, or `gcra`)"
+         optional resolution, `gcra`, or `bytes`)"
     );
     if let Some(near) = closest(word, &KEYWORDS) {
         reason.push_str(&format!("; did you mean `{near}`?"));
@@ -956,6 +995,9 @@ impl std::fmt::Display for Quota {
         }
         if let Some(r) = self.resolution {
             write!(f, " {}", DisplayDuration(r))?;
+        }
+        if self.counts_bytes() {
+            f.write_str(" bytes")?;
         }
         Ok(())
     }
@@ -1183,6 +1225,8 @@ mod parse_tests {
             "10/s burst 20 gcra",
             "2 concurrent",
             "3 concurrent lease 30s",
+            "1000000/h bytes",
+            "100/min sliding 5s bytes",
         ] {
             let q: Quota = s.parse().unwrap();
             assert_eq!(q.to_string().parse::<Quota>().unwrap(), q, "{s}");

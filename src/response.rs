@@ -53,7 +53,7 @@ use smallvec::SmallVec;
 
 use crate::backend::{Decision, Outcome, QuotaState};
 use crate::quota::QuotaParams;
-use crate::{KeyError, Policy};
+use crate::{KeyError, Policy, Quota};
 
 /// Which rate-limit headers responses carry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -183,7 +183,9 @@ impl PolicyHeaders {
                 ));
             } else {
                 let w = ceil_secs(p.window()).max(1);
-                value.push_str(&format!("\"{label}\";q={};w={w}", p.burst));
+                let bytes = policy.quotas().get(i).is_some_and(Quota::counts_bytes);
+                let unit = if bytes { ";qu=\"content-bytes\"" } else { "" };
+                value.push_str(&format!("\"{label}\";q={}{unit};w={w}", p.burst));
             }
             prefixes.push(format!("\"{label}\";r=").into_bytes().into_boxed_slice());
             labels.push(label.into_boxed_str());

@@ -502,7 +502,8 @@ fn streamed(n: usize) -> axum::body::Body {
 #[tokio::test]
 async fn a_content_bytes_quota_charges_the_bytes_sent() {
     // 1000 bytes an hour, charged what each response's body turns out to be.
-    let policy = Policy::new("bytes", Quota::per_hour(1000)).cost_from(CostFrom::response_bytes());
+    let policy =
+        Policy::new("bytes", Quota::per_hour(1000).bytes()).cost_from(CostFrom::response_bytes());
     let app = Router::new().route(
         "/download",
         get(
@@ -532,6 +533,10 @@ async fn a_content_bytes_quota_charges_the_bytes_sent() {
     let (status, headers) = get_status_of(&base, "/download?n=1").await;
     assert_eq!(status, 200);
     assert_eq!(headers["ratelimit"], r#""bytes";r=99;t=4"#);
+    assert_eq!(
+        headers["ratelimit-policy"],
+        r#""bytes";q=1000;qu="content-bytes";w=3600"#
+    );
     assert_eq!(fetch(500).await, (200, 500));
     // Now in debt.
     assert_eq!(fetch(1).await.0, 429);
