@@ -350,7 +350,8 @@ impl Quota {
         }
         if self.flags & LEASED != 0 {
             return Err(bad(
-                "a lease is only for concurrent quotas (`Quota::concurrent(n).lease(..)`)",
+                "a lease is only for concurrent quotas, and a concurrent quota is not a window \
+                 (`Quota::concurrent(n)`, without `fixed_window` or `sliding_window`)",
             ));
         }
         if self.period.is_zero() {
