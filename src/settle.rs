@@ -469,11 +469,41 @@ impl<Bk: Backend> Held for Tail<Bk> {
     }
 }
 
-/// A request's slot in a concurrent quota, given back when dropped (once taken).
-struct Slot<Bk: Backend> {
+/// Where a request's settlements go: its key's buckets under its policy, on the layer's
+/// backend.
+struct Target<Bk: Backend> {
     backend: Arc<Bk>,
     policy: Arc<Prepared<Bk::Policy>>,
     key: Key,
+}
+
+impl<Bk: Backend> Target<Bk> {
+    fn new<K>(shared: &Shared<K, Bk>, policy: &Arc<Prepared<Bk::Policy>>, key: &Key) -> Self {
+        Target {
+            backend: shared.backend.clone(),
+            policy: policy.clone(),
+            key: key.clone(),
+        }
+    }
+
+    /// Makes the settlement (`units`, `mode`) on the store.
+    fn send(&self, units: NonZeroU32, mode: Mode) {
+        let policy = &self.policy;
+        let name = policy.policy.name();
+        send(
+            &*self.backend,
+            &policy.backend,
+            name,
+            &self.key,
+            units,
+            mode,
+        );
+    }
+}
+
+/// A request's slot in a concurrent quota, given back when dropped (once taken).
+struct Slot<Bk: Backend> {
+    target: Target<Bk>,
     /// The request's lease id ([`Mode::Hold`]).
     lease: u64,
     /// Whether the slot was taken (the request admitted): only then is there one to give back.
@@ -484,16 +514,7 @@ impl<Bk: Backend> Drop for Slot<Bk> {
     fn drop(&mut self) {
         if self.taken {
             let release = Mode::Release { lease: self.lease };
-            let policy = &self.policy;
-            let name = policy.policy.name();
-            send(
-                &*self.backend,
-                &policy.backend,
-                name,
-                &self.key,
-                NonZeroU32::MIN,
-                release,
-            );
+            self.target.send(NonZeroU32::MIN, release);
         }
     }
 }
@@ -516,10 +537,8 @@ pub(crate) fn next_lease() -> u64 {
 
 /// A request's admission, to be settled by its policy's rules.
 struct Charging<Bk: Backend> {
-    backend: Arc<Bk>,
-    policy: Arc<Prepared<Bk::Policy>>,
+    target: Target<Bk>,
     rules: Arc<Rules>,
-    key: Key,
     cost: NonZeroU32,
     /// Set once the request was admitted (its units taken), to when: only then is there
     /// anything to settle, by its response or, if it never comes, by the cancellation rule.
@@ -543,17 +562,13 @@ impl<Bk: Backend> Settle<Bk> {
             return None;
         }
         let slot = holds.then(|| Slot {
-            backend: shared.backend.clone(),
-            policy: policy.clone(),
-            key: key.clone(),
+            target: Target::new(shared, policy, key),
             lease: next_lease(),
             taken: false,
         });
         let charge = charged.map(|(rules, cost)| Charging {
-            backend: shared.backend.clone(),
+            target: Target::new(shared, policy, key),
             rules: rules.clone(),
-            policy: policy.clone(),
-            key: key.clone(),
             cost,
             admitted: None,
         });
@@ -608,16 +623,7 @@ impl<Bk: Backend> Charging<Bk> {
     }
 
     fn send(&self, mode: Mode, units: NonZeroU32) {
-        let policy = &self.policy;
-        let name = policy.policy.name();
-        send(
-            &*self.backend,
-            &policy.backend,
-            name,
-            &self.key,
-            units,
-            mode,
-        );
+        self.target.send(units, mode);
     }
 }
 

@@ -499,9 +499,9 @@ enum Counter<C: Clock> {
     Gcra {
         limiter: Arc<Limiter<C>>,
         store: Arc<StoreMap>,
-        /// Read just before the limiter was made, so never later than the instant governor
-        /// counts the stored times from: times computed from it are never later than
-        /// governor's.
+        /// The instant governor counts the stored times from (its clock reading when the
+        /// limiter was made), so that times computed here are governor's exactly: a refund
+        /// clamped at now leaves a bucket full now, not a moment later.
         start: Nanos,
     },
     Window(Arc<WindowStore>),
@@ -571,15 +571,15 @@ where
                     clock: self.inner.clock.clone(),
                     origin: self.inner.origin,
                 };
-                let start = clock.now();
-                let limiter = Arc::new(
-                    RateLimiter::<Key, Store, Stamped<C>, NoOpMiddleware<Nanos>>::new(
-                        quota,
-                        Store(store.clone()),
-                        clock,
-                    )
-                    .with_middleware::<StateInformationMiddleware>(),
+                let limiter = RateLimiter::<Key, Store, Stamped<C>, NoOpMiddleware<Nanos>>::new(
+                    quota,
+                    Store(store.clone()),
+                    clock,
                 );
+                // The instant governor counts its stored times from: `new` reads the clock
+                // once, and the reading is kept for this thread (see `Stamped`).
+                let start = Nanos::from(LAST_NOW.get());
+                let limiter = Arc::new(limiter.with_middleware::<StateInformationMiddleware>());
                 map.insert(
                     id,
                     Registered::Gcra(Arc::downgrade(&limiter), Arc::downgrade(&store), start),
@@ -655,7 +655,11 @@ where
             Mode::Hold { .. } => self.decide_holding(policy, key, cost, true),
             Mode::Peek => match &policy.blocks {
                 None => ready(Ok(self.peek(policy, key, cost))),
-                Some(blocks) => ready(Ok(self.peek_blocking(policy, blocks, key, cost))),
+                Some(blocks) => {
+                    ready(Ok(self.blocking(policy, blocks, key, false, || {
+                        self.peek(policy, key, cost)
+                    })))
+                }
             },
             Mode::Reserve { max_wait } => {
                 if !self.inner.sweeper_started.load(Ordering::Relaxed) {
@@ -663,7 +667,9 @@ where
                 }
                 ready(Ok(match &policy.blocks {
                     None => self.reserve(policy, key, cost, max_wait),
-                    Some(blocks) => self.reserve_blocking(policy, blocks, key, cost, max_wait),
+                    Some(blocks) => self.blocking(policy, blocks, key, true, || {
+                        self.reserve(policy, key, cost, max_wait)
+                    }),
                 }))
             }
             Mode::Refund { .. } | Mode::Debit => ready(Ok(self.settle(policy, key, cost, mode))),
@@ -706,58 +712,32 @@ where
     ) -> Ready<Result<Decision, BackendError>> {
         ready(Ok(match &policy.blocks {
             None => self.decide_now(policy, key, cost, hold),
-            Some(blocks) => self.decide_blocking(policy, blocks, key, cost, hold),
+            Some(blocks) => self.blocking(policy, blocks, key, true, || {
+                self.decide_now(policy, key, cost, hold)
+            }),
         }))
     }
 
-    /// [`decide_holding`](Self::decide_holding) for a policy with a penalty: a blocked key is
-    /// refused until its block ends; a refusal starts a block.
+    /// A decision (`decide`) on a policy with a penalty: a blocked key is refused until its
+    /// block ends (a peek, `starts: false`, says so too); a refusal starts a block, unless the
+    /// decision only peeks.
     #[inline(never)]
-    fn decide_blocking(
+    fn blocking(
         &self,
         policy: &LocalPolicy<C>,
         blocks: &Blocks,
         key: &Key,
-        cost: NonZeroU32,
-        hold: bool,
+        starts: bool,
+        decide: impl FnOnce() -> Decision,
     ) -> Decision {
         let now_us = self.inner.now_us();
         if let Some(left) = blocks.left(key, now_us) {
             return blocked(policy, left);
         }
-        let decision = self.decide_now(policy, key, cost, hold);
-        self.penalize(policy, blocks, key, decision, now_us)
-    }
-
-    /// A peek at a policy with a penalty: a blocked key is reported blocked.
-    fn peek_blocking(
-        &self,
-        policy: &LocalPolicy<C>,
-        blocks: &Blocks,
-        key: &Key,
-        cost: NonZeroU32,
-    ) -> Decision {
-        match blocks.left(key, self.inner.now_us()) {
-            Some(left) => blocked(policy, left),
-            None => self.peek(policy, key, cost),
+        let decision = decide();
+        if !starts {
+            return decision;
         }
-    }
-
-    /// A reservation on a policy with a penalty: a blocked key is refused, a refusal starts a
-    /// block.
-    fn reserve_blocking(
-        &self,
-        policy: &LocalPolicy<C>,
-        blocks: &Blocks,
-        key: &Key,
-        cost: NonZeroU32,
-        max_wait: Duration,
-    ) -> Decision {
-        let now_us = self.inner.now_us();
-        if let Some(left) = blocks.left(key, now_us) {
-            return blocked(policy, left);
-        }
-        let decision = self.reserve(policy, key, cost, max_wait);
         self.penalize(policy, blocks, key, decision, now_us)
     }
 
