@@ -75,6 +75,7 @@ mod admit;
 pub mod backend;
 pub mod body;
 mod call;
+pub mod cors;
 mod error;
 pub mod future;
 #[cfg(any(test, fuzzing))]
