@@ -455,3 +455,90 @@ async fn a_dead_cluster_opens_the_circuit_breaker() {
     assert!(s.breaker_open, "the breaker opened: {s:?}");
     assert_eq!(s.breaker_trips, 1, "{s:?}");
 }
+
+/// Redis stops answering between a request's admission and its settlement: the response goes
+/// out at once all the same (the settlement is sent in the background), the settlement times
+/// out within the store's timeout (counted as a timeout; not retried), nothing panics, and the
+/// next requests are decided by Redis again once it answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settlement_redis_cannot_make_does_not_hold_the_response() {
+    use axum::{Router, routing::get};
+    use tollgate::settle::ChargeWhen;
+    let server = Arc::new(RedisServer::start());
+    let backend = RedisBackend::builder()
+        .url(server.url())
+        .timeout(Duration::from_millis(1000))
+        .build()
+        .unwrap();
+    let limit = tollgate::RateLimitLayer::builder()
+        .key(tollgate::key::Global)
+        .backend(backend.clone())
+        // Every answer but a 401 is refunded: each 200 sends a settlement.
+        .policy(Policy::new("settling", no_refill(10)).charge_when(ChargeWhen::status([401])))
+        .build()
+        .unwrap();
+    let freeze = Arc::new(AtomicBool::new(false));
+    let app = Router::new()
+        .route(
+            "/",
+            get({
+                let (server, freeze) = (server.clone(), freeze.clone());
+                // Freezes Redis (when asked) after the admission, before the settlement.
+                move || async move {
+                    if freeze.swap(false, Ordering::SeqCst) {
+                        server.pause();
+                    }
+                    "ok"
+                }
+            }),
+        )
+        .route_layer(limit);
+    let base = format!("http://{}", support::serve(app).await);
+    let client = reqwest::Client::new();
+    let ratelimit =
+        |res: &reqwest::Response| res.headers()["ratelimit"].to_str().unwrap().to_owned();
+    // Admitted and refunded: the bucket stays full.
+    for _ in 0..2 {
+        let res = client.get(&base).send().await.unwrap();
+        assert_eq!(ratelimit(&res), "\"settling\";r=9;t=86400");
+    }
+    let timeouts = backend.stats().timeouts;
+    freeze.store(true, Ordering::SeqCst);
+    let started = Instant::now();
+    let res = client.get(&base).send().await.unwrap();
+    assert_eq!(
+        res.status(),
+        200,
+        "the response does not wait for its settlement"
+    );
+    assert!(
+        started.elapsed() < Duration::from_millis(900),
+        "answered before the settlement's timeout: {:?}",
+        started.elapsed()
+    );
+    // The settlement times out in the background, within the store's timeout.
+    let waited = Instant::now();
+    while backend.stats().timeouts == timeouts {
+        assert!(
+            waited.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            backend.stats()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    server.resume();
+    until_redis_decides(
+        &backend,
+        &prepare(&backend, &Policy::new("other", no_refill(1))),
+    )
+    .await;
+    // The refund timed out, so its outcome is unknown, as a timed-out decision's: lost (the
+    // unit stays taken), or made when Redis ran what it had received. Either way, one of them.
+    let res = client.get(&base).send().await.unwrap();
+    assert_eq!(res.status(), 200);
+    let now = ratelimit(&res);
+    assert!(
+        ["\"settling\";r=8;t=86400", "\"settling\";r=9;t=86400"].contains(&now.as_str()),
+        "{now}"
+    );
+}

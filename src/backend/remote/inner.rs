@@ -260,9 +260,9 @@ impl<S: Store> Inner<S> {
         mode: Mode,
         err: BackendError,
     ) -> Result<Decision, BackendError> {
-        // A settlement that cannot be made is lost, whatever the failure policy: the store's
-        // counts are unchanged (a refund not given, a debit not taken, a slot held until its
-        // lease expires). The local fallback never saw the request.
+        // A settlement that cannot be made is not retried nor degraded, whatever the failure
+        // policy: its outcome is a failed call's (lost, or made late by a store that received
+        // it). The local fallback never saw the request.
         if mode.is_settlement() {
             return Err(err);
         }
