@@ -23,6 +23,7 @@ use crate::request::grpc_content_type;
 use crate::response::{self, HeaderAdds, PolicyHeaders, Rejection, RejectionKind, Responder};
 use crate::rules::LiveRules;
 use crate::settle::Settle;
+use crate::status::RateLimitStatus;
 use crate::wait::{Pauses, Slot, Waiting};
 use crate::{BackendError, ConfigError, Key, Policy, RequestInfo};
 
@@ -37,6 +38,8 @@ pub(crate) struct Shared<K, Bk: Backend> {
     pub(crate) waiting: Option<Waiting>,
     /// Keys the wrapped service asked to slow down, when obeyed.
     pub(crate) pauses: Option<Arc<Pauses>>,
+    /// Whether allowed requests carry the decision in their extensions.
+    pub(crate) decision_ext: bool,
 }
 
 /// A policy with its backend-prepared form, header material and counters.
@@ -50,6 +53,8 @@ pub(crate) struct Prepared<P> {
     pub(crate) reserves: bool,
     /// Whether the policy has a concurrent quota: its requests hold a slot until they end.
     pub(crate) holds_slots: bool,
+    /// Per quota, its parameters and whether it counts bytes: for a [`RateLimitStatus`].
+    quota_units: Box<[(crate::quota::QuotaParams, bool)]>,
 }
 
 impl<P> Prepared<P> {
@@ -64,6 +69,9 @@ impl<P> Prepared<P> {
         Ok(Prepared {
             metrics: PolicyMetrics::new(&policy, &headers.labels),
             holds_slots: params.iter().any(|p| p.is_concurrent()),
+            quota_units: (params.iter().zip(policy.quotas()))
+                .map(|(p, q)| (*p, q.counts_bytes()))
+                .collect(),
             reserves: params
                 .iter()
                 .all(|p| p.kind == crate::quota::QuotaKind::Gcra),
@@ -111,9 +119,16 @@ pub(crate) enum Verdict {
     /// Pass, nothing having been taken (a shadow policy's refusal, a store failing open, a
     /// key the backend does not track): nothing to settle.
     Unsettled(HeaderAdds),
+    /// Pass, with the decision for the request's extensions (`decision_in_extensions`).
+    PassWith(HeaderAdds, Box<RateLimitStatus>),
     /// Pass after waiting this long (a reservation in wait mode), holding a waiter's slot
-    /// meanwhile.
-    Wait(HeaderAdds, Duration, Option<Slot>),
+    /// meanwhile; with the decision for the request's extensions when asked for.
+    Wait(
+        HeaderAdds,
+        Duration,
+        Option<Slot>,
+        Option<Box<RateLimitStatus>>,
+    ),
     Reject(Box<Response<Bytes>>),
 }
 
@@ -122,7 +137,7 @@ impl Verdict {
     /// otherwise).
     fn holding(self, slot: Option<Slot>) -> Self {
         match self {
-            Verdict::Wait(adds, wait, _) => Verdict::Wait(adds, wait, slot),
+            Verdict::Wait(adds, wait, _, status) => Verdict::Wait(adds, wait, slot, status),
             other => other,
         }
     }
@@ -470,11 +485,38 @@ impl<K, Bk: Backend> Shared<K, Bk> {
             let style = self.responder.style;
             let adds = response::rate_limit_headers(style, &prepared.headers, decision);
             return match decision.wait() {
-                Duration::ZERO => Verdict::Pass(adds),
-                wait => Verdict::Wait(adds, wait, None),
+                Duration::ZERO if !self.decision_ext => Verdict::Pass(adds),
+                wait => self.passing(prepared, decision, adds, wait),
             };
         }
         self.refused_or_shadow(prepared, result, headers)
+    }
+
+    /// [`verdict`](Self::verdict) for an allowed request that waits first, or carries its
+    /// decision in its extensions.
+    #[inline(never)]
+    fn passing(
+        &self,
+        prepared: &Prepared<Bk::Policy>,
+        decision: &Decision,
+        adds: HeaderAdds,
+        wait: Duration,
+    ) -> Verdict {
+        let status = self.decision_ext.then(|| {
+            let name = prepared.policy.name();
+            let labels = &prepared.headers.labels;
+            Box::new(RateLimitStatus::new(
+                name,
+                labels,
+                &prepared.quota_units,
+                decision,
+            ))
+        });
+        match (wait, status) {
+            (Duration::ZERO, Some(status)) => Verdict::PassWith(adds, status),
+            (Duration::ZERO, None) => Verdict::Pass(adds),
+            (wait, status) => Verdict::Wait(adds, wait, None, status),
+        }
     }
 
     /// [`verdict`](Self::verdict) for a refusal, a failure, or a shadow policy's answer.

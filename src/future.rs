@@ -134,8 +134,17 @@ where
     ) -> Self {
         match verdict {
             Verdict::Pass(adds) => Self::calling(inner.call(req), adds, settle),
+            Verdict::PassWith(adds, status) => {
+                let mut req = req;
+                req.extensions_mut().insert(*status);
+                Self::calling(inner.call(req), adds, settle)
+            }
             Verdict::Unsettled(adds) => Self::unsettled(inner.call(req), adds, settle),
-            Verdict::Wait(adds, wait, slot) => {
+            Verdict::Wait(adds, wait, slot, status) => {
+                let mut req = req;
+                if let Some(status) = status {
+                    req.extensions_mut().insert(*status);
+                }
                 let mut settle = settle;
                 Settle::arm(&mut settle);
                 let call = Call {

@@ -148,6 +148,7 @@ impl RateLimitLayerBuilder<ClientIp, Unset> {
             on_missing_key: OnMissingKey::default(),
             waiting: None,
             obey_retry_after: false,
+            decision_ext: false,
         }
     }
 }
@@ -179,6 +180,7 @@ pub struct RateLimitLayerBuilder<K, Bk> {
     on_missing_key: OnMissingKey,
     waiting: Option<(Duration, usize)>,
     obey_retry_after: bool,
+    decision_ext: bool,
 }
 
 impl<K, Bk> RateLimitLayerBuilder<K, Bk> {
@@ -206,6 +208,7 @@ impl<K, Bk> RateLimitLayerBuilder<K, Bk> {
             on_missing_key: self.on_missing_key,
             waiting: self.waiting,
             obey_retry_after: self.obey_retry_after,
+            decision_ext: self.decision_ext,
         }
     }
 
@@ -220,7 +223,18 @@ impl<K, Bk> RateLimitLayerBuilder<K, Bk> {
             on_missing_key: self.on_missing_key,
             waiting: self.waiting,
             obey_retry_after: self.obey_retry_after,
+            decision_ext: self.decision_ext,
         }
+    }
+
+    /// Puts the decision made for each request it lets through in the request's extensions,
+    /// as a [`RateLimitStatus`](crate::RateLimitStatus) (an axum extractor, with the `axum`
+    /// feature), for handlers that report the quota in a body or a log line (see
+    /// [`status`](crate::status)). Off by default: the status is built and allocated per
+    /// request only when asked for.
+    pub fn decision_in_extensions(mut self, on: bool) -> Self {
+        self.decision_ext = on;
+        self
     }
 
     /// Which rate-limit headers to send (default: IETF).
@@ -345,6 +359,7 @@ fn build<K: KeyExtractor, Bk: Backend>(
         on_missing_key: b.on_missing_key,
         waiting: b.waiting.map(|(max_wait, n)| Waiting::new(max_wait, n)),
         pauses: b.obey_retry_after.then(Arc::default),
+        decision_ext: b.decision_ext,
     });
     if let Some(store) = store {
         warn_on_shared_names(store, names, &shared);

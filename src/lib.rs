@@ -95,6 +95,7 @@ pub mod response;
 pub mod rules;
 mod service;
 pub mod settle;
+pub mod status;
 mod wait;
 
 pub use body::ResponseBody;
@@ -107,3 +108,4 @@ pub use request::RequestInfo;
 pub use response::{HeaderStyle, Rejection, RejectionKind};
 pub use service::RateLimit;
 pub use settle::Charge;
+pub use status::{QuotaStatus, RateLimitStatus};

@@ -1,0 +1,127 @@
+//! The decision in handlers: a layer built with `decision_in_extensions(true)` puts a
+//! `RateLimitStatus` in the requests it lets through, read by the axum extractor; without it
+//! the extractor says how to get one, and `Option<RateLimitStatus>` is `None`.
+
+mod support;
+
+use axum::{Json, Router, routing::get};
+use tollgate::key::Global;
+use tollgate::{Policy, Quota, RateLimitLayer, RateLimitStatus};
+
+fn app(decision: bool) -> Router {
+    let limit = RateLimitLayer::builder()
+        .key(Global)
+        .policy(
+            Policy::new("api", Quota::per_hour(10).named("hourly")).and(
+                Quota::per_day(2000)
+                    .fixed_window()
+                    .bytes()
+                    .named("daily-bytes"),
+            ),
+        )
+        .decision_in_extensions(decision)
+        .build()
+        .unwrap();
+    Router::new()
+        .route(
+            "/status",
+            get(|status: RateLimitStatus| async move {
+                Json(serde_json::json!({
+                    "policy": &*status.policy,
+                    "quotas": status.quotas.iter().map(|q| serde_json::json!({
+                        "name": &*q.name, "limit": q.limit, "remaining": q.remaining,
+                        "reset": q.reset.as_secs(), "unit": q.unit,
+                    })).collect::<Vec<_>>(),
+                }))
+            }),
+        )
+        .route(
+            "/maybe",
+            get(|status: Option<RateLimitStatus>| async move {
+                status.map_or("none".to_owned(), |s| s.quotas[0].remaining.to_string())
+            }),
+        )
+        .route_layer(limit)
+}
+
+#[tokio::test]
+async fn handlers_see_the_decision() {
+    let base = format!("http://{}", support::serve(app(true)).await);
+    let body: serde_json::Value = reqwest::get(format!("{base}/status"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(body["policy"], "api");
+    assert_eq!(body["quotas"][0]["name"], "hourly");
+    assert_eq!(body["quotas"][0]["limit"], 10);
+    assert_eq!(body["quotas"][0]["remaining"], 9);
+    assert_eq!(body["quotas"][0]["unit"], "requests");
+    assert_eq!(body["quotas"][1]["name"], "daily-bytes");
+    assert_eq!(body["quotas"][1]["remaining"], 1999);
+    assert_eq!(body["quotas"][1]["unit"], "content-bytes");
+    let text = reqwest::get(format!("{base}/maybe"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(text, "8");
+}
+
+#[tokio::test]
+async fn without_the_option_the_extractor_says_how_to_get_it() {
+    let base = format!("http://{}", support::serve(app(false)).await);
+    let res = reqwest::get(format!("{base}/status")).await.unwrap();
+    assert_eq!(res.status(), 500);
+    assert!(
+        res.text()
+            .await
+            .unwrap()
+            .contains("decision_in_extensions(true)")
+    );
+    let text = reqwest::get(format!("{base}/maybe"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(text, "none");
+}
+
+/// With `serde`, the status is a JSON body as it is.
+#[cfg(feature = "serde")]
+#[tokio::test]
+async fn the_status_serializes() {
+    let limit = RateLimitLayer::builder()
+        .key(Global)
+        .policy(Policy::new("api", Quota::per_hour(10)))
+        .decision_in_extensions(true)
+        .build()
+        .unwrap();
+    let app = Router::new()
+        .route(
+            "/json",
+            get(|status: RateLimitStatus| async move { Json(status) }),
+        )
+        .route_layer(limit);
+    let base = format!("http://{}", support::serve(app).await);
+    let body: serde_json::Value = reqwest::get(format!("{base}/json"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    // The time until the next unit: 360 s, less the moments since the decision.
+    let reset = body["quotas"][0]["reset"].as_f64().unwrap();
+    assert!(reset > 359.0 && reset <= 360.0, "{body}");
+    let mut body = body;
+    body["quotas"][0]["reset"] = 360.into();
+    assert_eq!(
+        body,
+        serde_json::json!({"policy": "api", "quotas": [
+            {"name": "api", "limit": 10, "remaining": 9, "reset": 360, "unit": "requests"}
+        ]})
+    );
+}
