@@ -8,6 +8,8 @@
 //!                                      #     and `ratelimit: "api";r=9;t=1`
 //! $ for i in $(seq 12); do curl -s -o /dev/null -w '%{http_code}\n' localhost:3000/api/hello; done
 //! # ten 200s, then 429 with `retry-after: 1`
+//! $ curl -s localhost:3000/rate_limit  # your quota, without spending it
+//! {"resources":{"api":{"limit":10,"remaining":0,"reset":1764152401,"used":10,"unit":"requests"}},"rate":{...}}
 //! ```
 //!
 //! `/api/hello` is limited per client IP to 5 requests per second with bursts of 10. No proxy
@@ -15,7 +17,8 @@
 
 use std::net::SocketAddr;
 
-use axum::{Router, routing::get};
+use axum::Router;
+use axum::routing::{get, get_service};
 use tollgate::key::ClientIp;
 use tollgate::{Policy, Quota, RateLimitLayer};
 
@@ -28,8 +31,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let app = Router::new()
         .route("/api/hello", get(|| async { "hello\n" }))
-        .route_layer(limit)
-        .route("/", get(|| async { "unlimited\n" }));
+        .route_layer(limit.clone())
+        .route("/", get(|| async { "unlimited\n" }))
+        // The caller's quota as JSON (GitHub's shape), unlimited itself: asking spends nothing.
+        .route("/rate_limit", get_service(limit.status_service()));
 
     let port = std::env::var("PORT").unwrap_or_else(|_| "3000".into());
     let listener = tokio::net::TcpListener::bind(format!("0.0.0.0:{port}")).await?;

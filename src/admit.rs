@@ -58,6 +58,13 @@ pub(crate) struct Prepared<P> {
 }
 
 impl<P> Prepared<P> {
+    /// Per quota, its parameters and whether it counts bytes.
+    pub(crate) fn quota_units(&self) -> &[(crate::quota::QuotaParams, bool)] {
+        &self.quota_units
+    }
+}
+
+impl<P> Prepared<P> {
     /// `policy` validated and prepared for `backend`, with its header material and counters.
     pub(crate) fn new<Bk: Backend<Policy = P>>(
         backend: &Bk,

@@ -108,6 +108,13 @@ impl<K, Bk> RateLimitLayer<K, Bk> {
 }
 
 impl<K: KeyExtractor, Bk: Backend, M> RateLimitLayer<K, Bk, M> {
+    /// A service answering, for the caller's key, the state of this layer's policy without
+    /// spending anything, as JSON (GitHub's `GET /rate_limit` shape): see
+    /// [`StatusService`](crate::status::StatusService).
+    pub fn status_service(&self) -> crate::status::StatusService<K, Bk> {
+        crate::status::StatusService::new(self.shared.clone())
+    }
+
     /// The handle that replaces this layer's rules at run time, when it was built with
     /// [`rules`](RateLimitLayerBuilder::rules); `None` for a single fixed policy.
     pub fn rules_handle(&self) -> Option<RulesHandle> {

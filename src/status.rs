@@ -144,3 +144,181 @@ impl<S: Send + Sync> axum::extract::OptionalFromRequestParts<S> for RateLimitSta
         Ok(parts.extensions.get::<RateLimitStatus>().cloned())
     }
 }
+
+/// A quota status endpoint: answers, for the caller's key, the state of the layer's policy
+/// (the one its rules pick for this request), without spending anything (a peek), as JSON in
+/// GitHub's `GET /rate_limit` shape:
+///
+/// ```json
+/// {"resources": {"api": {"limit": 10, "remaining": 7, "reset": 1764152400, "used": 3,
+///                        "unit": "requests"}},
+///  "rate": {"limit": 10, "remaining": 7, "reset": 1764152400, "used": 3, "unit": "requests"}}
+/// ```
+///
+/// One resource per quota, by its name in the `RateLimit` field; `reset` is the Unix time
+/// (seconds, rounded up) when more units come, `rate` the tightest quota. A request without a
+/// key gets `400`, a store that fails `503`, each with a `message`. Serve it outside the limit
+/// (asking is free): from [`RateLimitLayer::status_service`](crate::RateLimitLayer::status_service).
+///
+/// ```
+/// use axum::{Router, routing::{get, get_service}};
+/// use tollgate::{Policy, Quota, RateLimitLayer};
+///
+/// let limit = RateLimitLayer::builder()
+///     .policy(Policy::new("api", Quota::per_second(5).burst(10)))
+///     .build()
+///     .unwrap();
+/// let app: Router = Router::new()
+///     .route("/api/hello", get(|| async { "hello" }))
+///     .route_layer(limit.clone())
+///     .route("/rate_limit", get_service(limit.status_service()));
+/// ```
+pub struct StatusService<K, Bk> {
+    shared: crate::service::Erased<K, Bk>,
+}
+
+impl<K, Bk> StatusService<K, Bk> {
+    pub(crate) fn new(shared: crate::service::Erased<K, Bk>) -> Self {
+        StatusService { shared }
+    }
+}
+
+impl<K, Bk> Clone for StatusService<K, Bk> {
+    fn clone(&self) -> Self {
+        StatusService {
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl<K, Bk> std::fmt::Debug for StatusService<K, Bk> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StatusService")
+    }
+}
+
+type StatusFuture = std::pin::Pin<
+    Box<
+        dyn std::future::Future<Output = Result<http::Response<String>, std::convert::Infallible>>
+            + Send,
+    >,
+>;
+
+impl<K, Bk, B> tower_service::Service<http::Request<B>> for StatusService<K, Bk>
+where
+    K: crate::KeyExtractor,
+    Bk: crate::backend::Backend,
+{
+    type Response = http::Response<String>;
+    type Error = std::convert::Infallible;
+    type Future = StatusFuture;
+
+    fn poll_ready(
+        &mut self,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+        use crate::backend::Mode;
+        let shared = self.shared.arc();
+        let info = crate::RequestInfo::new(&req);
+        let key = shared.key.extract(&info);
+        let prepared = shared
+            .policies
+            .with(&info, key.as_ref().ok(), std::sync::Arc::clone);
+        let key = match key {
+            Ok(key) => key,
+            Err(err) => {
+                let message = format!("{{\"message\":{:?}}}", err.to_string());
+                return Box::pin(std::future::ready(Ok(json(
+                    http::StatusCode::BAD_REQUEST,
+                    message,
+                ))));
+            }
+        };
+        let peek = (shared.backend).decide_with(
+            &prepared.backend,
+            &key,
+            std::num::NonZeroU32::MIN,
+            Mode::Peek,
+        );
+        Box::pin(async move {
+            let body = match peek.await {
+                Ok(decision) => resources(&prepared, &decision),
+                Err(_) => {
+                    let message = "{\"message\":\"the rate-limit store is unavailable\"}";
+                    return Ok(json(
+                        http::StatusCode::SERVICE_UNAVAILABLE,
+                        message.to_owned(),
+                    ));
+                }
+            };
+            Ok(json(http::StatusCode::OK, body))
+        })
+    }
+}
+
+fn json(status: http::StatusCode, body: String) -> http::Response<String> {
+    let mut res = http::Response::new(body);
+    *res.status_mut() = status;
+    res.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/json"),
+    );
+    res.headers_mut().insert(
+        http::header::CACHE_CONTROL,
+        http::HeaderValue::from_static("no-store"),
+    );
+    res
+}
+
+/// The JSON of a peek's `decision`: what the key has now, per quota. A peek reports what a
+/// request of one unit would leave: one more is there now when it would pass (a concurrent
+/// quota's peek reports its free slots as they are).
+fn resources<P>(prepared: &crate::admit::Prepared<P>, decision: &Decision) -> String {
+    use std::fmt::Write;
+    let status = RateLimitStatus::new(
+        prepared.policy.name(),
+        &prepared.headers.labels,
+        prepared.quota_units(),
+        decision,
+    );
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let mut out = String::from("{\"resources\":{");
+    let mut tightest: Option<String> = None;
+    let mut least = u64::MAX;
+    for (i, (q, state)) in status.quotas.iter().zip(decision.quotas()).enumerate() {
+        let concurrent = q.unit == "concurrent-requests";
+        let now_there = match state.outcome {
+            crate::backend::Outcome::Allowed if !concurrent => (q.remaining + 1).min(q.limit),
+            _ => q.remaining,
+        };
+        let reset = crate::response::ceil_secs(now + q.reset);
+        let one = format!(
+            "{{\"limit\":{},\"remaining\":{now_there},\"reset\":{reset},\"used\":{},\"unit\":\"{}\"}}",
+            q.limit,
+            q.limit - now_there,
+            q.unit
+        );
+        if i > 0 {
+            out.push(',');
+        }
+        // Names are visible ASCII without quotes or backslashes (checked when built).
+        let _ = write!(out, "\"{}\":{one}", q.name);
+        let share = u64::from(now_there) * 1_000_000 / u64::from(q.limit.max(1));
+        if share < least {
+            least = share;
+            tightest = Some(one);
+        }
+    }
+    out.push('}');
+    if let Some(rate) = tightest {
+        let _ = write!(out, ",\"rate\":{rate}");
+    }
+    out.push('}');
+    out
+}

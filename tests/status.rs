@@ -125,3 +125,74 @@ async fn the_status_serializes() {
         ]})
     );
 }
+
+/// The quota status endpoint: the caller's state, without spending, in GitHub's shape.
+#[tokio::test]
+async fn the_status_endpoint_reports_without_spending() {
+    use axum::routing::get_service;
+    let limit = RateLimitLayer::builder()
+        .key(tollgate::key::Header::new("x-api-key"))
+        .policy(
+            Policy::new("api", Quota::per_hour(10).named("hourly"))
+                .and(Quota::concurrent(2).named("inflight")),
+        )
+        .build()
+        .unwrap();
+    let app = Router::new()
+        .route("/api/hello", get(|| async { "hello" }))
+        .route_layer(limit.clone())
+        .route("/rate_limit", get_service(limit.status_service()));
+    let base = format!("http://{}", support::serve(app).await);
+    let client = reqwest::Client::new();
+    let status = || async {
+        let res = client
+            .get(format!("{base}/rate_limit"))
+            .header("x-api-key", "k")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 200);
+        assert_eq!(res.headers()["content-type"], "application/json");
+        res.json::<serde_json::Value>().await.unwrap()
+    };
+    let fresh = status().await;
+    assert_eq!(fresh["resources"]["hourly"]["remaining"], 10, "{fresh}");
+    assert_eq!(fresh["resources"]["hourly"]["used"], 0, "{fresh}");
+    for _ in 0..3 {
+        let res = client
+            .get(format!("{base}/api/hello"))
+            .header("x-api-key", "k")
+            .send()
+            .await
+            .unwrap();
+        res.text().await.unwrap();
+    }
+    // Asking twice spends nothing.
+    for _ in 0..2 {
+        let body = status().await;
+        let hourly = &body["resources"]["hourly"];
+        assert_eq!(hourly["limit"], 10, "{body}");
+        assert_eq!(hourly["remaining"], 7, "{body}");
+        assert_eq!(hourly["used"], 3, "{body}");
+        assert_eq!(hourly["unit"], "requests", "{body}");
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs();
+        let reset = hourly["reset"].as_u64().unwrap();
+        assert!(reset > now && reset <= now + 361, "{reset} vs {now}");
+        assert_eq!(body["resources"]["inflight"]["unit"], "concurrent-requests");
+        assert_eq!(body["resources"]["inflight"]["remaining"], 2, "{body}");
+        // The tightest quota.
+        assert_eq!(body["rate"], body["resources"]["hourly"], "{body}");
+    }
+    // Without a key: 400, with a message.
+    let res = client
+        .get(format!("{base}/rate_limit"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 400);
+    let body: serde_json::Value = res.json().await.unwrap();
+    assert!(body["message"].as_str().unwrap().contains("key"), "{body}");
+}
