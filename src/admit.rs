@@ -128,14 +128,9 @@ pub(crate) enum Verdict {
     Unsettled(HeaderAdds),
     /// Pass, with the decision for the request's extensions (`decision_in_extensions`).
     PassWith(HeaderAdds, Box<RateLimitStatus>),
-    /// Pass after waiting this long (a reservation in wait mode), holding a waiter's slot
-    /// meanwhile; with the decision for the request's extensions when asked for.
-    Wait(
-        HeaderAdds,
-        Duration,
-        Option<Slot>,
-        Option<Box<RateLimitStatus>>,
-    ),
+    /// Pass after a wait (a reservation in wait mode). Boxed: a rare verdict, kept from making
+    /// every verdict larger to move.
+    Wait(HeaderAdds, Box<Waited>),
     Reject(Box<Response<Bytes>>),
 }
 
@@ -144,10 +139,21 @@ impl Verdict {
     /// otherwise).
     fn holding(self, slot: Option<Slot>) -> Self {
         match self {
-            Verdict::Wait(adds, wait, _, status) => Verdict::Wait(adds, wait, slot, status),
+            Verdict::Wait(adds, mut waited) => {
+                waited.slot = slot;
+                Verdict::Wait(adds, waited)
+            }
             other => other,
         }
     }
+}
+
+/// How long a request waits before it goes on, holding a waiter's slot meanwhile, and its
+/// decision for its extensions when asked for.
+pub(crate) struct Waited {
+    pub(crate) wait: Duration,
+    pub(crate) slot: Option<Slot>,
+    pub(crate) status: Option<Box<RateLimitStatus>>,
 }
 
 /// A request's admission: the verdict now, or a decision a store is still making.
@@ -522,7 +528,14 @@ impl<K, Bk: Backend> Shared<K, Bk> {
         match (wait, status) {
             (Duration::ZERO, Some(status)) => Verdict::PassWith(adds, status),
             (Duration::ZERO, None) => Verdict::Pass(adds),
-            (wait, status) => Verdict::Wait(adds, wait, None, status),
+            (wait, status) => Verdict::Wait(
+                adds,
+                Box::new(Waited {
+                    wait,
+                    slot: None,
+                    status,
+                }),
+            ),
         }
     }
 

@@ -10,7 +10,7 @@ use http::{Request, Response};
 use pin_project_lite::pin_project;
 use tower_service::Service;
 
-use crate::admit::{Admitting, Verdict};
+use crate::admit::{Admitting, Verdict, Waited};
 use crate::backend::Backend;
 use crate::body::{BodyMode, KeepBody};
 use crate::call::{Call, Wait};
@@ -140,7 +140,8 @@ where
                 Self::calling(inner.call(req), adds, settle)
             }
             Verdict::Unsettled(adds) => Self::unsettled(inner.call(req), adds, settle),
-            Verdict::Wait(adds, wait, slot, status) => {
+            Verdict::Wait(adds, waited) => {
+                let Waited { wait, slot, status } = *waited;
                 let mut req = req;
                 if let Some(status) = status {
                     req.extensions_mut().insert(*status);

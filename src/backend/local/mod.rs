@@ -762,7 +762,9 @@ where
         blocked(policy, blocks.start(key, now_us))
     }
 
-    #[inline]
+    // Always inlined: a policy without a penalty decides here, from `decide` (where `hold` is
+    // known), as before penalties came; the one other caller is the penalty's cold path.
+    #[inline(always)]
     fn decide_now(
         &self,
         policy: &LocalPolicy<C>,
