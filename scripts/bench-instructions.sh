@@ -59,11 +59,18 @@ REDIS_PORT=$((PORT + 1000))
 redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no --dir "$WORK" \
     --daemonize no >/dev/null &
 REDIS_PID=$!
-trap 'kill "$REDIS_PID" 2>/dev/null || true; rm -rf "$WORK"' EXIT
+# Waits for Redis to exit: a run started right after this one binds the same port.
+trap 'kill "$REDIS_PID" 2>/dev/null || true; wait "$REDIS_PID" 2>/dev/null || true; rm -rf "$WORK"' EXIT
 for _ in $(seq 1 50); do
     redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1 && break
     sleep 0.1
 done
+# A Redis of an earlier run still on the port would answer the ping, then exit: this one must
+# be the one listening.
+if ! kill -0 "$REDIS_PID" 2>/dev/null; then
+    echo "redis-server could not start on port $REDIS_PORT (in use?); set PORT" >&2
+    exit 1
+fi
 
 total() { callgrind_annotate "$1" 2>/dev/null | awk '/PROGRAM TOTALS/ { gsub(",", "", $1); print $1 }'; }
 
