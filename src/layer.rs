@@ -294,11 +294,13 @@ impl<K, Bk> RateLimitLayerBuilder<K, Bk> {
 
     /// Around a client: when the wrapped service answers `429` or `503` with `Retry-After`
     /// (seconds or an HTTP date), or gRPC `RESOURCE_EXHAUSTED` with `grpc-retry-pushback-ms`,
-    /// the request's key is paused until then (at most an hour): further requests for it wait
-    /// out the pause in [wait mode](Self::wait) when it is within the longest wait (and a
-    /// waiter's slot is free), and are answered `429` with the remaining time otherwise,
-    /// without reaching the upstream. Per layer (its clones share the pauses), in memory, for
-    /// at most 65 536 keys at once.
+    /// the request's key is paused until then (at most an hour); and before any refusal, when
+    /// an answer's `RateLimit` field ([`fields`](crate::fields)) says a policy has nothing left
+    /// (`r=0;t=N`), for those `N` seconds. Further requests for the key wait out the pause in
+    /// [wait mode](Self::wait) when it is within the longest wait (and a waiter's slot is
+    /// free), and are answered `429` with the remaining time otherwise, without reaching the
+    /// upstream. Per layer (its clones share the pauses), in memory, for at most 65 536 keys
+    /// at once.
     pub fn obey_retry_after(mut self, on: bool) -> Self {
         self.obey_retry_after = on;
         self

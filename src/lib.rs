@@ -77,6 +77,7 @@ pub mod body;
 mod call;
 pub mod cors;
 mod error;
+pub mod fields;
 pub mod future;
 #[cfg(any(test, fuzzing))]
 #[doc(hidden)]

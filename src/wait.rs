@@ -139,25 +139,42 @@ pub(crate) fn upstream_wait<B>(res: &http::Response<B>) -> Option<Duration> {
 
 /// [`upstream_wait`] of an answer given as its status and headers.
 pub(crate) fn answer_wait(status: http::StatusCode, headers: &http::HeaderMap) -> Option<Duration> {
-    if status == http::StatusCode::TOO_MANY_REQUESTS
-        || status == http::StatusCode::SERVICE_UNAVAILABLE
+    if (status == http::StatusCode::TOO_MANY_REQUESTS
+        || status == http::StatusCode::SERVICE_UNAVAILABLE)
+        && let Some(wait) = retry_after(headers)
     {
-        let value = headers
-            .get(http::header::RETRY_AFTER)?
+        return Some(wait);
+    }
+    if headers.get("grpc-status").and_then(|v| v.to_str().ok()) == Some("8")
+        && let Some(ms) = headers.get("grpc-retry-pushback-ms")
+    {
+        return ms
             .to_str()
             .ok()?
-            .trim();
-        if let Ok(secs) = value.parse::<u64>() {
-            return Some(Duration::from_secs(secs));
-        }
-        let date = httpdate::parse_http_date(value).ok()?;
-        return date.duration_since(std::time::SystemTime::now()).ok();
+            .trim()
+            .parse::<u64>()
+            .ok()
+            .map(Duration::from_millis);
     }
-    if headers.get("grpc-status").and_then(|v| v.to_str().ok()) == Some("8") {
-        let ms = headers.get("grpc-retry-pushback-ms")?.to_str().ok()?;
-        return ms.trim().parse::<u64>().ok().map(Duration::from_millis);
+    // Before any refusal: the server's `RateLimit` field says a policy has nothing left
+    // (`r=0`) until `t`. An invalid field is no request to wait.
+    crate::fields::RateLimit::from_headers(headers)?
+        .ok()?
+        .wait()
+}
+
+/// `Retry-After`, in seconds or as an HTTP date.
+fn retry_after(headers: &http::HeaderMap) -> Option<Duration> {
+    let value = headers
+        .get(http::header::RETRY_AFTER)?
+        .to_str()
+        .ok()?
+        .trim();
+    if let Ok(secs) = value.parse::<u64>() {
+        return Some(Duration::from_secs(secs));
     }
-    None
+    let date = httpdate::parse_http_date(value).ok()?;
+    date.duration_since(std::time::SystemTime::now()).ok()
 }
 
 #[cfg(test)]
@@ -202,6 +219,30 @@ mod tests {
             res(500, &[("retry-after", "3")]),
         ] {
             assert_eq!(upstream_wait(&none), None);
+        }
+    }
+
+    /// A client paces itself from the server's `RateLimit` field before it is refused: a policy
+    /// with nothing left (`r=0`) pauses the key until its `t`; `Retry-After` on a refusal
+    /// comes first; an invalid field is no request to wait.
+    #[test]
+    fn the_ratelimit_field_paces_before_a_refusal() {
+        let secs = Duration::from_secs;
+        let empty = [("ratelimit", r#""api";r=0;t=7"#)];
+        assert_eq!(upstream_wait(&res(200, &empty)), Some(secs(7)));
+        let two = [("ratelimit", r#""a";r=3;t=1, "b";r=0;t=40"#)];
+        assert_eq!(upstream_wait(&res(200, &two)), Some(secs(40)));
+        let refused = [("retry-after", "2"), ("ratelimit", r#""api";r=0;t=7"#)];
+        assert_eq!(upstream_wait(&res(429, &refused)), Some(secs(2)));
+        let refused_without = [("ratelimit", r#""api";r=0;t=7"#)];
+        assert_eq!(upstream_wait(&res(429, &refused_without)), Some(secs(7)));
+        for none in [
+            [("ratelimit", r#""api";r=5;t=7"#)],
+            [("ratelimit", r#""api";r=0"#)],
+            [("ratelimit", r#""api";r=0;t=0"#)],
+            [("ratelimit", "not a field")],
+        ] {
+            assert_eq!(upstream_wait(&res(200, &none)), None, "{none:?}");
         }
     }
 }
