@@ -216,3 +216,29 @@ async fn retry_after_dates_pause_and_nothing_else_does() {
     }
     assert_eq!(hits.load(Ordering::SeqCst), 3);
 }
+
+/// A client pacing from its upstream's `RateLimit` fields: the upstream, itself limited by
+/// tollgate (2 a second, burst 2), says `r=0;t=1` on the call that empties its bucket, and the
+/// waiting client pauses until then: sequential calls never run into the upstream's `429`.
+#[tokio::test]
+async fn a_client_paces_from_the_upstreams_ratelimit_field() {
+    let limit = tollgate::RateLimitLayer::builder()
+        .key(tollgate::key::Global)
+        .policy(Policy::new("upstream", Quota::per_second(2)))
+        .build()
+        .unwrap();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .route_layer(limit);
+    let url = format!("http://{}/", support::serve(app).await);
+    let c = client(
+        RateLimitMiddleware::new(limiter(Quota::per_second(100)))
+            .wait(Duration::from_secs(3))
+            .obey_retry_after(true),
+    );
+    let mut statuses = Vec::new();
+    for _ in 0..6 {
+        statuses.push(c.get(&url).send().await.unwrap().status().as_u16());
+    }
+    assert_eq!(statuses, [200; 6], "no 429 from the upstream");
+}
