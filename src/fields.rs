@@ -98,6 +98,40 @@ impl RateLimit {
     pub fn from_headers(headers: &http::HeaderMap) -> Option<Result<Self, FieldError>> {
         joined(headers, "ratelimit").map(|text| text.and_then(|t| t.parse()))
     }
+
+    /// The older `X-RateLimit-Remaining` and `X-RateLimit-Reset` fields of `headers` (as GitHub,
+    /// Twitter/X and many others send them), read as one item named `x-ratelimit`, if both are
+    /// there. `X-RateLimit-Reset` is seconds from now, or, at 1 000 000 000 and above, a Unix
+    /// time (GitHub's form; a time passed reads as 0).
+    pub fn from_legacy_headers(headers: &http::HeaderMap) -> Option<Result<Self, FieldError>> {
+        let remaining = headers.get("x-ratelimit-remaining")?;
+        let reset = headers.get("x-ratelimit-reset")?;
+        let number = |v: &http::HeaderValue, name: &str| {
+            let n = v.to_str().ok().and_then(|s| s.trim().parse::<u64>().ok());
+            n.ok_or_else(|| FieldError(format!("`{name}` is not a non-negative integer")))
+        };
+        let read = || {
+            let remaining = number(remaining, "X-RateLimit-Remaining")?;
+            let reset = number(reset, "X-RateLimit-Reset")?;
+            let reset = if reset >= 1_000_000_000 {
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap_or_default();
+                Duration::from_secs(reset).saturating_sub(now)
+            } else {
+                Duration::from_secs(reset)
+            };
+            Ok(RateLimit {
+                items: vec![RateLimitItem {
+                    policy: "x-ratelimit".to_owned(),
+                    remaining,
+                    reset: Some(reset),
+                    partition_key: None,
+                }],
+            })
+        };
+        Some(read())
+    }
 }
 
 impl RateLimitPolicy {
@@ -320,6 +354,52 @@ mod tests {
             "\"x\";q=1;qu=bytes".parse::<RateLimitPolicy>().is_err(),
             "a token unit"
         );
+    }
+
+    #[test]
+    fn the_older_x_ratelimit_fields() {
+        let headers = |remaining: &str, reset: &str| {
+            let mut h = http::HeaderMap::new();
+            h.insert("x-ratelimit-limit", http::HeaderValue::from_static("5000"));
+            h.insert("x-ratelimit-remaining", remaining.parse().unwrap());
+            h.insert("x-ratelimit-reset", reset.parse().unwrap());
+            h
+        };
+        // Seconds from now.
+        let f = RateLimit::from_legacy_headers(&headers("0", "12"))
+            .unwrap()
+            .unwrap();
+        assert_eq!(f.wait(), Some(Duration::from_secs(12)));
+        // GitHub's Unix time.
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs();
+        let at = (now + 30).to_string();
+        let f = RateLimit::from_legacy_headers(&headers("0", &at))
+            .unwrap()
+            .unwrap();
+        let wait = f.wait().unwrap();
+        assert!(
+            wait > Duration::from_secs(27) && wait <= Duration::from_secs(30),
+            "{wait:?}"
+        );
+        // Some left, or a reset passed: nothing to wait for.
+        let f = RateLimit::from_legacy_headers(&headers("10", "12"))
+            .unwrap()
+            .unwrap();
+        assert_eq!(f.wait(), None);
+        let past = (now - 30).to_string();
+        let f = RateLimit::from_legacy_headers(&headers("0", &past))
+            .unwrap()
+            .unwrap();
+        assert_eq!(f.wait(), None);
+        assert!(
+            RateLimit::from_legacy_headers(&headers("none", "12"))
+                .unwrap()
+                .is_err()
+        );
+        assert!(RateLimit::from_legacy_headers(&http::HeaderMap::new()).is_none());
     }
 
     #[test]

@@ -156,11 +156,12 @@ pub(crate) fn answer_wait(status: http::StatusCode, headers: &http::HeaderMap) -
             .ok()
             .map(Duration::from_millis);
     }
-    // Before any refusal: the server's `RateLimit` field says a policy has nothing left
-    // (`r=0`) until `t`. An invalid field is no request to wait.
-    crate::fields::RateLimit::from_headers(headers)?
-        .ok()?
-        .wait()
+    // Before any refusal: the server's `RateLimit` field (or, without one, the older
+    // `X-RateLimit-Remaining` and `-Reset`) says a policy has nothing left until its reset.
+    // An invalid field is no request to wait.
+    let field = crate::fields::RateLimit::from_headers(headers)
+        .or_else(|| crate::fields::RateLimit::from_legacy_headers(headers))?;
+    field.ok()?.wait()
 }
 
 /// `Retry-After`, in seconds or as an HTTP date.
@@ -244,5 +245,7 @@ mod tests {
         ] {
             assert_eq!(upstream_wait(&res(200, &none)), None, "{none:?}");
         }
+        let legacy = [("x-ratelimit-remaining", "0"), ("x-ratelimit-reset", "9")];
+        assert_eq!(upstream_wait(&res(200, &legacy)), Some(secs(9)));
     }
 }
