@@ -607,7 +607,7 @@ impl<Bk: Backend> Charging<Bk> {
         };
         let refund = refund_of(admitted);
         if let Some((mode, units)) = self.rules.settlement(self.cost, res, refund) {
-            self.send(mode, units);
+            self.target.send(units, mode);
         }
     }
 
@@ -618,12 +618,8 @@ impl<Bk: Backend> Charging<Bk> {
         };
         let refund = refund_of(admitted);
         if let Some((mode, units)) = self.rules.settlement_at_end(self.cost, end, refund) {
-            self.send(mode, units);
+            self.target.send(units, mode);
         }
-    }
-
-    fn send(&self, mode: Mode, units: NonZeroU32) {
-        self.target.send(units, mode);
     }
 }
 
@@ -666,7 +662,7 @@ impl<Bk: Backend> Drop for Charging<Bk> {
         if let Some(admitted) = self.admitted
             && self.rules.cancelled == Cancelled::Refund
         {
-            self.send(refund_of(admitted), self.cost);
+            self.target.send(self.cost, refund_of(admitted));
         }
     }
 }

@@ -169,11 +169,13 @@ impl DenyCache {
         let Some(mut wait) = decision.retry_after() else {
             return;
         };
+        // A block refuses every cost until its end (its state is the first quota's, whatever
+        // that quota's algorithm): held until then, for any cost.
         let blocked = decision.is_blocked();
         // A sliding window's `remaining` grows at its `reset_after`, which only the store can tell
         // the next value of: hold its denial until then (module docs).
-        let mut larger = decision.quotas().len() == params.len();
-        for s in decision.quotas() {
+        let mut larger = blocked || decision.quotas().len() == params.len();
+        for s in decision.quotas().iter().filter(|_| !blocked) {
             let sliding = matches!(
                 params.get(s.index).map(|p| p.kind),
                 Some(QuotaKind::SlidingWindow { .. })
@@ -189,12 +191,6 @@ impl DenyCache {
         }
         if wait.is_zero() {
             return;
-        }
-        // A block refuses every cost until its end (its state is the first quota's, whatever
-        // that quota's algorithm).
-        if blocked {
-            larger = true;
-            wait = decision.retry_after().unwrap_or(wait);
         }
         let until_ns = sent_ns.saturating_add(u64::try_from(wait.as_nanos()).unwrap_or(u64::MAX));
         let reserved = !self.map.contains_key(key);

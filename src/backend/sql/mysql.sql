@@ -369,15 +369,6 @@ BEGIN
                     ELSE
                         SET code = IF(cur > 0, 1, 0);
                     END IF;
-                    IF kind = 0 THEN
-                        SET reply = CONCAT(reply, ',', code, ',', LEAST(cur, 9000000000000000000));
-                    ELSEIF kind = 1 THEN
-                        SET reply = CONCAT(reply, ',', code, ',', cur, ',', qa - r);
-                    ELSEIF kind >= 3 THEN
-                        SET reply = CONCAT(reply, ',', code, ',', cur);
-                    ELSE
-                        SET reply = CONCAT(reply, ',', code, ',', r, ',', cs);
-                    END IF;
                 ELSE
                     IF pass = 2 THEN
                         SET code = CAST(SUBSTRING(codes, i, 1) AS SIGNED);
@@ -428,6 +419,9 @@ BEGIN
                             SET dirty = 1;
                         END IF;
                     END IF;
+                END IF;
+                -- The quota's reply, once its code and state are final (pass 1 replies nothing).
+                IF pass <> 1 THEN
                     IF kind = 0 THEN
                         SET reply = CONCAT(reply, ',', code, ',', LEAST(cur, 9000000000000000000));
                     ELSEIF kind = 1 THEN
