@@ -54,14 +54,7 @@ pub(crate) struct Prepared<P> {
     /// Whether the policy has a concurrent quota: its requests hold a slot until they end.
     pub(crate) holds_slots: bool,
     /// Per quota, its parameters and whether it counts bytes: for a [`RateLimitStatus`].
-    quota_units: Box<[(crate::quota::QuotaParams, bool)]>,
-}
-
-impl<P> Prepared<P> {
-    /// Per quota, its parameters and whether it counts bytes.
-    pub(crate) fn quota_units(&self) -> &[(crate::quota::QuotaParams, bool)] {
-        &self.quota_units
-    }
+    pub(crate) quota_units: Box<[(crate::quota::QuotaParams, bool)]>,
 }
 
 impl<P> Prepared<P> {

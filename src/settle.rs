@@ -246,12 +246,8 @@ impl CostFrom {
     /// The cost `res` reports, if any.
     fn read(&self, res: &ResponseInfo<'_>) -> Option<u32> {
         match &self.0 {
-            Source::Header(name) => {
-                let value = res.headers().get(name)?.to_str().ok()?;
-                value.trim().parse().ok()
-            }
+            Source::Header(name) | Source::Trailer(name) => decimal(res.headers().get(name)?),
             Source::Extension => res.extensions().get::<Charge>().map(|c| c.0),
-            Source::Trailer(name) => decimal(res.headers().get(name)?),
             Source::ResponseBytes => None,
         }
     }

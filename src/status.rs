@@ -282,7 +282,7 @@ fn resources<P>(prepared: &crate::admit::Prepared<P>, decision: &Decision) -> St
     let status = RateLimitStatus::new(
         prepared.policy.name(),
         &prepared.headers.labels,
-        prepared.quota_units(),
+        &prepared.quota_units,
         decision,
     );
     let now = std::time::SystemTime::now()
