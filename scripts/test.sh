@@ -3,8 +3,8 @@
 #
 # Installs what a fresh Debian/Ubuntu machine lacks (redis-server and redis-cli for the Redis
 # tests; PostgreSQL and MariaDB's server binaries for the SQL tests; every test starts its own
-# servers on free ports in temporary directories, no system service is used; cargo-nextest
-# when missing), then runs every test with all features, and the doctests.
+# servers on free ports in temporary directories, no system service is used; Chromium for the
+# browser test, headless; cargo-nextest when missing), then runs every test with all features, and the doctests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,6 +14,7 @@ command -v redis-cli >/dev/null 2>&1 || need_apt+=(redis-tools)
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need_apt+=(postgresql)
 { [ -x /usr/sbin/mariadbd ] && command -v mariadb-install-db >/dev/null 2>&1; } ||
   need_apt+=(mariadb-server)
+command -v "${CHROMIUM:-chromium}" >/dev/null 2>&1 || need_apt+=(chromium)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "installing: ${need_apt[*]}"
   sudo=""
