@@ -27,7 +27,7 @@ use sfv::{BareItem, ListEntry, Parameters, Parser};
 
 /// Why a field could not be read.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct FieldError(String);
+pub struct FieldError(pub(crate) String);
 
 impl fmt::Display for FieldError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

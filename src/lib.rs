@@ -66,6 +66,7 @@
 //! | `mysql` | no | [`MysqlBackend`](backend::mysql::MysqlBackend): one limit shared by every instance, in MySQL or MariaDB (implies `local`) |
 //! | `reqwest` | no | [`RateLimitMiddleware`](middleware::RateLimitMiddleware): outbound reqwest calls through reqwest-middleware, waiting or failing fast |
 //! | `metrics` | no | counters, gauges and histograms on the `metrics` facade, for any exporter ([`metrics`]) |
+//! | `testing` | no | `tollgate::testing`: a manual clock for the local backend and the rate-limit fields of a response, for your own tests (implies `local`) |
 //!
 //! [tower]: https://docs.rs/tower
 //! [governor]: https://docs.rs/governor
@@ -97,6 +98,9 @@ pub mod rules;
 mod service;
 pub mod settle;
 pub mod status;
+#[cfg(feature = "testing")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
+pub mod testing;
 mod wait;
 
 pub use body::ResponseBody;

@@ -165,7 +165,7 @@ pub(crate) fn answer_wait(status: http::StatusCode, headers: &http::HeaderMap) -
 }
 
 /// `Retry-After`, in seconds or as an HTTP date.
-fn retry_after(headers: &http::HeaderMap) -> Option<Duration> {
+pub(crate) fn retry_after(headers: &http::HeaderMap) -> Option<Duration> {
     let value = headers
         .get(http::header::RETRY_AFTER)?
         .to_str()
