@@ -17,6 +17,12 @@
 //! It prints one final line: `calls=<made> failed=<failed> elapsed_ms=<ms>`. With the defaults,
 //! 100 calls at 20 per second with a burst of 20 take about 4 seconds.
 //!
+//! The client also paces itself from the upstream's own limit: when an answer's `RateLimit`
+//! field says nothing is left (`r=0;t=N`, or the older `X-RateLimit-Remaining: 0`), the next
+//! call waits `N` seconds, and a `Retry-After` on a `429` is obeyed the same way
+//! (`obey_retry_after`). Against an upstream that sends the fields (another tollgate, GitHub),
+//! sequential calls (`WORKERS=1`) never run into its `429`, whatever `RATE` says.
+//!
 //! ```text
 //! $ cargo run -q --example outbound
 //! calls=100 failed=0 elapsed_ms=4003
@@ -52,7 +58,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         Err(_) => format!("http://{}/", stand_in().await?),
     };
     let backend = std::env::var("BACKEND").unwrap_or_else(|_| "local".into());
-    match backend.as_str() {
+    let tally = match backend.as_str() {
         "local" => {
             run(
                 tollgate::backend::LocalBackend::new(),
@@ -61,7 +67,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 calls,
                 upstream,
             )
-            .await
+            .await?
         }
         #[cfg(feature = "redis")]
         "redis" => {
@@ -71,22 +77,37 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .url(url)
                 .timeout(Duration::from_secs(1))
                 .build()?;
-            run(redis, rate, workers, calls, upstream).await
+            run(redis, rate, workers, calls, upstream).await?
         }
         #[cfg(not(feature = "redis"))]
-        "redis" => Err("BACKEND=redis needs a build with `--features redis`".into()),
-        other => Err(format!("unknown BACKEND={other:?}: use local or redis").into()),
-    }
+        "redis" => return Err("BACKEND=redis needs a build with `--features redis`".into()),
+        other => return Err(format!("unknown BACKEND={other:?}: use local or redis").into()),
+    };
+    println!(
+        "calls={} failed={} elapsed_ms={}",
+        tally.calls,
+        tally.failed,
+        tally.elapsed.as_millis()
+    );
+    Ok(())
+}
+
+/// What a run did: calls made, calls that failed (an error, or an answer other than 2xx, such
+/// as the upstream's `429`), and the time it took.
+pub(crate) struct Tally {
+    pub(crate) calls: u64,
+    pub(crate) failed: u64,
+    pub(crate) elapsed: Duration,
 }
 
 /// `calls` calls from `workers` workers through one client limited to `rate` on `backend`.
-async fn run<B: Backend>(
+pub(crate) async fn run<B: Backend>(
     backend: B,
     rate: Quota,
     workers: u64,
     calls: u64,
     upstream: String,
-) -> Result<(), Box<dyn std::error::Error>> {
+) -> Result<Tally, Box<dyn std::error::Error>> {
     let client = Client::builder(TokioExecutor::new()).build_http::<Empty<Bytes>>();
     // One key for the whole partner; wait up to a minute for a turn, every worker may wait.
     let limit = RateLimitLayer::builder()
@@ -135,12 +156,11 @@ async fn run<B: Backend>(
     for t in tasks {
         t.await?;
     }
-    println!(
-        "calls={calls} failed={} elapsed_ms={}",
-        failed.load(Ordering::Relaxed),
-        started.elapsed().as_millis()
-    );
-    Ok(())
+    Ok(Tally {
+        calls,
+        failed: failed.load(Ordering::Relaxed),
+        elapsed: started.elapsed(),
+    })
 }
 
 /// A stand-in upstream on a free local port: answers `ok`.
