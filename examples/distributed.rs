@@ -12,6 +12,12 @@
 //! The SQL stores run their migration at start (idempotent: a table and a function or
 //! procedure, created if missing).
 //!
+//! `ON_FAILURE=open|closed|fallback` (default `open`) is what requests get while the store
+//! cannot decide: let through unlimited, refused with `503`, or limited by each instance
+//! alone at its share of the limit. With `fallback` the instances announce themselves in the
+//! store (every second) and know how many they are, so that two instances admit about one
+//! limit together while the store is down, not two.
+//!
 //! What to expect: the same routes and policy as `quickstart`, but the buckets live in the
 //! shared store, so every instance started against the same store shares one limit:
 //!
@@ -27,9 +33,9 @@
 //! ```
 //!
 //! `/api/hello` is limited per client IP to 5 requests per second with bursts of 10; no proxy
-//! is trusted. The app starts even when the store is down, and then fails open (requests pass
-//! unlimited) until it answers; limits apply again within about a second of the store coming
-//! back. The log (INFO and above, on stdout) has one warning naming the cause when the store
+//! is trusted. The app starts even when the store is down, and then gets the failure policy
+//! (by default it fails open: requests pass unlimited) until it answers; limits apply again
+//! within about a second of the store coming back. The log (INFO and above, on stdout) has one warning naming the cause when the store
 //! fails (`connection refused`, `authentication failed`) and one line when it answers again,
 //! not a line per request. URLs are printed with their password masked or left out.
 
@@ -37,6 +43,8 @@ use std::net::SocketAddr;
 
 use axum::{Router, routing::get};
 use tollgate::backend::Backend;
+#[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
+use tollgate::backend::remote::FailurePolicy;
 use tollgate::key::ClientIp;
 use tollgate::{Policy, Quota, RateLimitLayer};
 
@@ -44,13 +52,15 @@ use tollgate::{Policy, Quota, RateLimitLayer};
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     tracing_subscriber::fmt().init();
     let backend = std::env::var("BACKEND").unwrap_or_else(|_| "redis".into());
+    #[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
+    let on_failure = failure_policy(std::env::var("ON_FAILURE").ok().as_deref())?;
     match backend.as_str() {
         #[cfg(feature = "redis")]
-        "redis" => serve(redis()?).await,
+        "redis" => serve(redis(on_failure)?).await,
         #[cfg(feature = "postgres")]
-        "postgres" => serve(postgres().await?).await,
+        "postgres" => serve(postgres(on_failure).await?).await,
         #[cfg(feature = "mysql")]
-        "mysql" => serve(mysql().await?).await,
+        "mysql" => serve(mysql(on_failure).await?).await,
         #[allow(unreachable_patterns)] // every store compiled in
         "redis" | "postgres" | "mysql" => {
             Err(format!("BACKEND={backend} needs a build with `--features {backend}`").into())
@@ -59,9 +69,24 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
 }
 
+/// `ON_FAILURE`: `open` (the default), `closed` or `fallback`.
+#[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
+pub(crate) fn failure_policy(value: Option<&str>) -> Result<FailurePolicy, String> {
+    match value.map(str::trim) {
+        None | Some("open") => Ok(FailurePolicy::FailOpen),
+        Some("closed") => Ok(FailurePolicy::FailClosed),
+        Some("fallback") => Ok(FailurePolicy::FallbackLocal),
+        Some(other) => Err(format!(
+            "unknown ON_FAILURE={other:?}: use open, closed or fallback"
+        )),
+    }
+}
+
 #[cfg(feature = "redis")]
-fn redis() -> Result<tollgate::backend::redis::RedisBackend, tollgate::ConfigError> {
-    use tollgate::backend::redis::{FailurePolicy, RedisBackend};
+fn redis(
+    on_failure: FailurePolicy,
+) -> Result<tollgate::backend::redis::RedisBackend, tollgate::ConfigError> {
+    use tollgate::backend::redis::RedisBackend;
     let backend = match std::env::var("REDIS_CLUSTER_NODES") {
         Ok(nodes) if !nodes.trim().is_empty() => {
             let nodes: Vec<String> = nodes
@@ -77,7 +102,7 @@ fn redis() -> Result<tollgate::backend::redis::RedisBackend, tollgate::ConfigErr
             RedisBackend::builder().url(url)
         }
     }
-    .on_failure(FailurePolicy::FailOpen);
+    .on_failure(on_failure);
     let backend = match std::env::var_os("REDIS_CA_CERT") {
         Some(path) => {
             let pem = std::fs::read(&path).map_err(|e| tollgate::ConfigError::Invalid {
@@ -95,12 +120,15 @@ fn redis() -> Result<tollgate::backend::redis::RedisBackend, tollgate::ConfigErr
 }
 
 #[cfg(feature = "postgres")]
-async fn postgres()
--> Result<tollgate::backend::postgres::PostgresBackend, Box<dyn std::error::Error>> {
+async fn postgres(
+    on_failure: FailurePolicy,
+) -> Result<tollgate::backend::postgres::PostgresBackend, Box<dyn std::error::Error>> {
     use tollgate::backend::postgres::PostgresBackend;
     let url = std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
-    let backend = PostgresBackend::builder().url(url).build()?;
+    let backend = (PostgresBackend::builder().url(url))
+        .on_failure(on_failure)
+        .build()?;
     println!("PostgreSQL: {}", backend.endpoint());
     // Creates the table and the function if missing. If the database is down, the app still
     // starts (failing open) and the log says why.
@@ -111,11 +139,15 @@ async fn postgres()
 }
 
 #[cfg(feature = "mysql")]
-async fn mysql() -> Result<tollgate::backend::mysql::MysqlBackend, Box<dyn std::error::Error>> {
+async fn mysql(
+    on_failure: FailurePolicy,
+) -> Result<tollgate::backend::mysql::MysqlBackend, Box<dyn std::error::Error>> {
     use tollgate::backend::mysql::MysqlBackend;
     let url =
         std::env::var("DATABASE_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
-    let backend = MysqlBackend::builder().url(url).build()?;
+    let backend = (MysqlBackend::builder().url(url))
+        .on_failure(on_failure)
+        .build()?;
     println!("MySQL: {}", backend.endpoint());
     if let Err(err) = backend.migrate().await {
         tracing::warn!(%err, "migration failed; run it again once the database answers");
@@ -124,19 +156,22 @@ async fn mysql() -> Result<tollgate::backend::mysql::MysqlBackend, Box<dyn std::
 }
 
 /// The quickstart's routes, limited on `backend`.
-#[allow(dead_code)]
-async fn serve<B: Backend>(backend: B) -> Result<(), Box<dyn std::error::Error>> {
+pub(crate) fn app<B: Backend>(backend: B) -> Result<Router, tollgate::ConfigError> {
     let limit = RateLimitLayer::builder()
         .policy(Policy::new("api", Quota::per_second(5).burst(10)))
         .key(ClientIp::new())
         .backend(backend)
         .build()?;
-
-    let app = Router::new()
+    Ok(Router::new()
         .route("/api/hello", get(|| async { "hello\n" }))
         .route_layer(limit)
-        .route("/", get(|| async { "unlimited\n" }));
+        .route("/", get(|| async { "unlimited\n" })))
+}
 
+/// Serves the app on `PORT`.
+#[allow(dead_code)]
+async fn serve<B: Backend>(backend: B) -> Result<(), Box<dyn std::error::Error>> {
+    let app = app(backend)?;
     let port = std::env::var("PORT").unwrap_or_else(|_| "3000".into());
     let listener = tokio::net::TcpListener::bind(format!("0.0.0.0:{port}")).await?;
     println!("listening on http://{}", listener.local_addr()?);

@@ -1108,6 +1108,17 @@ impl crate::backend::remote::Store for FuzzSql {
         ))
     }
 
+    async fn announce(
+        &self,
+        _id: u64,
+        _ttl: std::time::Duration,
+    ) -> Result<u32, crate::backend::remote::CallError> {
+        Err(crate::backend::remote::CallError::new(
+            crate::backend::remote::StoreFailure::Connection,
+            "the fuzz store is never called",
+        ))
+    }
+
     fn can_batch(&self) -> bool {
         true
     }

@@ -61,6 +61,17 @@ impl Policy {
         }
     }
 
+    /// This policy with every quota at its share on one of `instances` instances (see
+    /// `Quota::share`): what the local fallback enforces while the shared store is down.
+    #[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
+    pub(crate) fn share(&self, instances: u32) -> Policy {
+        let mut shared = self.clone();
+        for quota in &mut shared.quotas {
+            *quota = quota.share(instances);
+        }
+        shared
+    }
+
     /// Adds a quota that must also pass.
     pub fn and(mut self, quota: Quota) -> Self {
         self.quotas.push(quota);

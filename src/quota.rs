@@ -199,6 +199,21 @@ impl Quota {
     /// minutes.
     pub const DEFAULT_LEASE: Duration = Duration::from_secs(300);
 
+    /// This quota's share on one of `instances` instances sharing it: its count and burst (a
+    /// concurrent quota's slots) divided by `instances`, rounded up (so at least 1 of a valid
+    /// quota). The fleet together admits at most the quota rounded up to a multiple of
+    /// `instances`.
+    #[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
+    pub(crate) const fn share(mut self, instances: u32) -> Self {
+        if instances > 1 {
+            self.count = self.count.div_ceil(instances);
+            if let Some(burst) = self.burst {
+                self.burst = Some(burst.div_ceil(instances));
+            }
+        }
+        self
+    }
+
     /// `count` requests per second.
     pub const fn per_second(count: u32) -> Self {
         Self::new(count, Duration::from_secs(1))

@@ -342,6 +342,26 @@ async fn killed_database_gets_the_failure_policy_and_recovers() {
     outage::killed_and_restarted(&mut server, |on_failure| failing(&url, on_failure)).await;
 }
 
+/// Instances on one database count each other, and fall back to their share of each quota.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_count_each_other_and_fall_back_to_their_share() {
+    let mut server = PgServer::start();
+    migrated(builder(&server)).await;
+    let url = server.url();
+    let make = |fleet| {
+        PostgresBackend::builder()
+            .url(url.clone())
+            .timeout(TIMEOUT)
+            .on_failure(FailurePolicy::FallbackLocal)
+            .circuit_breaker(3, Duration::from_millis(100))
+            .sweep(None, 1)
+            .fleet(fleet)
+            .build()
+            .unwrap()
+    };
+    outage::fleet_shares(&mut server, make, |b| b.stats().fleet_size).await;
+}
+
 /// A frozen database (connections open, nothing answers) costs each request the timeout at
 /// most.
 #[tokio::test]

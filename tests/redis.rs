@@ -912,6 +912,24 @@ async fn killed_redis_falls_back_to_local_limits() {
     until_redis_decides(&b, &p, &k).await;
 }
 
+/// Instances on one Redis count each other, and fall back to their share of each quota.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_count_each_other_and_fall_back_to_their_share() {
+    let mut server = RedisServer::start();
+    let url = server.url();
+    let make = |fleet| {
+        RedisBackend::builder()
+            .url(url.clone())
+            .timeout(TIMEOUT)
+            .on_failure(FailurePolicy::FallbackLocal)
+            .circuit_breaker(3, Duration::from_millis(100))
+            .fleet(fleet)
+            .build()
+            .unwrap()
+    };
+    support::outage::fleet_shares(&mut server, make, |b| b.stats().fleet_size).await;
+}
+
 #[tokio::test]
 async fn frozen_redis_costs_at_most_the_timeout() {
     let server = RedisServer::start();

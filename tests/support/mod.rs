@@ -17,7 +17,7 @@ use tollgate::{Key, Policy, Quota};
 
 #[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
 pub mod conformance;
-#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
 pub mod outage;
 pub mod proxy;
 pub mod sql;
@@ -517,5 +517,21 @@ impl Drop for Sentinels {
             let _ = c.kill();
             let _ = c.wait();
         }
+    }
+}
+
+#[cfg(feature = "redis")]
+impl outage::Db for RedisServer {
+    fn kill(&mut self) {
+        RedisServer::kill(self)
+    }
+    fn restart(&mut self) {
+        RedisServer::restart(self)
+    }
+    fn pause(&self) {
+        RedisServer::pause(self)
+    }
+    fn resume(&self) {
+        RedisServer::resume(self)
     }
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tollgate::backend::Backend;
-use tollgate::backend::remote::{FailurePolicy, RemoteStats};
+use tollgate::backend::remote::{FailurePolicy, Fleet, RemoteStats};
 use tollgate::{BackendErrorKind, Policy};
 
 use super::proxy::{Fault, FaultProxy};
@@ -130,6 +130,71 @@ pub async fn killed_and_restarted<B: Remote>(
         resumes(&b, &p).await;
         assert!(!b.stats().breaker_open);
     }
+}
+
+/// Instances falling back to local limits, as a fleet (`make` builds a backend with the fleet
+/// given, [`FailurePolicy::FallbackLocal`], the [`TIMEOUT`] and a breaker opening after 3
+/// failures; `size` reads the fleet's size from its stats): announced instances count each
+/// other, a stopped one is forgotten, and once the store is killed each admits its share, so
+/// that two admit one quota together; a configured size divides without announcing.
+pub async fn fleet_shares<B: Backend + Clone>(
+    server: &mut impl Db,
+    make: impl Fn(Fleet) -> B,
+    size: impl Fn(&B) -> u32,
+) {
+    let announced = Fleet::Announced {
+        every: Duration::from_millis(100),
+    };
+    let policy = Policy::new("fleet", no_refill(10));
+    let (a, b) = (make(announced), make(announced));
+    let (pa, pb) = (prepare(&a, &policy), prepare(&b, &policy));
+    super::eventually("two instances count each other", || {
+        size(&a) == 2 && size(&b) == 2
+    })
+    .await;
+    let c = make(announced);
+    let pc = prepare(&c, &policy);
+    super::eventually("a third is counted", || size(&a) == 3 && size(&c) == 3).await;
+    drop((pc, c));
+    super::eventually("a stopped instance is forgotten", || {
+        size(&a) == 2 && size(&b) == 2
+    })
+    .await;
+    // Both were decided by the store once: their buckets there, and the key's, exist.
+    let k = key("k");
+    a.decide(&pa, &k, cost(1)).await.unwrap();
+
+    server.kill();
+    let mut allowed = [0, 0];
+    for (i, (backend, p)) in [(&a, &pa), (&b, &pb)].into_iter().enumerate() {
+        for _ in 0..10 {
+            let d = timed(backend.decide(p, &k, cost(1))).await.unwrap();
+            allowed[i] += usize::from(d.is_allowed());
+        }
+    }
+    assert_eq!(
+        allowed,
+        [5, 5],
+        "each instance its share: one quota together"
+    );
+    // The count read last is kept while the store is down.
+    assert_eq!((size(&a), size(&b)), (2, 2));
+
+    // A configured size: 10 over 3 instances is 4 each (rounded up), without a store.
+    let three = make(Fleet::Size(std::num::NonZeroU32::new(3).unwrap()));
+    assert_eq!(size(&three), 3);
+    let p3 = prepare(&three, &policy);
+    let mut allowed = 0;
+    for _ in 0..10 {
+        allowed += usize::from(
+            timed(three.decide(&p3, &k, cost(1)))
+                .await
+                .unwrap()
+                .is_allowed(),
+        );
+    }
+    assert_eq!(allowed, 4);
+    server.restart();
 }
 
 /// A frozen database (connections open, nothing answers) costs each request the timeout at

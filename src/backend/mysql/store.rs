@@ -48,6 +48,8 @@ pub(crate) struct Names {
     decide: String,
     pub(crate) sweep: String,
     reset: String,
+    announce: String,
+    count: String,
 }
 
 impl Names {
@@ -65,6 +67,12 @@ impl Names {
                  TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) LIMIT ?"
             ),
             reset: format!("DELETE FROM {t} WHERE k = ?"),
+            announce: format!(
+                "INSERT INTO {t} (k, expires_us) VALUES (?, TIMESTAMPDIFF(MICROSECOND,                  '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) + ?)                  ON DUPLICATE KEY UPDATE expires_us = VALUES(expires_us)"
+            ),
+            count: format!(
+                "SELECT COUNT(*) FROM {t} WHERE k > ? AND k < ? AND expires_us >                  TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))"
+            ),
             table: t,
             procedure: p,
             schema: schema.map(str::to_owned),
@@ -397,6 +405,17 @@ impl Store for MysqlStore {
     async fn ping(&self) -> Result<(), CallError> {
         let mut conn = self.conn().await?;
         conn.query_drop("SELECT 1").await.map_err(my_error)
+    }
+
+    /// Two statements on one connection (autocommit): the count follows the announcement.
+    async fn announce(&self, id: u64, ttl: Duration) -> Result<u32, CallError> {
+        let (own, low, high) = sql::fleet_rows(&self.prefix, id);
+        let ttl_us = i64::try_from(ttl.as_micros()).unwrap_or(i64::MAX);
+        let mut conn = self.conn().await?;
+        (conn.exec_drop(&self.names.announce, (own, ttl_us)).await).map_err(my_error)?;
+        let n: Option<i64> =
+            (conn.exec_first(&self.names.count, (low, high)).await).map_err(my_error)?;
+        Ok(sql::instances(n.unwrap_or(0)))
     }
 
     fn can_batch(&self) -> bool {

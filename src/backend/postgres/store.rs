@@ -39,6 +39,7 @@ pub(crate) struct Names {
     decide: String,
     pub(crate) sweep: String,
     reset: String,
+    announce: String,
 }
 
 impl Names {
@@ -57,6 +58,11 @@ impl Names {
                  LIMIT $1 FOR UPDATE SKIP LOCKED)"
             ),
             reset: format!("DELETE FROM {t} WHERE k = ANY($1::bytea[])"),
+            // The others alive, read in the statement's snapshot (without this instance's
+            // row as written by it), plus this one.
+            announce: format!(
+                "WITH now AS (SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint                  AS us), up AS (INSERT INTO {t} (k, expires_us) SELECT $1::bytea, us + $2::bigint                  FROM now ON CONFLICT (k) DO UPDATE SET expires_us = EXCLUDED.expires_us                  RETURNING 1) SELECT count(*) + 1 FROM {t}, now WHERE k > $3::bytea                  AND k < $4::bytea AND k <> $1::bytea AND expires_us > now.us"
+            ),
             table: t,
             function: f,
             unlogged,
@@ -255,6 +261,18 @@ impl Store for PgStore {
         let client = self.pool.get().await.map_err(pool_error)?;
         client.simple_query("SELECT 1").await.map_err(pg_error)?;
         Ok(())
+    }
+
+    async fn announce(&self, id: u64, ttl: Duration) -> Result<u32, CallError> {
+        let (own, low, high) = sql::fleet_rows(&self.prefix, id);
+        let ttl_us = i64::try_from(ttl.as_micros()).unwrap_or(i64::MAX);
+        let client = self.pool.get().await.map_err(pool_error)?;
+        let row = (client
+            .query_one(&self.names.announce, &[&own, &ttl_us, &low, &high])
+            .await)
+            .map_err(pg_error)?;
+        let n: i64 = row.try_get(0).map_err(pg_error)?;
+        Ok(sql::instances(n))
     }
 
     fn can_batch(&self) -> bool {

@@ -45,6 +45,10 @@ pub struct RedisStats {
     pub deny_cache_hits: u64,
     /// Denials held in the deny caches now.
     pub deny_cache_entries: usize,
+    /// How many instances share Redis as this one knows it
+    /// ([`Fleet`](super::Fleet)): 1 until the first count, and always 1 unless the failure
+    /// policy is [`FallbackLocal`](super::FailurePolicy::FallbackLocal).
+    pub fleet_size: u32,
     /// Whether the circuit breaker is open (Redis is not being called).
     pub breaker_open: bool,
     /// How many times the circuit breaker opened.
@@ -87,6 +91,7 @@ impl RedisBackend {
             fallback_local: s.fallback_local,
             deny_cache_hits: s.deny_cache_hits,
             deny_cache_entries: s.deny_cache_entries,
+            fleet_size: s.fleet_size,
             breaker_open: s.breaker_open,
             breaker_trips: s.breaker_trips,
             failing: s.failing,
@@ -254,6 +259,33 @@ impl Store for RedisStore {
 
     async fn ping(&self) -> Result<(), CallError> {
         self.conn.ping().await.map_err(|e| failure::call_error(&e))
+    }
+
+    /// One script on one key, `<prefix>:fleet`, a sorted set of instance ids scored by when
+    /// their announcement expires (µs on Redis's clock).
+    async fn announce(&self, id: u64, ttl: Duration) -> Result<u32, CallError> {
+        const ANNOUNCE: &str = "local t = redis.call('TIME') \
+            local now = tonumber(t[1]) * 1000000 + tonumber(t[2]) \
+            local ttl = tonumber(ARGV[2]) \
+            redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now) \
+            redis.call('ZADD', KEYS[1], now + ttl, ARGV[1]) \
+            redis.call('PEXPIRE', KEYS[1], math.ceil(ttl / 1000)) \
+            return redis.call('ZCARD', KEYS[1])";
+        let mut pipe = redis::pipe();
+        pipe.cmd("EVAL")
+            .arg(ANNOUNCE)
+            .arg(1)
+            .arg(format!("{}:fleet", self.prefix))
+            .arg(format!("{id:016x}"))
+            .arg(u64::try_from(ttl.as_micros()).unwrap_or(u64::MAX));
+        let reply = (self.conn.pipeline(&pipe).await).map_err(|e| failure::call_error(&e))?;
+        match reply.first() {
+            Some(redis::Value::Int(n)) => Ok(u32::try_from(*n).unwrap_or(u32::MAX)),
+            other => Err(CallError::new(
+                StoreFailure::ErrorReply,
+                format!("the fleet's count is not an integer: {other:?}"),
+            )),
+        }
     }
 
     fn can_batch(&self) -> bool {

@@ -23,6 +23,7 @@ use crate::backend::remote::{FailurePolicy, MAX_DURATION, Options, Remote, TestC
 /// | [`prefix`](Self::prefix) | `tollgate` |
 /// | [`timeout`](Self::timeout) | 100 ms |
 /// | [`on_failure`](Self::on_failure) | [`FailurePolicy::FailOpen`] |
+/// | [`fleet`](Self::fleet) | announced every second (used by the local fallback only) |
 /// | [`circuit_breaker`](Self::circuit_breaker) | open after 5 consecutive failed calls, probe every 500 ms |
 /// | [`deny_cache_capacity`](Self::deny_cache_capacity) | 65 536 denials |
 #[must_use = "call `.build()` to get a backend"]
@@ -158,6 +159,13 @@ impl RedisBackendBuilder {
     /// What requests get while Redis cannot decide (default [`FailurePolicy::FailOpen`]).
     pub fn on_failure(mut self, policy: FailurePolicy) -> Self {
         self.opts.on_failure = policy;
+        self
+    }
+
+    /// How many instances share Redis, for the local fallback's share of each quota (default:
+    /// [announced](crate::backend::remote::Fleet::Announced) every second, in `<prefix>:fleet`).
+    pub fn fleet(mut self, fleet: crate::backend::remote::Fleet) -> Self {
+        self.opts.fleet = fleet.bounded();
         self
     }
 

@@ -217,14 +217,14 @@ mod failure;
 pub(crate) mod script;
 mod tls;
 
-/// What requests get while Redis cannot decide: the failure policy of every remote backend.
-pub use crate::backend::remote::FailurePolicy;
 /// The future of a Redis decision (the future of every remote backend).
 pub use crate::backend::remote::RemoteFuture as RedisFuture;
 /// Why Redis is failing, in [`RedisStats::failing`]: the cause every remote backend reports.
 pub use crate::backend::remote::StoreFailure as RedisFailure;
 #[doc(hidden)]
 pub use crate::backend::remote::TestClock;
+/// What requests get while Redis cannot decide: the failure policy of every remote backend.
+pub use crate::backend::remote::{FailurePolicy, Fleet};
 pub use approx::{ApproxBackend, ApproxFuture, ApproxPolicy, ApproxStats, Approximate};
 pub use backend::{RedisBackend, RedisPolicy, RedisStats};
 pub use builder::RedisBackendBuilder;

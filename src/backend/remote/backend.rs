@@ -13,10 +13,10 @@ use super::clock::Clock;
 use super::deny_cache::{Budget, DenyCache};
 use super::future::RemoteFuture;
 use super::health::Health;
-use super::inner::{Counters, Inner, bump};
-use super::options::{FailurePolicy, Options, RemoteStats};
+use super::inner::{Counters, FleetSize, Inner, bump};
+use super::options::{FailurePolicy, Fleet, Options, RemoteStats};
 use super::redact::Secrets;
-use super::store::{CallError, Job, PolicyInner, Store};
+use super::store::{CallError, Job, PolicyInner, Store, Twin};
 use crate::backend::{LocalBackend, Mode};
 use crate::quota::{QuotaKind, QuotaParams};
 use crate::{BackendError, BackendErrorKind, ConfigError, Key, Policy};
@@ -92,6 +92,7 @@ impl<S: Store> Remote<S> {
                 warmed: AtomicBool::new(false),
                 counters: Counters::default(),
                 batching: opts.batching,
+                fleet: FleetSize::new(opts.fleet),
             }),
             batcher: Arc::default(),
         }
@@ -132,6 +133,7 @@ impl<S: Store> Remote<S> {
             fallback_local: get(&c.fallback_local),
             deny_cache_hits: get(&c.deny_cache_hits),
             deny_cache_entries: self.inner.budget.used.load(Ordering::Relaxed),
+            fleet_size: self.inner.fleet.get(),
             breaker_open: self.inner.breaker.is_open(),
             breaker_trips: self.inner.breaker.trips(),
             failing: self.inner.health.failing(),
@@ -159,7 +161,7 @@ impl<S: Store> Remote<S> {
             });
         }
         let local = match &self.inner.local {
-            Some(local) => Some(crate::backend::Backend::prepare(local, policy, params)?),
+            Some(local) => Some(Twin::new(local, policy, self.inner.fleet.get())?),
             None => None,
         };
         let store = self.inner.store.prepare(policy, params)?;
@@ -219,7 +221,9 @@ impl<S: Store> Remote<S> {
                 (mode, &self.inner.local, &p.local)
             {
                 // In memory: made at once.
-                let released = crate::backend::Backend::decide_with(local, twin, key, cost, mode);
+                let twin = twin.current();
+                let released =
+                    crate::backend::Backend::decide_with(local, &twin.local, key, cost, mode);
                 drop(released.into_inner());
             }
         // A cached denial answers a reservation too when its wait is longer than the caller
@@ -281,6 +285,9 @@ impl<S: Store> Remote<S> {
         if self.inner.warmed.swap(true, Ordering::AcqRel) {
             return;
         }
+        if let (Fleet::Announced { every }, Some(_)) = (self.inner.fleet.fleet, &self.inner.local) {
+            handle.spawn(announce(Arc::downgrade(&self.inner), every));
+        }
         let weak = Arc::downgrade(&self.inner);
         handle.spawn(async move {
             let Some(inner) = weak.upgrade() else { return };
@@ -293,6 +300,33 @@ impl<S: Store> Remote<S> {
                 Err(err) => inner.failed(&err),
             }
         });
+    }
+}
+
+/// Announces this instance every `every` and keeps the count ([`Fleet::Announced`]), until the
+/// backend is dropped. A failed announcement keeps the last count.
+async fn announce<S: Store>(inner: std::sync::Weak<Inner<S>>, every: Duration) {
+    let ttl = every.saturating_mul(3);
+    loop {
+        let Some(this) = inner.upgrade() else { return };
+        let limit = this.store.warm_up_timeout(this.timeout);
+        let fleet = &this.fleet;
+        match tokio::time::timeout(limit, this.store.announce(fleet.id, ttl)).await {
+            Ok(Ok(n)) => {
+                let before = fleet.size.swap(n.max(1), Ordering::Relaxed);
+                if before != n.max(1) {
+                    tracing::debug!(
+                        "tollgate: {} instances share {} (were {before})",
+                        n.max(1),
+                        this.who
+                    );
+                }
+            }
+            Ok(Err(err)) => tracing::trace!(%err, "tollgate: announcing this instance failed"),
+            Err(_) => tracing::trace!("tollgate: announcing this instance timed out"),
+        }
+        drop(this);
+        tokio::time::sleep(every).await;
     }
 }
 

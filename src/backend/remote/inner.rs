@@ -4,7 +4,7 @@
 //! their calls' outcomes here.
 
 use std::num::NonZeroU32;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -12,7 +12,7 @@ use super::breaker::Breaker;
 use super::clock::Clock;
 use super::deny_cache::Budget;
 use super::health::{Change, Health, StoreFailure};
-use super::options::FailurePolicy;
+use super::options::{FailurePolicy, Fleet};
 use super::redact::Secrets;
 use super::store::{CallError, Job, PolicyInner, Store};
 use crate::backend::{DecidedBy, Decision, LocalBackend, Mode};
@@ -34,6 +34,33 @@ pub(crate) struct Inner<S: Store> {
     pub(crate) warmed: AtomicBool,
     pub(crate) counters: Counters,
     pub(crate) batching: bool,
+    pub(crate) fleet: FleetSize,
+}
+
+/// How many instances share the store, as this one knows it (see [`Fleet`]).
+pub(crate) struct FleetSize {
+    pub(crate) fleet: Fleet,
+    /// The last count (the configured size for `Fleet::Size`); 1 before the first.
+    pub(crate) size: AtomicU32,
+    /// This instance's id in the announcements.
+    pub(crate) id: u64,
+}
+
+impl FleetSize {
+    pub(crate) fn new(fleet: Fleet) -> Self {
+        FleetSize {
+            fleet,
+            size: AtomicU32::new(match fleet {
+                Fleet::Size(n) => n.get(),
+                Fleet::Announced { .. } => 1,
+            }),
+            id: crate::settle::next_lease(),
+        }
+    }
+
+    pub(crate) fn get(&self) -> u32 {
+        self.size.load(Ordering::Relaxed).max(1)
+    }
 }
 
 #[derive(Default)]
@@ -276,10 +303,12 @@ impl<S: Store> Inner<S> {
                 bump(&self.counters.fail_closed);
                 Err(err)
             }
-            (FailurePolicy::FallbackLocal, Some(local), Some(policy)) => {
+            (FailurePolicy::FallbackLocal, Some(local), Some(twin)) => {
                 bump(&self.counters.fallback_local);
-                (crate::backend::Backend::decide_with(local, policy, key, cost, mode).into_inner())
-                    .map(|d| d.decided_by(DecidedBy::FallbackLocal))
+                let twin = twin.at(local, self.fleet.get());
+                (crate::backend::Backend::decide_with(local, &twin.local, key, cost, mode)
+                    .into_inner())
+                .map(|d| d.decided_by(DecidedBy::FallbackLocal))
             }
             _ => {
                 bump(&self.counters.fail_open);

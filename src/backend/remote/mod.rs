@@ -64,7 +64,7 @@ pub use clock::TestClock;
 pub use future::RemoteFuture;
 pub use health::StoreFailure;
 pub(crate) use options::Options;
-pub use options::{FailurePolicy, RemoteStats};
+pub use options::{FailurePolicy, Fleet, RemoteStats};
 pub(crate) use store::{CallError, Job, Store};
 
 /// The most decisions in one call: bounds how long one call keeps the store busy.
@@ -112,6 +112,13 @@ macro_rules! options_methods {
             /// [`FailOpen`](crate::backend::remote::FailurePolicy::FailOpen)).
             pub fn on_failure(mut self, policy: $crate::backend::remote::FailurePolicy) -> Self {
                 self.opts.on_failure = policy;
+                self
+            }
+
+            #[doc = concat!("How many instances share ", $store, ", for the local fallback's share of each quota")]
+            /// (default: [announced](crate::backend::remote::Fleet::Announced) every second).
+            pub fn fleet(mut self, fleet: $crate::backend::remote::Fleet) -> Self {
+                self.opts.fleet = $crate::backend::remote::Fleet::bounded(fleet);
                 self
             }
 

@@ -1,5 +1,6 @@
 //! The options of every remote backend, its failure policy and its counters.
 
+use std::num::NonZeroU32;
 use std::time::Duration;
 
 use super::clock::TestClock;
@@ -20,14 +21,76 @@ pub enum FailurePolicy {
     /// `Retry-After: 1` (gRPC: `UNAVAILABLE`). Choose this where letting requests through
     /// unlimited is worse than refusing them, e.g. for an expensive upstream.
     FailClosed,
-    /// Decide with an in-process [`LocalBackend`](crate::backend::LocalBackend) holding the same policy: limits hold per
-    /// instance (with `n` replicas a client gets up to `n` times the quota) until the store is
-    /// back. The local buckets only see the requests the store could not decide, and nothing
-    /// is copied between them and the store in either direction. They live as long as the
+    /// Decide with an in-process [`LocalBackend`](crate::backend::LocalBackend) holding the
+    /// policy at this instance's **share**: each quota's count and burst (a concurrent quota's
+    /// slots) divided by the number of instances sharing the store, rounded up. So `n`
+    /// instances together admit about one quota while the store is down, not `n` (at most the
+    /// quota rounded up to a multiple of `n`, from clients spread over the instances; a client
+    /// whose requests all reach one instance gets that instance's share). The number of
+    /// instances is the [`Fleet`]'s: announced in the store (the default) or configured.
+    ///
+    /// The local buckets only see the requests the store could not decide, and nothing is
+    /// copied between them and the store in either direction. They live as long as the
     /// backend: a client's local bucket is full at its first outage; at a later one it holds
-    /// what was left at the end of the previous outage, refilled at the quota's rate since
-    /// (full again if enough time passed).
+    /// what was left at the end of the previous outage, refilled at the share's rate since
+    /// (full again if enough time passed). When the fleet's size changed between outages, the
+    /// buckets at the new share start full.
     FallbackLocal,
+}
+
+/// How a remote backend knows how many instances share its store: what
+/// [`FailurePolicy::FallbackLocal`] divides each quota by. Only a backend with that failure
+/// policy announces itself or counts.
+///
+/// ```
+/// use std::num::NonZeroU32;
+/// use std::time::Duration;
+/// use tollgate::backend::remote::Fleet;
+///
+/// // The default: announced every second, an instance gone is forgotten after 3 s.
+/// assert_eq!(Fleet::default(), Fleet::Announced { every: Duration::from_secs(1) });
+/// // Or a size you know (a fixed deployment): no announcements.
+/// let three = Fleet::Size(NonZeroU32::new(3).unwrap());
+/// # let _ = three;
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Fleet {
+    /// Every instance announces itself in the store every `every` (at least 100 ms, at most an
+    /// hour), in an entry that expires after three times that, and counts the entries alive
+    /// (the store's clock decides). An instance that starts is counted by every other within
+    /// `every`; one that stops (or cannot reach the store) is forgotten within `3 × every`
+    /// plus `every`. While the store is down the count is the last one read; before the first
+    /// read (a store down from the start) an instance counts itself alone, and falls back to
+    /// the whole quota. On Redis the entries are a sorted set, `<prefix>:fleet`; on PostgreSQL
+    /// and MySQL rows of the backend's table, keyed `<prefix>:fleet:<instance>`.
+    Announced {
+        /// How often each instance announces itself and reads the count.
+        every: Duration,
+    },
+    /// A fixed number of instances, configured (a deployment whose size is known); nothing is
+    /// announced.
+    Size(NonZeroU32),
+}
+
+impl Fleet {
+    /// The fleet with its announcement interval within bounds.
+    pub(crate) fn bounded(self) -> Self {
+        match self {
+            Fleet::Announced { every } => Fleet::Announced {
+                every: every.clamp(Duration::from_millis(100), super::MAX_DURATION),
+            },
+            size => size,
+        }
+    }
+}
+
+impl Default for Fleet {
+    fn default() -> Self {
+        Fleet::Announced {
+            every: Duration::from_secs(1),
+        }
+    }
 }
 
 /// Counters of a remote backend (PostgreSQL, MySQL; the Redis backend reports the same as
@@ -59,6 +122,10 @@ pub struct RemoteStats {
     pub deny_cache_hits: u64,
     /// Denials held in the deny caches now.
     pub deny_cache_entries: usize,
+    /// How many instances share the store as this one knows it ([`Fleet`]): 1 until the first
+    /// count, and always 1 unless the failure policy is
+    /// [`FallbackLocal`](FailurePolicy::FallbackLocal).
+    pub fleet_size: u32,
     /// Whether the circuit breaker is open (the store is not being called).
     pub breaker_open: bool,
     /// How many times the circuit breaker opened.
@@ -78,6 +145,7 @@ pub(crate) struct Options {
     pub(crate) probe_interval: Duration,
     pub(crate) deny_cache_capacity: usize,
     pub(crate) batching: bool,
+    pub(crate) fleet: Fleet,
     pub(crate) test_clock: Option<TestClock>,
 }
 
@@ -90,6 +158,7 @@ impl Default for Options {
             probe_interval: Duration::from_millis(500),
             deny_cache_capacity: 65_536,
             batching: true,
+            fleet: Fleet::default(),
             test_clock: None,
         }
     }

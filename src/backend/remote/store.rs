@@ -68,6 +68,15 @@ pub(crate) trait Store: Send + Sync + Sized + 'static {
     /// How long the warm-up's first connection and round trip may take, for a decision
     /// timeout of `timeout`: long enough for the driver to report why it cannot connect.
     fn warm_up_timeout(&self, timeout: Duration) -> Duration;
+
+    /// Announces instance `id` until `ttl` from now on the store's clock, forgets the
+    /// instances whose announcements expired, and counts those left (this one included), in
+    /// one atomic call. See [`Fleet::Announced`](super::Fleet::Announced).
+    fn announce(
+        &self,
+        id: u64,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<u32, CallError>> + Send + '_;
 }
 
 /// Why a call failed: the cause (for the breaker, the stats and the logs) and the driver's
@@ -105,7 +114,67 @@ pub(crate) struct PolicyInner<S: Store> {
     pub(crate) store: S::Prepared,
     pub(crate) deny: DenyCache,
     pub(crate) deny_hits: crate::metrics::DenyCacheHits,
-    pub(crate) local: Option<crate::backend::local::LocalPolicy>,
+    pub(crate) local: Option<Twin>,
+}
+
+/// The policy's local twin for [`FailurePolicy::FallbackLocal`](super::FailurePolicy::FallbackLocal):
+/// the policy at this instance's share of a fleet's size, prepared again when the size changed.
+pub(crate) struct Twin {
+    policy: Policy,
+    at: arc_swap::ArcSwap<TwinAt>,
+}
+
+/// The twin prepared for a fleet of `instances`.
+pub(crate) struct TwinAt {
+    pub(crate) instances: u32,
+    pub(crate) local: crate::backend::local::LocalPolicy,
+}
+
+impl Twin {
+    /// The twin of `policy` on `backend` for a fleet of `instances`.
+    pub(crate) fn new(
+        backend: &crate::backend::LocalBackend,
+        policy: &Policy,
+        instances: u32,
+    ) -> Result<Self, ConfigError> {
+        let local = Self::prepare(backend, policy, instances)?;
+        Ok(Twin {
+            policy: policy.clone(),
+            at: arc_swap::ArcSwap::from_pointee(TwinAt { instances, local }),
+        })
+    }
+
+    fn prepare(
+        backend: &crate::backend::LocalBackend,
+        policy: &Policy,
+        instances: u32,
+    ) -> Result<crate::backend::local::LocalPolicy, ConfigError> {
+        let share = policy.share(instances);
+        let params = share.validate()?;
+        crate::backend::Backend::prepare(backend, &share, &params)
+    }
+
+    /// The twin as last prepared.
+    pub(crate) fn current(&self) -> arc_swap::Guard<Arc<TwinAt>> {
+        self.at.load()
+    }
+
+    /// The twin for a fleet of `instances`, prepared now if the size changed. A share that
+    /// cannot be prepared (it always can: a valid policy's share is valid) keeps the last.
+    pub(crate) fn at(&self, backend: &crate::backend::LocalBackend, instances: u32) -> Arc<TwinAt> {
+        let current = self.at.load_full();
+        if current.instances == instances {
+            return current;
+        }
+        match Self::prepare(backend, &self.policy, instances) {
+            Ok(local) => {
+                let next = Arc::new(TwinAt { instances, local });
+                self.at.store(next.clone());
+                next
+            }
+            Err(_) => current,
+        }
+    }
 }
 
 /// One decision sent to the store, and whom to answer.

@@ -141,6 +141,21 @@ impl Args {
 }
 
 /// The row keys of `key` under a prepared policy (to reset a client).
+/// The rows of the fleet's announcements ([`Fleet::Announced`](crate::backend::remote::Fleet)):
+/// this instance's key, and the bounds (exclusive) of every instance's, `<prefix>:fleet:<id>`.
+/// No client's row starts so: theirs are `<prefix>:{...`.
+pub(crate) fn fleet_rows(prefix: &str, id: u64) -> (Vec<u8>, Vec<u8>, Vec<u8>) {
+    let low = format!("{prefix}:fleet:").into_bytes();
+    let high = format!("{prefix}:fleet;").into_bytes();
+    let own = format!("{prefix}:fleet:{id:016x}").into_bytes();
+    (own, low, high)
+}
+
+/// A count of instances from the store, as the fleet's size.
+pub(crate) fn instances(n: i64) -> u32 {
+    u32::try_from(n).unwrap_or(if n < 0 { 0 } else { u32::MAX })
+}
+
 pub(crate) fn row_keys(p: &Prepared, key: &Key) -> Vec<Vec<u8>> {
     let mut base = Vec::new();
     keys::key_base(&p.key_prefix, key, &mut base);
