@@ -1284,7 +1284,8 @@ async fn a_lease_that_expires_while_its_request_runs_frees_its_slot_once() {
     assert!(server.cmd(&["TYPE", name]).contains("zset"));
     let ttl = server.cmd(&["PTTL", name]);
     let ttl: i64 = ttl.trim().trim_start_matches(':').parse().unwrap();
-    assert!((1..=1000).contains(&ttl), "{ttl}");
+    // At the test clock's time keys live a minute longer (see gcra.lua).
+    assert!((60_001..=61_000).contains(&ttl), "{ttl}");
 }
 
 /// A refund makes a cached denial of its key stale: the next request asks Redis again.

@@ -56,7 +56,8 @@
 --   A value of another length (written by someone else) counts as nothing stored.
 -- Expiries are absolute (SET ... PXAT, computed from TIME) on Redis 7+: a relative PX is
 -- rewritten by Redis into PXAT for replication, which costs an object per write; before
--- Redis 7 (no redis.REDIS_VERSION_NUM) and with the test hook's fixed time, relative (PX).
+-- Redis 7 (no redis.REDIS_VERSION_NUM) and with the test hook's fixed time, relative (PX; a
+-- minute longer with the test hook).
 -- The window arithmetic is that of src/backend/window.rs, in the same floating-point
 -- operations in the same order, so that both give the same numbers to the bit:
 --   estimate   E = c_oldest * (S - r) / S + (sum of the other counts), r = now_us % S
@@ -118,6 +119,12 @@ else
     now_ns = tonumber(fixed)
   end
   now_us = now_s * 1000000 + floor(now_ns / 1000)
+  -- The test hook's time stands still while Redis's runs on: keys live a minute of Redis's
+  -- time longer, so that one does not expire between two steps of a test that are a
+  -- millisecond apart in its time but more in Redis's. Every value says its own time (a
+  -- window's index, a TAT, a block's end, a lease's expiry), so a key kept longer reads the
+  -- same as a missing one once its time is past.
+  base_ms = 60000
 end
 
 local now_ms = floor(now_us / 1000)
