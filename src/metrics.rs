@@ -12,6 +12,16 @@
 //! | `tollgate_circuit_breaker_transitions_total` | counter | `backend`, `state` | the breaker opening (`open`) and closing (`closed`) |
 //! | `tollgate_circuit_breaker_open` | gauge | `backend` | 1 while the breaker is open, else 0 |
 //! | `tollgate_deny_cache_hits_total` | counter | `policy` | denials answered from the deny cache, without a round trip |
+//! | `tollgate_fleet_size` | gauge | `backend` | instances sharing the store as the last count read ([`Fleet`](crate::backend::remote::Fleet); with the local fallback only) |
+//! | `tollgate_approx_store_calls_total` | counter | `outcome` | the approximate mode's calls to Redis (pipelines: a flush, an increment, a first read), `ok` or `failed` |
+//! | `tollgate_approx_store_writes_total` | counter | — | increments Redis confirmed (one `INCRBY` of a key's sub-window each) |
+//! | `tollgate_approx_units_sent_total` | counter | — | units those increments added |
+//! | `tollgate_approx_store_reads_total` | counter | — | reads of a key's counts (one per key and call) |
+//! | `tollgate_approx_keys` | gauge | — | keys the approximate mode holds counts for, over all its backends |
+//!
+//! Per second, the approximate mode's writes and reads are the rates of their counters
+//! (`rate(tollgate_approx_store_writes_total[1m])`); writes per request are the writes' rate over
+//! `tollgate_decisions_total`'s.
 //!
 //! `outcome` is one of:
 //!
@@ -178,6 +188,58 @@ impl PolicyMetrics {
 pub(crate) fn tracked_keys(delta: f64) {
     #[cfg(feature = "metrics")]
     metrics::gauge!("tollgate_local_tracked_keys").increment(delta);
+}
+
+/// Sets `tollgate_fleet_size` for `backend`.
+#[cfg_attr(
+    not(all(feature = "metrics", feature = "redis")),
+    allow(unused_variables, dead_code)
+)]
+pub(crate) fn fleet_size(backend: &'static str, size: u32) {
+    #[cfg(feature = "metrics")]
+    metrics::gauge!("tollgate_fleet_size", "backend" => backend).set(f64::from(size));
+}
+
+/// Counts a call of the approximate mode to Redis.
+#[cfg_attr(
+    not(all(feature = "metrics", feature = "redis")),
+    allow(unused_variables, dead_code)
+)]
+pub(crate) fn approx_call(ok: bool) {
+    #[cfg(feature = "metrics")]
+    {
+        let outcome = if ok { "ok" } else { "failed" };
+        metrics::counter!("tollgate_approx_store_calls_total", "outcome" => outcome).increment(1);
+    }
+}
+
+/// Counts what a call of the approximate mode confirmed: `writes` increments adding `units`,
+/// and `reads` keys read.
+#[cfg_attr(
+    not(all(feature = "metrics", feature = "redis")),
+    allow(unused_variables, dead_code)
+)]
+pub(crate) fn approx_synced(writes: u64, units: u64, reads: u64) {
+    #[cfg(feature = "metrics")]
+    {
+        if writes > 0 {
+            metrics::counter!("tollgate_approx_store_writes_total").increment(writes);
+            metrics::counter!("tollgate_approx_units_sent_total").increment(units);
+        }
+        if reads > 0 {
+            metrics::counter!("tollgate_approx_store_reads_total").increment(reads);
+        }
+    }
+}
+
+/// Adds `delta` to `tollgate_approx_keys`.
+#[cfg_attr(
+    not(all(feature = "metrics", feature = "redis")),
+    allow(unused_variables, dead_code)
+)]
+pub(crate) fn approx_keys(delta: f64) {
+    #[cfg(feature = "metrics")]
+    metrics::gauge!("tollgate_approx_keys").increment(delta);
 }
 
 /// Counts a failed call to a remote store.

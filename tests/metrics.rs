@@ -295,3 +295,60 @@ fn redis_failures_are_counted_by_kind_and_failure_policy() {
         Some(&DebugValue::Gauge(1.0.into()))
     );
 }
+
+#[test]
+fn the_approximate_mode_reports_its_calls_writes_reads_and_keys() {
+    use tollgate::backend::redis::Approximate;
+    let server = support::RedisServer::start();
+    let url = server.url();
+    let s = recorded(|| async move {
+        let backend = RedisBackend::builder()
+            .url(&url)
+            .build_approximate(Approximate::asynchronous())
+            .unwrap();
+        let layer = RateLimitLayer::builder()
+            .key(Header::new("k"))
+            .backend(backend.clone())
+            .policy(Policy::new(
+                "approx",
+                Quota::per_minute(100).sliding_window(),
+            ))
+            .build()
+            .unwrap();
+        let reqs = (0..9).map(|i| {
+            Request::get("/")
+                .header("k", format!("client-{}", i % 3))
+                .body(())
+                .unwrap()
+        });
+        let statuses = send(layer.clone(), reqs).await;
+        assert!(statuses.iter().all(|&s| s == 200), "{statuses:?}");
+        backend.flush().await;
+        let stats = backend.stats();
+        assert_eq!(stats.keys, 3);
+        assert_eq!(stats.units_sent, 9);
+        std::mem::forget(layer); // the keys stay held for the snapshot
+    });
+    let calls = count(
+        &s,
+        "tollgate_approx_store_calls_total",
+        &[("outcome", "ok")],
+    );
+    assert!(calls >= 1, "{calls}"); // one pipeline may carry every key
+    assert_eq!(
+        count(
+            &s,
+            "tollgate_approx_store_calls_total",
+            &[("outcome", "failed")]
+        ),
+        0
+    );
+    assert_eq!(count(&s, "tollgate_approx_units_sent_total", &[]), 9);
+    let writes = count(&s, "tollgate_approx_store_writes_total", &[]);
+    assert!((3..=9).contains(&writes), "{writes}");
+    assert!(count(&s, "tollgate_approx_store_reads_total", &[]) >= 3);
+    match value(&s, "tollgate_approx_keys", &[]) {
+        Some(DebugValue::Gauge(v)) => assert_eq!(v.into_inner(), 3.0),
+        other => panic!("{other:?}"),
+    }
+}

@@ -314,6 +314,7 @@ async fn announce<S: Store>(inner: std::sync::Weak<Inner<S>>, every: Duration) {
         match tokio::time::timeout(limit, this.store.announce(fleet.id, ttl)).await {
             Ok(Ok(n)) => {
                 let before = fleet.size.swap(n.max(1), Ordering::Relaxed);
+                crate::metrics::fleet_size(S::KIND, n.max(1));
                 if before != n.max(1) {
                     tracing::debug!(
                         "tollgate: {} instances share {} (were {before})",

@@ -199,11 +199,14 @@ impl Job {
         // since it was made (its own go before it in the same pipeline).
         let fresh = st.confirmations == self.seen;
         let mut refused = false;
+        let (mut written, mut units_sent) = (0u64, 0u64);
         for (&(q, slice, units, ttl), v) in self.writes.iter().zip(w) {
             match count(v) {
                 Some(count) => {
                     st.quotas[q].confirmed(slice, units, count, ttl);
                     s.units_sent.fetch_add(u64::from(units), Ordering::Relaxed);
+                    written += 1;
+                    units_sent += u64::from(units);
                 }
                 // Redis refused this one command (a key of another type in the way): sending
                 // it again would fail the same way, and a whole batch must not be resent.
@@ -224,6 +227,8 @@ impl Job {
                 s.reads.fetch_add(1, Ordering::Relaxed);
             }
         }
+        let keys_read = if self.reads.is_empty() { 0 } else { 1 };
+        crate::metrics::approx_synced(written, units_sent, keys_read);
         if st.quotas.iter().any(|c| c.owes()) {
             s.enqueue(&self.policy, &self.entry, &mut st);
         }
@@ -406,6 +411,7 @@ fn sweep(s: &Shared) {
         });
     }
     s.keys.fetch_sub(removed, Ordering::Relaxed);
+    crate::metrics::approx_keys(-(removed as f64));
 }
 
 /// Whether an entry still matters: queued, being read, or with counts in their windows.

@@ -285,6 +285,7 @@ pub(crate) struct PolicyShared {
 impl Drop for PolicyShared {
     fn drop(&mut self) {
         self.held.fetch_sub(self.entries.len(), Ordering::Relaxed);
+        crate::metrics::approx_keys(-(self.entries.len() as f64));
     }
 }
 
@@ -518,6 +519,7 @@ impl Shared {
 
     fn call_ok(&self) {
         self.calls.fetch_add(1, Ordering::Relaxed);
+        crate::metrics::approx_call(true);
         if self.failures.swap(0, Ordering::Relaxed) >= self.opts.breaker_threshold {
             tracing::info!(endpoint = %self.endpoint, "Redis answers again: approximate counts resume syncing");
         }
@@ -526,6 +528,7 @@ impl Shared {
     fn call_failed(&self, err: &dyn fmt::Display) {
         self.calls.fetch_add(1, Ordering::Relaxed);
         self.failed_calls.fetch_add(1, Ordering::Relaxed);
+        crate::metrics::approx_call(false);
         let failures = self.failures.fetch_add(1, Ordering::Relaxed) + 1;
         if failures >= self.opts.breaker_threshold {
             let probe = u64::try_from(self.opts.probe_interval.as_nanos()).unwrap_or(u64::MAX);
@@ -867,6 +870,7 @@ impl Backend for ApproxBackend {
                 .entry(key.clone())
                 .or_insert_with(|| {
                     p.held.fetch_add(1, Ordering::Relaxed);
+                    crate::metrics::approx_keys(1.0);
                     let mut base = Vec::new();
                     keys::key_base(&p.key_prefix, key, &mut base);
                     Arc::new(Entry {
@@ -928,6 +932,7 @@ impl Backend for ApproxBackend {
             // may still land its own after the reset).
             if let Some((_, old)) = p.entries.remove(&key) {
                 p.held.fetch_sub(1, Ordering::Relaxed);
+                crate::metrics::approx_keys(-1.0);
                 let mut st = old.lock();
                 st.quotas = p.specs.iter().map(Counts::new).collect();
             }
