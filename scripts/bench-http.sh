@@ -29,6 +29,9 @@
 #   CSV=target/bench-http.csv   where the raw results go (round,mode,rps,p50_us,p99_us,cpu_us),
 #                     for scripts/plot-bench.py
 #
+# redis_cmds is the commands Redis executed per request during the timed run (Redis modes,
+# from INFO's total_commands_processed, which counts a script's call and each command the
+# script runs).
 # cpu_us is the CPU time the server (and, in Redis modes, redis-server) used per request during
 # the measured run, from /proc: less disturbed by a noisy machine than req/s.
 #
@@ -82,7 +85,7 @@ cleanup() {
     if [ -n "${MY_DIR:-}" ]; then rm -rf "$MY_DIR"; fi
     if [ -n "$SERVER_PID" ]; then kill "$SERVER_PID" 2>/dev/null || true; fi
     if [ -s "$RESULTS" ]; then
-        { echo "round,mode,rps,p50_us,p99_us,cpu_us"; tr ' ' ',' <"$RESULTS"; } >"$CSV"
+        { echo "round,mode,rps,p50_us,p99_us,cpu_us,redis_cmds"; tr ' ' ',' <"$RESULTS"; } >"$CSV"
         echo "raw results: $CSV" >&2
     fi
     rm -f "$RESULTS"
@@ -212,6 +215,13 @@ cpu_ticks() { # backend
     echo "$t"
 }
 
+# Commands Redis has processed, when the modes use a Redis this script can ask.
+redis_commands() {
+    if [ -n "${REDIS_URL:-}" ] && command -v redis-cli >/dev/null; then
+        redis-cli -u "$REDIS_URL" INFO stats 2>/dev/null | awk -F: '/^total_commands_processed/ {print $2 + 0}'
+    fi
+}
+
 run_mode() { # round mode
     local round=$1 mode=$2
     local backend=${mode%_deny} deny_env=() wrk_header=() layer=route quota_env=() approx_env=()
@@ -255,10 +265,12 @@ run_mode() { # round mode
         return
     fi
     $PIN_WRK wrk -t1 -c"$CONNECTIONS" -d2s "${wrk_header[@]}" "http://127.0.0.1:$PORT/hello" >/dev/null
-    local out ticks0 ticks1
+    local out ticks0 ticks1 cmds0="" cmds1=""
+    [ "${backend#redis}" != "$backend" ] && cmds0=$(redis_commands)
     ticks0=$(cpu_ticks "$backend")
     out=$($PIN_WRK wrk -t1 -c"$CONNECTIONS" -d"$DURATION" --latency "${wrk_header[@]}" "http://127.0.0.1:$PORT/hello")
     ticks1=$(cpu_ticks "$backend")
+    [ -n "$cmds0" ] && cmds1=$(redis_commands)
     kill "$SERVER_PID"
     wait "$SERVER_PID" 2>/dev/null || true
     SERVER_PID=""
@@ -267,13 +279,19 @@ run_mode() { # round mode
     requests=$(echo "$out" | awk '/requests in/ {print $1}')
     cpu=$(awk -v t="$((ticks1 - ticks0))" -v n="$requests" -v hz="$CLK_TCK" \
         'BEGIN { printf "%.2f", (n > 0 ? t * 1000000 / hz / n : 0) }')
+    local cmds=-
+    if [ -n "$cmds0" ] && [ -n "$cmds1" ]; then
+        # Less the INFO that read the first count.
+        cmds=$(awk -v a="$cmds0" -v b="$cmds1" -v n="$requests" \
+            'BEGIN { printf "%.4f", (n > 0 ? (b - a - 1) / n : 0) }')
+    fi
     p50=$(to_us "$(echo "$out" | awk '$1 == "50%" {print $2}')")
     p99=$(to_us "$(echo "$out" | awk '$1 == "99%" {print $2}')")
     non2xx=$(echo "$out" | awk '/Non-2xx/ {print $NF}')
     if [ -n "$non2xx" ] && [ "${mode%_deny}" = "$mode" ]; then
         echo "  warning: $mode answered $non2xx non-2xx responses" >&2
     fi
-    echo "$round $mode $rps $p50 $p99 $cpu" >>"$RESULTS"
+    echo "$round $mode $rps $p50 $p99 $cpu $cmds" >>"$RESULTS"
 }
 
 read -r -a modes <<<"$MODES"
@@ -292,21 +310,21 @@ for round in $(seq 1 "$ROUNDS"); do
 done
 
 echo
-printf '%-6s %-21s %12s %10s %10s %8s %8s\n' round mode req/s p50_us p99_us ratio cpu_us
+printf '%-6s %-21s %12s %10s %10s %8s %8s %10s\n' round mode req/s p50_us p99_us ratio cpu_us redis_cmds
 awk '
-    { rps[$1, $2] = $3; p50[$1, $2] = $4; p99[$1, $2] = $5; cpu[$1, $2] = $6; order[++k] = $1 SUBSEP $2 }
+    { rps[$1, $2] = $3; p50[$1, $2] = $4; p99[$1, $2] = $5; cpu[$1, $2] = $6; cmds[$1, $2] = $7; order[++k] = $1 SUBSEP $2 }
     END {
         for (i = 1; i <= k; i++) {
             split(order[i], a, SUBSEP); r = a[1]; m = a[2]
             bare = rps[r, "none"]
             ratio = bare > 0 ? sprintf("%.3f", rps[r, m] / bare) : "-"
-            printf "%-6s %-21s %12.0f %10.1f %10.1f %8s %8.2f\n", r, m, rps[r, m], p50[r, m], p99[r, m], ratio, cpu[r, m]
+            printf "%-6s %-21s %12.0f %10.1f %10.1f %8s %8.2f %10s\n", r, m, rps[r, m], p50[r, m], p99[r, m], ratio, cpu[r, m], cmds[r, m]
         }
     }' "$RESULTS"
 
 echo
 echo "medians over $ROUNDS rounds (ratio = median of the per-round ratios):"
-printf '%-21s %12s %10s %10s %8s %8s %10s\n' mode req/s p50_us p99_us ratio cpu_us cpu_ratio
+printf '%-21s %12s %10s %10s %8s %8s %10s %10s\n' mode req/s p50_us p99_us ratio cpu_us cpu_ratio redis_cmds
 median() { sort -g | awk '{ v[NR] = $1 } END { if (NR == 0) { print "-"; exit } if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
 for mode in "${modes[@]}"; do
     grep -q " $mode " "$RESULTS" || continue
@@ -322,5 +340,6 @@ for mode in "${modes[@]}"; do
     cpu_ratio=$(awk -v m="$mode" '
         $2 == "none" { bare[$1] = $6 } $2 == m { mine[$1] = $6 }
         END { for (r in mine) if (mine[r] > 0) print bare[r] / mine[r] }' "$RESULTS" | median)
-    printf '%-21s %12.0f %10.1f %10.1f %8.3f %8.2f %10.3f\n' "$mode" "$rps" "$p50" "$p99" "$ratio" "$cpu" "$cpu_ratio"
+    cmds=$(awk -v m="$mode" '$2 == m && $7 != "-" {print $7}' "$RESULTS" | median)
+    printf '%-21s %12.0f %10.1f %10.1f %8.3f %8.2f %10.3f %10s\n' "$mode" "$rps" "$p50" "$p99" "$ratio" "$cpu" "$cpu_ratio" "$cmds"
 done
