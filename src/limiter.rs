@@ -82,6 +82,39 @@
 //! # Ok(()) }
 //! ```
 //!
+//! # Following the upstream's own limit
+//!
+//! [`obey`](Limiter::obey) reads the answer to a call made for a key: a `429` or `503` with
+//! `Retry-After`, gRPC's pushback, or, before any refusal, a `RateLimit` field saying a policy
+//! has nothing left (`r=0;t=N`; the older `X-RateLimit-Remaining: 0` with its reset) pauses
+//! the key for that long. [`acquire`](Limiter::acquire) then waits the pause out before it
+//! reserves (or answers [`AcquireError::Paused`] when the pause is longer than its wait), and
+//! [`admit`](Limiter::admit) refuses with it; [`check`](Limiter::check),
+//! [`peek`](Limiter::peek) and [`reserve`](Limiter::reserve) ask the backend only. Pauses
+//! are per limiter (its clones share them), in memory, for at most 65 536 keys at once.
+//!
+//! ```
+//! use std::num::NonZeroU32;
+//! use std::time::Duration;
+//! use tollgate::backend::LocalBackend;
+//! use tollgate::limiter::{AcquireError, Limiter};
+//! use tollgate::{Key, Policy, Quota};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let limiter = Limiter::new(Policy::new("partner", Quota::per_second(50)), LocalBackend::new())?;
+//! let partner = Key::from_bytes("api.partner.example")?;
+//! // The partner's answer to a call: its own limit has nothing left for 30 s.
+//! let answer = http::Response::builder()
+//!     .header("ratelimit", r#""default";r=0;t=30"#)
+//!     .body(())?;
+//! let paused = limiter.obey(&partner, &answer).unwrap(); // what is left of the 30 s
+//! assert!(paused > Duration::from_secs(29));
+//! let err = limiter.acquire(&partner, NonZeroU32::MIN, Duration::from_secs(1)).await;
+//! assert!(matches!(err, Err(AcquireError::Paused(_))), "not before the partner's reset");
+//! # Ok(()) }
+//! ```
+//!
 //! **Cancellation.** A reservation is taken before the sleep: if the future of `acquire` is
 //! dropped while it sleeps (a timeout, a cancelled task), the units stay spent. Giving them back
 //! is not safe in general, since later reservations were counted after them; the cost is that a
@@ -94,6 +127,7 @@ use std::time::Duration;
 
 use crate::backend::{Backend, Decision, Mode};
 use crate::settle::{next_lease, send};
+use crate::wait::Pauses;
 use crate::{BackendError, ConfigError, Key, Policy};
 
 /// A policy on a backend, for code that is not a request handler. Cheap to clone: clones share
@@ -108,6 +142,8 @@ struct Inner<B: Backend> {
     name: String,
     /// Whether the policy has a concurrent quota (its permits hold a slot).
     holds_slots: bool,
+    /// Keys an upstream asked to slow down, until when ([`Limiter::obey`]).
+    pauses: Pauses,
 }
 
 impl<B: Backend> Clone for Limiter<B> {
@@ -138,9 +174,9 @@ pub enum AcquireError {
     /// The backend could not decide (and its failure policy is to fail closed).
     Backend(BackendError),
     /// The upstream asked to slow down (`429` or `503` with `Retry-After`, gRPC
-    /// `grpc-retry-pushback-ms`) and the key is paused for this long yet, longer than the wait
-    /// allowed (the reqwest middleware's `obey_retry_after`, feature `reqwest`). Nothing was
-    /// taken.
+    /// `grpc-retry-pushback-ms`, a `RateLimit` field with nothing left) and the key is paused
+    /// for this long yet, longer than the wait allowed ([`Limiter::obey`]; the reqwest
+    /// middleware's `obey_retry_after`, feature `reqwest`). Nothing was taken.
     Paused(Duration),
 }
 
@@ -189,8 +225,31 @@ impl<B: Backend> Limiter<B> {
                 policy: prepared,
                 name: policy.name().to_owned(),
                 holds_slots: policy.holds_slots(),
+                pauses: Pauses::default(),
             }),
         })
+    }
+
+    /// Reads an upstream's answer to a call made for `key`, and pauses the key as it asks (see
+    /// [the module docs](self#following-the-upstreams-own-limit)); answers how long `key` is
+    /// paused now, if it is. An answer that asks nothing (or a field that cannot be read)
+    /// pauses nothing; a pause is at most an hour, and a shorter one never cuts a longer one
+    /// short.
+    pub fn obey<T>(&self, key: &Key, answer: &http::Response<T>) -> Option<Duration> {
+        self.obey_parts(key, answer.status(), answer.headers())
+    }
+
+    /// [`obey`](Self::obey) for an answer given as its status and headers (a reqwest
+    /// response, say).
+    pub fn obey_parts(
+        &self,
+        key: &Key,
+        status: http::StatusCode,
+        headers: &http::HeaderMap,
+    ) -> Option<Duration> {
+        let pauses = &self.inner.pauses;
+        pauses.note_answer(key, status, headers);
+        pauses.remaining(key)
     }
 
     /// The backend.
@@ -239,6 +298,9 @@ impl<B: Backend> Limiter<B> {
     /// [module docs](self)).
     pub async fn admit(&self, key: &Key, cost: NonZeroU32) -> Result<Permit<B>, AcquireError> {
         let i = &self.inner;
+        if let Some(left) = i.pauses.remaining(key) {
+            return Err(AcquireError::Paused(left));
+        }
         let lease = next_lease();
         let decision = (i.backend)
             .decide_with(&i.policy, key, cost, Mode::Hold { lease })
@@ -271,6 +333,13 @@ impl<B: Backend> Limiter<B> {
         max_wait: Duration,
     ) -> Result<Decision, AcquireError> {
         let deadline = tokio::time::Instant::now() + max_wait.min(Duration::from_secs(86_400));
+        // The upstream's pause first: waited out within the wait, else refused at once.
+        if let Some(paused) = self.inner.pauses.remaining(key) {
+            if tokio::time::Instant::now() + paused > deadline {
+                return Err(AcquireError::Paused(paused));
+            }
+            tokio::time::sleep(paused).await;
+        }
         loop {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
             let decision = self.reserve(key, cost, left).await?;

@@ -226,3 +226,70 @@ async fn permits_redis() {
         .unwrap();
     permits(backend, "redis").await;
 }
+
+/// A client loop on a `Limiter` that obeys its upstream's answers: the upstream (tollgate, 2
+/// calls a second) says `r=0;t=1` on its second call of each second, the limiter pauses the
+/// key, and sequential calls never get a `429`; without `obey`, the same loop does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_limiter_obeying_its_upstreams_fields_is_never_refused() {
+    let upstream = tollgate::RateLimitLayer::builder()
+        .key(tollgate::key::Global)
+        .policy(Policy::new("partner", Quota::per_second(2)))
+        .build()
+        .unwrap();
+    let app = axum::Router::new()
+        .route("/", axum::routing::get(|| async { "ok" }))
+        .layer(upstream);
+    let url = format!("http://{}/", support::serve(app).await);
+    let client = reqwest::Client::new();
+    let key = key("partner");
+    let one = std::num::NonZeroU32::MIN;
+
+    // Our own limit would allow every call at once: only the upstream's fields pace us.
+    let limiter = Limiter::new(
+        Policy::new("out", Quota::per_second(1000)),
+        LocalBackend::new(),
+    )
+    .unwrap();
+    let started = Instant::now();
+    for _ in 0..6 {
+        limiter
+            .acquire(&key, one, Duration::from_secs(5))
+            .await
+            .unwrap();
+        let res = client.get(&url).send().await.unwrap();
+        assert_eq!(res.status(), 200);
+        limiter.obey_parts(&key, res.status(), res.headers());
+    }
+    // Two pauses of `t=1`, after the 2nd and the 4th call.
+    assert!(
+        started.elapsed() >= Duration::from_millis(1800),
+        "{:?}",
+        started.elapsed()
+    );
+
+    // The 6th call was the second of its second: the key is paused now, so `admit` refuses
+    // and a short `acquire` does not wait.
+    assert!(matches!(
+        limiter.admit(&key, one).await,
+        Err(AcquireError::Paused(_))
+    ));
+    assert!(matches!(
+        limiter.acquire(&key, one, Duration::from_millis(10)).await,
+        Err(AcquireError::Paused(_))
+    ));
+
+    // The same loop not obeying runs into the upstream's 429.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut refused = 0;
+    for _ in 0..6 {
+        limiter
+            .acquire(&key, one, Duration::from_secs(5))
+            .await
+            .ok();
+        if client.get(&url).send().await.unwrap().status() == 429 {
+            refused += 1;
+        }
+    }
+    assert!(refused >= 3, "{refused}");
+}
