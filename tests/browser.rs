@@ -9,8 +9,8 @@
 #[allow(dead_code)]
 #[path = "../examples/browser.rs"]
 mod example;
+mod support;
 
-use std::net::SocketAddr;
 use std::process::Command;
 
 use axum::Router;
@@ -21,17 +21,7 @@ use tollgate::{Policy, Quota, RateLimitLayer};
 use tower_http::cors::CorsLayer;
 
 async fn serve(app: Router) -> u16 {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    tokio::spawn(async move {
-        axum::serve(
-            listener,
-            app.into_make_service_with_connect_info::<SocketAddr>(),
-        )
-        .await
-        .unwrap()
-    });
-    port
+    support::serve(app).await.port()
 }
 
 /// The page's DOM after Chromium loaded `url` and its script ran (`--dump-dom`). Chromium runs

@@ -5,8 +5,8 @@
 #[allow(dead_code)]
 #[path = "../examples/outbound.rs"]
 mod example;
+mod support;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -42,17 +42,7 @@ async fn upstream() -> (String, Arc<AtomicU64>) {
                 res
             }
         }));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        axum::serve(
-            listener,
-            app.into_make_service_with_connect_info::<SocketAddr>(),
-        )
-        .await
-        .unwrap()
-    });
-    (format!("http://{addr}/"), refused)
+    (format!("http://{}/", support::serve(app).await), refused)
 }
 
 #[tokio::test(flavor = "multi_thread")]
