@@ -294,3 +294,35 @@ async fn cluster_blocks() {
         .unwrap();
     support::conformance::blocks(&b, |by| clock.advance(by), "redis cluster").await;
 }
+
+/// Instances on one cluster count each other through `<prefix>:fleet`, and a stopped one is
+/// forgotten.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_on_a_cluster_count_each_other() {
+    use tollgate::backend::redis::{FailurePolicy, Fleet};
+    let cluster = RedisCluster::start();
+    let make = || {
+        RedisBackend::builder()
+            .cluster_nodes(cluster.urls())
+            .on_failure(FailurePolicy::FallbackLocal)
+            .fleet(Fleet::Announced {
+                every: Duration::from_millis(100),
+            })
+            .build()
+            .unwrap()
+    };
+    let policy = Policy::new("fleet", Quota::per_second(10));
+    let (a, b, c) = (make(), make(), make());
+    let _pa = prepare(&a, &policy);
+    let _pb = prepare(&b, &policy);
+    let pc = prepare(&c, &policy);
+    support::eventually("three instances count each other", || {
+        [&a, &b, &c].iter().all(|x| x.stats().fleet_size == 3)
+    })
+    .await;
+    drop((pc, c));
+    support::eventually("a stopped instance is forgotten", || {
+        a.stats().fleet_size == 2 && b.stats().fleet_size == 2
+    })
+    .await;
+}
