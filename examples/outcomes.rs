@@ -15,7 +15,9 @@
 //!   charged what `x-tokens-used` says when the response comes; a key in debt gets 429 until
 //!   it is repaid.
 //! - `GET /export?ms=M` (default 500): answers after M milliseconds. Policy `exports`: at most
-//!   2 in flight per `x-api-key`; a third at the same time gets 429.
+//!   2 in flight per `x-api-key`; a third at the same time gets 429. In Redis a slot is a lease
+//!   of `EXPORT_LEASE` (default `5min`, the quota syntax's durations: `30s`, `2min`): the
+//!   slots of an instance killed mid-export come back after it.
 //!
 //! What to expect:
 //!
@@ -64,9 +66,16 @@ use tollgate::{Key, Policy, Quota, RateLimitLayer};
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     tracing_subscriber::fmt().init();
+    let lease = match std::env::var("EXPORT_LEASE") {
+        Ok(v) => format!("2 concurrent lease {v}")
+            .parse::<Quota>()
+            .map_err(|e| format!("EXPORT_LEASE={v:?}: {e}"))?
+            .period(),
+        Err(_) => Quota::DEFAULT_LEASE,
+    };
     let backend = std::env::var("BACKEND").unwrap_or_else(|_| "local".into());
     match backend.as_str() {
-        "local" => serve(tollgate::backend::LocalBackend::new()).await,
+        "local" => serve(tollgate::backend::LocalBackend::new(), lease).await,
         #[cfg(feature = "redis")]
         "redis" => {
             let url =
@@ -75,7 +84,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .url(url)
                 .build()?;
             println!("Redis: {}", redis.endpoint());
-            serve(redis).await
+            serve(redis, lease).await
         }
         #[cfg(not(feature = "redis"))]
         "redis" => Err("BACKEND=redis needs a build with `--features redis`".into()),
@@ -149,7 +158,16 @@ async fn export(Query(q): Query<Export>) -> Bytes {
 }
 
 /// The three routes, each with its limit, on `backend`.
+#[allow(dead_code)] // the tests' entry (tests/outcomes.rs)
 pub(crate) fn app<B: Backend + Clone>(backend: B) -> Result<Router, tollgate::ConfigError> {
+    app_with_lease(backend, Quota::DEFAULT_LEASE)
+}
+
+/// [`app`], an export's slot a lease of `lease` in a shared store.
+pub(crate) fn app_with_lease<B: Backend + Clone>(
+    backend: B,
+    lease: Duration,
+) -> Result<Router, tollgate::ConfigError> {
     // 5 failed logins per 15 minutes per (client IP, user); successes are free.
     let login_limit = RateLimitLayer::builder()
         .key((ClientIp::new(), Extension::<LoginUser>::new()))
@@ -171,7 +189,7 @@ pub(crate) fn app<B: Backend + Clone>(backend: B) -> Result<Router, tollgate::Co
     let export_limit = RateLimitLayer::builder()
         .key(Header::new("x-api-key"))
         .backend(backend)
-        .policy(Policy::new("exports", Quota::concurrent(2)))
+        .policy(Policy::new("exports", Quota::concurrent(2).lease(lease)))
         .build()?;
 
     Ok(Router::new()
@@ -185,8 +203,11 @@ pub(crate) fn app<B: Backend + Clone>(backend: B) -> Result<Router, tollgate::Co
         .route("/export", get(export).layer(export_limit)))
 }
 
-async fn serve<B: Backend + Clone>(backend: B) -> Result<(), Box<dyn std::error::Error>> {
-    let app = app(backend)?;
+async fn serve<B: Backend + Clone>(
+    backend: B,
+    lease: Duration,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let app = app_with_lease(backend, lease)?;
     let port = std::env::var("PORT").unwrap_or_else(|_| "3000".into());
     let listener = tokio::net::TcpListener::bind(format!("0.0.0.0:{port}")).await?;
     println!("listening on http://{}", listener.local_addr()?);

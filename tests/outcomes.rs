@@ -14,7 +14,10 @@ use reqwest::StatusCode;
 use tollgate::backend::{Backend, LocalBackend};
 
 async fn serve<B: Backend + Clone>(backend: B) -> String {
-    let app = example::app(backend).unwrap();
+    serve_app(example::app(backend).unwrap()).await
+}
+
+async fn serve_app(app: axum::Router) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
@@ -125,4 +128,63 @@ async fn two_instances_of_the_outcomes_example_share_redis() {
     let instance = || RedisBackend::builder().url(server.url()).build().unwrap();
     let bases = [serve(instance()).await, serve(instance()).await];
     story(&bases).await;
+}
+
+/// An instance killed mid-export (here: cut off from Redis, as a crashed process is) never
+/// gives its slot back; the other instance gets it once the slot's lease has expired.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_instances_export_slots_come_back_after_the_lease() {
+    use std::time::{Duration, Instant};
+    use support::proxy::{Fault, FaultProxy};
+    use tollgate::backend::redis::RedisBackend;
+    let server = support::RedisServer::start();
+    let proxy = FaultProxy::start(server.port).await;
+    let lease = Duration::from_secs(2);
+    let instance = |url: String| {
+        let backend = RedisBackend::builder().url(url).build().unwrap();
+        example::app_with_lease(backend, lease).unwrap()
+    };
+    let doomed = serve_app(instance(proxy.url())).await;
+    let survivor = serve_app(instance(server.url())).await;
+    let export = |base: &str, ms: u64| {
+        let url = format!("{base}/export?ms={ms}");
+        async move {
+            reqwest::Client::new()
+                .get(url)
+                .header("x-api-key", "k1")
+                .send()
+                .await
+                .map(|r| r.status())
+        }
+    };
+    // Each instance runs a long export, the survivor's a second later: both slots of `k1` are
+    // taken, the survivor's lease ending a second after the other's.
+    let started = Instant::now();
+    let _hung = tokio::spawn(export(&doomed, 60_000));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let _running = tokio::spawn(export(&survivor, 60_000));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        export(&survivor, 1).await.unwrap(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+
+    // The first instance dies: it never reaches Redis again.
+    proxy.set(Fault::Stall);
+    // Its slot comes back when its lease expires, 2 s after its export began: before the
+    // survivor's own lease could free one (3 s).
+    let mut back = None;
+    while started.elapsed() < Duration::from_secs(6) {
+        if export(&survivor, 1).await.unwrap() == StatusCode::OK {
+            back = Some(started.elapsed());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let back = back.expect("the dead instance's slot never came back");
+    assert!(
+        back >= Duration::from_millis(1900) && back < Duration::from_millis(2900),
+        "a slot came back {back:?} after the first export began"
+    );
 }
