@@ -39,6 +39,10 @@ pub struct Policy {
 #[derive(Clone)]
 enum Cost {
     Fixed(u32),
+    /// The request's `Content-Length`, or `missing` without one.
+    ContentLength {
+        missing: u32,
+    },
     Fn(Arc<dyn Fn(&RequestInfo<'_>) -> u32 + Send + Sync>),
 }
 
@@ -82,6 +86,30 @@ impl Policy {
     /// without counting it and without rate-limit headers.
     pub fn cost(mut self, cost: u32) -> Self {
         self.cost = Cost::Fixed(cost);
+        self
+    }
+
+    /// Each request costs the bytes of its body as its `Content-Length` states them (at most
+    /// `u32::MAX`), for a byte quota ([`Quota::bytes`]) on uploads; a request that states none
+    /// (a chunked body, an HTTP/2 request without the header) or an invalid one costs
+    /// `missing`: choose it knowing that a client can always leave the header out (the
+    /// quota's burst, say, or `u32::MAX` to refuse such requests with `413`). A body of 0 bytes
+    /// costs nothing and passes without rate-limit fields, as every cost of 0. In the config
+    /// forms: `cost = "content-length or 1048576"`.
+    ///
+    /// ```
+    /// use tollgate::{Policy, Quota, RequestInfo};
+    ///
+    /// // 100 MB of uploads an hour per key; a body of unstated size counts as 10 MB.
+    /// let uploads = Policy::new("uploads", Quota::per_hour(100_000_000).bytes())
+    ///     .cost_from_content_length(10_000_000);
+    /// let req = http::Request::post("/upload").header("content-length", "2048").body(()).unwrap();
+    /// assert_eq!(uploads.cost_of(&RequestInfo::new(&req)), 2048);
+    /// let chunked = http::Request::post("/upload").body(()).unwrap();
+    /// assert_eq!(uploads.cost_of(&RequestInfo::new(&chunked)), 10_000_000);
+    /// ```
+    pub fn cost_from_content_length(mut self, missing: u32) -> Self {
+        self.cost = Cost::ContentLength { missing };
         self
     }
 
@@ -223,6 +251,9 @@ impl Policy {
     pub fn cost_of(&self, req: &RequestInfo<'_>) -> u32 {
         match &self.cost {
             Cost::Fixed(c) => *c,
+            Cost::ContentLength { missing } => req
+                .content_length()
+                .map_or(*missing, |n| u32::try_from(n).unwrap_or(u32::MAX)),
             Cost::Fn(f) => f(req),
         }
     }
@@ -311,7 +342,7 @@ struct PolicySpec {
     name: String,
     quotas: Vec<Quota>,
     #[serde(default = "one", skip_serializing_if = "Option::is_none")]
-    cost: Option<u32>,
+    cost: Option<CostSpec>,
     #[serde(default)]
     shadow: bool,
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
@@ -348,8 +379,69 @@ struct PolicySpec {
 }
 
 #[cfg(feature = "serde")]
-fn one() -> Option<u32> {
-    Some(1)
+fn one() -> Option<CostSpec> {
+    Some(CostSpec::Fixed(1))
+}
+
+/// A policy's cost in the config forms: a number, or `"content-length or N"`.
+#[cfg(feature = "serde")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum CostSpec {
+    Fixed(u32),
+    ContentLength { missing: u32 },
+}
+
+#[cfg(feature = "serde")]
+impl serde::Serialize for CostSpec {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            CostSpec::Fixed(n) => s.serialize_u32(*n),
+            CostSpec::ContentLength { missing } => {
+                s.serialize_str(&format!("content-length or {missing}"))
+            }
+        }
+    }
+}
+
+#[cfg(feature = "serde")]
+impl<'de> serde::Deserialize<'de> for CostSpec {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = CostSpec;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(
+                    "a cost: a number of units (0 to 4294967295), or \"content-length or N\" \
+                     (N: what a request that states no Content-Length costs)",
+                )
+            }
+            fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<CostSpec, E> {
+                u32::try_from(n)
+                    .map(CostSpec::Fixed)
+                    .map_err(|_| E::invalid_value(serde::de::Unexpected::Unsigned(n), &self))
+            }
+            fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<CostSpec, E> {
+                u32::try_from(n)
+                    .map(CostSpec::Fixed)
+                    .map_err(|_| E::invalid_value(serde::de::Unexpected::Signed(n), &self))
+            }
+            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<CostSpec, E> {
+                let words: Vec<&str> = s.split_whitespace().collect();
+                match words.as_slice() {
+                    ["content-length", "or", n] => n
+                        .parse()
+                        .map(|missing| CostSpec::ContentLength { missing })
+                        .map_err(|_| E::invalid_value(serde::de::Unexpected::Str(s), &self)),
+                    ["content-length"] => Err(E::custom(
+                        "`cost = \"content-length\"` needs what a request without a \
+                         Content-Length costs: write \"content-length or N\"",
+                    )),
+                    _ => Err(E::invalid_value(serde::de::Unexpected::Str(s), &self)),
+                }
+            }
+        }
+        d.deserialize_any(V)
+    }
 }
 
 /// Serialized as `{ name, quotas = ["5/s burst 10", { rate = "1000/h", name = "hourly" }, ...],
@@ -363,7 +455,8 @@ impl serde::Serialize for Policy {
             name: self.name.to_string(),
             quotas: self.quotas.to_vec(),
             cost: match self.cost {
-                Cost::Fixed(c) => Some(c),
+                Cost::Fixed(c) => Some(CostSpec::Fixed(c)),
+                Cost::ContentLength { missing } => Some(CostSpec::ContentLength { missing }),
                 Cost::Fn(_) => None,
             },
             shadow: self.shadow,
@@ -398,7 +491,11 @@ impl<'de> serde::Deserialize<'de> for Policy {
         Ok(Policy {
             name: spec.name.into(),
             quotas: spec.quotas.into_iter().collect(),
-            cost: Cost::Fixed(spec.cost.unwrap_or(1)),
+            cost: match spec.cost {
+                None => Cost::Fixed(1),
+                Some(CostSpec::Fixed(n)) => Cost::Fixed(n),
+                Some(CostSpec::ContentLength { missing }) => Cost::ContentLength { missing },
+            },
             shadow: spec.shadow,
             shadow_headers: spec.shadow_headers,
             settle: (spec.charge_when.is_some() || spec.cost_from.is_some()).then(|| {
@@ -434,6 +531,7 @@ impl fmt::Debug for Policy {
                 "cost",
                 &match &self.cost {
                     Cost::Fixed(c) => c.to_string(),
+                    Cost::ContentLength { missing } => format!("content-length or {missing}"),
                     Cost::Fn(_) => "<fn>".to_owned(),
                 },
             )

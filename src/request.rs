@@ -64,6 +64,23 @@ impl<'a> RequestInfo<'a> {
         self.extensions
     }
 
+    /// The request's `Content-Length`: its body's size in bytes, when it states one (a chunked
+    /// HTTP/1.1 body, or an HTTP/2 request without the header, does not). A value that is not a
+    /// decimal number, or several values, are `None`.
+    pub fn content_length(&self) -> Option<u64> {
+        let mut values = self.headers.get_all(http::header::CONTENT_LENGTH).iter();
+        let value = values.next()?;
+        if values.next().is_some() {
+            return None;
+        }
+        let text = value.to_str().ok()?.trim();
+        // `u64::from_str` takes a leading `+`, which the field's grammar does not.
+        if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        text.parse().ok()
+    }
+
     /// Whether this is a gRPC request (`content-type: application/grpc*`, gRPC-web
     /// included).
     pub fn is_grpc(&self) -> bool {
@@ -77,4 +94,37 @@ pub(crate) fn grpc_content_type(headers: &HeaderMap) -> Option<&http::HeaderValu
     headers
         .get(http::header::CONTENT_TYPE)
         .filter(|v| v.as_bytes().starts_with(b"application/grpc"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn length(values: &[&str]) -> Option<u64> {
+        let mut req = Request::new(());
+        for v in values {
+            req.headers_mut()
+                .append(http::header::CONTENT_LENGTH, v.parse().unwrap());
+        }
+        RequestInfo::new(&req).content_length()
+    }
+
+    #[test]
+    fn content_length_is_one_decimal_number() {
+        assert_eq!(length(&["2048"]), Some(2048));
+        assert_eq!(length(&[" 7 "]), Some(7));
+        assert_eq!(length(&["0"]), Some(0));
+        assert_eq!(length(&["18446744073709551615"]), Some(u64::MAX));
+        for bad in [
+            &[][..],
+            &["+5"],
+            &["-1"],
+            &[""],
+            &["1e3"],
+            &["18446744073709551616"],
+            &["5", "5"],
+        ] {
+            assert_eq!(length(bad), None, "{bad:?}");
+        }
+    }
 }

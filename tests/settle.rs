@@ -638,3 +638,87 @@ async fn a_body_dropped_before_its_end_settles_by_the_cancellation_rule() {
     // Charged what was taken at admission (1), not the bytes it had sent.
     assert_eq!(abandoned(Cancelled::Charge).await, r#""bytes";r=998;t=4"#);
 }
+
+#[cfg(feature = "serde")]
+#[test]
+fn content_length_costs_in_config() {
+    let policy: Policy = toml::from_str(
+        "name = \"uploads\"\nquotas = [\"100000/h bytes\"]\ncost = \"content-length or 50000\"",
+    )
+    .unwrap();
+    let back = toml::to_string(&policy).unwrap();
+    assert!(
+        back.contains(r#"cost = "content-length or 50000""#),
+        "{back}"
+    );
+    let plain: Policy = toml::from_str("name = \"api\"\nquotas = [\"10/s\"]\ncost = 3").unwrap();
+    assert!(toml::to_string(&plain).unwrap().contains("cost = 3"));
+    let err = |cost: &str| {
+        toml::from_str::<Policy>(&format!(
+            "name = \"p\"\nquotas = [\"5/min\"]\ncost = {cost}"
+        ))
+        .unwrap_err()
+        .to_string()
+    };
+    assert!(err(r#""content-length""#).contains("content-length or N"));
+    assert!(err(r#""content-length or lots""#).contains("content-length or N"));
+    assert!(err(r#""body""#).contains("a number of units"));
+    assert!(err("-1").contains("a number of units"));
+}
+
+/// Uploads charged their `Content-Length` on a byte quota, over HTTP: the field says
+/// `qu="content-bytes"`, and an upload of unstated size costs what the policy says.
+#[tokio::test]
+async fn uploads_cost_their_content_length() {
+    let limit = RateLimitLayer::builder()
+        .key(Header::new("x-api-key"))
+        .policy(Policy::new("uploads", Quota::per_hour(1000).bytes()).cost_from_content_length(800))
+        .build()
+        .unwrap();
+    let app = Router::new()
+        .route(
+            "/upload",
+            post(|body: axum::body::Bytes| async move { body.len().to_string() }),
+        )
+        .layer(limit);
+    let base = format!("http://{}", support::serve(app).await);
+    let client = reqwest::Client::new();
+    let upload = |key: &'static str, body: reqwest::Body| {
+        client
+            .post(format!("{base}/upload"))
+            .header("x-api-key", key)
+            .body(body)
+            .send()
+    };
+    let first = upload("k1", vec![0u8; 600].into()).await.unwrap();
+    assert_eq!(first.status(), 200);
+    assert_eq!(first.headers()["ratelimit"], r#""uploads";r=400;t=4"#);
+    assert!(
+        (first.headers()["ratelimit-policy"].to_str().unwrap()).contains(r#"qu="content-bytes""#)
+    );
+    // 600 more do not fit in the 400 left; 400 do.
+    let refused = upload("k1", vec![0u8; 600].into()).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(
+        upload("k1", vec![0u8; 400].into()).await.unwrap().status(),
+        200
+    );
+    // A chunked body states no length: it costs the policy's 800.
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut conn = tokio::net::TcpStream::connect(base.trim_start_matches("http://"))
+        .await
+        .unwrap();
+    conn.write_all(
+        b"POST /upload HTTP/1.1\r\nhost: x\r\nx-api-key: k2\r\ntransfer-encoding: chunked\r\n\
+          connection: close\r\n\r\na\r\n0123456789\r\n0\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let mut answer = String::new();
+    conn.read_to_string(&mut answer).await.unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(
+        answer.contains("ratelimit: \"uploads\";r=200;t=4"),
+        "{answer}"
+    );
+}
