@@ -563,16 +563,18 @@ pub async fn modes<B: Backend>(backend: &B, advance: impl Fn(Duration), who: &st
     assert!(!d.is_allowed(), "{who}: {d:?}");
 }
 
-/// Wait mode on `backend`, over TCP: 8 concurrent requests on a burst of 3 at 10 per second,
-/// at most 3 waiters for at most 2 s. 3 pass at once, 3 wait for the next units (100, 200 and
-/// 300 ms) and 2 are refused, on every store however long it takes to answer: requests that
-/// pass at once never hold a waiter's slot.
+/// Wait mode on `backend`, over TCP: 8 concurrent requests on a burst of 3 at 4 per second,
+/// at most 3 waiters for at most 2 s. 3 pass at once, 3 wait for the next units (250, 500 and
+/// 750 ms) and 2 are refused, on every store however long it takes to answer: requests that
+/// pass at once never hold a waiter's slot. (The 8 decisions must all be made within a unit's
+/// 250 ms, else one more unit has come back meanwhile: at 10 per second a loaded CI machine's
+/// PostgreSQL spread them over 110 ms once, and 7 passed.)
 pub async fn waiters<B: Backend + Clone>(backend: B, who: &str) {
     use axum::{Router, routing::get};
     let layer = tollgate::RateLimitLayer::builder()
         .policy(Policy::new(
             format!("waiters-{who}"),
-            Quota::per_second(10).burst(3),
+            Quota::per_second(4).burst(3),
         ))
         .key(tollgate::key::Global)
         .backend(backend)
@@ -611,7 +613,7 @@ pub async fn waiters<B: Backend + Clone>(backend: B, who: &str) {
         .collect();
     passed.sort();
     assert!(
-        passed[5] >= Duration::from_millis(290) && passed[4] >= Duration::from_millis(190),
+        passed[5] >= Duration::from_millis(740) && passed[4] >= Duration::from_millis(490),
         "{who}: {answers:?}"
     );
 }
