@@ -90,8 +90,9 @@ impl Policy {
     }
 
     /// Each request costs the bytes of its body as its `Content-Length` states them (at most
-    /// `u32::MAX`), for a byte quota ([`Quota::bytes`]) on uploads; a request that states none
-    /// (a chunked body, an HTTP/2 request without the header) or an invalid one costs
+    /// `u32::MAX`), for a byte quota ([`Quota::bytes`]) on uploads (an HTTP/1 request with no
+    /// body, a plain `GET`, costs 0: see [`RequestInfo::content_length`]); a request whose body
+    /// has no stated size (chunked, or HTTP/2 without the header) or an invalid one costs
     /// `missing`: choose it knowing that a client can always leave the header out (the
     /// quota's burst, say, or `u32::MAX` to refuse such requests with `413`). A body of 0 bytes
     /// costs nothing and passes without rate-limit fields, as every cost of 0. In the config
@@ -105,7 +106,10 @@ impl Policy {
     ///     .cost_from_content_length(10_000_000);
     /// let req = http::Request::post("/upload").header("content-length", "2048").body(()).unwrap();
     /// assert_eq!(uploads.cost_of(&RequestInfo::new(&req)), 2048);
-    /// let chunked = http::Request::post("/upload").body(()).unwrap();
+    /// let chunked = http::Request::post("/upload")
+    ///     .header("transfer-encoding", "chunked")
+    ///     .body(())
+    ///     .unwrap();
     /// assert_eq!(uploads.cost_of(&RequestInfo::new(&chunked)), 10_000_000);
     /// ```
     pub fn cost_from_content_length(mut self, missing: u32) -> Self {

@@ -17,6 +17,7 @@ use http::{Extensions, HeaderMap, Method, Request, Uri};
 /// ```
 #[derive(Debug, Clone, Copy)]
 pub struct RequestInfo<'a> {
+    version: http::Version,
     method: &'a Method,
     uri: &'a Uri,
     headers: &'a HeaderMap,
@@ -27,6 +28,7 @@ impl<'a> RequestInfo<'a> {
     /// Borrows the head of `req`.
     pub fn new<B>(req: &'a Request<B>) -> Self {
         RequestInfo {
+            version: req.version(),
             method: req.method(),
             uri: req.uri(),
             headers: req.headers(),
@@ -37,6 +39,7 @@ impl<'a> RequestInfo<'a> {
     /// Builds a view from its parts (useful in tests and custom services).
     pub fn from_parts(parts: &'a http::request::Parts) -> Self {
         RequestInfo {
+            version: parts.version,
             method: &parts.method,
             uri: &parts.uri,
             headers: &parts.headers,
@@ -64,12 +67,18 @@ impl<'a> RequestInfo<'a> {
         self.extensions
     }
 
-    /// The request's `Content-Length`: its body's size in bytes, when it states one (a chunked
-    /// HTTP/1.1 body, or an HTTP/2 request without the header, does not). A value that is not a
-    /// decimal number, or several values, are `None`.
+    /// The size of the request's body in bytes, when it is known before the body is read: its
+    /// `Content-Length`, or 0 for an HTTP/1 request with neither `Content-Length` nor
+    /// `Transfer-Encoding` (which has no body, RFC 9112 §6.3). `None` for a body of unstated
+    /// size (chunked, or HTTP/2 and HTTP/3 without the header), or a `Content-Length` that is
+    /// not one decimal number.
     pub fn content_length(&self) -> Option<u64> {
         let mut values = self.headers.get_all(http::header::CONTENT_LENGTH).iter();
-        let value = values.next()?;
+        let Some(value) = values.next() else {
+            let http1 = self.version <= http::Version::HTTP_11;
+            let chunked = self.headers.contains_key(http::header::TRANSFER_ENCODING);
+            return (http1 && !chunked).then_some(0);
+        };
         if values.next().is_some() {
             return None;
         }
@@ -102,6 +111,7 @@ mod tests {
 
     fn length(values: &[&str]) -> Option<u64> {
         let mut req = Request::new(());
+        *req.version_mut() = http::Version::HTTP_2;
         for v in values {
             req.headers_mut()
                 .append(http::header::CONTENT_LENGTH, v.parse().unwrap());
@@ -126,5 +136,21 @@ mod tests {
         ] {
             assert_eq!(length(bad), None, "{bad:?}");
         }
+    }
+
+    #[test]
+    fn an_http1_request_without_length_or_chunks_has_no_body() {
+        let get = Request::get("/").body(()).unwrap();
+        assert_eq!(RequestInfo::new(&get).content_length(), Some(0));
+        let chunked = Request::post("/")
+            .header("transfer-encoding", "chunked")
+            .body(())
+            .unwrap();
+        assert_eq!(RequestInfo::new(&chunked).content_length(), None);
+        let h2 = Request::post("/")
+            .version(http::Version::HTTP_2)
+            .body(())
+            .unwrap();
+        assert_eq!(RequestInfo::new(&h2).content_length(), None);
     }
 }

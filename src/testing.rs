@@ -46,10 +46,11 @@
 //! # }
 //! ```
 //!
-//! What the clock does not move: waits in wait mode ([`RateLimitLayerBuilder::wait`]) and the
-//! pauses an upstream asks for sleep on Tokio's timer; pause and advance that one with
-//! `tokio::time::pause` / `tokio::time::advance` (Tokio's `test-util` feature). A shared store
-//! (Redis, SQL) keeps its own time.
+//! What the clock does not move: waits in wait mode ([`RateLimitLayerBuilder::wait`]) sleep on
+//! Tokio's timer (pause and advance that one with `tokio::time::pause` / `tokio::time::advance`,
+//! Tokio's `test-util` feature), and the pauses an upstream asks for (`obey_retry_after`,
+//! [`Limiter::obey`](crate::limiter::Limiter::obey)) are timed on the system's monotonic clock,
+//! which no test moves. A shared store (Redis, SQL) keeps its own time.
 //!
 //! [`RateLimitLayerBuilder::wait`]: crate::RateLimitLayerBuilder::wait
 
@@ -64,8 +65,8 @@ use crate::fields::{FieldError, RateLimit, RateLimitItem, RateLimitPolicy};
 /// A clock that moves only when told to, shared by its clones.
 ///
 /// It starts at [`ManualClock::START`] (2025-01-01 00:00:00 UTC), the Unix time the backends
-/// built by [`backend`](Self::backend) align their windows to: every window of a day or less
-/// starts there, so a test knows where each window begins.
+/// built by [`backend`](Self::backend) align their windows to: every window that divides a day
+/// (a second, a minute, an hour, a day) starts there, so a test knows where each begins.
 #[derive(Debug, Clone, Default)]
 pub struct ManualClock {
     inner: FakeRelativeClock,

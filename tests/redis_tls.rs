@@ -147,6 +147,47 @@ async fn a_least_privilege_acl_user_is_enough() {
     assert!(other.decide(&p, &key("k"), cost(1)).await.is_err());
 }
 
+/// The ACL of docs/redis.md with what concurrent quotas and the fleet's count add: slots are
+/// held and given back, and two instances falling back to local limits count each other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_documented_acl_covers_slots_and_the_fleet() {
+    use tollgate::backend::Mode;
+    use tollgate::backend::redis::Fleet;
+    let server = RedisServer::start();
+    let acl = "ACL SETUSER tollgate on >s3cret ~tollgate:* resetchannels -@all \
+               +evalsha +eval +script|load +ping +del +get +set +time \
+               +zadd +zrem +zremrangebyscore +zcard +pexpire +pexpireat";
+    let args: Vec<&str> = acl.split_whitespace().collect();
+    assert_eq!(server.cmd(&args).trim(), "+OK");
+    let url = format!("redis://tollgate:s3cret@127.0.0.1:{}", server.port);
+    let make = || {
+        RedisBackend::builder()
+            .url(url.clone())
+            .on_failure(FailurePolicy::FallbackLocal)
+            .fleet(Fleet::Announced {
+                every: Duration::from_millis(100),
+            })
+            .build()
+            .unwrap()
+    };
+    let (a, b) = (make(), make());
+    let slots = Policy::new("slots", tollgate::Quota::concurrent(1));
+    let (pa, _pb) = (prepare(&a, &slots), prepare(&b, &slots));
+    let hold = a.decide_with(&pa, &key("k"), cost(1), Mode::Hold { lease: 7 });
+    assert!(hold.await.unwrap().is_allowed());
+    let second = a.decide_with(&pa, &key("k"), cost(1), Mode::Hold { lease: 8 });
+    assert!(!second.await.unwrap().is_allowed());
+    let release = a.decide_with(&pa, &key("k"), cost(1), Mode::Release { lease: 7 });
+    release.await.unwrap();
+    let again = a.decide_with(&pa, &key("k"), cost(1), Mode::Hold { lease: 9 });
+    assert!(again.await.unwrap().is_allowed());
+    support::eventually("two instances count each other", || {
+        a.stats().fleet_size == 2 && b.stats().fleet_size == 2
+    })
+    .await;
+    assert_eq!(a.stats().redis_errors, 0, "{:?}", a.stats());
+}
+
 /// A Redis Cluster whose nodes speak only TLS (between themselves too): decisions through
 /// `rediss://` cluster node URLs.
 #[cfg(feature = "redis-tls")]

@@ -194,6 +194,17 @@ pub async fn fleet_shares<B: Backend + Clone>(
         );
     }
     assert_eq!(allowed, 4);
+    // A request the whole quota allows is never too large for a share: costing more than the
+    // share's burst of 4, it takes the whole share, once.
+    let big = key("big");
+    let d = timed(three.decide(&p3, &big, cost(6))).await.unwrap();
+    assert!(d.is_allowed() && !d.never_fits(), "{d:?}");
+    assert!(
+        !timed(three.decide(&p3, &big, cost(1)))
+            .await
+            .unwrap()
+            .is_allowed()
+    );
     server.restart();
 }
 

@@ -45,9 +45,10 @@ pub struct RedisStats {
     pub deny_cache_hits: u64,
     /// Denials held in the deny caches now.
     pub deny_cache_entries: usize,
-    /// How many instances share Redis as this one knows it
-    /// ([`Fleet`](super::Fleet)): 1 until the first count, and always 1 unless the failure
-    /// policy is [`FallbackLocal`](super::FailurePolicy::FallbackLocal).
+    /// How many instances share Redis as this one knows it ([`Fleet`](super::Fleet)): the
+    /// configured size with `Fleet::Size(n)`; with `Fleet::Announced`, 1 until the first count,
+    /// and always 1 unless the failure policy is
+    /// [`FallbackLocal`](super::FailurePolicy::FallbackLocal).
     pub fleet_size: u32,
     /// Whether the circuit breaker is open (Redis is not being called).
     pub breaker_open: bool,
@@ -264,7 +265,9 @@ impl Store for RedisStore {
     /// One script on one key, `<prefix>:fleet`, a sorted set of instance ids scored by when
     /// their announcement expires (µs on Redis's clock).
     async fn announce(&self, id: u64, ttl: Duration) -> Result<u32, CallError> {
-        const ANNOUNCE: &str = "local t = redis.call('TIME') \
+        // Effects replication (a write after TIME) must be asked for before Redis 5.
+        const ANNOUNCE: &str = "if redis.replicate_commands then pcall(redis.replicate_commands) end \
+            local t = redis.call('TIME') \
             local now = tonumber(t[1]) * 1000000 + tonumber(t[2]) \
             local ttl = tonumber(ARGV[2]) \
             redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now) \

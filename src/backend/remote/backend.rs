@@ -71,6 +71,9 @@ impl<S: Store> Remote<S> {
     /// removed from every error text shown.
     pub(crate) fn new(store: S, who: String, secrets: Secrets, opts: Options) -> Self {
         let local = (opts.on_failure == FailurePolicy::FallbackLocal).then(LocalBackend::new);
+        if let Fleet::Size(n) = opts.fleet {
+            crate::metrics::fleet_size(S::KIND, n.get());
+        }
         Remote {
             inner: Arc::new(Inner {
                 store,
@@ -307,12 +310,21 @@ impl<S: Store> Remote<S> {
 /// backend is dropped. A failed announcement keeps the last count.
 async fn announce<S: Store>(inner: std::sync::Weak<Inner<S>>, every: Duration) {
     let ttl = every.saturating_mul(3);
+    // Failures in a row: the third is logged as a warning (once, until one succeeds), since
+    // the fleet's size then stays what it was (1 before any count) and the fallback's share
+    // with it: a store that refuses the announcement (a user without the commands or rights)
+    // must not go unnoticed.
+    let mut failures = 0u32;
     loop {
         let Some(this) = inner.upgrade() else { return };
         let limit = this.store.warm_up_timeout(this.timeout);
         let fleet = &this.fleet;
         match tokio::time::timeout(limit, this.store.announce(fleet.id, ttl)).await {
             Ok(Ok(n)) => {
+                if failures >= 3 {
+                    tracing::info!("tollgate: {} counts this instance's fleet again", this.who);
+                }
+                failures = 0;
                 let before = fleet.size.swap(n.max(1), Ordering::Relaxed);
                 crate::metrics::fleet_size(S::KIND, n.max(1));
                 if before != n.max(1) {
@@ -323,8 +335,24 @@ async fn announce<S: Store>(inner: std::sync::Weak<Inner<S>>, every: Duration) {
                     );
                 }
             }
-            Ok(Err(err)) => tracing::trace!(%err, "tollgate: announcing this instance failed"),
-            Err(_) => tracing::trace!("tollgate: announcing this instance timed out"),
+            outcome => {
+                failures = failures.saturating_add(1);
+                let err = match outcome {
+                    Ok(Err(err)) => this.secrets.scrub(&err.text).into_owned(),
+                    _ => "the call timed out".to_owned(),
+                };
+                if failures == 3 {
+                    tracing::warn!(
+                        error = %err,
+                        "tollgate: {} cannot count this instance's fleet (the local fallback \
+                         keeps a share of {} instance(s) until it can)",
+                        this.who,
+                        fleet.get()
+                    );
+                } else {
+                    tracing::trace!(error = %err, "tollgate: announcing this instance failed");
+                }
+            }
         }
         drop(this);
         tokio::time::sleep(every).await;

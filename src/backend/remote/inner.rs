@@ -306,6 +306,7 @@ impl<S: Store> Inner<S> {
             (FailurePolicy::FallbackLocal, Some(local), Some(twin)) => {
                 bump(&self.counters.fallback_local);
                 let twin = twin.at(local, self.fleet.get());
+                let cost = twin.cost(cost);
                 (crate::backend::Backend::decide_with(local, &twin.local, key, cost, mode)
                     .into_inner())
                 .map(|d| d.decided_by(DecidedBy::FallbackLocal))

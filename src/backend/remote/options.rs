@@ -60,7 +60,12 @@ pub enum Fleet {
     /// hour), in an entry that expires after three times that, and counts the entries alive
     /// (the store's clock decides). An instance that starts is counted by every other within
     /// `every`; one that stops (or cannot reach the store) is forgotten within `3 × every`
-    /// plus `every`. While the store is down the count is the last one read; before the first
+    /// plus `every`. The count is of every backend built with the same store and key prefix
+    /// (each built backend is one instance: build one per process and clone it): give services
+    /// that share a store but not their limits prefixes of their own. `Fleet::Size(1)` keeps
+    /// the fallback at the whole quota per instance, as before the fleet was counted.
+    /// Three failed announcements in a row are logged as a warning (a store user without the
+    /// commands or rights: see docs/redis.md's ACL). While the store is down the count is the last one read; before the first
     /// read (a store down from the start) an instance counts itself alone, and falls back to
     /// the whole quota. On Redis the entries are a sorted set, `<prefix>:fleet`; on PostgreSQL
     /// and MySQL rows of the backend's table, keyed `<prefix>:fleet:<instance>`.
@@ -122,9 +127,9 @@ pub struct RemoteStats {
     pub deny_cache_hits: u64,
     /// Denials held in the deny caches now.
     pub deny_cache_entries: usize,
-    /// How many instances share the store as this one knows it ([`Fleet`]): 1 until the first
-    /// count, and always 1 unless the failure policy is
-    /// [`FallbackLocal`](FailurePolicy::FallbackLocal).
+    /// How many instances share the store as this one knows it ([`Fleet`]): the configured
+    /// size with `Fleet::Size(n)`; with `Fleet::Announced`, 1 until the first count, and always
+    /// 1 unless the failure policy is [`FallbackLocal`](FailurePolicy::FallbackLocal).
     pub fleet_size: u32,
     /// Whether the circuit breaker is open (the store is not being called).
     pub breaker_open: bool,

@@ -71,7 +71,8 @@ pub(crate) trait Store: Send + Sync + Sized + 'static {
 
     /// Announces instance `id` until `ttl` from now on the store's clock, forgets the
     /// instances whose announcements expired, and counts those left (this one included), in
-    /// one atomic call. See [`Fleet::Announced`](super::Fleet::Announced).
+    /// one call (MySQL: two statements on one connection). See
+    /// [`Fleet::Announced`](super::Fleet::Announced).
     fn announce(
         &self,
         id: u64,
@@ -128,6 +129,16 @@ pub(crate) struct Twin {
 pub(crate) struct TwinAt {
     pub(crate) instances: u32,
     pub(crate) local: crate::backend::local::LocalPolicy,
+    /// The share's smallest burst (of its rate quotas): a request costing more is charged
+    /// this much, so that a request the whole quota allows is never "too large" for a share.
+    max_cost: NonZeroU32,
+}
+
+impl TwinAt {
+    /// `cost`, at most what the share can ever take at once.
+    pub(crate) fn cost(&self, cost: NonZeroU32) -> NonZeroU32 {
+        cost.min(self.max_cost)
+    }
 }
 
 impl Twin {
@@ -137,10 +148,9 @@ impl Twin {
         policy: &Policy,
         instances: u32,
     ) -> Result<Self, ConfigError> {
-        let local = Self::prepare(backend, policy, instances)?;
         Ok(Twin {
             policy: policy.clone(),
-            at: arc_swap::ArcSwap::from_pointee(TwinAt { instances, local }),
+            at: arc_swap::ArcSwap::from_pointee(Self::prepare(backend, policy, instances)?),
         })
     }
 
@@ -148,10 +158,20 @@ impl Twin {
         backend: &crate::backend::LocalBackend,
         policy: &Policy,
         instances: u32,
-    ) -> Result<crate::backend::local::LocalPolicy, ConfigError> {
+    ) -> Result<TwinAt, ConfigError> {
         let share = policy.share(instances);
         let params = share.validate()?;
-        crate::backend::Backend::prepare(backend, &share, &params)
+        let local = crate::backend::Backend::prepare(backend, &share, &params)?;
+        let max_cost = (params.iter())
+            .filter(|p| !p.is_concurrent())
+            .map(|p| p.burst)
+            .min()
+            .unwrap_or(NonZeroU32::MAX);
+        Ok(TwinAt {
+            instances,
+            local,
+            max_cost,
+        })
     }
 
     /// The twin as last prepared.
@@ -159,20 +179,25 @@ impl Twin {
         self.at.load()
     }
 
-    /// The twin for a fleet of `instances`, prepared now if the size changed. A share that
-    /// cannot be prepared (it always can: a valid policy's share is valid) keeps the last.
+    /// The twin for a fleet of `instances`, prepared now if the size changed (its buckets
+    /// start full). A share that cannot be prepared keeps the last (a share of a valid policy
+    /// is valid, but for a period stretched past the longest one allowed). Of two requests
+    /// preparing at once, one twin is kept.
     pub(crate) fn at(&self, backend: &crate::backend::LocalBackend, instances: u32) -> Arc<TwinAt> {
         let current = self.at.load_full();
         if current.instances == instances {
             return current;
         }
-        match Self::prepare(backend, &self.policy, instances) {
-            Ok(local) => {
-                let next = Arc::new(TwinAt { instances, local });
-                self.at.store(next.clone());
-                next
-            }
-            Err(_) => current,
+        let Ok(next) = Self::prepare(backend, &self.policy, instances) else {
+            return current;
+        };
+        let next = Arc::new(next);
+        let was = self.at.compare_and_swap(&current, next.clone());
+        if Arc::ptr_eq(&*was, &current) {
+            next
+        } else {
+            // Another request prepared one first: its twin is the one kept.
+            arc_swap::Guard::into_inner(was)
         }
     }
 }

@@ -140,7 +140,6 @@ impl Args {
     }
 }
 
-/// The row keys of `key` under a prepared policy (to reset a client).
 /// The rows of the fleet's announcements ([`Fleet::Announced`](crate::backend::remote::Fleet)):
 /// this instance's key, and the bounds (exclusive) of every instance's, `<prefix>:fleet:<id>`.
 /// No client's row starts so: theirs are `<prefix>:{...`.
@@ -156,6 +155,7 @@ pub(crate) fn instances(n: i64) -> u32 {
     u32::try_from(n).unwrap_or(if n < 0 { 0 } else { u32::MAX })
 }
 
+/// The row keys of `key` under a prepared policy (to reset a client).
 pub(crate) fn row_keys(p: &Prepared, key: &Key) -> Vec<Vec<u8>> {
     let mut base = Vec::new();
     keys::key_base(&p.key_prefix, key, &mut base);

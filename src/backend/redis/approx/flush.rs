@@ -219,6 +219,7 @@ impl Job {
         if !self.writes.is_empty() {
             st.confirmations += 1;
         }
+        let reads_ok = reads.is_some();
         if let Some(reads) = reads {
             for (&(q, first, _, as_of), fleet) in self.reads.iter().zip(reads) {
                 st.quotas[q].read_reply(first, &fleet, as_of, fresh);
@@ -227,7 +228,7 @@ impl Job {
                 s.reads.fetch_add(1, Ordering::Relaxed);
             }
         }
-        let keys_read = if self.reads.is_empty() { 0 } else { 1 };
+        let keys_read = u64::from(!self.reads.is_empty() && reads_ok);
         crate::metrics::approx_synced(written, units_sent, keys_read);
         if st.quotas.iter().any(|c| c.owes()) {
             s.enqueue(&self.policy, &self.entry, &mut st);
