@@ -78,6 +78,8 @@ impl Drop for Slot {
 #[derive(Debug, Default)]
 pub(crate) struct Pauses {
     map: std::sync::Mutex<std::collections::HashMap<crate::Key, std::time::Instant>>,
+    /// Whether any pause was ever noted: until one is, asking takes no lock.
+    noted: std::sync::atomic::AtomicBool,
 }
 
 /// The most keys paused at once: beyond, expired pauses are dropped, and new ones ignored.
@@ -89,6 +91,9 @@ const MAX_PAUSE: Duration = Duration::from_secs(3600);
 impl Pauses {
     /// How long `key` is still paused, if it is.
     pub(crate) fn remaining(&self, key: &crate::Key) -> Option<Duration> {
+        if !self.noted.load(std::sync::atomic::Ordering::Relaxed) {
+            return None;
+        }
         let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
         let until = *map.get(key)?;
         let now = std::time::Instant::now();
@@ -124,6 +129,7 @@ impl Pauses {
                 return;
             }
         }
+        self.noted.store(true, std::sync::atomic::Ordering::Relaxed);
         let entry = map.entry(key.clone()).or_insert(until);
         *entry = (*entry).max(until);
     }

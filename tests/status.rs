@@ -44,15 +44,18 @@ fn app(decision: bool) -> Router {
         .route_layer(limit)
 }
 
+async fn text_of(url: &str) -> String {
+    reqwest::get(url).await.unwrap().text().await.unwrap()
+}
+
+async fn json_of(url: &str) -> serde_json::Value {
+    reqwest::get(url).await.unwrap().json().await.unwrap()
+}
+
 #[tokio::test]
 async fn handlers_see_the_decision() {
     let base = format!("http://{}", support::serve(app(true)).await);
-    let body: serde_json::Value = reqwest::get(format!("{base}/status"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let body = json_of(&format!("{base}/status")).await;
     assert_eq!(body["policy"], "api");
     assert_eq!(body["quotas"][0]["name"], "hourly");
     assert_eq!(body["quotas"][0]["limit"], 10);
@@ -61,12 +64,7 @@ async fn handlers_see_the_decision() {
     assert_eq!(body["quotas"][1]["name"], "daily-bytes");
     assert_eq!(body["quotas"][1]["remaining"], 1999);
     assert_eq!(body["quotas"][1]["unit"], "content-bytes");
-    let text = reqwest::get(format!("{base}/maybe"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = text_of(&format!("{base}/maybe")).await;
     assert_eq!(text, "8");
 }
 
@@ -81,12 +79,7 @@ async fn without_the_option_the_extractor_says_how_to_get_it() {
             .unwrap()
             .contains("decision_in_extensions(true)")
     );
-    let text = reqwest::get(format!("{base}/maybe"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = text_of(&format!("{base}/maybe")).await;
     assert_eq!(text, "none");
 }
 
@@ -107,12 +100,7 @@ async fn the_status_serializes() {
         )
         .route_layer(limit);
     let base = format!("http://{}", support::serve(app).await);
-    let body: serde_json::Value = reqwest::get(format!("{base}/json"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let body = json_of(&format!("{base}/json")).await;
     // The time until the next unit: 360 s, less the moments since the decision.
     let reset = body["quotas"][0]["reset"].as_f64().unwrap();
     assert!(reset > 359.0 && reset <= 360.0, "{body}");

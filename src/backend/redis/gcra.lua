@@ -444,14 +444,12 @@ for _ = 1, tonumber(ARGV[a], 16) do
             if remaining <= 0 then
               remaining = 0
             end
-            local reset, retry = 0, 0
+            local reset = 0
             if remaining < limit then
               reset = wait_us(st, m, s, r, limit, remaining + 1, st[1] + rest)
             end
-            if 0 == 1 then
-              retry = wait_us(st, m, s, r, limit, cost, st[1] + rest)
-            end
-            reply[nr + 1], reply[nr + 2], reply[nr + 3], reply[nr + 4] = 0, remaining, reset, retry
+            -- A settlement is never refused: no wait to report.
+            reply[nr + 1], reply[nr + 2], reply[nr + 3], reply[nr + 4] = 0, remaining, reset, 0
             nr = nr + 4
           end
         elseif kind == 4 then
