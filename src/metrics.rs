@@ -18,6 +18,9 @@
 //! | `tollgate_approx_units_sent_total` | counter | — | units those increments added |
 //! | `tollgate_approx_store_reads_total` | counter | — | reads of a key's counts (one per key and call) |
 //! | `tollgate_approx_keys` | gauge | — | keys the approximate mode holds counts for, over all its backends |
+//! | `tollgate_approx_allowances_total` | counter | `event` | [allowances](crate::backend::redis::approx#allowances): `granted` (a key admitted without telling Redis), `exhausted` (used up: the key announced, its units sent), `recalled` (given back: another instance announced the key) |
+//! | `tollgate_approx_announcements_total` | counter | `direction` | keys announced past their allowance: `sent` by this instance, `read` from the fleet's (this instance's own included) |
+//! | `tollgate_approx_over_limit_units_total` | counter | — | an estimate of over-admission: per key and window, how far over the limit the fleet's count was, as this instance read it (the fleet's counts come back with each read and increment; each instance that reads an excess counts it, so sum it over one instance, or take the largest, not the fleet's sum) |
 //!
 //! Per second, the approximate mode's writes and reads are the rates of their counters
 //! (`rate(tollgate_approx_store_writes_total[1m])`); writes per request are the writes' rate over
@@ -229,6 +232,41 @@ pub(crate) fn approx_synced(writes: u64, units: u64, reads: u64) {
         if reads > 0 {
             metrics::counter!("tollgate_approx_store_reads_total").increment(reads);
         }
+    }
+}
+
+/// Counts an allowance of the approximate mode `granted`, `exhausted` or `recalled`.
+#[cfg_attr(
+    not(all(feature = "metrics", feature = "redis")),
+    allow(unused_variables, dead_code)
+)]
+pub(crate) fn approx_allowance(event: &'static str) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!("tollgate_approx_allowances_total", "event" => event).increment(1);
+}
+
+/// Counts keys the approximate mode announced (`sent`) or read announced (`read`).
+#[cfg_attr(
+    not(all(feature = "metrics", feature = "redis")),
+    allow(unused_variables, dead_code)
+)]
+pub(crate) fn approx_announcements(direction: &'static str, n: u64) {
+    #[cfg(feature = "metrics")]
+    if n > 0 {
+        metrics::counter!("tollgate_approx_announcements_total", "direction" => direction)
+            .increment(n);
+    }
+}
+
+/// Adds `units` to `tollgate_approx_over_limit_units_total`.
+#[cfg_attr(
+    not(all(feature = "metrics", feature = "redis")),
+    allow(unused_variables, dead_code)
+)]
+pub(crate) fn approx_over_limit(units: u64) {
+    #[cfg(feature = "metrics")]
+    if units > 0 {
+        metrics::counter!("tollgate_approx_over_limit_units_total").increment(units);
     }
 }
 

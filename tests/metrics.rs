@@ -304,7 +304,7 @@ fn the_approximate_mode_reports_its_calls_writes_reads_and_keys() {
     let s = recorded(|| async move {
         let backend = RedisBackend::builder()
             .url(&url)
-            .build_approximate(Approximate::asynchronous())
+            .build_approximate(Approximate::asynchronous().allowance(0.0))
             .unwrap();
         let layer = RateLimitLayer::builder()
             .key(Header::new("k"))

@@ -7,9 +7,12 @@ mod support;
 
 use std::time::{Duration, Instant};
 
+use std::num::NonZeroU32;
 use support::{RedisCluster, RedisServer, cost, key, prepare};
+
 use tollgate::backend::Backend;
 use tollgate::backend::redis::{ApproxBackend, ApproxPolicy, Approximate, RedisBackend, TestClock};
+use tollgate::backend::remote::Fleet;
 use tollgate::{ConfigError, Policy, Quota};
 
 /// The limit: 100 per second, in sub-windows of 100 ms.
@@ -29,9 +32,17 @@ fn policy() -> Policy {
     )
 }
 
+/// The asynchronous variant without allowances: every admitted unit is sent (the tests of how
+/// counts are kept in step use it; allowances have tests of their own).
+fn in_step() -> Approximate {
+    Approximate::asynchronous().allowance(0.0)
+}
+
+/// An instance of a fleet of 3 (as configured: no announcements).
 fn instance(url: &str, clock: &TestClock, mode: Approximate) -> ApproxBackend {
     RedisBackend::builder()
         .url(url)
+        .fleet(Fleet::Size(NonZeroU32::new(3).unwrap()))
         .timeout(TIMEOUT)
         .circuit_breaker(2, Duration::from_millis(50))
         .test_clock(clock.clone())
@@ -222,14 +233,16 @@ async fn gcra_quotas_are_refused_when_the_layer_is_built() {
 
 /// Three instances, each offered 10 times the limit: the fleet stays within the stated bound,
 /// and near the limit.
-async fn over_the_limit(mode: Approximate, d_us: u64) -> (f64, usize) {
+/// `quiet` is what the others may have admitted within their allowances and not sent yet,
+/// added to the staleness bound.
+async fn over_the_limit(mode: Approximate, d_us: u64, quiet: f64) -> (f64, usize) {
     let server = RedisServer::start();
     let clock = TestClock::new();
     let n = 3;
     let instances = fleet(&server.url(), &clock, n, mode).await;
     // 3 instances x 1 request per ms: 3 000/s offered against 100/s, for 4 s.
     let log = drive(&instances, &clock, 1_000, 4).await;
-    let worst = check_bounds(&log, n, d_us, Some(0.0));
+    let worst = check_bounds(&log, n, d_us, Some(quiet));
     let admitted = log.admitted.len();
     // Not far under the limit either: in 4 s, at least 4 windows' worth.
     assert!(admitted >= 4 * LIMIT as usize, "admitted {admitted}");
@@ -242,15 +255,28 @@ async fn asynchronous_fleets_stay_within_the_bound() {
     // The settle time is the timeout plus the flush interval, at most half a sub-window.
     let settle = (TIMEOUT.as_micros() as u64 + FLUSH_US).min(SLICE_US / 2);
     let d = SLICE_US + settle + FLUSH_US + 1_000;
-    let (worst, admitted) = over_the_limit(Approximate::asynchronous(), d).await;
     // The steady-state estimate of the docs: (N - 1) x L x D / W.
     let model = 2.0 * f64::from(LIMIT) * d as f64 / WINDOW_US as f64;
+    let (worst, admitted) = over_the_limit(in_step(), d, 0.0).await;
     eprintln!(
-        "asynchronous: {admitted} admitted in 4 s, worst over-admission {worst:.1} (model {model:.1})"
+        "asynchronous, in step: {admitted} admitted in 4 s, worst over-admission {worst:.1} \
+         (model {model:.1})"
     );
     assert!(
         worst <= model + 1.0,
         "worst {worst} above the model {model}"
+    );
+    // With allowances (half of a share of 100 / 3: 16 each), the others may hold up to 16
+    // each unsent: the bound is `L + A + 2 x 16`.
+    let quiet = 2.0 * (f64::from(LIMIT) * 0.5 / 3.0).floor();
+    let (worst, admitted) = over_the_limit(Approximate::asynchronous(), d, quiet).await;
+    eprintln!(
+        "asynchronous, allowances: {admitted} admitted in 4 s, worst over-admission {worst:.1} \
+         (model {model:.1} + {quiet})"
+    );
+    assert!(
+        worst <= model + quiet + 1.0,
+        "worst {worst} above the model {model} + {quiet}"
     );
 }
 
@@ -258,7 +284,7 @@ async fn asynchronous_fleets_stay_within_the_bound() {
 async fn synchronous_fleets_stay_within_the_bound() {
     let settle = (TIMEOUT.as_micros() as u64).min(SLICE_US / 2);
     let d = SLICE_US + settle + FLUSH_US + 1_000;
-    let (worst, admitted) = over_the_limit(Approximate::synchronous(), d).await;
+    let (worst, admitted) = over_the_limit(Approximate::synchronous(), d, 0.0).await;
     let model = 2.0 * f64::from(LIMIT) * d as f64 / WINDOW_US as f64;
     eprintln!(
         "synchronous: {admitted} admitted in 4 s, worst over-admission {worst:.1} (model {model:.1})"
@@ -272,7 +298,11 @@ async fn synchronous_fleets_stay_within_the_bound() {
 #[tokio::test]
 async fn under_the_limit_nothing_is_denied() {
     let server = RedisServer::start();
-    for mode in [Approximate::asynchronous(), Approximate::synchronous()] {
+    for mode in [
+        Approximate::asynchronous(),
+        in_step(),
+        Approximate::synchronous(),
+    ] {
         let clock = TestClock::new();
         let instances = fleet(&server.url(), &clock, 3, mode).await;
         server.cmd(&["FLUSHALL"]);
@@ -287,7 +317,7 @@ async fn instances_learn_each_others_counts_from_redis() {
     let server = RedisServer::start();
     let clock = TestClock::new();
     let fixed = Policy::new("f", Quota::per_second(10).fixed_window());
-    let [(a, pa), (b, pb)] = pair(&server, &clock, Approximate::asynchronous(), &fixed);
+    let [(a, pa), (b, pb)] = pair(&server, &clock, in_step(), &fixed);
     let k = key("k");
     // Start on a window boundary.
     to_window_start(&clock, 1_000_000);
@@ -341,7 +371,7 @@ async fn without_redis_decisions_go_on_locally_and_resynchronize() {
     let mut server = RedisServer::start();
     let clock = TestClock::new();
     let fixed = Policy::new("f", Quota::per_minute(50).fixed_window());
-    let [(a, pa), (b, pb)] = pair(&server, &clock, Approximate::asynchronous(), &fixed);
+    let [(a, pa), (b, pb)] = pair(&server, &clock, in_step(), &fixed);
     let k = key("k");
     to_window_start(&clock, 60_000_000);
     server.kill();
@@ -410,7 +440,7 @@ async fn counts_are_shared_on_a_cluster() {
             .cluster_nodes(cluster.urls())
             .timeout(Duration::from_millis(500))
             .test_clock(clock.clone())
-            .build_approximate(Approximate::asynchronous())
+            .build_approximate(in_step())
             .unwrap()
     };
     let (a, b) = (mk(), mk());
@@ -447,6 +477,11 @@ async fn counts_are_shared_on_a_cluster() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn asynchronous_layers_on_one_redis_driven_over_the_limit_hold_the_bound() {
     layers_over_the_limit(Approximate::asynchronous()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn asynchronous_layers_in_step_on_one_redis_driven_over_the_limit_hold_the_bound() {
+    layers_over_the_limit(in_step()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -571,7 +606,7 @@ async fn every_counter_expires_and_reset_clears_the_key() {
             .sliding_window()
             .resolution(Duration::from_millis(250)),
     );
-    let [(a, pa), (b, pb)] = pair(&server, &clock, Approximate::asynchronous(), &sliding);
+    let [(a, pa), (b, pb)] = pair(&server, &clock, in_step(), &sliding);
     let k = key("k");
     for _ in 0..6 {
         for (x, p) in [(&a, &pa), (&b, &pb)] {
@@ -643,7 +678,7 @@ async fn when_redis_loses_its_data_counters_expire_again_and_own_units_still_cou
     let server = RedisServer::start();
     let clock = TestClock::new();
     let fixed = Policy::new("f", Quota::per_minute(10).fixed_window());
-    let a = instance(&server.url(), &clock, Approximate::asynchronous());
+    let a = instance(&server.url(), &clock, in_step());
     let pa = prepare(&a, &fixed);
     let k = key("k");
     to_window_start(&clock, 60_000_000);
@@ -682,7 +717,11 @@ async fn windows_of_decades_decide_without_panicking() {
             .sliding_window()
             .resolution(30 * year),
     );
-    for mode in [Approximate::asynchronous(), Approximate::synchronous()] {
+    for mode in [
+        Approximate::asynchronous(),
+        in_step(),
+        Approximate::synchronous(),
+    ] {
         let a = instance(&server.url(), &clock, mode);
         let p = prepare(&a, &long);
         let k = key("k");
@@ -708,7 +747,7 @@ async fn a_flush_cancelled_midway_loses_no_units_and_reads_again() {
     use std::task::{Context, Waker};
     let server = RedisServer::start();
     let clock = TestClock::new();
-    let a = instance(&server.url(), &clock, Approximate::asynchronous());
+    let a = instance(&server.url(), &clock, in_step());
     let p = prepare(&a, &Policy::new("f", Quota::per_minute(100).fixed_window()));
     let k = key("k");
     to_window_start(&clock, 60_000_000);
@@ -738,7 +777,7 @@ async fn a_flush_cancelled_midway_loses_no_units_and_reads_again() {
 async fn a_command_redis_refuses_fails_alone() {
     let server = RedisServer::start();
     let clock = TestClock::new();
-    let a = instance(&server.url(), &clock, Approximate::asynchronous());
+    let a = instance(&server.url(), &clock, in_step());
     let p = prepare(&a, &Policy::new("f", Quota::per_minute(100).fixed_window()));
     to_window_start(&clock, 60_000_000);
     let (bad, good) = (key("bad"), key("good"));
@@ -773,7 +812,7 @@ fn the_background_task_starts_again_in_a_new_runtime() {
     };
     let b = RedisBackend::builder()
         .url(server.url())
-        .build_approximate(Approximate::asynchronous())
+        .build_approximate(in_step())
         .unwrap();
     let p = prepare(&b, &Policy::new("f", Quota::per_minute(100).fixed_window()));
     let k = key("k");
@@ -796,7 +835,7 @@ async fn keys_whose_windows_passed_are_swept_while_redis_is_down() {
         .timeout(TIMEOUT)
         .circuit_breaker(1, Duration::from_secs(60))
         .test_clock(clock.clone())
-        .build_approximate(Approximate::asynchronous())
+        .build_approximate(in_step())
         .unwrap();
     let p = prepare(&b, &Policy::new("f", Quota::per_second(10).fixed_window()));
     for i in 0..500 {
@@ -818,7 +857,7 @@ async fn a_full_key_table_denies_new_keys_until_a_sweep_makes_room() {
         .url(format!("redis://127.0.0.1:{}", support::closed_port()))
         .timeout(TIMEOUT)
         .test_clock(clock.clone())
-        .build_approximate(Approximate::asynchronous().max_keys(100))
+        .build_approximate(in_step().max_keys(100))
         .unwrap();
     let p = prepare(&b, &Policy::new("f", Quota::per_second(10).fixed_window()));
     for i in 0..100 {
@@ -850,7 +889,11 @@ async fn a_full_key_table_denies_new_keys_until_a_sweep_makes_room() {
 async fn a_peek_is_the_decision_untaken() {
     use tollgate::backend::Mode;
     let server = RedisServer::start();
-    for mode in [Approximate::asynchronous(), Approximate::synchronous()] {
+    for mode in [
+        Approximate::asynchronous(),
+        in_step(),
+        Approximate::synchronous(),
+    ] {
         for quota in [
             Quota::per_hour(3).fixed_window(),
             Quota::per_hour(3).sliding_window(),
@@ -885,7 +928,11 @@ async fn a_peek_is_the_decision_untaken() {
 #[tokio::test]
 async fn a_never_fitting_request_reports_that_quota_alone() {
     let server = RedisServer::start();
-    for mode in [Approximate::asynchronous(), Approximate::synchronous()] {
+    for mode in [
+        Approximate::asynchronous(),
+        in_step(),
+        Approximate::synchronous(),
+    ] {
         let clock = TestClock::new();
         let b = instance(&server.url(), &clock, mode);
         let policy = Policy::new("nf", Quota::per_hour(5).fixed_window())
@@ -906,4 +953,155 @@ async fn a_never_fitting_request_reports_that_quota_alone() {
         let d = b.decide(&p, &k, cost(1)).await.unwrap();
         assert_eq!(d.quotas()[1].remaining, 1, "nothing taken: {mode:?}: {d:?}");
     }
+}
+
+/// Redis's count of commands it has run (INFO's `total_commands_processed`).
+fn commands(server: &RedisServer) -> i64 {
+    server
+        .cmd(&["INFO", "stats"])
+        .lines()
+        .find_map(|l| l.strip_prefix("total_commands_processed:"))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap()
+}
+
+/// An instance that believes the fleet has `n` instances.
+fn instance_of(url: &str, clock: &TestClock, mode: Approximate, n: u32) -> ApproxBackend {
+    RedisBackend::builder()
+        .url(url)
+        .fleet(Fleet::Size(NonZeroU32::new(n).unwrap()))
+        .timeout(TIMEOUT)
+        .test_clock(clock.clone())
+        .build_approximate(mode.flush_every(Duration::from_micros(FLUSH_US)))
+        .unwrap()
+}
+
+/// Many keys, each far below its limit on every instance: admitted without a single counter
+/// in Redis, whose only work is each flush's read of the announced keys.
+#[tokio::test]
+async fn keys_far_below_their_limits_cost_redis_nothing() {
+    let server = RedisServer::start();
+    let clock = TestClock::new();
+    let instances = fleet(&server.url(), &clock, 3, Approximate::asynchronous()).await;
+    let before = commands(&server);
+    let (keys, rounds) = (300, 5);
+    for round in 0..rounds {
+        for k in 0..keys {
+            for (b, p) in &instances {
+                let d = b.decide(p, &key(&format!("k{k}")), cost(1)).await.unwrap();
+                assert!(d.is_allowed(), "round {round}, key {k}");
+            }
+        }
+        for (b, _) in &instances {
+            b.flush().await;
+        }
+        clock.advance(Duration::from_millis(150));
+    }
+    let requests = (3 * keys * rounds) as i64;
+    // Less the `INFO` that reads the count.
+    let used = commands(&server) - before - 1;
+    assert!(
+        counters(&server, "*").is_empty(),
+        "{:?}",
+        counters(&server, "*")
+    );
+    // 3 instances x 5 flushes, one read of the announcements each.
+    assert!(used <= 15, "{used} commands for {requests} requests");
+    for (b, _) in &instances {
+        let s = b.stats();
+        assert_eq!(s.units_sent, 0, "{s:?}");
+        assert_eq!(s.allowances_granted, keys as u64, "{s:?}");
+        assert_eq!(s.allowances_exhausted + s.announced, 0, "{s:?}");
+    }
+    eprintln!("{requests} requests, {used} Redis commands");
+}
+
+/// A key past one instance's allowance is announced: that instance sends its units and keeps
+/// the key in step; another holding units of the key within its allowance sends them at its
+/// next decision on it, once it has read the announcement.
+#[tokio::test]
+async fn a_key_past_its_allowance_is_announced_and_the_others_send_theirs() {
+    let server = RedisServer::start();
+    let clock = TestClock::new();
+    to_window_start(&clock, WINDOW_US);
+    // 100/s, a fleet of 3, half a share each: 16 units per key without telling Redis.
+    let [(a, pa), (b, pb)] = pair(&server, &clock, Approximate::asynchronous(), &policy());
+    let k = key("hot");
+    for _ in 0..10 {
+        assert!(b.decide(&pb, &k, cost(1)).await.unwrap().is_allowed());
+    }
+    for _ in 0..16 {
+        assert!(a.decide(&pa, &k, cost(1)).await.unwrap().is_allowed());
+    }
+    a.flush().await;
+    b.flush().await;
+    assert!(
+        counters(&server, "*hot*").is_empty(),
+        "within the allowances: nothing sent"
+    );
+    // The 17th unit goes past A's allowance.
+    assert!(a.decide(&pa, &k, cost(1)).await.unwrap().is_allowed());
+    a.flush().await;
+    let sent = number(&server, &["GET", &counter(&server, "*hot*")]);
+    assert_eq!(sent, 17);
+    assert_eq!(number(&server, &["XLEN", "tollgate:hot"]), 1);
+    assert_eq!(
+        (a.stats().allowances_exhausted, a.stats().announced),
+        (1, 1)
+    );
+    // B reads the announcement with its next flush, and sends its 10 with its next decision.
+    b.flush().await;
+    let d = b.decide(&pb, &k, cost(1)).await.unwrap();
+    assert!(d.is_allowed());
+    b.flush().await;
+    assert_eq!(number(&server, &["GET", &counter(&server, "*hot*")]), 28);
+    let s = b.stats();
+    assert_eq!(
+        (s.allowances_recalled, s.announcements_read),
+        (1, 1),
+        "{s:?}"
+    );
+    // And B now decides from the fleet's count: 28 of 100 used.
+    clock.advance(Duration::from_micros(SLICE_US));
+    b.flush().await;
+    let d = b.decide(&pb, &k, cost(1)).await.unwrap();
+    assert_eq!(d.quotas()[0].remaining, 100 - 29);
+    // Other keys keep their allowances.
+    assert!(
+        b.decide(&pb, &key("cold"), cost(1))
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+    b.flush().await;
+    assert!(counters(&server, "*cold*").is_empty());
+}
+
+/// A fleet that grows while it runs: instances that have not counted the newcomers yet keep the
+/// larger allowance of a smaller fleet. Three instances counting 1, 2 and 3 flood one key; every
+/// admission stays within `L + A` plus the allowances the others believe they have.
+#[tokio::test]
+async fn a_growing_fleet_stays_within_the_allowances_each_instance_believes() {
+    let server = RedisServer::start();
+    let clock = TestClock::new();
+    let believed = [1u32, 2, 3];
+    let instances: Vec<_> = believed
+        .iter()
+        .map(|&n| {
+            let b = instance_of(&server.url(), &clock, Approximate::asynchronous(), n);
+            let p = prepare(&b, &policy());
+            (b, p)
+        })
+        .collect();
+    let log = drive(&instances, &clock, 1_000, 4).await;
+    // The others' allowances, at most: 50 (believing 1) and 25 (believing 2).
+    let allowance = |n: u32| (f64::from(LIMIT) * 0.5 / f64::from(n)).floor();
+    let quiet = allowance(1) + allowance(2);
+    let settle = (TIMEOUT.as_micros() as u64 + FLUSH_US).min(SLICE_US / 2);
+    let d = SLICE_US + settle + FLUSH_US + 1_000;
+    let worst = check_bounds(&log, 3, d, Some(quiet));
+    eprintln!(
+        "growing fleet: {} admitted in 4 s, worst over-admission {worst:.1} (bound L + A + {quiet})",
+        log.admitted.len()
+    );
 }

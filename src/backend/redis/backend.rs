@@ -262,33 +262,11 @@ impl Store for RedisStore {
         self.conn.ping().await.map_err(|e| failure::call_error(&e))
     }
 
-    /// One script on one key, `<prefix>:fleet`, a sorted set of instance ids scored by when
-    /// their announcement expires (µs on Redis's clock).
+    /// One script on one key, `<prefix>:fleet` ([`announce_pipe`]).
     async fn announce(&self, id: u64, ttl: Duration) -> Result<u32, CallError> {
-        // Effects replication (a write after TIME) must be asked for before Redis 5.
-        const ANNOUNCE: &str = "if redis.replicate_commands then pcall(redis.replicate_commands) end \
-            local t = redis.call('TIME') \
-            local now = tonumber(t[1]) * 1000000 + tonumber(t[2]) \
-            local ttl = tonumber(ARGV[2]) \
-            redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now) \
-            redis.call('ZADD', KEYS[1], now + ttl, ARGV[1]) \
-            redis.call('PEXPIRE', KEYS[1], math.ceil(ttl / 1000)) \
-            return redis.call('ZCARD', KEYS[1])";
-        let mut pipe = redis::pipe();
-        pipe.cmd("EVAL")
-            .arg(ANNOUNCE)
-            .arg(1)
-            .arg(format!("{}:fleet", self.prefix))
-            .arg(format!("{id:016x}"))
-            .arg(u64::try_from(ttl.as_micros()).unwrap_or(u64::MAX));
+        let pipe = announce_pipe(&self.prefix, id, ttl);
         let reply = (self.conn.pipeline(&pipe).await).map_err(|e| failure::call_error(&e))?;
-        match reply.first() {
-            Some(redis::Value::Int(n)) => Ok(u32::try_from(*n).unwrap_or(u32::MAX)),
-            other => Err(CallError::new(
-                StoreFailure::ErrorReply,
-                format!("the fleet's count is not an integer: {other:?}"),
-            )),
-        }
+        announced(reply.first()).map_err(|text| CallError::new(StoreFailure::ErrorReply, text))
     }
 
     fn can_batch(&self) -> bool {
@@ -373,4 +351,35 @@ fn command(batch: &[Job<RedisStore>], now_ns: Option<u64>) -> redis::Cmd {
         }
     }
     cmd
+}
+
+/// The announcement of instance `id` (both Redis modes): one script on one key,
+/// `<prefix>:fleet`, a sorted set of instance ids scored by when their announcement expires
+/// (µs on Redis's clock), which drops the expired ones and counts those left.
+pub(crate) fn announce_pipe(prefix: &str, id: u64, ttl: Duration) -> redis::Pipeline {
+    // Effects replication (a write after TIME) must be asked for before Redis 5.
+    const ANNOUNCE: &str = "if redis.replicate_commands then pcall(redis.replicate_commands) end \
+        local t = redis.call('TIME') \
+        local now = tonumber(t[1]) * 1000000 + tonumber(t[2]) \
+        local ttl = tonumber(ARGV[2]) \
+        redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now) \
+        redis.call('ZADD', KEYS[1], now + ttl, ARGV[1]) \
+        redis.call('PEXPIRE', KEYS[1], math.ceil(ttl / 1000)) \
+        return redis.call('ZCARD', KEYS[1])";
+    let mut pipe = redis::pipe();
+    pipe.cmd("EVAL")
+        .arg(ANNOUNCE)
+        .arg(1)
+        .arg(format!("{prefix}:fleet"))
+        .arg(format!("{id:016x}"))
+        .arg(u64::try_from(ttl.as_micros()).unwrap_or(u64::MAX));
+    pipe
+}
+
+/// The fleet's count in the reply to [`announce_pipe`].
+pub(crate) fn announced(reply: Option<&redis::Value>) -> Result<u32, String> {
+    match reply {
+        Some(redis::Value::Int(n)) => Ok(u32::try_from(*n).unwrap_or(u32::MAX)),
+        other => Err(format!("the fleet's count is not an integer: {other:?}")),
+    }
 }

@@ -86,6 +86,9 @@ pub(crate) struct Counts {
     /// The newest sub-window when the counts were last read from Redis; `None` before the first
     /// read.
     read: Option<u64>,
+    /// The window (numbered from the epoch) whose excess over the limit was last seen, and
+    /// that excess: an estimate of over-admission, counted once per window.
+    over: (u64, u32),
 }
 
 impl Counts {
@@ -99,6 +102,7 @@ impl Counts {
             own: zeros(),
             ttl: zeros(),
             read: None,
+            over: (0, 0),
         }
     }
 
@@ -174,6 +178,42 @@ impl Counts {
         } else {
             Code::Denied
         }
+    }
+
+    /// This instance's own units in the window at `now_us` (confirmed or not), weighed as the
+    /// window weighs them: what it spent of its allowance.
+    pub(crate) fn own_estimate(&self, spec: &Spec, now_us: u64) -> f64 {
+        let mut own = self
+            .own
+            .iter()
+            .zip(&self.mine)
+            .map(|(o, m)| o.saturating_add(*m));
+        let oldest = f64::from(own.next().unwrap_or(0));
+        if !spec.sliding() {
+            return oldest;
+        }
+        let rest: u64 = own.map(u64::from).sum();
+        let r = now_us % spec.slice_us;
+        oldest * (spec.slice_us - r) as f64 / spec.slice_us as f64 + rest as f64
+    }
+
+    /// How much more over the limit than seen before in this window the count is now, by the
+    /// fleet's counts held (the units Redis confirmed and read) alone.
+    pub(crate) fn over_limit(&mut self, spec: &Spec, now_us: u64) -> u32 {
+        self.advance(spec.slice_at(now_us));
+        let window = self.slice / (self.fleet.len().saturating_sub(1).max(1) as u64);
+        let fleet = if spec.sliding() {
+            window::estimate(&self.fleet, spec.slice_us, now_us % spec.slice_us)
+        } else {
+            f64::from(self.fleet[0])
+        };
+        let excess = (fleet - f64::from(spec.params.burst.get())).max(0.0) as u32;
+        if self.over.0 != window {
+            self.over = (window, 0);
+        }
+        let new = excess.saturating_sub(self.over.1);
+        self.over.1 = self.over.1.max(excess);
+        new
     }
 
     /// Counts `cost` admitted units into the current sub-window, to be sent by the next flush.

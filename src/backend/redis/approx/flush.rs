@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use redis::Value;
 use smallvec::SmallVec;
 
-use super::{Entry, Increments, PolicyShared, Shared};
+use super::{Entry, Increments, PolicyShared, Shared, announce};
 
 /// Keys per pipeline on a single node.
 const JOBS_PER_CALL: usize = 256;
@@ -28,7 +28,7 @@ pub(super) async fn run(shared: Weak<Shared>, wake: Arc<tokio::sync::Notify>) {
             Some(s) if has_work(&s) && s.may_call() => s.mode.flush_every,
             // Redis is not called until the breaker's probe is due: nothing to do before.
             Some(s) if has_work(&s) => s.until_probe().clamp(Duration::from_millis(1), SWEEP_EVERY),
-            Some(_) => SWEEP_EVERY,
+            Some(s) => announce::until_due(&s).clamp(Duration::from_millis(1), SWEEP_EVERY),
         };
         let _ = tokio::time::timeout(wait, wake.notified()).await;
         let Some(mut s) = shared.upgrade() else {
@@ -71,6 +71,7 @@ pub(super) async fn run(shared: Weak<Shared>, wake: Arc<tokio::sync::Notify>) {
 fn has_work(s: &Shared) -> bool {
     s.waiters.load(Ordering::Acquire) > 0
         || !s.dirty.lock().unwrap_or_else(|e| e.into_inner()).is_empty()
+        || announce::due(s)
 }
 
 /// What one key sends in a flush. A job dropped before its replies were taken in (its call
@@ -230,6 +231,17 @@ impl Job {
         }
         let keys_read = u64::from(!self.reads.is_empty() && reads_ok);
         crate::metrics::approx_synced(written, units_sent, keys_read);
+        if written > 0 || keys_read > 0 {
+            let now_us = s.now.us();
+            let over: u64 = self
+                .policy
+                .specs
+                .iter()
+                .zip(st.quotas.iter_mut())
+                .map(|(spec, c)| u64::from(c.over_limit(spec, now_us)))
+                .sum();
+            crate::metrics::approx_over_limit(over);
+        }
         if st.quotas.iter().any(|c| c.owes()) {
             s.enqueue(&self.policy, &self.entry, &mut st);
         }
@@ -290,6 +302,7 @@ pub(super) async fn flush(s: &Arc<Shared>, force: bool) {
         .collect();
     send(s, jobs).await;
     s.flushed.send_modify(|done| *done = (*done).max(seq));
+    announce::exchange(s, force).await;
 }
 
 /// Lets requests waiting for a flush go on without one (Redis is not being called): their
@@ -413,6 +426,10 @@ fn sweep(s: &Shared) {
     }
     s.keys.fetch_sub(removed, Ordering::Relaxed);
     crate::metrics::approx_keys(-(removed as f64));
+    if s.hot_keys.load(Ordering::Relaxed) > 0 {
+        s.hot.retain(|_, until| *until > now_us);
+        s.hot_keys.store(s.hot.len(), Ordering::Relaxed);
+    }
 }
 
 /// Whether an entry still matters: queued, being read, or with counts in their windows.

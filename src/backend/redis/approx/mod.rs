@@ -133,6 +133,7 @@
 
 use std::fmt;
 use std::future::Future;
+use std::hash::BuildHasher;
 use std::num::NonZeroU32;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -145,12 +146,13 @@ use foldhash::quality::RandomState;
 use smallvec::SmallVec;
 
 use super::conn::Conn;
-use crate::backend::remote::{Options, TestClock, keys};
+use crate::backend::remote::{Fleet, Options, TestClock, keys};
 use crate::backend::window::Code;
 use crate::backend::{Backend, Decision, Mode, ResetFuture};
 use crate::quota::QuotaParams;
 use crate::{BackendError, BackendErrorKind, ConfigError, Key, Policy};
 
+mod announce;
 mod counts;
 mod flush;
 
@@ -163,6 +165,8 @@ pub struct Approximate {
     flush_every: Duration,
     flush_after: usize,
     max_keys: usize,
+    /// The part of its share an instance admits per key without telling Redis, in thousandths.
+    allowance: u16,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -180,17 +184,41 @@ impl Approximate {
             flush_every: Duration::from_millis(5),
             flush_after: 1024,
             max_keys: 1_000_000,
+            allowance: 0,
         }
     }
 
     /// No request waits on the network: allowed units are sent in batches, every
     /// [`flush_every`](Self::flush_every) (5 ms by default) or once
-    /// [`flush_after`](Self::flush_after) units (1 024) are queued.
+    /// [`flush_after`](Self::flush_after) units (1 024) are queued; and each key far from its
+    /// limit is admitted within an [allowance](Self::allowance) of half this instance's share
+    /// without telling Redis at all.
     pub fn asynchronous() -> Self {
         Approximate {
             writes: Writes::Async,
+            allowance: 500,
             ..Self::synchronous()
         }
+    }
+
+    /// The part of its share of each limit that an instance admits per key and window without
+    /// telling Redis: `share` × limit / instances, rounded down, with the instances counted by
+    /// the [fleet](super::RedisBackendBuilder::fleet). `share` is between 0 and 1: `0.5` for
+    /// [`asynchronous`](Self::asynchronous), `0` (every admitted unit is sent) for
+    /// [`synchronous`](Self::synchronous).
+    ///
+    /// A key whose units on this instance stay within its allowance costs Redis nothing. One
+    /// that goes past it is announced to the other instances, which send what they admitted of
+    /// it, and is kept in step as without allowances for a window. See the
+    /// [module docs](self#allowances) for the bound this adds.
+    pub fn allowance(mut self, share: f64) -> Self {
+        let share = if share.is_nan() {
+            0.0
+        } else {
+            share.clamp(0.0, 1.0)
+        };
+        self.allowance = (share * 1000.0).round() as u16;
+        self
     }
 
     /// How long queued work waits to be sent with more (at least 1 ms, at most 10 s): the
@@ -244,6 +272,21 @@ pub struct ApproxStats {
     pub keys: usize,
     /// Requests on new keys denied because [`max_keys`](Approximate::max_keys) were held.
     pub refused_full: u64,
+    /// How many instances share the limits, as this one counts them (0 before the first count
+    /// of an [announced](crate::backend::remote::Fleet::Announced) fleet: no allowances then).
+    pub fleet_size: u32,
+    /// Allowances taken: a key this instance admits without telling Redis, until it uses its
+    /// allowance up or another instance announces it.
+    pub allowances_granted: u64,
+    /// Allowances used up: the key was announced, and its units sent.
+    pub allowances_exhausted: u64,
+    /// Allowances given back because another instance announced the key.
+    pub allowances_recalled: u64,
+    /// Keys this instance announced to the others (one announcement per key and window at
+    /// most).
+    pub announced: u64,
+    /// Announcements of other instances (and this one's own) read.
+    pub announcements_read: u64,
 }
 
 /// The approximate Redis mode, as a [`Backend`]: built by
@@ -275,6 +318,8 @@ impl fmt::Debug for ApproxPolicy {
 pub(crate) struct PolicyShared {
     name: String,
     specs: Box<[Spec]>,
+    /// The longest of its windows, in µs: how long an announced key stays in step.
+    window_us: u64,
     /// `<prefix>:{<policy>:`
     key_prefix: Vec<u8>,
     entries: DashMap<Key, Arc<Entry>, RandomState>,
@@ -293,6 +338,8 @@ impl Drop for PolicyShared {
 pub(crate) struct Entry {
     /// `<prefix>:{<policy>:<key>}:`, the hash-tagged start of its Redis keys.
     base: Box<[u8]>,
+    /// `base` hashed, to look it up among the keys announced by other instances.
+    base_hash: u64,
     state: Mutex<EntryState>,
 }
 
@@ -305,6 +352,10 @@ struct EntryState {
     /// Replies to increments taken in so far: a read during which another was taken in may
     /// be older than the counts held (the two calls may have run in either order).
     confirmations: u64,
+    /// Within its allowance: its units are held back, its counts not read.
+    quiet: bool,
+    /// Until when (µs) the key stays in step: announced by this instance or another.
+    hot_until_us: u64,
 }
 
 impl EntryState {
@@ -314,6 +365,8 @@ impl EntryState {
             queued: false,
             reading: false,
             confirmations: 0,
+            quiet: false,
+            hot_until_us: 0,
         }
     }
 }
@@ -398,6 +451,29 @@ pub(crate) struct Shared {
     failed_calls: AtomicU64,
     units_sent: AtomicU64,
     reads: AtomicU64,
+    // Allowances.
+    /// The fleet's size as counted (0: not yet), and this instance's id in the count.
+    fleet_size: AtomicU32,
+    fleet_id: u64,
+    /// When the next announcement of this instance and poll of the announced keys are due
+    /// (monotonic ns).
+    next_count_ns: AtomicU64,
+    next_poll_ns: AtomicU64,
+    /// Keys announced by any instance (`base` hashed), until when they stay in step (µs).
+    hot: DashMap<u64, u64, RandomState>,
+    hot_keys: AtomicUsize,
+    hasher: RandomState,
+    /// Keys this instance announces with the next flush: `base`, window (µs).
+    marks: Mutex<Vec<(Box<[u8]>, u64)>>,
+    /// The last announcement read (a stream id), empty before the first poll.
+    cursor: Mutex<String>,
+    /// The longest window of the policies prepared, in µs.
+    longest_window_us: AtomicU64,
+    granted: AtomicU64,
+    exhausted: AtomicU64,
+    recalled: AtomicU64,
+    announced: AtomicU64,
+    announcements_read: AtomicU64,
 }
 
 impl ApproxBackend {
@@ -422,7 +498,6 @@ impl ApproxBackend {
                 conn,
                 endpoint,
                 prefix,
-                opts,
                 mode,
                 now,
                 dirty: Mutex::new(Vec::new()),
@@ -446,6 +521,25 @@ impl ApproxBackend {
                 failed_calls: AtomicU64::new(0),
                 units_sent: AtomicU64::new(0),
                 reads: AtomicU64::new(0),
+                fleet_size: AtomicU32::new(match opts.fleet {
+                    Fleet::Size(n) => n.get(),
+                    Fleet::Announced { .. } => 0,
+                }),
+                fleet_id: crate::settle::next_lease(),
+                next_count_ns: AtomicU64::new(0),
+                next_poll_ns: AtomicU64::new(0),
+                hot: DashMap::with_hasher(RandomState::default()),
+                hot_keys: AtomicUsize::new(0),
+                hasher: RandomState::default(),
+                marks: Mutex::new(Vec::new()),
+                cursor: Mutex::new(String::new()),
+                longest_window_us: AtomicU64::new(0),
+                granted: AtomicU64::new(0),
+                exhausted: AtomicU64::new(0),
+                recalled: AtomicU64::new(0),
+                announced: AtomicU64::new(0),
+                announcements_read: AtomicU64::new(0),
+                opts,
             }),
         }
     }
@@ -473,6 +567,12 @@ impl ApproxBackend {
             breaker_trips: s.trips.load(Ordering::Relaxed),
             keys,
             refused_full: s.refused_full.load(Ordering::Relaxed),
+            fleet_size: s.fleet_size.load(Ordering::Relaxed),
+            allowances_granted: s.granted.load(Ordering::Relaxed),
+            allowances_exhausted: s.exhausted.load(Ordering::Relaxed),
+            allowances_recalled: s.recalled.load(Ordering::Relaxed),
+            announced: s.announced.load(Ordering::Relaxed),
+            announcements_read: s.announcements_read.load(Ordering::Relaxed),
         }
     }
 
@@ -692,6 +792,9 @@ impl Shared {
             for c in st.quotas.iter_mut() {
                 c.admit(cost.get());
             }
+        }
+        let quiet = self.mode.allowance > 0 && self.quiet(policy, entry, &mut st, now_us);
+        if take && !quiet {
             let queued = self
                 .queued_units
                 .fetch_add(cost.get() as usize, Ordering::Relaxed);
@@ -710,6 +813,10 @@ impl Shared {
                 .map(|((spec, c), code)| c.state(spec, *code, now_us, cost, extra)),
         )
         .never_fits_alone();
+        if quiet {
+            // Within its allowance: nothing to send or read.
+            return (decision, false);
+        }
         // Near the limit, the others' units matter most: an admission that leaves less than
         // half of a quota sends at once instead of waiting for the batch; and so does a key
         // this instance has not read yet, decided from its own counts until the read returns.
@@ -742,6 +849,86 @@ impl Shared {
             self.enqueue(policy, entry, &mut st);
         }
         (decision, take && sync)
+    }
+
+    /// This instance's allowance of a quota per key: its part of its share of the limit, 0
+    /// while the fleet has not been counted.
+    fn allowance(&self, spec: &Spec) -> u32 {
+        let n = self.fleet_size.load(Ordering::Relaxed);
+        if n == 0 {
+            return 0;
+        }
+        let part = u64::from(spec.params.burst.get()) * u64::from(self.mode.allowance) / 1000;
+        u32::try_from(part / u64::from(n)).unwrap_or(u32::MAX)
+    }
+
+    /// Whether the key stays (or becomes) quiet after a decision at `now_us`: within its
+    /// allowance on every quota, and not announced. A quiet key that goes past its allowance is
+    /// announced (its units are then sent, and its counts read); one another instance announced
+    /// is recalled. A key in step becomes quiet again once its announcement has run out (a
+    /// window) and its units here are back within the allowance.
+    fn quiet(
+        &self,
+        policy: &PolicyShared,
+        entry: &Entry,
+        st: &mut EntryState,
+        now_us: u64,
+    ) -> bool {
+        if st.hot_until_us <= now_us
+            && self.hot_keys.load(Ordering::Relaxed) > 0
+            && let Some(until) = self.hot.get(&entry.base_hash)
+        {
+            st.hot_until_us = st.hot_until_us.max(*until);
+        }
+        let hot = st.hot_until_us > now_us;
+        let within =
+            || {
+                policy.specs.iter().zip(st.quotas.iter()).all(|(spec, c)| {
+                    c.own_estimate(spec, now_us) <= f64::from(self.allowance(spec))
+                })
+            };
+        if st.quiet {
+            if hot {
+                st.quiet = false;
+                self.recalled.fetch_add(1, Ordering::Relaxed);
+                crate::metrics::approx_allowance("recalled");
+            } else if within() {
+                return true;
+            } else {
+                st.quiet = false;
+                self.exhausted.fetch_add(1, Ordering::Relaxed);
+                crate::metrics::approx_allowance("exhausted");
+                self.mark(policy, entry, st, now_us);
+            }
+            return false;
+        }
+        if hot || st.queued || st.reading {
+            return false;
+        }
+        if within() {
+            st.quiet = true;
+            self.granted.fetch_add(1, Ordering::Relaxed);
+            crate::metrics::approx_allowance("granted");
+            return true;
+        }
+        // Past its allowance: a key new here whose first request already is, or one still
+        // past it a window after it was announced (announced again, so that instances new to
+        // it since keep it in step too).
+        self.mark(policy, entry, st, now_us);
+        false
+    }
+
+    /// Announces the key with the next flush, and keeps it in step for its policy's longest
+    /// window.
+    fn mark(&self, policy: &PolicyShared, entry: &Entry, st: &mut EntryState, now_us: u64) {
+        st.hot_until_us = now_us.saturating_add(policy.window_us);
+        self.marks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((entry.base.clone(), policy.window_us));
+        self.announced.fetch_add(1, Ordering::Relaxed);
+        self.urgent.store(true, Ordering::Relaxed);
+        self.wake.notify_one();
     }
 
     /// The answer to a request on a new key while `max_keys` are held: denied for a second on
@@ -820,9 +1007,21 @@ impl Backend for ApproxBackend {
             };
             specs.push(spec);
         }
+        let window_us = specs
+            .iter()
+            .map(|s| {
+                s.slice_us
+                    .saturating_mul(s.kept.saturating_sub(1).max(1) as u64)
+            })
+            .max()
+            .unwrap_or(0);
+        self.shared
+            .longest_window_us
+            .fetch_max(window_us, Ordering::Relaxed);
         let inner = Arc::new(PolicyShared {
             name: policy.name().to_owned(),
             specs: specs.into_boxed_slice(),
+            window_us,
             key_prefix: keys::policy_prefix(&self.shared.prefix, policy.name()),
             entries: DashMap::with_hasher(RandomState::default()),
             held: self.shared.keys.clone(),
@@ -874,6 +1073,7 @@ impl Backend for ApproxBackend {
                     let mut base = Vec::new();
                     keys::key_base(&p.key_prefix, key, &mut base);
                     Arc::new(Entry {
+                        base_hash: shared.hasher.hash_one(&base[..]),
                         base: base.into_boxed_slice(),
                         state: Mutex::new(EntryState::new(p)),
                     })
@@ -881,13 +1081,16 @@ impl Backend for ApproxBackend {
                 .clone(),
         };
         let sync = shared.mode.writes == Writes::Sync && !shared.breaker_open();
+        // With allowances, only a key in step reads before deciding (a key within its
+        // allowance, or new here, decides at once; it reads once past its allowance).
         let stale = || {
             let now_us = shared.now.us();
             let st = entry.lock();
-            p.specs
-                .iter()
-                .zip(st.quotas.iter())
-                .any(|(spec, c)| c.stale(spec, now_us))
+            (shared.mode.allowance == 0 || (!st.quiet && st.hot_until_us > now_us))
+                && p.specs
+                    .iter()
+                    .zip(st.quotas.iter())
+                    .any(|(spec, c)| c.stale(spec, now_us))
         };
         if sync && mode != Mode::Peek && stale() {
             // A key this instance has not read yet, or not since before the last sub-window:

@@ -1,0 +1,266 @@
+//! What allowances need from the fleet: its size (each instance announces itself, as the exact
+//! mode's fallback does), and the keys instances announce once past their allowance, written
+//! to and read from one stream, `<prefix>:hot`.
+
+use std::hash::BuildHasher;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use redis::Value;
+
+use super::Shared;
+use crate::backend::remote::Fleet;
+
+/// How often an instance holding keys reads the keys announced since its last read.
+pub(super) const POLL_EVERY: Duration = Duration::from_millis(100);
+
+/// The stream keeps about this many announcements (`XADD … MAXLEN ~`): an instance that reads
+/// it less often than this many keys are announced misses some (they are then admitted within
+/// its allowance until it hears of them again, as keys new to it are).
+const STREAM_LEN: u64 = 100_000;
+
+/// Announcements read per call.
+const READ_COUNT: usize = 10_000;
+
+fn mono_ns(s: &Shared) -> u64 {
+    s.now_ns_mono()
+}
+
+/// Whether the fleet's count, this instance's announcements, or a read of the others' are due.
+pub(super) fn due(s: &Shared) -> bool {
+    if s.mode.allowance == 0 {
+        return false;
+    }
+    let now = mono_ns(s);
+    !s.marks.lock().unwrap_or_else(|e| e.into_inner()).is_empty()
+        || (matches!(s.opts.fleet, Fleet::Announced { .. })
+            && now >= s.next_count_ns.load(Ordering::Relaxed))
+        || (s.keys.load(Ordering::Relaxed) > 0 && now >= s.next_poll_ns.load(Ordering::Relaxed))
+}
+
+/// How long until [`due`] may become true by time alone.
+pub(super) fn until_due(s: &Shared) -> Duration {
+    if s.mode.allowance == 0 {
+        return Duration::MAX;
+    }
+    let now = mono_ns(s);
+    let count = s.next_count_ns.load(Ordering::Relaxed);
+    let poll = s.next_poll_ns.load(Ordering::Relaxed);
+    Duration::from_nanos(count.min(poll).saturating_sub(now))
+}
+
+/// Counts the fleet, sends this instance's announcements and reads the others', as far as each
+/// is due (`force`: the read and the count whatever their time).
+pub(super) async fn exchange(s: &Arc<Shared>, force: bool) {
+    if s.mode.allowance == 0 {
+        return;
+    }
+    let now = mono_ns(s);
+    if let Fleet::Announced { every } = s.opts.fleet
+        && (force || now >= s.next_count_ns.load(Ordering::Relaxed))
+    {
+        s.next_count_ns.store(
+            now.saturating_add(u64::try_from(every.as_nanos()).unwrap_or(u64::MAX)),
+            Ordering::Relaxed,
+        );
+        count(s, every).await;
+    }
+    send_marks(s).await;
+    if force
+        || (s.keys.load(Ordering::Relaxed) > 0 && now >= s.next_poll_ns.load(Ordering::Relaxed))
+    {
+        s.next_poll_ns.store(
+            now.saturating_add(POLL_EVERY.as_nanos() as u64),
+            Ordering::Relaxed,
+        );
+        poll(s).await;
+    }
+}
+
+async fn count(s: &Shared, every: Duration) {
+    let pipe = super::super::backend::announce_pipe(&s.prefix, s.fleet_id, every.saturating_mul(3));
+    let limit = s.opts.timeout.max(Duration::from_millis(250));
+    let reply = tokio::time::timeout(limit, s.conn.pipeline(&pipe)).await;
+    match reply {
+        Ok(Ok(values)) => match super::super::backend::announced(values.first()) {
+            Ok(n) => {
+                let n = n.max(1);
+                let before = s.fleet_size.swap(n, Ordering::Relaxed);
+                crate::metrics::fleet_size("redis_approx", n);
+                if before != n {
+                    tracing::debug!(endpoint = %s.endpoint, "approximate mode: {n} instances (were {before})");
+                }
+            }
+            Err(text) => tracing::debug!(endpoint = %s.endpoint, "approximate mode: {text}"),
+        },
+        Ok(Err(e)) => {
+            tracing::debug!(endpoint = %s.endpoint, error = %e, "approximate mode: the fleet's count failed")
+        }
+        Err(_) => {
+            tracing::debug!(endpoint = %s.endpoint, "approximate mode: the fleet's count timed out")
+        }
+    }
+}
+
+fn stream_key(s: &Shared) -> String {
+    format!("{}:hot", s.prefix)
+}
+
+/// Sends the keys announced since the last flush; on failure they are kept for the next.
+async fn send_marks(s: &Shared) {
+    let marks = std::mem::take(&mut *s.marks.lock().unwrap_or_else(|e| e.into_inner()));
+    if marks.is_empty() {
+        return;
+    }
+    let key = stream_key(s);
+    let mut pipe = redis::pipe();
+    for (base, window_us) in &marks {
+        pipe.cmd("XADD")
+            .arg(&key)
+            .arg("MAXLEN")
+            .arg("~")
+            .arg(STREAM_LEN)
+            .arg("*")
+            .arg("b")
+            .arg(&base[..])
+            .arg("w")
+            .arg(*window_us)
+            .ignore();
+    }
+    let keep_ms = s.longest_window_us.load(Ordering::Relaxed) / 1000 * 2 + 10_000;
+    pipe.cmd("PEXPIRE").arg(&key).arg(keep_ms).ignore();
+    match tokio::time::timeout(s.opts.timeout, s.conn.pipeline(&pipe)).await {
+        Ok(Ok(_)) => crate::metrics::approx_announcements("sent", marks.len() as u64),
+        _ => {
+            let mut pending = s.marks.lock().unwrap_or_else(|e| e.into_inner());
+            if pending.len() < STREAM_LEN as usize {
+                pending.extend(marks);
+            }
+        }
+    }
+}
+
+/// Reads the keys announced since the last read, and keeps each in step for its window.
+async fn poll(s: &Shared) {
+    let now_us = s.now.us();
+    let cursor = {
+        let c = s.cursor.lock().unwrap_or_else(|e| e.into_inner());
+        if c.is_empty() {
+            // The first read: what was announced in the longest window before.
+            let back_ms = s.longest_window_us.load(Ordering::Relaxed) / 1000;
+            format!("{}-0", (now_us / 1000).saturating_sub(back_ms))
+        } else {
+            c.clone()
+        }
+    };
+    let mut cmd = redis::cmd("XREAD");
+    cmd.arg("COUNT")
+        .arg(READ_COUNT)
+        .arg("STREAMS")
+        .arg(stream_key(s))
+        .arg(&cursor);
+    let mut pipe = redis::pipe();
+    pipe.add_command(cmd);
+    let Ok(Ok(values)) = tokio::time::timeout(s.opts.timeout, s.conn.pipeline(&pipe)).await else {
+        return;
+    };
+    let Some(entries) = values.first().and_then(stream_entries) else {
+        return;
+    };
+    let mut last = None;
+    let mut read = 0u64;
+    for entry in entries {
+        let Some((id, fields)) = entry_parts(entry) else {
+            continue;
+        };
+        last = Some(id);
+        let (mut base, mut window_us) = (None, None);
+        for (k, v) in fields {
+            match k {
+                b"b" => base = Some(v),
+                b"w" => {
+                    window_us = std::str::from_utf8(v)
+                        .ok()
+                        .and_then(|w| w.parse::<u64>().ok())
+                }
+                _ => {}
+            }
+        }
+        if let (Some(base), Some(window_us)) = (base, window_us) {
+            read += 1;
+            let until = now_us.saturating_add(window_us);
+            let h = s.hasher.hash_one(base);
+            match s.hot.get_mut(&h) {
+                Some(mut u) => *u = (*u).max(until),
+                None if s.hot_keys.load(Ordering::Relaxed) < s.mode.max_keys
+                    && s.hot.insert(h, until).is_none() =>
+                {
+                    s.hot_keys.fetch_add(1, Ordering::Relaxed);
+                }
+                None => {}
+            }
+        }
+    }
+    if let Some(id) = last {
+        *s.cursor.lock().unwrap_or_else(|e| e.into_inner()) = id;
+    }
+    s.announcements_read.fetch_add(read, Ordering::Relaxed);
+    crate::metrics::approx_announcements("read", read);
+    if read as usize >= READ_COUNT {
+        // More waiting: the next flush reads on.
+        s.next_poll_ns.store(0, Ordering::Relaxed);
+    }
+}
+
+/// The entries of the one stream in an `XREAD` reply (RESP2 arrays or a RESP3 map); `None` for
+/// nothing new.
+fn stream_entries(v: &Value) -> Option<&[Value]> {
+    let streams = match v {
+        Value::Array(streams) => streams.first().and_then(|s| match s {
+            Value::Array(pair) if pair.len() == 2 => Some(&pair[1]),
+            _ => None,
+        }),
+        Value::Map(pairs) => pairs.first().map(|(_, entries)| entries),
+        _ => None,
+    }?;
+    match streams {
+        Value::Array(entries) => Some(entries),
+        _ => None,
+    }
+}
+
+/// A stream entry's field-value pairs.
+type Fields<'a> = Vec<(&'a [u8], &'a [u8])>;
+
+/// An entry's id and its field-value pairs.
+fn entry_parts(v: &Value) -> Option<(String, Fields<'_>)> {
+    let Value::Array(parts) = v else { return None };
+    let [id, fields] = parts.as_slice() else {
+        return None;
+    };
+    let id = match id {
+        Value::BulkString(b) => String::from_utf8(b.clone()).ok()?,
+        Value::SimpleString(s) => s.clone(),
+        _ => return None,
+    };
+    let flat: Vec<&[u8]> = match fields {
+        Value::Array(items) => items
+            .iter()
+            .filter_map(|i| match i {
+                Value::BulkString(b) => Some(&b[..]),
+                _ => None,
+            })
+            .collect(),
+        Value::Map(pairs) => pairs
+            .iter()
+            .flat_map(|(k, v)| [k, v])
+            .filter_map(|i| match i {
+                Value::BulkString(b) => Some(&b[..]),
+                _ => None,
+            })
+            .collect(),
+        _ => return None,
+    };
+    Some((id, flat.chunks_exact(2).map(|c| (c[0], c[1])).collect()))
+}
