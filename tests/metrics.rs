@@ -352,3 +352,105 @@ fn the_approximate_mode_reports_its_calls_writes_reads_and_keys() {
         other => panic!("{other:?}"),
     }
 }
+
+/// Allowances granted, exhausted and recalled, announcements sent and read, and the estimate
+/// of over-admission: two instances, one key pushed past the limit by units one of them held
+/// within its allowance.
+#[test]
+fn the_approximate_mode_reports_allowances_and_over_admission() {
+    use std::num::NonZeroU32;
+    use tollgate::backend::redis::{Approximate, Fleet, TestClock};
+    let server = support::RedisServer::start();
+    let url = server.url();
+    let s = recorded(|| async move {
+        let clock = TestClock::new();
+        let make = || {
+            RedisBackend::builder()
+                .url(&url)
+                .test_clock(clock.clone())
+                .fleet(Fleet::Size(NonZeroU32::new(2).unwrap()))
+                .build_approximate(Approximate::asynchronous())
+                .unwrap()
+        };
+        let (a, b) = (make(), make());
+        // 20 per hour: an allowance of 5 per instance.
+        let policy = Policy::new("allow", Quota::per_hour(20).fixed_window());
+        let (pa, pb) = (support::prepare(&a, &policy), support::prepare(&b, &policy));
+        let y = support::key("y");
+        for _ in 0..4 {
+            assert!(
+                b.decide(&pb, &y, support::cost(1))
+                    .await
+                    .unwrap()
+                    .is_allowed()
+            );
+        }
+        // A goes past its allowance at its 6th unit, then fills the limit by what it knows.
+        let mut admitted = 0;
+        for _ in 0..30 {
+            if a.decide(&pa, &y, support::cost(1))
+                .await
+                .unwrap()
+                .is_allowed()
+            {
+                admitted += 1;
+            }
+            a.flush().await;
+        }
+        assert_eq!(admitted, 20);
+        // B reads the announcement, sends its 4 and one more: the count is 25 of 20.
+        b.flush().await;
+        assert!(
+            b.decide(&pb, &y, support::cost(1))
+                .await
+                .unwrap()
+                .is_allowed()
+        );
+        b.flush().await;
+        assert_eq!(a.stats().allowances_exhausted, 1);
+        assert_eq!(b.stats().allowances_recalled, 1);
+    });
+    assert_eq!(
+        count(
+            &s,
+            "tollgate_approx_allowances_total",
+            &[("event", "granted")]
+        ),
+        2
+    );
+    assert_eq!(
+        count(
+            &s,
+            "tollgate_approx_allowances_total",
+            &[("event", "exhausted")]
+        ),
+        1
+    );
+    assert_eq!(
+        count(
+            &s,
+            "tollgate_approx_allowances_total",
+            &[("event", "recalled")]
+        ),
+        1
+    );
+    assert_eq!(
+        count(
+            &s,
+            "tollgate_approx_announcements_total",
+            &[("direction", "sent")]
+        ),
+        1
+    );
+    // Both instances read it (A its own).
+    assert_eq!(
+        count(
+            &s,
+            "tollgate_approx_announcements_total",
+            &[("direction", "read")]
+        ),
+        2
+    );
+    // B's increment brought back 25: 5 over, seen once by B.
+    assert_eq!(count(&s, "tollgate_approx_over_limit_units_total", &[]), 5);
+}

@@ -188,6 +188,72 @@ async fn the_documented_acl_covers_slots_and_the_fleet() {
     assert_eq!(a.stats().redis_errors, 0, "{:?}", a.stats());
 }
 
+/// The approximate mode's commands in the ACL of docs/redis.md: counts sent and read, the
+/// fleet counted, a key past its allowance announced and the announcement read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_documented_acl_covers_the_approximate_mode_and_its_allowances() {
+    use tollgate::backend::redis::{Approximate, Fleet};
+    let server = RedisServer::start();
+    let acl = "ACL SETUSER tollgate on >s3cret ~tollgate:* resetchannels -@all \
+               +incrby +mget +pexpire +del +set +eval +time +zadd +zremrangebyscore +zcard \
+               +xadd +xread";
+    let args: Vec<&str> = acl.split_whitespace().collect();
+    assert_eq!(server.cmd(&args).trim(), "+OK");
+    let url = format!("redis://tollgate:s3cret@127.0.0.1:{}", server.port);
+    let make = || {
+        RedisBackend::builder()
+            .url(url.clone())
+            .fleet(Fleet::Announced {
+                every: Duration::from_millis(100),
+            })
+            .build_approximate(Approximate::asynchronous())
+            .unwrap()
+    };
+    let (a, b) = (make(), make());
+    let policy = Policy::new(
+        "acl",
+        tollgate::Quota::per_minute(40)
+            .sliding_window()
+            .resolution(Duration::from_secs(1)),
+    );
+    let (pa, pb) = (prepare(&a, &policy), prepare(&b, &policy));
+    // Both count the fleet from their first decision on (kept in step until then): 2
+    // instances, an allowance of 40 x 0.5 / 2 = 10 each.
+    let k = key("k");
+    assert!(
+        a.decide(&pa, &key("warm"), cost(1))
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+    assert!(
+        b.decide(&pb, &key("warm"), cost(1))
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+    support::eventually("two instances count each other", || {
+        a.stats().fleet_size == 2 && b.stats().fleet_size == 2
+    })
+    .await;
+    for _ in 0..2 {
+        assert!(b.decide(&pb, &k, cost(1)).await.unwrap().is_allowed());
+    }
+    for _ in 0..11 {
+        assert!(a.decide(&pa, &k, cost(1)).await.unwrap().is_allowed());
+    }
+    a.flush().await;
+    b.flush().await;
+    assert!(b.decide(&pb, &k, cost(1)).await.unwrap().is_allowed());
+    b.flush().await;
+    a.reset(&pa, &key("warm")).await.unwrap();
+    let (sa, sb) = (a.stats(), b.stats());
+    assert_eq!((sa.announced, sa.failed_calls), (1, 0), "{sa:?}");
+    assert_eq!((sb.allowances_recalled, sb.failed_calls), (1, 0), "{sb:?}");
+    // The warm-up's 2, A's 11 and B's 3.
+    assert_eq!(sa.units_sent + sb.units_sent, 16, "{sa:?} {sb:?}");
+}
+
 /// A Redis Cluster whose nodes speak only TLS (between themselves too): decisions through
 /// `rediss://` cluster node URLs.
 #[cfg(feature = "redis-tls")]

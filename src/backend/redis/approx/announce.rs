@@ -131,7 +131,10 @@ async fn send_marks(s: &Shared) {
     let keep_ms = s.longest_window_us.load(Ordering::Relaxed) / 1000 * 2 + 10_000;
     pipe.cmd("PEXPIRE").arg(&key).arg(keep_ms).ignore();
     match tokio::time::timeout(s.opts.timeout, s.conn.pipeline(&pipe)).await {
-        Ok(Ok(_)) => crate::metrics::approx_announcements("sent", marks.len() as u64),
+        Ok(Ok(_)) => {
+            s.announced.fetch_add(marks.len() as u64, Ordering::Relaxed);
+            crate::metrics::approx_announcements("sent", marks.len() as u64);
+        }
         _ => {
             let mut pending = s.marks.lock().unwrap_or_else(|e| e.into_inner());
             if pending.len() < STREAM_LEN as usize {

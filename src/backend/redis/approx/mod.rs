@@ -108,6 +108,59 @@
 //! disagree by `δ` count a request into different sub-windows for `δ` around each boundary.
 //! Keep clocks synchronized (NTP) well within a sub-window.
 //!
+//! # Allowances
+//!
+//! With many keys, most far below their limits, each key sees less than one request per
+//! flush, and keeping every key in step would cost Redis about a command per request. An
+//! instance that admits no more of a key than its part of the limit cannot push the fleet
+//! over it, whatever the others do, and needs Redis only to go further. So each instance
+//! holds, per key and window quota, an **allowance**: `⌊f × L / N⌋` units, with `N` the
+//! fleet's size as counted (each instance announces itself in `<prefix>:fleet` every second,
+//! as for the [local fallback](crate::backend::remote::Fleet); or
+//! [`Fleet::Size`](crate::backend::remote::Fleet::Size)) and `f` the
+//! [`allowance`](Approximate::allowance) share (½ for the asynchronous variant, 0 for the
+//! synchronous one).
+//!
+//! - **Within its allowance** a key is *quiet* on this instance: it is decided from the counts
+//!   held (its own units, and the fleet's if it read them before) and nothing is sent or read.
+//!   A key this instance's units keep within `⌊f × L / N⌋` costs Redis nothing.
+//! - **Past it**, the instance *announces* the key (`XADD` to the stream `<prefix>:hot`, with
+//!   the next flush), sends the units it holds and keeps the key in step as described above,
+//!   for a window; then it takes an allowance again if its units are back within it, or
+//!   announces the key again.
+//! - Every instance holding keys reads the announcements every 100 ms (`XREAD`, one command
+//!   for all keys). A key announced is kept in step for a window: an instance holding it quiet
+//!   sends its units with its next decision on it, and reads the fleet's counts; a key new to
+//!   it starts in step.
+//! - Before the fleet is counted (an announced fleet, in its first milliseconds or with Redis
+//!   down from the start) there is no allowance: every key is kept in step.
+//!
+//! What this adds to the bounds above: units the *other* instances admitted within their
+//! allowances and had not sent when the decision was made, at most each one's allowance.
+//!
+//! - **Always**: `N × L` per window, as before: each instance still admits at most `L` by its
+//!   own count.
+//! - **All instances quiet on a key** (the common case): the fleet admits at most
+//!   `N × ⌊f × L / N⌋ ≤ f × L`, within the limit, without Redis.
+//! - **Staleness bound**: after any admission the window's count is at most
+//!   **`L + A + Q`**, `Q` the units the other instances hold unsent within their allowances:
+//!   at most `Σ ⌊f × L / Nⱼ⌋ ≤ (N − 1) × ⌊f × L / N⌋` over the others, each counting `Nⱼ`
+//!   instances. An instance that reads the key's announcement sends its units at its next
+//!   decision on the key, so `Q` lasts until then; it only persists for instances that stopped
+//!   deciding on the key (and admit nothing more of it).
+//! - **A fleet that grows while it runs**: an instance that has not counted the newcomers yet
+//!   keeps the larger allowance of the smaller fleet (`Nⱼ` above is what each instance counts).
+//!   Newcomers are counted within a second (the announcement interval): until then the quiet
+//!   units of a key may reach `f × L × N / N_before` (twice as many instances: `2 f × L`,
+//!   the limit with the default `f = ½`).
+//!
+//! The stream keeps about 100 000 announcements and expires two windows after its last one;
+//! an instance that falls further behind misses some (those keys are then quiet on it until
+//! announced again). Allowances need the commands `EVAL`, `TIME`, `ZADD`, `ZREMRANGEBYSCORE`,
+//! `ZCARD`, `PEXPIRE` (the fleet's count), `XADD` and `XREAD` (docs/redis.md has the ACL).
+//! [`ApproxStats`] counts allowances granted, exhausted (the key announced) and recalled (by
+//! another instance's announcement), and the announcements sent and read.
+//!
 //! # When Redis fails
 //!
 //! Decisions go on from the counts held: an instance then counts the others' units only as far
@@ -282,8 +335,8 @@ pub struct ApproxStats {
     pub allowances_exhausted: u64,
     /// Allowances given back because another instance announced the key.
     pub allowances_recalled: u64,
-    /// Keys this instance announced to the others (one announcement per key and window at
-    /// most).
+    /// Keys this instance announced to the others, as Redis took them in (one announcement per
+    /// key and window at most).
     pub announced: u64,
     /// Announcements of other instances (and this one's own) read.
     pub announcements_read: u64,
@@ -880,6 +933,12 @@ impl Shared {
         {
             st.hot_until_us = st.hot_until_us.max(*until);
         }
+        if policy.specs.iter().any(|spec| self.allowance(spec) == 0) {
+            // No allowance (the fleet not counted yet, or a limit smaller than the fleet): kept
+            // in step, units held until now sent with the next flush.
+            st.quiet = false;
+            return false;
+        }
         let hot = st.hot_until_us > now_us;
         let within =
             || {
@@ -926,7 +985,6 @@ impl Shared {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push((entry.base.clone(), policy.window_us));
-        self.announced.fetch_add(1, Ordering::Relaxed);
         self.urgent.store(true, Ordering::Relaxed);
         self.wake.notify_one();
     }
