@@ -117,7 +117,7 @@
 //! holds, per key and window quota, an **allowance**: `⌊f × L / N⌋` units, with `N` the
 //! fleet's size as counted (each instance announces itself in `<prefix>:fleet` every second,
 //! as for the [local fallback](crate::backend::remote::Fleet); or
-//! [`Fleet::Size`](crate::backend::remote::Fleet::Size)) and `f` the
+//! `Fleet::Size`) and `f` the
 //! [`allowance`](Approximate::allowance) share (½ for the asynchronous variant, 0 for the
 //! synchronous one).
 //!
