@@ -45,8 +45,16 @@ pub(super) fn until_due(s: &Shared) -> Duration {
         return Duration::MAX;
     }
     let now = mono_ns(s);
-    let count = s.next_count_ns.load(Ordering::Relaxed);
-    let poll = s.next_poll_ns.load(Ordering::Relaxed);
+    let count = match s.opts.fleet {
+        Fleet::Announced { .. } => s.next_count_ns.load(Ordering::Relaxed),
+        Fleet::Size(_) => u64::MAX,
+    };
+    let poll = if s.keys.load(Ordering::Relaxed) > 0 {
+        s.next_poll_ns.load(Ordering::Relaxed)
+    } else {
+        // Nothing held, nothing to read for: the task looks again within a second.
+        u64::MAX
+    };
     Duration::from_nanos(count.min(poll).saturating_sub(now))
 }
 
