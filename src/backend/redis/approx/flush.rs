@@ -60,7 +60,19 @@ pub(super) async fn run(shared: Weak<Shared>, wake: Arc<tokio::sync::Notify>) {
             if !s.may_call() {
                 prune(&s);
             }
-            sweep(&s);
+            // A sweep walks every key held (a million take tens of milliseconds): off the
+            // runtime's threads, so that requests and flushes go on meanwhile; one at a time.
+            if !s.sweeping.swap(true, Ordering::AcqRel) {
+                let swept = s.clone();
+                let run = move || {
+                    sweep(&swept);
+                    swept.sweeping.store(false, Ordering::Release);
+                };
+                match tokio::runtime::Handle::try_current() {
+                    Ok(handle) => drop(handle.spawn_blocking(run)),
+                    Err(_) => run(),
+                }
+            }
             last_sweep = Instant::now();
         }
     }

@@ -494,6 +494,8 @@ pub(crate) struct Shared {
     keys: Arc<AtomicUsize>,
     refused_full: AtomicU64,
     sweep_now: AtomicBool,
+    /// A sweep runs (on a blocking thread).
+    sweeping: AtomicBool,
     // The circuit breaker, on the monotonic clock.
     origin: Instant,
     failures: AtomicU32,
@@ -566,6 +568,7 @@ impl ApproxBackend {
                 keys: Arc::new(AtomicUsize::new(0)),
                 refused_full: AtomicU64::new(0),
                 sweep_now: AtomicBool::new(false),
+                sweeping: AtomicBool::new(false),
                 origin: Instant::now(),
                 failures: AtomicU32::new(0),
                 open_until_ns: AtomicU64::new(0),
