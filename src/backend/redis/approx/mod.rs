@@ -211,6 +211,9 @@ mod flush;
 
 use counts::{Counts, Spec};
 
+/// Shards of a policy's key table (a power of two).
+const ENTRY_SHARDS: usize = 256;
+
 /// How the approximate mode keeps its counts in step with Redis; see the [module docs](self).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Approximate {
@@ -1084,7 +1087,10 @@ impl Backend for ApproxBackend {
             specs: specs.into_boxed_slice(),
             window_us,
             key_prefix: keys::policy_prefix(&self.shared.prefix, policy.name()),
-            entries: DashMap::with_hasher(RandomState::default()),
+            // Many small shards: the sweep holds each shard's lock while it walks it, and
+            // requests on that shard wait (8 shards of a million keys held them for tens of
+            // milliseconds each).
+            entries: DashMap::with_hasher_and_shard_amount(RandomState::default(), ENTRY_SHARDS),
             held: self.shared.keys.clone(),
         });
         let mut policies = self
