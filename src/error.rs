@@ -18,8 +18,8 @@ pub enum ConfigError {
     InvalidQuota {
         /// The policy holding the quota.
         policy: String,
-        /// The offending quota.
-        quota: Quota,
+        /// The offending quota (boxed: a quota is larger than the rest of the error).
+        quota: Box<Quota>,
         /// What is wrong with it.
         reason: &'static str,
     },

@@ -204,9 +204,23 @@ impl Policy {
         self
     }
 
-    /// The penalty set with [`block_for`](Self::block_for), if any.
+    /// The penalty, if any: set with [`block_for`](Self::block_for) (started by any quota's
+    /// refusal), or with [`Quota::block_for`](crate::Quota::block_for) on some of its quotas
+    /// (started by theirs).
     pub fn block(&self) -> Option<std::time::Duration> {
         self.block
+            .or_else(|| self.quotas.iter().find_map(|q| q.block()))
+    }
+
+    /// Which quotas' refusals start the [block](Self::block): a bit per quota (bit `i` for
+    /// quota `i`), 0 for every quota (a block set on the policy).
+    pub(crate) fn block_mask(&self) -> u64 {
+        if self.block.is_some() {
+            return 0;
+        }
+        (self.quotas.iter().enumerate())
+            .filter(|(_, q)| q.block().is_some())
+            .fold(0, |m, (i, _)| m | 1 << i)
     }
 
     /// Whether requests are settled after their response
@@ -294,9 +308,41 @@ impl Policy {
             .iter()
             .map(|q| q.params(&self.name))
             .collect::<Result<_, _>>()?;
-        if let Some(block) = self.block {
+        let on_quotas = self.quotas.iter().filter_map(|q| q.block().map(|b| (q, b)));
+        for (q, b) in on_quotas.clone() {
+            let bad = |reason: String| ConfigError::Invalid {
+                option: "Quota::block_for",
+                reason: format!("policy `{}`, quota `{q}`: {reason}", self.name),
+            };
+            if self.block.is_some() {
+                return Err(bad(
+                    "the policy blocks on every quota's refusal already (`Policy::block_for`): \
+                     set the block on the policy or on its quotas, not both"
+                        .to_owned(),
+                ));
+            }
+            if q.algorithm() == crate::quota::Algorithm::Concurrent {
+                return Err(bad(
+                    "a concurrent quota cannot block (its slots come back as requests end): \
+                     block on a rate quota, or on the policy"
+                        .to_owned(),
+                ));
+            }
+            if let Some((_, other)) = on_quotas.clone().find(|(_, o)| *o != b) {
+                return Err(bad(format!(
+                    "the quotas of one policy block for the same time: {b:?} here, {other:?} \
+                     on another"
+                )));
+            }
+        }
+        if let Some(block) = self.block() {
+            let option = if self.block.is_some() {
+                "Policy::block_for"
+            } else {
+                "Quota::block_for"
+            };
             let bad = |reason: &str| ConfigError::Invalid {
-                option: "Policy::block_for",
+                option,
                 reason: format!("policy `{}`: {reason}", self.name),
             };
             if self.shadow {
@@ -549,6 +595,49 @@ impl fmt::Debug for Policy {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn blocks_on_quotas_are_checked() {
+        use std::time::Duration;
+        let hour = Duration::from_secs(3600);
+        let ok = Policy::new("p", Quota::per_second(10))
+            .and(Quota::per_day(1000).block_for(hour))
+            .and(Quota::per_hour(100).fixed_window().block_for(hour));
+        ok.validate().unwrap();
+        assert_eq!((ok.block(), ok.block_mask()), (Some(hour), 0b110));
+        let on_policy = Policy::new("p", Quota::per_second(10)).block_for(hour);
+        assert_eq!(on_policy.block_mask(), 0);
+        let bad = [
+            (
+                Policy::new("p", Quota::per_second(10).block_for(hour)).block_for(hour),
+                "not both",
+            ),
+            (
+                Policy::new("p", Quota::per_second(10).block_for(hour))
+                    .and(Quota::per_day(10).block_for(Duration::from_secs(60))),
+                "the same time",
+            ),
+            (
+                Policy::new("p", Quota::per_second(10)).and(Quota::concurrent(2).block_for(hour)),
+                "concurrent",
+            ),
+            (
+                Policy::new(
+                    "p",
+                    Quota::per_second(10).block_for(Duration::from_micros(1500)),
+                ),
+                "whole number of milliseconds",
+            ),
+            (
+                Policy::new("p", Quota::per_second(10).block_for(hour)).shadow(true),
+                "shadow",
+            ),
+        ];
+        for (policy, why) in bad {
+            let err = policy.validate().unwrap_err().to_string();
+            assert!(err.contains(why), "{policy:?}: {err}");
+        }
+    }
 
     #[test]
     fn names_are_checked() {

@@ -42,6 +42,11 @@ pub struct Quota {
     /// `RateLimit-Policy` unit. One byte, so that `Quota` stays small to copy.
     flags: u8,
     name: Option<QuotaName>,
+    /// How long a key is refused once this quota refuses it (`block_for`), in ns (a zero block
+    /// is kept as 1 ns, which validation refuses as it does any block under a millisecond;
+    /// one beyond `u64` ns as `u64::MAX`, refused as longer than a year): 8 bytes, so that
+    /// `Quota` stays small to copy.
+    block_ns: Option<std::num::NonZeroU64>,
 }
 
 /// [`Quota`]'s flag: its period is a concurrent quota's lease.
@@ -123,6 +128,47 @@ impl Quota {
             resolution: None,
             flags: 0,
             name: None,
+            block_ns: None,
+        }
+    }
+
+    /// A penalty on this quota: once it refuses a key, the key is refused (by the whole policy)
+    /// for `duration`, whatever the quotas hold; refusals meanwhile do not extend it, and
+    /// `Retry-After` is the block's end. Refusals by the policy's other quotas start no block.
+    /// [`Policy::block_for`](crate::Policy::block_for) blocks on every quota's refusal
+    /// instead. The quotas of one policy that block, block for the same duration (checked
+    /// when the layer is built). In the configuration syntax: `"5/15min fixed block 1h"`.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::{Policy, Quota};
+    ///
+    /// // Bursts of 10/s are refused and that is all; past 1 000 a day, a key is shut out
+    /// // for an hour.
+    /// let api = Policy::new("api", Quota::per_second(10))
+    ///     .and(Quota::per_day(1000).fixed_window().block_for(Duration::from_secs(3600)));
+    /// assert_eq!(api.quotas()[1].block(), Some(Duration::from_secs(3600)));
+    /// assert_eq!(api.quotas()[1].to_string(), "1000/d fixed block 1h");
+    /// ```
+    pub const fn block_for(mut self, duration: Duration) -> Self {
+        let ns = duration.as_nanos();
+        let ns = if ns > u64::MAX as u128 {
+            u64::MAX
+        } else {
+            ns as u64
+        };
+        self.block_ns = Some(match std::num::NonZeroU64::new(ns) {
+            Some(ns) => ns,
+            None => std::num::NonZeroU64::MIN,
+        });
+        self
+    }
+
+    /// The penalty set with [`block_for`](Self::block_for), if any.
+    pub const fn block(&self) -> Option<Duration> {
+        match self.block_ns {
+            Some(ns) => Some(Duration::from_nanos(ns.get())),
+            None => None,
         }
     }
 
@@ -354,7 +400,7 @@ impl Quota {
     pub(crate) fn params(&self, policy: &str) -> Result<QuotaParams, ConfigError> {
         let bad = |reason: &'static str| ConfigError::InvalidQuota {
             policy: policy.to_owned(),
-            quota: *self,
+            quota: Box::new(*self),
             reason,
         };
         if self.count == 0 {
@@ -698,6 +744,12 @@ mod tests {
             serde_json::to_string(&q).unwrap(),
             r#"{"rate":"100/h burst 5","name":"hourly"}"#
         );
+        let blocking: Quota = serde_json::from_str(r#""1000/d fixed block 1h""#).unwrap();
+        assert_eq!(blocking.block(), Some(Duration::from_secs(3600)));
+        assert_eq!(
+            serde_json::to_string(&blocking).unwrap(),
+            r#""1000/d fixed block 1h""#
+        );
         let plain: Quota = serde_json::from_str(r#""5/s""#).unwrap();
         assert_eq!(serde_json::to_string(&plain).unwrap(), r#""5/s""#);
         #[derive(serde::Deserialize)]
@@ -846,7 +898,15 @@ impl std::str::FromStr for Quota {
                     }
                 }
                 "bytes" if !q.counts_bytes() => q = q.bytes(),
-                "burst" | "fixed" | "sliding" | "gcra" | "bytes" => {
+                "block" if q.block_ns.is_none() => {
+                    let d = words
+                        .next()
+                        .ok_or_else(|| bad("`block` without a duration"))?;
+                    let d = parse_duration(d, false)
+                        .map_err(|e| bad(&format!("the block {d:?}: {e}")))?;
+                    q = q.block_for(d);
+                }
+                "burst" | "fixed" | "sliding" | "gcra" | "bytes" | "block" => {
                     return Err(bad(&format!("{word:?} given twice (or two algorithms)")));
                 }
                 _ => return Err(bad(&unknown_word(word))),
@@ -883,7 +943,7 @@ fn parse_concurrent(s: &str) -> Result<Quota, String> {
 }
 
 /// The keywords that may follow a quota's rate.
-const KEYWORDS: [&str; 5] = ["burst", "fixed", "sliding", "gcra", "bytes"];
+const KEYWORDS: [&str; 6] = ["burst", "fixed", "sliding", "gcra", "bytes", "block"];
 
 fn is_keyword(word: &str) -> bool {
     KEYWORDS.contains(&word)
@@ -894,7 +954,7 @@ fn is_keyword(word: &str) -> bool {
 fn unknown_word(word: &str) -> String {
     let mut reason = format!(
         "unknown word {word:?} after the rate (expected `burst N`, `fixed`, `sliding` with an \
-         optional resolution, `gcra`, or `bytes`)"
+         optional resolution, `gcra`, `bytes`, or `block <duration>`)"
     );
     if let Some(near) = closest(word, &KEYWORDS) {
         reason.push_str(&format!("; did you mean `{near}`?"));
@@ -1014,6 +1074,9 @@ impl std::fmt::Display for Quota {
         }
         if self.counts_bytes() {
             f.write_str(" bytes")?;
+        }
+        if let Some(b) = self.block() {
+            write!(f, " block {}", DisplayDuration(b))?;
         }
         Ok(())
     }
@@ -1243,6 +1306,8 @@ mod parse_tests {
             "3 concurrent lease 30s",
             "1000000/h bytes",
             "100/min sliding 5s bytes",
+            "5/15min fixed block 1h",
+            "10/s burst 20 block 30s",
         ] {
             let q: Quota = s.parse().unwrap();
             assert_eq!(q.to_string().parse::<Quota>().unwrap(), q, "{s}");
@@ -1253,6 +1318,15 @@ mod parse_tests {
             Quota::new(1_000_000, Duration::new(31_536_000_000, 1)).burst(1),
         ] {
             assert_eq!(q.to_string().parse::<Quota>().unwrap(), q, "{q}");
+        }
+        assert_eq!(
+            "5/15min fixed block 1h".parse::<Quota>().unwrap(),
+            Quota::new(5, Duration::from_secs(900))
+                .fixed_window()
+                .block_for(Duration::from_secs(3600))
+        );
+        for bad in ["5/min block", "5/min block 1h block 2h", "5/min block soon"] {
+            assert!(bad.parse::<Quota>().is_err(), "{bad}");
         }
         assert_eq!("1000/h".parse::<Quota>().unwrap(), Quota::per_hour(1000));
         assert_eq!(

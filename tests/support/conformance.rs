@@ -806,6 +806,40 @@ pub async fn blocks<B: Backend>(backend: &B, advance: impl Fn(Duration), who: &s
         .unwrap();
     assert!(d.is_blocked(), "{who}: {d:?}");
     assert_eq!(d.retry_after(), Some(ms(1000)), "{who}: {d:?}");
+
+    // A block on one quota (`Quota::block_for`): only that quota's refusal starts it. 10/s
+    // burst 2 refuses and that is all; 3/s blocks for a second.
+    let per_quota = Policy::new("quota-blocks", Quota::per_second(10).burst(2))
+        .and(Quota::per_second(3).block_for(ms(1000)));
+    let q = prepare(backend, &per_quota);
+    let k = key("per-quota");
+    let ask = |c: u32| backend.decide_with(&q, &k, cost(c), Mode::Decide);
+    for _ in 0..2 {
+        assert!(ask(1).await.unwrap().is_allowed(), "{who}");
+    }
+    // The first quota refuses (its burst is spent), the second has room: no block.
+    let d = ask(1).await.unwrap();
+    assert!(!d.is_allowed() && !d.is_blocked(), "{who}: {d:?}");
+    assert_eq!(d.retry_after(), Some(ms(100)), "{who}: {d:?}");
+    advance(ms(100));
+    assert!(ask(1).await.unwrap().is_allowed(), "{who}");
+    advance(ms(100));
+    // Now the second quota refuses (a unit every 333 ms, its 3 spent): blocked for a second.
+    let d = ask(1).await.unwrap();
+    assert!(
+        d.is_blocked(),
+        "{who}: the blocking quota's refusal starts the block: {d:?}"
+    );
+    assert_eq!(d.retry_after(), Some(ms(1000)), "{who}: {d:?}");
+    advance(ms(900));
+    let d = ask(1).await.unwrap();
+    assert!(d.is_blocked(), "{who}: {d:?}");
+    assert_eq!(d.retry_after(), Some(ms(100)), "{who}: {d:?}");
+    advance(ms(100));
+    assert!(
+        ask(1).await.unwrap().is_allowed(),
+        "{who}: the block is over"
+    );
 }
 
 /// Leases, on the shared stores (the local backend needs none): a slot whose request still

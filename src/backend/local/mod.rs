@@ -487,6 +487,8 @@ pub struct LocalPolicy<C: Clock = MonotonicClock> {
     min_burst: u32,
     /// The policy's blocks, when it has `block_for`.
     blocks: Option<Arc<Blocks>>,
+    /// The quotas whose refusals start a block, a bit each; 0 for all of them.
+    block_mask: u64,
 }
 
 struct PreparedQuota<C: Clock> {
@@ -630,6 +632,7 @@ where
             order: order.into_boxed_slice(),
             min_burst,
             blocks,
+            block_mask: policy.block_mask(),
         })
     }
 
@@ -655,11 +658,9 @@ where
             Mode::Hold { .. } => self.decide_holding(policy, key, cost, true),
             Mode::Peek => match &policy.blocks {
                 None => ready(Ok(self.peek(policy, key, cost))),
-                Some(blocks) => {
-                    ready(Ok(self.blocking(policy, blocks, key, false, || {
-                        self.peek(policy, key, cost)
-                    })))
-                }
+                Some(blocks) => ready(Ok(self.blocking(policy, blocks, key, cost, false, || {
+                    self.peek(policy, key, cost)
+                }))),
             },
             Mode::Reserve { max_wait } => {
                 if !self.inner.sweeper_started.load(Ordering::Relaxed) {
@@ -667,7 +668,7 @@ where
                 }
                 ready(Ok(match &policy.blocks {
                     None => self.reserve(policy, key, cost, max_wait),
-                    Some(blocks) => self.blocking(policy, blocks, key, true, || {
+                    Some(blocks) => self.blocking(policy, blocks, key, cost, true, || {
                         self.reserve(policy, key, cost, max_wait)
                     }),
                 }))
@@ -712,7 +713,7 @@ where
     ) -> Ready<Result<Decision, BackendError>> {
         ready(Ok(match &policy.blocks {
             None => self.decide_now(policy, key, cost, hold),
-            Some(blocks) => self.blocking(policy, blocks, key, true, || {
+            Some(blocks) => self.blocking(policy, blocks, key, cost, true, || {
                 self.decide_now(policy, key, cost, hold)
             }),
         }))
@@ -727,6 +728,7 @@ where
         policy: &LocalPolicy<C>,
         blocks: &Blocks,
         key: &Key,
+        cost: NonZeroU32,
         starts: bool,
         decide: impl FnOnce() -> Decision,
     ) -> Decision {
@@ -738,7 +740,7 @@ where
         if !starts {
             return decision;
         }
-        self.penalize(policy, blocks, key, decision, now_us)
+        self.penalize(policy, blocks, key, cost, decision, now_us)
     }
 
     /// `decision`, or a block from `now_us` when it refused the request: not when the request
@@ -749,6 +751,7 @@ where
         policy: &LocalPolicy<C>,
         blocks: &Blocks,
         key: &Key,
+        cost: NonZeroU32,
         decision: Decision,
         now_us: u64,
     ) -> Decision {
@@ -756,10 +759,58 @@ where
         if decision.is_allowed()
             || decision.never_fits()
             || inner.tracked.load(Ordering::Relaxed) >= inner.max_keys
+            || !self.refused_by_a_blocking_quota(policy, &decision, key, cost, now_us)
         {
             return decision;
         }
         blocked(policy, blocks.start(key, now_us))
+    }
+
+    /// Whether a quota that blocks (`Quota::block_for`) refuses the request `decision`
+    /// refused: the quota that refused it, or another one the decision did not get to (it
+    /// stops at the first refusal), asked now. Every quota blocks when the block is the
+    /// policy's.
+    fn refused_by_a_blocking_quota(
+        &self,
+        policy: &LocalPolicy<C>,
+        decision: &Decision,
+        key: &Key,
+        cost: NonZeroU32,
+        now_us: u64,
+    ) -> bool {
+        let mask = policy.block_mask;
+        let blocks = |i: usize| mask == 0 || (i < 64 && mask & (1 << i) != 0);
+        let denied = |s: &QuotaState| matches!(s.outcome, Outcome::Denied { .. });
+        if decision
+            .quotas()
+            .iter()
+            .any(|s| denied(s) && blocks(s.index))
+        {
+            return true;
+        }
+        let elapsed = self.inner.elapsed_ns();
+        (policy.limiters.iter().enumerate())
+            .filter(|(i, q)| {
+                blocks(*i)
+                    && !decision.quotas().iter().any(|s| s.index == *i)
+                    && !q.params.is_concurrent()
+            })
+            .any(|(i, q)| {
+                let state = match &q.counter {
+                    Counter::Window(store) => store.would(i, key, now_us, cost),
+                    Counter::Gcra { store, start, .. } => {
+                        let tat = (store.map.get(key)).map_or(0, |t| t.load(Ordering::Acquire));
+                        gcra_state(
+                            i,
+                            &q.params,
+                            cost,
+                            until(*start, tat, elapsed),
+                            Duration::ZERO,
+                        )
+                    }
+                };
+                denied(&state)
+            })
     }
 
     // Always inlined: a policy without a penalty decides here, from `decide` (where `hold` is

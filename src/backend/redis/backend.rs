@@ -226,7 +226,7 @@ impl Store for RedisStore {
         Ok(Prepared {
             key_prefix: keys::policy_prefix(&self.prefix, policy.name()),
             key_suffixes,
-            args: script::policy_args(params, block_us),
+            args: script::policy_args(params, block_us.map(|us| (us, policy.block_mask()))),
             reply_len: script::reply_len(params) + if block_us.is_some() { 2 } else { 0 },
             blocks: block_us.is_some(),
         })

@@ -13,8 +13,10 @@
 --     1 window limit 0        fixed window: length (integer us >= 1), limit (>= 1)
 --     2 slice limit slices    sliding window of `slices` (>= 1) sub-windows of `slice` us
 --     3 lease slots 0         requests in flight: `slots` (>= 1), each a lease of `lease` ms
---     4 block 1 0             a penalty, last if any: once a quota refuses (code 1), the key
---                             is refused for `block` us (requests meanwhile do not extend it)
+--     4 block 1 mask          a penalty, last if any: once a quota refuses (code 1), the key
+--                             is refused for `block` us (requests meanwhile do not extend it);
+--                             `mask` 0 for any quota, else only quota i's refusal (bit i - 1,
+--                             i = 1..n) starts it
 -- then               number of runs R >= 1; then per run, in order, "count p cost arg op":
 --                    `count` decisions in a row of policy p (1..P) costing `cost` units (>= 1)
 --                    each, as `op` says:
@@ -515,6 +517,11 @@ for _ = 1, tonumber(ARGV[a], 16) do
     end
     count = 0
   end
+  -- The quotas whose refusal starts a block: the block's mask (0: any).
+  local bm = 0
+  if at[8 * (f + n) - 7] == 4 then
+    bm = at[8 * (f + n) - 4]
+  end
   for _ = 1, count do
     -- `refusal`: a quota refused the request (code 1), which starts a block.
     local denied, refused, refusal = false, false, false
@@ -573,7 +580,7 @@ for _ = 1, tonumber(ARGV[a], 16) do
         end
       end
       cur[i] = c
-      if c == 1 and kind ~= 4 then
+      if c == 1 and kind ~= 4 and (bm == 0 or floor(bm / 2 ^ (i - 1)) % 2 == 1) then
         refusal = true
       end
     end

@@ -55,9 +55,10 @@ fn quota_args(p: &QuotaParams) -> [u64; PER_QUOTA] {
 
 /// A policy's entry in the script's arguments, formatted once in `prepare()`: the number of
 /// quotas, then four numbers per quota; a policy that blocks keys once refused has one more,
-/// `4 block 1 0` (the block's length in µs), last.
-pub(crate) fn policy_args(params: &[QuotaParams], block_us: Option<u64>) -> Vec<Vec<u8>> {
-    let block = block_us.map(|us| [4, us, 1, 0]);
+/// `4 block 1 mask` (the block's length in µs, and the quotas whose refusal starts it: a bit
+/// each, 0 for all), last.
+pub(crate) fn policy_args(params: &[QuotaParams], block: Option<(u64, u64)>) -> Vec<Vec<u8>> {
+    let block = block.map(|(us, mask)| [4, us, 1, mask]);
     std::iter::once((params.len() + usize::from(block.is_some())) as u64)
         .chain(params.iter().flat_map(quota_args))
         .chain(block.into_iter().flatten())

@@ -61,7 +61,8 @@ pub(crate) struct Prepared {
     pub(crate) prefix_len: usize,
     pub(crate) key_suffixes: Vec<Box<[u8]>>,
     /// Four numbers per quota: kind, length (ns or µs), limit, sub-windows; a policy that
-    /// blocks keys once refused has one more, `4, block µs, 1, 0`, last, with its own key.
+    /// blocks keys once refused has one more, `4, block µs, 1, mask`, last, with its own key
+    /// (`mask`: the quotas whose refusal starts the block, a bit each; 0 for all).
     pub(crate) quotas: Vec<i64>,
     /// Whether the policy blocks keys once refused (`block_for`).
     pub(crate) blocks: bool,
@@ -74,7 +75,8 @@ impl Prepared {
         let mut quotas: Vec<i64> = params.iter().flat_map(quota_args).collect();
         if let Some(us) = block_us {
             key_suffixes.push(format!("b{us}").into_bytes().into_boxed_slice());
-            quotas.extend([4, us, 1, 0]);
+            // The quotas whose refusal starts the block: a bit each (at most 8), 0 for all.
+            quotas.extend([4, us, 1, policy.block_mask() as i64]);
         }
         Prepared {
             key_prefix: keys::policy_prefix(prefix, policy.name()),

@@ -69,9 +69,11 @@ DROP PROCEDURE IF EXISTS {decide}
 --                       1,window us (>= 1),limit (>= 1),0              fixed window
 --                       2,sub-window us (>= 1),limit (>= 1),slices     sliding window
 --                       3,lease ms (>= 1),slots (>= 1),0               requests in flight
---                       4,block us (>= 1),1,0                          a penalty, last: once
+--                       4,block us (>= 1),1,mask                       a penalty, last: once
 --                                                  a quota refuses (code 1), the key is
---                                                  refused for `block` us
+--                                                  refused for `block` us; mask 0 for any
+--                                                  quota, else only the i-th quota's
+--                                                  refusal (bit i - 1) starts it
 --         e.g. one GCRA decision of cost 1 on key 0x6b31:  "6b31;1,0,0|0,200000000,10,0,6b31"
 --         Nothing else (no spaces). A key of a quota missing from `keys` is an error (45000).
 -- Reply, decimal integers separated by ",", decision after decision, quota after quota
@@ -134,6 +136,8 @@ BEGIN
     -- leases being filtered (li, lnum, lpart, lx, lmax, lcs) and a refund's sub-window (ip).
     DECLARE op, arg, lx, lmax BIGINT DEFAULT 0;
     DECLARE refusal TINYINT DEFAULT 0;
+    -- The quotas that refused the decision (code 1), a bit each: the block's mask picks.
+    DECLARE refused_bits BIGINT UNSIGNED DEFAULT 0;
     DECLARE li, lnum, ip INT;
     DECLARE lpart VARCHAR(64) CHARACTER SET ascii;
     DECLARE lcs VARCHAR(11100) CHARACTER SET ascii;
@@ -199,7 +203,7 @@ BEGIN
         SET mw = IF(op = 0, arg, 0), pk = IF(op = 1, 1, 0);
         SET nq = LENGTH(dtext) - LENGTH(REPLACE(dtext, '|', ''));
         -- Settlements are made in one pass, always allowed.
-        SET pass = IF(nq = 1 OR op >= 3, 0, 1), denied = 0, refusal = 0, codes = '', wx = 0;
+        SET pass = IF(nq = 1 OR op >= 3, 0, 1), denied = 0, refusal = 0, refused_bits = 0, codes = '', wx = 0;
         passes: LOOP
             SET i = 1;
             WHILE i <= nq DO
@@ -314,7 +318,11 @@ BEGIN
                         SET denied = 1;
                     END IF;
                     IF code = 1 AND kind <> 4 THEN
-                        SET refusal = 1;
+                        SET refused_bits = refused_bits | (1 << (i - 1));
+                    END IF;
+                    IF kind = 4 THEN
+                        -- Last: whether a quota whose refusal starts the block refused.
+                        SET refusal = IF(sl = 0, refused_bits <> 0, (refused_bits & sl) <> 0);
                     END IF;
                 ELSEIF op >= 3 THEN
                     -- A settlement: the quota as the op says.

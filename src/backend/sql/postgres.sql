@@ -41,9 +41,11 @@ CREATE {unlogged}TABLE IF NOT EXISTS {table} (
 --                1, window (us >= 1), limit (>= 1), 0                     fixed window
 --                2, sub-window (us >= 1), limit (>= 1), slices (>= 1)     sliding window
 --                3, lease (ms >= 1), slots (>= 1), 0                      requests in flight
---                4, block (us >= 1), 1, 0      a penalty, last of its decision's keys if any:
+--                4, block (us >= 1), 1, mask   a penalty, last of its decision's keys if any:
 --                                              once a quota refuses (code 1), the key is
---                                              refused for `block` us (not extended meanwhile)
+--                                              refused for `block` us (not extended meanwhile);
+--                                              mask 0 for any quota, else only the j-th
+--                                              quota's refusal (bit j - 1) starts it
 --   decisions  4 numbers per decision: q (it uses the next q keys), cost (>= 1), arg, op:
 --                0  decide; arg > 0 makes it a reservation: a GCRA quota passes when the cost
 --                   fits within arg ns, and is charged as of the time the request goes on,
@@ -156,6 +158,8 @@ DECLARE
     op bigint;
     arg bigint;
     refusal boolean;
+    -- The quotas whose refusal starts the decision's block (0: any).
+    bm bigint;
     ip int;
     -- The live leases of the call's concurrent keys: id, expiry (us), slot (0: released).
     lids bigint[] := ARRAY[]::bigint[];
@@ -354,6 +358,7 @@ BEGIN
             CONTINUE;
         END IF;
         -- First every quota is checked, nothing changed.
+        bm := CASE WHEN quotas[4 * (pos + nq) - 3] = 4 THEN quotas[4 * (pos + nq)] ELSE 0 END;
         FOR j IN 1 .. nq LOOP
             p := pos + j;
             s := slot[p];
@@ -389,7 +394,7 @@ BEGIN
             IF code <> 0 THEN
                 denied := true;
             END IF;
-            IF code = 1 AND kind <> 4 THEN
+            IF code = 1 AND kind <> 4 AND (bm = 0 OR (bm >> (j - 1)) & 1 = 1) THEN
                 refusal := true;
             END IF;
         END LOOP;

@@ -1064,7 +1064,7 @@ impl Backend for ApproxBackend {
             let Some(spec) = Spec::new(i, *p) else {
                 return Err(ConfigError::InvalidQuota {
                     policy: policy.name().to_owned(),
-                    quota: policy.quotas()[i],
+                    quota: Box::new(policy.quotas()[i]),
                     reason: "the approximate Redis mode counts windows: use a fixed or sliding \
                              window (e.g. \"20/2s sliding 100ms\" for \"10/s burst 20\")",
                 });
