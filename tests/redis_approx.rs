@@ -1005,8 +1005,9 @@ async fn keys_far_below_their_limits_cost_redis_nothing() {
         "{:?}",
         counters(&server, "*")
     );
-    // 3 instances x 5 flushes, one read of the announcements each.
-    assert!(used <= 15, "{used} commands for {requests} requests");
+    // 3 instances x 5 flushes, one read of the announcements each, and each instance's first
+    // read of Redis's clock (where its reading starts).
+    assert!(used <= 18, "{used} commands for {requests} requests");
     for (b, _) in &instances {
         let s = b.stats();
         assert_eq!(s.units_sent, 0, "{s:?}");

@@ -155,15 +155,25 @@ async fn send_marks(s: &Shared) {
 /// Reads the keys announced since the last read, and keeps each in step for its window.
 async fn poll(s: &Shared) {
     let now_us = s.now.us();
-    let cursor = {
-        let c = s.cursor.lock().unwrap_or_else(|e| e.into_inner());
-        if c.is_empty() {
-            // The first read: what was announced in the longest window before.
-            let back_ms = s.longest_window_us.load(Ordering::Relaxed) / 1000;
-            format!("{}-0", (now_us / 1000).saturating_sub(back_ms))
-        } else {
-            c.clone()
-        }
+    let cursor = s.cursor.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let cursor = if cursor.is_empty() {
+        // The first read: what was announced in the longest window before, on Redis's clock
+        // (the stream's ids are its times; this instance's clock may be off).
+        let mut time = redis::pipe();
+        time.cmd("TIME");
+        let Ok(Ok(values)) = tokio::time::timeout(s.opts.timeout, s.conn.pipeline(&time)).await
+        else {
+            return;
+        };
+        let Some(redis_ms) = redis_ms(values.first()) else {
+            return;
+        };
+        let back_ms = s.longest_window_us.load(Ordering::Relaxed) / 1000;
+        let from = format!("{}-0", redis_ms.saturating_sub(back_ms));
+        *s.cursor.lock().unwrap_or_else(|e| e.into_inner()) = from.clone();
+        from
+    } else {
+        cursor
     };
     let mut cmd = redis::cmd("XREAD");
     cmd.arg("COUNT")
@@ -222,6 +232,22 @@ async fn poll(s: &Shared) {
         // More waiting: the next flush reads on.
         s.next_poll_ns.store(0, Ordering::Relaxed);
     }
+}
+
+/// Redis's `TIME` in ms.
+fn redis_ms(v: Option<&Value>) -> Option<u64> {
+    let Some(Value::Array(parts)) = v else {
+        return None;
+    };
+    let number = |v: &Value| -> Option<u64> {
+        match v {
+            Value::BulkString(b) => std::str::from_utf8(b).ok()?.parse().ok(),
+            Value::Int(n) => u64::try_from(*n).ok(),
+            _ => None,
+        }
+    };
+    let (secs, us) = (number(parts.first()?)?, number(parts.get(1)?)?);
+    Some(secs.saturating_mul(1000).saturating_add(us / 1000))
 }
 
 /// The entries of the one stream in an `XREAD` reply (RESP2 arrays or a RESP3 map); `None` for
