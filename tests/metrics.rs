@@ -377,6 +377,9 @@ fn the_approximate_mode_reports_allowances_and_over_admission() {
         let policy = Policy::new("allow", Quota::per_hour(20).fixed_window());
         let (pa, pb) = (support::prepare(&a, &policy), support::prepare(&b, &policy));
         let y = support::key("y");
+        // Allowances start once an instance has read the announcements (its first flush).
+        a.flush().await;
+        b.flush().await;
         for _ in 0..4 {
             assert!(
                 b.decide(&pb, &y, support::cost(1))

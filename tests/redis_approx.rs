@@ -983,6 +983,10 @@ async fn keys_far_below_their_limits_cost_redis_nothing() {
     let server = RedisServer::start();
     let clock = TestClock::new();
     let instances = fleet(&server.url(), &clock, 3, Approximate::asynchronous()).await;
+    // Allowances start once an instance has read the announcements (its first flush).
+    for (b, _) in &instances {
+        b.flush().await;
+    }
     let before = commands(&server);
     let (keys, rounds) = (300, 5);
     for round in 0..rounds {
@@ -1027,6 +1031,9 @@ async fn a_key_past_its_allowance_is_announced_and_the_others_send_theirs() {
     to_window_start(&clock, WINDOW_US);
     // 100/s, a fleet of 3, half a share each: 16 units per key without telling Redis.
     let [(a, pa), (b, pb)] = pair(&server, &clock, Approximate::asynchronous(), &policy());
+    // Allowances start once an instance has read the announcements (its first flush).
+    a.flush().await;
+    b.flush().await;
     let k = key("hot");
     for _ in 0..10 {
         assert!(b.decide(&pb, &k, cost(1)).await.unwrap().is_allowed());
@@ -1105,4 +1112,38 @@ async fn a_growing_fleet_stays_within_the_allowances_each_instance_believes() {
         "growing fleet: {} admitted in 4 s, worst over-admission {worst:.1} (bound L + A + {quiet})",
         log.admitted.len()
     );
+}
+
+/// Where announcements cannot work (here a key of another type holds the stream's name; a
+/// Redis before 5.0 or a user without `XADD` / `XREAD` fail the same way), no key is quiet:
+/// every admitted unit is sent, as without allowances, since the others could never be told.
+#[tokio::test]
+async fn without_announcements_every_key_is_kept_in_step() {
+    let server = RedisServer::start();
+    server.cmd(&["SET", "tollgate:hot", "not a stream"]);
+    let clock = TestClock::new();
+    let [(a, pa), _] = pair(&server, &clock, Approximate::asynchronous(), &policy());
+    a.flush().await;
+    for _ in 0..5 {
+        assert!(
+            a.decide(&pa, &key("k"), cost(1))
+                .await
+                .unwrap()
+                .is_allowed()
+        );
+    }
+    a.flush().await;
+    let s = a.stats();
+    assert_eq!((s.allowances_granted, s.units_sent), (0, 5), "{s:?}");
+    // Once the stream can be used again, keys new to the instance are quiet.
+    server.cmd(&["DEL", "tollgate:hot"]);
+    a.flush().await;
+    assert!(
+        a.decide(&pa, &key("new"), cost(1))
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+    a.flush().await;
+    assert_eq!(a.stats().allowances_granted, 1, "{:?}", a.stats());
 }

@@ -236,6 +236,9 @@ async fn the_documented_acl_covers_the_approximate_mode_and_its_allowances() {
         a.stats().fleet_size == 2 && b.stats().fleet_size == 2
     })
     .await;
+    // And read the announcements (a flush does at once): allowances on.
+    a.flush().await;
+    b.flush().await;
     for _ in 0..2 {
         assert!(b.decide(&pb, &k, cost(1)).await.unwrap().is_allowed());
     }

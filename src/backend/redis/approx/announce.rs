@@ -23,6 +23,17 @@ const STREAM_LEN: u64 = 100_000;
 /// Announcements read per call.
 const READ_COUNT: usize = 10_000;
 
+/// Announcements waiting to be sent, at most (more, while Redis is away, are dropped: those
+/// keys are kept in step here, and announced again a window later if still past their
+/// allowances).
+pub(super) const MAX_PENDING: usize = 10_000;
+
+/// Announcements per pipeline.
+const MARKS_PER_CALL: usize = 1_000;
+
+/// The longest wait before announcements that failed are sent again.
+const MAX_BACKOFF: Duration = Duration::from_secs(10);
+
 fn mono_ns(s: &Shared) -> u64 {
     s.now_ns_mono()
 }
@@ -33,7 +44,8 @@ pub(super) fn due(s: &Shared) -> bool {
         return false;
     }
     let now = mono_ns(s);
-    !s.marks.lock().unwrap_or_else(|e| e.into_inner()).is_empty()
+    (now >= s.next_marks_ns.load(Ordering::Relaxed)
+        && !s.marks.lock().unwrap_or_else(|e| e.into_inner()).is_empty())
         || (matches!(s.opts.fleet, Fleet::Announced { .. })
             && now >= s.next_count_ns.load(Ordering::Relaxed))
         || (s.keys.load(Ordering::Relaxed) > 0 && now >= s.next_poll_ns.load(Ordering::Relaxed))
@@ -115,38 +127,71 @@ fn stream_key(s: &Shared) -> String {
     format!("{}:hot", s.prefix)
 }
 
-/// Sends the keys announced since the last flush; on failure they are kept for the next.
+/// Sends the keys announced since the last flush, in pipelines of [`MARKS_PER_CALL`]. On
+/// failure what was not sent is kept (up to [`MAX_PENDING`]) and sent again after a backoff;
+/// until announcements go through again no key is quiet, and the third failure in a row is
+/// logged as a warning (a Redis without streams, before 5.0; a user without `XADD`; a key of
+/// another type in the way).
 async fn send_marks(s: &Shared) {
-    let marks = std::mem::take(&mut *s.marks.lock().unwrap_or_else(|e| e.into_inner()));
+    if mono_ns(s) < s.next_marks_ns.load(Ordering::Relaxed) {
+        return;
+    }
+    let mut marks = std::mem::take(&mut *s.marks.lock().unwrap_or_else(|e| e.into_inner()));
     if marks.is_empty() {
         return;
     }
     let key = stream_key(s);
-    let mut pipe = redis::pipe();
-    for (base, window_us) in &marks {
-        pipe.cmd("XADD")
-            .arg(&key)
-            .arg("MAXLEN")
-            .arg("~")
-            .arg(STREAM_LEN)
-            .arg("*")
-            .arg("b")
-            .arg(&base[..])
-            .arg("w")
-            .arg(*window_us)
-            .ignore();
-    }
     let keep_ms = s.longest_window_us.load(Ordering::Relaxed) / 1000 * 2 + 10_000;
-    pipe.cmd("PEXPIRE").arg(&key).arg(keep_ms).ignore();
-    match tokio::time::timeout(s.opts.timeout, s.conn.pipeline(&pipe)).await {
-        Ok(Ok(_)) => {
-            s.announced.fetch_add(marks.len() as u64, Ordering::Relaxed);
-            crate::metrics::approx_announcements("sent", marks.len() as u64);
+    while !marks.is_empty() {
+        let chunk: Vec<_> = marks.drain(..marks.len().min(MARKS_PER_CALL)).collect();
+        let mut pipe = redis::pipe();
+        for (base, window_us) in &chunk {
+            pipe.cmd("XADD")
+                .arg(&key)
+                .arg("MAXLEN")
+                .arg("~")
+                .arg(STREAM_LEN)
+                .arg("*")
+                .arg("b")
+                .arg(&base[..])
+                .arg("w")
+                .arg(*window_us)
+                .ignore();
         }
-        _ => {
-            let mut pending = s.marks.lock().unwrap_or_else(|e| e.into_inner());
-            if pending.len() < STREAM_LEN as usize {
-                pending.extend(marks);
+        pipe.cmd("PEXPIRE").arg(&key).arg(keep_ms).ignore();
+        match tokio::time::timeout(s.opts.timeout, s.conn.pipeline(&pipe)).await {
+            Ok(Ok(_)) => {
+                s.announced.fetch_add(chunk.len() as u64, Ordering::Relaxed);
+                crate::metrics::approx_announcements("sent", chunk.len() as u64);
+                if s.mark_failures.swap(0, Ordering::Relaxed) >= 3 {
+                    tracing::info!(endpoint = %s.endpoint, "approximate mode: announcements go through again");
+                }
+            }
+            outcome => {
+                let failures = s.mark_failures.fetch_add(1, Ordering::Relaxed) + 1;
+                s.stream_ok.store(false, Ordering::Relaxed);
+                let backoff = POLL_EVERY
+                    .saturating_mul(1 << failures.min(7))
+                    .min(MAX_BACKOFF);
+                s.next_marks_ns.store(
+                    mono_ns(s)
+                        .saturating_add(u64::try_from(backoff.as_nanos()).unwrap_or(u64::MAX)),
+                    Ordering::Relaxed,
+                );
+                if failures == 3 {
+                    let err = match outcome {
+                        Ok(Err(e)) => e.to_string(),
+                        _ => "timed out".to_owned(),
+                    };
+                    tracing::warn!(endpoint = %s.endpoint, error = %err,
+                        "approximate mode: keys past their allowances cannot be announced \
+                         (XADD to the stream <prefix>:hot fails; streams need Redis 5): every \
+                         key is kept in step until they can");
+                }
+                let mut pending = s.marks.lock().unwrap_or_else(|e| e.into_inner());
+                let room = MAX_PENDING.saturating_sub(pending.len());
+                pending.extend(chunk.into_iter().chain(marks).take(room));
+                return;
             }
         }
     }
@@ -183,9 +228,30 @@ async fn poll(s: &Shared) {
         .arg(&cursor);
     let mut pipe = redis::pipe();
     pipe.add_command(cmd);
-    let Ok(Ok(values)) = tokio::time::timeout(s.opts.timeout, s.conn.pipeline(&pipe)).await else {
-        return;
+    let reply = tokio::time::timeout(s.opts.timeout, s.conn.pipeline(&pipe)).await;
+    let values = match reply {
+        Ok(Ok(values)) => values,
+        outcome => {
+            s.stream_ok.store(false, Ordering::Relaxed);
+            if s.poll_failures.fetch_add(1, Ordering::Relaxed) + 1 == 3 {
+                let err = match outcome {
+                    Ok(Err(e)) => e.to_string(),
+                    _ => "timed out".to_owned(),
+                };
+                tracing::warn!(endpoint = %s.endpoint, error = %err,
+                    "approximate mode: the announced keys cannot be read (XREAD of the stream \
+                     <prefix>:hot fails; streams need Redis 5): every key is kept in step \
+                     until they can");
+            }
+            return;
+        }
     };
+    s.poll_failures.store(0, Ordering::Relaxed);
+    // Announcements can be read; and sent, unless the last ones failed.
+    s.stream_ok.store(
+        s.mark_failures.load(Ordering::Relaxed) == 0,
+        Ordering::Relaxed,
+    );
     let Some(entries) = values.first().and_then(stream_entries) else {
         return;
     };

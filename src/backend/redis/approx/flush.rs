@@ -63,11 +63,8 @@ pub(super) async fn run(shared: Weak<Shared>, wake: Arc<tokio::sync::Notify>) {
             // A sweep walks every key held (a million take tens of milliseconds): off the
             // runtime's threads, so that requests and flushes go on meanwhile; one at a time.
             if !s.sweeping.swap(true, Ordering::AcqRel) {
-                let swept = s.clone();
-                let run = move || {
-                    sweep(&swept);
-                    swept.sweeping.store(false, Ordering::Release);
-                };
+                let swept = Sweeping(s.clone());
+                let run = move || sweep(&swept.0);
                 match tokio::runtime::Handle::try_current() {
                     Ok(handle) => drop(handle.spawn_blocking(run)),
                     Err(_) => run(),
@@ -411,6 +408,16 @@ async fn call(s: &Shared, jobs: Vec<Job>) {
     }
 }
 
+/// Marks a sweep as over when dropped: after it ran, or if its runtime shut down before it
+/// could run (the next runtime's task sweeps again).
+struct Sweeping(Arc<Shared>);
+
+impl Drop for Sweeping {
+    fn drop(&mut self) {
+        self.0.sweeping.store(false, Ordering::Release);
+    }
+}
+
 /// Forgets keys whose counts have all left their windows and that owe Redis nothing.
 fn sweep(s: &Shared) {
     let now_us = s.now.us();
@@ -439,8 +446,13 @@ fn sweep(s: &Shared) {
     s.keys.fetch_sub(removed, Ordering::Relaxed);
     crate::metrics::approx_keys(-(removed as f64));
     if s.hot_keys.load(Ordering::Relaxed) > 0 {
-        s.hot.retain(|_, until| *until > now_us);
-        s.hot_keys.store(s.hot.len(), Ordering::Relaxed);
+        let mut gone = 0;
+        s.hot.retain(|_, until| {
+            let keep = *until > now_us;
+            gone += usize::from(!keep);
+            keep
+        });
+        s.hot_keys.fetch_sub(gone, Ordering::Relaxed);
     }
 }
 

@@ -133,7 +133,9 @@
 //!   sends its units with its next decision on it, and reads the fleet's counts; a key new to
 //!   it starts in step.
 //! - Before the fleet is counted (an announced fleet, in its first milliseconds or with Redis
-//!   down from the start) there is no allowance: every key is kept in step.
+//!   down from the start), and while announcements cannot be read or sent (before the first
+//!   read, a Redis before 5.0 without streams, a user without `XADD` or `XREAD`: logged as a
+//!   warning), there is no allowance: every key is kept in step, as with `allowance(0.0)`.
 //!
 //! What this adds to the bounds above: units the *other* instances admitted within their
 //! allowances and had not sent when the decision was made, at most each one's allowance.
@@ -525,6 +527,15 @@ pub(crate) struct Shared {
     marks: Mutex<Vec<(Box<[u8]>, u64)>>,
     /// The last announcement read (a stream id), empty before the first poll.
     cursor: Mutex<String>,
+    /// Whether announcements work: the last read of the stream succeeded and the last
+    /// announcement sent did not fail. Without them no key is quiet (an instance could not
+    /// tell the others to send theirs).
+    stream_ok: AtomicBool,
+    /// Announcements failed in a row, and when they may be sent again (monotonic ns).
+    mark_failures: AtomicU32,
+    /// Reads of the announcements failed in a row.
+    poll_failures: AtomicU32,
+    next_marks_ns: AtomicU64,
     /// The longest window of the policies prepared, in µs.
     longest_window_us: AtomicU64,
     granted: AtomicU64,
@@ -592,6 +603,10 @@ impl ApproxBackend {
                 hasher: RandomState::default(),
                 marks: Mutex::new(Vec::new()),
                 cursor: Mutex::new(String::new()),
+                stream_ok: AtomicBool::new(false),
+                mark_failures: AtomicU32::new(0),
+                poll_failures: AtomicU32::new(0),
+                next_marks_ns: AtomicU64::new(0),
                 longest_window_us: AtomicU64::new(0),
                 granted: AtomicU64::new(0),
                 exhausted: AtomicU64::new(0),
@@ -904,7 +919,8 @@ impl Shared {
                 .iter()
                 .zip(st.quotas.iter())
                 .any(|(spec, c)| c.read_due(spec, now_us, self.settle_us(spec)));
-        if read_due || take {
+        // Units held back while quiet go with the next flush, whatever this decision did.
+        if read_due || take || st.quotas.iter().any(Counts::owes) {
             self.enqueue(policy, entry, &mut st);
         }
         (decision, take && sync)
@@ -914,7 +930,7 @@ impl Shared {
     /// while the fleet has not been counted.
     fn allowance(&self, spec: &Spec) -> u32 {
         let n = self.fleet_size.load(Ordering::Relaxed);
-        if n == 0 {
+        if n == 0 || !self.stream_ok.load(Ordering::Relaxed) {
             return 0;
         }
         let part = u64::from(spec.params.burst.get()) * u64::from(self.mode.allowance) / 1000;
@@ -983,14 +999,36 @@ impl Shared {
         false
     }
 
+    /// Whether a key not quiet may become so at this decision: allowances on for every quota,
+    /// and the key not announced.
+    fn may_be_quiet(
+        &self,
+        policy: &PolicyShared,
+        entry: &Entry,
+        st: &EntryState,
+        now_us: u64,
+    ) -> bool {
+        self.mode.allowance > 0
+            && policy.specs.iter().all(|spec| self.allowance(spec) > 0)
+            && st.hot_until_us <= now_us
+            && (self.hot_keys.load(Ordering::Relaxed) == 0
+                || self
+                    .hot
+                    .get(&entry.base_hash)
+                    .is_none_or(|until| *until <= now_us))
+    }
+
     /// Announces the key with the next flush, and keeps it in step for its policy's longest
     /// window.
     fn mark(&self, policy: &PolicyShared, entry: &Entry, st: &mut EntryState, now_us: u64) {
         st.hot_until_us = now_us.saturating_add(policy.window_us);
-        self.marks
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push((entry.base.clone(), policy.window_us));
+        let mut marks = self.marks.lock().unwrap_or_else(|e| e.into_inner());
+        // Bounded while Redis is away: a key left out is still kept in step here, and the
+        // others hear of it when it is announced again (a window later).
+        if marks.len() < announce::MAX_PENDING {
+            marks.push((entry.base.clone(), policy.window_us));
+        }
+        drop(marks);
         self.urgent.store(true, Ordering::Relaxed);
         self.wake.notify_one();
     }
@@ -1148,12 +1186,13 @@ impl Backend for ApproxBackend {
                 .clone(),
         };
         let sync = shared.mode.writes == Writes::Sync && !shared.breaker_open();
-        // With allowances, only a key in step reads before deciding (a key within its
-        // allowance, or new here, decides at once; it reads once past its allowance).
+        // A key that is or may become quiet (within its allowance) decides at once; every
+        // other key reads before deciding, as without allowances.
         let stale = || {
             let now_us = shared.now.us();
             let st = entry.lock();
-            (shared.mode.allowance == 0 || (!st.quiet && st.hot_until_us > now_us))
+            !st.quiet
+                && !shared.may_be_quiet(p, &entry, &st, now_us)
                 && p.specs
                     .iter()
                     .zip(st.quotas.iter())
