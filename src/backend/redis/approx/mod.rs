@@ -955,19 +955,22 @@ impl Shared {
         {
             st.hot_until_us = st.hot_until_us.max(*until);
         }
-        if policy.specs.iter().any(|spec| self.allowance(spec) == 0) {
+        let allowances: SmallVec<[u32; 2]> = policy
+            .specs
+            .iter()
+            .map(|spec| self.allowance(spec))
+            .collect();
+        if allowances.contains(&0) {
             // No allowance (the fleet not counted yet, or a limit smaller than the fleet): kept
             // in step, units held until now sent with the next flush.
             st.quiet = false;
             return false;
         }
         let hot = st.hot_until_us > now_us;
-        let within =
-            || {
-                policy.specs.iter().zip(st.quotas.iter()).all(|(spec, c)| {
-                    c.own_estimate(spec, now_us) <= f64::from(self.allowance(spec))
-                })
-            };
+        let within = || {
+            (policy.specs.iter().zip(st.quotas.iter()).zip(&allowances))
+                .all(|((spec, c), &a)| c.own_estimate(spec, now_us) <= f64::from(a))
+        };
         if st.quiet {
             if hot {
                 st.quiet = false;
