@@ -413,47 +413,28 @@ fn the_approximate_mode_reports_allowances_and_over_admission() {
         assert_eq!(a.stats().allowances_exhausted, 1);
         assert_eq!(b.stats().allowances_recalled, 1);
     });
-    assert_eq!(
-        count(
-            &s,
+    // Both instances read the announcement (A its own).
+    for (name, label, expected) in [
+        ("tollgate_approx_allowances_total", ("event", "granted"), 2),
+        (
             "tollgate_approx_allowances_total",
-            &[("event", "granted")]
+            ("event", "exhausted"),
+            1,
         ),
-        2
-    );
-    assert_eq!(
-        count(
-            &s,
-            "tollgate_approx_allowances_total",
-            &[("event", "exhausted")]
-        ),
-        1
-    );
-    assert_eq!(
-        count(
-            &s,
-            "tollgate_approx_allowances_total",
-            &[("event", "recalled")]
-        ),
-        1
-    );
-    assert_eq!(
-        count(
-            &s,
+        ("tollgate_approx_allowances_total", ("event", "recalled"), 1),
+        (
             "tollgate_approx_announcements_total",
-            &[("direction", "sent")]
+            ("direction", "sent"),
+            1,
         ),
-        1
-    );
-    // Both instances read it (A its own).
-    assert_eq!(
-        count(
-            &s,
+        (
             "tollgate_approx_announcements_total",
-            &[("direction", "read")]
+            ("direction", "read"),
+            2,
         ),
-        2
-    );
+    ] {
+        assert_eq!(count(&s, name, &[label]), expected, "{name} {label:?}");
+    }
     // B's increment brought back 25: 5 over, seen once by B.
     assert_eq!(count(&s, "tollgate_approx_over_limit_units_total", &[]), 5);
 }

@@ -116,16 +116,24 @@ async fn passwords_from_the_url() {
     assert_eq!(wrong.stats().failing, Some(RedisFailure::Authentication));
 }
 
+/// Creates the ACL user `tollgate` (password `s3cret`, keys `tollgate:*`) allowed only
+/// `commands`, and returns a URL that logs in as it.
+fn acl_user(server: &RedisServer, commands: &str) -> String {
+    let acl = format!("ACL SETUSER tollgate on >s3cret ~tollgate:* resetchannels -@all {commands}");
+    let args: Vec<&str> = acl.split_whitespace().collect();
+    assert_eq!(server.cmd(&args).trim(), "+OK");
+    format!("redis://tollgate:s3cret@127.0.0.1:{}", server.port)
+}
+
 /// The least-privilege ACL user of docs/redis.md: decisions, script loading after a flush,
 /// resets and the probe all work with only these commands and keys.
 #[tokio::test]
 async fn a_least_privilege_acl_user_is_enough() {
     let server = RedisServer::start();
-    let acl = "ACL SETUSER tollgate on >s3cret ~tollgate:* resetchannels -@all \
-               +evalsha +eval +script|load +ping +del +get +set +time";
-    let args: Vec<&str> = acl.split_whitespace().collect();
-    assert_eq!(server.cmd(&args).trim(), "+OK");
-    let url = format!("redis://tollgate:s3cret@127.0.0.1:{}", server.port);
+    let url = acl_user(
+        &server,
+        "+evalsha +eval +script|load +ping +del +get +set +time",
+    );
     let b = RedisBackend::builder().url(url).build().unwrap();
     let p = prepare(&b, &Policy::new("acl", no_refill(2)));
     assert!(b.decide(&p, &key("k"), cost(1)).await.unwrap().is_allowed());
@@ -154,12 +162,11 @@ async fn the_documented_acl_covers_slots_and_the_fleet() {
     use tollgate::backend::Mode;
     use tollgate::backend::redis::Fleet;
     let server = RedisServer::start();
-    let acl = "ACL SETUSER tollgate on >s3cret ~tollgate:* resetchannels -@all \
-               +evalsha +eval +script|load +ping +del +get +set +time \
-               +zadd +zrem +zremrangebyscore +zcard +pexpire +pexpireat";
-    let args: Vec<&str> = acl.split_whitespace().collect();
-    assert_eq!(server.cmd(&args).trim(), "+OK");
-    let url = format!("redis://tollgate:s3cret@127.0.0.1:{}", server.port);
+    let url = acl_user(
+        &server,
+        "+evalsha +eval +script|load +ping +del +get +set +time \
+         +zadd +zrem +zremrangebyscore +zcard +pexpire +pexpireat",
+    );
     let make = || {
         RedisBackend::builder()
             .url(url.clone())
@@ -194,12 +201,11 @@ async fn the_documented_acl_covers_slots_and_the_fleet() {
 async fn the_documented_acl_covers_the_approximate_mode_and_its_allowances() {
     use tollgate::backend::redis::{Approximate, Fleet};
     let server = RedisServer::start();
-    let acl = "ACL SETUSER tollgate on >s3cret ~tollgate:* resetchannels -@all \
-               +incrby +mget +pexpire +del +set +eval +time +zadd +zremrangebyscore +zcard \
-               +xadd +xread";
-    let args: Vec<&str> = acl.split_whitespace().collect();
-    assert_eq!(server.cmd(&args).trim(), "+OK");
-    let url = format!("redis://tollgate:s3cret@127.0.0.1:{}", server.port);
+    let url = acl_user(
+        &server,
+        "+incrby +mget +pexpire +del +set +eval +time +zadd +zremrangebyscore +zcard \
+         +xadd +xread",
+    );
     let make = || {
         RedisBackend::builder()
             .url(url.clone())

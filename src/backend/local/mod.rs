@@ -788,29 +788,13 @@ where
         {
             return true;
         }
-        let elapsed = self.inner.elapsed_ns();
         (policy.limiters.iter().enumerate())
             .filter(|(i, q)| {
                 blocks(*i)
                     && !decision.quotas().iter().any(|s| s.index == *i)
                     && !q.params.is_concurrent()
             })
-            .any(|(i, q)| {
-                let state = match &q.counter {
-                    Counter::Window(store) => store.would(i, key, now_us, cost),
-                    Counter::Gcra { store, start, .. } => {
-                        let tat = (store.map.get(key)).map_or(0, |t| t.load(Ordering::Acquire));
-                        gcra_state(
-                            i,
-                            &q.params,
-                            cost,
-                            until(*start, tat, elapsed),
-                            Duration::ZERO,
-                        )
-                    }
-                };
-                denied(&state)
-            })
+            .any(|(i, q)| denied(&q.would(i, key, cost, &self.inner, now_us)))
     }
 
     // Always inlined: a policy without a penalty decides here, from `decide` (where `hold` is
@@ -911,14 +895,7 @@ where
         }
         let mut states = smallvec::SmallVec::<[QuotaState; 2]>::new();
         for (index, quota) in policy.limiters.iter().enumerate() {
-            let state = match &quota.counter {
-                Counter::Window(store) => store.would(index, key, inner.now_us(), cost),
-                Counter::Gcra { store, start, .. } => {
-                    let tat = (store.map.get(key)).map_or(0, |tat| tat.load(Ordering::Acquire));
-                    let rel = until(*start, tat, inner.elapsed_ns());
-                    gcra_state(index, &quota.params, cost, rel, Duration::ZERO)
-                }
-            };
+            let state = quota.would(index, key, cost, inner, inner.now_us());
             let stop = state.outcome != Outcome::Allowed;
             states.push(state);
             if stop {
@@ -1296,6 +1273,25 @@ impl<C: Clock> PreparedQuota<C> {
 
     /// The state of `key`'s bucket or window for a request that can never fit it, read
     /// without changing anything.
+    /// What this quota would say of `cost` now (windows at `now_us`), changing nothing.
+    fn would(
+        &self,
+        index: usize,
+        key: &Key,
+        cost: NonZeroU32,
+        inner: &Inner<C>,
+        now_us: u64,
+    ) -> QuotaState {
+        match &self.counter {
+            Counter::Window(store) => store.would(index, key, now_us, cost),
+            Counter::Gcra { store, start, .. } => {
+                let tat = (store.map.get(key)).map_or(0, |tat| tat.load(Ordering::Acquire));
+                let rel = until(*start, tat, inner.elapsed_ns());
+                gcra_state(index, &self.params, cost, rel, Duration::ZERO)
+            }
+        }
+    }
+
     fn peek(&self, index: usize, key: &Key, inner: &Inner<C>) -> QuotaState {
         match &self.counter {
             Counter::Gcra { store, start, .. } => {

@@ -34,16 +34,12 @@ const MARKS_PER_CALL: usize = 1_000;
 /// The longest wait before announcements that failed are sent again.
 const MAX_BACKOFF: Duration = Duration::from_secs(10);
 
-fn mono_ns(s: &Shared) -> u64 {
-    s.now_ns_mono()
-}
-
 /// Whether the fleet's count, this instance's announcements, or a read of the others' are due.
 pub(super) fn due(s: &Shared) -> bool {
     if s.mode.allowance == 0 {
         return false;
     }
-    let now = mono_ns(s);
+    let now = s.now_ns_mono();
     (now >= s.next_marks_ns.load(Ordering::Relaxed)
         && !s.marks.lock().unwrap_or_else(|e| e.into_inner()).is_empty())
         || (matches!(s.opts.fleet, Fleet::Announced { .. })
@@ -56,7 +52,7 @@ pub(super) fn until_due(s: &Shared) -> Duration {
     if s.mode.allowance == 0 {
         return Duration::MAX;
     }
-    let now = mono_ns(s);
+    let now = s.now_ns_mono();
     let count = match s.opts.fleet {
         Fleet::Announced { .. } => s.next_count_ns.load(Ordering::Relaxed),
         Fleet::Size(_) => u64::MAX,
@@ -76,7 +72,7 @@ pub(super) async fn exchange(s: &Arc<Shared>, force: bool) {
     if s.mode.allowance == 0 {
         return;
     }
-    let now = mono_ns(s);
+    let now = s.now_ns_mono();
     if let Fleet::Announced { every } = s.opts.fleet
         && (force || now >= s.next_count_ns.load(Ordering::Relaxed))
     {
@@ -133,7 +129,7 @@ fn stream_key(s: &Shared) -> String {
 /// logged as a warning (a Redis without streams, before 5.0; a user without `XADD`; a key of
 /// another type in the way).
 async fn send_marks(s: &Shared) {
-    if mono_ns(s) < s.next_marks_ns.load(Ordering::Relaxed) {
+    if s.now_ns_mono() < s.next_marks_ns.load(Ordering::Relaxed) {
         return;
     }
     let mut marks = std::mem::take(&mut *s.marks.lock().unwrap_or_else(|e| e.into_inner()));
@@ -174,7 +170,7 @@ async fn send_marks(s: &Shared) {
                     .saturating_mul(1 << failures.min(7))
                     .min(MAX_BACKOFF);
                 s.next_marks_ns.store(
-                    mono_ns(s)
+                    s.now_ns_mono()
                         .saturating_add(u64::try_from(backoff.as_nanos()).unwrap_or(u64::MAX)),
                     Ordering::Relaxed,
                 );

@@ -949,12 +949,7 @@ impl Shared {
         st: &mut EntryState,
         now_us: u64,
     ) -> bool {
-        if st.hot_until_us <= now_us
-            && self.hot_keys.load(Ordering::Relaxed) > 0
-            && let Some(until) = self.hot.get(&entry.base_hash)
-        {
-            st.hot_until_us = st.hot_until_us.max(*until);
-        }
+        st.hot_until_us = self.announced_until(entry, st, now_us);
         let allowances: SmallVec<[u32; 2]> = policy
             .specs
             .iter()
@@ -1013,12 +1008,18 @@ impl Shared {
     ) -> bool {
         self.mode.allowance > 0
             && policy.specs.iter().all(|spec| self.allowance(spec) > 0)
-            && st.hot_until_us <= now_us
-            && (self.hot_keys.load(Ordering::Relaxed) == 0
-                || self
-                    .hot
-                    .get(&entry.base_hash)
-                    .is_none_or(|until| *until <= now_us))
+            && self.announced_until(entry, st, now_us) <= now_us
+    }
+
+    /// Until when (µs) the key is kept in step: as this instance last knew, or, once that has
+    /// passed, as the announcements read since say.
+    fn announced_until(&self, entry: &Entry, st: &EntryState, now_us: u64) -> u64 {
+        if st.hot_until_us > now_us || self.hot_keys.load(Ordering::Relaxed) == 0 {
+            return st.hot_until_us;
+        }
+        self.hot
+            .get(&entry.base_hash)
+            .map_or(st.hot_until_us, |until| st.hot_until_us.max(*until))
     }
 
     /// Announces the key with the next flush, and keeps it in step for its policy's longest
