@@ -163,7 +163,9 @@ impl Job {
     fn commands(&self, pipe: &mut redis::Pipeline) {
         for &(q, slice, units, ttl) in &self.writes {
             let spec = &self.policy.specs[q];
-            let key = self.entry.redis_key(spec, slice);
+            let key = self
+                .entry
+                .redis_key(&self.policy, &self.shared, spec, slice);
             pipe.cmd("INCRBY").arg(&key).arg(units);
             // Once per sub-window and instance (the first increment Redis confirms sets it), and
             // again when an increment finds the counter gone.
@@ -175,7 +177,10 @@ impl Job {
             let spec = &self.policy.specs[q];
             let mget = pipe.cmd("MGET");
             for slice in first..first + n as u64 {
-                mget.arg(self.entry.redis_key(spec, slice));
+                mget.arg(
+                    self.entry
+                        .redis_key(&self.policy, &self.shared, spec, slice),
+                );
             }
         }
     }
@@ -430,7 +435,11 @@ fn sweep(s: &Shared) {
         .collect();
     let mut removed = 0;
     for p in policies {
-        p.entries.retain(|_, e| {
+        p.entries.retain(|_, held| {
+            if held.busy_until_us.load(Ordering::Relaxed) > now_us {
+                return true; // decided on too recently to be idle
+            }
+            let e = &held.entry;
             if Arc::strong_count(e) > 1 {
                 return true; // a decision or a flush holds it
             }

@@ -178,7 +178,8 @@
 //!
 //! # Memory
 //!
-//! One entry per key in use, of a few dozen bytes plus 20 bytes per sub-window kept; entries
+//! One entry per key in use, of about a hundred bytes plus 20 bytes per sub-window kept (its
+//! Redis key name only once the key is sent, read or announced); entries
 //! whose windows have passed are swept every second, also while Redis is down, and about
 //! [`max_keys`](Approximate::max_keys) are held at most (1 000 000 by default; concurrent
 //! inserts may overshoot by a few): while that many are held, requests on new keys are denied
@@ -192,7 +193,7 @@ use std::hash::BuildHasher;
 use std::num::NonZeroU32;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -380,7 +381,7 @@ pub(crate) struct PolicyShared {
     window_us: u64,
     /// `<prefix>:{<policy>:`
     key_prefix: Vec<u8>,
-    entries: DashMap<Key, Arc<Entry>, RandomState>,
+    entries: DashMap<Key, Held, RandomState>,
     /// The backend's count of keys held, which this policy's keys leave when it is dropped.
     held: Arc<AtomicUsize>,
 }
@@ -392,12 +393,34 @@ impl Drop for PolicyShared {
     }
 }
 
+impl PolicyShared {
+    /// When (µs) every count of a key decided at `now_us` will have left its windows: the
+    /// earliest a sweep may forget it, if nothing else happens to it.
+    fn idle_at(&self, now_us: u64) -> u64 {
+        self.specs
+            .iter()
+            .map(|spec| (spec.slice_at(now_us) + spec.kept as u64).saturating_mul(spec.slice_us))
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+/// A key's entry as its policy's table holds it.
+pub(crate) struct Held {
+    entry: Arc<Entry>,
+    /// Until when (µs) the key surely has counts in a window ([`PolicyShared::idle_at`] of
+    /// its last decision): a sweep passes it by without reading the entry, which at a million
+    /// keys is a cache miss each.
+    busy_until_us: AtomicU64,
+}
+
 /// One key's counts under one policy.
 pub(crate) struct Entry {
-    /// `<prefix>:{<policy>:<key>}:`, the hash-tagged start of its Redis keys.
-    base: Box<[u8]>,
-    /// `base` hashed, to look it up among the keys announced by other instances.
-    base_hash: u64,
+    key: Key,
+    /// `<prefix>:{<policy>:<key>}:`, the hash-tagged start of its Redis keys, and its hash (to
+    /// look it up among the keys announced by other instances): made the first time the key
+    /// is sent, read or looked up, never for a key that stays quiet.
+    base: OnceLock<(Box<[u8]>, u64)>,
     state: Mutex<EntryState>,
 }
 
@@ -436,9 +459,19 @@ impl Entry {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// The hash-tagged start of the key's Redis keys, and its hash.
+    fn base(&self, policy: &PolicyShared, s: &Shared) -> &(Box<[u8]>, u64) {
+        self.base.get_or_init(|| {
+            let mut base = Vec::new();
+            keys::key_base(&policy.key_prefix, &self.key, &mut base);
+            let hash = s.hasher.hash_one(&base[..]);
+            (base.into_boxed_slice(), hash)
+        })
+    }
+
     /// The Redis key of quota `spec`'s sub-window `slice`.
-    fn redis_key(&self, spec: &Spec, slice: u64) -> Vec<u8> {
-        counter_key(&self.base, spec, slice)
+    fn redis_key(&self, policy: &PolicyShared, s: &Shared, spec: &Spec, slice: u64) -> Vec<u8> {
+        counter_key(&self.base(policy, s).0, spec, slice)
     }
 }
 
@@ -845,8 +878,8 @@ impl Shared {
         entry: &Arc<Entry>,
         cost: NonZeroU32,
         mode: Mode,
+        now_us: u64,
     ) -> (Decision, bool) {
-        let now_us = self.now.us();
         let sync = self.mode.writes == Writes::Sync && !self.breaker_open();
         let mut st = entry.lock();
         let mut codes: SmallVec<[Code; 2]> = SmallVec::new();
@@ -949,7 +982,7 @@ impl Shared {
         st: &mut EntryState,
         now_us: u64,
     ) -> bool {
-        st.hot_until_us = self.announced_until(entry, st, now_us);
+        st.hot_until_us = self.announced_until(policy, entry, st, now_us);
         let allowances: SmallVec<[u32; 2]> = policy
             .specs
             .iter()
@@ -1008,17 +1041,23 @@ impl Shared {
     ) -> bool {
         self.mode.allowance > 0
             && policy.specs.iter().all(|spec| self.allowance(spec) > 0)
-            && self.announced_until(entry, st, now_us) <= now_us
+            && self.announced_until(policy, entry, st, now_us) <= now_us
     }
 
     /// Until when (µs) the key is kept in step: as this instance last knew, or, once that has
     /// passed, as the announcements read since say.
-    fn announced_until(&self, entry: &Entry, st: &EntryState, now_us: u64) -> u64 {
+    fn announced_until(
+        &self,
+        policy: &PolicyShared,
+        entry: &Entry,
+        st: &EntryState,
+        now_us: u64,
+    ) -> u64 {
         if st.hot_until_us > now_us || self.hot_keys.load(Ordering::Relaxed) == 0 {
             return st.hot_until_us;
         }
         self.hot
-            .get(&entry.base_hash)
+            .get(&entry.base(policy, self).1)
             .map_or(st.hot_until_us, |until| st.hot_until_us.max(*until))
     }
 
@@ -1026,11 +1065,12 @@ impl Shared {
     /// window.
     fn mark(&self, policy: &PolicyShared, entry: &Entry, st: &mut EntryState, now_us: u64) {
         st.hot_until_us = now_us.saturating_add(policy.window_us);
+        let base = entry.base(policy, self).0.clone();
         let mut marks = self.marks.lock().unwrap_or_else(|e| e.into_inner());
         // Bounded while Redis is away: a key left out is still kept in step here, and the
         // others hear of it when it is announced again (a window later).
         if marks.len() < announce::MAX_PENDING {
-            marks.push((entry.base.clone(), policy.window_us));
+            marks.push((base, policy.window_us));
         }
         drop(marks);
         self.urgent.store(true, Ordering::Relaxed);
@@ -1166,34 +1206,39 @@ impl Backend for ApproxBackend {
         let shared = &self.shared;
         shared.start();
         let p = &policy.inner;
+        let now_us = shared.now.us();
+        let idle_at = p.idle_at(now_us);
         let entry = match p.entries.get(key) {
-            Some(e) => e.clone(),
+            Some(held) => {
+                held.busy_until_us.store(idle_at, Ordering::Relaxed);
+                held.entry.clone()
+            }
             None if p.held.load(Ordering::Relaxed) >= shared.mode.max_keys => {
                 return ApproxFuture {
                     inner: FutureInner::Ready(Some(shared.refuse_full(p))),
                 };
             }
-            None => p
-                .entries
-                .entry(key.clone())
-                .or_insert_with(|| {
+            None => {
+                let held = p.entries.entry(key.clone()).or_insert_with(|| {
                     p.held.fetch_add(1, Ordering::Relaxed);
                     crate::metrics::approx_keys(1.0);
-                    let mut base = Vec::new();
-                    keys::key_base(&p.key_prefix, key, &mut base);
-                    Arc::new(Entry {
-                        base_hash: shared.hasher.hash_one(&base[..]),
-                        base: base.into_boxed_slice(),
-                        state: Mutex::new(EntryState::new(p)),
-                    })
-                })
-                .clone(),
+                    Held {
+                        entry: Arc::new(Entry {
+                            key: key.clone(),
+                            base: OnceLock::new(),
+                            state: Mutex::new(EntryState::new(p)),
+                        }),
+                        busy_until_us: AtomicU64::new(0),
+                    }
+                });
+                held.busy_until_us.store(idle_at, Ordering::Relaxed);
+                held.entry.clone()
+            }
         };
         let sync = shared.mode.writes == Writes::Sync && !shared.breaker_open();
         // A key that is or may become quiet (within its allowance) decides at once; every
         // other key reads before deciding, as without allowances.
         let stale = || {
-            let now_us = shared.now.us();
             let st = entry.lock();
             !st.quiet
                 && !shared.may_be_quiet(p, &entry, &st, now_us)
@@ -1210,7 +1255,8 @@ impl Backend for ApproxBackend {
             return ApproxFuture {
                 inner: FutureInner::Waiting(Box::pin(async move {
                     flush::read_now(&shared, &policy, &entry).await;
-                    let (decision, wait) = shared.decide_here(&policy, &entry, cost, mode);
+                    let now_us = shared.now.us();
+                    let (decision, wait) = shared.decide_here(&policy, &entry, cost, mode, now_us);
                     if wait {
                         shared.flushed().await;
                     }
@@ -1218,7 +1264,7 @@ impl Backend for ApproxBackend {
                 })),
             };
         }
-        let (decision, wait) = shared.decide_here(p, &entry, cost, mode);
+        let (decision, wait) = shared.decide_here(p, &entry, cost, mode, now_us);
         if !wait {
             return ApproxFuture {
                 inner: FutureInner::Ready(Some(decision)),
@@ -1246,7 +1292,7 @@ impl Backend for ApproxBackend {
             if let Some((_, old)) = p.entries.remove(&key) {
                 p.held.fetch_sub(1, Ordering::Relaxed);
                 crate::metrics::approx_keys(-1.0);
-                let mut st = old.lock();
+                let mut st = old.entry.lock();
                 st.quotas = p.specs.iter().map(Counts::new).collect();
             }
             let mut base = Vec::new();
