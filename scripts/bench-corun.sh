@@ -19,9 +19,18 @@
 #   BASE_BIN=...     the bench_server binary that runs BASE (default: the one built here): an
 #                    older build, to measure a change side by side, e.g.
 #                    BASE=local_outer BASE_BIN=old/bench_server MODES=local_outer
+#   `local_sliding`, `local_fixed`: the local backend on a never-reached one-second sliding or
+#                    fixed window (QUOTA) instead of GCRA.
+#   `redis_approx`:  the approximate Redis mode (asynchronous, on the same sliding window as
+#                    `local_sliding`), with a redis-server this script starts on core 0 (or
+#                    REDIS_URL). Its keys far from their limits cost Redis almost nothing
+#                    (about 0.0002 commands per request), so redis-server barely competes for
+#                    the core and the ratio is the mode's own cost per request, e.g.
+#                    BASE=local_sliding MODES=redis_approx KEYS=uniform:1000000
 #
-# Control: `none` against `none` must give 1.000. Redis modes are left out: redis-server would
-# be a third process competing for core 0 (use scripts/bench-http.sh's cpu_us for them).
+# Control: the base against itself must give 1.000. The exact Redis and SQL modes are left out:
+# their store would be a third busy process on core 0 (use scripts/bench-http.sh's cpu_us for
+# them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -45,22 +54,57 @@ command -v wrk >/dev/null || {
     [ "$(id -u)" -ne 0 ] && SUDO=sudo
     $SUDO apt-get install -y -qq wrk >/dev/null
 }
-echo "building bench_server (release)..." >&2
-cargo build --release --quiet --example bench_server --features "local axum"
+features="local axum"
+case " $BASE $MODES " in
+*" redis"*)
+    features="local axum redis"
+    if [ -z "${REDIS_URL:-}" ]; then
+        command -v redis-server >/dev/null || {
+            SUDO=""
+            [ "$(id -u)" -ne 0 ] && SUDO=sudo
+            $SUDO apt-get install -y -qq redis-server >/dev/null
+        }
+        REDIS_PORT=4923
+        REDIS_DIR=$(mktemp -d)
+        taskset -c 0 redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no \
+            --dir "$REDIS_DIR" --daemonize no >/dev/null &
+        REDIS_PID=$!
+        REDIS_URL="redis://127.0.0.1:$REDIS_PORT"
+        for _ in $(seq 1 50); do
+            redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1 && break
+            sleep 0.1
+        done
+        echo "redis-server on port $REDIS_PORT (core 0)" >&2
+    fi
+    export REDIS_URL
+    ;;
+esac
+echo "building bench_server (release, features: $features)..." >&2
+cargo build --release --quiet --example bench_server --features "$features"
 BIN="$TARGET/release/examples/bench_server"
 BASE_BIN=${BASE_BIN:-$BIN}
 
 PIDS=()
 OUT=$(mktemp -d)
-trap 'kill "${PIDS[@]}" 2>/dev/null || true; rm -rf "$OUT"' EXIT
+trap 'kill "${PIDS[@]}" ${REDIS_PID:-} 2>/dev/null || true; rm -rf "$OUT" ${REDIS_DIR:-}' EXIT
 
 start() { # mode port binary
-    local backend=$1 layer=route
+    local backend=$1 layer=route quota=()
     if [ "${backend%_outer}" != "$backend" ]; then
         backend=${backend%_outer}
         layer=outer
     fi
-    BACKEND=$backend LAYER=$layer PORT=$2 taskset -c 0 "$3" >/dev/null 2>&1 &
+    case "$backend" in
+    *_fixed)
+        backend=${backend%_fixed}
+        quota=("QUOTA=1000000000/s fixed")
+        ;;
+    *_sliding)
+        backend=${backend%_sliding}
+        quota=("QUOTA=1000000000/s sliding")
+        ;;
+    esac
+    env "${quota[@]}" BACKEND=$backend LAYER=$layer PORT=$2 taskset -c 0 "$3" >/dev/null 2>&1 &
     PIDS+=($!)
     for _ in $(seq 1 100); do
         (exec 3<>"/dev/tcp/127.0.0.1/$2") 2>/dev/null && return 0

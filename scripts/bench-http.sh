@@ -326,6 +326,7 @@ echo
 echo "medians over $ROUNDS rounds (ratio = median of the per-round ratios):"
 printf '%-21s %12s %10s %10s %8s %8s %10s %10s\n' mode req/s p50_us p99_us ratio cpu_us cpu_ratio redis_cmds
 median() { sort -g | awk '{ v[NR] = $1 } END { if (NR == 0) { print "-"; exit } if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
+three() { awk -v v="$1" 'BEGIN { if (v == "-") print "-"; else printf "%.3f", v }'; }
 for mode in "${modes[@]}"; do
     grep -q " $mode " "$RESULTS" || continue
     rps=$(awk -v m="$mode" '$2 == m {print $3}' "$RESULTS" | median)
@@ -339,7 +340,9 @@ for mode in "${modes[@]}"; do
     # CPU-bound core would give, less disturbed by a noisy machine.
     cpu_ratio=$(awk -v m="$mode" '
         $2 == "none" { bare[$1] = $6 } $2 == m { mine[$1] = $6 }
-        END { for (r in mine) if (mine[r] > 0) print bare[r] / mine[r] }' "$RESULTS" | median)
+        END { for (r in mine) if (mine[r] > 0 && bare[r] > 0) print bare[r] / mine[r] }' "$RESULTS" | median)
     cmds=$(awk -v m="$mode" '$2 == m && $7 != "-" {print $7}' "$RESULTS" | median)
-    printf '%-21s %12.0f %10.1f %10.1f %8.3f %8.2f %10.3f %10s\n' "$mode" "$rps" "$p50" "$p99" "$ratio" "$cpu" "$cpu_ratio" "$cmds"
+    # Without `none` among the modes there is no ratio to bare axum: "-".
+    printf '%-21s %12.0f %10.1f %10.1f %8s %8.2f %10s %10s\n' "$mode" "$rps" "$p50" "$p99" \
+        "$(three "$ratio")" "$cpu" "$(three "$cpu_ratio")" "$cmds"
 done
