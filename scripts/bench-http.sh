@@ -112,21 +112,10 @@ wait_up() {
 case " $MODES " in
 *" redis"*)
     if [ -z "${REDIS_URL:-}" ]; then
-        command -v redis-server >/dev/null || {
-            SUDO=""
-            [ "$(id -u)" -ne 0 ] && SUDO=sudo
-            $SUDO apt-get install -y -qq redis-server >/dev/null
-        }
         REDIS_PORT=$((PORT + 1000))
-        REDIS_DIR=$(mktemp -d)
-        $PIN_SERVER redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no \
-            --dir "$REDIS_DIR" --daemonize no >/dev/null &
-        REDIS_PID=$!
-        REDIS_URL="redis://127.0.0.1:$REDIS_PORT"
-        for _ in $(seq 1 50); do
-            redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1 && break
-            sleep 0.1
-        done
+        # shellcheck source=lib/bench-redis.sh
+        . scripts/lib/bench-redis.sh
+        bench_redis_start "$REDIS_PORT" $PIN_SERVER
         echo "redis-server on port $REDIS_PORT (core 0)" >&2
     fi
     export REDIS_URL

@@ -178,8 +178,8 @@
 //!
 //! # Memory
 //!
-//! One entry per key in use, of about a hundred bytes plus 20 bytes per sub-window kept (its
-//! Redis key name only once the key is sent, read or announced); entries
+//! One entry per key in use, of about a hundred bytes plus 20 bytes per sub-window kept (and
+//! its Redis key name once the key is sent or read, or looked up while keys are announced); entries
 //! whose windows have passed are swept every second, also while Redis is down, and about
 //! [`max_keys`](Approximate::max_keys) are held at most (1 000 000 by default; concurrent
 //! inserts may overshoot by a few): while that many are held, requests on new keys are denied
@@ -419,7 +419,8 @@ pub(crate) struct Entry {
     key: Key,
     /// `<prefix>:{<policy>:<key>}:`, the hash-tagged start of its Redis keys, and its hash (to
     /// look it up among the keys announced by other instances): made the first time the key
-    /// is sent, read or looked up, never for a key that stays quiet.
+    /// is sent, read or looked up among announcements (which a quiet key is only while some
+    /// key of the fleet is announced).
     base: OnceLock<(Box<[u8]>, u64)>,
     state: Mutex<EntryState>,
 }
@@ -878,8 +879,8 @@ impl Shared {
         entry: &Arc<Entry>,
         cost: NonZeroU32,
         mode: Mode,
-        now_us: u64,
     ) -> (Decision, bool) {
+        let now_us = self.now.us();
         let sync = self.mode.writes == Writes::Sync && !self.breaker_open();
         let mut st = entry.lock();
         let mut codes: SmallVec<[Code; 2]> = SmallVec::new();
@@ -1207,12 +1208,16 @@ impl Backend for ApproxBackend {
         shared.start();
         let p = &policy.inner;
         let now_us = shared.now.us();
-        let idle_at = p.idle_at(now_us);
-        let entry = match p.entries.get(key) {
-            Some(held) => {
-                held.busy_until_us.store(idle_at, Ordering::Relaxed);
-                held.entry.clone()
+        // A decision that may take units keeps the key from the sweep until its windows
+        // pass; a peek takes nothing, and leaves the hint as it was.
+        let hold = |held: &Held| {
+            if mode != Mode::Peek {
+                (held.busy_until_us).store(p.idle_at(now_us), Ordering::Relaxed);
             }
+            held.entry.clone()
+        };
+        let entry = match p.entries.get(key) {
+            Some(held) => hold(&held),
             None if p.held.load(Ordering::Relaxed) >= shared.mode.max_keys => {
                 return ApproxFuture {
                     inner: FutureInner::Ready(Some(shared.refuse_full(p))),
@@ -1231,8 +1236,7 @@ impl Backend for ApproxBackend {
                         busy_until_us: AtomicU64::new(0),
                     }
                 });
-                held.busy_until_us.store(idle_at, Ordering::Relaxed);
-                held.entry.clone()
+                hold(&held)
             }
         };
         let sync = shared.mode.writes == Writes::Sync && !shared.breaker_open();
@@ -1255,8 +1259,7 @@ impl Backend for ApproxBackend {
             return ApproxFuture {
                 inner: FutureInner::Waiting(Box::pin(async move {
                     flush::read_now(&shared, &policy, &entry).await;
-                    let now_us = shared.now.us();
-                    let (decision, wait) = shared.decide_here(&policy, &entry, cost, mode, now_us);
+                    let (decision, wait) = shared.decide_here(&policy, &entry, cost, mode);
                     if wait {
                         shared.flushed().await;
                     }
@@ -1264,7 +1267,7 @@ impl Backend for ApproxBackend {
                 })),
             };
         }
-        let (decision, wait) = shared.decide_here(p, &entry, cost, mode, now_us);
+        let (decision, wait) = shared.decide_here(p, &entry, cost, mode);
         if !wait {
             return ApproxFuture {
                 inner: FutureInner::Ready(Some(decision)),
