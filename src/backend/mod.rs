@@ -334,8 +334,8 @@ impl Decision {
     }
 
     /// The evaluated quotas. A backend that stops at the first denying quota (the local
-    /// backend) reports only the quotas up to and including it, or only the refusing quota
-    /// when it refuses before charging any bucket (a full key table). A cost larger than a
+    /// backend) reports only that quota: what the quotas before it took was given back, so
+    /// their states as the decision saw them no longer hold. A cost larger than a
     /// quota's burst is reported by that quota alone, on every backend (see
     /// [`new`](Self::new)).
     #[inline]

@@ -18,17 +18,16 @@
 //!   system time when the backend is built, then advanced by the monotonic clock), so that a
 //!   daily window ends at 00:00 UTC on every replica, as in Redis.
 //! - **Single-quota policies: a denied request consumes nothing.**
-//! - **Multi-quota policies are checked in order and stop at the first denial.** Governor cannot
-//!   test a bucket without updating it (governor#117), so when quota `i` denies, the units
-//!   already taken from quotas `0..i` stay taken. A multi-quota policy therefore never lets
-//!   through more than any of its quotas allows, but a request denied by a later quota may use
-//!   up capacity of an earlier one. Put the quota most likely to deny (usually the shortest
-//!   window) first: a request it denies touches nothing else. Window quotas are this crate's
-//!   own counters and are checked before anything is charged: a request a window refuses
-//!   takes nothing from any quota (they are charged after the GCRA quotas, so a GCRA denial
-//!   does not charge them either; only two concurrent requests racing for a window's last
-//!   units can see a window refuse after the GCRA quotas were charged). The Redis backend is
-//!   all-or-nothing.
+//! - **Multi-quota policies are all-or-nothing: a refused request takes nothing.** Window
+//!   quotas (this crate's own counters) are checked first, so that a request one of them
+//!   refuses touches nothing. Then the quotas are charged one by one (GCRA first: governor
+//!   cannot test a bucket without updating it, governor#117), and when one refuses (a later
+//!   GCRA quota, or a window or slot another request took meanwhile), what the quotas before
+//!   it took is given back: units to each bucket and window, the slot to a concurrent quota.
+//!   Each quota is updated atomically on its own, not all together: for the few instructions
+//!   between a charge and its give-back, a request racing on the same key may see those units
+//!   taken and be refused, never let through beyond a limit. The Redis and SQL stores decide
+//!   all quotas in one atomic step.
 //! - **Monotonic time.** The default clock is [`MonotonicClock`] (`std::time::Instant`), not
 //!   the TSC-based quanta clock that can go backwards between cores (governor#299). Tests
 //!   inject [`FakeRelativeClock`] with
@@ -864,11 +863,21 @@ where
                     Err(_insufficient) => quota.peek(index, key, inner),
                 },
             };
-            let stop = state.outcome != Outcome::Allowed;
-            states.push(state);
-            if stop {
-                break;
+            if state.outcome != Outcome::Allowed {
+                // All or nothing: what the quotas before this one took goes back.
+                if !states.is_empty() {
+                    let added = |i: usize| match policy.limiters.get(i) {
+                        Some(q) if matches!(q.counter, Counter::Gcra { .. }) => {
+                            q.params.emission_ns.saturating_mul(u64::from(cost.get()))
+                        }
+                        _ => u64::from(cost.get()),
+                    };
+                    self.undo(policy, key, &states, hold, added, now_us);
+                }
+                // Reported alone: the states of the quotas before it no longer hold.
+                return Decision::new([state]);
             }
+            states.push(state);
         }
         // Reported in policy order.
         if policy.windows {
@@ -910,10 +919,9 @@ where
     /// (the longest wait over them). The waits are worked out first from the buckets as they
     /// are, then each bucket is charged by compare-and-swap, checking its wait again: a
     /// reservation on a bucket another request changed meanwhile waits for it too (and is
-    /// refused, having charged the quotas before, if that is beyond `max_wait`: the local
-    /// backend's multi-quota policies are not all-or-nothing, see the module docs). In that
-    /// race, the quotas charged before the wait grew were charged as of the earlier time: a
-    /// request after it may pass them up to that difference early.
+    /// refused if that is beyond `max_wait`, what it took from the quotas before given back).
+    /// In that race, the quotas charged before the wait grew were charged as of the earlier
+    /// time: a request after it may pass them up to that difference early.
     fn reserve(
         &self,
         policy: &LocalPolicy<C>,
@@ -963,6 +971,7 @@ where
                 }
             }
         }
+        let mut steps = smallvec::SmallVec::<[(usize, u64); 2]>::new();
         let mut states = smallvec::SmallVec::<[QuotaState; 2]>::new();
         for (index, quota) in policy.limiters.iter().enumerate() {
             let state = match &quota.counter {
@@ -982,11 +991,12 @@ where
                         }
                         longest.set(w);
                         let next = tat.max(now.saturating_add(w)).saturating_add(step);
-                        Ok((next, Nanos::from(next.max(1))))
+                        Ok(((next, next - tat), Nanos::from(next.max(1))))
                     });
                     match charged {
-                        Ok(next) => {
+                        Ok((next, added)) => {
                             wait = longest.get();
+                            steps.push((index, added));
                             QuotaState::allowed(
                                 index,
                                 p,
@@ -997,11 +1007,19 @@ where
                     }
                 }
             };
-            let stop = state.outcome != Outcome::Allowed;
-            states.push(state);
-            if stop {
-                return Decision::from_states(states);
+            if state.outcome != Outcome::Allowed {
+                // All or nothing: what the quotas before this one took goes back (a bucket
+                // what this reservation added to it, its wait included).
+                if !states.is_empty() {
+                    let added = |i| {
+                        let gcra = steps.iter().find(|(at, _)| *at == i);
+                        gcra.map_or(u64::from(cost.get()), |s| s.1)
+                    };
+                    self.undo(policy, key, &states, false, added, || now_us);
+                }
+                return Decision::new([state]);
             }
+            states.push(state);
         }
         Decision::from_states(states).after(Duration::from_nanos(wait))
     }
@@ -1140,6 +1158,51 @@ where
     C: Clock + Clone + Send + Sync + 'static,
     C::Instant: Send + Sync,
 {
+    /// Gives back what a decision took from the quotas of `charged` (their states, allowed)
+    /// before a later quota refused it, so that a refused request takes nothing: units back to
+    /// every GCRA bucket and window (into the window they were counted in), and the slot of a
+    /// concurrent quota when the decision held one. Each give-back is an atomic step of its
+    /// own: a request racing this one may see the units taken for the few instructions between
+    /// the charge and the give-back (and be refused for it), never the other way round.
+    #[cold]
+    #[inline(never)]
+    fn undo(
+        &self,
+        policy: &LocalPolicy<C>,
+        key: &Key,
+        charged: &[QuotaState],
+        hold: bool,
+        added: impl Fn(usize) -> u64,
+        now_us: impl Fn() -> u64,
+    ) {
+            return;
+        }
+        for state in charged {
+            let Some(quota) = policy.limiters.get(state.index) else {
+                continue;
+            };
+            match &quota.counter {
+                Counter::Gcra { store, start, .. } => {
+                    let at = self.inner.elapsed_ns().saturating_sub(start.as_u64());
+                    give_back(store, key, added(state.index), at);
+                }
+                Counter::Window(store) if quota.params.is_concurrent() => {
+                    if hold {
+                        store.release(state.index, key);
+                    }
+                }
+                Counter::Window(store) => {
+                    let now_us = now_us();
+                    let refund = Settlement::Refund {
+                        units: u32::try_from(added(state.index)).unwrap_or(u32::MAX),
+                        admitted_us: now_us,
+                    };
+                    store.settle(state.index, key, now_us, refund);
+                }
+            }
+        }
+    }
+
     /// A request's end ([`Mode::Release`]): its slot back in every concurrent quota of `policy`.
     fn release(&self, policy: &LocalPolicy<C>, key: &Key) -> Decision {
         let states = policy.limiters.iter().enumerate();
@@ -1181,12 +1244,7 @@ where
                     let settled = match admitted_ago {
                         // A key without a bucket is full: nothing to give back. A bucket
                         // never fills past full (an arrival time before now).
-                        Some(_) => store.map.get(key).map_or(0, |tat| {
-                            swap(&tat, |tat| {
-                                let next = tat.saturating_sub(step).max(at);
-                                (next, next)
-                            })
-                        }),
+                        Some(_) => give_back(store, key, step, at),
                         None => {
                             let tat = entry(&store.map, key, &store.tracked, || AtomicU64::new(0));
                             swap(&tat, |tat| {
@@ -1202,6 +1260,18 @@ where
         }
         Decision::from_states(states)
     }
+}
+
+/// Takes `step` nanoseconds off `key`'s GCRA arrival time, never below `at` (the limiter's
+/// time now: a bucket never fills past full); returns the arrival time after it. A key without
+/// a bucket is full: nothing to give back.
+fn give_back(store: &StoreMap, key: &Key, step: u64, at: u64) -> u64 {
+    store.map.get(key).map_or(0, |tat| {
+        swap(&tat, |tat| {
+            let next = tat.saturating_sub(step).max(at);
+            (next, next)
+        })
+    })
 }
 
 /// Replaces `cell`'s value with the one `f` makes of it, atomically (compare-and-swap, again

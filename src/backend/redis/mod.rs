@@ -65,8 +65,8 @@
 //!   operations in the same order, so the numbers agree to the microsecond. One conformance
 //!   suite (the redis-cell `CL.THROTTLE` vectors, window boundaries, sliding windows of one and
 //!   of twelve sub-windows, among others) runs against both.
-//!   Multi-quota policies differ: all-or-nothing here, checked in order and stopping at the
-//!   first denial there. A changed quota starts from a fresh bucket on both (the quota's
+//!   Multi-quota policies are all-or-nothing on both (here in one atomic step; there by giving
+//!   back what earlier quotas took when a later one refuses). A changed quota starts from a fresh bucket on both (the quota's
 //!   parameters are part of its Redis key).
 //! - **Exact integer time.** Time comes from Redis `TIME` (never the instances' clocks, which
 //!   may disagree) and is kept in integer nanoseconds for GCRA, integer microseconds since the
