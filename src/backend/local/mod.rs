@@ -1175,8 +1175,6 @@ where
         added: impl Fn(usize) -> u64,
         now_us: impl Fn() -> u64,
     ) {
-            return;
-        }
         for state in charged {
             let Some(quota) = policy.limiters.get(state.index) else {
                 continue;
