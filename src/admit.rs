@@ -172,6 +172,9 @@ enum Step<Bk: Backend> {
     /// Wait mode, on a key the wrapped service paused: the pause is waited out, then the
     /// units reserved within what is left of the longest wait.
     Pausing(Pin<Box<tokio::time::Sleep>>, Key, NonZeroU32, Duration),
+    /// The request went away, its decision handed over ([`Admitting::abandon`]): never
+    /// polled again.
+    Abandoned,
 }
 
 /// Admission in the response future, for a decision a store makes over the network.
@@ -183,6 +186,16 @@ pub(crate) struct Admitting<K, Bk: Backend> {
 impl<K, Bk: Backend> Admitting<K, Bk> {
     pub(crate) fn new(shared: Arc<Shared<K, Bk>>, later: Box<Later<Bk>>) -> Self {
         Admitting { shared, later }
+    }
+
+    /// The decision the store is still making, taken out when the request goes away before it
+    /// lands, so that what it takes can be undone ([`see_through`](crate::settle::see_through)).
+    /// A request waiting out a pause has asked for nothing yet.
+    pub(crate) fn abandon(&mut self) -> Option<Bk::Future> {
+        match std::mem::replace(&mut self.later.step, Step::Abandoned) {
+            Step::Deciding(decision, _) => Some(decision),
+            Step::Pausing(..) | Step::Abandoned => None,
+        }
     }
 
     /// The verdict, once the store has answered (`headers`: the request's, for the form of a
@@ -223,6 +236,8 @@ impl<K, Bk: Backend> Admitting<K, Bk> {
                     let verdict = shared.verdict(policy, &result, headers);
                     return Poll::Ready(verdict.holding(later.slot.take()));
                 }
+                // Only after `abandon`, which the request's drop calls.
+                Step::Abandoned => return Poll::Pending,
             }
         }
     }

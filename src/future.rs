@@ -15,7 +15,7 @@ use crate::backend::Backend;
 use crate::body::{BodyMode, KeepBody};
 use crate::call::{Call, Wait};
 use crate::response::HeaderAdds;
-use crate::settle::{Settle, settle};
+use crate::settle::{Settle, see_through, settle, took};
 
 pin_project! {
     /// The future returned by [`RateLimit`](crate::RateLimit): a request's stages after
@@ -67,6 +67,26 @@ struct Pending<S, ReqBody, K, Bk: Backend> {
     admitting: Admitting<K, Bk>,
     call: Option<(S, Request<ReqBody>)>,
     settle: Option<Box<Settle<Bk>>>,
+}
+
+impl<S, ReqBody, K, Bk: Backend> Drop for Pending<S, ReqBody, K, Bk> {
+    /// The request went away while a store was deciding its admission: the decision is seen
+    /// through, and what it took is undone once it lands (its slot given back, its units by
+    /// the cancellation rule), as for a request dropped after its admission.
+    fn drop(&mut self) {
+        if let Some(settle) = self.settle.take()
+            && let Some(decision) = self.admitting.abandon()
+        {
+            see_through(decision, move |result| {
+                let mut settle = Some(settle);
+                if took(&result) {
+                    Settle::arm(&mut settle);
+                }
+                // Dropped armed: settled as cancelled.
+                drop(settle);
+            });
+        }
+    }
 }
 
 impl<S, ReqBody, K, Bk, M> ResponseFuture<S, ReqBody, K, Bk, M>

@@ -126,7 +126,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::backend::{Backend, Decision, Mode};
-use crate::settle::{next_lease, send};
+use crate::settle::{Landing, next_lease, send, took};
 use crate::wait::Pauses;
 use crate::{BackendError, ConfigError, Key, Policy};
 
@@ -302,9 +302,17 @@ impl<B: Backend> Limiter<B> {
             return Err(AcquireError::Paused(left));
         }
         let lease = next_lease();
-        let decision = (i.backend)
-            .decide_with(&i.policy, key, cost, Mode::Hold { lease })
-            .await?;
+        let decision = (i.backend).decide_with(&i.policy, key, cost, Mode::Hold { lease });
+        // Dropped before the store answers, the slot it may take is given back when it does.
+        let release = (i.holds_slots).then(|| (self.clone(), key.clone()));
+        let decision = Landing::new(decision, move |result| {
+            if let Some((limiter, key)) = release
+                && took(&result)
+            {
+                limiter.release(&key, lease);
+            }
+        })
+        .await?;
         if decision.never_fits() {
             return Err(AcquireError::NeverFits(decision));
         }
@@ -382,8 +390,9 @@ impl<B: Backend> Permit<B> {
 
     /// Ends the work, which cost `cost` units in all: the difference from the admitted cost is
     /// taken (into debt if need be) or given back (never past full), then the slot is given
-    /// back. On a store that does not settle (PostgreSQL, MySQL) a different cost is an error;
-    /// the slot is given back either way.
+    /// back. Every store settles (local, Redis, Redis Cluster, PostgreSQL, MySQL) but the
+    /// approximate Redis mode, where a different cost is an error; the slot is given back
+    /// either way.
     pub async fn settle(mut self, cost: u32) -> Result<(), BackendError> {
         let i = &self.limiter.inner;
         let admitted = self.cost.get();
@@ -420,17 +429,25 @@ impl<B: Backend> Drop for Permit<B> {
     /// The work is over: its slot is given back (at once in memory, else in a task of its own).
     fn drop(&mut self) {
         if self.open {
-            let i = &self.limiter.inner;
-            let release = Mode::Release { lease: self.lease };
-            send(
-                &i.backend,
-                &i.policy,
-                &i.name,
-                &self.key,
-                NonZeroU32::MIN,
-                release,
-            );
+            self.limiter.release(&self.key, self.lease);
         }
+    }
+}
+
+impl<B: Backend> Limiter<B> {
+    /// Gives back the slot held under `lease` on `key` (at once in memory, else in a task of
+    /// its own).
+    fn release(&self, key: &Key, lease: u64) {
+        let i = &self.inner;
+        let release = Mode::Release { lease };
+        send(
+            &i.backend,
+            &i.policy,
+            &i.name,
+            key,
+            NonZeroU32::MIN,
+            release,
+        );
     }
 }
 

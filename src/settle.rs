@@ -68,12 +68,12 @@ use std::task::{Context, Poll, Waker};
 
 use http::{Extensions, HeaderMap, HeaderName, Response, StatusCode};
 
-use crate::Key;
 use crate::admit::{Prepared, Shared};
-use crate::backend::{Backend, Mode};
+use crate::backend::{Backend, Decision, Mode};
 use crate::body::{BodyGuard, BodyMode, Held};
 use crate::response::{HeaderAdds, add_headers};
 use crate::wait::Pauses;
+use crate::{BackendError, Key};
 
 /// What a handler charges for its request, put in its response's extensions and read by
 /// [`CostFrom::extension`]: e.g. the tokens an LLM call used.
@@ -648,6 +648,85 @@ pub(crate) fn send<Bk: Backend>(
                 tracing::debug!(policy = name, ?mode, "settlement dropped: no runtime");
             }
         },
+    }
+}
+
+/// Whether a decision took anything for its request (units, a slot): an allowed decision with
+/// quota states. One without them let the request through untracked (a store failing open, a
+/// key the local backend's full table does not track).
+pub(crate) fn took(result: &Result<Decision, BackendError>) -> bool {
+    matches!(result, Ok(d) if d.is_allowed() && !d.quotas().is_empty())
+}
+
+/// Sees through a decision whose request went away while the store was still making it: the
+/// store may still take units or a slot for it, so it is awaited in a task of its own and
+/// `undo` is given what it answered, to give back what it took. Without a Tokio runtime
+/// (a decision dropped at the runtime's shutdown) it cannot be awaited: what it takes stays
+/// taken until its lease ends, and a debug line says so.
+pub(crate) fn see_through<F, U>(decision: F, undo: U)
+where
+    F: Future<Output = Result<Decision, BackendError>> + Send + Unpin + 'static,
+    U: FnOnce(Result<Decision, BackendError>) + Send + 'static,
+{
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => {
+            runtime.spawn(async move { undo(decision.await) });
+        }
+        Err(_) => tracing::debug!("a decision in flight dropped without a runtime: not undone"),
+    }
+}
+
+/// A decision that undoes what it took when dropped before it lands (see [`see_through`]).
+pub(crate) struct Landing<F, U>
+where
+    F: Future<Output = Result<Decision, BackendError>> + Send + Unpin + 'static,
+    U: FnOnce(Result<Decision, BackendError>) + Send + Unpin + 'static,
+{
+    decision: Option<F>,
+    undo: Option<U>,
+}
+
+impl<F, U> Landing<F, U>
+where
+    F: Future<Output = Result<Decision, BackendError>> + Send + Unpin + 'static,
+    U: FnOnce(Result<Decision, BackendError>) + Send + Unpin + 'static,
+{
+    pub(crate) fn new(decision: F, undo: U) -> Self {
+        Landing {
+            decision: Some(decision),
+            undo: Some(undo),
+        }
+    }
+}
+
+impl<F, U> Future for Landing<F, U>
+where
+    F: Future<Output = Result<Decision, BackendError>> + Send + Unpin + 'static,
+    U: FnOnce(Result<Decision, BackendError>) + Send + Unpin + 'static,
+{
+    type Output = Result<Decision, BackendError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let Some(decision) = self.decision.as_mut() else {
+            return Poll::Pending;
+        };
+        let result = std::task::ready!(Pin::new(decision).poll(cx));
+        // Landed: the caller has it, nothing to undo.
+        self.decision = None;
+        self.undo = None;
+        Poll::Ready(result)
+    }
+}
+
+impl<F, U> Drop for Landing<F, U>
+where
+    F: Future<Output = Result<Decision, BackendError>> + Send + Unpin + 'static,
+    U: FnOnce(Result<Decision, BackendError>) + Send + Unpin + 'static,
+{
+    fn drop(&mut self) {
+        if let (Some(decision), Some(undo)) = (self.decision.take(), self.undo.take()) {
+            see_through(decision, undo);
+        }
     }
 }
 

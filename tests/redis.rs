@@ -1348,3 +1348,79 @@ async fn the_deny_cache_answers_a_blocked_key() {
     }
     assert_eq!(b.stats().script_calls, calls, "no call to Redis");
 }
+
+/// A request whose future is dropped while its decision is at the store (the client went away
+/// while Redis was slow): the decision still lands, and what it took is undone once it does,
+/// its slot given back, its units refunded when the policy refunds cancelled requests.
+#[tokio::test]
+async fn a_request_dropped_while_its_decision_is_at_the_store_takes_nothing() {
+    use axum::body::Body;
+    use tollgate::settle::{Cancelled, ChargeWhen};
+    use tower::{Layer, ServiceExt};
+    let server = RedisServer::start();
+    let hour = Duration::from_secs(3600);
+    for policy in [
+        Policy::new("slot", Quota::concurrent(1).lease(Duration::from_secs(60))),
+        Policy::new("refunded", Quota::new(1, hour))
+            .charge_when(ChargeWhen::status([200]))
+            .on_cancel(Cancelled::Refund),
+    ] {
+        let name = policy.name().to_owned();
+        let layer = RateLimitLayer::builder()
+            .policy(policy)
+            .key(Global)
+            .backend(uncached(&server).build().unwrap())
+            .build()
+            .unwrap();
+        let svc = layer.layer(tower::service_fn(|_req: http::Request<Body>| async {
+            Ok::<_, std::convert::Infallible>(http::Response::new(Body::empty()))
+        }));
+        let call = || svc.clone().oneshot(http::Request::new(Body::empty()));
+        // Redis frozen: the decision is sent, and the request goes away before it lands.
+        server.pause();
+        let dropped = tokio::time::timeout(Duration::from_millis(100), call()).await;
+        assert!(dropped.is_err(), "{name}: answered while Redis was frozen");
+        server.resume();
+        let start = Instant::now();
+        loop {
+            let status = call().await.unwrap().status();
+            if status == 200 {
+                break;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(5),
+                "{name}: still {status} 5 s after Redis answered again"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// The same for a `Limiter::admit` future dropped while the store decides: the slot it took is
+/// given back when the decision lands.
+#[tokio::test]
+async fn a_dropped_admit_gives_its_slot_back_once_the_decision_lands() {
+    use tollgate::limiter::Limiter;
+    let server = RedisServer::start();
+    let policy = Policy::new("admit", Quota::concurrent(1).lease(Duration::from_secs(60)));
+    let limiter = Limiter::new(policy, uncached(&server).build().unwrap()).unwrap();
+    let k = key("k");
+    server.pause();
+    let dropped = tokio::time::timeout(Duration::from_millis(100), limiter.admit(&k, cost(1)));
+    assert!(dropped.await.is_err());
+    server.resume();
+    let start = Instant::now();
+    let permit = loop {
+        match limiter.admit(&k, cost(1)).await {
+            Ok(permit) => break permit,
+            Err(err) => assert!(
+                start.elapsed() < Duration::from_secs(5),
+                "the slot is still held 5 s after Redis answered again: {err}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    // Exactly once: the slot is held by this permit alone.
+    assert!(limiter.admit(&k, cost(1)).await.is_err());
+    drop(permit);
+}
