@@ -131,6 +131,9 @@ end
 
 local now_ms = floor(now_us / 1000)
 local CLAMP = 9000000000000000000
+-- The largest count of a window: 2^32 - 1 on every store (counts are packed in 32 bits here
+-- and in the local backend); a debit past it saturates.
+local MAXC = 4294967295
 
 -- Microseconds from now until a request of `cost` (at most `limit`) fits in a sliding window
 -- whose counts are c[1..m] (oldest first, summing to `total`), `r` us into the current
@@ -399,7 +402,11 @@ for _ = 1, tonumber(ARGV[a], 16) do
               end
             end
           elseif op == '4' then
+            -- A count saturates at 2^32 - 1, as on every store (it is packed in 32 bits).
             st = st + cost
+            if st > MAXC then
+              st = MAXC
+            end
             if not dq[key] then
               dq[key] = g
               nd = nd + 1
@@ -431,8 +438,12 @@ for _ = 1, tonumber(ARGV[a], 16) do
               end
             end
           elseif op == '4' then
-            st[m] = st[m] + cost
-            st[m + 1] = st[m + 1] + cost
+            local new = st[m] + cost
+            if new > MAXC then
+              new = MAXC
+            end
+            st[m + 1] = st[m + 1] + (new - st[m])
+            st[m] = new
             if not dq[key] then
               dq[key] = g
               nd = nd + 1

@@ -134,7 +134,7 @@ BEGIN
     DECLARE dhead VARCHAR(64);
     -- The decision's op and arg; whether a quota refused it (code 1: a block starts); the
     -- leases being filtered (li, lnum, lpart, lx, lmax, lcs) and a refund's sub-window (ip).
-    DECLARE op, arg, lx, lmax BIGINT DEFAULT 0;
+    DECLARE op, arg, lx, lmax, lastc, lastd BIGINT DEFAULT 0;
     DECLARE refusal TINYINT DEFAULT 0;
     -- The quotas that refused the decision (code 1), a bit each: the block's mask picks.
     DECLARE refused_bits BIGINT UNSIGNED DEFAULT 0;
@@ -344,7 +344,8 @@ BEGIN
                             SET cur = GREATEST(cur - cost, 0);
                             SET ra = w, rn = cur, rc = NULL, rexp = (w + 1) * qa, dirty = 1;
                         ELSEIF op = 4 THEN
-                            SET cur = cur + cost;
+                            -- A count saturates at 2^32 - 1, as on every store.
+                            SET cur = LEAST(cur + cost, 4294967295);
                             SET ra = w, rn = cur, rc = NULL, rexp = (w + 1) * qa, dirty = 1;
                         END IF;
                     ELSEIF kind = 2 THEN
@@ -365,9 +366,11 @@ BEGIN
                                 SET ra = newest, rn = total, rc = cs, rexp = (newest + m) * qa, dirty = 1;
                             END IF;
                         ELSEIF op = 4 THEN
-                            SET cs = CONCAT(SUBSTRING_INDEX(cs, ',', m - 1), ',',
-                                CAST(SUBSTRING_INDEX(cs, ',', -1) AS SIGNED) + cost);
-                            SET total = total + cost;
+                            -- A count saturates at 2^32 - 1, as on every store.
+                            SET lastc = CAST(SUBSTRING_INDEX(cs, ',', -1) AS SIGNED);
+                            SET lastd = LEAST(lastc + cost, 4294967295) - lastc;
+                            SET cs = CONCAT(SUBSTRING_INDEX(cs, ',', m - 1), ',', lastc + lastd);
+                            SET total = total + lastd;
                             SET ra = newest, rn = total, rc = cs, rexp = (newest + m) * qa, dirty = 1;
                         END IF;
                     ELSEIF kind = 3 THEN

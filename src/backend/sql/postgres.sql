@@ -300,7 +300,8 @@ BEGIN
                             dirty[s] := true;
                         END IF;
                     ELSIF op = 4 THEN
-                        st[s] := st[s] + cost;
+                        -- A count saturates at 2^32 - 1, as on every store.
+                        st[s] := least(st[s] + cost, 4294967295);
                         dirty[s] := true;
                     END IF;
                     reply[nr + 1] := 0;
@@ -323,8 +324,9 @@ BEGIN
                             dirty[s] := true;
                         END IF;
                     ELSIF op = 4 THEN
-                        cs[o + m] := cs[o + m] + cost;
-                        rest[s] := rest[s] + cost;
+                        r := least(cs[o + m] + cost, 4294967295) - cs[o + m];
+                        cs[o + m] := cs[o + m] + r;
+                        rest[s] := rest[s] + r;
                         dirty[s] := true;
                     END IF;
                     reply[nr + 1] := 0;
