@@ -141,7 +141,10 @@ impl From<ResponseBody<axum::body::Body>> for axum::body::Body {
     fn from(body: ResponseBody<axum::body::Body>) -> Self {
         match body.kind {
             Kind::Inner { body, guard: None } => body,
-            Kind::Inner { body, guard } => axum::body::Body::new(Guarded { body, guard }),
+            Kind::Inner {
+                body,
+                guard: Some(guard),
+            } => axum::body::Body::new(Guarded::new(body, guard)),
             Kind::Full { data: Some(data) } => axum::body::Body::from(data),
             Kind::Full { data: None } => axum::body::Body::empty(),
         }
@@ -175,8 +178,18 @@ impl BodyGuard {
     }
 
     /// The body is complete as it is (one that cannot hold the guard): whatever waited for its
-    /// end is done now, and the guard is dropped.
+    /// end is done now, and the guard is dropped. Counted as a body of no bytes: for a body
+    /// that holds data, use [`finish_sent`](Self::finish_sent).
     pub fn finish(mut self) {
+        self.0.ended();
+    }
+
+    /// The body is complete as it is and sends `bytes` bytes of data (its exact size, e.g.
+    /// from [`Body::size_hint`]): what waits for its end is done now, with those bytes counted
+    /// ([`CostFrom::response_bytes`](crate::settle::CostFrom::response_bytes)), and the guard
+    /// is dropped.
+    pub fn finish_sent(mut self, bytes: u64) {
+        self.0.data(bytes);
         self.0.ended();
     }
 
@@ -355,6 +368,13 @@ impl RateLimitBody for http_body_util::Full<Bytes> {
     fn rejection(data: Bytes) -> Self {
         http_body_util::Full::new(data)
     }
+
+    /// A full body cannot hold the guard: it is finished at once, with the body's bytes
+    /// counted (a full body's size is exact).
+    fn hold(self, guard: BodyGuard) -> Self {
+        guard.finish_sent(Body::size_hint(&self).exact().unwrap_or(0));
+        self
+    }
 }
 
 impl<E: 'static> RateLimitBody for http_body_util::combinators::BoxBody<Bytes, E> {
@@ -471,7 +491,7 @@ impl<B: RateLimitBody> BodyMode<B> for KeepBody {
     }
 }
 
-impl<B> BodyMode<B> for WrapBody {
+impl<B: Body> BodyMode<B> for WrapBody {
     type Body = ResponseBody<B>;
 
     fn pass(body: B) -> ResponseBody<B> {
@@ -482,12 +502,9 @@ impl<B> BodyMode<B> for WrapBody {
         ResponseBody::full(data)
     }
 
+    /// A body already at its end (an empty one, which a server may drop unpolled) finishes the
+    /// guard at once: it has ended, not been cancelled.
     fn hold(res: http::Response<B>, guard: BodyGuard) -> http::Response<ResponseBody<B>> {
-        res.map(|body| ResponseBody {
-            kind: Kind::Inner {
-                body,
-                guard: Some(guard),
-            },
-        })
+        res.map(|body| ResponseBody::inner(body).hold(guard))
     }
 }

@@ -722,3 +722,131 @@ async fn uploads_cost_their_content_length() {
         "{answer}"
     );
 }
+
+/// A layer over a service answering `respond()`, on the local backend, keyed globally.
+fn layered<B, F>(
+    policy: Policy,
+    respond: F,
+) -> impl tower::Service<
+    http::Request<String>,
+    Response = http::Response<B>,
+    Error = std::convert::Infallible,
+> + Clone
+where
+    B: tollgate::body::RateLimitBody + Send + 'static,
+    F: Fn() -> http::Response<B> + Clone + Send + 'static,
+{
+    use tower::Layer;
+    let layer = RateLimitLayer::builder()
+        .key(tollgate::key::Global)
+        .backend(
+            LocalBackend::builder()
+                .clock(FakeRelativeClock::default())
+                .build(),
+        )
+        .policy(policy)
+        .build()
+        .unwrap();
+    layer.layer(tower::service_fn(move |_req: http::Request<String>| {
+        let respond = respond.clone();
+        async move { Ok::<_, std::convert::Infallible>(respond()) }
+    }))
+}
+
+/// A handler answering `Full<Bytes>` (a body that cannot hold the guard, finished with its
+/// head) is charged its bytes, not nothing.
+#[tokio::test]
+async fn a_full_body_is_charged_its_bytes() {
+    use http_body_util::Full;
+    use tower::ServiceExt;
+    let policy =
+        Policy::new("bytes", Quota::per_hour(1000).bytes()).cost_from(CostFrom::response_bytes());
+    let svc = layered(policy, || {
+        http::Response::new(Full::new(bytes::Bytes::from(vec![b'x'; 450])))
+    });
+    let mut seen = Vec::new();
+    for _ in 0..4 {
+        let res = svc.clone().oneshot(http::Request::new(String::new())).await;
+        seen.push(res.unwrap().status().as_u16());
+    }
+    // 450 + 450 + 450 of 1000: the third goes into debt, the fourth is refused.
+    assert_eq!(seen, [200, 200, 200, 429]);
+}
+
+/// An empty body has ended, whether or not the server polls it (hyper drops an empty body
+/// unpolled): a gRPC answer with `grpc-status: 0` and no body is free under a policy that
+/// charges failures only, with `wrap_body` and through its conversion to axum's body.
+#[tokio::test]
+async fn an_empty_body_dropped_unpolled_has_ended_not_been_cancelled() {
+    use http_body_util::Full;
+    use tower::ServiceExt;
+    let policy =
+        || Policy::new("grpc", Quota::per_minute(3)).charge_when(ChargeWhen::grpc_status([16]));
+    fn ok<B>(body: B) -> http::Response<B> {
+        let mut res = http::Response::new(body);
+        res.headers_mut()
+            .insert("grpc-status", HeaderValue::from_static("0"));
+        res
+    }
+    let wrapped = {
+        use tower::Layer;
+        let layer = RateLimitLayer::builder()
+            .key(tollgate::key::Global)
+            .backend(
+                LocalBackend::builder()
+                    .clock(FakeRelativeClock::default())
+                    .build(),
+            )
+            .policy(policy())
+            .build()
+            .unwrap()
+            .wrap_body();
+        layer.layer(tower::service_fn(
+            move |_req: http::Request<String>| async move {
+                Ok::<_, std::convert::Infallible>(ok(Full::new(bytes::Bytes::new())))
+            },
+        ))
+    };
+    let mut seen = Vec::new();
+    for _ in 0..5 {
+        let res = wrapped
+            .clone()
+            .oneshot(http::Request::new(String::new()))
+            .await
+            .unwrap();
+        seen.push(res.status().as_u16());
+        drop(res);
+    }
+    assert_eq!(seen, [200; 5], "wrap_body");
+    let converted = {
+        use tower::Layer;
+        let layer = RateLimitLayer::builder()
+            .key(tollgate::key::Global)
+            .backend(
+                LocalBackend::builder()
+                    .clock(FakeRelativeClock::default())
+                    .build(),
+            )
+            .policy(policy())
+            .build()
+            .unwrap()
+            .wrap_body();
+        layer.layer(tower::service_fn(
+            move |_req: http::Request<String>| async move {
+                Ok::<_, std::convert::Infallible>(ok(axum::body::Body::empty()))
+            },
+        ))
+    };
+    let mut seen = Vec::new();
+    for _ in 0..5 {
+        let res = converted
+            .clone()
+            .oneshot(http::Request::new(String::new()))
+            .await
+            .unwrap();
+        seen.push(res.status().as_u16());
+        // Converted to axum's body, then dropped unpolled.
+        drop(res.map(axum::body::Body::from));
+    }
+    assert_eq!(seen, [200; 5], "wrap_body, converted to axum's body");
+}

@@ -753,19 +753,32 @@ async fn count_edges<B: Backend>(backend: &B, who: &str) {
     let day = Duration::from_secs(86_400);
     for (name, quota) in [
         ("edge-fixed", Quota::new(4_000_000_000, day).fixed_window()),
-        ("edge-sliding", Quota::new(4_000_000_000, day).sliding_window()),
+        (
+            "edge-sliding",
+            Quota::new(4_000_000_000, day).sliding_window(),
+        ),
         ("edge-max", Quota::new(u32::MAX, day).fixed_window()),
     ] {
         let p = prepare(backend, &Policy::new(name, quota));
         let ask = |c: u32, mode: Mode| backend.decide_with(&p, &k, cost(c), mode);
         let limit = quota.count();
-        assert!(ask(1, Mode::Decide).await.unwrap().is_allowed(), "{who} {name}");
+        assert!(
+            ask(1, Mode::Decide).await.unwrap().is_allowed(),
+            "{who} {name}"
+        );
         let d = ask(2_199_999_999, Mode::Debit).await.unwrap();
-        assert_eq!(d.quotas()[0].remaining, limit - 2_200_000_000, "{who} {name}: {d:?}");
+        assert_eq!(
+            d.quotas()[0].remaining,
+            limit - 2_200_000_000,
+            "{who} {name}: {d:?}"
+        );
         let d = ask(2_200_000_000, Mode::Debit).await.unwrap();
         assert_eq!(d.quotas()[0].remaining, 0, "{who} {name}: in debt: {d:?}");
         let d = ask(1, Mode::Decide).await.unwrap();
-        assert!(!d.is_allowed(), "{who} {name}: a debt past 2^32 is kept: {d:?}");
+        assert!(
+            !d.is_allowed(),
+            "{who} {name}: a debt past 2^32 is kept: {d:?}"
+        );
         // The count saturated at 2^32 - 1: a refund of 1 takes it below that, not below 2^32.
         let refund = Mode::Refund {
             admitted_ago: Duration::ZERO,
