@@ -272,7 +272,8 @@ impl<B: Backend> Limiter<B> {
     }
 
     /// Forgets `key`'s buckets: its next request finds them full (an operator forgiving a
-    /// client).
+    /// client). Permits still held keep their slots of a concurrent quota, and give them back
+    /// when dropped (see [`Backend::reset`]).
     pub async fn reset(&self, key: &Key) -> Result<(), BackendError> {
         let i = &self.inner;
         i.backend.reset(&i.policy, key).await

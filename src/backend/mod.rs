@@ -84,7 +84,10 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Self::Future;
 
     /// Forgets `key`'s buckets under `policy`: its next request finds them full (an operator
-    /// forgiving a client). The default answers that the backend cannot.
+    /// forgiving a client), and its block (a penalty) is lifted. Requests in flight keep the
+    /// slots of a concurrent quota: they still run, and give their slots back when they end;
+    /// the cap on requests in flight holds through a reset. The same on every store of this
+    /// crate (in the conformance suite). The default answers that the backend cannot.
     fn reset(&self, policy: &Self::Policy, key: &Key) -> ResetFuture {
         let _ = (policy, key);
         Box::pin(std::future::ready(Err(BackendError::new(

@@ -742,6 +742,29 @@ pub async fn settlements<B: Backend>(backend: &B, advance: impl Fn(Duration), wh
     let d = ask(&slots, 2, refund(0)).await.unwrap();
     assert_eq!(seen(&d), [(true, 2), (true, 2)], "{who}: {d:?}");
 
+    // A reset forgets the hourly quota's units but not the slots of requests still in flight:
+    // they still run, and the cap holds through it.
+    let policy = Policy::new("reset-slots", Quota::concurrent(1)).and(Quota::per_hour(2));
+    let slots = prepare(backend, &policy);
+    assert!(
+        ask(&slots, 1, hold(11)).await.unwrap().is_allowed(),
+        "{who}"
+    );
+    backend.reset(&slots, &k).await.unwrap();
+    let d = ask(&slots, 1, hold(12)).await.unwrap();
+    assert!(
+        !d.is_allowed(),
+        "{who}: the slot in flight outlives the reset: {d:?}"
+    );
+    ask(&slots, 1, release(11)).await.unwrap();
+    let d = ask(&slots, 1, hold(12)).await.unwrap();
+    assert_eq!(
+        seen(&d),
+        [(true, 0), (true, 1)],
+        "{who}: the units were forgotten: {d:?}"
+    );
+    ask(&slots, 1, release(12)).await.unwrap();
+
     count_edges(backend, who).await;
 }
 

@@ -328,9 +328,9 @@ impl MysqlStore {
         Ok(())
     }
 
-    /// Deletes the rows of `key` under `policy`'s quotas.
+    /// Deletes the rows of `key` under `policy`'s quotas, but for slots in flight.
     pub(crate) async fn reset(&self, p: &Prepared, key: &Key) -> Result<u64, BackendError> {
-        let keys = sql::row_keys(p, key);
+        let keys = sql::reset_keys(p, key);
         let mut conn = self.conn().await.map_err(to_backend)?;
         let mut deleted = 0;
         for k in keys {

@@ -190,9 +190,9 @@ impl PgStore {
         tx.commit().await.map_err(|e| to_backend(pg_error(e)))
     }
 
-    /// Deletes the rows of `key` under `policy`'s quotas.
+    /// Deletes the rows of `key` under `policy`'s quotas, but for slots in flight.
     pub(crate) async fn reset(&self, p: &Prepared, key: &Key) -> Result<u64, BackendError> {
-        let keys = sql::row_keys(p, key);
+        let keys = sql::reset_keys(p, key);
         let client = self
             .pool
             .get()

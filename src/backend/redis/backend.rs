@@ -188,13 +188,19 @@ impl Backend for RedisBackend {
         self.remote.decide(&policy.inner, key, cost, mode)
     }
 
-    /// Deletes the key's buckets (one `DEL` of the policy's keys for `key`).
+    /// Deletes the key's buckets (one `DEL` of the policy's keys for `key`), but for the slots
+    /// of requests still in flight (see [`Backend::reset`]).
     fn reset(&self, policy: &RedisPolicy, key: &Key) -> ResetFuture {
         let p = policy.inner.store();
         let mut base = Vec::new();
         keys::key_base(&p.key_prefix, key, &mut base);
         let mut cmd = redis::cmd("DEL");
-        for suffix in &p.key_suffixes {
+        let suffixes = (p.key_suffixes.iter()).filter(|s| !keys::holds_slots(s));
+        if suffixes.clone().next().is_none() {
+            policy.inner.forget(key);
+            return Box::pin(std::future::ready(Ok(())));
+        }
+        for suffix in suffixes {
             let mut k = base.clone();
             k.extend_from_slice(suffix);
             cmd.arg(k);

@@ -106,6 +106,12 @@ pub(crate) fn quota_suffixes(params: &[QuotaParams]) -> Vec<Box<[u8]>> {
         .collect()
 }
 
+/// Whether a key suffix of [`quota_suffixes`] is a concurrent quota's (its slots in flight):
+/// `reset` leaves those, whose requests still run and give their slots back when they end.
+pub(crate) fn holds_slots(suffix: &[u8]) -> bool {
+    suffix.iter().find(|b| !b.is_ascii_digit()) == Some(&b'c')
+}
+
 fn escape(bytes: &[u8], out: &mut Vec<u8>) {
     const HEX: &[u8; 16] = b"0123456789ABCDEF";
     for &b in bytes {

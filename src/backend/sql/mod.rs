@@ -171,6 +171,15 @@ pub(crate) fn row_keys(p: &Prepared, key: &Key) -> Vec<Vec<u8>> {
         .collect()
 }
 
+/// The rows `reset` deletes: every one of `key` under the policy's quotas but the slots of
+/// requests still in flight (see [`Backend::reset`](crate::backend::Backend::reset)).
+pub(crate) fn reset_keys(p: &Prepared, key: &Key) -> Vec<Vec<u8>> {
+    let keys = row_keys(p, key).into_iter().zip(&p.key_suffixes);
+    keys.filter(|(_, suffix)| !keys::holds_slots(suffix))
+        .map(|(k, _)| k)
+        .collect()
+}
+
 /// Reads a call's reply, decision after decision. A reply too short for a decision fails that
 /// decision (and the ones after it) as a protocol error.
 pub(crate) fn decisions<S: Store<Prepared = Prepared>>(
