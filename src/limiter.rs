@@ -126,7 +126,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::backend::{Backend, Decision, Mode};
-use crate::settle::{Landing, next_lease, send, took};
+use crate::settle::{Landing, next_lease, refund_at, send, took};
 use crate::wait::Pauses;
 use crate::{BackendError, ConfigError, Key, Policy};
 
@@ -325,7 +325,7 @@ impl<B: Backend> Limiter<B> {
             key: key.clone(),
             cost,
             lease,
-            admitted: std::time::Instant::now(),
+            admitted: i.backend.now_ns(),
             decision,
             open: i.holds_slots,
         })
@@ -377,7 +377,8 @@ pub struct Permit<B: Backend> {
     key: Key,
     cost: NonZeroU32,
     lease: u64,
-    admitted: std::time::Instant,
+    /// When the work was admitted, on the backend's clock ([`Backend::now_ns`]).
+    admitted: u64,
     decision: Decision,
     /// Whether the slot is still held (not yet given back by `settle` or the drop).
     open: bool,
@@ -402,10 +403,9 @@ impl<B: Backend> Permit<B> {
             std::cmp::Ordering::Greater => {
                 NonZeroU32::new(cost - admitted).map(|n| (n, Mode::Debit))
             }
-            std::cmp::Ordering::Less => NonZeroU32::new(admitted - cost).map(|n| {
-                let ago = self.admitted.elapsed();
-                (n, Mode::Refund { admitted_ago: ago })
-            }),
+            std::cmp::Ordering::Less => {
+                NonZeroU32::new(admitted - cost).map(|n| (n, refund_at(&i.backend, self.admitted)))
+            }
         };
         let settled = match settlement {
             Some((units, mode)) => i

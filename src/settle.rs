@@ -65,6 +65,7 @@ use std::num::NonZeroU32;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
+use std::time::Duration;
 
 use http::{Extensions, HeaderMap, HeaderName, Response, StatusCode};
 
@@ -482,6 +483,11 @@ impl<Bk: Backend> Target<Bk> {
         }
     }
 
+    /// A refund of units taken at `admitted`, on the backend's clock.
+    fn refund_of(&self, admitted: u64) -> Mode {
+        refund_at(&*self.backend, admitted)
+    }
+
     /// Makes the settlement (`units`, `mode`) on the store.
     fn send(&self, units: NonZeroU32, mode: Mode) {
         let policy = &self.policy;
@@ -536,9 +542,10 @@ struct Charging<Bk: Backend> {
     target: Target<Bk>,
     rules: Arc<Rules>,
     cost: NonZeroU32,
-    /// Set once the request was admitted (its units taken), to when: only then is there
-    /// anything to settle, by its response or, if it never comes, by the cancellation rule.
-    admitted: Option<std::time::Instant>,
+    /// Set once the request was admitted (its units taken), to when, on the backend's clock
+    /// ([`Backend::now_ns`]): only then is there anything to settle, by its response or, if
+    /// it never comes, by the cancellation rule.
+    admitted: Option<u64>,
 }
 
 impl<Bk: Backend> Settle<Bk> {
@@ -587,7 +594,7 @@ impl<Bk: Backend> Settle<Bk> {
             return;
         };
         if let Some(charge) = &mut settle.charge {
-            charge.admitted = Some(std::time::Instant::now());
+            charge.admitted = Some(charge.target.backend.now_ns());
         }
         if let Some(slot) = &mut settle.slot {
             slot.taken = true;
@@ -601,7 +608,7 @@ impl<Bk: Backend> Charging<Bk> {
         let Some(admitted) = self.admitted.take() else {
             return;
         };
-        let refund = refund_of(admitted);
+        let refund = self.target.refund_of(admitted);
         if let Some((mode, units)) = self.rules.settlement(self.cost, res, refund) {
             self.target.send(units, mode);
         }
@@ -612,7 +619,7 @@ impl<Bk: Backend> Charging<Bk> {
         let Some(admitted) = self.admitted.take() else {
             return;
         };
-        let refund = refund_of(admitted);
+        let refund = self.target.refund_of(admitted);
         if let Some((mode, units)) = self.rules.settlement_at_end(self.cost, end, refund) {
             self.target.send(units, mode);
         }
@@ -737,15 +744,15 @@ impl<Bk: Backend> Drop for Charging<Bk> {
         if let Some(admitted) = self.admitted
             && self.rules.cancelled == Cancelled::Refund
         {
-            self.target.send(self.cost, refund_of(admitted));
+            self.target.send(self.cost, self.target.refund_of(admitted));
         }
     }
 }
 
-/// A refund of units taken at `admitted`.
-fn refund_of(admitted: std::time::Instant) -> Mode {
+/// A refund of units taken at `admitted` (on the backend's clock, [`Backend::now_ns`]).
+pub(crate) fn refund_at<Bk: Backend>(backend: &Bk, admitted: u64) -> Mode {
     Mode::Refund {
-        admitted_ago: admitted.elapsed(),
+        admitted_ago: Duration::from_nanos(backend.now_ns().saturating_sub(admitted)),
     }
 }
 

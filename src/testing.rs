@@ -7,7 +7,8 @@
 //!   under test (`.backend(clock.backend())`) and every algorithm of the local backend (GCRA,
 //!   fixed and sliding windows, penalties from [`Policy::block_for`](crate::Policy::block_for))
 //!   runs on it, so a test reaches a limit, moves past its reset, and checks that requests
-//!   are allowed again, without sleeping.
+//!   are allowed again, without sleeping. Settlements after the response are timed on it too:
+//!   a refund goes back to the window its request was admitted in, on this clock.
 //! - [`Fields`] reads `RateLimit`, `RateLimit-Policy` and `Retry-After` off a response.
 //!
 //! ```

@@ -182,3 +182,70 @@ async fn a_backend_built_later_starts_where_the_clock_is() {
     assert_eq!(call(&app).await.0, StatusCode::OK);
     assert_eq!(call(&app).await.1.retry_after, Some(30 * SEC));
 }
+
+/// A refund goes to the window its request was admitted in, on the test's clock: a success
+/// admitted in one minute and answered in the next gives nothing back to the next minute, so
+/// three failures there use it up.
+#[tokio::test]
+async fn a_refund_is_timed_on_the_manual_clock() {
+    use std::sync::Arc;
+    use tollgate::settle::ChargeWhen;
+    let clock = ManualClock::new();
+    let policy = Policy::new("logins", "3/min fixed".parse::<Quota>().unwrap())
+        .charge_when(ChargeWhen::status([401]));
+    let limit = RateLimitLayer::builder()
+        .backend(clock.backend())
+        .key(Global)
+        .policy(policy)
+        .build()
+        .unwrap();
+    let (entered, release) = (
+        Arc::new(tokio::sync::Notify::new()),
+        Arc::new(tokio::sync::Notify::new()),
+    );
+    let (inside, gate) = (entered.clone(), release.clone());
+    let app = Router::new()
+        .route(
+            "/slow-success",
+            get(move || {
+                let (inside, gate) = (inside.clone(), gate.clone());
+                async move {
+                    inside.notify_one();
+                    gate.notified().await;
+                    "welcome"
+                }
+            }),
+        )
+        .route("/fail", get(|| async { StatusCode::UNAUTHORIZED }))
+        .layer(limit);
+    let get = |path: &str| Request::get(path).body(Body::empty()).unwrap();
+    clock.advance(Duration::from_secs(50));
+    // Admitted at 0:50, answered at 1:05.
+    let success = tokio::spawn(app.clone().oneshot(get("/slow-success")));
+    entered.notified().await;
+    clock.advance(Duration::from_secs(15));
+    let mut seen = Vec::new();
+    for _ in 0..2 {
+        seen.push(
+            app.clone()
+                .oneshot(get("/fail"))
+                .await
+                .unwrap()
+                .status()
+                .as_u16(),
+        );
+    }
+    release.notify_one();
+    assert_eq!(success.await.unwrap().unwrap().status(), StatusCode::OK);
+    for _ in 0..2 {
+        seen.push(
+            app.clone()
+                .oneshot(get("/fail"))
+                .await
+                .unwrap()
+                .status()
+                .as_u16(),
+        );
+    }
+    assert_eq!(seen, [401, 401, 401, 429]);
+}

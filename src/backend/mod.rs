@@ -96,6 +96,18 @@ pub trait Backend: Send + Sync + 'static {
         ))))
     }
 
+    /// This backend's clock, in nanoseconds from a fixed origin of its own: how a settlement
+    /// measures how long ago its request was admitted ([`Mode::Refund`]'s `admitted_ago`), so
+    /// that a backend deciding on an injected clock (a test's
+    /// [`ManualClock`](https://docs.rs/tollgate/latest/tollgate/testing/struct.ManualClock.html))
+    /// is given that clock's times, not the system's. The default reads the system's monotonic
+    /// clock; a backend of your own with a clock of its own should read that one.
+    fn now_ns(&self) -> u64 {
+        static ORIGIN: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+        let origin = ORIGIN.get_or_init(std::time::Instant::now);
+        u64::try_from(origin.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+
     /// Names the store the buckets live in, for logs, without credentials: layers built on
     /// backends naming the same store share the buckets of their same-named policies, and
     /// `build()` warns when two layers built separately do. `None` (the default) when unknown.

@@ -635,6 +635,11 @@ where
         })
     }
 
+    /// The backend's own clock (an injected one in tests).
+    fn now_ns(&self) -> u64 {
+        self.inner.elapsed_ns()
+    }
+
     /// This backend and its clones: `local@<address>`.
     fn store_id(&self) -> Option<String> {
         Some(format!("local@{:p}", Arc::as_ptr(&self.inner)))

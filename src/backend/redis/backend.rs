@@ -165,6 +165,11 @@ impl Backend for RedisBackend {
         })
     }
 
+    /// The backend's clock: a test clock when one is set.
+    fn now_ns(&self) -> u64 {
+        self.remote.now_ns()
+    }
+
     /// The server (or cluster) and key prefix, password masked: every backend, in any
     /// process, that names the same store shares its buckets.
     fn store_id(&self) -> Option<String> {

@@ -106,6 +106,13 @@ impl<S: Store> Remote<S> {
         &self.inner.store
     }
 
+    /// This backend's clock (a test clock when one is set), for [`Backend::now_ns`].
+    ///
+    /// [`Backend::now_ns`]: crate::backend::Backend::now_ns
+    pub(crate) fn now_ns(&self) -> u64 {
+        self.inner.clock.now_ns()
+    }
+
     /// The timeout of a decision.
     pub(crate) fn timeout(&self) -> Duration {
         self.inner.timeout

@@ -519,6 +519,11 @@ macro_rules! sql_backend {
                 Box::pin(async move { remote.store().reset(&shared.store, &key).await.map(drop) })
             }
 
+            /// The backend's clock: a test clock when one is set.
+            fn now_ns(&self) -> u64 {
+                self.remote.now_ns()
+            }
+
             /// The database and table, password left out: backends naming the same share
             /// buckets.
             fn store_id(&self) -> Option<String> {
