@@ -925,11 +925,23 @@ fn parse_concurrent(s: &str) -> Result<Quota, String> {
     let mut q = Quota::concurrent(slots as u32);
     match (words.next(), words.next(), words.next()) {
         (None, _, _) => {}
-        (Some("lease"), Some(lease), None) => {
-            let lease = parse_duration(lease, false).map_err(|e| format!("the lease: {e}"))?;
+        (Some("lease"), Some(text), None) => {
+            let lease = parse_duration(text, false).map_err(|e| format!("the lease: {e}"))?;
+            let ns = lease.as_nanos();
+            if ns == 0 || !ns.is_multiple_of(1_000_000) {
+                return Err(format!(
+                    "the lease {text:?}: a lease must be a positive whole number of milliseconds"
+                ));
+            }
             q = q.lease(lease);
         }
         (Some("lease"), None, _) => return Err("`lease` without a duration".to_owned()),
+        (Some("lease"), Some(_), Some("lease")) => return Err("`lease` given twice".to_owned()),
+        (Some("lease"), Some(_), Some(word)) => {
+            return Err(format!(
+                "unknown word {word:?} after the lease (nothing may follow `lease <duration>`)"
+            ));
+        }
         (Some(word), _, _) => {
             let mut reason =
                 format!("unknown word {word:?} after `concurrent` (expected `lease <duration>`)");
@@ -997,6 +1009,10 @@ fn parse_duration(text: &str, number_optional: bool) -> Result<Duration, String>
     let (n, unit) = text.split_at(digits);
     let n = if n.is_empty() && number_optional {
         1
+    } else if n.is_empty() {
+        return Err(format!(
+            "{text:?} is not a duration (a number and a unit, e.g. `30s`, `15min`, `1h`)"
+        ));
     } else {
         // Up to u64 seconds of nanoseconds: a `Duration` holds more than u64 nanoseconds,
         // and a period that is not whole microseconds is written in nanoseconds.
@@ -1085,6 +1101,9 @@ impl std::fmt::Display for Quota {
 /// A duration as a count of the largest unit of the quota syntax that divides it: `(5, "s")`.
 fn in_units(d: Duration) -> (u128, &'static str) {
     let ns = d.as_nanos();
+    if ns == 0 {
+        return (0, "s");
+    }
     [
         (86_400_000_000_000u128, "d"),
         (3_600_000_000_000, "h"),
@@ -1263,6 +1282,21 @@ mod parse_tests {
             ("2 concurrent lease", "without a duration"),
             ("2 concurrent leas 5s", "did you mean `lease`"),
             ("2 concurrent lease 5", "no unit"),
+            ("2 concurrent lease soon", "\"soon\" is not a duration"),
+            ("2 concurrent lease 10s lease 20s", "`lease` given twice"),
+            (
+                "2 concurrent lease 10s burst",
+                "unknown word \"burst\" after the lease",
+            ),
+            (
+                "2 concurrent lease 0ms",
+                "the lease \"0ms\": a lease must be a positive",
+            ),
+            ("2 concurrent lease 1500us", "the lease \"1500us\""),
+            (
+                "5/min block soon",
+                "the block \"soon\": \"soon\" is not a duration",
+            ),
             ("x concurrent", "not a number"),
         ] {
             let err = match bad.parse::<Quota>() {

@@ -407,20 +407,30 @@ impl Rules {
     allow(dead_code)
 )]
 pub(crate) fn unsupported(policy: &crate::Policy, store: &str) -> crate::ConfigError {
+    let blocking = (policy.quotas().iter()).find(|q| q.block().is_some());
     let (option, what) = if policy.settles() {
         (
             "Policy::charge_when / Policy::cost_from",
-            "settles requests after their response",
+            "settles requests after their response".to_owned(),
         )
     } else if policy.holds_slots() {
-        ("Quota::concurrent", "caps requests in flight")
+        ("Quota::concurrent", "caps requests in flight".to_owned())
+    } else if let Some(quota) = blocking.filter(|_| policy.block_mask() != 0) {
+        (
+            "Quota::block_for",
+            format!("blocks keys once its quota \"{quota}\" refuses"),
+        )
     } else {
-        ("Policy::block_for", "blocks keys once refused")
+        (
+            "Policy::block_for",
+            "blocks keys once refused (`block_for`)".to_owned(),
+        )
     };
     crate::ConfigError::Invalid {
         option,
         reason: format!(
-            "policy `{}` {what}, which {store} does not do yet (the local backend does)",
+            "policy `{}` {what}, which {store} does not do yet (the local backend, Redis in its \
+             exact mode, Redis Cluster, PostgreSQL and MySQL do)",
             policy.name()
         ),
     }

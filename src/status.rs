@@ -45,8 +45,9 @@ pub struct RateLimitStatus {
     /// The policy's name.
     #[cfg_attr(feature = "serde", serde(serialize_with = "text"))]
     pub policy: Arc<str>,
-    /// Its quotas, as the decision left them (the local backend stops at the first refusing
-    /// quota, so an allowed request reports them all).
+    /// Its quotas, as the decision left them: every one for an allowed request and for a
+    /// blocked key; for a refusal, the quota that refused (the local backend) or every one
+    /// (the shared stores).
     pub quotas: Vec<QuotaStatus>,
 }
 

@@ -231,6 +231,29 @@ async fn gcra_quotas_are_refused_when_the_layer_is_built() {
     assert!(err.to_string().contains("sliding"), "{err}");
 }
 
+/// A policy the mode cannot serve is refused with a message that names what the policy uses,
+/// as the user wrote it.
+#[tokio::test]
+async fn a_per_quota_block_is_refused_by_its_own_name() {
+    let b = RedisBackend::builder()
+        .url("redis://127.0.0.1:1")
+        .build_approximate(Approximate::asynchronous())
+        .unwrap();
+    let quota: Quota = "10/min fixed block 1h".parse().unwrap();
+    let p = Policy::new("api", quota);
+    let err = b
+        .prepare(&p, &p.validate().unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("Quota::block_for"), "{err}");
+    assert!(err.contains("\"10/min fixed block 1h\""), "{err}");
+    assert!(!err.contains("Policy::block_for"), "{err}");
+    assert!(
+        err.contains("PostgreSQL"),
+        "names the stores that do: {err}"
+    );
+}
+
 /// Three instances, each offered 10 times the limit: the fleet stays within the stated bound,
 /// and near the limit.
 /// `quiet` is what the others may have admitted within their allowances and not sent yet,

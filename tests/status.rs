@@ -184,3 +184,34 @@ async fn the_status_endpoint_reports_without_spending() {
     let body: serde_json::Value = res.json().await.unwrap();
     assert!(body["message"].as_str().unwrap().contains("key"), "{body}");
 }
+
+/// While a key is blocked, the status endpoint lists every quota of its policy, each with
+/// nothing left until the block ends.
+#[tokio::test]
+async fn a_blocked_key_reports_every_quota() {
+    use axum::routing::get_service;
+    use std::time::Duration;
+    let limit = RateLimitLayer::builder()
+        .key(Global)
+        .policy(
+            Policy::new("api", Quota::per_hour(2).named("hourly"))
+                .and(Quota::per_day(100).fixed_window().named("daily"))
+                .block_for(Duration::from_secs(600)),
+        )
+        .build()
+        .unwrap();
+    let app = Router::new()
+        .route("/api/hello", get(|| async { "hello" }))
+        .route_layer(limit.clone())
+        .route("/rate_limit", get_service(limit.status_service()));
+    let base = format!("http://{}", support::serve(app).await);
+    for expected in [200, 200, 429] {
+        let res = reqwest::get(format!("{base}/api/hello")).await.unwrap();
+        assert_eq!(res.status(), expected);
+    }
+    let body = json_of(&format!("{base}/rate_limit")).await;
+    for name in ["hourly", "daily"] {
+        let quota = &body["resources"][name];
+        assert_eq!(quota["remaining"], 0, "{name}: {body}");
+    }
+}

@@ -293,20 +293,20 @@ impl Decision {
     }
 
     /// A refusal because the key is blocked for `left` more (a penalty,
-    /// [`Policy::block_for`](crate::Policy::block_for)): reported by the policy's first quota
-    /// (`params`), with nothing remaining and `retry_after` and `reset_after` both at the
-    /// block's end.
-    pub fn blocked(params: &QuotaParams, left: Duration) -> Self {
-        let state = QuotaState {
-            index: 0,
+    /// [`Policy::block_for`](crate::Policy::block_for)): reported by every quota of the policy
+    /// (`params`, in policy order), each with nothing remaining and `retry_after` and
+    /// `reset_after` both at the block's end: nothing of any quota can be had meanwhile.
+    pub fn blocked(params: &[QuotaParams], left: Duration) -> Self {
+        let states = params.iter().enumerate().map(|(index, p)| QuotaState {
+            index,
             outcome: Outcome::Denied { retry_after: left },
-            limit: params.burst.get(),
+            limit: p.burst.get(),
             remaining: 0,
             reset_after: left,
-        };
+        });
         Decision {
             blocked: true,
-            ..Decision::new([state])
+            ..Decision::new(states)
         }
     }
 

@@ -217,10 +217,9 @@ impl<C: Clock> Registered<C> {
 
 /// The refusal of a key blocked for `left_us` more.
 fn blocked<C: Clock>(policy: &LocalPolicy<C>, left_us: u64) -> Decision {
-    match policy.limiters.first() {
-        Some(q) => Decision::blocked(&q.params, Duration::from_micros(left_us)),
-        None => Decision::new([]),
-    }
+    let params: smallvec::SmallVec<[QuotaParams; 2]> =
+        policy.limiters.iter().map(|q| q.params).collect();
+    Decision::blocked(&params, Duration::from_micros(left_us))
 }
 
 /// The index of a policy's blocks among its registered counters (its quotas are 0..n).

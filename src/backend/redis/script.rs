@@ -147,13 +147,9 @@ pub(crate) fn decision(
     }
     // The block, last: `1, µs left` when the key is blocked (before this decision, or from
     // it), `0, 0` otherwise. Settlements are made whatever the block.
-    if blocks
-        && reply.get(at) == Some(&1)
-        && !mode.is_settlement()
-        && let Some(p) = params.first()
-    {
+    if blocks && reply.get(at) == Some(&1) && !mode.is_settlement() {
         let left = reply.get(at + 1).copied().map_or(0, nonneg);
-        return Ok(Decision::blocked(p, Duration::from_micros(left)));
+        return Ok(Decision::blocked(params, Duration::from_micros(left)));
     }
     let decision = Decision::new(states).never_fits_alone();
     Ok(if decision.is_allowed() {

@@ -281,9 +281,9 @@ fn replay(entry: &Entry, cost: NonZeroU32, now_ns: u64, params: &[QuotaParams]) 
         Duration::from_nanos(ns.saturating_sub(elapsed).max(u64::from(ns > 0)))
     };
     if entry.blocked
-        && let (Some(p), Some(left)) = (params.first(), entry.states.first())
+        && let Some(left) = entry.states.first()
     {
-        return Decision::blocked(p, shrink(left.reset_after));
+        return Decision::blocked(params, shrink(left.reset_after));
     }
     let extra_units = u64::from(cost.get().saturating_sub(entry.cost.get()));
     Decision::new(entry.states.iter().map(|s| {

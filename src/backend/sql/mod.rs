@@ -288,11 +288,11 @@ fn decision(
             )));
         };
         *at += 2;
-        if code == 1
-            && !mode.is_settlement()
-            && let Some(p) = params.first()
-        {
-            return Ok(Decision::blocked(p, Duration::from_micros(nonneg(left))));
+        if code == 1 && !mode.is_settlement() {
+            return Ok(Decision::blocked(
+                params,
+                Duration::from_micros(nonneg(left)),
+            ));
         }
     }
     let decision = Decision::new(states).never_fits_alone();
