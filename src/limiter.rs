@@ -217,6 +217,8 @@ impl From<BackendError> for AcquireError {
 impl<B: Backend> Limiter<B> {
     /// `policy` on `backend`: the same checks as the layer's `build()` (quotas, names).
     pub fn new(policy: Policy, backend: B) -> Result<Self, ConfigError> {
+        // Permits settle: a refund may make a denial of another caller stale.
+        let policy = policy.given_back();
         let params = policy.validate()?;
         let prepared = backend.prepare(&policy, &params)?;
         Ok(Limiter {

@@ -34,6 +34,9 @@ pub struct Policy {
     settle: Option<Arc<crate::settle::Rules>>,
     /// How long a key is refused once refused (`block_for`).
     block: Option<std::time::Duration>,
+    /// Whether units are given back to its keys by other means than its own settlement rules
+    /// (a [`Limiter`](crate::limiter::Limiter)'s permits settle).
+    given_back: bool,
 }
 
 #[derive(Clone)]
@@ -62,6 +65,7 @@ impl Policy {
             shadow_headers: false,
             settle: None,
             block: None,
+            given_back: false,
         }
     }
 
@@ -229,6 +233,21 @@ impl Policy {
         self.settle
             .as_ref()
             .is_some_and(|r| r.when.is_some() || r.cost.is_some())
+    }
+
+    /// Whether units or slots can be given back to the policy's keys after their admission:
+    /// it settles after the response (a refund), holds slots (a release), or is a
+    /// [`Limiter`](crate::limiter::Limiter)'s, whose permits settle. A shared store's deny
+    /// cache then holds only blocks, which nothing given back lifts.
+    pub(crate) fn gives_back(&self) -> bool {
+        self.settles() || self.holds_slots() || self.given_back
+    }
+
+    /// This policy, marked as one whose keys are given units back by other means than its
+    /// settlement rules (see [`gives_back`](Self::gives_back)).
+    pub(crate) fn given_back(mut self) -> Self {
+        self.given_back = true;
+        self
     }
 
     /// Whether the policy has a concurrent quota ([`Quota::concurrent`](crate::Quota::concurrent)):
@@ -556,6 +575,7 @@ impl<'de> serde::Deserialize<'de> for Policy {
                 })
             }),
             block: spec.block_for,
+            given_back: false,
         })
     }
 }

@@ -542,3 +542,14 @@ async fn too_many_slots_for_a_row_are_refused() {
         .to_string();
     assert!(err.contains("256") && err.contains("exports"), "{err}");
 }
+
+/// Units and slots given back by another instance are seen at once, whatever this one's deny
+/// cache holds.
+#[tokio::test]
+async fn the_deny_cache_sees_what_other_instances_give_back() {
+    let server = MariaDbServer::start();
+    migrated(builder(&server)).await;
+    // With their deny caches, which the other tests here leave off.
+    let cached = || builder(&server).deny_cache_capacity(1000).build().unwrap();
+    support::conformance::others_give_back(&cached(), &cached(), "mysql").await;
+}

@@ -493,3 +493,14 @@ async fn leases_postgres() {
     let b = builder(&server).test_clock(clock.clone()).build().unwrap();
     support::conformance::leases(&b, |by| clock.advance(by), "postgres").await;
 }
+
+/// Units and slots given back by another instance are seen at once, whatever this one's deny
+/// cache holds.
+#[tokio::test]
+async fn the_deny_cache_sees_what_other_instances_give_back() {
+    let server = PgServer::start();
+    migrated(builder(&server)).await;
+    // With their deny caches, which the other tests here leave off.
+    let cached = || builder(&server).deny_cache_capacity(1000).build().unwrap();
+    support::conformance::others_give_back(&cached(), &cached(), "postgres").await;
+}

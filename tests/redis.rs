@@ -1424,3 +1424,11 @@ async fn a_dropped_admit_gives_its_slot_back_once_the_decision_lands() {
     assert!(limiter.admit(&k, cost(1)).await.is_err());
     drop(permit);
 }
+
+/// Units and slots given back by another instance are seen at once, whatever this one's deny
+/// cache holds.
+#[tokio::test]
+async fn the_deny_cache_sees_what_other_instances_give_back() {
+    let server = RedisServer::start();
+    others_give_back(&backend(&server), &backend(&server), "redis").await;
+}

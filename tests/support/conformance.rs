@@ -941,3 +941,87 @@ pub async fn leases<B: Backend>(backend: &B, advance: impl Fn(Duration), who: &s
     let d = ask(Mode::Release { lease: u64::MAX }).await.unwrap();
     assert_eq!(d.quotas()[0].remaining, 1, "{who}: {d:?}");
 }
+
+/// What another instance gives back is seen by this one's deny cache: two backends (`a`, `b`)
+/// on one store, each with its deny cache. `a` is refused, then `b` gives a unit or a slot
+/// back, and `a`'s next request is allowed at once (a cached refusal would keep refusing it
+/// for the rest of the wait the store gave): for a `Limiter` whose permit settles for less, a
+/// policy that settles after the response, and a concurrent quota's slot.
+pub async fn others_give_back<B: Backend + Clone>(a: &B, b: &B, who: &str) {
+    use tollgate::backend::Mode;
+    use tollgate::limiter::Limiter;
+    use tollgate::settle::ChargeWhen;
+    let k = key("given-back");
+    let quarter = Duration::from_secs(900);
+
+    // Limiters: `b` admits twice and settles one for nothing.
+    let policy = Policy::new("given-back-permits", Quota::new(2, quarter));
+    let (la, lb) = (
+        Limiter::new(policy.clone(), a.clone()).unwrap(),
+        Limiter::new(policy, b.clone()).unwrap(),
+    );
+    let first = lb.admit(&k, cost(1)).await.unwrap();
+    let _second = lb.admit(&k, cost(1)).await.unwrap();
+    for _ in 0..2 {
+        assert!(
+            la.admit(&k, cost(1)).await.is_err(),
+            "{who}: both units taken"
+        );
+    }
+    first.settle(0).await.unwrap();
+    let permit = la.admit(&k, cost(1)).await;
+    assert!(
+        permit.is_ok(),
+        "{who}: the unit given back by the other instance: {permit:?}"
+    );
+
+    // A policy that settles after the response: `b` refunds an admission.
+    let policy = Policy::new("given-back-settles", Quota::new(2, quarter))
+        .charge_when(ChargeWhen::status([401]));
+    let (pa, pb) = (prepare(a, &policy), prepare(b, &policy));
+    for _ in 0..2 {
+        assert!(
+            b.decide(&pb, &k, cost(1)).await.unwrap().is_allowed(),
+            "{who}"
+        );
+    }
+    for _ in 0..2 {
+        assert!(
+            !a.decide(&pa, &k, cost(1)).await.unwrap().is_allowed(),
+            "{who}"
+        );
+    }
+    let refund = Mode::Refund {
+        admitted_ago: Duration::ZERO,
+    };
+    b.decide_with(&pb, &k, cost(1), refund).await.unwrap();
+    let d = a.decide(&pa, &k, cost(1)).await.unwrap();
+    assert!(
+        d.is_allowed(),
+        "{who}: the refund of the other instance: {d:?}"
+    );
+
+    // A slot released by the other instance.
+    let policy = Policy::new("given-back-slots", Quota::concurrent(1));
+    let (pa, pb) = (prepare(a, &policy), prepare(b, &policy));
+    let hold = |lease| Mode::Hold { lease };
+    assert!(
+        b.decide_with(&pb, &k, cost(1), hold(1))
+            .await
+            .unwrap()
+            .is_allowed(),
+        "{who}"
+    );
+    for lease in [2, 3] {
+        let d = a.decide_with(&pa, &k, cost(1), hold(lease)).await.unwrap();
+        assert!(!d.is_allowed(), "{who}: {d:?}");
+    }
+    b.decide_with(&pb, &k, cost(1), Mode::Release { lease: 1 })
+        .await
+        .unwrap();
+    let d = a.decide_with(&pa, &k, cost(1), hold(4)).await.unwrap();
+    assert!(
+        d.is_allowed(),
+        "{who}: the slot the other instance released: {d:?}"
+    );
+}

@@ -180,7 +180,7 @@ impl<S: Store> Remote<S> {
             inner: Arc::new(PolicyInner {
                 params: params.iter().copied().collect(),
                 store,
-                deny: DenyCache::new(self.inner.budget.clone()),
+                deny: DenyCache::new(self.inner.budget.clone(), policy.gives_back()),
                 deny_hits: crate::metrics::DenyCacheHits::new(policy.name()),
                 local,
             }),

@@ -30,8 +30,22 @@
 //! fits every burst (otherwise a quota that had room, or a cost that can never fit, could be
 //! reported differently from the store); a smaller cost may fit sooner and always goes to the store.
 //!
+//! # What gives back
+//!
+//! Units and slots given back break the argument: a refund (a settlement after the response,
+//! or a [`Limiter`](crate::limiter::Limiter)'s permit settled for less) moves a TAT earlier or
+//! lowers a count, and a release frees a slot, possibly by another instance that shares the
+//! store, which this cache cannot see. So for a policy whose keys can be given something
+//! back (it settles, it holds slots, or a `Limiter` decides it: `Policy::gives_back`) the cache
+//! holds only blocks, which nothing given back lifts; every other denial goes to the store.
+//! A policy without either is never given anything back through the layer or a `Limiter`; a
+//! program that calls [`Backend::decide_with`](crate::backend::Backend::decide_with) with
+//! `Mode::Refund` or `Mode::Release` itself on such a policy should build the backends that
+//! share it with `deny_cache_capacity(0)`.
+//!
 //! The argument needs the keys to be changed only by this script. It breaks when someone
-//! deletes the keys by hand, or when the store loses them (a restart without persistence, a
+//! deletes the keys by hand, or resets a key from another instance (`reset` forgets the
+//! denial on the instance that resets it only), or when the store loses them (a restart without persistence, a
 //! failover to a replica that had not received the last writes): the store would then allow again
 //! while the cache still denies, for at most the retry time it had given.
 //!
@@ -61,6 +75,9 @@ use crate::quota::{QuotaKind, QuotaParams};
 /// The denials of one prepared policy.
 #[derive(Debug)]
 pub(crate) struct DenyCache {
+    /// Only blocks are held: units or slots may be given back to the policy's keys (a refund,
+    /// a release, possibly by another instance), which makes any other denial stale at once.
+    blocks_only: bool,
     map: DashMap<Key, Entry, RandomState>,
     budget: Arc<Budget>,
     next_sweep_ns: AtomicU64,
@@ -108,8 +125,11 @@ struct Entry {
 }
 
 impl DenyCache {
-    pub(crate) fn new(budget: Arc<Budget>) -> Self {
+    /// The cache of a policy; `gives_back`: whether units or slots may be given back to its
+    /// keys after admission, so that only blocks are held (see the module docs).
+    pub(crate) fn new(budget: Arc<Budget>, gives_back: bool) -> Self {
         DenyCache {
+            blocks_only: gives_back,
             map: DashMap::with_hasher(RandomState::new()),
             budget,
             next_sweep_ns: AtomicU64::new(0),
@@ -163,7 +183,10 @@ impl DenyCache {
         decision: &Decision,
         params: &[QuotaParams],
     ) {
-        if self.budget.capacity == 0 || decision.never_fits() {
+        if self.budget.capacity == 0
+            || decision.never_fits()
+            || (self.blocks_only && !decision.is_blocked())
+        {
             return;
         }
         let Some(mut wait) = decision.retry_after() else {
@@ -343,7 +366,7 @@ mod tests {
             remaining: 0,
             reset_after: Duration::from_secs(5),
         }]);
-        (DenyCache::new(budget), params, denied)
+        (DenyCache::new(budget, false), params, denied)
     }
 
     #[test]
