@@ -22,7 +22,7 @@ use crate::metrics::{Outcome as Counted, PolicyMetrics};
 use crate::request::grpc_content_type;
 use crate::response::{self, HeaderAdds, PolicyHeaders, Rejection, RejectionKind, Responder};
 use crate::rules::LiveRules;
-use crate::settle::Settle;
+use crate::settle::{Settle, Taken};
 use crate::status::RateLimitStatus;
 use crate::wait::{Pauses, Slot, Waiting};
 use crate::{BackendError, ConfigError, Key, Policy, RequestInfo};
@@ -271,13 +271,18 @@ impl<K: KeyExtractor, Bk: Backend> Shared<K, Bk> {
                     return (Admission::Now(verdict), None);
                 }
             };
-            let Some(cost) = NonZeroU32::new(policy.policy.cost_of(&info)) else {
+            let taken = Taken::of(policy.policy.cost_of(&info));
+            // A request of cost 0 is free, unless its policy holds slots (a slot is one request
+            // whatever its cost) or settles (its response may report a cost): then it is
+            // admitted at one unit, given back when it is settled.
+            if taken.cost == 0 && !policy.holds_slots && policy.policy.settle_rules().is_none() {
                 policy.metrics.record(Counted::Free, None);
                 let pass = Admission::Now(Verdict::Pass(HeaderAdds::new()));
                 return (pass, Settle::new(self, policy, None, key));
-            };
+            }
+            let cost = taken.units;
             // 3. decision
-            let settle = Settle::new(self, policy, Some(cost), key);
+            let settle = Settle::new(self, policy, Some(taken), key);
             let lease = Settle::lease(&settle);
             (self.decide(policy, key, cost, lease, &info), settle)
         })

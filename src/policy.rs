@@ -87,7 +87,12 @@ impl Policy {
     }
 
     /// Every request costs `cost` units (default 1). A cost of 0 lets the request through
-    /// without counting it and without rate-limit headers.
+    /// without counting it and without rate-limit headers, unless the policy holds slots
+    /// ([`Quota::concurrent`]: a slot is one request whatever its cost) or settles after the
+    /// response ([`charge_when`](Self::charge_when), [`cost_from`](Self::cost_from)): such a
+    /// request is admitted at one unit (a key with nothing left is refused, as for any
+    /// request), holds its slot, and gets the unit back when it is settled: it ends up costing
+    /// what its response reports, or nothing.
     pub fn cost(mut self, cost: u32) -> Self {
         self.cost = Cost::Fixed(cost);
         self
@@ -99,8 +104,8 @@ impl Policy {
     /// has no stated size (chunked, or HTTP/2 without the header) or an invalid one costs
     /// `missing`: choose it knowing that a client can always leave the header out (the
     /// quota's burst, say, or `u32::MAX` to refuse such requests with `413`). A body of 0 bytes
-    /// costs nothing and passes without rate-limit fields, as every cost of 0. In the config
-    /// forms: `cost = "content-length or 1048576"`.
+    /// costs nothing, as every cost of 0 (see [`cost`](Self::cost): it still holds a slot of a
+    /// concurrent quota). In the config forms: `cost = "content-length or 1048576"`.
     ///
     /// ```
     /// use tollgate::{Policy, Quota, RequestInfo};

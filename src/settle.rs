@@ -324,13 +324,13 @@ impl Rules {
     /// units, or nothing to do.
     fn settlement(
         &self,
-        cost: NonZeroU32,
+        taken: Taken,
         res: &ResponseInfo<'_>,
         refund: Mode,
     ) -> Option<(Mode, NonZeroU32)> {
         let matched = self.when.as_ref().is_none_or(|when| (when.matches)(res));
         let reported = || self.cost.as_ref()?.read(res);
-        Self::units(cost, matched, reported, refund)
+        Self::units(taken, matched, reported, refund)
     }
 
     /// What the head of a response tells a settlement that waits for its body's end.
@@ -363,7 +363,7 @@ impl Rules {
     /// The settlement of a response whose body has ended, as `end` says.
     fn settlement_at_end(
         &self,
-        cost: NonZeroU32,
+        taken: Taken,
         end: &End,
         refund: Mode,
     ) -> Option<(Mode, NonZeroU32)> {
@@ -376,28 +376,64 @@ impl Rules {
             Some(Source::ResponseBytes) => Some(u32::try_from(end.bytes).unwrap_or(u32::MAX)),
             _ => end.reported,
         };
-        Self::units(cost, matched, reported, refund)
+        Self::units(taken, matched, reported, refund)
     }
 
-    /// A request admitted at `cost` whose response `matched` the rule (or not: all of it
-    /// refunded) and `reported` a cost (or not: the admitted cost stands).
+    /// A request admitted with `taken` units whose response `matched` the rule (or not: all of
+    /// it refunded) and `reported` a cost (or not: the request's own cost stands, which is
+    /// what was taken but for a request of cost 0, admitted at one unit).
     fn units(
-        cost: NonZeroU32,
+        taken: Taken,
         matched: bool,
         reported: impl FnOnce() -> Option<u32>,
         refund: Mode,
     ) -> Option<(Mode, NonZeroU32)> {
+        let units = taken.units;
         if !matched {
-            return Some((refund, cost));
+            return Some((refund, units));
         }
-        let reported = reported()?;
-        match reported.cmp(&cost.get()) {
+        let owed = reported().unwrap_or(taken.cost);
+        match owed.cmp(&units.get()) {
             std::cmp::Ordering::Equal => None,
             std::cmp::Ordering::Greater => {
-                Some((Mode::Debit, NonZeroU32::new(reported - cost.get())?))
+                Some((Mode::Debit, NonZeroU32::new(owed - units.get())?))
             }
-            std::cmp::Ordering::Less => Some((refund, NonZeroU32::new(cost.get() - reported)?)),
+            std::cmp::Ordering::Less => Some((refund, NonZeroU32::new(units.get() - owed)?)),
         }
+    }
+}
+
+/// What a request took at admission, and what it costs by its policy's cost function: the
+/// same, but for a request of cost 0 on a policy that holds slots or settles, which is
+/// admitted at one unit (a decision takes at least one) and gives it back when settled.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Taken {
+    pub(crate) units: NonZeroU32,
+    pub(crate) cost: u32,
+}
+
+impl Taken {
+    /// A request admitted for `cost` units, or, at 0, for one unit it owes nothing of.
+    pub(crate) fn of(cost: u32) -> Self {
+        Taken {
+            units: NonZeroU32::new(cost).unwrap_or(NonZeroU32::MIN),
+            cost,
+        }
+    }
+}
+
+impl Rules {
+    /// The rules of a request of cost 0 on a policy that holds slots and settles nothing: the
+    /// unit it was admitted at goes back when it ends, whatever its outcome.
+    fn give_back_the_unit() -> &'static Arc<Rules> {
+        static RULES: std::sync::OnceLock<Arc<Rules>> = std::sync::OnceLock::new();
+        RULES.get_or_init(|| {
+            Arc::new(Rules {
+                when: None,
+                cost: None,
+                cancelled: Cancelled::Refund,
+            })
+        })
     }
 }
 
@@ -551,7 +587,7 @@ pub(crate) fn next_lease() -> u64 {
 struct Charging<Bk: Backend> {
     target: Target<Bk>,
     rules: Arc<Rules>,
-    cost: NonZeroU32,
+    taken: Taken,
     /// Set once the request was admitted (its units taken), to when, on the backend's clock
     /// ([`Backend::now_ns`]): only then is there anything to settle, by its response or, if
     /// it never comes, by the cancellation rule.
@@ -560,17 +596,23 @@ struct Charging<Bk: Backend> {
 
 impl<Bk: Backend> Settle<Bk> {
     /// What a request on `key` under `policy` settles: nothing (`None`) unless the layer obeys
-    /// the wrapped service's requests to slow down, or the policy settles a request that costs
-    /// something (`cost`).
+    /// the wrapped service's requests to slow down, or the request is decided (`taken`: what
+    /// it takes; `None` for a free request) under a policy that settles or holds slots.
     #[inline]
     pub(crate) fn new<K>(
         shared: &Shared<K, Bk>,
         policy: &Arc<Prepared<Bk::Policy>>,
-        cost: Option<NonZeroU32>,
+        taken: Option<Taken>,
         key: &Key,
     ) -> Option<Box<Self>> {
-        let charged = cost.and_then(|cost| Some((policy.policy.settle_rules()?, cost)));
-        let holds = cost.is_some() && policy.holds_slots;
+        let rules = |taken: Taken| match policy.policy.settle_rules() {
+            Some(rules) => Some(rules),
+            // A request of cost 0 admitted at one unit gives it back.
+            None if taken.cost == 0 => Some(Rules::give_back_the_unit()),
+            None => None,
+        };
+        let charged = taken.and_then(|taken| Some((rules(taken)?, taken)));
+        let holds = taken.is_some() && policy.holds_slots;
         if shared.pauses.is_none() && charged.is_none() && !holds {
             return None;
         }
@@ -579,10 +621,10 @@ impl<Bk: Backend> Settle<Bk> {
             lease: next_lease(),
             taken: false,
         });
-        let charge = charged.map(|(rules, cost)| Charging {
+        let charge = charged.map(|(rules, taken)| Charging {
             target: Target::new(shared, policy, key),
             rules: rules.clone(),
-            cost,
+            taken,
             admitted: None,
         });
         let note = shared.pauses.clone().map(|p| (key.clone(), p));
@@ -619,7 +661,7 @@ impl<Bk: Backend> Charging<Bk> {
             return;
         };
         let refund = self.target.refund_of(admitted);
-        if let Some((mode, units)) = self.rules.settlement(self.cost, res, refund) {
+        if let Some((mode, units)) = self.rules.settlement(self.taken, res, refund) {
             self.target.send(units, mode);
         }
     }
@@ -630,7 +672,7 @@ impl<Bk: Backend> Charging<Bk> {
             return;
         };
         let refund = self.target.refund_of(admitted);
-        if let Some((mode, units)) = self.rules.settlement_at_end(self.cost, end, refund) {
+        if let Some((mode, units)) = self.rules.settlement_at_end(self.taken, end, refund) {
             self.target.send(units, mode);
         }
     }
@@ -754,7 +796,8 @@ impl<Bk: Backend> Drop for Charging<Bk> {
         if let Some(admitted) = self.admitted
             && self.rules.cancelled == Cancelled::Refund
         {
-            self.target.send(self.cost, self.target.refund_of(admitted));
+            self.target
+                .send(self.taken.units, self.target.refund_of(admitted));
         }
     }
 }

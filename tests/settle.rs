@@ -850,3 +850,113 @@ async fn an_empty_body_dropped_unpolled_has_ended_not_been_cancelled() {
     }
     assert_eq!(seen, [200; 5], "wrap_body, converted to axum's body");
 }
+
+/// A request of cost 0 is still a request where its policy holds slots or settles: it holds a
+/// slot of a concurrent quota (the unit it is admitted at goes back when it ends), and its
+/// response's reported cost is charged.
+#[tokio::test]
+async fn a_request_of_cost_zero_holds_its_slot_and_settles() {
+    use std::sync::Arc;
+    use tower::ServiceExt;
+    // A slot whatever the cost: a second free request waits for the first's slot.
+    let policy = Policy::new("free-slots", Quota::concurrent(1))
+        .and(Quota::per_hour(10))
+        .cost(0);
+    let (entered, release) = (
+        Arc::new(tokio::sync::Notify::new()),
+        Arc::new(tokio::sync::Notify::new()),
+    );
+    let layer = RateLimitLayer::builder()
+        .key(tollgate::key::Global)
+        .backend(
+            LocalBackend::builder()
+                .clock(FakeRelativeClock::default())
+                .build(),
+        )
+        .policy(policy)
+        .build()
+        .unwrap();
+    let (inside, gate) = (entered.clone(), release.clone());
+    let svc = tower::Layer::layer(
+        &layer,
+        tower::service_fn(move |_req: http::Request<String>| {
+            let (inside, gate) = (inside.clone(), gate.clone());
+            async move {
+                inside.notify_one();
+                gate.notified().await;
+                Ok::<_, std::convert::Infallible>(http::Response::new(axum::body::Body::empty()))
+            }
+        }),
+    );
+    let first = tokio::spawn(svc.clone().oneshot(http::Request::new(String::new())));
+    entered.notified().await;
+    let second = svc.clone().oneshot(http::Request::new(String::new()));
+    let second = tokio::time::timeout(Duration::from_secs(5), second).await;
+    let second = second
+        .expect("refused at once, not let in beside the first")
+        .unwrap();
+    assert_eq!(second.status(), 429, "the slot is held by the first");
+    release.notify_one();
+    let first = first.await.unwrap().unwrap();
+    assert_eq!(first.status(), 200);
+    drop(first);
+    let third = tokio::spawn(svc.clone().oneshot(http::Request::new(String::new())));
+    entered.notified().await;
+    release.notify_one();
+    let third = third.await.unwrap().unwrap();
+    // The hourly quota has 9 left while this one runs: the first's unit came back.
+    let field = third.headers()["ratelimit"].to_str().unwrap().to_owned();
+    assert!(field.contains(r#""free-slots-1";r=9;"#), "{field}");
+
+    // Charged what the response reports, nothing up front: 60 tokens a response, 100 an hour.
+    let policy = Policy::new("tokens", Quota::per_hour(100))
+        .cost(0)
+        .cost_from(CostFrom::header(http::HeaderName::from_static("x-tokens")));
+    let svc = layered(policy, || {
+        let mut res = http::Response::new(axum::body::Body::empty());
+        res.headers_mut()
+            .insert("x-tokens", HeaderValue::from_static("60"));
+        res
+    });
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        let res = svc
+            .clone()
+            .oneshot(http::Request::new(String::new()))
+            .await
+            .unwrap();
+        seen.push(res.status().as_u16());
+    }
+    // 60, then 120 (into debt), then refused.
+    assert_eq!(seen, [200, 200, 429]);
+}
+
+/// A request without a body under `cost_from_content_length` costs 0 and still holds its slot.
+#[tokio::test]
+async fn a_get_without_a_body_holds_its_slot_under_a_byte_quota() {
+    use tower::ServiceExt;
+    let policy = Policy::new("uploads", Quota::concurrent(1))
+        .and(Quota::per_minute(1_000_000).bytes())
+        .cost_from_content_length(0);
+    let svc = layered(policy, || http::Response::new(streamed(300)));
+    let held = svc
+        .clone()
+        .oneshot(http::Request::new(String::new()))
+        .await
+        .unwrap();
+    assert_eq!(held.status(), 200);
+    // Its body not read yet: the slot is held.
+    let refused = svc
+        .clone()
+        .oneshot(http::Request::new(String::new()))
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 429);
+    drop(held);
+    let after = svc
+        .clone()
+        .oneshot(http::Request::new(String::new()))
+        .await
+        .unwrap();
+    assert_eq!(after.status(), 200);
+}
