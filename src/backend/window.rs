@@ -405,12 +405,19 @@ pub(crate) fn remaining(limit: u32, e: f64) -> u32 {
 /// Microseconds from now until a request of `cost` (at most the limit) fits, if nothing else
 /// is counted meanwhile: sub-window by sub-window, the oldest count still in the window slides
 /// out linearly, and at each boundary it leaves and the next becomes the oldest.
+///
+/// Linear in the sub-windows: the sum of the counts after the oldest is kept as it goes, not
+/// summed again for each sub-window (as the Redis script does).
 pub(crate) fn wait_us(counts: &[u32], slice_us: u64, r: u64, limit: u32, cost: u32) -> u64 {
     let s = slice_us;
     let n = counts.len();
+    // The counts after the m-th: all but the first to begin with.
+    let mut rest: u64 = counts.iter().skip(1).map(|&c| u64::from(c)).sum();
     for m in 0..n {
         let old = u64::from(counts[m]);
-        let rest: u64 = counts[m + 1..].iter().map(|&c| u64::from(c)).sum();
+        if m > 0 {
+            rest = rest.saturating_sub(old);
+        }
         let (limit, cost) = (u64::from(limit), u64::from(cost));
         if rest + cost > limit {
             continue;
