@@ -413,8 +413,8 @@ pub(crate) fn wait_us(counts: &[u32], slice_us: u64, r: u64, limit: u32, cost: u
     let n = counts.len();
     // The counts after the m-th: all but the first to begin with.
     let mut rest: u64 = counts.iter().skip(1).map(|&c| u64::from(c)).sum();
-    for m in 0..n {
-        let old = u64::from(counts[m]);
+    for (m, &old) in counts.iter().enumerate() {
+        let old = u64::from(old);
         if m > 0 {
             rest = rest.saturating_sub(old);
         }
