@@ -723,6 +723,39 @@ async fn uploads_cost_their_content_length() {
     );
 }
 
+/// A layer on the local backend, keyed globally.
+fn local_layer(
+    policy: Policy,
+) -> RateLimitLayer<tollgate::key::Global, LocalBackend<FakeRelativeClock>> {
+    let backend = LocalBackend::builder()
+        .clock(FakeRelativeClock::default())
+        .build();
+    RateLimitLayer::builder()
+        .key(tollgate::key::Global)
+        .backend(backend)
+        .policy(policy)
+        .build()
+        .unwrap()
+}
+
+/// A service answering `respond()` to every request.
+fn answering<B, F>(
+    respond: F,
+) -> impl tower::Service<
+    http::Request<String>,
+    Response = http::Response<B>,
+    Error = std::convert::Infallible,
+    Future: Send,
+> + Clone
+where
+    F: Fn() -> http::Response<B> + Clone + Send + 'static,
+{
+    tower::service_fn(move |_req: http::Request<String>| {
+        let respond = respond.clone();
+        async move { Ok::<_, std::convert::Infallible>(respond()) }
+    })
+}
+
 /// A layer over a service answering `respond()`, on the local backend, keyed globally.
 fn layered<B, F>(
     policy: Policy,
@@ -736,21 +769,43 @@ where
     B: tollgate::body::RateLimitBody + Send + 'static,
     F: Fn() -> http::Response<B> + Clone + Send + 'static,
 {
-    use tower::Layer;
-    let layer = RateLimitLayer::builder()
-        .key(tollgate::key::Global)
-        .backend(
-            LocalBackend::builder()
-                .clock(FakeRelativeClock::default())
-                .build(),
-        )
-        .policy(policy)
-        .build()
-        .unwrap();
-    layer.layer(tower::service_fn(move |_req: http::Request<String>| {
-        let respond = respond.clone();
-        async move { Ok::<_, std::convert::Infallible>(respond()) }
-    }))
+    tower::Layer::layer(&local_layer(policy), answering(respond))
+}
+
+/// The same with `wrap_body`.
+fn wrapped<B, F>(
+    policy: Policy,
+    respond: F,
+) -> impl tower::Service<
+    http::Request<String>,
+    Response = http::Response<tollgate::body::ResponseBody<B>>,
+    Error = std::convert::Infallible,
+> + Clone
+where
+    B: http_body::Body + Send + 'static,
+    F: Fn() -> http::Response<B> + Clone + Send + 'static,
+{
+    tower::Layer::layer(&local_layer(policy).wrap_body(), answering(respond))
+}
+
+/// The statuses of `n` requests through `svc`, each response then given to `end`.
+async fn statuses<S, B>(svc: &S, n: usize, end: impl Fn(http::Response<B>)) -> Vec<u16>
+where
+    S: tower::Service<http::Request<String>, Response = http::Response<B>> + Clone,
+    S::Error: std::fmt::Debug,
+{
+    use tower::ServiceExt;
+    let mut seen = Vec::new();
+    for _ in 0..n {
+        let res = svc
+            .clone()
+            .oneshot(http::Request::new(String::new()))
+            .await
+            .unwrap();
+        seen.push(res.status().as_u16());
+        end(res);
+    }
+    seen
 }
 
 /// A handler answering `Full<Bytes>` (a body that cannot hold the guard, finished with its
@@ -758,19 +813,13 @@ where
 #[tokio::test]
 async fn a_full_body_is_charged_its_bytes() {
     use http_body_util::Full;
-    use tower::ServiceExt;
     let policy =
         Policy::new("bytes", Quota::per_hour(1000).bytes()).cost_from(CostFrom::response_bytes());
     let svc = layered(policy, || {
         http::Response::new(Full::new(bytes::Bytes::from(vec![b'x'; 450])))
     });
-    let mut seen = Vec::new();
-    for _ in 0..4 {
-        let res = svc.clone().oneshot(http::Request::new(String::new())).await;
-        seen.push(res.unwrap().status().as_u16());
-    }
     // 450 + 450 + 450 of 1000: the third goes into debt, the fourth is refused.
-    assert_eq!(seen, [200, 200, 200, 429]);
+    assert_eq!(statuses(&svc, 4, drop).await, [200, 200, 200, 429]);
 }
 
 /// An empty body has ended, whether or not the server polls it (hyper drops an empty body
@@ -779,7 +828,6 @@ async fn a_full_body_is_charged_its_bytes() {
 #[tokio::test]
 async fn an_empty_body_dropped_unpolled_has_ended_not_been_cancelled() {
     use http_body_util::Full;
-    use tower::ServiceExt;
     let policy =
         || Policy::new("grpc", Quota::per_minute(3)).charge_when(ChargeWhen::grpc_status([16]));
     fn ok<B>(body: B) -> http::Response<B> {
@@ -788,66 +836,13 @@ async fn an_empty_body_dropped_unpolled_has_ended_not_been_cancelled() {
             .insert("grpc-status", HeaderValue::from_static("0"));
         res
     }
-    let wrapped = {
-        use tower::Layer;
-        let layer = RateLimitLayer::builder()
-            .key(tollgate::key::Global)
-            .backend(
-                LocalBackend::builder()
-                    .clock(FakeRelativeClock::default())
-                    .build(),
-            )
-            .policy(policy())
-            .build()
-            .unwrap()
-            .wrap_body();
-        layer.layer(tower::service_fn(
-            move |_req: http::Request<String>| async move {
-                Ok::<_, std::convert::Infallible>(ok(Full::new(bytes::Bytes::new())))
-            },
-        ))
-    };
-    let mut seen = Vec::new();
-    for _ in 0..5 {
-        let res = wrapped
-            .clone()
-            .oneshot(http::Request::new(String::new()))
-            .await
-            .unwrap();
-        seen.push(res.status().as_u16());
-        drop(res);
-    }
+    // With `wrap_body`, an empty `Full`.
+    let wrapped = wrapped(policy(), || ok(Full::new(bytes::Bytes::new())));
+    let seen = statuses(&wrapped, 5, drop).await;
     assert_eq!(seen, [200; 5], "wrap_body");
-    let converted = {
-        use tower::Layer;
-        let layer = RateLimitLayer::builder()
-            .key(tollgate::key::Global)
-            .backend(
-                LocalBackend::builder()
-                    .clock(FakeRelativeClock::default())
-                    .build(),
-            )
-            .policy(policy())
-            .build()
-            .unwrap()
-            .wrap_body();
-        layer.layer(tower::service_fn(
-            move |_req: http::Request<String>| async move {
-                Ok::<_, std::convert::Infallible>(ok(axum::body::Body::empty()))
-            },
-        ))
-    };
-    let mut seen = Vec::new();
-    for _ in 0..5 {
-        let res = converted
-            .clone()
-            .oneshot(http::Request::new(String::new()))
-            .await
-            .unwrap();
-        seen.push(res.status().as_u16());
-        // Converted to axum's body, then dropped unpolled.
-        drop(res.map(axum::body::Body::from));
-    }
+    // Converted to axum's body, then dropped unpolled.
+    let converted = self::wrapped(policy(), || ok(axum::body::Body::empty()));
+    let seen = statuses(&converted, 5, |res| drop(res.map(axum::body::Body::from))).await;
     assert_eq!(seen, [200; 5], "wrap_body, converted to axum's body");
 }
 
@@ -866,16 +861,7 @@ async fn a_request_of_cost_zero_holds_its_slot_and_settles() {
         Arc::new(tokio::sync::Notify::new()),
         Arc::new(tokio::sync::Notify::new()),
     );
-    let layer = RateLimitLayer::builder()
-        .key(tollgate::key::Global)
-        .backend(
-            LocalBackend::builder()
-                .clock(FakeRelativeClock::default())
-                .build(),
-        )
-        .policy(policy)
-        .build()
-        .unwrap();
+    let layer = local_layer(policy);
     let (inside, gate) = (entered.clone(), release.clone());
     let svc = tower::Layer::layer(
         &layer,
@@ -918,17 +904,8 @@ async fn a_request_of_cost_zero_holds_its_slot_and_settles() {
             .insert("x-tokens", HeaderValue::from_static("60"));
         res
     });
-    let mut seen = Vec::new();
-    for _ in 0..3 {
-        let res = svc
-            .clone()
-            .oneshot(http::Request::new(String::new()))
-            .await
-            .unwrap();
-        seen.push(res.status().as_u16());
-    }
     // 60, then 120 (into debt), then refused.
-    assert_eq!(seen, [200, 200, 429]);
+    assert_eq!(statuses(&svc, 3, drop).await, [200, 200, 429]);
 }
 
 /// A request without a body under `cost_from_content_length` costs 0 and still holds its slot.

@@ -114,10 +114,23 @@ async fn the_status_serializes() {
     );
 }
 
+/// `/api/hello` behind `limit`, and its status endpoint at `/rate_limit`; the base URL.
+async fn serve_with_status<K, Bk>(limit: RateLimitLayer<K, Bk>) -> String
+where
+    K: tollgate::key::KeyExtractor + Clone + Send + Sync + 'static,
+    Bk: tollgate::backend::Backend,
+{
+    use axum::routing::get_service;
+    let app = Router::new()
+        .route("/api/hello", get(|| async { "hello" }))
+        .route_layer(limit.clone())
+        .route("/rate_limit", get_service(limit.status_service()));
+    format!("http://{}", support::serve(app).await)
+}
+
 /// The quota status endpoint: the caller's state, without spending, in GitHub's shape.
 #[tokio::test]
 async fn the_status_endpoint_reports_without_spending() {
-    use axum::routing::get_service;
     let limit = RateLimitLayer::builder()
         .key(tollgate::key::Header::new("x-api-key"))
         .policy(
@@ -126,11 +139,7 @@ async fn the_status_endpoint_reports_without_spending() {
         )
         .build()
         .unwrap();
-    let app = Router::new()
-        .route("/api/hello", get(|| async { "hello" }))
-        .route_layer(limit.clone())
-        .route("/rate_limit", get_service(limit.status_service()));
-    let base = format!("http://{}", support::serve(app).await);
+    let base = serve_with_status(limit).await;
     let client = reqwest::Client::new();
     let status = || async {
         let res = client
@@ -189,7 +198,6 @@ async fn the_status_endpoint_reports_without_spending() {
 /// nothing left until the block ends.
 #[tokio::test]
 async fn a_blocked_key_reports_every_quota() {
-    use axum::routing::get_service;
     use std::time::Duration;
     let limit = RateLimitLayer::builder()
         .key(Global)
@@ -200,11 +208,7 @@ async fn a_blocked_key_reports_every_quota() {
         )
         .build()
         .unwrap();
-    let app = Router::new()
-        .route("/api/hello", get(|| async { "hello" }))
-        .route_layer(limit.clone())
-        .route("/rate_limit", get_service(limit.status_service()));
-    let base = format!("http://{}", support::serve(app).await);
+    let base = serve_with_status(limit).await;
     for expected in [200, 200, 429] {
         let res = reqwest::get(format!("{base}/api/hello")).await.unwrap();
         assert_eq!(res.status(), expected);

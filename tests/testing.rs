@@ -8,6 +8,7 @@ use axum::Router;
 use axum::body::Body;
 use axum::http::{Request, Response, StatusCode};
 use axum::routing::get;
+use tollgate::backend::LocalBackend;
 use tollgate::key::Global;
 use tollgate::testing::{Fields, ManualClock};
 use tollgate::{Policy, Quota, RateLimitLayer};
@@ -15,16 +16,20 @@ use tower::ServiceExt;
 
 const SEC: Duration = Duration::from_secs(1);
 
-fn app(clock: &ManualClock, policy: Policy) -> Router {
-    let limit = RateLimitLayer::builder()
+/// A layer on `clock`, keyed globally.
+fn limit(clock: &ManualClock, policy: Policy) -> RateLimitLayer<Global, LocalBackend<ManualClock>> {
+    RateLimitLayer::builder()
         .backend(clock.backend())
         .key(Global)
         .policy(policy)
         .build()
-        .unwrap();
+        .unwrap()
+}
+
+fn app(clock: &ManualClock, policy: Policy) -> Router {
     Router::new()
         .route("/", get(|| async { "hi" }))
-        .layer(limit)
+        .layer(limit(clock, policy))
 }
 
 async fn call(app: &Router) -> (StatusCode, Fields) {
@@ -193,12 +198,7 @@ async fn a_refund_is_timed_on_the_manual_clock() {
     let clock = ManualClock::new();
     let policy = Policy::new("logins", "3/min fixed".parse::<Quota>().unwrap())
         .charge_when(ChargeWhen::status([401]));
-    let limit = RateLimitLayer::builder()
-        .backend(clock.backend())
-        .key(Global)
-        .policy(policy)
-        .build()
-        .unwrap();
+    let limit = limit(&clock, policy);
     let (entered, release) = (
         Arc::new(tokio::sync::Notify::new()),
         Arc::new(tokio::sync::Notify::new()),
@@ -224,28 +224,17 @@ async fn a_refund_is_timed_on_the_manual_clock() {
     let success = tokio::spawn(app.clone().oneshot(get("/slow-success")));
     entered.notified().await;
     clock.advance(Duration::from_secs(15));
-    let mut seen = Vec::new();
-    for _ in 0..2 {
-        seen.push(
-            app.clone()
-                .oneshot(get("/fail"))
-                .await
-                .unwrap()
-                .status()
-                .as_u16(),
-        );
-    }
+    let fail = || async {
+        app.clone()
+            .oneshot(get("/fail"))
+            .await
+            .unwrap()
+            .status()
+            .as_u16()
+    };
+    let mut seen = vec![fail().await, fail().await];
     release.notify_one();
     assert_eq!(success.await.unwrap().unwrap().status(), StatusCode::OK);
-    for _ in 0..2 {
-        seen.push(
-            app.clone()
-                .oneshot(get("/fail"))
-                .await
-                .unwrap()
-                .status()
-                .as_u16(),
-        );
-    }
+    seen.extend([fail().await, fail().await]);
     assert_eq!(seen, [401, 401, 401, 429]);
 }
