@@ -174,13 +174,65 @@ impl<S: Send + Sync> axum::extract::OptionalFromRequestParts<S> for RateLimitSta
 ///     .route_layer(limit.clone())
 ///     .route("/rate_limit", get_service(limit.status_service()));
 /// ```
+///
+/// # Who may read a key's status
+///
+/// The endpoint answers for the key the layer's key extractor finds in the request, so it is
+/// exactly as private as that key. A key the client cannot choose (the peer address, an
+/// identity your authentication put in the request's extensions, read with
+/// [`key::Extension`](crate::key::Extension), behind the same authentication) answers the
+/// caller about itself only. A key taken from a header the client sets freely (a user or
+/// merchant id, not a secret) lets anyone read anyone's usage: there, say who may read which
+/// key with [`authorize`](Self::authorize), which answers `403` to the others.
+///
+/// ```
+/// use axum::{Router, routing::get_service};
+/// use tollgate::{Key, Policy, Quota, RateLimitLayer, RequestInfo, key::Header};
+///
+/// // Limited per merchant id (not a secret); each merchant authenticates with its token.
+/// let limit = RateLimitLayer::builder()
+///     .key(Header::new("x-merchant-id"))
+///     .policy(Policy::new("api", Quota::per_minute(600)))
+///     .build()
+///     .unwrap();
+/// // Your authentication: the merchant a bearer token belongs to.
+/// fn merchant_of(token: &str) -> Option<&'static str> {
+///     (token == "Bearer s3cr3t").then_some("merchant-9")
+/// }
+/// // Only a caller whose token is the merchant's may read its status.
+/// fn owns(req: &RequestInfo<'_>, key: &Key) -> bool {
+///     let token = req.headers().get("authorization").and_then(|v| v.to_str().ok());
+///     let merchant = token.and_then(merchant_of).and_then(|m| Key::from_bytes(m).ok());
+///     merchant.is_some_and(|m| m.same_value(key))
+/// }
+/// let status = limit.status_service().authorize(owns);
+/// let app: Router = Router::new().route("/rate_limit", get_service(status));
+/// ```
 pub struct StatusService<K, Bk> {
     shared: crate::service::Erased<K, Bk>,
+    authorize: Option<Authorize>,
 }
+
+/// Whether the caller of a status request may read a key's status.
+type Authorize = std::sync::Arc<dyn Fn(&crate::RequestInfo<'_>, &crate::Key) -> bool + Send + Sync>;
 
 impl<K, Bk> StatusService<K, Bk> {
     pub(crate) fn new(shared: crate::service::Erased<K, Bk>) -> Self {
-        StatusService { shared }
+        StatusService {
+            shared,
+            authorize: None,
+        }
+    }
+
+    /// Answers only callers that `may_read` the status of the key their request names (given
+    /// the request and the key the layer's extractor found in it), `403` with a `message` to
+    /// the others, reading nothing. See [who may read a key's status](Self#who-may-read-a-keys-status).
+    pub fn authorize<F>(mut self, may_read: F) -> Self
+    where
+        F: Fn(&crate::RequestInfo<'_>, &crate::Key) -> bool + Send + Sync + 'static,
+    {
+        self.authorize = Some(std::sync::Arc::new(may_read));
+        self
     }
 }
 
@@ -188,6 +240,7 @@ impl<K, Bk> Clone for StatusService<K, Bk> {
     fn clone(&self) -> Self {
         StatusService {
             shared: self.shared.clone(),
+            authorize: self.authorize.clone(),
         }
     }
 }
@@ -239,6 +292,15 @@ where
                 ))));
             }
         };
+        if let Some(may_read) = &self.authorize
+            && !may_read(&info, &key)
+        {
+            let message = "{\"message\":\"not allowed to read this key's rate limit\"}";
+            return Box::pin(std::future::ready(Ok(json(
+                http::StatusCode::FORBIDDEN,
+                message.to_owned(),
+            ))));
+        }
         let peek = (shared.backend).decide_with(
             &prepared.backend,
             &key,

@@ -219,3 +219,67 @@ async fn a_blocked_key_reports_every_quota() {
         assert_eq!(quota["remaining"], 0, "{name}: {body}");
     }
 }
+
+/// Where keys are not secrets, `authorize` decides who reads which key's status: the owner of
+/// a merchant id reads its usage, anyone else gets `403` and learns nothing.
+#[tokio::test]
+async fn only_authorized_callers_read_a_keys_status() {
+    use axum::routing::get_service;
+    use tollgate::{Key, RequestInfo};
+    let limit = RateLimitLayer::builder()
+        .key(tollgate::key::Header::new("x-merchant-id"))
+        .policy(Policy::new("api", Quota::per_hour(10).named("hourly")))
+        .build()
+        .unwrap();
+    let owns = |req: &RequestInfo<'_>, key: &Key| {
+        let token = req
+            .headers()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok());
+        let merchant = match token {
+            Some("Bearer nine") => "merchant-9",
+            Some("Bearer ten") => "merchant-10",
+            _ => return false,
+        };
+        Key::from_bytes(merchant).is_ok_and(|m| m.same_value(key))
+    };
+    let app = Router::new()
+        .route("/api/hello", get(|| async { "hello" }))
+        .route_layer(limit.clone())
+        .route(
+            "/rate_limit",
+            get_service(limit.status_service().authorize(owns)),
+        );
+    let base = format!("http://{}", support::serve(app).await);
+    let client = reqwest::Client::new();
+    let get = |path: &str, merchant: &str, token: Option<&str>| {
+        let mut req = client
+            .get(format!("{base}{path}"))
+            .header("x-merchant-id", merchant);
+        if let Some(token) = token {
+            req = req.header("authorization", token);
+        }
+        req.send()
+    };
+    for _ in 0..3 {
+        assert_eq!(
+            get("/api/hello", "merchant-9", None)
+                .await
+                .unwrap()
+                .status(),
+            200
+        );
+    }
+    let own = get("/rate_limit", "merchant-9", Some("Bearer nine"))
+        .await
+        .unwrap();
+    assert_eq!(own.status(), 200);
+    let body: serde_json::Value = own.json().await.unwrap();
+    assert_eq!(body["resources"]["hourly"]["remaining"], 7, "{body}");
+    for token in [Some("Bearer ten"), None] {
+        let other = get("/rate_limit", "merchant-9", token).await.unwrap();
+        assert_eq!(other.status(), 403, "{token:?}");
+        let text = other.text().await.unwrap();
+        assert!(!text.contains("remaining"), "{text}");
+    }
+}
