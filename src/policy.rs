@@ -244,6 +244,10 @@ impl Policy {
     /// it settles after the response (a refund), holds slots (a release), or is a
     /// [`Limiter`](crate::limiter::Limiter)'s, whose permits settle. A shared store's deny
     /// cache then holds only blocks, which nothing given back lifts.
+    #[cfg_attr(
+        not(any(feature = "redis", feature = "postgres", feature = "mysql")),
+        allow(dead_code)
+    )]
     pub(crate) fn gives_back(&self) -> bool {
         self.settles() || self.holds_slots() || self.given_back
     }

@@ -542,3 +542,51 @@ async fn a_settlement_redis_cannot_make_does_not_hold_the_response() {
         "{now}"
     );
 }
+
+/// A Redis whose memory is full (`maxmemory`, `noeviction`) refuses the script's writes. Before,
+/// that failed the whole batched call, so that a key already refused (a refusal writes
+/// nothing) was answered by the failure policy with the others, and fail-open let it through.
+/// Now the refusal stands; only the decisions that would have taken something fail.
+#[tokio::test]
+async fn a_full_redis_keeps_refusing_what_it_refused() {
+    use tollgate::backend::DecidedBy;
+    let server =
+        RedisServer::start_with(&["--maxmemory", "4mb", "--maxmemory-policy", "noeviction"]);
+    let b = RedisBackend::builder()
+        .url(server.url())
+        .timeout(Duration::from_secs(5))
+        .deny_cache_capacity(0)
+        .build()
+        .unwrap();
+    let p = prepare(&b, &Policy::new("full", no_refill(1)));
+    let victim = key("victim");
+    assert!(b.decide(&p, &victim, cost(1)).await.unwrap().is_allowed());
+    assert!(!b.decide(&p, &victim, cost(1)).await.unwrap().is_allowed());
+    // Full: any memory in use is more than the limit now.
+    let reply = server.cmd(&["CONFIG", "SET", "maxmemory", "1"]);
+    assert!(reply.contains("OK"), "{reply}");
+    let reply = server.cmd(&["SET", "junk", "x"]);
+    assert!(reply.contains("OOM"), "writes are refused: {reply}");
+    // Frozen, so that the decisions queue and go in batches: a fresh key's (a write) with the
+    // refused key's.
+    server.pause();
+    let decide = |k: &'static str| {
+        let (b, p) = (&b, &p);
+        async move { b.decide(p, &key(k), cost(1)).await.unwrap() }
+    };
+    let all = futures_util::future::join_all(["f1", "f2", "victim", "fresh", "f3"].map(decide));
+    let resume = async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        server.resume();
+    };
+    let (decisions, ()) = tokio::join!(all, resume);
+    let victim = &decisions[2];
+    assert!(
+        !victim.is_allowed(),
+        "the refused key stays refused: {victim:?}"
+    );
+    assert_eq!(victim.made_by(), DecidedBy::Store, "{victim:?}");
+    // A fresh key needed a write Redis refused: the failure policy (fail-open) answered it.
+    let fresh = &decisions[3];
+    assert_eq!(fresh.made_by(), DecidedBy::FailOpen, "{fresh:?}");
+}

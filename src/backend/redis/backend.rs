@@ -254,6 +254,11 @@ impl Store for RedisStore {
             .eval(&cmd)
             .await
             .map_err(|e| failure::call_error(&e))?;
+        // One integer more than the decisions take, -1: Redis refused the call's writes (its
+        // memory full), so nothing was taken. A decision that would have taken something
+        // fails (the failure policy answers it); a refusal stands, as it took nothing.
+        let expected: usize = jobs.iter().map(|j| j.prepared().reply_len).sum();
+        let unwritten = reply.len() == expected + 1 && reply.last() == Some(&-1);
         // A short reply gives the last decisions a short slice: they report a length mismatch
         // as a protocol error.
         let mut start = 0;
@@ -264,7 +269,15 @@ impl Store for RedisStore {
                 let part = &reply[start..end];
                 start = end;
                 let p = job.prepared();
-                script::decision(part, job.params(), job.cost, job.mode, p.blocks)
+                let decision = script::decision(part, job.params(), job.cost, job.mode, p.blocks);
+                match decision {
+                    Ok(d) if unwritten && takes(&d, job.mode) => Err(BackendError::new(
+                        crate::BackendErrorKind::Unavailable,
+                        "Redis refused to write (its memory is full: maxmemory with \
+                         noeviction?); nothing was taken",
+                    )),
+                    other => other,
+                }
             })
             .collect())
     }
@@ -304,6 +317,13 @@ impl Store for RedisStore {
         super::builder::connect_timeout(timeout)
             .saturating_add(timeout.max(Duration::from_millis(250)))
     }
+}
+
+/// Whether a decision (in `mode`) writes what it decided: an admission, a settlement. A
+/// refusal and a peek write nothing (a refusal that starts a block does, but is a refusal
+/// whether or not the block is written).
+fn takes(decision: &Decision, mode: Mode) -> bool {
+    mode != Mode::Peek && (decision.is_allowed() || mode.is_settlement())
 }
 
 /// The `EVALSHA` command for a batch, written in one buffer sized up front: the keys of every

@@ -735,7 +735,13 @@ end
 -- out (a missing key is an empty window). Expiries are whole milliseconds, rounded up, as
 -- decimal strings formatted once per call for each distinct value (keys changed alike, e.g.
 -- fresh ones, a fixed window's, share it).
+--
+-- A write Redis refuses (its memory full under `noeviction`: OOM) stops the writing. Redis
+-- checks a script's memory at its first write only, so nothing of this call was written then:
+-- the decisions stand as decided, and one integer more, -1, after them says that none of
+-- them took anything (the caller fails those that would have, and keeps the refusals).
 local expiries = {}
+local refused = false
 for i = 1, nd do
   local key = dirty[i]
   local g = dq[key]
@@ -750,7 +756,11 @@ for i = 1, nd do
     -- The leases taken, each expiring `len` ms from now; the key with the newest.
     local expiry = now_ms + len
     for _, member in ipairs(adds[key]) do
-      call('ZADD', key, expiry, member)
+      local added = pcall_redis('ZADD', key, expiry, member)
+      if type(added) == 'table' and added.err then
+        refused = true
+        break
+      end
     end
     ms = base_ms + ceil((base_us + len * 1000) / 1000)
   elseif kind == 0 then
@@ -780,14 +790,25 @@ for i = 1, nd do
     x = format('%d', ms)
     expiries[ms] = x
   end
-  if kind == 3 then
+  local written
+  if refused then
+    break
+  elseif kind == 3 then
     if px == 'PXAT' then
-      call('PEXPIREAT', key, x)
+      written = pcall_redis('PEXPIREAT', key, x)
     else
-      call('PEXPIRE', key, x)
+      written = pcall_redis('PEXPIRE', key, x)
     end
   else
-    call('SET', key, value, px, x)
+    written = pcall_redis('SET', key, value, px, x)
   end
+  -- An error is a table with `err` (a status reply, `OK`, is one with `ok`).
+  if type(written) == 'table' and written.err then
+    refused = true
+    break
+  end
+end
+if refused then
+  reply[nr + 1] = -1
 end
 return reply

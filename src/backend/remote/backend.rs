@@ -93,6 +93,7 @@ impl<S: Store> Remote<S> {
                 },
                 local,
                 warmed: AtomicBool::new(false),
+                refusal_warned_ns: std::sync::atomic::AtomicU64::new(0),
                 counters: Counters::default(),
                 batching: opts.batching,
                 fleet: FleetSize::new(opts.fleet),
