@@ -1170,3 +1170,38 @@ async fn without_announcements_every_key_is_kept_in_step() {
     a.flush().await;
     assert_eq!(a.stats().allowances_granted, 1, "{:?}", a.stats());
 }
+
+/// A Redis whose memory is full refuses the increments: the units stay counted by the instance
+/// that admitted them, so a full Redis never lets more through than the limit (it let every
+/// request through: the refused units were counted nowhere).
+#[tokio::test]
+async fn a_full_redis_never_lets_more_through() {
+    for (name, mode) in [
+        ("synchronous", Approximate::synchronous()),
+        ("asynchronous", Approximate::asynchronous()),
+    ] {
+        let server = RedisServer::start_with(&["--maxmemory-policy", "noeviction"]);
+        let reply = server.cmd(&["CONFIG", "SET", "maxmemory", "1"]);
+        assert!(reply.contains("OK"), "{reply}");
+        let b = RedisBackend::builder()
+            .url(server.url())
+            .timeout(Duration::from_secs(2))
+            .fleet(Fleet::Size(NonZeroU32::MIN))
+            .build_approximate(mode)
+            .unwrap();
+        let p = prepare(
+            &b,
+            &Policy::new("full", Quota::per_minute(3).fixed_window()),
+        );
+        let mut allowed = 0;
+        for _ in 0..10 {
+            if b.decide(&p, &key("k"), cost(1)).await.unwrap().is_allowed() {
+                allowed += 1;
+            }
+            // Each increment sent, and refused, before the next decision.
+            b.flush().await;
+        }
+        assert_eq!(allowed, 3, "{name}: {:?}", b.stats());
+        assert!(b.stats().units_refused >= 1, "{name}: {:?}", b.stats());
+    }
+}

@@ -79,6 +79,9 @@ pub(crate) struct Counts {
     /// Units of this instance Redis confirmed, per sub-window: a read never counts less (Redis
     /// may have lost them: a restart without persistence, a failover).
     own: SmallVec<[u32; 4]>,
+    /// Units of this instance Redis refused to count (its memory full, a key of another type in
+    /// the way), per sub-window: counted here only, on top of the fleet's count.
+    kept: SmallVec<[u32; 4]>,
     /// Per sub-window, whether this instance set the Redis counter to expire: 0 not yet (its
     /// next increment carries a `PEXPIRE`), 1 set, 2 owed (an increment without one created
     /// the counter afresh: Redis lost it, or it was reset; the next flush sends one).
@@ -100,6 +103,7 @@ impl Counts {
             mine: zeros(),
             unsent: zeros(),
             own: zeros(),
+            kept: zeros(),
             ttl: zeros(),
             read: None,
             over: (0, 0),
@@ -119,6 +123,7 @@ impl Counts {
             &mut self.mine,
             &mut self.unsent,
             &mut self.own,
+            &mut self.kept,
             &mut self.ttl,
         ] {
             if by >= kept {
@@ -154,10 +159,8 @@ impl Counts {
 
     /// This instance's view of the counts, oldest first.
     fn view(&self) -> SmallVec<[u32; 4]> {
-        self.fleet
-            .iter()
-            .zip(&self.mine)
-            .map(|(f, m)| f.saturating_add(*m))
+        (self.fleet.iter().zip(&self.mine).zip(&self.kept))
+            .map(|((f, m), k)| f.saturating_add(*m).saturating_add(*k))
             .collect()
     }
 
@@ -183,11 +186,8 @@ impl Counts {
     /// This instance's own units in the window at `now_us` (confirmed or not), weighed as the
     /// window weighs them: what it spent of its allowance.
     pub(crate) fn own_estimate(&self, spec: &Spec, now_us: u64) -> f64 {
-        let mut own = self
-            .own
-            .iter()
-            .zip(&self.mine)
-            .map(|(o, m)| o.saturating_add(*m));
+        let mut own = (self.own.iter().zip(&self.mine).zip(&self.kept))
+            .map(|((o, m), k)| o.saturating_add(*m).saturating_add(*k));
         let oldest = f64::from(own.next().unwrap_or(0));
         if !spec.sliding() {
             return oldest;
@@ -270,11 +270,14 @@ impl Counts {
         out
     }
 
-    /// Redis refused an increment of `units` for `slice` (a key of another type in the way):
-    /// they are not sent again, and no longer counted as unconfirmed.
+    /// Redis refused an increment of `units` for `slice` (its memory full, a key of another
+    /// type in the way): they are not sent again, and stay counted here only (a store that
+    /// refuses to count never makes this instance admit more).
     pub(crate) fn refused(&mut self, slice: u64, units: u32) {
         if let Some(i) = self.slot(slice) {
-            self.mine[i] = self.mine[i].saturating_sub(units);
+            let units = units.min(self.mine[i]);
+            self.mine[i] -= units;
+            self.kept[i] = self.kept[i].saturating_add(units);
         }
     }
 
@@ -354,6 +357,7 @@ impl Counts {
         spec.slice_at(now_us) >= self.slice.saturating_add(self.fleet.len() as u64)
             || (self.fleet.iter().all(|&c| c == 0)
                 && self.mine.iter().all(|&c| c == 0)
+                && self.kept.iter().all(|&c| c == 0)
                 && self.unsent.iter().all(|&c| c == 0))
     }
 }

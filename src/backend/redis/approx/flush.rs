@@ -213,7 +213,7 @@ impl Job {
         // A read replaces the counts held only if no other call's increments were taken in
         // since it was made (its own go before it in the same pipeline).
         let fresh = st.confirmations == self.seen;
-        let mut refused = false;
+        let mut refused = 0u64;
         let (mut written, mut units_sent) = (0u64, 0u64);
         for (&(q, slice, units, ttl), v) in self.writes.iter().zip(w) {
             match count(v) {
@@ -223,11 +223,12 @@ impl Job {
                     written += 1;
                     units_sent += u64::from(units);
                 }
-                // Redis refused this one command (a key of another type in the way): sending
-                // it again would fail the same way, and a whole batch must not be resent.
+                // Redis refused this one command (its memory full, a key of another type in
+                // the way): sending it again would fail the same way, and a whole batch must
+                // not be resent. The units stay counted here.
                 None => {
                     st.quotas[q].refused(slice, units);
-                    refused = true;
+                    refused += u64::from(units);
                 }
             }
         }
@@ -260,11 +261,12 @@ impl Job {
             s.enqueue(&self.policy, &self.entry, &mut st);
         }
         drop(st);
-        if refused {
+        if refused > 0 && s.refused_units(refused) {
             tracing::warn!(
                 policy = %self.policy.name,
-                "approximate mode: Redis refused an increment (a key of another type in the \
-                 way?); its units are counted here only"
+                "approximate mode: Redis refused an increment (its memory full? a key of \
+                 another type in the way?); its units are counted here only (at most one \
+                 warning a minute; `stats().units_refused` counts them)"
             );
         }
     }

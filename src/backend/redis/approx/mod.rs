@@ -321,6 +321,9 @@ pub struct ApproxStats {
     pub failed_calls: u64,
     /// Units Redis confirmed adding.
     pub units_sent: u64,
+    /// Units Redis refused to add (its memory full, a key of another type in the way): still
+    /// counted by the instance that admitted them, never by the others.
+    pub units_refused: u64,
     /// Keys whose counts were read.
     pub reads: u64,
     /// Whether the circuit breaker is open (only the background task tries Redis).
@@ -544,6 +547,10 @@ pub(crate) struct Shared {
     calls: AtomicU64,
     failed_calls: AtomicU64,
     units_sent: AtomicU64,
+    units_refused: AtomicU64,
+    /// When refused units were last warned of (ns since `origin`, plus one; 0: never): at
+    /// most once a minute.
+    refused_warned_ns: AtomicU64,
     reads: AtomicU64,
     // Allowances.
     /// The fleet's size as counted (0: not yet), and this instance's id in the count.
@@ -624,6 +631,8 @@ impl ApproxBackend {
                 calls: AtomicU64::new(0),
                 failed_calls: AtomicU64::new(0),
                 units_sent: AtomicU64::new(0),
+                units_refused: AtomicU64::new(0),
+                refused_warned_ns: AtomicU64::new(0),
                 reads: AtomicU64::new(0),
                 fleet_size: AtomicU32::new(match opts.fleet {
                     Fleet::Size(n) => n.get(),
@@ -670,6 +679,7 @@ impl ApproxBackend {
             calls: s.calls.load(Ordering::Relaxed),
             failed_calls: s.failed_calls.load(Ordering::Relaxed),
             units_sent: s.units_sent.load(Ordering::Relaxed),
+            units_refused: s.units_refused.load(Ordering::Relaxed),
             reads: s.reads.load(Ordering::Relaxed),
             breaker_open: s.breaker_open(),
             breaker_trips: s.trips.load(Ordering::Relaxed),
@@ -870,6 +880,19 @@ impl Future for ApproxFuture {
 type Increments = SmallVec<[(usize, u64, u32, bool); 2]>;
 
 impl Shared {
+    /// Counts `units` Redis refused to add, and whether to warn of it now: the first time,
+    /// then at most once a minute.
+    pub(crate) fn refused_units(&self, units: u64) -> bool {
+        self.units_refused.fetch_add(units, Ordering::Relaxed);
+        let now = u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        let now = now.saturating_add(1);
+        let last = self.refused_warned_ns.load(Ordering::Relaxed);
+        (last == 0 || now >= last.saturating_add(60_000_000_000))
+            && (self.refused_warned_ns)
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+    }
+
     /// Decides from the counts held, counting the units when allowed and queueing them for
     /// the next flush. Returns the decision, and whether it waits for that flush (the
     /// synchronous variant's allowed requests, while Redis answers).
