@@ -203,6 +203,25 @@ pub(crate) fn fleet_size(backend: &'static str, size: u32) {
     metrics::gauge!("tollgate_fleet_size", "backend" => backend).set(f64::from(size));
 }
 
+/// A shared store's memory as its watch read it: in use and the limit (bytes, gauges), and
+/// keys evicted since the last read (a counter).
+#[cfg_attr(
+    not(all(
+        feature = "metrics",
+        any(feature = "redis", feature = "postgres", feature = "mysql")
+    )),
+    allow(unused_variables, dead_code)
+)]
+pub(crate) fn store_memory(backend: &'static str, used: u64, max: u64, evicted: u64) {
+    #[cfg(feature = "metrics")]
+    {
+        metrics::gauge!("tollgate_store_memory_used_bytes", "backend" => backend).set(used as f64);
+        metrics::gauge!("tollgate_store_memory_max_bytes", "backend" => backend).set(max as f64);
+        metrics::counter!("tollgate_store_evicted_keys_total", "backend" => backend)
+            .increment(evicted);
+    }
+}
+
 /// Counts a call of the approximate mode to Redis.
 #[cfg_attr(
     not(all(feature = "metrics", feature = "redis")),

@@ -347,3 +347,71 @@ async fn an_outage_logs_one_warning_and_one_recovery_under_each_policy() {
         assert_eq!(logs.lines("WARN").len(), 1, "{policy:?}:\n{}", logs.text());
     }
 }
+
+/// Redis's memory is watched: its use and limit and the keys it evicts are in the stats, and
+/// the operator is warned when its policy evicts keys at all, when it evicts some (counts of
+/// rate limits lost), and, under `noeviction`, when it is nearly full.
+#[tokio::test]
+async fn evictions_and_a_full_memory_are_reported() {
+    let (logs, _guard) = Logs::capture();
+    // Evicting: a flood of keys fills 4 MB, and Redis drops the least recently used.
+    let server =
+        RedisServer::start_with(&["--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru"]);
+    let b = RedisBackend::builder()
+        .url(server.url())
+        .watch_memory(Some(Duration::from_millis(20)))
+        .build()
+        .unwrap();
+    let p = prepare(&b, &Policy::new("watched", no_refill(10)));
+    assert!(b.decide(&p, &key("k"), cost(1)).await.unwrap().is_allowed());
+    // The first read: evictions are counted from it.
+    let start = std::time::Instant::now();
+    while b.stats().memory_used == 0 {
+        assert!(start.elapsed() < Duration::from_secs(10), "{:?}", b.stats());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for i in 0..100 {
+        server.cmd(&["SETRANGE", &format!("junk:{i}"), "200000", "x"]);
+    }
+    let start = std::time::Instant::now();
+    while b.stats().evicted_keys == 0 {
+        assert!(start.elapsed() < Duration::from_secs(10), "{:?}", b.stats());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let stats = b.stats();
+    assert_eq!(stats.memory_max, 4 * 1024 * 1024, "{stats:?}");
+    assert!(stats.memory_used > 0, "{stats:?}");
+    let warnings = logs.lines("WARN").join("\n");
+    assert!(
+        warnings.contains("maxmemory-policy allkeys-lru"),
+        "{warnings}"
+    );
+    assert!(warnings.contains("evicted keys"), "{warnings}");
+
+    // Not evicting: nearly full is warned of, once.
+    let server = RedisServer::start_with(&["--maxmemory-policy", "noeviction"]);
+    let b = RedisBackend::builder()
+        .url(server.url())
+        .watch_memory(Some(Duration::from_millis(20)))
+        .build()
+        .unwrap();
+    let p = prepare(&b, &Policy::new("watched", no_refill(10)));
+    assert!(b.decide(&p, &key("k"), cost(1)).await.unwrap().is_allowed());
+    let info = server.cmd(&["INFO", "memory"]);
+    let used: u64 = (info.lines())
+        .find_map(|l| l.strip_prefix("used_memory:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap();
+    server.cmd(&[
+        "CONFIG",
+        "SET",
+        "maxmemory",
+        &(used + used / 20).to_string(),
+    ]);
+    let start = std::time::Instant::now();
+    while !logs.text().contains("at 90 % of its maxmemory") {
+        assert!(start.elapsed() < Duration::from_secs(10), "{}", logs.text());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(logs.text().matches("at 90 % of its maxmemory").count(), 1);
+}

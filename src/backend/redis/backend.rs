@@ -9,7 +9,7 @@ use smallvec::SmallVec;
 use super::conn::Conn;
 use super::{failure, script};
 use crate::backend::remote::{
-    CallError, Job, Remote, RemoteFuture, RemotePolicy, Store, StoreFailure, keys,
+    CallError, Job, Memory, Remote, RemoteFuture, RemotePolicy, Store, StoreFailure, keys,
 };
 use crate::backend::{Backend, Decision, Mode, ResetFuture};
 use crate::quota::QuotaParams;
@@ -50,6 +50,15 @@ pub struct RedisStats {
     /// and always 1 unless the failure policy is
     /// [`FallbackLocal`](super::FailurePolicy::FallbackLocal).
     pub fleet_size: u32,
+    /// Redis's memory in use (`used_memory`, bytes) as last read by the memory watch
+    /// ([`watch_memory`](super::RedisBackendBuilder::watch_memory)); 0 before the first read,
+    /// and on a Redis Cluster (not read).
+    pub memory_used: u64,
+    /// Redis's `maxmemory` (bytes; 0: no limit, or not read).
+    pub memory_max: u64,
+    /// Keys Redis evicted since the watch first read it (`evicted_keys`): each may have been
+    /// a rate limit's count, which then started afresh.
+    pub evicted_keys: u64,
     /// Whether the circuit breaker is open (Redis is not being called).
     pub breaker_open: bool,
     /// How many times the circuit breaker opened.
@@ -96,6 +105,9 @@ impl RedisBackend {
             breaker_open: s.breaker_open,
             breaker_trips: s.breaker_trips,
             failing: s.failing,
+            memory_used: s.memory_used,
+            memory_max: s.memory_max,
+            evicted_keys: s.evicted_keys,
         }
     }
 
@@ -291,6 +303,24 @@ impl Store for RedisStore {
         let pipe = announce_pipe(&self.prefix, id, ttl);
         let reply = (self.conn.pipeline(&pipe).await).map_err(|e| failure::call_error(&e))?;
         announced(reply.first()).map_err(|text| CallError::new(StoreFailure::ErrorReply, text))
+    }
+
+    /// `INFO memory` and `INFO stats` of the server (a single node, or Sentinel's primary); a
+    /// cluster's nodes are not read (`None`).
+    async fn memory(&self) -> Result<Option<Memory>, CallError> {
+        if matches!(self.conn, Conn::Cluster(_)) {
+            return Ok(None);
+        }
+        let mut pipe = redis::pipe();
+        pipe.cmd("INFO").arg("memory").cmd("INFO").arg("stats");
+        let reply = (self.conn.pipeline(&pipe).await).map_err(|e| failure::call_error(&e))?;
+        let texts: Vec<String> = reply
+            .iter()
+            .filter_map(|v| redis::from_redis_value_ref::<String>(v).ok())
+            .collect();
+        Memory::from_info(texts.iter().map(String::as_str))
+            .map(Some)
+            .ok_or_else(|| CallError::new(StoreFailure::ErrorReply, "INFO without used_memory"))
     }
 
     fn can_batch(&self) -> bool {

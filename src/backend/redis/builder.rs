@@ -199,6 +199,19 @@ impl RedisBackendBuilder {
         self
     }
 
+    /// How often the backend reads Redis's memory (`INFO memory` and `INFO stats`; default
+    /// every 10 s, `None` for never): its use and `maxmemory` and the keys it evicted, in
+    /// [`RedisBackend::stats`] and the metrics `tollgate_store_memory_used_bytes`,
+    /// `tollgate_store_memory_max_bytes` and `tollgate_store_evicted_keys_total`, with a
+    /// warning when Redis evicts keys (rate limits' counts lost), when its `maxmemory-policy`
+    /// evicts at all, and when it is at 90 % of its memory under `noeviction`. Needs the
+    /// `INFO` command (an ACL user without it: said once, not watched); a Redis Cluster's
+    /// nodes are not read.
+    pub fn watch_memory(mut self, every: Option<Duration>) -> Self {
+        self.opts.memory_watch = every.map(|d| d.clamp(Duration::from_millis(10), MAX_DURATION));
+        self
+    }
+
     /// **Tests only.** Makes the script use `clock`'s time instead of Redis `TIME`, and the
     /// deny cache use it instead of the monotonic clock, so that a test can script time as
     /// with governor's `FakeRelativeClock`. Keys still expire on Redis's real clock.

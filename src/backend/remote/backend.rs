@@ -94,8 +94,10 @@ impl<S: Store> Remote<S> {
                 local,
                 warmed: AtomicBool::new(false),
                 refusal_warned_ns: std::sync::atomic::AtomicU64::new(0),
+                memory: Default::default(),
                 counters: Counters::default(),
                 batching: opts.batching,
+                memory_watch: opts.memory_watch,
                 fleet: FleetSize::new(opts.fleet),
             }),
             batcher: Arc::default(),
@@ -148,6 +150,9 @@ impl<S: Store> Remote<S> {
             breaker_open: self.inner.breaker.is_open(),
             breaker_trips: self.inner.breaker.trips(),
             failing: self.inner.health.failing(),
+            memory_used: get(&self.inner.memory.used),
+            memory_max: get(&self.inner.memory.max),
+            evicted_keys: get(&self.inner.memory.evicted),
         }
     }
 
@@ -298,6 +303,12 @@ impl<S: Store> Remote<S> {
         }
         if let (Fleet::Announced { every }, Some(_)) = (self.inner.fleet.fleet, &self.inner.local) {
             handle.spawn(announce(Arc::downgrade(&self.inner), every));
+        }
+        if let Some(every) = self.inner.memory_watch {
+            handle.spawn(super::inner::watch_memory(
+                Arc::downgrade(&self.inner),
+                every,
+            ));
         }
         let weak = Arc::downgrade(&self.inner);
         handle.spawn(async move {

@@ -36,9 +36,94 @@ pub(crate) struct Inner<S: Store> {
     /// at most one a minute, so that a store refusing every write (its memory full) does
     /// not log a line per request.
     pub(crate) refusal_warned_ns: std::sync::atomic::AtomicU64,
+    /// The store's memory as the watch last read it.
+    pub(crate) memory: MemoryState,
     pub(crate) counters: Counters,
     pub(crate) batching: bool,
+    /// How often the store's memory is read ([`watch_memory`]), `None` for never.
+    pub(crate) memory_watch: Option<Duration>,
     pub(crate) fleet: FleetSize,
+}
+
+/// The store's memory as the watch last read it ([`watch_memory`]).
+#[derive(Default)]
+pub(crate) struct MemoryState {
+    pub(crate) used: std::sync::atomic::AtomicU64,
+    pub(crate) max: std::sync::atomic::AtomicU64,
+    /// Keys evicted since the first read.
+    pub(crate) evicted: std::sync::atomic::AtomicU64,
+}
+
+/// Reads the store's memory every `every` until the backend is dropped or the store has no
+/// report (a SQL store, a Redis Cluster): its use and limit, and the keys it evicted, as stats
+/// and metrics; and warns, once until it changes, when it evicts keys (counts of rate limits
+/// lost: a key at its limit starts afresh), when it is at 90 % of its limit under
+/// `noeviction` (writes are refused when full), and when its policy evicts keys at all.
+pub(crate) async fn watch_memory<S: Store>(inner: std::sync::Weak<Inner<S>>, every: Duration) {
+    let mut first_evicted: Option<u64> = None;
+    let mut last_evicted = 0u64;
+    let (mut warned_full, mut warned_policy, mut unreadable) = (false, false, false);
+    loop {
+        tokio::time::sleep(every).await;
+        let Some(this) = inner.upgrade() else { return };
+        let read = tokio::time::timeout(
+            this.timeout.max(Duration::from_secs(1)),
+            this.store.memory(),
+        );
+        let memory = match read.await {
+            Ok(Ok(Some(memory))) => memory,
+            Ok(Ok(None)) => return,
+            Ok(Err(err)) => {
+                // Not allowed to (an ACL user without INFO), or failing: said once.
+                if !unreadable {
+                    unreadable = true;
+                    let err = this.secrets.scrub(&err.text).into_owned();
+                    tracing::info!(error = %err, "tollgate: {} does not tell its memory (INFO); evictions and a full memory are not watched", this.who);
+                }
+                continue;
+            }
+            Err(_elapsed) => continue,
+        };
+        unreadable = false;
+        let m = &this.memory;
+        m.used.store(memory.used, Ordering::Relaxed);
+        m.max.store(memory.max, Ordering::Relaxed);
+        let base = *first_evicted.get_or_insert(memory.evicted);
+        let evicted = memory.evicted.saturating_sub(base);
+        m.evicted.store(evicted, Ordering::Relaxed);
+        crate::metrics::store_memory(
+            S::KIND,
+            memory.used,
+            memory.max,
+            evicted.saturating_sub(last_evicted),
+        );
+        let evicts = memory.max > 0 && memory.policy != "noeviction" && !memory.policy.is_empty();
+        if evicts && !warned_policy {
+            warned_policy = true;
+            tracing::warn!(policy = %memory.policy, "tollgate: {} evicts keys when its memory is full (maxmemory-policy {}): a rate limit's count it evicts starts afresh; `noeviction` keeps counts (see docs/redis.md)", this.who, memory.policy);
+        }
+        if evicted > last_evicted {
+            tracing::warn!(
+                evicted = evicted - last_evicted,
+                total = evicted,
+                "tollgate: {} evicted keys: counts of rate limits may have been dropped (a key at its limit starts afresh)",
+                this.who
+            );
+            last_evicted = evicted;
+        }
+        let full = memory.max > 0 && memory.used.saturating_mul(10) >= memory.max.saturating_mul(9);
+        if full && !warned_full && !evicts {
+            warned_full = true;
+            tracing::warn!(
+                used = memory.used,
+                max = memory.max,
+                "tollgate: {} is at 90 % of its maxmemory: when full it refuses writes, and decisions that take something get the failure policy",
+                this.who
+            );
+        } else if warned_full && memory.used.saturating_mul(10) < memory.max.saturating_mul(8) {
+            warned_full = false;
+        }
+    }
 }
 
 /// How many instances share the store, as this one knows it (see [`Fleet`]).

@@ -66,6 +66,8 @@ pub use health::StoreFailure;
 pub(crate) use options::Options;
 pub use options::{FailurePolicy, Fleet, RemoteStats};
 pub(crate) use store::{CallError, Job, Store};
+#[cfg(feature = "redis")]
+pub(crate) use store::Memory;
 
 /// The most decisions in one call: bounds how long one call keeps the store busy.
 pub(crate) const MAX_BATCH: usize = 128;

@@ -139,6 +139,14 @@ pub struct RemoteStats {
     /// refused connection or a wrong password, rather than the timeouts requests may see);
     /// `None` while it answers, and before the first call.
     pub failing: Option<StoreFailure>,
+    /// The store's memory in use, in bytes, as last read (Redis `used_memory`; 0 before the
+    /// first read, or for a store that does not say).
+    pub memory_used: u64,
+    /// The store's memory limit, in bytes (Redis `maxmemory`; 0 for none, or not read).
+    pub memory_max: u64,
+    /// Keys the store evicted (Redis `evicted_keys`) since this backend first read it: each
+    /// may have been a count of a rate limit, which then started afresh.
+    pub evicted_keys: u64,
 }
 
 /// The options every remote backend's builder has.
@@ -152,6 +160,8 @@ pub(crate) struct Options {
     pub(crate) batching: bool,
     pub(crate) fleet: Fleet,
     pub(crate) test_clock: Option<TestClock>,
+    /// How often the store's memory is read (Redis `INFO`), `None` for never.
+    pub(crate) memory_watch: Option<Duration>,
 }
 
 impl Default for Options {
@@ -165,6 +175,7 @@ impl Default for Options {
             batching: true,
             fleet: Fleet::default(),
             test_clock: None,
+            memory_watch: Some(Duration::from_secs(10)),
         }
     }
 }

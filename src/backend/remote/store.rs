@@ -78,6 +78,48 @@ pub(crate) trait Store: Send + Sync + Sized + 'static {
         id: u64,
         ttl: Duration,
     ) -> impl Future<Output = Result<u32, CallError>> + Send + '_;
+
+    /// The store's memory as it reports it, for the memory watch; `None` (the default) for a
+    /// store that has no such report, which ends the watch.
+    fn memory(&self) -> impl Future<Output = Result<Option<Memory>, CallError>> + Send + '_ {
+        std::future::ready(Ok(None))
+    }
+}
+
+/// A store's memory, as its report says (Redis `INFO memory` and `INFO stats`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Memory {
+    /// Bytes in use.
+    pub(crate) used: u64,
+    /// The limit in bytes, 0 for none.
+    pub(crate) max: u64,
+    /// What the store does at its limit (`noeviction`, `allkeys-lru`, ...).
+    pub(crate) policy: String,
+    /// Keys evicted since the store started.
+    pub(crate) evicted: u64,
+}
+
+impl Memory {
+    /// Reads the fields of `INFO` texts (`name:value` lines); `None` without `used_memory`.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) fn from_info<'a>(texts: impl IntoIterator<Item = &'a str>) -> Option<Memory> {
+        let mut memory = Memory::default();
+        let mut used = None;
+        for line in texts.into_iter().flat_map(str::lines) {
+            let Some((name, value)) = line.trim_end().split_once(':') else {
+                continue;
+            };
+            match name {
+                "used_memory" => used = value.parse().ok(),
+                "maxmemory" => memory.max = value.parse().unwrap_or(0),
+                "maxmemory_policy" => memory.policy = value.to_owned(),
+                "evicted_keys" => memory.evicted = value.parse().unwrap_or(0),
+                _ => {}
+            }
+        }
+        memory.used = used?;
+        Some(memory)
+    }
 }
 
 /// Why a call failed: the cause (for the breaker, the stats and the logs) and the driver's
