@@ -394,9 +394,8 @@ impl<B: Backend> Permit<B> {
 
     /// Ends the work, which cost `cost` units in all: the difference from the admitted cost is
     /// taken (into debt if need be) or given back (never past full), then the slot is given
-    /// back. Every store settles (local, Redis, Redis Cluster, PostgreSQL, MySQL) but the
-    /// approximate Redis mode, where a different cost is an error; the slot is given back
-    /// either way.
+    /// back. Every store settles (local, Redis, Redis Cluster, PostgreSQL, MySQL, the
+    /// approximate Redis mode); the slot is given back either way.
     pub async fn settle(mut self, cost: u32) -> Result<(), BackendError> {
         let i = &self.limiter.inner;
         let admitted = self.cost.get();

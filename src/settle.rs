@@ -26,7 +26,8 @@
 //!
 //! Which stores settle: every one (the local backend, Redis, PostgreSQL, MySQL), on every
 //! algorithm (a window gives units back only to the window, or sub-window, that counted them),
-//! except the approximate Redis mode, which refuses such a policy when the layer is built.
+//! the approximate Redis mode included (its settlements go into the counts it sends: a
+//! refund of units Redis already counts is taken off its counter by the next flush).
 //!
 //! ```
 //! use std::convert::Infallible;
@@ -444,13 +445,13 @@ impl Rules {
 )]
 pub(crate) fn unsupported(policy: &crate::Policy, store: &str) -> crate::ConfigError {
     let blocking = (policy.quotas().iter()).find(|q| q.block().is_some());
-    let (option, what) = if policy.settles() {
+    let (option, what) = if policy.holds_slots() {
+        ("Quota::concurrent", "caps requests in flight".to_owned())
+    } else if policy.settles() && policy.block().is_none() {
         (
             "Policy::charge_when / Policy::cost_from",
             "settles requests after their response".to_owned(),
         )
-    } else if policy.holds_slots() {
-        ("Quota::concurrent", "caps requests in flight".to_owned())
     } else if let Some(quota) = blocking.filter(|_| policy.block_mask() != 0) {
         (
             "Quota::block_for",

@@ -1205,3 +1205,109 @@ async fn a_full_redis_never_lets_more_through() {
         assert!(b.stats().units_refused >= 1, "{name}: {:?}", b.stats());
     }
 }
+
+/// Settling after the response, as on every store: a debit counts into the current window
+/// (past the limit, into debt), a refund gives back the units of the window that counted them
+/// (nothing once it has passed), on this instance at once and, through Redis, on the others.
+#[tokio::test]
+async fn settlements_go_into_the_counts_sent() {
+    use tollgate::backend::Mode;
+    for (name, mode) in [
+        ("synchronous", Approximate::synchronous()),
+        ("asynchronous", in_step()),
+    ] {
+        let server = RedisServer::start();
+        let clock = TestClock::new();
+        to_window_start(&clock, WINDOW_US);
+        let (a, b) = (
+            instance(&server.url(), &clock, mode),
+            instance(&server.url(), &clock, mode),
+        );
+        let policy = Policy::new("settled", Quota::per_second(10).fixed_window());
+        let (pa, pb) = (prepare(&a, &policy), prepare(&b, &policy));
+        let k = key("k");
+        let refund = |ago_ms| Mode::Refund {
+            admitted_ago: Duration::from_millis(ago_ms),
+        };
+        let remaining = |d: tollgate::backend::Decision| d.quotas()[0].remaining;
+        let d = a.decide(&pa, &k, cost(4)).await.unwrap();
+        assert_eq!(remaining(d), 6, "{name}");
+        // Sent, then given back: Redis's counter too.
+        a.flush().await;
+        let d = a.decide_with(&pa, &k, cost(4), refund(0)).await.unwrap();
+        assert_eq!(remaining(d), 10, "{name}: the refund at once here");
+        let d = a.decide_with(&pa, &k, cost(12), Mode::Debit).await.unwrap();
+        assert_eq!(remaining(d), 0, "{name}: in debt");
+        assert!(
+            !a.decide(&pa, &k, cost(1)).await.unwrap().is_allowed(),
+            "{name}"
+        );
+        a.flush().await;
+        // The other instance reads 12 of 10.
+        b.decide(&pb, &k, cost(1)).await.unwrap();
+        b.flush().await;
+        let d = b.decide(&pb, &k, cost(1)).await.unwrap();
+        assert!(!d.is_allowed(), "{name}: the debt is the fleet's: {d:?}");
+        // The next window: a refund of the last one's units gives nothing back.
+        clock.advance(Duration::from_micros(WINDOW_US));
+        let d = a.decide(&pa, &k, cost(9)).await.unwrap();
+        assert_eq!(remaining(d), 1, "{name}");
+        let d = a.decide_with(&pa, &k, cost(5), refund(1500)).await.unwrap();
+        assert_eq!(remaining(d), 1, "{name}: nothing from a passed window");
+        let d = a.decide_with(&pa, &k, cost(5), refund(0)).await.unwrap();
+        assert_eq!(remaining(d), 6, "{name}: from this window");
+        let d = a.decide_with(&pa, &k, cost(20), refund(0)).await.unwrap();
+        assert_eq!(remaining(d), 10, "{name}: never more than counted here");
+        a.flush().await;
+        clock.advance(Duration::from_millis(100));
+        // The fleet's counter went down too, and not below zero.
+        b.flush().await;
+        let d = b.decide(&pb, &k, cost(10)).await.unwrap();
+        assert!(d.is_allowed(), "{name}: {d:?}");
+    }
+}
+
+/// The brute-force recipe on the approximate mode: only failed logins count (successes are
+/// refunded after the response), behind the layer.
+#[tokio::test]
+async fn only_failures_count_behind_the_layer() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU16, Ordering};
+    use tollgate::settle::ChargeWhen;
+    use tower::{Layer, ServiceExt};
+    let server = RedisServer::start();
+    let backend = RedisBackend::builder()
+        .url(server.url())
+        .timeout(TIMEOUT)
+        .build_approximate(Approximate::synchronous())
+        .unwrap();
+    let policy = Policy::new("logins", Quota::per_minute(2).fixed_window())
+        .charge_when(ChargeWhen::status([401]));
+    let layer = tollgate::RateLimitLayer::builder()
+        .key(tollgate::key::Global)
+        .backend(backend)
+        .policy(policy)
+        .build()
+        .unwrap();
+    let answer = Arc::new(AtomicU16::new(200));
+    let status = answer.clone();
+    let svc = layer.layer(tower::service_fn(move |_req: http::Request<String>| {
+        let status = status.load(Ordering::Relaxed);
+        async move {
+            let mut res = http::Response::new(axum::body::Body::empty());
+            *res.status_mut() = http::StatusCode::from_u16(status).unwrap();
+            Ok::<_, std::convert::Infallible>(res)
+        }
+    }));
+    let mut seen = Vec::new();
+    for answer_with in [200, 200, 200, 200, 401, 401, 401, 200] {
+        answer.store(answer_with, Ordering::Relaxed);
+        let res = svc
+            .clone()
+            .oneshot(http::Request::new(String::new()))
+            .await
+            .unwrap();
+        seen.push(res.status().as_u16());
+    }
+    assert_eq!(seen, [200, 200, 200, 200, 401, 401, 429, 429]);
+}

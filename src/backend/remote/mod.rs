@@ -65,9 +65,9 @@ pub use future::RemoteFuture;
 pub use health::StoreFailure;
 pub(crate) use options::Options;
 pub use options::{FailurePolicy, Fleet, RemoteStats};
-pub(crate) use store::{CallError, Job, Store};
 #[cfg(feature = "redis")]
 pub(crate) use store::Memory;
+pub(crate) use store::{CallError, Job, Store};
 
 /// The most decisions in one call: bounds how long one call keeps the store busy.
 pub(crate) const MAX_BATCH: usize = 128;

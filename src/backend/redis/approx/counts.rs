@@ -82,6 +82,9 @@ pub(crate) struct Counts {
     /// Units of this instance Redis refused to count (its memory full, a key of another type in
     /// the way), per sub-window: counted here only, on top of the fleet's count.
     kept: SmallVec<[u32; 4]>,
+    /// Units refunded that Redis counts (or will: increments in flight) and is still to be
+    /// told of, per sub-window: taken off the view until their decrement is sent.
+    back: SmallVec<[u32; 4]>,
     /// Per sub-window, whether this instance set the Redis counter to expire: 0 not yet (its
     /// next increment carries a `PEXPIRE`), 1 set, 2 owed (an increment without one created
     /// the counter afresh: Redis lost it, or it was reset; the next flush sends one).
@@ -104,6 +107,7 @@ impl Counts {
             unsent: zeros(),
             own: zeros(),
             kept: zeros(),
+            back: zeros(),
             ttl: zeros(),
             read: None,
             over: (0, 0),
@@ -124,6 +128,7 @@ impl Counts {
             &mut self.unsent,
             &mut self.own,
             &mut self.kept,
+            &mut self.back,
             &mut self.ttl,
         ] {
             if by >= kept {
@@ -159,9 +164,14 @@ impl Counts {
 
     /// This instance's view of the counts, oldest first.
     fn view(&self) -> SmallVec<[u32; 4]> {
-        (self.fleet.iter().zip(&self.mine).zip(&self.kept))
-            .map(|((f, m), k)| f.saturating_add(*m).saturating_add(*k))
-            .collect()
+        (self
+            .fleet
+            .iter()
+            .zip(&self.mine)
+            .zip(&self.kept)
+            .zip(&self.back))
+        .map(|(((f, m), k), b)| f.saturating_add(*m).saturating_add(*k).saturating_sub(*b))
+        .collect()
     }
 
     /// What the quota says of `cost` at `now_us` (the counts already moved to `now_us`).
@@ -186,8 +196,13 @@ impl Counts {
     /// This instance's own units in the window at `now_us` (confirmed or not), weighed as the
     /// window weighs them: what it spent of its allowance.
     pub(crate) fn own_estimate(&self, spec: &Spec, now_us: u64) -> f64 {
-        let mut own = (self.own.iter().zip(&self.mine).zip(&self.kept))
-            .map(|((o, m), k)| o.saturating_add(*m).saturating_add(*k));
+        let mut own = (self
+            .own
+            .iter()
+            .zip(&self.mine)
+            .zip(&self.kept)
+            .zip(&self.back))
+        .map(|(((o, m), k), b)| o.saturating_add(*m).saturating_add(*k).saturating_sub(*b));
         let oldest = f64::from(own.next().unwrap_or(0));
         if !spec.sliding() {
             return oldest;
@@ -223,6 +238,27 @@ impl Counts {
         self.unsent[newest] = self.unsent[newest].saturating_add(cost);
     }
 
+    /// Gives back `units` this instance counted into sub-window `slice` (a refund after the
+    /// response): units not sent yet are simply not sent; units Redis counts, or will (in
+    /// flight), are taken off the view at once and off Redis's counter by the next flush. A
+    /// sub-window that has left the window gives back nothing, and never more than this
+    /// instance counted there.
+    pub(crate) fn refund(&mut self, slice: u64, units: u32) {
+        let Some(i) = self.slot(slice) else {
+            return;
+        };
+        let unsent = units.min(self.unsent[i]);
+        self.unsent[i] -= unsent;
+        self.mine[i] -= unsent.min(self.mine[i]);
+        // Redis has (or will have) the rest of this instance's units there.
+        let counted = self.own[i].saturating_add(self.mine[i] - self.unsent[i].min(self.mine[i]));
+        let back = (units - unsent).min(counted.saturating_sub(self.back[i]));
+        self.back[i] = self.back[i].saturating_add(back);
+        // Units Redis refused, counted here only, go back here.
+        let kept = (units - unsent - back).min(self.kept[i]);
+        self.kept[i] -= kept;
+    }
+
     /// The quota's state after a decision with `code`, from the view at `now_us` with `extra`
     /// units more in the current sub-window (a peek's request, counted as a decision would).
     pub(crate) fn state(
@@ -255,16 +291,23 @@ impl Counts {
 
     /// Takes the units to send: `(sub-window, units, whether the counter's expiry is sent
     /// with them)` for each sub-window with units, or an expiry owed (then with zero units:
-    /// `INCRBY` by 0 reads the count). They stay in `mine` until [`confirmed`](Self::confirmed).
-    pub(crate) fn take_unsent(&mut self) -> SmallVec<[(u64, u32, bool); 2]> {
+    /// `INCRBY` by 0 reads the count), and units refunded as negative ones (always with the
+    /// expiry, so that a counter Redis lost is not made again without one). Units sent stay
+    /// in `mine` until [`confirmed`](Self::confirmed).
+    pub(crate) fn take_unsent(&mut self) -> SmallVec<[(u64, i64, bool); 2]> {
         let mut out = SmallVec::new();
         for i in 0..self.unsent.len() {
-            let (units, ttl) = (self.unsent[i], self.ttl[i]);
-            if let Some(slice) = self.slice_of(i)
-                && (units > 0 || ttl == 2)
-            {
-                out.push((slice, units, ttl != 1));
+            let (units, back, ttl) = (self.unsent[i], self.back[i], self.ttl[i]);
+            let Some(slice) = self.slice_of(i) else {
+                continue;
+            };
+            if units > 0 || ttl == 2 {
+                out.push((slice, i64::from(units), ttl != 1));
                 self.unsent[i] = 0;
+            }
+            if back > 0 {
+                out.push((slice, -i64::from(back), true));
+                self.back[i] = 0;
             }
         }
         out
@@ -273,17 +316,36 @@ impl Counts {
     /// Redis refused an increment of `units` for `slice` (its memory full, a key of another
     /// type in the way): they are not sent again, and stay counted here only (a store that
     /// refuses to count never makes this instance admit more).
-    pub(crate) fn refused(&mut self, slice: u64, units: u32) {
-        if let Some(i) = self.slot(slice) {
-            let units = units.min(self.mine[i]);
-            self.mine[i] -= units;
-            self.kept[i] = self.kept[i].saturating_add(units);
-        }
+    pub(crate) fn refused(&mut self, slice: u64, units: i64) {
+        let Some(i) = self.slot(slice) else {
+            return;
+        };
+        // A refused refund: its units stay counted (this instance may deny early, never
+        // admit more).
+        let Ok(units) = u32::try_from(units) else {
+            return;
+        };
+        let units = units.min(self.mine[i]);
+        self.mine[i] -= units;
+        self.kept[i] = self.kept[i].saturating_add(units);
     }
 
     /// Redis added `units` to sub-window `slice`, making it `count` (and set its expiry when
     /// `ttl` was sent with them).
-    pub(crate) fn confirmed(&mut self, slice: u64, units: u32, count: u32, ttl: bool) {
+    pub(crate) fn confirmed(&mut self, slice: u64, units: i64, count: u32, ttl: bool) {
+        let Ok(units) = u32::try_from(units) else {
+            // A refund: Redis took the units off its counter (never below this instance's
+            // other units here: the count is what Redis says now).
+            if let Some(i) = self.slot(slice) {
+                let back = u32::try_from(units.unsigned_abs()).unwrap_or(u32::MAX);
+                self.own[i] = self.own[i].saturating_sub(back);
+                self.fleet[i] = count.max(self.own[i]);
+                if ttl {
+                    self.ttl[i] = 1;
+                }
+            }
+            return;
+        };
         if let Some(i) = self.slot(slice) {
             self.own[i] = self.own[i].saturating_add(units);
             // Never below this instance's own units: Redis may have lost some.
@@ -300,15 +362,22 @@ impl Counts {
 
     /// Whether a flush owes Redis something: units, or an expiry.
     pub(crate) fn owes(&self) -> bool {
-        self.unsent.iter().any(|&u| u > 0) || self.ttl.contains(&2)
+        self.unsent.iter().any(|&u| u > 0)
+            || self.back.iter().any(|&b| b > 0)
+            || self.ttl.contains(&2)
     }
 
     /// Sending `units` for `slice` failed: they are sent again by a later flush. (A call that
     /// timed out may have reached Redis: the units are then counted twice there, which can only
     /// deny early, never admit more.)
-    pub(crate) fn failed(&mut self, slice: u64, units: u32) {
+    pub(crate) fn failed(&mut self, slice: u64, units: i64) {
         if let Some(i) = self.slot(slice) {
-            self.unsent[i] = self.unsent[i].saturating_add(units);
+            let n = u32::try_from(units.unsigned_abs()).unwrap_or(u32::MAX);
+            if units < 0 {
+                self.back[i] = self.back[i].saturating_add(n);
+            } else {
+                self.unsent[i] = self.unsent[i].saturating_add(n);
+            }
         }
     }
 
@@ -358,6 +427,7 @@ impl Counts {
             || (self.fleet.iter().all(|&c| c == 0)
                 && self.mine.iter().all(|&c| c == 0)
                 && self.kept.iter().all(|&c| c == 0)
+                && self.back.iter().all(|&c| c == 0)
                 && self.unsent.iter().all(|&c| c == 0))
     }
 }

@@ -219,16 +219,17 @@ impl Job {
             match count(v) {
                 Some(count) => {
                     st.quotas[q].confirmed(slice, units, count, ttl);
-                    s.units_sent.fetch_add(u64::from(units), Ordering::Relaxed);
+                    let sent = u64::try_from(units).unwrap_or(0);
+                    s.units_sent.fetch_add(sent, Ordering::Relaxed);
                     written += 1;
-                    units_sent += u64::from(units);
+                    units_sent += sent;
                 }
                 // Redis refused this one command (its memory full, a key of another type in
                 // the way): sending it again would fail the same way, and a whole batch must
                 // not be resent. The units stay counted here.
                 None => {
                     st.quotas[q].refused(slice, units);
-                    refused += u64::from(units);
+                    refused += u64::try_from(units).unwrap_or(0);
                 }
             }
         }

@@ -36,7 +36,19 @@
 //! Only window quotas can be counted this way: [fixed](crate::Quota::fixed_window) and
 //! [sliding](crate::Quota::sliding_window) windows, whose
 //! [resolution](crate::Quota::resolution) is the sub-window. A policy with a GCRA quota is
-//! refused when the layer is built (`"10/s burst 20"` can be written `"20/2s sliding 100ms"`).
+//! refused when the layer is built (`"10/s burst 20"` can be written `"20/2s sliding 100ms"`),
+//! and so is a policy with a concurrent quota or a penalty (not served by this mode yet).
+//!
+//! Settlements after the response (`Policy::charge_when`, `Policy::cost_from`, a `Limiter`'s
+//! `Permit::settle`) go into the counts, with the meaning they have on every store: a debit
+//! counts more units into the current sub-window, past the limit into debt; a refund gives
+//! back units this instance counted into the sub-window of their admission, if it is still in
+//! the window: units not sent yet are not sent, units Redis counts are taken off the view at
+//! once and off Redis's counter by the next flush (`INCRBY` by a negative number, with the
+//! counter's expiry). While that decrement is in flight the view counts the units again
+//! (denying early, never admitting more), as increments in flight do. A refund never gives
+//! back more than this instance counted in that sub-window; a counter Redis lost (a restart)
+//! may go below zero by what was refunded, which reads as zero.
 //!
 //! ```
 //! use std::time::Duration;
@@ -840,15 +852,13 @@ pub struct ApproxFuture {
 
 enum FutureInner {
     Ready(Option<Decision>),
-    /// A settlement ([`Mode::Refund`], [`Mode::Debit`]): not made in this mode.
-    Unsettled,
     Waiting(Pin<Box<dyn Future<Output = Decision> + Send>>),
 }
 
 impl fmt::Debug for ApproxFuture {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self.inner {
-            FutureInner::Ready(_) | FutureInner::Unsettled => "ApproxFuture::Ready",
+            FutureInner::Ready(_) => "ApproxFuture::Ready",
             FutureInner::Waiting(_) => "ApproxFuture::Waiting",
         })
     }
@@ -867,17 +877,13 @@ impl Future for ApproxFuture {
                 ))),
             },
             FutureInner::Waiting(f) => f.as_mut().poll(cx).map(Ok),
-            FutureInner::Unsettled => Poll::Ready(Err(BackendError::new(
-                BackendErrorKind::Protocol,
-                "the approximate Redis mode does not settle requests after their response",
-            ))),
         }
     }
 }
 
-/// Increments a flush sends for one key: quota, sub-window, units, and whether the counter's
-/// expiry is set with them.
-type Increments = SmallVec<[(usize, u64, u32, bool); 2]>;
+/// Increments a flush sends for one key: quota, sub-window, units (negative for a refund),
+/// and whether the counter's expiry is set with them.
+type Increments = SmallVec<[(usize, u64, i64, bool); 2]>;
 
 impl Shared {
     /// Counts `units` Redis refused to add, and whether to warn of it now: the first time,
@@ -981,6 +987,50 @@ impl Shared {
             self.enqueue(policy, entry, &mut st);
         }
         (decision, take && sync)
+    }
+
+    /// A settlement ([`Mode::Refund`], [`Mode::Debit`]) of `units` on the key's counts, as
+    /// every store makes it: a debit counts more units into the current sub-window, past the
+    /// limit into debt; a refund gives back units this instance counted into the sub-window
+    /// of their admission, if it is still in the window. Both go to Redis with the next flush
+    /// (a key within its allowance keeps them here, as its admissions). Always allowed; the
+    /// states are the quotas' after it.
+    fn settle_here(
+        &self,
+        policy: &Arc<PolicyShared>,
+        entry: &Arc<Entry>,
+        units: NonZeroU32,
+        mode: Mode,
+    ) -> Decision {
+        let now_us = self.now.us();
+        let mut st = entry.lock();
+        for (spec, c) in policy.specs.iter().zip(st.quotas.iter_mut()) {
+            c.advance(spec.slice_at(now_us));
+            match mode {
+                Mode::Debit => c.admit(units.get()),
+                Mode::Refund { admitted_ago } => {
+                    let ago = u64::try_from(admitted_ago.as_micros()).unwrap_or(u64::MAX);
+                    c.refund(spec.slice_at(now_us.saturating_sub(ago)), units.get());
+                }
+                _ => {}
+            }
+        }
+        let decision = Decision::new(
+            (policy.specs.iter().zip(st.quotas.iter()))
+                .map(|(spec, c)| c.state(spec, Code::Allowed, now_us, units, 0)),
+        );
+        if !st.quiet && st.quotas.iter().any(Counts::owes) {
+            if mode == Mode::Debit {
+                let queued = (self.queued_units).fetch_add(units.get() as usize, Ordering::Relaxed);
+                if queued < self.mode.flush_after
+                    && queued + units.get() as usize >= self.mode.flush_after
+                {
+                    self.wake.notify_one();
+                }
+            }
+            self.enqueue(policy, entry, &mut st);
+        }
+        decision
     }
 
     /// This instance's allowance of a quota per key: its part of its share of the limit, 0
@@ -1153,7 +1203,7 @@ impl Backend for ApproxBackend {
         policy: &Policy,
         params: &[QuotaParams],
     ) -> Result<ApproxPolicy, ConfigError> {
-        if policy.settles() || policy.holds_slots() || policy.block().is_some() {
+        if policy.holds_slots() || policy.block().is_some() {
             return Err(crate::settle::unsupported(
                 policy,
                 "the approximate Redis mode",
@@ -1222,9 +1272,10 @@ impl Backend for ApproxBackend {
         cost: NonZeroU32,
         mode: Mode,
     ) -> ApproxFuture {
-        if mode.is_settlement() {
+        // No slots in this mode: a release gives back nothing.
+        if matches!(mode, Mode::Release { .. }) {
             return ApproxFuture {
-                inner: FutureInner::Unsettled,
+                inner: FutureInner::Ready(Some(Decision::new([]))),
             };
         }
         let shared = &self.shared;
@@ -1262,6 +1313,12 @@ impl Backend for ApproxBackend {
                 hold(&held)
             }
         };
+        if mode.is_settlement() {
+            let settled = shared.settle_here(p, &entry, cost, mode);
+            return ApproxFuture {
+                inner: FutureInner::Ready(Some(settled)),
+            };
+        }
         let sync = shared.mode.writes == Writes::Sync && !shared.breaker_open();
         // A key that is or may become quiet (within its allowance) decides at once; every
         // other key reads before deciding, as without allowances.
