@@ -348,15 +348,9 @@ async fn an_outage_logs_one_warning_and_one_recovery_under_each_policy() {
     }
 }
 
-/// Redis's memory is watched: its use and limit and the keys it evicts are in the stats, and
-/// the operator is warned when its policy evicts keys at all, when it evicts some (counts of
-/// rate limits lost), and, under `noeviction`, when it is nearly full.
-#[tokio::test]
-async fn evictions_and_a_full_memory_are_reported() {
-    let (logs, _guard) = Logs::capture();
-    // Evicting: a flood of keys fills 4 MB, and Redis drops the least recently used.
-    let server =
-        RedisServer::start_with(&["--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru"]);
+/// A backend on `server` whose memory watch reads every 20 ms, once it has read it (a key
+/// decided first, so that it is connected).
+async fn watched(server: &RedisServer) -> RedisBackend {
     let b = RedisBackend::builder()
         .url(server.url())
         .watch_memory(Some(Duration::from_millis(20)))
@@ -370,6 +364,19 @@ async fn evictions_and_a_full_memory_are_reported() {
         assert!(start.elapsed() < Duration::from_secs(10), "{:?}", b.stats());
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    b
+}
+
+/// Redis's memory is watched: its use and limit and the keys it evicts are in the stats, and
+/// the operator is warned when its policy evicts keys at all, when it evicts some (counts of
+/// rate limits lost), and, under `noeviction`, when it is nearly full.
+#[tokio::test]
+async fn evictions_and_a_full_memory_are_reported() {
+    let (logs, _guard) = Logs::capture();
+    // Evicting: a flood of keys fills 4 MB, and Redis drops the least recently used.
+    let server =
+        RedisServer::start_with(&["--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru"]);
+    let b = watched(&server).await;
     for i in 0..100 {
         server.cmd(&["SETRANGE", &format!("junk:{i}"), "200000", "x"]);
     }
@@ -390,13 +397,7 @@ async fn evictions_and_a_full_memory_are_reported() {
 
     // Not evicting: nearly full is warned of, once.
     let server = RedisServer::start_with(&["--maxmemory-policy", "noeviction"]);
-    let b = RedisBackend::builder()
-        .url(server.url())
-        .watch_memory(Some(Duration::from_millis(20)))
-        .build()
-        .unwrap();
-    let p = prepare(&b, &Policy::new("watched", no_refill(10)));
-    assert!(b.decide(&p, &key("k"), cost(1)).await.unwrap().is_allowed());
+    let _b = watched(&server).await;
     let info = server.cmd(&["INFO", "memory"]);
     let used: u64 = (info.lines())
         .find_map(|l| l.strip_prefix("used_memory:"))

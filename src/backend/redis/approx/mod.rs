@@ -932,14 +932,7 @@ impl Shared {
         }
         let quiet = self.mode.allowance > 0 && self.quiet(policy, entry, &mut st, now_us);
         if take && !quiet {
-            let queued = self
-                .queued_units
-                .fetch_add(cost.get() as usize, Ordering::Relaxed);
-            if queued < self.mode.flush_after
-                && queued + cost.get() as usize >= self.mode.flush_after
-            {
-                self.wake.notify_one();
-            }
+            self.queue_units(cost);
         }
         let decision = Decision::new(
             policy
@@ -989,6 +982,16 @@ impl Shared {
         (decision, take && sync)
     }
 
+    /// Counts `units` queued for the next flush, and wakes the task when they reach
+    /// [`flush_after`](Approximate::flush_after).
+    fn queue_units(&self, units: NonZeroU32) {
+        let units = units.get() as usize;
+        let queued = self.queued_units.fetch_add(units, Ordering::Relaxed);
+        if queued < self.mode.flush_after && queued + units >= self.mode.flush_after {
+            self.wake.notify_one();
+        }
+    }
+
     /// A settlement ([`Mode::Refund`], [`Mode::Debit`]) of `units` on the key's counts, as
     /// every store makes it: a debit counts more units into the current sub-window, past the
     /// limit into debt; a refund gives back units this instance counted into the sub-window
@@ -1021,12 +1024,7 @@ impl Shared {
         );
         if !st.quiet && st.quotas.iter().any(Counts::owes) {
             if mode == Mode::Debit {
-                let queued = (self.queued_units).fetch_add(units.get() as usize, Ordering::Relaxed);
-                if queued < self.mode.flush_after
-                    && queued + units.get() as usize >= self.mode.flush_after
-                {
-                    self.wake.notify_one();
-                }
+                self.queue_units(units);
             }
             self.enqueue(policy, entry, &mut st);
         }
