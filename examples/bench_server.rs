@@ -15,7 +15,7 @@
 //!     `x-ratelimit-limit` and `x-ratelimit-remaining` to allowed responses: the peer's
 //!     configuration that, like tollgate's default, sends two rate-limit fields per response;
 //!   - `redis`: tollgate on the Redis backend (`REDIS_URL`, default `redis://127.0.0.1:6379`;
-//!     build with `--features redis`), default configuration (fail-open, deny cache on);
+//!     build with `--features redis`), fail-open (`ON_FAILURE`, below), deny cache on;
 //!   - `redis_approx`: tollgate on the approximate Redis mode (`REDIS_URL` as for `redis`;
 //!     `APPROX=async` (default) or `sync` picks the variant): decisions in process, counts
 //!     kept in step with Redis. It counts windows only: without `QUOTA`, the never-reached

@@ -23,6 +23,10 @@ fn builder(server: &PgServer) -> PostgresBackendBuilder {
         .timeout(Duration::from_secs(5))
         .deny_cache_capacity(0)
         .sweep(None, 1000)
+        // A fleet of one: no announcement rows beside the buckets the tests count.
+        .fleet(tollgate::backend::remote::Fleet::Size(
+            std::num::NonZeroU32::MIN,
+        ))
 }
 
 async fn migrated(b: PostgresBackendBuilder) -> PostgresBackend {

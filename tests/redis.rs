@@ -17,8 +17,15 @@ use tollgate::backend::{Backend, Decision, LocalBackend, Outcome};
 use tollgate::key::Global;
 use tollgate::{BackendErrorKind, Key, Policy, Quota, RateLimitLayer};
 
+/// A backend of a fleet of one (no announcement key beside the buckets the tests count).
 fn backend(server: &RedisServer) -> RedisBackend {
-    RedisBackend::builder().url(server.url()).build().unwrap()
+    RedisBackend::builder()
+        .url(server.url())
+        .fleet(tollgate::backend::remote::Fleet::Size(
+            std::num::NonZeroU32::MIN,
+        ))
+        .build()
+        .unwrap()
 }
 
 /// A backend for concurrency tests: a generous timeout for a loaded machine, and no deny

@@ -11,10 +11,14 @@ use tollgate::backend::Backend;
 use tollgate::backend::redis::{RedisBackend, TestClock};
 use tollgate::{Key, Policy, Quota};
 
+/// A backend of a fleet of one (no announcement key beside the buckets the tests count).
 fn cluster_backend(cluster: &RedisCluster) -> RedisBackend {
     RedisBackend::builder()
         .cluster_nodes(cluster.urls())
         .timeout(Duration::from_secs(2))
+        .fleet(tollgate::backend::remote::Fleet::Size(
+            std::num::NonZeroU32::MIN,
+        ))
         .build()
         .unwrap()
 }
@@ -111,6 +115,9 @@ async fn cluster_windows_mixed_with_gcra() {
         .cluster_nodes(cluster.urls())
         .timeout(Duration::from_secs(2))
         .test_clock(clock.clone())
+        .fleet(tollgate::backend::remote::Fleet::Size(
+            std::num::NonZeroU32::MIN,
+        ))
         .build()
         .unwrap();
     let policy = Policy::new("win", Quota::per_day(1).burst(5))

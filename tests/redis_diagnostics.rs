@@ -209,6 +209,7 @@ async fn a_missing_password_is_logged_once_as_an_authentication_failure() {
         .url(server.url())
         .timeout(Duration::from_secs(2))
         .circuit_breaker(5, Duration::from_millis(20))
+        .on_failure(FailurePolicy::FailOpen)
         .build()
         .unwrap();
     let p = prepare(&b, &Policy::new("noauth", no_refill(5)));
@@ -249,6 +250,7 @@ async fn a_closed_port_is_logged_once_as_a_refused_connection() {
     let port = closed_port();
     let b = RedisBackend::builder()
         .url(format!("redis://127.0.0.1:{port}"))
+        .on_failure(FailurePolicy::FailOpen)
         .build()
         .unwrap();
     let p = prepare(&b, &Policy::new("refused", no_refill(5)));

@@ -204,6 +204,7 @@ async fn the_longest_probe_interval_opens_the_breaker() {
         .url(server.url())
         .timeout(Duration::from_millis(100))
         .circuit_breaker(1, Duration::MAX)
+        .on_failure(FailurePolicy::FailOpen)
         .build()
         .unwrap();
     let p = prepare(&b, &Policy::new("probe", no_refill(5)));
@@ -586,7 +587,8 @@ async fn a_full_redis_keeps_refusing_what_it_refused() {
         "the refused key stays refused: {victim:?}"
     );
     assert_eq!(victim.made_by(), DecidedBy::Store, "{victim:?}");
-    // A fresh key needed a write Redis refused: the failure policy (fail-open) answered it.
+    // A fresh key needed a write Redis refused: the failure policy answered it, by default
+    // the local fallback (a full Redis is not no limit).
     let fresh = &decisions[3];
-    assert_eq!(fresh.made_by(), DecidedBy::FailOpen, "{fresh:?}");
+    assert_eq!(fresh.made_by(), DecidedBy::FallbackLocal, "{fresh:?}");
 }

@@ -156,7 +156,9 @@ impl RedisBackendBuilder {
         self
     }
 
-    /// What requests get while Redis cannot decide (default [`FailurePolicy::FailOpen`]).
+    /// What requests get while Redis cannot decide, or refuses to count (its memory full):
+    /// by default [`FailurePolicy::FallbackLocal`], each instance at its share of every quota,
+    /// so that a failing or full Redis never means no limit.
     pub fn on_failure(mut self, policy: FailurePolicy) -> Self {
         self.opts.on_failure = policy;
         self

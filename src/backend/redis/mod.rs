@@ -102,8 +102,9 @@
 //!
 //! Every decision is bounded by a [timeout](RedisBackendBuilder::timeout) (100 ms by default),
 //! counted from the moment it is asked for. A decision whose call errs or times out is answered
-//! by the [`FailurePolicy`]: fail open (the default), fail closed (the layer answers `503`), or
-//! fall back to a per-instance [`LocalBackend`] holding the same policy. After 5 consecutive
+//! by the [`FailurePolicy`]: fall back to a per-instance [`LocalBackend`] holding the same
+//! policy at the instance's share (the default), fail open (no limit), or fail closed (the
+//! layer answers `503`). After 5 consecutive
 //! failed calls (timeouts, connection errors and refused credentials; a batched call counts
 //! once, however many requests it carried) a circuit breaker opens: requests stop calling Redis
 //! and get the failure policy at once, without waiting for a timeout, while a background task

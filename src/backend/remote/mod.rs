@@ -28,8 +28,9 @@
 //! ```
 //! use tollgate::backend::remote::FailurePolicy;
 //!
-//! // The same failure policies for every remote backend; fail open is the default.
-//! assert_eq!(FailurePolicy::default(), FailurePolicy::FailOpen);
+//! // The same failure policies for every remote backend; the local fallback, at each
+//! // instance's share, is the default.
+//! assert_eq!(FailurePolicy::default(), FailurePolicy::FallbackLocal);
 //! ```
 //!
 //! # Local deny cache
@@ -111,7 +112,8 @@ macro_rules! options_methods {
             }
 
             #[doc = concat!("What requests get while ", $store, " cannot decide (default")]
-            /// [`FailOpen`](crate::backend::remote::FailurePolicy::FailOpen)).
+            /// [`FallbackLocal`](crate::backend::remote::FailurePolicy::FallbackLocal): each
+            /// instance at its share of every quota).
             pub fn on_failure(mut self, policy: $crate::backend::remote::FailurePolicy) -> Self {
                 self.opts.on_failure = policy;
                 self

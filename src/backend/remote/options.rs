@@ -13,9 +13,9 @@ use super::health::StoreFailure;
 pub enum FailurePolicy {
     /// Let the request through and count it in the stats' `fail_open` (the store starting to
     /// fail is logged as a warning, once, not per request). The decision carries no quota
-    /// state, so no remaining counts are sent. The default: a rate limiter should not take an
-    /// application down with it.
-    #[default]
+    /// state, so no remaining counts are sent. A store failing (or full, or refusing writes)
+    /// then means no limit: a client that can make the store fail (by filling it with fresh
+    /// keys) lifts every limit. It was the default before the local fallback.
     FailOpen,
     /// Return a [`BackendError`](crate::BackendError): the layer answers `503 Service Unavailable` with
     /// `Retry-After: 1` (gRPC: `UNAVAILABLE`). Choose this where letting requests through
@@ -35,6 +35,10 @@ pub enum FailurePolicy {
     /// what was left at the end of the previous outage, refilled at the share's rate since
     /// (full again if enough time passed). When the fleet's size changed between outages, the
     /// buckets at the new share start full.
+    ///
+    /// The default: a store failing never means no limit, and never takes the application
+    /// down with it.
+    #[default]
     FallbackLocal,
 }
 
@@ -168,7 +172,7 @@ impl Default for Options {
     fn default() -> Self {
         Options {
             timeout: Duration::from_millis(100),
-            on_failure: FailurePolicy::FailOpen,
+            on_failure: FailurePolicy::FallbackLocal,
             breaker_threshold: 5,
             probe_interval: Duration::from_millis(500),
             deny_cache_capacity: 65_536,
