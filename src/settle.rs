@@ -608,8 +608,13 @@ impl<Bk: Backend> Settle<Bk> {
     ) -> Option<Box<Self>> {
         let rules = |taken: Taken| match policy.policy.settle_rules() {
             Some(rules) => Some(rules),
-            // A request of cost 0 admitted at one unit gives it back.
-            None if taken.cost == 0 => Some(Rules::give_back_the_unit()),
+            // A request of cost 0 admitted at one unit gives it back (to the quotas that count
+            // units: a policy of slots alone has none).
+            None if taken.cost == 0
+                && policy.quota_units.iter().any(|(p, _)| !p.is_concurrent()) =>
+            {
+                Some(Rules::give_back_the_unit())
+            }
             None => None,
         };
         let charged = taken.and_then(|taken| Some((rules(taken)?, taken)));
