@@ -13,6 +13,9 @@
 //! | `tollgate_circuit_breaker_open` | gauge | `backend` | 1 while the breaker is open, else 0 |
 //! | `tollgate_deny_cache_hits_total` | counter | `policy` | denials answered from the deny cache, without a round trip |
 //! | `tollgate_fleet_size` | gauge | `backend` | instances sharing the store as the last count read ([`Fleet`](crate::backend::remote::Fleet); with the local fallback only) |
+//! | `tollgate_store_memory_used_bytes` | gauge | `backend` | the store's memory in use, as its memory watch last read it (Redis `used_memory`) |
+//! | `tollgate_store_memory_max_bytes` | gauge | `backend` | the store's memory limit (Redis `maxmemory`; 0: none) |
+//! | `tollgate_store_evicted_keys_total` | counter | `backend` | keys the store evicted since the watch first read it (Redis `evicted_keys`): rate limits' counts lost |
 //! | `tollgate_approx_store_calls_total` | counter | `outcome` | the approximate mode's calls to Redis (pipelines: a flush, an increment, a first read), `ok` or `failed` |
 //! | `tollgate_approx_store_writes_total` | counter | — | increments Redis confirmed (one `INCRBY` of a key's sub-window each) |
 //! | `tollgate_approx_units_sent_total` | counter | — | units those increments added |
