@@ -97,7 +97,7 @@ use governor::state::StateStore;
 use governor::state::keyed::ShrinkableKeyedStateStore;
 
 use super::window::Settlement;
-use super::{Backend, Decision, Mode, Outcome, QuotaState, ResetFuture};
+use super::{Backend, Decision, Mode, OnceAMinute, Outcome, QuotaState, ResetFuture};
 use crate::quota::QuotaParams;
 use window::WindowStore;
 
@@ -166,10 +166,9 @@ struct Inner<C: Clock> {
     when_full: WhenFull,
     /// New keys turned away (or let through) because the table was full, in all.
     full_refusals: AtomicU64,
-    /// The count at the last warning, and when it was given (ns on `clock`, plus one, so that
-    /// 0 means never).
+    /// The count at the last warning, and the warning itself, at most once a minute.
     warned_refusals: AtomicU64,
-    warned_at: AtomicU64,
+    warned: OnceAMinute,
     sweep_interval: Duration,
     /// Buckets tracked over all stores of this backend.
     tracked: Arc<AtomicUsize>,
@@ -322,7 +321,7 @@ impl<C: Clock> LocalBackendBuilder<C> {
                 when_full: self.when_full,
                 full_refusals: AtomicU64::new(0),
                 warned_refusals: AtomicU64::new(0),
-                warned_at: AtomicU64::new(0),
+                warned: OnceAMinute::default(),
                 sweep_interval: self.sweep_interval,
                 tracked: Arc::new(AtomicUsize::new(0)),
                 limiters: Mutex::new(HashMap::new()),
@@ -1118,16 +1117,7 @@ impl<C: Clock> Inner<C> {
     /// Counts a new key that found the table full, and warns at most once a minute.
     fn count_full_refusal(&self) {
         let total = self.full_refusals.fetch_add(1, Ordering::Relaxed) + 1;
-        let now = self.elapsed_ns().saturating_add(1);
-        let last = self.warned_at.load(Ordering::Relaxed);
-        if last != 0 && now < last.saturating_add(60_000_000_000) {
-            return;
-        }
-        if self
-            .warned_at
-            .compare_exchange(last, now, Ordering::AcqRel, Ordering::Relaxed)
-            .is_err()
-        {
+        if !self.warned.now(self.elapsed_ns()) {
             return;
         }
         let since = total - self.warned_refusals.swap(total, Ordering::Relaxed);

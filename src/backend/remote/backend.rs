@@ -93,7 +93,7 @@ impl<S: Store> Remote<S> {
                 },
                 local,
                 warmed: AtomicBool::new(false),
-                refusal_warned_ns: std::sync::atomic::AtomicU64::new(0),
+                refusal_warned: Default::default(),
                 memory: Default::default(),
                 counters: Counters::default(),
                 batching: opts.batching,

@@ -15,6 +15,7 @@ use super::health::{Change, Health, StoreFailure};
 use super::options::{FailurePolicy, Fleet};
 use super::redact::Secrets;
 use super::store::{CallError, Job, PolicyInner, Store};
+use crate::backend::OnceAMinute;
 use crate::backend::{DecidedBy, Decision, LocalBackend, Mode};
 use crate::{BackendError, BackendErrorKind, Key};
 
@@ -32,10 +33,9 @@ pub(crate) struct Inner<S: Store> {
     pub(crate) clock: Clock,
     pub(crate) local: Option<LocalBackend>,
     pub(crate) warmed: AtomicBool,
-    /// When a refused decision was last logged as a warning (clock ns, plus one; 0: never):
-    /// at most one a minute, so that a store refusing every write (its memory full) does
-    /// not log a line per request.
-    pub(crate) refusal_warned_ns: std::sync::atomic::AtomicU64,
+    /// The warning of a refused decision, at most once a minute (a store refusing every
+    /// write, its memory full, must not log a line per request).
+    pub(crate) refusal_warned: OnceAMinute,
     /// The store's memory as the watch last read it.
     pub(crate) memory: MemoryState,
     pub(crate) counters: Counters,
@@ -244,7 +244,7 @@ impl<S: Store> Inner<S> {
                 // fit the policy): this decision's own error, counted here.
                 bump(&self.counters.errors);
                 let text = self.secrets.scrub(&err.to_string()).into_owned();
-                if self.warn_of_refusal() {
+                if self.refusal_warned.now(self.clock.now_ns()) {
                     tracing::warn!(err = %text, on_failure = ?self.on_failure, "tollgate: {} refused a decision (at most one warning a minute; `stats().errors` counts them)", self.who);
                 } else {
                     tracing::debug!(err = %text, "tollgate: {} refused a decision", self.who);
@@ -266,17 +266,6 @@ impl<S: Store> Inner<S> {
             }
             Err(err) => self.degrade(p, key, cost, job.mode, err),
         }
-    }
-
-    /// Whether a refused decision is to be logged as a warning now: the first, then at most
-    /// one a minute.
-    fn warn_of_refusal(&self) -> bool {
-        let now = self.clock.now_ns().saturating_add(1);
-        let last = self.refusal_warned_ns.load(Ordering::Relaxed);
-        (last == 0 || now >= last.saturating_add(60_000_000_000))
-            && (self.refusal_warned_ns)
-                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
     }
 
     /// A call got the store's answer: it is reachable, whatever the answer says.

@@ -214,6 +214,7 @@ use foldhash::quality::RandomState;
 use smallvec::SmallVec;
 
 use super::conn::Conn;
+use crate::backend::OnceAMinute;
 use crate::backend::remote::{Fleet, Options, TestClock, keys};
 use crate::backend::window::Code;
 use crate::backend::{Backend, Decision, Mode, ResetFuture};
@@ -560,9 +561,8 @@ pub(crate) struct Shared {
     failed_calls: AtomicU64,
     units_sent: AtomicU64,
     units_refused: AtomicU64,
-    /// When refused units were last warned of (ns since `origin`, plus one; 0: never): at
-    /// most once a minute.
-    refused_warned_ns: AtomicU64,
+    /// The warning of refused units, at most once a minute.
+    refused_warned: OnceAMinute,
     reads: AtomicU64,
     // Allowances.
     /// The fleet's size as counted (0: not yet), and this instance's id in the count.
@@ -644,7 +644,7 @@ impl ApproxBackend {
                 failed_calls: AtomicU64::new(0),
                 units_sent: AtomicU64::new(0),
                 units_refused: AtomicU64::new(0),
-                refused_warned_ns: AtomicU64::new(0),
+                refused_warned: OnceAMinute::default(),
                 reads: AtomicU64::new(0),
                 fleet_size: AtomicU32::new(match opts.fleet {
                     Fleet::Size(n) => n.get(),
@@ -890,13 +890,7 @@ impl Shared {
     /// then at most once a minute.
     pub(crate) fn refused_units(&self, units: u64) -> bool {
         self.units_refused.fetch_add(units, Ordering::Relaxed);
-        let now = u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        let now = now.saturating_add(1);
-        let last = self.refused_warned_ns.load(Ordering::Relaxed);
-        (last == 0 || now >= last.saturating_add(60_000_000_000))
-            && (self.refused_warned_ns)
-                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
+        (self.refused_warned).now(self.now_ns_mono())
     }
 
     /// Decides from the counts held, counting the units when allowed and queueing them for
