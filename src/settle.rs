@@ -444,23 +444,25 @@ impl Rules {
     allow(dead_code)
 )]
 pub(crate) fn unsupported(policy: &crate::Policy, store: &str) -> crate::ConfigError {
+    // What the policy asks for that the store lacks: slots and blocks first, which a store
+    // that settles may still lack; settling only when it is all the policy asks for.
     let blocking = (policy.quotas().iter()).find(|q| q.block().is_some());
     let (option, what) = if policy.holds_slots() {
         ("Quota::concurrent", "caps requests in flight".to_owned())
-    } else if policy.settles() && policy.block().is_none() {
-        (
-            "Policy::charge_when / Policy::cost_from",
-            "settles requests after their response".to_owned(),
-        )
     } else if let Some(quota) = blocking.filter(|_| policy.block_mask() != 0) {
         (
             "Quota::block_for",
             format!("blocks keys once its quota \"{quota}\" refuses"),
         )
-    } else {
+    } else if policy.block().is_some() {
         (
             "Policy::block_for",
             "blocks keys once refused (`block_for`)".to_owned(),
+        )
+    } else {
+        (
+            "Policy::charge_when / Policy::cost_from",
+            "settles requests after their response".to_owned(),
         )
     };
     crate::ConfigError::Invalid {
