@@ -1311,3 +1311,62 @@ async fn only_failures_count_behind_the_layer() {
     }
     assert_eq!(seen, [200, 200, 200, 200, 401, 401, 429, 429]);
 }
+
+/// Admissions, debits and refunds on one key from tasks running at once, while the background
+/// task flushes: whatever the interleaving, each request's units come back, so Redis's counter
+/// ends at exactly zero (never below: a refund is never sent for more than was counted) and
+/// the key has its whole limit again, here and on another instance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_settlements_leave_the_counts_exact() {
+    use tollgate::backend::Mode;
+    let server = RedisServer::start();
+    let clock = TestClock::new();
+    to_window_start(&clock, WINDOW_US);
+    let b = instance(&server.url(), &clock, in_step());
+    let policy = Policy::new("conc", Quota::per_second(100_000).fixed_window());
+    let p = prepare(&b, &policy);
+    let refund = Mode::Refund {
+        admitted_ago: Duration::ZERO,
+    };
+    let tasks: Vec<_> = (0..4)
+        .map(|_| {
+            let (b, p) = (b.clone(), p.clone());
+            tokio::spawn(async move {
+                for i in 0..200 {
+                    let k = key("k");
+                    assert!(b.decide(&p, &k, cost(1)).await.unwrap().is_allowed());
+                    b.decide_with(&p, &k, cost(2), Mode::Debit).await.unwrap();
+                    b.decide_with(&p, &k, cost(3), refund).await.unwrap();
+                    if i % 16 == 0 {
+                        tokio::task::yield_now().await;
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    b.flush().await;
+    b.flush().await;
+    // The sum of the policy's counters in Redis.
+    let sum = server.cmd(&[
+        "EVAL",
+        "local s = 0 for _, k in ipairs(redis.call('KEYS', ARGV[1])) do \
+         if redis.call('TYPE', k).ok == 'string' then s = s + tonumber(redis.call('GET', k)) end \
+         end return s",
+        "0",
+        "*conc*",
+    ]);
+    assert_eq!(sum.trim(), ":0", "Redis's count");
+    let whole = cost(100_000);
+    let d = b
+        .decide_with(&p, &key("k"), whole, Mode::Peek)
+        .await
+        .unwrap();
+    assert!(d.is_allowed(), "here: {d:?}");
+    let other = instance(&server.url(), &clock, Approximate::synchronous());
+    let po = prepare(&other, &policy);
+    let d = other.decide(&po, &key("k"), whole).await.unwrap();
+    assert!(d.is_allowed(), "on another instance: {d:?}");
+}
