@@ -513,42 +513,33 @@ pub enum Outcome {
     NeverFits,
 }
 
-/// A warning given at most once a minute: the first time, then once a minute at most, so that a
-/// store refusing every request does not log a line per request.
-#[derive(Debug, Default)]
-#[cfg_attr(
-    not(any(
-        feature = "local",
-        feature = "redis",
-        feature = "postgres",
-        feature = "mysql"
-    )),
-    allow(dead_code)
-)]
-pub(crate) struct OnceAMinute {
-    /// When it was last given (ns on the caller's clock, plus one; 0: never).
-    last_ns: std::sync::atomic::AtomicU64,
-}
+/// Warnings given at most once a minute.
+#[cfg(any(
+    feature = "local",
+    feature = "redis",
+    feature = "postgres",
+    feature = "mysql"
+))]
+pub(crate) mod throttle {
+    /// A warning given at most once a minute: the first time, then once a minute at most, so
+    /// that a store refusing every request does not log a line per request.
+    #[derive(Debug, Default)]
+    pub(crate) struct OnceAMinute {
+        /// When it was last given (ns on the caller's clock, plus one; 0: never).
+        last_ns: std::sync::atomic::AtomicU64,
+    }
 
-#[cfg_attr(
-    not(any(
-        feature = "local",
-        feature = "redis",
-        feature = "postgres",
-        feature = "mysql"
-    )),
-    allow(dead_code)
-)]
-impl OnceAMinute {
-    /// Whether to give the warning at `now_ns` (a monotonic reading of the caller's clock):
-    /// true for one caller at a time, at most once a minute.
-    pub(crate) fn now(&self, now_ns: u64) -> bool {
-        let now = now_ns.saturating_add(1);
-        use std::sync::atomic::Ordering::{AcqRel, Relaxed};
-        let last = self.last_ns.load(Relaxed);
-        (last == 0 || now >= last.saturating_add(60_000_000_000))
-            && (self.last_ns)
-                .compare_exchange(last, now, AcqRel, Relaxed)
-                .is_ok()
+    impl OnceAMinute {
+        /// Whether to give the warning at `now_ns` (a monotonic reading of the caller's clock):
+        /// true for one caller at a time, at most once a minute.
+        pub(crate) fn now(&self, now_ns: u64) -> bool {
+            let now = now_ns.saturating_add(1);
+            use std::sync::atomic::Ordering::{AcqRel, Relaxed};
+            let last = self.last_ns.load(Relaxed);
+            (last == 0 || now >= last.saturating_add(60_000_000_000))
+                && (self.last_ns)
+                    .compare_exchange(last, now, AcqRel, Relaxed)
+                    .is_ok()
+        }
     }
 }

@@ -96,8 +96,9 @@ use governor::nanos::Nanos;
 use governor::state::StateStore;
 use governor::state::keyed::ShrinkableKeyedStateStore;
 
+use super::throttle::OnceAMinute;
 use super::window::Settlement;
-use super::{Backend, Decision, Mode, OnceAMinute, Outcome, QuotaState, ResetFuture};
+use super::{Backend, Decision, Mode, Outcome, QuotaState, ResetFuture};
 use crate::quota::QuotaParams;
 use window::WindowStore;
 

@@ -15,7 +15,7 @@ use super::health::{Change, Health, StoreFailure};
 use super::options::{FailurePolicy, Fleet};
 use super::redact::Secrets;
 use super::store::{CallError, Job, PolicyInner, Store};
-use crate::backend::OnceAMinute;
+use crate::backend::throttle::OnceAMinute;
 use crate::backend::{DecidedBy, Decision, LocalBackend, Mode};
 use crate::{BackendError, BackendErrorKind, Key};
 

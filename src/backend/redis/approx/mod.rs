@@ -214,8 +214,8 @@ use foldhash::quality::RandomState;
 use smallvec::SmallVec;
 
 use super::conn::Conn;
-use crate::backend::OnceAMinute;
 use crate::backend::remote::{Fleet, Options, TestClock, keys};
+use crate::backend::throttle::OnceAMinute;
 use crate::backend::window::Code;
 use crate::backend::{Backend, Decision, Mode, ResetFuture};
 use crate::quota::QuotaParams;
