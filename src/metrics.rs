@@ -7,6 +7,7 @@
 //! | `tollgate_decisions_total` | counter | `policy`, `outcome`, `quota` | every request the layer saw, by what happened to it (below) |
 //! | `tollgate_near_limit_total` | counter | `policy`, `quota` | allowed requests after which the tightest quota had less than a tenth of its limit left |
 //! | `tollgate_local_tracked_keys` | gauge | — | buckets and window counters the local backends of the process hold (Redis fallbacks included) |
+//! | `tollgate_local_evicted_keys_total` | counter | — | buckets the local backends evicted from a full table to make room for new keys |
 //! | `tollgate_backend_errors_total` | counter | `backend`, `kind` | failed calls to a remote store (`kind`: `timeout`, `unavailable`, `protocol`) |
 //! | `tollgate_backend_latency_seconds` | histogram | `backend` | time from a decision's start to the store's answer, for decisions the store answered |
 //! | `tollgate_circuit_breaker_transitions_total` | counter | `backend`, `state` | the breaker opening (`open`) and closing (`closed`) |
@@ -194,6 +195,17 @@ impl PolicyMetrics {
 pub(crate) fn tracked_keys(delta: f64) {
     #[cfg(feature = "metrics")]
     metrics::gauge!("tollgate_local_tracked_keys").increment(delta);
+}
+
+/// Counts `n` buckets the local backend evicted from its full table.
+#[inline]
+#[cfg_attr(
+    not(all(feature = "metrics", feature = "local")),
+    allow(unused_variables, dead_code)
+)]
+pub(crate) fn local_evictions(n: u64) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!("tollgate_local_evicted_keys_total").increment(n);
 }
 
 /// Sets `tollgate_fleet_size` for `backend`.

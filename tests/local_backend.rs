@@ -178,27 +178,38 @@ async fn the_key_table_is_bounded() {
     for i in 0..10 {
         assert!(decide(&s, &p, &key(&format!("k{i}")), 1).await.is_allowed());
     }
-    // Full: a new key is denied (and told to retry soon) instead of growing the table...
-    let d = decide(&s, &p, &key("new"), 1).await;
-    assert!(!d.is_allowed());
-    assert_eq!(d.retry_after(), Some(Duration::from_secs(1)));
-    assert_eq!(s.backend.tracked_keys(), 10);
-    // ...while tracked keys keep their limits.
+    // k0 spends its limit: of all the keys, it used the most.
     assert!(decide(&s, &p, &key("k0"), 1).await.is_allowed());
-    assert!(!decide(&s, &p, &key("k0"), 1).await.is_allowed());
-    // Once buckets refill, the sweep (started by the next new key, on a blocking thread)
-    // frees room for new keys.
-    s.clock.advance(Duration::from_secs(3 * 3600));
-    let mut allowed = false;
-    for _ in 0..200 {
-        if decide(&s, &p, &key("new"), 1).await.is_allowed() {
-            allowed = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
+    // Full: a new key is served, limited, and the table does not grow past its cap (the
+    // least used buckets make room)...
+    for i in 0..100 {
+        let d = decide(&s, &p, &key(&format!("new{i}")), 1).await;
+        assert!(d.is_allowed(), "{d:?}");
+        assert_eq!(d.quotas()[0].remaining, 1);
+        assert!(s.backend.tracked_keys() <= 10);
     }
-    assert!(allowed, "the sweep made room");
-    assert_eq!(s.backend.tracked_keys(), 1);
+    assert!(s.backend.evicted_keys() >= 100);
+    assert_eq!(s.backend.full_table_refusals(), 0);
+    // ...while the key that used the most keeps its state, and new keys their limits.
+    assert!(!decide(&s, &p, &key("k0"), 1).await.is_allowed());
+    assert!(decide(&s, &p, &key("new99"), 1).await.is_allowed());
+    assert!(!decide(&s, &p, &key("new99"), 1).await.is_allowed());
+}
+
+/// A table full of slots in flight (never evicted: their requests give them back) is the one
+/// thing a new key can find no room in.
+fn fill_with_slots(
+    backend: &LocalBackend<FakeRelativeClock>,
+    n: usize,
+) -> <LocalBackend<FakeRelativeClock> as Backend>::Policy {
+    let slots = prepare(backend, &Policy::new("slots", Quota::concurrent(1)));
+    for i in 0..n {
+        let k = key(&format!("slot{i}"));
+        let d = futures_ready(backend.decide_with(&slots, &k, cost(1), Mode::Hold { lease: 0 }));
+        assert!(d.unwrap().is_allowed());
+    }
+    // Keep it: a dropped policy's counters go with it.
+    slots
 }
 
 #[tokio::test]
@@ -303,24 +314,22 @@ async fn refusals_before_charging_leave_every_quota_untouched() {
     assert_eq!(d.quotas()[0].remaining, 5);
     assert_eq!(d.quotas()[1].remaining, 0);
 
-    // Room for one more bucket, but a new key needs two: refused before the first quota
-    // takes a bucket (and a unit) for it.
+    // Room for one more bucket (the rest held by slots in flight, which are never evicted),
+    // but a new key needs two: refused before the first quota takes a bucket (and a unit)
+    // for it.
     let clock = FakeRelativeClock::default();
     let backend = LocalBackend::builder()
         .clock(clock.clone())
         .max_keys(3)
         .build();
+    let _slots = fill_with_slots(&backend, 2);
     let s = Setup { clock, backend };
     let p = prepare(&s.backend, &policy);
-    assert!(decide(&s, &p, &key("a"), 1).await.is_allowed());
-    assert_eq!(s.backend.tracked_keys(), 2);
     let d = decide(&s, &p, &key("b"), 1).await;
     assert!(!d.is_allowed(), "table full: {d:?}");
     assert_eq!(d.retry_after(), Some(Duration::from_secs(1)));
     assert_eq!(d.quotas().len(), 1);
     assert_eq!(s.backend.tracked_keys(), 2, "nothing was added for b");
-    // A tracked key is still served.
-    assert!(decide(&s, &p, &key("a"), 1).await.is_allowed());
 }
 
 /// The longest bucket a quota may have (100 years) is served without overflow, however long
@@ -366,8 +375,9 @@ async fn the_tightest_quota_of_a_denial_is_the_denying_one() {
     assert_eq!(d.tightest().unwrap().index, 0, "{d:?}");
 }
 
-/// A full table turns new keys away visibly: counted, warned about at most once a minute
-/// (not once per request), and, when asked, let through unlimited instead of denied.
+/// A table that is full of what cannot be evicted (slots in flight) turns new keys away
+/// visibly: counted, warned about at most once a minute (not once per request), and, when
+/// asked, let through unlimited instead of denied.
 #[tokio::test]
 async fn a_full_table_is_counted_warned_about_and_configurable() {
     use tollgate::backend::WhenFull;
@@ -381,9 +391,9 @@ async fn a_full_table_is_counted_warned_about_and_configurable() {
             .max_keys(1)
             .when_full(when_full)
             .build();
+        let _slots = fill_with_slots(&backend, 1);
         let s = Setup { clock, backend };
         let p = prepare(&s.backend, &policy);
-        assert!(decide(&s, &p, &key("known"), 1).await.is_allowed());
         for i in 0..20 {
             let d = decide(&s, &p, &key(&format!("new-{i}")), 1).await;
             match when_full {
@@ -635,4 +645,163 @@ fn units_race() {
             assert_eq!(state.remaining, limit - 2, "quota {i} of {k:?}: {d:?}");
         }
     }
+}
+
+/// Issue 35, finding 3: at the key cap, a flood of fresh keys neither locks new clients out
+/// (they are served, limited as any key) nor lifts the limit of a key that used more than the
+/// flood's keys do (the least used buckets are the ones evicted), on every algorithm.
+#[test]
+fn a_flood_of_fresh_keys_neither_locks_out_nor_lifts_limits() {
+    for quota in [
+        "5/min",
+        "5/min fixed",
+        "5/min sliding 10s",
+        "5/min sliding 1s",
+    ] {
+        let clock = FakeRelativeClock::default();
+        let backend = LocalBackend::builder()
+            .clock(clock.clone())
+            .clock_epoch(Duration::from_secs(600))
+            .max_keys(200)
+            .build();
+        let p = prepare(&backend, &parse(&[quota]));
+        let ask = |k: &Key| futures_ready(backend.decide(&p, k, cost(1))).unwrap();
+        // Victims spend their limit (or two units of it), then a flood of 20 000 fresh keys
+        // (100 times the table) passes between each of their attempts.
+        let spent: Vec<Key> = (0..20).map(|i| key(&format!("spent{i}"))).collect();
+        let halfway: Vec<Key> = (0..20).map(|i| key(&format!("halfway{i}"))).collect();
+        for v in &spent {
+            for _ in 0..5 {
+                assert!(ask(v).is_allowed(), "{quota}");
+            }
+        }
+        for v in &halfway {
+            for _ in 0..2 {
+                assert!(ask(v).is_allowed(), "{quota}");
+            }
+        }
+        let mut more = 0;
+        for round in 0..10 {
+            for i in 0..2_000 {
+                let d = ask(&key(&format!("flood{round}-{i}")));
+                assert!(d.is_allowed(), "{quota}: a new client refused: {d:?}");
+                assert_eq!(d.quotas()[0].remaining, 4, "{quota}: a new client's limit");
+            }
+            for v in &spent {
+                let d = ask(v);
+                assert!(
+                    !d.is_allowed(),
+                    "{quota}: {v:?} let through again after a flood"
+                );
+            }
+            // Three more for each key halfway, over the rounds: never a fourth.
+            if round < 3 {
+                for v in &halfway {
+                    let d = ask(v);
+                    assert!(d.is_allowed(), "{quota}: {v:?}");
+                    more += 1;
+                }
+            } else {
+                for v in &halfway {
+                    assert!(!ask(v).is_allowed(), "{quota}: {v:?} past its limit");
+                }
+            }
+            clock.advance(Duration::from_millis(100));
+        }
+        assert_eq!(more, 60);
+        assert!(backend.tracked_keys() <= 200, "{quota}");
+        assert!(
+            backend.evicted_keys() >= 19_000,
+            "{quota}: {}",
+            backend.evicted_keys()
+        );
+        assert_eq!(backend.full_table_refusals(), 0, "{quota}");
+        // Once their window has passed, the victims are served again.
+        clock.advance(Duration::from_secs(61));
+        for v in &spent {
+            assert!(ask(v).is_allowed(), "{quota}");
+        }
+    }
+}
+
+/// Threads flooding fresh keys while others hammer a few spent keys, at a table cap of 64: the
+/// evictions race the decisions, no new key is turned away and no spent key let through.
+#[test]
+fn evictions_racing_decisions_never_lift_a_limit() {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    for quota in ["10/h", "10/h fixed", "10/h sliding 1min"] {
+        let backend = LocalBackend::builder()
+            .clock(FakeRelativeClock::default())
+            .max_keys(64)
+            .build();
+        let p = prepare(&backend, &parse(&[quota]));
+        let victims: Vec<Key> = (0..16).map(|i| key(&format!("v{i}"))).collect();
+        for v in &victims {
+            for _ in 0..10 {
+                assert!(
+                    futures_ready(backend.decide(&p, v, cost(1)))
+                        .unwrap()
+                        .is_allowed()
+                );
+            }
+        }
+        let admitted = AtomicU32::new(0);
+        std::thread::scope(|scope| {
+            for t in 0..2 {
+                let (backend, p) = (&backend, &p);
+                scope.spawn(move || {
+                    for i in 0..20_000 {
+                        let k = key(&format!("f{t}-{i}"));
+                        let d = futures_ready(backend.decide(p, &k, cost(1))).unwrap();
+                        assert!(d.is_allowed(), "{quota}: {d:?}");
+                    }
+                });
+            }
+            for t in 0..2 {
+                let (backend, p, victims, admitted) = (&backend, &p, &victims, &admitted);
+                scope.spawn(move || {
+                    for round in 0..5_000 {
+                        let v = &victims[(round * 7 + t) % victims.len()];
+                        if futures_ready(backend.decide(p, v, cost(1)))
+                            .unwrap()
+                            .is_allowed()
+                        {
+                            admitted.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                });
+            }
+        });
+        assert_eq!(admitted.into_inner(), 0, "{quota}");
+        assert!(backend.evicted_keys() > 10_000, "{quota}");
+        assert_eq!(backend.full_table_refusals(), 0, "{quota}");
+        assert!(backend.tracked_keys() <= 64 + 8, "{quota}");
+    }
+}
+
+/// A full table does not spare a client its penalty: the block it earns makes its own room.
+#[test]
+fn a_full_table_still_blocks() {
+    let backend = LocalBackend::builder()
+        .clock(FakeRelativeClock::default())
+        .max_keys(50)
+        .build();
+    let policy = parse(&["2/min"]).block_for(Duration::from_secs(3600));
+    let p = prepare(&backend, &policy);
+    let ask = |k: &Key| futures_ready(backend.decide(&p, k, cost(1))).unwrap();
+    let attacker = key("attacker");
+    assert!(ask(&attacker).is_allowed());
+    assert!(ask(&attacker).is_allowed());
+    for i in 0..200 {
+        assert!(ask(&key(&format!("fresh{i}"))).is_allowed());
+    }
+    for i in 0.. {
+        if backend.tracked_keys() >= 50 {
+            break;
+        }
+        assert!(ask(&key(&format!("filler{i}"))).is_allowed());
+    }
+    let d = ask(&attacker);
+    assert!(d.is_blocked(), "{d:?}");
+    assert_eq!(d.retry_after(), Some(Duration::from_secs(3600)));
 }

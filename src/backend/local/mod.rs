@@ -38,13 +38,23 @@
 //!   [`sweep_interval`](LocalBackendBuilder::sweep_interval) (60 s by default), run by a task
 //!   the backend spawns on the Tokio runtime it is first used in; no thread of yours is needed.
 //!   At most [`max_keys`](LocalBackendBuilder::max_keys) buckets (1 000 000 by default, summed
-//!   over all quotas; concurrent inserts may overshoot by a few) are tracked: when the table is
-//!   full, a sweep starts at once (on a blocking thread), and a new key that finds no room is
-//!   not tracked, while keys already tracked keep their limits: by default it is denied
-//!   (`Retry-After: 1`); [`when_full`](LocalBackendBuilder::when_full) can let it through
-//!   unlimited instead. Either way the backend counts it
-//!   ([`full_table_refusals`](LocalBackend::full_table_refusals)) and warns, at most once a
-//!   minute, with the number of keys turned away since the last warning. A bucket costs about 86 bytes with its key (measured: `benches/memory.rs`): IP
+//!   over all quotas; concurrent inserts may overshoot by a few) are tracked. When the table is
+//!   full and a new key needs a bucket, a sweep starts (on a blocking thread, at most once a
+//!   second) and the **least used buckets are evicted** to make room at once: of the quota
+//!   holding the most buckets, a sample of 256, of which the quarter that used the least (GCRA:
+//!   the arrival time nearest now; windows: the smallest count) go, 64 at a time. The new key is
+//!   then limited like any other: a flood of fresh keys neither keeps new clients out nor lets
+//!   them through unlimited. What it can do: an evicted key starts afresh, and the keys a flood
+//!   evicts are those that used no more than the flooding keys themselves (a bucket that used
+//!   more than three in four of its sample stays), so a flood of keys that spend `k` units each
+//!   gives back at most about `k` units to keys that had used as little. Slots in flight and
+//!   blocks are never evicted; only when the table holds nothing else is a new key turned away:
+//!   denied (`Retry-After: 1`) by default, or let through unlimited with
+//!   [`when_full`](LocalBackendBuilder::when_full). Evictions are counted
+//!   ([`evicted_keys`](LocalBackend::evicted_keys), `tollgate_local_evicted_keys_total`), and
+//!   both evictions and keys turned away ([`full_table_refusals`](LocalBackend::full_table_refusals))
+//!   are warned about at most once a minute, with the count since the last warning. A bucket
+//!   costs about 86 bytes with its key (measured: `benches/memory.rs`): IP
 //!   keys and byte keys of up to 29 bytes are stored inline, longer ones (up to
 //!   [`Key::MAX_LEN`] bytes) on the heap, so the worst case at the default cap
 //!   with 256-byte keys is about 330 MB; lower `max_keys` when keys come from clients.
@@ -170,6 +180,10 @@ struct Inner<C: Clock> {
     /// The count at the last warning, and the warning itself, at most once a minute.
     warned_refusals: AtomicU64,
     warned: OnceAMinute,
+    /// Buckets evicted to make room, in all; the count at the last warning, and the warning.
+    evicted: AtomicU64,
+    warned_evictions: AtomicU64,
+    warned_evicting: OnceAMinute,
     sweep_interval: Duration,
     /// Buckets tracked over all stores of this backend.
     tracked: Arc<AtomicUsize>,
@@ -293,9 +307,10 @@ impl<C: Clock> LocalBackendBuilder<C> {
         self
     }
 
-    /// What a new key gets when the table is full (after a sweep found no room): denied
-    /// (the default) or let through unlimited. Keys already tracked keep their limits either
-    /// way.
+    /// What a new key gets when the table is full and nothing in it can be evicted (it holds
+    /// only slots in flight and blocks): denied (the default) or let through unlimited. Keys
+    /// already tracked keep their limits either way. Otherwise the least used buckets make
+    /// room (see the [module docs](self)).
     pub fn when_full(mut self, action: WhenFull) -> Self {
         self.when_full = action;
         self
@@ -323,6 +338,9 @@ impl<C: Clock> LocalBackendBuilder<C> {
                 full_refusals: AtomicU64::new(0),
                 warned_refusals: AtomicU64::new(0),
                 warned: OnceAMinute::default(),
+                evicted: AtomicU64::new(0),
+                warned_evictions: AtomicU64::new(0),
+                warned_evicting: OnceAMinute::default(),
                 sweep_interval: self.sweep_interval,
                 tracked: Arc::new(AtomicUsize::new(0)),
                 limiters: Mutex::new(HashMap::new()),
@@ -341,10 +359,17 @@ impl<C: Clock> LocalBackend<C> {
         self.inner.tracked.load(Ordering::Relaxed)
     }
 
-    /// How many requests of new keys found the table full (and were denied or let through,
-    /// as [`when_full`](LocalBackendBuilder::when_full) says), since the backend was built.
+    /// How many requests of new keys found the table full with nothing to evict (and were
+    /// denied or let through, as [`when_full`](LocalBackendBuilder::when_full) says), since
+    /// the backend was built.
     pub fn full_table_refusals(&self) -> u64 {
         self.inner.full_refusals.load(Ordering::Relaxed)
+    }
+
+    /// How many buckets were evicted to make room for new keys in a full table, since the
+    /// backend was built (see [`max_keys`](LocalBackendBuilder::max_keys)).
+    pub fn evicted_keys(&self) -> u64 {
+        self.inner.evicted.load(Ordering::Relaxed)
     }
 }
 
@@ -747,8 +772,8 @@ where
     }
 
     /// `decision`, or a block from `now_us` when it refused the request: not when the request
-    /// can never fit (its cost, not its rate, is at fault), nor when the key table is full (a
-    /// new key turned away would need room for its block).
+    /// can never fit (its cost, not its rate, is at fault), nor when the key table is full and
+    /// nothing can be evicted to make room for the block.
     fn penalize(
         &self,
         policy: &LocalPolicy<C>,
@@ -759,10 +784,11 @@ where
         now_us: u64,
     ) -> Decision {
         let inner = &self.inner;
+        let full = || inner.tracked.load(Ordering::Relaxed) >= inner.max_keys;
         if decision.is_allowed()
             || decision.never_fits()
-            || inner.tracked.load(Ordering::Relaxed) >= inner.max_keys
             || !self.refused_by_a_blocking_quota(policy, &decision, key, cost, now_us)
+            || (full() && (!inner.evict(1) || full()))
         {
             return decision;
         }
@@ -959,7 +985,7 @@ where
                     }
                 }
                 Counter::Gcra { store, start, .. } => {
-                    let tat = (store.map.get(key)).map_or(0, |tat| tat.load(Ordering::Acquire));
+                    let tat = store.tat(key);
                     let rel = until(*start, tat, inner.elapsed_ns());
                     let w = gcra_wait(&quota.params, cost, rel);
                     if w > max_wait {
@@ -1079,6 +1105,16 @@ where
             return None;
         }
         inner.sweep_when_full();
+        // Other requests evict and insert at the same time: the room one eviction makes may
+        // be taken before this request uses it, so try again a few times.
+        for _ in 0..4 {
+            if !overflows() {
+                return None;
+            }
+            if !inner.evict(needed) && inner.evictable() == 0 {
+                break;
+            }
+        }
         if !overflows() {
             return None;
         }
@@ -1095,16 +1131,17 @@ where
     }
 }
 
-/// What a new key gets when the local backend's table is full.
+/// What a new key gets when the local backend's table is full and holds nothing it can evict
+/// (only slots in flight and blocks).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum WhenFull {
-    /// Denied, `Retry-After: 1` (the default): a flood of new keys cannot lift the limit,
-    /// but new clients are turned away until a sweep makes room.
+    /// Denied, `Retry-After: 1` (the default): new clients are turned away until a request
+    /// ends or a block passes.
     #[default]
     Deny,
-    /// Let through without a bucket, unlimited and without rate-limit headers: new clients
-    /// are served, and a flood of new keys goes unlimited until a sweep makes room.
+    /// Let through without a bucket, unlimited and without rate-limit headers, until a
+    /// request ends or a block passes.
     Allow,
 }
 
@@ -1114,7 +1151,76 @@ enum Refusal {
     Allow,
 }
 
+/// How many buckets an eviction takes out at least: room for the next new keys too.
+const EVICT_BATCH: usize = 64;
+
 impl<C: Clock> Inner<C> {
+    /// Makes room for `needed` more buckets in a full table by evicting the least used ones
+    /// of the quota holding the most: of the buckets it samples, the quarter that used the
+    /// least (a bucket that used more than three in four of those sampled with it stays).
+    /// Slots in flight and blocks are never evicted. Returns whether it evicted anything.
+    #[cold]
+    fn evict(&self, needed: usize) -> bool {
+        let counters: Vec<Counter<C>> = {
+            let map = self.limiters.lock().unwrap_or_else(|p| p.into_inner());
+            map.values().filter_map(Registered::upgrade).collect()
+        };
+        let len = |c: &Counter<C>| match c {
+            Counter::Gcra { store, .. } => store.map.len(),
+            Counter::Window(store) if store.holds_slots() => 0,
+            Counter::Window(store) => store.len(),
+        };
+        let mut by_size: Vec<(usize, &Counter<C>)> = counters.iter().map(|c| (len(c), c)).collect();
+        by_size.sort_unstable_by_key(|(len, _)| std::cmp::Reverse(*len));
+        let want = needed.max(EVICT_BATCH);
+        let mut evicted = 0;
+        for (len, counter) in by_size {
+            if evicted >= needed || len == 0 {
+                break;
+            }
+            evicted += match counter {
+                Counter::Gcra { store, start, .. } => {
+                    let now = self.elapsed_ns().saturating_sub(start.as_u64());
+                    store.evict(want - evicted.min(want), now)
+                }
+                Counter::Window(store) => store.evict(want - evicted.min(want), self.now_us()),
+            };
+        }
+        if evicted > 0 {
+            self.count_evictions(evicted);
+        }
+        evicted > 0
+    }
+
+    /// How many buckets could be evicted now (all but slots in flight and blocks).
+    fn evictable(&self) -> usize {
+        let map = self.limiters.lock().unwrap_or_else(|p| p.into_inner());
+        (map.values().filter_map(Registered::upgrade))
+            .map(|c| match c {
+                Counter::Gcra { store, .. } => store.map.len(),
+                Counter::Window(store) if store.holds_slots() => 0,
+                Counter::Window(store) => store.len(),
+            })
+            .sum()
+    }
+
+    /// Counts `n` evicted buckets, and warns at most once a minute.
+    fn count_evictions(&self, n: usize) {
+        let total = self.evicted.fetch_add(n as u64, Ordering::Relaxed) + n as u64;
+        crate::metrics::local_evictions(n as u64);
+        if !self.warned_evicting.now(self.elapsed_ns()) {
+            return;
+        }
+        let since = total - self.warned_evictions.swap(total, Ordering::Relaxed);
+        tracing::warn!(
+            max_keys = self.max_keys,
+            evicted = since,
+            total,
+            "tollgate: the local rate-limit table is full; the least used buckets are evicted \
+             to make room for new keys (at most one warning a minute; raise `max_keys`)"
+        );
+    }
+
     /// Counts a new key that found the table full, and warns at most once a minute.
     fn count_full_refusal(&self) {
         let total = self.full_refusals.fetch_add(1, Ordering::Relaxed) + 1;
@@ -1348,7 +1454,7 @@ impl<C: Clock> PreparedQuota<C> {
         match &self.counter {
             Counter::Window(store) => store.would(index, key, now_us, cost),
             Counter::Gcra { store, start, .. } => {
-                let tat = (store.map.get(key)).map_or(0, |tat| tat.load(Ordering::Acquire));
+                let tat = store.tat(key);
                 let rel = until(*start, tat, inner.elapsed_ns());
                 gcra_state(index, &self.params, cost, rel, Duration::ZERO)
             }
@@ -1358,7 +1464,7 @@ impl<C: Clock> PreparedQuota<C> {
     fn peek(&self, index: usize, key: &Key, inner: &Inner<C>) -> QuotaState {
         match &self.counter {
             Counter::Gcra { store, start, .. } => {
-                let tat = (store.map.get(key)).map_or(0, |tat| tat.load(Ordering::Acquire));
+                let tat = store.tat(key);
                 QuotaState::never_fits(index, &self.params, until(*start, tat, inner.elapsed_ns()))
             }
             Counter::Window(store) => store.peek(index, key, inner.now_us()),
@@ -1406,6 +1512,48 @@ struct Store(Arc<StoreMap>);
 struct StoreMap {
     map: DashMap<Key, AtomicU64, RandomState>,
     tracked: Arc<AtomicUsize>,
+}
+
+impl StoreMap {
+    /// `key`'s arrival time, 0 (full) without a bucket.
+    fn tat(&self, key: &Key) -> u64 {
+        self.map
+            .get(key)
+            .map_or(0, |tat| tat.load(Ordering::Acquire))
+    }
+
+    /// Evicts `want` of the least used buckets among those it samples (their arrival times
+    /// nearest `now`, the limiter's time); returns how many it evicted.
+    fn evict(&self, want: usize, now: u64) -> usize {
+        let sample = (self.map.iter().take(sample_size(want))).map(|e| {
+            (
+                e.key().clone(),
+                e.value().load(Ordering::Relaxed).saturating_sub(now),
+            )
+        });
+        let evicted = lightest(sample.collect(), want)
+            .filter(|key| self.map.remove(key).is_some())
+            .count();
+        track_sub(&self.tracked, evicted);
+        evicted
+    }
+}
+
+/// How many buckets an eviction of `want` looks at: it evicts at most a quarter of them.
+pub(super) fn sample_size(want: usize) -> usize {
+    want.saturating_mul(4)
+}
+
+/// The keys of the lightest quarter of `sample` (key, weight), `want` at most and one at
+/// least: a key is evicted only when three in four of the keys sampled with it used at least
+/// as much.
+pub(super) fn lightest(mut sample: Vec<(Key, u64)>, want: usize) -> impl Iterator<Item = Key> {
+    let want = want.min(sample.len() / 4).max(1);
+    if want < sample.len() {
+        sample.select_nth_unstable_by_key(want, |(_, weight)| *weight);
+        sample.truncate(want);
+    }
+    sample.into_iter().map(|(key, _)| key)
 }
 
 fn measure<T, E>(

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use dashmap::DashMap;
 use foldhash::quality::RandomState;
 
-use super::{entry, swap};
+use super::{entry, lightest, sample_size, swap};
 use crate::Key;
 use crate::backend::QuotaState;
 use crate::backend::window::{FixedState, Settlement, SlidingState, in_flight_state};
@@ -240,7 +240,7 @@ impl WindowStore {
                     let state = state.lock().unwrap_or_else(|p| p.into_inner());
                     state.check(index, p, *slice_us, now_us, cost)
                 }
-                None => SlidingState::new(*slices).check(index, p, *slice_us, now_us, cost),
+                None => (SlidingState::new(*slices)).check(index, p, *slice_us, now_us, cost),
             },
             // Checked, not taken: the slots free now.
             Counters::InFlight { map } => {
@@ -283,7 +283,7 @@ impl WindowStore {
         let p = &self.params;
         match &self.counters {
             Counters::Fixed { window_us, map } => {
-                stored(map, key, now_us / window_us).peek(index, p, *window_us, now_us)
+                (stored(map, key, now_us / window_us)).peek(index, p, *window_us, now_us)
             }
             Counters::Sliding {
                 slice_us,
@@ -294,7 +294,7 @@ impl WindowStore {
                     let state = state.lock().unwrap_or_else(|p| p.into_inner());
                     state.peek(index, p, *slice_us, now_us)
                 }
-                None => SlidingState::new(*slices).peek(index, p, *slice_us, now_us),
+                None => (SlidingState::new(*slices)).peek(index, p, *slice_us, now_us),
             },
             Counters::InFlight { map } => {
                 let held = map.get(key).map_or(0, |h| h.load(Ordering::Acquire));
@@ -324,7 +324,49 @@ impl WindowStore {
         }
     }
 
-    fn len(&self) -> usize {
+    /// Evicts `want` of the least used counters among those it samples (a concurrent
+    /// quota's are never evicted: a request in flight gives its slot back to its counter);
+    /// returns how many it evicted.
+    pub(super) fn evict(&self, want: usize, now_us: u64) -> usize {
+        let take = sample_size(want);
+        let evicted = match &self.counters {
+            Counters::Fixed { window_us, map } => {
+                let now_window = now_us / window_us;
+                let weight = |c: &AtomicU64| {
+                    let state = unpack(c.load(Ordering::Relaxed), now_window);
+                    if state.window == now_window {
+                        u64::from(state.count)
+                    } else {
+                        0
+                    }
+                };
+                let sample = (map.iter().take(take)).map(|e| (e.key().clone(), weight(e.value())));
+                (lightest(sample.collect(), want))
+                    .filter(|key| map.remove(key).is_some())
+                    .count()
+            }
+            Counters::Sliding { map, .. } => {
+                let weight = |s: &Mutex<SlidingState>| {
+                    let s = s.lock().unwrap_or_else(|p| p.into_inner());
+                    s.counts.iter().map(|&c| u64::from(c)).sum::<u64>()
+                };
+                let sample = (map.iter().take(take)).map(|e| (e.key().clone(), weight(e.value())));
+                (lightest(sample.collect(), want))
+                    .filter(|key| map.remove(key).is_some())
+                    .count()
+            }
+            Counters::InFlight { .. } => 0,
+        };
+        super::track_sub(&self.tracked, evicted);
+        evicted
+    }
+
+    /// Whether this is a concurrent quota's (whose counters are never evicted).
+    pub(super) fn holds_slots(&self) -> bool {
+        matches!(self.counters, Counters::InFlight { .. })
+    }
+
+    pub(super) fn len(&self) -> usize {
         match &self.counters {
             Counters::Fixed { map, .. } | Counters::InFlight { map } => map.len(),
             Counters::Sliding { map, .. } => map.len(),
