@@ -195,37 +195,69 @@ pub(crate) enum Settlement {
     Refund { units: u32, admitted_us: u64 },
 }
 
-/// A sliding window's counts: of the sub-window `slice` (the newest) and the `n` before it,
-/// oldest first.
+/// A sliding window's counts, as the local store keeps them: only the sub-windows that counted
+/// something, oldest first, each as its index modulo 2³² and its count. A key that counted in
+/// one sub-window costs one pair, whatever the window's resolution: the memory a key takes
+/// follows what it used, not the number of sub-windows (a thousand sub-windows used to cost
+/// 4 KB per key). The arithmetic is the dense one's ([`estimate`], [`wait_us`]) on the
+/// sub-windows in the window, to the bit.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct SlidingState {
-    pub(crate) slice: u64,
-    pub(crate) counts: SmallVec<[u32; 2]>,
+    /// `n`: the window is `n` sub-windows, plus the oldest one sliding out.
+    slices: u32,
+    counts: SmallVec<[(u32, u32); 1]>,
 }
 
 impl SlidingState {
     /// A sliding window of `slices` sub-windows with nothing counted.
     pub(crate) fn new(slices: u32) -> Self {
         SlidingState {
-            slice: 0,
-            counts: smallvec::smallvec![0; slices as usize + 1],
+            slices,
+            counts: SmallVec::new(),
         }
     }
 
-    /// Moves the counts on to the sub-window `slice`: those that left the window are dropped,
-    /// the sub-windows that passed without requests count zero.
-    fn advance(&mut self, slice: u64) {
-        let kept = self.counts.len() as u64;
-        let by = slice.saturating_sub(self.slice);
-        if by >= kept {
-            self.counts.iter_mut().for_each(|c| *c = 0);
-        } else if by > 0 {
-            let by = by as usize;
-            self.counts.rotate_left(by);
-            let len = self.counts.len();
-            self.counts[len - by..].iter_mut().for_each(|c| *c = 0);
+    /// The sub-window `slice`, or the newest counted if that is later (a clock read before
+    /// it counts into it, as the dense state did).
+    fn now(&self, slice: u64) -> u32 {
+        let now = slice as u32;
+        match self.counts.last() {
+            Some(&(newest, _)) if (newest.wrapping_sub(now) as i32) > 0 => newest,
+            _ => now,
         }
-        self.slice = self.slice.max(slice);
+    }
+
+    /// The counts in the window of sub-window `now` (its position from the oldest, 0 to `n`),
+    /// oldest first.
+    fn in_window(&self, now: u32) -> impl Iterator<Item = (usize, u32)> + Clone + '_ {
+        let n = self.slices;
+        self.counts.iter().filter_map(move |&(at, count)| {
+            let age = now.wrapping_sub(at);
+            (age <= n && count > 0).then(|| ((n - age) as usize, count))
+        })
+    }
+
+    /// Drops the counts that left the window of sub-window `now`.
+    fn prune(&mut self, now: u32) {
+        let n = self.slices;
+        let gone = (self.counts.iter())
+            .take_while(|&&(at, _)| now.wrapping_sub(at) > n)
+            .count();
+        if gone > 0 {
+            self.counts.drain(..gone);
+        }
+    }
+
+    /// Counts `units` into sub-window `now` (the newest).
+    fn add(&mut self, now: u32, units: u32) {
+        match self.counts.last_mut() {
+            Some((at, count)) if *at == now => *count = count.saturating_add(units),
+            _ => self.counts.push((now, units)),
+        }
+    }
+
+    fn kept(&self) -> usize {
+        self.slices as usize + 1
     }
 
     /// Decides a request of `cost` at `now_us`, counting it when it passes.
@@ -237,21 +269,31 @@ impl SlidingState {
         now_us: u64,
         cost: NonZeroU32,
     ) -> QuotaState {
-        self.advance(now_us / slice_us);
+        let now = self.now(now_us / slice_us);
+        self.prune(now);
         let limit = params.burst.get();
         let r = now_us % slice_us;
-        let e = estimate(&self.counts, slice_us, r);
+        let e = estimate_by(self.in_window(now), slice_us, r);
         let cost_n = cost.get();
         let code = if cost_n > limit {
             Code::NeverFits
         } else if e + f64::from(cost_n) <= f64::from(limit) {
-            let newest = self.counts.len() - 1;
-            self.counts[newest] = self.counts[newest].saturating_add(cost_n);
+            self.add(now, cost_n);
             Code::Allowed
         } else {
             Code::Denied
         };
-        sliding_state(index, params, code, &self.counts, slice_us, r, cost)
+        let kept = self.kept();
+        sliding_state_by(
+            index,
+            params,
+            code,
+            self.in_window(now),
+            kept,
+            slice_us,
+            r,
+            cost,
+        )
     }
 
     /// Settles `units` at `now_us`: a debit counts them in the newest sub-window (past the
@@ -266,26 +308,33 @@ impl SlidingState {
         now_us: u64,
         settlement: Settlement,
     ) -> QuotaState {
-        self.advance(now_us / slice_us);
-        let newest = self.counts.len() - 1;
+        let now = self.now(now_us / slice_us);
+        self.prune(now);
         match settlement {
-            Settlement::Debit(units) => {
-                self.counts[newest] = self.counts[newest].saturating_add(units);
-            }
+            Settlement::Debit(units) => self.add(now, units),
             Settlement::Refund { units, admitted_us } => {
-                let ago = self.slice.checked_sub(admitted_us / slice_us);
-                if let Some(at) = ago.and_then(|ago| newest.checked_sub(usize::try_from(ago).ok()?))
+                let at = (admitted_us / slice_us) as u32;
+                if now.wrapping_sub(at) <= self.slices
+                    && let Some(i) = self.counts.iter().position(|&(s, _)| s == at)
                 {
-                    self.counts[at] = self.counts[at].saturating_sub(units);
+                    let left = self.counts[i].1.saturating_sub(units);
+                    if left == 0 {
+                        self.counts.remove(i);
+                    } else {
+                        self.counts[i].1 = left;
+                    }
                 }
             }
         }
         let r = now_us % slice_us;
-        sliding_state(
+        let kept = self.kept();
+        let counts = self.in_window(now);
+        sliding_state_by(
             index,
             params,
             Code::Allowed,
-            &self.counts,
+            counts,
+            kept,
             slice_us,
             r,
             NonZeroU32::MIN,
@@ -293,8 +342,7 @@ impl SlidingState {
     }
 
     /// What a request of `cost` at `now_us` would get, changing nothing and allocating
-    /// nothing: the counts as they stand at `now_us` are a tail of the stored ones (the
-    /// sub-windows since are empty, and empty counts weigh nothing).
+    /// nothing.
     pub(crate) fn check(
         &self,
         index: usize,
@@ -303,21 +351,29 @@ impl SlidingState {
         now_us: u64,
         cost: NonZeroU32,
     ) -> QuotaState {
-        let by = (now_us / slice_us).saturating_sub(self.slice);
-        let counts = usize::try_from(by)
-            .ok()
-            .and_then(|by| self.counts.get(by..))
-            .unwrap_or(&[]);
+        let now = self.now(now_us / slice_us);
         let r = now_us % slice_us;
         let limit = params.burst.get();
         let code = if cost.get() > limit {
             Code::NeverFits
-        } else if estimate(counts, slice_us, r) + f64::from(cost.get()) <= f64::from(limit) {
+        } else if estimate_by(self.in_window(now), slice_us, r) + f64::from(cost.get())
+            <= f64::from(limit)
+        {
             Code::Allowed
         } else {
             Code::Denied
         };
-        sliding_state(index, params, code, counts, slice_us, r, cost)
+        let kept = self.kept();
+        sliding_state_by(
+            index,
+            params,
+            code,
+            self.in_window(now),
+            kept,
+            slice_us,
+            r,
+            cost,
+        )
     }
 
     /// The state at `now_us` without deciding anything.
@@ -328,14 +384,15 @@ impl SlidingState {
         slice_us: u64,
         now_us: u64,
     ) -> QuotaState {
-        let mut state = self.clone();
-        state.advance(now_us / slice_us);
+        let now = self.now(now_us / slice_us);
         let r = now_us % slice_us;
-        sliding_state(
+        let (kept, counts) = (self.kept(), self.in_window(now));
+        sliding_state_by(
             index,
             params,
             Code::NeverFits,
-            &state.counts,
+            counts,
+            kept,
             slice_us,
             r,
             NonZeroU32::MAX,
@@ -344,18 +401,52 @@ impl SlidingState {
 
     /// Whether every count has left the window (indistinguishable from nothing counted).
     pub(crate) fn is_idle(&self, slice_us: u64, now_us: u64) -> bool {
-        let kept = self.counts.len() as u64;
-        now_us / slice_us >= self.slice.saturating_add(kept) || self.counts.iter().all(|&c| c == 0)
+        self.in_window(self.now(now_us / slice_us)).next().is_none()
+    }
+
+    /// The units counted in the sub-windows kept (its weight when the local store must evict).
+    pub(crate) fn total(&self) -> u64 {
+        self.counts.iter().map(|&(_, c)| u64::from(c)).sum()
+    }
+
+    /// The sub-windows with counts held: what the state costs beyond its fixed part.
+    #[cfg(test)]
+    pub(crate) fn held(&self) -> usize {
+        self.counts.len()
+    }
+
+    /// The counts of the window of `now_us` as the dense state kept them, oldest first.
+    #[cfg(test)]
+    pub(crate) fn dense(&self, slice_us: u64, now_us: u64) -> Vec<u32> {
+        let mut dense = vec![0; self.kept()];
+        for (m, c) in self.in_window(self.now(now_us / slice_us)) {
+            dense[m] = c;
+        }
+        dense
     }
 }
 
 /// The estimate `c_oldest * (S - r) / S + rest`, in this order of `f64` operations (the Redis
 /// script computes the same).
 pub(crate) fn estimate(counts: &[u32], slice_us: u64, r: u64) -> f64 {
-    let Some((&oldest, rest)) = counts.split_first() else {
-        return 0.0;
-    };
-    let rest: u64 = rest.iter().map(|&c| u64::from(c)).sum();
+    estimate_by(dense(counts), slice_us, r)
+}
+
+/// The nonzero counts of a dense window, with their positions.
+fn dense(counts: &[u32]) -> impl Iterator<Item = (usize, u32)> + Clone + '_ {
+    counts.iter().copied().enumerate().filter(|&(_, c)| c > 0)
+}
+
+/// [`estimate`] of the counts `counts` gives with their positions (0 the oldest), ascending.
+fn estimate_by(counts: impl Iterator<Item = (usize, u32)>, slice_us: u64, r: u64) -> f64 {
+    let (mut oldest, mut rest) = (0u32, 0u64);
+    for (m, c) in counts {
+        if m == 0 {
+            oldest = c;
+        } else {
+            rest += u64::from(c);
+        }
+    }
     f64::from(oldest) * (slice_us - r) as f64 / slice_us as f64 + rest as f64
 }
 
@@ -370,21 +461,60 @@ pub(crate) fn sliding_state(
     r: u64,
     cost: NonZeroU32,
 ) -> QuotaState {
+    sliding_state_by(
+        index,
+        params,
+        code,
+        dense(counts),
+        counts.len(),
+        slice_us,
+        r,
+        cost,
+    )
+}
+
+/// [`sliding_state`] of the window of `kept` sub-windows whose counts `counts` gives with
+/// their positions, ascending.
+#[allow(clippy::too_many_arguments)]
+fn sliding_state_by(
+    index: usize,
+    params: &QuotaParams,
+    code: Code,
+    counts: impl Iterator<Item = (usize, u32)> + Clone,
+    kept: usize,
+    slice_us: u64,
+    r: u64,
+    cost: NonZeroU32,
+) -> QuotaState {
     let limit = params.burst.get();
-    let e = estimate(counts, slice_us, r);
+    let e = estimate_by(counts.clone(), slice_us, r);
     let remaining = remaining(limit, e);
     // More quota comes when one more request of cost 1 fits: the wait of a request of cost
     // `remaining + 1`, which does not fit now. Nothing more comes when nothing is counted.
     let reset_after = if remaining >= limit {
         Duration::ZERO
     } else {
-        Duration::from_micros(wait_us(counts, slice_us, r, limit, remaining + 1))
+        Duration::from_micros(wait_us_by(
+            counts.clone(),
+            kept,
+            slice_us,
+            r,
+            limit,
+            remaining + 1,
+        ))
     };
     let outcome = match code {
         Code::Allowed => Outcome::Allowed,
         Code::NeverFits => Outcome::NeverFits,
         Code::Denied => Outcome::Denied {
-            retry_after: Duration::from_micros(wait_us(counts, slice_us, r, limit, cost.get())),
+            retry_after: Duration::from_micros(wait_us_by(
+                counts,
+                kept,
+                slice_us,
+                r,
+                limit,
+                cost.get(),
+            )),
         },
     };
     QuotaState {
@@ -408,30 +538,48 @@ pub(crate) fn remaining(limit: u32, e: f64) -> u32 {
 ///
 /// Linear in the sub-windows: the sum of the counts after the oldest is kept as it goes, not
 /// summed again for each sub-window (as the Redis script does).
+#[cfg(test)]
 pub(crate) fn wait_us(counts: &[u32], slice_us: u64, r: u64, limit: u32, cost: u32) -> u64 {
+    wait_us_by(dense(counts), counts.len(), slice_us, r, limit, cost)
+}
+
+/// [`wait_us`] of the window of `kept` sub-windows whose nonzero counts `counts` gives with
+/// their positions (0 the oldest), ascending: the sub-windows without counts are passed over
+/// in one step each run, so the walk is linear in the counts held, not in the sub-windows.
+fn wait_us_by(
+    counts: impl Iterator<Item = (usize, u32)> + Clone,
+    kept: usize,
+    slice_us: u64,
+    r: u64,
+    limit: u32,
+    cost: u32,
+) -> u64 {
     let s = slice_us;
-    let n = counts.len();
-    // The counts after the m-th: all but the first to begin with.
-    let mut rest: u64 = counts.iter().skip(1).map(|&c| u64::from(c)).sum();
-    for (m, &old) in counts.iter().enumerate() {
-        let old = u64::from(old);
-        if m > 0 {
-            rest = rest.saturating_sub(old);
+    let (limit, cost) = (u64::from(limit), u64::from(cost));
+    // Where a sub-window `m` without counts starts to be waited for: its start (the time into
+    // the current one, for the oldest).
+    let empty_at = |m: usize| (m as u64 * s).saturating_sub(r);
+    // The counts after the sub-window looked at: all of them to begin with.
+    let mut after: u64 = counts.clone().map(|(_, c)| u64::from(c)).sum();
+    let mut next = 0;
+    for (m, old) in counts {
+        // Empty sub-windows before this one: the first fits if any does.
+        if next < m && after + cost <= limit {
+            return empty_at(next);
         }
-        let (limit, cost) = (u64::from(limit), u64::from(cost));
-        if rest + cost > limit {
+        let old = u64::from(old);
+        after -= old;
+        next = m + 1;
+        if after + cost > limit {
             continue;
         }
         // The segment: the m-th sub-window from the current one, from position `from` (the
         // time into it) to its end; position p in it is `m * S + p - r` from now.
         let from = if m == 0 { r } else { 0 };
-        let need = limit - cost - rest;
-        if old == 0 {
-            return m as u64 * s + from - r;
-        }
-        // Fits at position p when old * (S - p) / S + rest + cost <= limit.
+        let need = limit - cost - after;
+        // Fits at position p when old * (S - p) / S + after + cost <= limit.
         let fits = |p: u64| {
-            old as f64 * (s - p) as f64 / s as f64 + rest as f64 + cost as f64 <= limit as f64
+            old as f64 * (s - p) as f64 / s as f64 + after as f64 + cost as f64 <= limit as f64
         };
         let p = s as f64 - need as f64 * s as f64 / old as f64;
         let mut p = if p <= from as f64 {
@@ -459,14 +607,233 @@ pub(crate) fn wait_us(counts: &[u32], slice_us: u64, r: u64, limit: u32, cost: u
             return m as u64 * s + p - r;
         }
     }
+    if next < kept && after + cost <= limit {
+        return empty_at(next);
+    }
     // Every count has slid out.
-    (n as u64 * s).saturating_sub(r)
+    (kept as u64 * s).saturating_sub(r)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::Quota;
+
+    /// The sliding state as it was before #35 (dense: every sub-window of the window held),
+    /// with the wait computed sub-window by sub-window: the reference the sparse state must
+    /// agree with to the bit.
+    #[derive(Clone)]
+    struct Dense {
+        slice: u64,
+        counts: Vec<u32>,
+    }
+
+    impl Dense {
+        fn new(slices: u32) -> Self {
+            Dense {
+                slice: 0,
+                counts: vec![0; slices as usize + 1],
+            }
+        }
+
+        fn advance(&mut self, slice: u64) {
+            let kept = self.counts.len() as u64;
+            let by = slice.saturating_sub(self.slice);
+            if by >= kept {
+                self.counts.iter_mut().for_each(|c| *c = 0);
+            } else if by > 0 {
+                let by = by as usize;
+                self.counts.rotate_left(by);
+                let len = self.counts.len();
+                self.counts[len - by..].iter_mut().for_each(|c| *c = 0);
+            }
+            self.slice = self.slice.max(slice);
+        }
+
+        fn state(&self, p: &QuotaParams, code: Code, s: u64, now: u64, cost: u32) -> QuotaState {
+            let limit = p.burst.get();
+            let r = now % s;
+            let e = estimate(&self.counts, s, r);
+            let remaining = remaining(limit, e);
+            let reset_after = if remaining >= limit {
+                Duration::ZERO
+            } else {
+                Duration::from_micros(dense_wait(&self.counts, s, r, limit, remaining + 1))
+            };
+            let outcome = match code {
+                Code::Allowed => Outcome::Allowed,
+                Code::NeverFits => Outcome::NeverFits,
+                Code::Denied => Outcome::Denied {
+                    retry_after: Duration::from_micros(dense_wait(&self.counts, s, r, limit, cost)),
+                },
+            };
+            QuotaState {
+                index: 0,
+                outcome,
+                limit,
+                remaining,
+                reset_after,
+            }
+        }
+
+        fn decide(&mut self, p: &QuotaParams, s: u64, now: u64, cost: u32) -> QuotaState {
+            self.advance(now / s);
+            let limit = p.burst.get();
+            let e = estimate(&self.counts, s, now % s);
+            let code = if cost > limit {
+                Code::NeverFits
+            } else if e + f64::from(cost) <= f64::from(limit) {
+                let newest = self.counts.len() - 1;
+                self.counts[newest] = self.counts[newest].saturating_add(cost);
+                Code::Allowed
+            } else {
+                Code::Denied
+            };
+            self.state(p, code, s, now, cost)
+        }
+
+        fn settle(&mut self, p: &QuotaParams, s: u64, now: u64, st: Settlement) -> QuotaState {
+            self.advance(now / s);
+            let newest = self.counts.len() - 1;
+            match st {
+                Settlement::Debit(units) => {
+                    self.counts[newest] = self.counts[newest].saturating_add(units)
+                }
+                Settlement::Refund { units, admitted_us } => {
+                    let ago = self.slice.checked_sub(admitted_us / s);
+                    if let Some(at) =
+                        ago.and_then(|ago| newest.checked_sub(usize::try_from(ago).ok()?))
+                    {
+                        self.counts[at] = self.counts[at].saturating_sub(units);
+                    }
+                }
+            }
+            self.state(p, Code::Allowed, s, now, 1)
+        }
+    }
+
+    /// The wait as it was computed before #35: every sub-window in turn.
+    fn dense_wait(counts: &[u32], s: u64, r: u64, limit: u32, cost: u32) -> u64 {
+        let n = counts.len();
+        let mut rest: u64 = counts.iter().skip(1).map(|&c| u64::from(c)).sum();
+        for (m, &old) in counts.iter().enumerate() {
+            let old = u64::from(old);
+            if m > 0 {
+                rest = rest.saturating_sub(old);
+            }
+            let (limit, cost) = (u64::from(limit), u64::from(cost));
+            if rest + cost > limit {
+                continue;
+            }
+            let from = if m == 0 { r } else { 0 };
+            let need = limit - cost - rest;
+            if old == 0 {
+                return m as u64 * s + from - r;
+            }
+            let fits = |p: u64| {
+                old as f64 * (s - p) as f64 / s as f64 + rest as f64 + cost as f64 <= limit as f64
+            };
+            let p = s as f64 - need as f64 * s as f64 / old as f64;
+            let mut p = if p <= from as f64 {
+                from
+            } else {
+                p.ceil() as u64
+            };
+            for _ in 0..4 {
+                if p > from && fits(p - 1) {
+                    p -= 1;
+                } else {
+                    break;
+                }
+            }
+            for _ in 0..4 {
+                if p >= s || fits(p) {
+                    break;
+                }
+                p += 1;
+            }
+            if p < s {
+                return m as u64 * s + p - r;
+            }
+        }
+        (n as u64 * s).saturating_sub(r)
+    }
+
+    proptest::proptest! {
+        /// Issue 35, finding 4: the sparse state (only the sub-windows that counted) answers
+        /// every decision, settlement, check and peek exactly as the dense one did, and holds
+        /// no more pairs than sub-windows it counted in.
+        #[test]
+        fn the_sparse_window_agrees_with_the_dense_one(
+            limit in 1u32..60,
+            slices in proptest::sample::select(vec![1u32, 2, 3, 8, 12, 60, 1000]),
+            ops in proptest::collection::vec((0u64..4_000_000, 0u8..10, 1u32..8), 1..120),
+        ) {
+            let q = Quota::new(limit, Duration::from_secs(60))
+                .sliding_window()
+                .resolution(Duration::from_micros(60_000_000 / u64::from(slices)));
+            let p = params(q);
+            let crate::quota::QuotaKind::SlidingWindow { slice_us, slices } = p.kind else {
+                unreachable!("a sliding quota")
+            };
+            let mut sparse = SlidingState::new(slices);
+            let mut dense = Dense::new(slices);
+            let mut now = 1_700_000_000_000_000u64;
+            let mut admitted = Vec::new();
+            for (step, op, cost) in ops {
+                now += step;
+                let c = NonZeroU32::new(cost).unwrap();
+                let (a, b) = match op {
+                    0..=5 => {
+                        let a = sparse.decide(0, &p, slice_us, now, c);
+                        if a.outcome == Outcome::Allowed {
+                            admitted.push((now, cost));
+                        }
+                        (a, dense.decide(&p, slice_us, now, cost))
+                    }
+                    6 => {
+                        let st = Settlement::Debit(cost);
+                        (sparse.settle(0, &p, slice_us, now, st), dense.settle(&p, slice_us, now, st))
+                    }
+                    7 => {
+                        let (at, units) = admitted.pop().unwrap_or((now, cost));
+                        let st = Settlement::Refund { units, admitted_us: at };
+                        (sparse.settle(0, &p, slice_us, now, st), dense.settle(&p, slice_us, now, st))
+                    }
+                    8 => {
+                        let mut d = dense.clone();
+                        d.advance(now / slice_us);
+                        let e = estimate(&d.counts, slice_us, now % slice_us);
+                        let code = if cost > limit {
+                            Code::NeverFits
+                        } else if e + f64::from(cost) <= f64::from(limit) {
+                            Code::Allowed
+                        } else {
+                            Code::Denied
+                        };
+                        (sparse.check(0, &p, slice_us, now, c), d.state(&p, code, slice_us, now, cost))
+                    }
+                    _ => {
+                        let mut d = dense.clone();
+                        d.advance(now / slice_us);
+                        let peeked = d.state(&p, Code::NeverFits, slice_us, now, u32::MAX);
+                        (sparse.peek(0, &p, slice_us, now), peeked)
+                    }
+                };
+                proptest::prop_assert_eq!(a, b);
+                let mut d = dense.clone();
+                d.advance(now / slice_us);
+                proptest::prop_assert_eq!(sparse.dense(slice_us, now), d.counts.clone());
+                // What it holds: the sub-windows with counts in the window (after a change;
+                // a check or a peek leaves those that slid out for the next change).
+                let counted = d.counts.iter().filter(|&&c| c > 0).count();
+                if op <= 7 {
+                    proptest::prop_assert_eq!(sparse.held(), counted);
+                }
+                proptest::prop_assert!(sparse.held() <= slices as usize + 1);
+            }
+        }
+    }
 
     fn params(q: Quota) -> QuotaParams {
         q.params("p").unwrap()
@@ -541,15 +908,17 @@ mod tests {
         let at = |ms: u64| 10_000_000 + ms * 1000;
         s.decide(0, &p, slice_us, at(0), one);
         s.decide(0, &p, slice_us, at(300), one);
-        let newest = s.counts.len() - 1;
-        assert_eq!(&s.counts[newest - 1..], &[1, 1]);
+        let dense = s.dense(slice_us, at(400));
+        let newest = dense.len() - 1;
+        assert_eq!(&dense[newest - 1..], &[1, 1]);
         // The unit counted at 0 ms is given back to its own sub-window, later.
         let refund = Settlement::Refund {
             units: 1,
             admitted_us: at(0),
         };
         s.settle(0, &p, slice_us, at(400), refund);
-        assert_eq!(&s.counts[newest - 1..], &[0, 1]);
+        assert_eq!(&s.dense(slice_us, at(400))[newest - 1..], &[0, 1]);
+        assert_eq!(s.held(), 1, "a sub-window refunded to zero is not kept");
         // A refund for a sub-window that has slid out changes nothing, not the counts now.
         s.decide(0, &p, slice_us, at(5_000), one);
         let old = Settlement::Refund {
@@ -557,8 +926,8 @@ mod tests {
             admitted_us: at(300),
         };
         s.settle(0, &p, slice_us, at(5_100), old);
-        assert_eq!(s.counts.iter().sum::<u32>(), 1);
-        assert_eq!(s.counts[newest], 1);
+        assert_eq!(s.dense(slice_us, at(5_100)).iter().sum::<u32>(), 1);
+        assert_eq!(s.dense(slice_us, at(5_100))[newest], 1);
     }
 
     #[test]

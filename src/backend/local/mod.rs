@@ -41,12 +41,12 @@
 //!   over all quotas; concurrent inserts may overshoot by a few) are tracked. When the table is
 //!   full and a new key needs a bucket, a sweep starts (on a blocking thread, at most once a
 //!   second) and the **least used buckets are evicted** to make room at once: of the quota
-//!   holding the most buckets, a sample of 256, of which the quarter that used the least (GCRA:
-//!   the arrival time nearest now; windows: the smallest count) go, 64 at a time. The new key is
-//!   then limited like any other: a flood of fresh keys neither keeps new clients out nor lets
-//!   them through unlimited. What it can do: an evicted key starts afresh, and the keys a flood
-//!   evicts are those that used no more than the flooding keys themselves (a bucket that used
-//!   more than three in four of its sample stays), so a flood of keys that spend `k` units each
+//!   holding the most buckets, about an eighth, those that used no more than the lightest
+//!   eighth of a sample (GCRA: the arrival time nearest now; windows: the smallest count),
+//!   spread evenly over the table in one pass. The new key is then limited like any other: a
+//!   flood of fresh keys neither keeps new clients out nor lets them through unlimited. What
+//!   it can do: an evicted key starts afresh, and the keys a flood evicts are those that used
+//!   no more than the flooding keys themselves, so a flood of keys that spend `k` units each
 //!   gives back at most about `k` units to keys that had used as little. Slots in flight and
 //!   blocks are never evicted; only when the table holds nothing else is a new key turned away:
 //!   denied (`Retry-After: 1`) by default, or let through unlimited with
@@ -1151,13 +1151,10 @@ enum Refusal {
     Allow,
 }
 
-/// How many buckets an eviction takes out at least: room for the next new keys too.
-const EVICT_BATCH: usize = 64;
-
 impl<C: Clock> Inner<C> {
     /// Makes room for `needed` more buckets in a full table by evicting the least used ones
-    /// of the quota holding the most: of the buckets it samples, the quarter that used the
-    /// least (a bucket that used more than three in four of those sampled with it stays).
+    /// of the quota holding the most: about an eighth of them, those that used no more than
+    /// the lightest eighth of a sample (see [`evict_lightest`]).
     /// Slots in flight and blocks are never evicted. Returns whether it evicted anything.
     #[cold]
     fn evict(&self, needed: usize) -> bool {
@@ -1172,7 +1169,6 @@ impl<C: Clock> Inner<C> {
         };
         let mut by_size: Vec<(usize, &Counter<C>)> = counters.iter().map(|c| (len(c), c)).collect();
         by_size.sort_unstable_by_key(|(len, _)| std::cmp::Reverse(*len));
-        let want = needed.max(EVICT_BATCH);
         let mut evicted = 0;
         for (len, counter) in by_size {
             if evicted >= needed || len == 0 {
@@ -1181,9 +1177,9 @@ impl<C: Clock> Inner<C> {
             evicted += match counter {
                 Counter::Gcra { store, start, .. } => {
                     let now = self.elapsed_ns().saturating_sub(start.as_u64());
-                    store.evict(want - evicted.min(want), now)
+                    store.evict(needed - evicted.min(needed), now)
                 }
-                Counter::Window(store) => store.evict(want - evicted.min(want), self.now_us()),
+                Counter::Window(store) => store.evict(needed - evicted.min(needed), self.now_us()),
             };
         }
         if evicted > 0 {
@@ -1522,38 +1518,49 @@ impl StoreMap {
             .map_or(0, |tat| tat.load(Ordering::Acquire))
     }
 
-    /// Evicts `want` of the least used buckets among those it samples (their arrival times
-    /// nearest `now`, the limiter's time); returns how many it evicted.
-    fn evict(&self, want: usize, now: u64) -> usize {
-        let sample = (self.map.iter().take(sample_size(want))).map(|e| {
-            (
-                e.key().clone(),
-                e.value().load(Ordering::Relaxed).saturating_sub(now),
-            )
-        });
-        let evicted = lightest(sample.collect(), want)
-            .filter(|key| self.map.remove(key).is_some())
-            .count();
+    /// Evicts about an eighth of the buckets (`needed` at least), the least used (their
+    /// arrival times nearest `now`, the limiter's time); returns how many it evicted.
+    fn evict(&self, needed: usize, now: u64) -> usize {
+        let weight = |tat: &AtomicU64| tat.load(Ordering::Relaxed).saturating_sub(now);
+        let evicted = evict_lightest(&self.map, needed, |v| weight(v), |v| weight(v));
         track_sub(&self.tracked, evicted);
         evicted
     }
 }
 
-/// How many buckets an eviction of `want` looks at: it evicts at most a quarter of them.
-pub(super) fn sample_size(want: usize) -> usize {
-    want.saturating_mul(4)
-}
-
-/// The keys of the lightest quarter of `sample` (key, weight), `want` at most and one at
-/// least: a key is evicted only when three in four of the keys sampled with it used at least
-/// as much.
-pub(super) fn lightest(mut sample: Vec<(Key, u64)>, want: usize) -> impl Iterator<Item = Key> {
-    let want = want.min(sample.len() / 4).max(1);
-    if want < sample.len() {
-        sample.select_nth_unstable_by_key(want, |(_, weight)| *weight);
-        sample.truncate(want);
+/// Evicts from `map` about an eighth of its entries (`needed` at least, a quarter at most),
+/// those that used the least: entries whose weight (`weigh`, read shared, `weigh_mut` under
+/// the map's write lock) is at most that of the lightest eighth of a sample, spread evenly over
+/// the map (each of its shards gives up its share, so that none keeps growing while another
+/// is emptied). One pass over the map, its shards write-locked one at a time. Returns how many
+/// it evicted.
+pub(super) fn evict_lightest<V>(
+    map: &DashMap<Key, V, RandomState>,
+    needed: usize,
+    weigh: impl Fn(&V) -> u64,
+    mut weigh_mut: impl FnMut(&mut V) -> u64,
+) -> usize {
+    let len = map.len();
+    if len == 0 {
+        return 0;
     }
-    sample.into_iter().map(|(key, _)| key)
+    let budget = (len / 8).max(needed).min(len.div_ceil(4));
+    let mut sample: Vec<u64> = map.iter().take(256).map(|e| weigh(e.value())).collect();
+    sample.sort_unstable();
+    let at = (sample.len() * budget).div_ceil(len).saturating_sub(1);
+    let Some(&threshold) = sample.get(at.min(sample.len().saturating_sub(1))) else {
+        return 0;
+    };
+    let (mut visited, mut evicted) = (0usize, 0usize);
+    map.retain(|_, v| {
+        visited += 1;
+        // This entry's share of the budget, so far: evictions spread over the whole map.
+        let share = (visited * budget).div_ceil(len);
+        let evict = evicted < share && weigh_mut(v) <= threshold;
+        evicted += usize::from(evict);
+        !evict
+    });
+    evicted
 }
 
 fn measure<T, E>(

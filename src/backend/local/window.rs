@@ -2,9 +2,11 @@
 //! [`crate::backend::window`].
 //!
 //! A fixed window's state is its window index and count, packed in one atomic; a sliding
-//! window's, its newest sub-window index and `slices + 1` counts (inline for the default single
-//! sub-window) behind a mutex held for a few arithmetic operations, never across an await. A
-//! key's state is made with its first request and allocates nothing afterwards.
+//! window's, the sub-windows it counted in that are still in the window (index and count,
+//! one pair inline) behind a mutex held for a few arithmetic operations, never across an
+//! await. A key's state is made with its first request; a sliding window's grows by 8 bytes
+//! per sub-window the key counts in (allocating past the first), whatever the resolution: a
+//! key seen once costs the same at one sub-window or a thousand.
 
 use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -13,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use dashmap::DashMap;
 use foldhash::quality::RandomState;
 
-use super::{entry, lightest, sample_size, swap};
+use super::{entry, evict_lightest, swap};
 use crate::Key;
 use crate::backend::QuotaState;
 use crate::backend::window::{FixedState, Settlement, SlidingState, in_flight_state};
@@ -324,36 +326,31 @@ impl WindowStore {
         }
     }
 
-    /// Evicts `want` of the least used counters among those it samples (a concurrent
-    /// quota's are never evicted: a request in flight gives its slot back to its counter);
-    /// returns how many it evicted.
-    pub(super) fn evict(&self, want: usize, now_us: u64) -> usize {
-        let take = sample_size(want);
+    /// Evicts about an eighth of the counters (`needed` at least), the least used (see
+    /// [`evict_lightest`]); a concurrent quota's are never evicted: a request in flight gives
+    /// its slot back to its counter. Returns how many it evicted.
+    pub(super) fn evict(&self, needed: usize, now_us: u64) -> usize {
         let evicted = match &self.counters {
             Counters::Fixed { window_us, map } => {
                 let now_window = now_us / window_us;
-                let weight = |c: &AtomicU64| {
-                    let state = unpack(c.load(Ordering::Relaxed), now_window);
+                let weight = |packed: u64| {
+                    let state = unpack(packed, now_window);
                     if state.window == now_window {
                         u64::from(state.count)
                     } else {
                         0
                     }
                 };
-                let sample = (map.iter().take(take)).map(|e| (e.key().clone(), weight(e.value())));
-                (lightest(sample.collect(), want))
-                    .filter(|key| map.remove(key).is_some())
-                    .count()
+                let shared = |c: &AtomicU64| weight(c.load(Ordering::Relaxed));
+                evict_lightest(map, needed, shared, |c| weight(*c.get_mut()))
             }
             Counters::Sliding { map, .. } => {
-                let weight = |s: &Mutex<SlidingState>| {
-                    let s = s.lock().unwrap_or_else(|p| p.into_inner());
-                    s.counts.iter().map(|&c| u64::from(c)).sum::<u64>()
+                let shared =
+                    |s: &Mutex<SlidingState>| s.lock().unwrap_or_else(|p| p.into_inner()).total();
+                let exclusive = |s: &mut Mutex<SlidingState>| {
+                    s.get_mut().unwrap_or_else(|p| p.into_inner()).total()
                 };
-                let sample = (map.iter().take(take)).map(|e| (e.key().clone(), weight(e.value())));
-                (lightest(sample.collect(), want))
-                    .filter(|key| map.remove(key).is_some())
-                    .count()
+                evict_lightest(map, needed, shared, exclusive)
             }
             Counters::InFlight { .. } => 0,
         };
