@@ -1162,12 +1162,8 @@ impl<C: Clock> Inner<C> {
             let map = self.limiters.lock().unwrap_or_else(|p| p.into_inner());
             map.values().filter_map(Registered::upgrade).collect()
         };
-        let len = |c: &Counter<C>| match c {
-            Counter::Gcra { store, .. } => store.map.len(),
-            Counter::Window(store) if store.holds_slots() => 0,
-            Counter::Window(store) => store.len(),
-        };
-        let mut by_size: Vec<(usize, &Counter<C>)> = counters.iter().map(|c| (len(c), c)).collect();
+        let mut by_size: Vec<(usize, &Counter<C>)> =
+            counters.iter().map(|c| (c.evictable(), c)).collect();
         by_size.sort_unstable_by_key(|(len, _)| std::cmp::Reverse(*len));
         let mut evicted = 0;
         for (len, counter) in by_size {
@@ -1192,22 +1188,31 @@ impl<C: Clock> Inner<C> {
     fn evictable(&self) -> usize {
         let map = self.limiters.lock().unwrap_or_else(|p| p.into_inner());
         (map.values().filter_map(Registered::upgrade))
-            .map(|c| match c {
-                Counter::Gcra { store, .. } => store.map.len(),
-                Counter::Window(store) if store.holds_slots() => 0,
-                Counter::Window(store) => store.len(),
-            })
+            .map(|c| c.evictable())
             .sum()
+    }
+
+    /// When `throttle` lets a warning through now: how much of the `total` counted came since
+    /// the last one (`at_last`, set to `total`).
+    fn since_warning(
+        &self,
+        total: u64,
+        at_last: &AtomicU64,
+        throttle: &OnceAMinute,
+    ) -> Option<u64> {
+        throttle
+            .now(self.elapsed_ns())
+            .then(|| total - at_last.swap(total, Ordering::Relaxed))
     }
 
     /// Counts `n` evicted buckets, and warns at most once a minute.
     fn count_evictions(&self, n: usize) {
         let total = self.evicted.fetch_add(n as u64, Ordering::Relaxed) + n as u64;
         crate::metrics::local_evictions(n as u64);
-        if !self.warned_evicting.now(self.elapsed_ns()) {
+        let Some(since) = self.since_warning(total, &self.warned_evictions, &self.warned_evicting)
+        else {
             return;
-        }
-        let since = total - self.warned_evictions.swap(total, Ordering::Relaxed);
+        };
         tracing::warn!(
             max_keys = self.max_keys,
             evicted = since,
@@ -1220,10 +1225,9 @@ impl<C: Clock> Inner<C> {
     /// Counts a new key that found the table full, and warns at most once a minute.
     fn count_full_refusal(&self) {
         let total = self.full_refusals.fetch_add(1, Ordering::Relaxed) + 1;
-        if !self.warned.now(self.elapsed_ns()) {
+        let Some(since) = self.since_warning(total, &self.warned_refusals, &self.warned) else {
             return;
-        }
-        let since = total - self.warned_refusals.swap(total, Ordering::Relaxed);
+        };
         tracing::warn!(
             max_keys = self.max_keys,
             new_keys = since,
@@ -1469,6 +1473,15 @@ impl<C: Clock> PreparedQuota<C> {
 }
 
 impl<C: Clock> Counter<C> {
+    /// How many of its buckets could be evicted (a concurrent quota's: none).
+    fn evictable(&self) -> usize {
+        match self {
+            Counter::Gcra { store, .. } => store.map.len(),
+            Counter::Window(store) if store.holds_slots() => 0,
+            Counter::Window(store) => store.len(),
+        }
+    }
+
     /// Whether `key` has a bucket or counter here.
     fn contains(&self, key: &Key) -> bool {
         match self {
