@@ -428,11 +428,16 @@ impl SlidingState {
 
 /// The estimate `c_oldest * (S - r) / S + rest`, in this order of `f64` operations (the Redis
 /// script computes the same).
+#[cfg_attr(not(feature = "redis"), allow(dead_code))]
 pub(crate) fn estimate(counts: &[u32], slice_us: u64, r: u64) -> f64 {
     estimate_by(dense(counts), slice_us, r)
 }
 
 /// The nonzero counts of a dense window, with their positions.
+#[cfg_attr(
+    not(any(feature = "redis", feature = "postgres", feature = "mysql")),
+    allow(dead_code)
+)]
 fn dense(counts: &[u32]) -> impl Iterator<Item = (usize, u32)> + Clone + '_ {
     counts.iter().copied().enumerate().filter(|&(_, c)| c > 0)
 }
@@ -452,6 +457,10 @@ fn estimate_by(counts: impl Iterator<Item = (usize, u32)>, slice_us: u64, r: u64
 
 /// A sliding window's state after a decision, from its counts (moved to the current sub-window
 /// and including this request when it passed), `r` µs into the current sub-window.
+#[cfg_attr(
+    not(any(feature = "redis", feature = "postgres", feature = "mysql")),
+    allow(dead_code)
+)]
 pub(crate) fn sliding_state(
     index: usize,
     params: &QuotaParams,
