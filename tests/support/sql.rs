@@ -135,11 +135,28 @@ impl PgServer {
             dir,
             child: None,
         };
+        // Another test process may take the port between the check and the bind: then
+        // another one.
+        for _ in 0..5 {
+            if server.launch() {
+                return server;
+            }
+            server.port = free_port();
+        }
         server.spawn();
         server
     }
 
     fn spawn(&mut self) {
+        assert!(
+            self.launch(),
+            "PostgreSQL on port {} exited at once",
+            self.port
+        );
+    }
+
+    /// Starts the server; false when it exited at once (its port taken meanwhile).
+    fn launch(&mut self) -> bool {
         let child = as_server_user(&pg_bin("postgres"))
             .arg("-D")
             .arg(self.dir.path().join("data"))
@@ -161,13 +178,17 @@ impl PgServer {
             .expect("cannot start PostgreSQL's `postgres`");
         self.child = Some(child);
         let port = self.port.to_string();
+        let mut exited = false;
         wait_until(Duration::from_secs(20), || {
-            Command::new(pg_bin("pg_isready"))
-                .args(["-q", "-h", "127.0.0.1", "-p", &port])
-                .status()
-                .is_ok_and(|s| s.success())
+            exited = exited_early(&mut self.child);
+            exited
+                || Command::new(pg_bin("pg_isready"))
+                    .args(["-q", "-h", "127.0.0.1", "-p", &port])
+                    .status()
+                    .is_ok_and(|s| s.success())
         })
         .unwrap_or_else(|| panic!("PostgreSQL on port {} did not start", self.port));
+        !exited
     }
 
     pub fn url(&self) -> String {
@@ -306,6 +327,14 @@ impl MariaDbServer {
             dir,
             child: None,
         };
+        // Another test process may take the port between the check and the bind: then
+        // another one.
+        for _ in 0..5 {
+            if server.launch() {
+                return server;
+            }
+            server.port = free_port();
+        }
         server.spawn();
         server
     }
@@ -320,7 +349,18 @@ impl MariaDbServer {
     }
 
     fn spawn(&mut self) {
-        let d = self.dir.path();
+        assert!(
+            self.launch(),
+            "MariaDB on port {} exited at once: {}",
+            self.port,
+            std::fs::read_to_string(self.dir.path().join("error.log")).unwrap_or_default()
+        );
+    }
+
+    /// Starts the server; false when it exited at once (its port taken meanwhile).
+    fn launch(&mut self) -> bool {
+        let d = self.dir.path().to_owned();
+        let d = d.as_path();
         let mut command = Command::new(Self::mariadbd());
         command
             .arg("--no-defaults")
@@ -350,8 +390,10 @@ impl MariaDbServer {
             .spawn()
             .expect("cannot start MariaDB's `mariadbd`");
         self.child = Some(child);
+        let mut exited = false;
         wait_until(Duration::from_secs(30), || {
-            self.try_sql("SELECT 1").is_some()
+            exited = exited_early(&mut self.child);
+            exited || self.try_sql("SELECT 1").is_some()
         })
         .unwrap_or_else(|| {
             panic!(
@@ -360,6 +402,7 @@ impl MariaDbServer {
                 std::fs::read_to_string(d.join("error.log")).unwrap_or_default()
             )
         });
+        !exited
     }
 
     pub fn url(&self) -> String {
@@ -505,4 +548,15 @@ impl super::outage::Db for MariaDbServer {
     fn resume(&self) {
         MariaDbServer::resume(self)
     }
+}
+
+/// Whether the server process `child` has exited (it cannot serve); it is then forgotten.
+fn exited_early(child: &mut Option<std::process::Child>) -> bool {
+    let exited = child
+        .as_mut()
+        .is_some_and(|c| c.try_wait().ok().flatten().is_some());
+    if exited {
+        *child = None;
+    }
+    exited
 }
