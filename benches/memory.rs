@@ -152,4 +152,51 @@ fn main() {
         ((flooded - before) as f64) < 2.0 * per_key * cap as f64 + 1_048_576.0,
         "the capped table grew past its bound"
     );
+
+    #[cfg(feature = "redis")]
+    approximate(n / 10);
+}
+
+/// 3. The approximate Redis mode's bytes per key, by sub-windows: keys seen once each, Redis
+/// out of reach (nothing listens: decisions go on from the counts held, which is what is
+/// measured).
+#[cfg(feature = "redis")]
+fn approximate(n: usize) {
+    use tollgate::backend::redis::{Approximate, RedisBackend};
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        for (name, quota) in [
+            (
+                "100/s sliding 1s (1 sub-window)",
+                Quota::per_second(100).sliding_window(),
+            ),
+            (
+                "1000/h sliding 3600ms (1 000 sub-windows)",
+                Quota::per_hour(1000)
+                    .sliding_window()
+                    .resolution(Duration::from_millis(3600)),
+            ),
+        ] {
+            let backend = RedisBackend::builder()
+                .url("redis://127.0.0.1:1")
+                .build_approximate(Approximate::asynchronous())
+                .unwrap();
+            let policy = Policy::new("mem", quota);
+            let prepared = backend
+                .prepare(&policy, &policy.validate().unwrap())
+                .unwrap();
+            let one = NonZeroU32::MIN;
+            // The first decision makes the backend's own structures.
+            backend.decide(&prepared, &key(n + 1), one).await.unwrap();
+            let baseline = heap();
+            for i in 0..n {
+                backend.decide(&prepared, &key(i), one).await.unwrap();
+            }
+            let per_key = (heap() - baseline) as f64 / n as f64;
+            println!("approximate mode, \"{name}\": {per_key:.1} bytes/key ({n} keys seen once)");
+        }
+    });
 }

@@ -428,7 +428,7 @@ impl SlidingState {
 
 /// The estimate `c_oldest * (S - r) / S + rest`, in this order of `f64` operations (the Redis
 /// script computes the same).
-#[cfg_attr(not(feature = "redis"), allow(dead_code))]
+#[cfg(test)]
 pub(crate) fn estimate(counts: &[u32], slice_us: u64, r: u64) -> f64 {
     estimate_by(dense(counts), slice_us, r)
 }
@@ -443,7 +443,11 @@ fn dense(counts: &[u32]) -> impl Iterator<Item = (usize, u32)> + Clone + '_ {
 }
 
 /// [`estimate`] of the counts `counts` gives with their positions (0 the oldest), ascending.
-fn estimate_by(counts: impl Iterator<Item = (usize, u32)>, slice_us: u64, r: u64) -> f64 {
+pub(crate) fn estimate_by(
+    counts: impl Iterator<Item = (usize, u32)>,
+    slice_us: u64,
+    r: u64,
+) -> f64 {
     let (mut oldest, mut rest) = (0u32, 0u64);
     for (m, c) in counts {
         if m == 0 {
@@ -485,7 +489,7 @@ pub(crate) fn sliding_state(
 /// [`sliding_state`] of the window of `kept` sub-windows whose counts `counts` gives with
 /// their positions, ascending.
 #[allow(clippy::too_many_arguments)]
-fn sliding_state_by(
+pub(crate) fn sliding_state_by(
     index: usize,
     params: &QuotaParams,
     code: Code,
