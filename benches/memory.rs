@@ -157,9 +157,9 @@ fn main() {
     approximate(n / 10);
 }
 
-/// 3. The approximate Redis mode's bytes per key, by sub-windows: keys seen once each, Redis
-/// out of reach (nothing listens: decisions go on from the counts held, which is what is
-/// measured).
+/// Part 3: the approximate Redis mode's bytes per key, by sub-windows, for keys seen once
+/// each, with Redis out of reach (nothing listens: decisions go on from the counts held,
+/// which is what is measured).
 #[cfg(feature = "redis")]
 fn approximate(n: usize) {
     use tollgate::backend::redis::{Approximate, RedisBackend};

@@ -191,7 +191,7 @@
 //! # Memory
 //!
 //! One entry per key in use: about 340 bytes for a key seen once, with its key and table
-//! overhead, at any resolution (`cargo bench --bench memory --features redis`), plus 36 bytes
+//! overhead, at any resolution (`cargo bench --bench memory --features redis`), plus 40 bytes
 //! for each further sub-window with numbers in it (counted here, read from Redis, or owed to
 //! it), and its Redis key name once the key is sent or read, or looked up while keys are
 //! announced. (It was 28.5 KB per key at a thousand sub-windows, when every sub-window of the
