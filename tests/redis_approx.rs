@@ -13,7 +13,7 @@ use support::{RedisCluster, RedisServer, cost, key, prepare};
 use tollgate::backend::Backend;
 use tollgate::backend::redis::{ApproxBackend, ApproxPolicy, Approximate, RedisBackend, TestClock};
 use tollgate::backend::remote::Fleet;
-use tollgate::{ConfigError, Policy, Quota};
+use tollgate::{ConfigError, Key, Policy, Quota};
 
 /// The limit: 100 per second, in sub-windows of 100 ms.
 const LIMIT: u32 = 100;
@@ -874,7 +874,7 @@ async fn keys_whose_windows_passed_are_swept_while_redis_is_down() {
 }
 
 #[tokio::test]
-async fn a_full_key_table_denies_new_keys_until_a_sweep_makes_room() {
+async fn a_full_key_table_with_redis_away_denies_new_keys_until_a_sweep_makes_room() {
     let clock = TestClock::new();
     let b = RedisBackend::builder()
         .url(format!("redis://127.0.0.1:{}", support::closed_port()))
@@ -887,8 +887,9 @@ async fn a_full_key_table_denies_new_keys_until_a_sweep_makes_room() {
         let d = ready_at_once(b.decide(&p, &key(&format!("client-{i}")), cost(1)));
         assert!(d.is_allowed());
     }
-    // Full: a new key is denied for a second; the keys held keep their counts.
-    let d = ready_at_once(b.decide(&p, &key("newcomer"), cost(1)));
+    // Full, and Redis out of reach: a new key, which would be decided through Redis, is
+    // denied for a second; the keys held keep their counts.
+    let d = b.decide(&p, &key("newcomer"), cost(1)).await.unwrap();
     assert_eq!(d.retry_after(), Some(Duration::from_secs(1)));
     let d = ready_at_once(b.decide(&p, &key("client-7"), cost(1)));
     assert!(d.is_allowed());
@@ -896,7 +897,7 @@ async fn a_full_key_table_denies_new_keys_until_a_sweep_makes_room() {
     assert_eq!(b.stats().refused_full, 1);
     // Once their window has passed, the sweep (started at once by the refusal) makes room.
     clock.advance(Duration::from_secs(2));
-    ready_at_once(b.decide(&p, &key("newcomer"), cost(1)));
+    let _ = b.decide(&p, &key("newcomer"), cost(1)).await;
     support::eventually("room made", || b.stats().keys < 100).await;
     let d = ready_at_once(b.decide(&p, &key("newcomer"), cost(1)));
     assert!(d.is_allowed(), "{d:?}");
@@ -904,6 +905,69 @@ async fn a_full_key_table_denies_new_keys_until_a_sweep_makes_room() {
     drop(p);
     clock.advance(Duration::from_secs(2));
     support::eventually("the dropped policy's keys gone", || b.stats().keys == 0).await;
+}
+
+/// Issue 35, finding 3, in the approximate mode: at `max_keys`, a flood of fresh keys does not
+/// keep new clients out: a new key that finds no room is decided through Redis (read, then its
+/// increment waited for), as the synchronous variant decides, and not held. Keys held keep
+/// their counts; nothing is let through unlimited.
+#[tokio::test]
+async fn a_full_key_table_decides_new_keys_through_redis() {
+    let server = RedisServer::start();
+    let clock = TestClock::new();
+    let b = RedisBackend::builder()
+        .url(server.url())
+        .timeout(TIMEOUT)
+        .test_clock(clock.clone())
+        .build_approximate(in_step().max_keys(100))
+        .unwrap();
+    let p = prepare(&b, &Policy::new("f", Quota::per_minute(5).fixed_window()));
+    to_window_start(&clock, 60_000_000);
+    let spent: Vec<Key> = (0..10).map(|i| key(&format!("spent-{i}"))).collect();
+    for k in &spent {
+        for _ in 0..5 {
+            assert!(b.decide(&p, k, cost(1)).await.unwrap().is_allowed());
+        }
+    }
+    b.flush().await;
+    for round in 0..20 {
+        for i in 0..100 {
+            let d = b
+                .decide(&p, &key(&format!("fresh-{round}-{i}")), cost(1))
+                .await;
+            let d = d.unwrap();
+            assert!(d.is_allowed(), "a new client refused: {d:?}");
+            assert_eq!(d.quotas()[0].remaining, 4);
+        }
+        b.flush().await;
+        for k in &spent {
+            assert!(
+                !b.decide(&p, k, cost(1)).await.unwrap().is_allowed(),
+                "{k:?}"
+            );
+        }
+    }
+    // A key past the cap is limited by Redis's count: four more, then refused.
+    let late = key("fresh-19-99");
+    for left in (0..4).rev() {
+        let d = b.decide(&p, &late, cost(1)).await.unwrap();
+        assert!(d.is_allowed(), "{d:?}");
+        assert_eq!(d.quotas()[0].remaining, left);
+    }
+    assert!(!b.decide(&p, &late, cost(1)).await.unwrap().is_allowed());
+    let s = b.stats();
+    assert_eq!(s.refused_full, 0);
+    assert!(s.overflowed >= 1_900, "{s:?}");
+    assert_eq!(s.keys, 100, "{s:?}");
+    // Redis counted every unit: 10 × 5 spent, 2 000 fresh, 4 more.
+    let sum = "local t = 0 for _, k in ipairs(redis.call('KEYS', '*0a*')) do \
+               t = t + tonumber(redis.call('GET', k)) end return t";
+    assert_eq!(
+        number(&server, &["EVAL", sum, "0"]),
+        2_054,
+        "{:?}",
+        b.stats()
+    );
 }
 
 /// A peek answers what a decision would, with the request counted: the same as the exact mode

@@ -198,8 +198,14 @@
 //! window was held.) Entries
 //! whose windows have passed are swept every second, also while Redis is down, and about
 //! [`max_keys`](Approximate::max_keys) are held at most (1 000 000 by default; concurrent
-//! inserts may overshoot by a few): while that many are held, requests on new keys are denied
-//! and a sweep is started (at most every 100 ms). Each counter in
+//! inserts may overshoot by a few). While that many are held, a request on a new key is
+//! decided through Redis, as the synchronous variant decides, and its counts are not kept:
+//! the key's counts are read, the request decided from them, and when allowed its increment
+//! is waited for, a round trip or two per request (at most the timeout each), and a sweep is
+//! started (at most every 100 ms). A flood of new keys so neither keeps new clients out nor
+//! lets them through unlimited; keys held keep their counts. Only when Redis cannot be asked
+//! (the circuit breaker open, or the read failing) is such a request denied for a second
+//! ([`ApproxStats::refused_full`]). Each counter in
 //! Redis expires once every window holding its sub-window has passed, plus 2 s: its first
 //! increment from each instance carries a `PEXPIRE`.
 
@@ -313,10 +319,12 @@ impl Approximate {
 
     /// How many keys (summed over policies) the instance holds counts for, at most (1 000 000
     /// by default; at least 1; concurrent inserts may overshoot by a few). While the table is
-    /// full, a request on a new key is denied (`Retry-After: 1`) and counted in
-    /// [`ApproxStats::refused_full`], and a sweep starts (at most every 100 ms); keys already
-    /// held keep their counts. Keys come from clients: this bounds the
-    /// memory a flood of new keys can take.
+    /// full, a request on a new key is decided through Redis without its counts being kept
+    /// (read, decided, its increment waited for: counted in [`ApproxStats::overflowed`]), and
+    /// a sweep starts (at most every 100 ms); keys already held keep their counts. While Redis
+    /// cannot be asked, such a request is denied (`Retry-After: 1`, counted in
+    /// [`ApproxStats::refused_full`]). Keys come from clients: this bounds the memory a flood
+    /// of new keys can take, without keeping new clients out.
     pub fn max_keys(mut self, keys: usize) -> Self {
         self.max_keys = keys.max(1);
         self
@@ -349,8 +357,12 @@ pub struct ApproxStats {
     pub breaker_trips: u64,
     /// Keys this instance holds counts for now.
     pub keys: usize,
-    /// Requests on new keys denied because [`max_keys`](Approximate::max_keys) were held.
+    /// Requests on new keys denied because [`max_keys`](Approximate::max_keys) were held while
+    /// Redis could not be asked (the circuit breaker open).
     pub refused_full: u64,
+    /// Requests on new keys decided through Redis, a round trip each, because
+    /// [`max_keys`](Approximate::max_keys) were held.
+    pub overflowed: u64,
     /// How many instances share the limits, as this one counts them (0 before the first count
     /// of an [announced](crate::backend::remote::Fleet::Announced) fleet: no allowances then).
     pub fleet_size: u32,
@@ -552,6 +564,10 @@ pub(crate) struct Shared {
     /// the task should sweep at once.
     keys: Arc<AtomicUsize>,
     refused_full: AtomicU64,
+    /// Requests on new keys decided through Redis because `max_keys` were held, and the
+    /// warning of it.
+    overflowed: AtomicU64,
+    full_warned: OnceAMinute,
     sweep_now: AtomicBool,
     /// A sweep runs (on a blocking thread).
     sweeping: AtomicBool,
@@ -638,6 +654,8 @@ impl ApproxBackend {
                 urgent: AtomicBool::new(false),
                 keys: Arc::new(AtomicUsize::new(0)),
                 refused_full: AtomicU64::new(0),
+                overflowed: AtomicU64::new(0),
+                full_warned: OnceAMinute::default(),
                 sweep_now: AtomicBool::new(false),
                 sweeping: AtomicBool::new(false),
                 origin: Instant::now(),
@@ -701,6 +719,7 @@ impl ApproxBackend {
             breaker_trips: s.trips.load(Ordering::Relaxed),
             keys,
             refused_full: s.refused_full.load(Ordering::Relaxed),
+            overflowed: s.overflowed.load(Ordering::Relaxed),
             fleet_size: s.fleet_size.load(Ordering::Relaxed),
             allowances_granted: s.granted.load(Ordering::Relaxed),
             allowances_exhausted: s.exhausted.load(Ordering::Relaxed),
@@ -1147,8 +1166,39 @@ impl Shared {
         self.wake.notify_one();
     }
 
-    /// The answer to a request on a new key while `max_keys` are held: denied for a second on
-    /// every quota, and a sweep now.
+    /// The counts of a new key for a request that found `max_keys` held, made for this request
+    /// alone and not kept: the key is kept in step (never quiet: its units go to Redis with
+    /// the next flush, whatever its allowance), read before the decision and, when allowed,
+    /// its increment waited for, so that it is limited by Redis's count as the synchronous
+    /// variant limits any key: a flood of new keys neither keeps new clients out nor lets them
+    /// through unlimited, and costs a round trip per request past the cap. A sweep starts, to
+    /// make room.
+    #[cold]
+    fn overflow(&self, policy: &PolicyShared, key: &Key, now_us: u64) -> Arc<Entry> {
+        self.overflowed.fetch_add(1, Ordering::Relaxed);
+        if self.full_warned.now(self.now_ns_mono()) {
+            tracing::warn!(
+                max_keys = self.mode.max_keys,
+                "approximate mode: key table full; requests on new keys are decided through \
+                 Redis, a round trip each, until a sweep makes room (at most one warning a \
+                 minute; raise `max_keys`)"
+            );
+        }
+        if !self.sweep_now.swap(true, Ordering::Relaxed) {
+            self.wake.notify_one();
+        }
+        let mut st = EntryState::new(policy);
+        st.hot_until_us = now_us.saturating_add(policy.window_us);
+        Arc::new(Entry {
+            key: key.clone(),
+            base: OnceLock::new(),
+            state: Mutex::new(st),
+        })
+    }
+
+    /// The answer to a request on a new key while `max_keys` are held and Redis cannot be
+    /// asked (the circuit breaker open, or the read failed): denied for a second on every
+    /// quota, and a sweep now.
     fn refuse_full(&self, policy: &PolicyShared) -> Decision {
         if self
             .refused_full
@@ -1286,12 +1336,18 @@ impl Backend for ApproxBackend {
             }
             held.entry.clone()
         };
+        // Past the cap, a new key is decided through Redis, not held (see `overflow`).
+        let mut overflow = false;
         let entry = match p.entries.get(key) {
             Some(held) => hold(&held),
             None if p.held.load(Ordering::Relaxed) >= shared.mode.max_keys => {
-                return ApproxFuture {
-                    inner: FutureInner::Ready(Some(shared.refuse_full(p))),
-                };
+                if shared.breaker_open() {
+                    return ApproxFuture {
+                        inner: FutureInner::Ready(Some(shared.refuse_full(p))),
+                    };
+                }
+                overflow = true;
+                shared.overflow(p, key, now_us)
             }
             None => {
                 let held = p.entries.entry(key.clone()).or_insert_with(|| {
@@ -1327,16 +1383,27 @@ impl Backend for ApproxBackend {
                     .zip(st.quotas.iter())
                     .any(|(spec, c)| c.stale(spec, now_us))
         };
-        if sync && mode != Mode::Peek && stale() {
+        if ((sync && mode != Mode::Peek) || overflow) && stale() {
             // A key this instance has not read yet, or not since before the last sub-window:
             // its decisions wait for the fleet's counts (each request reads, so that none
-            // decides from stale counts while another's read is on its way).
+            // decides from stale counts while another's read is on its way). A key past the
+            // cap also waits for its increment: its next request reads it back.
             let (shared, policy) = (shared.clone(), p.clone());
             return ApproxFuture {
                 inner: FutureInner::Waiting(Box::pin(async move {
                     flush::read_now(&shared, &policy, &entry).await;
+                    let now_us = shared.now.us();
+                    let unread = || {
+                        let st = entry.lock();
+                        (policy.specs.iter().zip(st.quotas.iter()))
+                            .any(|(spec, c)| c.stale(spec, now_us))
+                    };
+                    if overflow && unread() {
+                        // Past the cap, nothing to decide from but Redis's count.
+                        return shared.refuse_full(&policy);
+                    }
                     let (decision, wait) = shared.decide_here(&policy, &entry, cost, mode);
-                    if wait {
+                    if wait || (overflow && decision.is_allowed()) {
                         shared.flushed().await;
                     }
                     decision
