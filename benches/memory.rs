@@ -169,9 +169,16 @@ fn approximate(n: usize) {
         .unwrap();
     runtime.block_on(async {
         for (name, quota) in [
+            ("100/s fixed", Quota::per_second(100).fixed_window()),
             (
                 "100/s sliding 1s (1 sub-window)",
                 Quota::per_second(100).sliding_window(),
+            ),
+            (
+                "100/min sliding 1s (60 sub-windows)",
+                Quota::per_minute(100)
+                    .sliding_window()
+                    .resolution(Duration::from_secs(1)),
             ),
             (
                 "1000/h sliding 3600ms (1 000 sub-windows)",

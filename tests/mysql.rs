@@ -557,3 +557,20 @@ async fn the_deny_cache_sees_what_other_instances_give_back() {
     let cached = || builder(&server).deny_cache_capacity(1000).build().unwrap();
     support::conformance::others_give_back(&cached(), &cached(), "mysql").await;
 }
+
+/// Issue 35: a flood of fresh keys on every algorithm: new clients served, spent keys refused,
+/// and what each fresh key costs the table (printed: BENCHMARKS.md has the numbers).
+#[tokio::test]
+async fn a_flood_of_fresh_keys_limits_every_key() {
+    let server = MariaDbServer::start();
+    let b = migrated(builder(&server)).await;
+    for quota in support::conformance::FLOOD_QUOTAS {
+        let n = 2_000;
+        let name = support::conformance::flood(&b, quota, n, "mysql").await;
+        let row = server.sql(&format!(
+            "SELECT ROUND(AVG(LENGTH(k) + IFNULL(LENGTH(c), 0) + 24)) FROM tollgate_buckets \
+             WHERE k LIKE '%{name}%fresh%'"
+        ));
+        eprintln!("mysql, \"{quota}\": {row} bytes of data per row");
+    }
+}

@@ -508,3 +508,31 @@ async fn the_deny_cache_sees_what_other_instances_give_back() {
     let cached = || builder(&server).deny_cache_capacity(1000).build().unwrap();
     support::conformance::others_give_back(&cached(), &cached(), "postgres").await;
 }
+
+/// Issue 35: a flood of fresh keys on every algorithm: new clients served, spent keys refused,
+/// and what each fresh key costs the table (printed: BENCHMARKS.md has the numbers).
+#[tokio::test]
+async fn a_flood_of_fresh_keys_limits_every_key() {
+    let server = PgServer::start();
+    let b = migrated(builder(&server)).await;
+    for quota in support::conformance::FLOOD_QUOTAS {
+        let before: i64 = server
+            .psql("SELECT pg_total_relation_size('tollgate_buckets')")
+            .parse()
+            .unwrap();
+        let n = 2_000;
+        let name = support::conformance::flood(&b, quota, n, "postgres").await;
+        let after: i64 = server
+            .psql("SELECT pg_total_relation_size('tollgate_buckets')")
+            .parse()
+            .unwrap();
+        let tuple = server.psql(&format!(
+            "SELECT round(avg(pg_column_size(t.*))) FROM tollgate_buckets t \
+             WHERE k LIKE '%{name}%fresh%'::bytea"
+        ));
+        eprintln!(
+            "postgres, \"{quota}\": {tuple} bytes per row, {} bytes per key with pages and index",
+            (after - before) / n as i64
+        );
+    }
+}

@@ -1439,3 +1439,24 @@ async fn the_deny_cache_sees_what_other_instances_give_back() {
     let server = RedisServer::start();
     others_give_back(&backend(&server), &backend(&server), "redis").await;
 }
+
+/// Issue 35: a flood of fresh keys on every algorithm: new clients served, spent keys refused,
+/// and what each fresh key costs Redis (`MEMORY USAGE`, printed: docs/redis.md has the table).
+#[tokio::test]
+async fn a_flood_of_fresh_keys_limits_every_key() {
+    let server = RedisServer::start();
+    let b = backend(&server);
+    for quota in support::conformance::FLOOD_QUOTAS {
+        let n = 2_000;
+        let name = support::conformance::flood(&b, quota, n, "redis").await;
+        let sum = format!(
+            "local t, n = 0, 0 for _, k in ipairs(redis.call('KEYS', '*{name}:*fresh*')) do \
+             t = t + redis.call('MEMORY', 'USAGE', k) n = n + 1 end return math.floor(t / n)"
+        );
+        let reply = server.cmd(&["EVAL", &sum, "0"]);
+        eprintln!(
+            "redis, \"{quota}\": {} bytes per key",
+            reply.trim().trim_start_matches(':')
+        );
+    }
+}

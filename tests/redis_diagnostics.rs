@@ -418,3 +418,39 @@ async fn evictions_and_a_full_memory_are_reported() {
     }
     assert_eq!(logs.text().matches("at 90 % of its maxmemory").count(), 1);
 }
+
+/// A Redis Cluster's memory is watched too: every primary is read, and the fullest one is
+/// reported, with the keys all of them evicted and the warnings of any of them.
+#[tokio::test]
+async fn a_clusters_memory_is_watched_on_every_primary() {
+    let (logs, _guard) = Logs::capture();
+    let cluster = support::RedisCluster::start();
+    // One primary has a limit and evicts; the others have none.
+    let limited = &cluster.nodes[1];
+    limited.cmd(&["CONFIG", "SET", "maxmemory", "64mb"]);
+    limited.cmd(&["CONFIG", "SET", "maxmemory-policy", "allkeys-lru"]);
+    let b = RedisBackend::builder()
+        .cluster_nodes(cluster.urls())
+        .watch_memory(Some(Duration::from_millis(20)))
+        .build()
+        .unwrap();
+    let p = prepare(&b, &Policy::new("watched", no_refill(10)));
+    assert!(b.decide(&p, &key("k"), cost(1)).await.unwrap().is_allowed());
+    let start = std::time::Instant::now();
+    while b.stats().memory_max == 0 {
+        assert!(start.elapsed() < Duration::from_secs(10), "{:?}", b.stats());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let stats = b.stats();
+    assert_eq!(
+        stats.memory_max,
+        64 * 1024 * 1024,
+        "the limited node is the fullest"
+    );
+    assert!(stats.memory_used > 0, "{stats:?}");
+    let warnings = logs.lines("WARN").join("\n");
+    assert!(
+        warnings.contains("maxmemory-policy allkeys-lru"),
+        "{warnings}"
+    );
+}

@@ -1025,3 +1025,45 @@ pub async fn others_give_back<B: Backend + Clone>(a: &B, b: &B, who: &str) {
         "{who}: the slot the other instance released: {d:?}"
     );
 }
+
+/// The quotas a flood of fresh keys is tried on: one of each algorithm, and a sliding window
+/// of a thousand sub-windows (the resolution a store must not make every key pay for).
+pub const FLOOD_QUOTAS: [&str; 4] = ["5/h", "5/h fixed", "5/h sliding 1min", "5/h sliding 3600ms"];
+
+/// Issue 35: a flood of `n` fresh keys (one request each) on `quota`, after ten keys spent
+/// their limit: every fresh key is served with its whole limit less one, and no spent key is
+/// let through, whatever the flood did to the store. Returns the policy's name, for the
+/// caller to measure what the store holds for it.
+pub async fn flood<B: Backend>(backend: &B, quota: &str, n: usize, who: &str) -> String {
+    let name = format!(
+        "flood{}",
+        quota.len() * 31 + quota.bytes().map(usize::from).sum::<usize>()
+    );
+    let policy = Policy::new(name.clone(), quota.parse::<Quota>().unwrap());
+    let p = prepare(backend, &policy);
+    let spent: Vec<_> = (0..10).map(|i| key(&format!("spent-{i}"))).collect();
+    for k in &spent {
+        for _ in 0..5 {
+            let d = backend.decide(&p, k, cost(1)).await.unwrap();
+            assert!(d.is_allowed(), "{who} {quota}: {d:?}");
+        }
+    }
+    for i in 0..n {
+        let d = backend
+            .decide(&p, &key(&format!("fresh-{i:06}")), cost(1))
+            .await
+            .unwrap();
+        assert!(d.is_allowed(), "{who} {quota}: a new client refused: {d:?}");
+        assert_eq!(d.quotas()[0].remaining, 4, "{who} {quota}");
+        if i % 1000 == 999 {
+            for k in &spent {
+                let d = backend.decide(&p, k, cost(1)).await.unwrap();
+                assert!(
+                    !d.is_allowed(),
+                    "{who} {quota}: {k:?} let through during a flood"
+                );
+            }
+        }
+    }
+    name
+}

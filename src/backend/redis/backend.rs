@@ -305,11 +305,17 @@ impl Store for RedisStore {
         announced(reply.first()).map_err(|text| CallError::new(StoreFailure::ErrorReply, text))
     }
 
-    /// `INFO memory` and `INFO stats` of the server (a single node, or Sentinel's primary); a
-    /// cluster's nodes are not read (`None`).
+    /// `INFO memory` and `INFO stats` of the server (a single node, or Sentinel's primary), or
+    /// of every primary of a cluster, reported as the fullest of them with the keys they all
+    /// evicted ([`Memory::fullest`]).
     async fn memory(&self) -> Result<Option<Memory>, CallError> {
-        if matches!(self.conn, Conn::Cluster(_)) {
-            return Ok(None);
+        let nodes = (self.conn.info_of_primaries(&["memory", "stats"]).await)
+            .map_err(|e| failure::call_error(&e))?;
+        if let Some(nodes) = nodes {
+            let nodes = nodes.iter().filter_map(|t| Memory::from_info([t.as_str()]));
+            return Memory::fullest(nodes).map(Some).ok_or_else(|| {
+                CallError::new(StoreFailure::ErrorReply, "INFO without used_memory")
+            });
         }
         let mut pipe = redis::pipe();
         pipe.cmd("INFO").arg("memory").cmd("INFO").arg("stats");

@@ -207,8 +207,9 @@ impl RedisBackendBuilder {
     /// `tollgate_store_memory_max_bytes` and `tollgate_store_evicted_keys_total`, with a
     /// warning when Redis evicts keys (rate limits' counts lost), when its `maxmemory-policy`
     /// evicts at all, and when it is at 90 % of its memory under `noeviction`. Needs the
-    /// `INFO` command (an ACL user without it: said once, not watched); a Redis Cluster's
-    /// nodes are not read.
+    /// `INFO` command (an ACL user without it: said once, not watched). On a Redis Cluster
+    /// every primary is read, and the fullest one reported (by the share of its `maxmemory`
+    /// it uses), with the keys all of them evicted and the warnings of any of them.
     pub fn watch_memory(mut self, every: Option<Duration>) -> Self {
         self.opts.memory_watch = every.map(|d| d.clamp(Duration::from_millis(10), MAX_DURATION));
         self

@@ -204,6 +204,32 @@ impl Conn {
         }
     }
 
+    /// `INFO <sections>` of every primary of a cluster: each node's text. (`None` for a
+    /// single node or Sentinel: read those with [`pipeline`](Self::pipeline).)
+    pub(crate) async fn info_of_primaries(
+        &self,
+        sections: &[&str],
+    ) -> RedisResult<Option<Vec<String>>> {
+        let Conn::Cluster(lazy) = self else {
+            return Ok(None);
+        };
+        let mut c = ClusterConnection::clone(&*lazy.get(make_cluster)?);
+        let mut info = redis::cmd("INFO");
+        for s in sections {
+            info.arg(*s);
+        }
+        // Routed to every primary; the reply maps each node's address to its text.
+        let reply: redis::Value = info.query_async(&mut c).await?;
+        let texts = match reply {
+            redis::Value::Map(nodes) => nodes
+                .into_iter()
+                .filter_map(|(_, text)| redis::from_redis_value::<String>(text).ok())
+                .collect(),
+            one => redis::from_redis_value::<String>(one).into_iter().collect(),
+        };
+        Ok(Some(texts))
+    }
+
     /// Whether this is a Redis Cluster (one pipeline per hash slot).
     pub(crate) fn is_cluster(&self) -> bool {
         matches!(self, Conn::Cluster(_))

@@ -120,6 +120,42 @@ impl Memory {
         memory.used = used?;
         Some(memory)
     }
+
+    /// The memory of a store of several nodes (a Redis Cluster's primaries) as one: the
+    /// fullest node's use and limit (by the share of its limit it uses; by its use where none
+    /// has a limit), an evicting policy if any node has one, and the keys all of them evicted.
+    /// `None` without a node.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) fn fullest(nodes: impl IntoIterator<Item = Memory>) -> Option<Memory> {
+        let share = |m: &Memory| {
+            if m.max == 0 {
+                0.0
+            } else {
+                m.used as f64 / m.max as f64
+            }
+        };
+        let mut all = None::<Memory>;
+        for node in nodes {
+            let Some(fullest) = &mut all else {
+                all = Some(node);
+                continue;
+            };
+            fullest.evicted = fullest.evicted.saturating_add(node.evicted);
+            if node.policy != "noeviction" && !node.policy.is_empty() {
+                fullest.policy = node.policy.clone();
+            }
+            let (a, b) = (share(&node), share(fullest));
+            let fuller = if a != b {
+                a > b
+            } else {
+                node.used > fullest.used
+            };
+            if fuller {
+                (fullest.used, fullest.max) = (node.used, node.max);
+            }
+        }
+        all
+    }
 }
 
 /// Why a call failed: the cause (for the breaker, the stats and the logs) and the driver's
