@@ -805,3 +805,37 @@ fn a_full_table_still_blocks() {
     assert!(d.is_blocked(), "{d:?}");
     assert_eq!(d.retry_after(), Some(Duration::from_secs(3600)));
 }
+
+/// Issue 35, finding 4: the key cap bounds memory, not only entries: a sliding window's key
+/// that holds counts in many sub-windows counts as one more key for every 16 of them (8 bytes
+/// each, about an entry's cost), and gives them back as they slide out.
+#[test]
+fn a_sliding_key_counts_against_the_cap_by_what_it_holds() {
+    let clock = FakeRelativeClock::default();
+    let backend = LocalBackend::builder()
+        .clock(clock.clone())
+        .clock_epoch(Duration::ZERO)
+        .max_keys(1_000)
+        .build();
+    // 1 000 sub-windows of 3.6 s.
+    let p = prepare(&backend, &parse(&["1000/h sliding 3600ms"]));
+    let ask = |k: &Key| futures_ready(backend.decide(&p, k, cost(1))).unwrap();
+    let k = key("busy");
+    for _ in 0..48 {
+        assert!(ask(&k).is_allowed());
+        clock.advance(Duration::from_millis(3600));
+    }
+    assert_eq!(backend.tracked_keys(), 1 + 48 / 16);
+    // A key seen once is one key.
+    assert!(ask(&key("once")).is_allowed());
+    assert_eq!(backend.tracked_keys(), 1 + 3 + 1);
+    // Past the window (and its oldest sub-window), every count has slid out: the next request
+    // holds one sub-window again.
+    clock.advance(Duration::from_secs(3605));
+    assert!(ask(&k).is_allowed());
+    assert_eq!(backend.tracked_keys(), 1 + 1);
+    backend.sweep();
+    assert_eq!(backend.tracked_keys(), 1);
+    drop(p);
+    assert_eq!(backend.tracked_keys(), 0);
+}

@@ -195,6 +195,10 @@ pub(crate) enum Settlement {
     Refund { units: u32, admitted_us: u64 },
 }
 
+/// Sub-windows with counts (8 bytes each) that count as one more key against the local
+/// store's cap.
+pub(crate) const PAIRS_PER_KEY: usize = 16;
+
 /// A sliding window's counts, as the local store keeps them: only the sub-windows that counted
 /// something, oldest first, each as its index modulo 2³² and its count. A key that counted in
 /// one sub-window costs one pair, whatever the window's resolution: the memory a key takes
@@ -205,6 +209,9 @@ pub(crate) enum Settlement {
 pub(crate) struct SlidingState {
     /// `n`: the window is `n` sub-windows, plus the oldest one sliding out.
     slices: u32,
+    /// What its counts take of the local store's key cap beyond the entry itself (see
+    /// [`cap_units`](Self::cap_units)), as last counted there.
+    pub(crate) charged: u32,
     counts: SmallVec<[(u32, u32); 1]>,
 }
 
@@ -213,6 +220,7 @@ impl SlidingState {
     pub(crate) fn new(slices: u32) -> Self {
         SlidingState {
             slices,
+            charged: 0,
             counts: SmallVec::new(),
         }
     }
@@ -413,6 +421,13 @@ impl SlidingState {
     #[cfg(test)]
     pub(crate) fn held(&self) -> usize {
         self.counts.len()
+    }
+
+    /// What its counts take of a key cap beyond the entry itself, in keys: one more for every
+    /// [`PAIRS_PER_KEY`] sub-windows held (8 bytes each: about what an entry costs), so that a
+    /// cap on keys bounds the bytes they take whatever the window's resolution.
+    pub(crate) fn cap_units(&self) -> u32 {
+        (self.counts.len() / PAIRS_PER_KEY) as u32
     }
 
     /// The counts of the window of `now_us` as the dense state kept them, oldest first.

@@ -54,10 +54,14 @@
 //!   ([`evicted_keys`](LocalBackend::evicted_keys), `tollgate_local_evicted_keys_total`), and
 //!   both evictions and keys turned away ([`full_table_refusals`](LocalBackend::full_table_refusals))
 //!   are warned about at most once a minute, with the count since the last warning. A bucket
-//!   costs about 86 bytes with its key (measured: `benches/memory.rs`): IP
-//!   keys and byte keys of up to 29 bytes are stored inline, longer ones (up to
-//!   [`Key::MAX_LEN`] bytes) on the heap, so the worst case at the default cap
-//!   with 256-byte keys is about 330 MB; lower `max_keys` when keys come from clients.
+//!   costs about 86 bytes with its key (GCRA, fixed window), 153 for a sliding window
+//!   (measured: `benches/memory.rs`). A sliding window's bucket holds only the sub-windows
+//!   the key counted in (8 bytes each), and counts against the cap as one more bucket for
+//!   every 16 of them, so that `max_keys` bounds bytes whatever the resolution: at most about
+//!   160 bytes per bucket of the cap (160 MB at the default). IP keys and byte keys of up to
+//!   29 bytes are stored inline, longer ones (up to [`Key::MAX_LEN`] bytes) on the heap and
+//!   add their length (the worst case at the default cap, with 256-byte keys, is about
+//!   330 MB of GCRA buckets); lower `max_keys` when keys come from clients.
 //! - **Header timing.** `remaining`, `retry_after` and `reset_after` (the time until the next
 //!   unit is back) are exact; for allowed requests `reset_after` is read from the bucket's
 //!   stored time right after the decision, so it may be early by the time the decision took.
@@ -301,7 +305,10 @@ impl<C: Clock> LocalBackendBuilder<C> {
         self
     }
 
-    /// The most buckets tracked at once, over all quotas (at least 1).
+    /// The most buckets tracked at once, over all quotas (at least 1; 1 000 000 by default): a
+    /// bound on memory of about 160 bytes each (a sliding window's bucket counts as one more
+    /// for every 16 sub-windows it holds counts in), plus the length of keys longer than 29
+    /// bytes. See the [module docs](self) for what happens when the table is full.
     pub fn max_keys(mut self, max_keys: usize) -> Self {
         self.max_keys = max_keys.max(1);
         self
@@ -1535,23 +1542,23 @@ impl StoreMap {
     /// arrival times nearest `now`, the limiter's time); returns how many it evicted.
     fn evict(&self, needed: usize, now: u64) -> usize {
         let weight = |tat: &AtomicU64| tat.load(Ordering::Relaxed).saturating_sub(now);
-        let evicted = evict_lightest(&self.map, needed, |v| weight(v), |v| weight(v));
+        let evicted = evict_lightest(&self.map, needed, |v| weight(v), |v| (weight(v), 1));
         track_sub(&self.tracked, evicted);
         evicted
     }
 }
 
 /// Evicts from `map` about an eighth of its entries (`needed` at least, a quarter at most),
-/// those that used the least: entries whose weight (`weigh`, read shared, `weigh_mut` under
-/// the map's write lock) is at most that of the lightest eighth of a sample, spread evenly over
-/// the map (each of its shards gives up its share, so that none keeps growing while another
-/// is emptied). One pass over the map, its shards write-locked one at a time. Returns how many
-/// it evicted.
+/// those that used the least: entries whose weight (`weigh`, read shared; `weigh_mut` under
+/// the map's write lock, with what the entry takes of the key cap) is at most that of the
+/// lightest eighth of a sample, spread evenly over the map (each of its shards gives up its
+/// share, so that none keeps growing while another is emptied). One pass over the map, its
+/// shards write-locked one at a time. Returns how much of the key cap it freed.
 pub(super) fn evict_lightest<V>(
     map: &DashMap<Key, V, RandomState>,
     needed: usize,
     weigh: impl Fn(&V) -> u64,
-    mut weigh_mut: impl FnMut(&mut V) -> u64,
+    mut weigh_mut: impl FnMut(&mut V) -> (u64, usize),
 ) -> usize {
     let len = map.len();
     if len == 0 {
@@ -1564,16 +1571,21 @@ pub(super) fn evict_lightest<V>(
     let Some(&threshold) = sample.get(at.min(sample.len().saturating_sub(1))) else {
         return 0;
     };
-    let (mut visited, mut evicted) = (0usize, 0usize);
+    let (mut visited, mut evicted, mut freed) = (0usize, 0usize, 0usize);
     map.retain(|_, v| {
         visited += 1;
         // This entry's share of the budget, so far: evictions spread over the whole map.
         let share = (visited * budget).div_ceil(len);
-        let evict = evicted < share && weigh_mut(v) <= threshold;
+        if evicted >= share {
+            return true;
+        }
+        let (weight, units) = weigh_mut(v);
+        let evict = weight <= threshold;
         evicted += usize::from(evict);
+        freed += if evict { units } else { 0 };
         !evict
     });
-    evicted
+    freed
 }
 
 fn measure<T, E>(

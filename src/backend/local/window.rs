@@ -131,7 +131,9 @@ impl WindowStore {
                     Mutex::new(SlidingState::new(*slices))
                 });
                 let mut state = state.lock().unwrap_or_else(|p| p.into_inner());
-                state.decide(index, p, *slice_us, now_us, cost)
+                let decided = state.decide(index, p, *slice_us, now_us, cost);
+                self.recharge(&mut state);
+                decided
             }
             Counters::InFlight { .. } if !hold => self.check(index, key, now_us, cost),
             // One slot per request, whatever its cost.
@@ -209,7 +211,9 @@ impl WindowStore {
                     }),
                 };
                 let mut state = state.lock().unwrap_or_else(|p| p.into_inner());
-                state.settle(index, p, *slice_us, now_us, settlement)
+                let settled = state.settle(index, p, *slice_us, now_us, settlement);
+                self.recharge(&mut state);
+                settled
             }
             // Slots are given back by `release`, never by a charge's settlement.
             Counters::InFlight { .. } => self.peek(index, key, now_us),
@@ -317,13 +321,11 @@ impl WindowStore {
     /// give their slots back when they end.
     pub(super) fn remove(&self, key: &Key) {
         let removed = match &self.counters {
-            Counters::Fixed { map, .. } => map.remove(key).is_some(),
-            Counters::InFlight { .. } => false,
-            Counters::Sliding { map, .. } => map.remove(key).is_some(),
+            Counters::Fixed { map, .. } => map.remove(key).map(|_| 1),
+            Counters::InFlight { .. } => None,
+            Counters::Sliding { map, .. } => map.remove(key).map(|(_, s)| sliding_units(&s)),
         };
-        if removed {
-            super::track_sub(&self.tracked, 1);
-        }
+        super::track_sub(&self.tracked, removed.unwrap_or(0));
     }
 
     /// Evicts about an eighth of the counters (`needed` at least), the least used (see
@@ -342,13 +344,14 @@ impl WindowStore {
                     }
                 };
                 let shared = |c: &AtomicU64| weight(c.load(Ordering::Relaxed));
-                evict_lightest(map, needed, shared, |c| weight(*c.get_mut()))
+                evict_lightest(map, needed, shared, |c| (weight(*c.get_mut()), 1))
             }
             Counters::Sliding { map, .. } => {
                 let shared =
                     |s: &Mutex<SlidingState>| s.lock().unwrap_or_else(|p| p.into_inner()).total();
                 let exclusive = |s: &mut Mutex<SlidingState>| {
-                    s.get_mut().unwrap_or_else(|p| p.into_inner()).total()
+                    let s = s.get_mut().unwrap_or_else(|p| p.into_inner());
+                    (s.total(), 1 + s.charged as usize)
                 };
                 evict_lightest(map, needed, shared, exclusive)
             }
@@ -356,6 +359,18 @@ impl WindowStore {
         };
         super::track_sub(&self.tracked, evicted);
         evicted
+    }
+
+    /// Counts what a sliding window's counts take of the key cap now (see
+    /// [`SlidingState::cap_units`]), after a change to them.
+    fn recharge(&self, state: &mut SlidingState) {
+        let units = state.cap_units();
+        if units > state.charged {
+            super::track_add(&self.tracked, (units - state.charged) as usize);
+        } else if units < state.charged {
+            super::track_sub(&self.tracked, (state.charged - units) as usize);
+        }
+        state.charged = units;
     }
 
     /// Whether this is a concurrent quota's (whose counters are never evicted).
@@ -388,7 +403,9 @@ impl WindowStore {
                 map.retain(|_, state| {
                     let state = state.get_mut().unwrap_or_else(|p| p.into_inner());
                     let idle = state.is_idle(*slice_us, now_us);
-                    removed += usize::from(idle);
+                    if idle {
+                        removed += 1 + state.charged as usize;
+                    }
                     !idle
                 });
                 map.shrink_to_fit();
@@ -409,6 +426,15 @@ impl WindowStore {
 
 impl Drop for WindowStore {
     fn drop(&mut self) {
-        super::track_sub(&self.tracked, self.len());
+        let units = match &mut self.counters {
+            Counters::Sliding { map, .. } => map.iter().map(|e| sliding_units(e.value())).sum(),
+            _ => self.len(),
+        };
+        super::track_sub(&self.tracked, units);
     }
+}
+
+/// What a sliding window's entry takes of the key cap: itself, and its counts.
+fn sliding_units(state: &Mutex<SlidingState>) -> usize {
+    1 + state.lock().unwrap_or_else(|p| p.into_inner()).charged as usize
 }
