@@ -13,7 +13,7 @@ use std::time::Duration;
 use support::{Logs, RedisServer, closed_port, cost, eventually, key, no_refill, prepare};
 use tollgate::backend::Backend;
 use tollgate::backend::redis::{FailurePolicy, RedisBackend, RedisFailure};
-use tollgate::{BackendErrorKind, Policy};
+use tollgate::{BackendErrorKind, Policy, Quota};
 
 const SECRET: &str = "hunter2-s3cret";
 
@@ -451,6 +451,37 @@ async fn a_clusters_memory_is_watched_on_every_primary() {
     let warnings = logs.lines("WARN").join("\n");
     assert!(
         warnings.contains("maxmemory-policy allkeys-lru"),
+        "{warnings}"
+    );
+}
+
+/// The approximate mode watches its Redis's memory as the exact backend does.
+#[tokio::test]
+async fn the_approximate_mode_watches_redis_memory() {
+    let (logs, _guard) = Logs::capture();
+    let server =
+        RedisServer::start_with(&["--maxmemory", "32mb", "--maxmemory-policy", "allkeys-lru"]);
+    let b = RedisBackend::builder()
+        .url(server.url())
+        .watch_memory(Some(Duration::from_millis(20)))
+        .build_approximate(tollgate::backend::redis::Approximate::asynchronous())
+        .unwrap();
+    let p = prepare(
+        &b,
+        &Policy::new("watched", Quota::per_minute(10).fixed_window()),
+    );
+    assert!(b.decide(&p, &key("k"), cost(1)).await.unwrap().is_allowed());
+    let start = std::time::Instant::now();
+    while b.stats().memory_max == 0 {
+        assert!(start.elapsed() < Duration::from_secs(10), "{:?}", b.stats());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let stats = b.stats();
+    assert_eq!(stats.memory_max, 32 * 1024 * 1024, "{stats:?}");
+    assert!(stats.memory_used > 0, "{stats:?}");
+    let warnings = logs.lines("WARN").join("\n");
+    assert!(
+        warnings.contains("Redis (approximate mode) evicts keys"),
         "{warnings}"
     );
 }

@@ -305,28 +305,8 @@ impl Store for RedisStore {
         announced(reply.first()).map_err(|text| CallError::new(StoreFailure::ErrorReply, text))
     }
 
-    /// `INFO memory` and `INFO stats` of the server (a single node, or Sentinel's primary), or
-    /// of every primary of a cluster, reported as the fullest of them with the keys they all
-    /// evicted ([`Memory::fullest`]).
     async fn memory(&self) -> Result<Option<Memory>, CallError> {
-        let nodes = (self.conn.info_of_primaries(&["memory", "stats"]).await)
-            .map_err(|e| failure::call_error(&e))?;
-        if let Some(nodes) = nodes {
-            let nodes = nodes.iter().filter_map(|t| Memory::from_info([t.as_str()]));
-            return Memory::fullest(nodes).map(Some).ok_or_else(|| {
-                CallError::new(StoreFailure::ErrorReply, "INFO without used_memory")
-            });
-        }
-        let mut pipe = redis::pipe();
-        pipe.cmd("INFO").arg("memory").cmd("INFO").arg("stats");
-        let reply = (self.conn.pipeline(&pipe).await).map_err(|e| failure::call_error(&e))?;
-        let texts: Vec<String> = reply
-            .iter()
-            .filter_map(|v| redis::from_redis_value_ref::<String>(v).ok())
-            .collect();
-        Memory::from_info(texts.iter().map(String::as_str))
-            .map(Some)
-            .ok_or_else(|| CallError::new(StoreFailure::ErrorReply, "INFO without used_memory"))
+        read_memory(&self.conn).await.map(Some)
     }
 
     fn can_batch(&self) -> bool {
@@ -449,4 +429,25 @@ pub(crate) fn announced(reply: Option<&redis::Value>) -> Result<u32, String> {
         Some(redis::Value::Int(n)) => Ok(u32::try_from(*n).unwrap_or(u32::MAX)),
         other => Err(format!("the fleet's count is not an integer: {other:?}")),
     }
+}
+
+/// `INFO memory` and `INFO stats` of the server (a single node, or Sentinel's primary), or of
+/// every primary of a cluster, reported as the fullest of them with the keys they all evicted
+/// ([`Memory::fullest`]). The approximate mode reads its Redis the same way.
+pub(super) async fn read_memory(conn: &Conn) -> Result<Memory, CallError> {
+    let no_memory = || CallError::new(StoreFailure::ErrorReply, "INFO without used_memory");
+    let nodes = (conn.info_of_primaries(&["memory", "stats"]).await)
+        .map_err(|e| failure::call_error(&e))?;
+    if let Some(nodes) = nodes {
+        let nodes = nodes.iter().filter_map(|t| Memory::from_info([t.as_str()]));
+        return Memory::fullest(nodes).ok_or_else(no_memory);
+    }
+    let mut pipe = redis::pipe();
+    pipe.cmd("INFO").arg("memory").cmd("INFO").arg("stats");
+    let reply = (conn.pipeline(&pipe).await).map_err(|e| failure::call_error(&e))?;
+    let texts: Vec<String> = reply
+        .iter()
+        .filter_map(|v| redis::from_redis_value_ref::<String>(v).ok())
+        .collect();
+    Memory::from_info(texts.iter().map(String::as_str)).ok_or_else(no_memory)
 }

@@ -209,7 +209,9 @@ impl RedisBackendBuilder {
     /// evicts at all, and when it is at 90 % of its memory under `noeviction`. Needs the
     /// `INFO` command (an ACL user without it: said once, not watched). On a Redis Cluster
     /// every primary is read, and the fullest one reported (by the share of its `maxmemory`
-    /// it uses), with the keys all of them evicted and the warnings of any of them.
+    /// it uses), with the keys all of them evicted and the warnings of any of them. The
+    /// [approximate mode](super::approx) watches the same way (in
+    /// [`ApproxStats`](super::ApproxStats)).
     pub fn watch_memory(mut self, every: Option<Duration>) -> Self {
         self.opts.memory_watch = every.map(|d| d.clamp(Duration::from_millis(10), MAX_DURATION));
         self

@@ -55,14 +55,9 @@ pub(crate) struct MemoryState {
 }
 
 /// Reads the store's memory every `every` until the backend is dropped or the store has no
-/// report (a SQL store, a Redis Cluster): its use and limit, and the keys it evicted, as stats
-/// and metrics; and warns, once until it changes, when it evicts keys (counts of rate limits
-/// lost: a key at its limit starts afresh), when it is at 90 % of its limit under
-/// `noeviction` (writes are refused when full), and when its policy evicts keys at all.
+/// report (a SQL store): see [`MemoryWatch`].
 pub(crate) async fn watch_memory<S: Store>(inner: std::sync::Weak<Inner<S>>, every: Duration) {
-    let mut first_evicted: Option<u64> = None;
-    let mut last_evicted = 0u64;
-    let (mut warned_full, mut warned_policy, mut unreadable) = (false, false, false);
+    let mut watch = MemoryWatch::default();
     loop {
         tokio::time::sleep(every).await;
         let Some(this) = inner.upgrade() else { return };
@@ -70,58 +65,84 @@ pub(crate) async fn watch_memory<S: Store>(inner: std::sync::Weak<Inner<S>>, eve
             this.timeout.max(Duration::from_secs(1)),
             this.store.memory(),
         );
-        let memory = match read.await {
-            Ok(Ok(Some(memory))) => memory,
+        match read.await {
+            Ok(Ok(Some(memory))) => watch.seen(&memory, &this.memory, S::KIND, &this.who),
             Ok(Ok(None)) => return,
-            Ok(Err(err)) => {
-                // Not allowed to (an ACL user without INFO), or failing: said once.
-                if !unreadable {
-                    unreadable = true;
-                    let err = this.secrets.scrub(&err.text).into_owned();
-                    tracing::info!(error = %err, "tollgate: {} does not tell its memory (INFO); evictions and a full memory are not watched", this.who);
-                }
-                continue;
-            }
-            Err(_elapsed) => continue,
-        };
-        unreadable = false;
-        let m = &this.memory;
+            Ok(Err(err)) => watch.unreadable(&this.secrets.scrub(&err.text), &this.who),
+            Err(_elapsed) => {}
+        }
+    }
+}
+
+/// What a store's memory readings tell the operator: its use and limit, and the keys it
+/// evicted since the first reading, as stats ([`MemoryState`]) and metrics; and a warning,
+/// once until it changes, when it evicts keys (counts of rate limits lost: a key at its limit
+/// starts afresh), when it is at 90 % of its limit under `noeviction` (writes are refused
+/// when full), and when its policy evicts keys at all. (The Redis backend and the approximate
+/// mode each keep one.)
+#[derive(Default)]
+pub(crate) struct MemoryWatch {
+    first_evicted: Option<u64>,
+    last_evicted: u64,
+    warned_full: bool,
+    warned_policy: bool,
+    unreadable: bool,
+}
+
+impl MemoryWatch {
+    /// The store does not tell its memory (an ACL user without `INFO`), or failed to: said
+    /// once.
+    pub(crate) fn unreadable(&mut self, err: &str, who: &str) {
+        if !self.unreadable {
+            self.unreadable = true;
+            tracing::info!(error = %err, "tollgate: {who} does not tell its memory (INFO); evictions and a full memory are not watched");
+        }
+    }
+
+    /// A reading of the store's memory.
+    pub(crate) fn seen(
+        &mut self,
+        memory: &super::store::Memory,
+        m: &MemoryState,
+        kind: &'static str,
+        who: &str,
+    ) {
+        self.unreadable = false;
         m.used.store(memory.used, Ordering::Relaxed);
         m.max.store(memory.max, Ordering::Relaxed);
-        let base = *first_evicted.get_or_insert(memory.evicted);
+        let base = *self.first_evicted.get_or_insert(memory.evicted);
         let evicted = memory.evicted.saturating_sub(base);
         m.evicted.store(evicted, Ordering::Relaxed);
         crate::metrics::store_memory(
-            S::KIND,
+            kind,
             memory.used,
             memory.max,
-            evicted.saturating_sub(last_evicted),
+            evicted.saturating_sub(self.last_evicted),
         );
         let evicts = memory.max > 0 && memory.policy != "noeviction" && !memory.policy.is_empty();
-        if evicts && !warned_policy {
-            warned_policy = true;
-            tracing::warn!(policy = %memory.policy, "tollgate: {} evicts keys when its memory is full (maxmemory-policy {}): a rate limit's count it evicts starts afresh; `noeviction` keeps counts (see docs/redis.md)", this.who, memory.policy);
+        if evicts && !self.warned_policy {
+            self.warned_policy = true;
+            tracing::warn!(policy = %memory.policy, "tollgate: {who} evicts keys when its memory is full (maxmemory-policy {}): a rate limit's count it evicts starts afresh; `noeviction` keeps counts (see docs/redis.md)", memory.policy);
         }
-        if evicted > last_evicted {
+        if evicted > self.last_evicted {
             tracing::warn!(
-                evicted = evicted - last_evicted,
+                evicted = evicted - self.last_evicted,
                 total = evicted,
-                "tollgate: {} evicted keys: counts of rate limits may have been dropped (a key at its limit starts afresh)",
-                this.who
+                "tollgate: {who} evicted keys: counts of rate limits may have been dropped (a key at its limit starts afresh)",
             );
-            last_evicted = evicted;
+            self.last_evicted = evicted;
         }
         let full = memory.max > 0 && memory.used.saturating_mul(10) >= memory.max.saturating_mul(9);
-        if full && !warned_full && !evicts {
-            warned_full = true;
+        if full && !self.warned_full && !evicts {
+            self.warned_full = true;
             tracing::warn!(
                 used = memory.used,
                 max = memory.max,
-                "tollgate: {} is at 90 % of its maxmemory: when full it refuses writes, and decisions that take something get the failure policy",
-                this.who
+                "tollgate: {who} is at 90 % of its maxmemory: when full it refuses writes, and decisions that take something get the failure policy",
             );
-        } else if warned_full && memory.used.saturating_mul(10) < memory.max.saturating_mul(8) {
-            warned_full = false;
+        } else if self.warned_full && memory.used.saturating_mul(10) < memory.max.saturating_mul(8)
+        {
+            self.warned_full = false;
         }
     }
 }

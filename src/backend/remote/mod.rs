@@ -64,9 +64,10 @@ pub(crate) use backend::{Remote, RemotePolicy};
 pub use clock::TestClock;
 pub use future::RemoteFuture;
 pub use health::StoreFailure;
+#[cfg(feature = "redis")]
+pub(crate) use inner::{MemoryState, MemoryWatch};
 pub(crate) use options::Options;
 pub use options::{FailurePolicy, Fleet, RemoteStats};
-#[cfg(feature = "redis")]
 pub(crate) use store::Memory;
 pub(crate) use store::{CallError, Job, Store};
 

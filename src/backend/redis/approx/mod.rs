@@ -224,7 +224,7 @@ use foldhash::quality::RandomState;
 use smallvec::SmallVec;
 
 use super::conn::Conn;
-use crate::backend::remote::{Fleet, Options, TestClock, keys};
+use crate::backend::remote::{Fleet, MemoryState, MemoryWatch, Options, TestClock, keys};
 use crate::backend::throttle::OnceAMinute;
 use crate::backend::window::Code;
 use crate::backend::{Backend, Decision, Mode, ResetFuture};
@@ -357,6 +357,13 @@ pub struct ApproxStats {
     pub breaker_trips: u64,
     /// Keys this instance holds counts for now.
     pub keys: usize,
+    /// Redis's memory in use as the memory watch last read it
+    /// ([`watch_memory`](super::RedisBackendBuilder::watch_memory)); 0 before the first read.
+    pub memory_used: u64,
+    /// Redis's `maxmemory` (0: none), as last read.
+    pub memory_max: u64,
+    /// Keys Redis evicted since the first read (counts of rate limits lost).
+    pub evicted_keys: u64,
     /// Requests on new keys denied because [`max_keys`](Approximate::max_keys) were held while
     /// Redis could not be asked (the circuit breaker open).
     pub refused_full: u64,
@@ -563,6 +570,8 @@ pub(crate) struct Shared {
     /// Keys held (all policies), requests refused because there were `max_keys`, and whether
     /// the task should sweep at once.
     keys: Arc<AtomicUsize>,
+    /// Redis's memory as the watch last read it (see `RedisBackendBuilder::watch_memory`).
+    memory: MemoryState,
     refused_full: AtomicU64,
     /// Requests on new keys decided through Redis because `max_keys` were held, and the
     /// warning of it.
@@ -571,6 +580,8 @@ pub(crate) struct Shared {
     sweep_now: AtomicBool,
     /// A sweep runs (on a blocking thread).
     sweeping: AtomicBool,
+    /// The memory watch has been started (once: it outlives a restarted flush task).
+    memory_watched: AtomicBool,
     // The circuit breaker, on the monotonic clock.
     origin: Instant,
     failures: AtomicU32,
@@ -653,11 +664,13 @@ impl ApproxBackend {
                 flushing: tokio::sync::Mutex::new(()),
                 urgent: AtomicBool::new(false),
                 keys: Arc::new(AtomicUsize::new(0)),
+                memory: MemoryState::default(),
                 refused_full: AtomicU64::new(0),
                 overflowed: AtomicU64::new(0),
                 full_warned: OnceAMinute::default(),
                 sweep_now: AtomicBool::new(false),
                 sweeping: AtomicBool::new(false),
+                memory_watched: AtomicBool::new(false),
                 origin: Instant::now(),
                 failures: AtomicU32::new(0),
                 open_until_ns: AtomicU64::new(0),
@@ -718,6 +731,9 @@ impl ApproxBackend {
             breaker_open: s.breaker_open(),
             breaker_trips: s.trips.load(Ordering::Relaxed),
             keys,
+            memory_used: s.memory.used.load(Ordering::Relaxed),
+            memory_max: s.memory.max.load(Ordering::Relaxed),
+            evicted_keys: s.memory.evicted.load(Ordering::Relaxed),
             refused_full: s.refused_full.load(Ordering::Relaxed),
             overflowed: s.overflowed.load(Ordering::Relaxed),
             fleet_size: s.fleet_size.load(Ordering::Relaxed),
@@ -832,6 +848,37 @@ impl Shared {
                 let restart = restart;
                 flush::run(restart.0.clone(), wake).await;
             });
+            if let Some(every) = self.opts.memory_watch
+                && !self.memory_watched.swap(true, Ordering::Relaxed)
+            {
+                handle.spawn(watch_memory(Arc::downgrade(self), every));
+            }
+        }
+    }
+}
+
+/// Reads Redis's memory every `every` until the backend is dropped, as the exact backend does
+/// (see `RedisBackendBuilder::watch_memory`).
+async fn watch_memory(shared: Weak<Shared>, every: Duration) {
+    // If the task ends (its runtime shut down), the next decision starts another.
+    struct Unwatched(Weak<Shared>);
+    impl Drop for Unwatched {
+        fn drop(&mut self) {
+            if let Some(s) = self.0.upgrade() {
+                s.memory_watched.store(false, Ordering::Relaxed);
+            }
+        }
+    }
+    let _unwatched = Unwatched(shared.clone());
+    let mut watch = MemoryWatch::default();
+    loop {
+        tokio::time::sleep(every).await;
+        let Some(s) = shared.upgrade() else { return };
+        let wait = s.opts.timeout.max(Duration::from_secs(1));
+        match tokio::time::timeout(wait, super::backend::read_memory(&s.conn)).await {
+            Ok(Ok(memory)) => watch.seen(&memory, &s.memory, "redis", "Redis (approximate mode)"),
+            Ok(Err(err)) => watch.unreadable(&err.text, "Redis (approximate mode)"),
+            Err(_elapsed) => {}
         }
     }
 }
