@@ -1331,6 +1331,22 @@ async fn blocks_local() {
     blocks(&b, |by| clock.advance(by), "local").await;
 }
 
+/// Penalties on window quotas: one meaning on the local backend and Redis (and the
+/// approximate mode, in `tests/redis_approx.rs`).
+#[tokio::test]
+async fn window_blocks_local_and_redis() {
+    let clock = FakeRelativeClock::default();
+    let b = LocalBackend::builder()
+        .clock(clock.clone())
+        .clock_epoch(Duration::ZERO)
+        .build();
+    window_blocks(&b, |by| clock.advance(by), "local").await;
+    let server = RedisServer::start();
+    let clock = aligned_test_clock();
+    let b = at_time(&server, &clock);
+    window_blocks(&b, |by| clock.advance(by), "redis").await;
+}
+
 /// A blocked key is answered by the deny cache until its block ends, without a call to Redis,
 /// whatever the cost.
 #[tokio::test]

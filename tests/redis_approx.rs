@@ -234,24 +234,26 @@ async fn gcra_quotas_are_refused_when_the_layer_is_built() {
 /// A policy the mode cannot serve is refused with a message that names what the policy uses,
 /// as the user wrote it.
 #[tokio::test]
-async fn a_per_quota_block_is_refused_by_its_own_name() {
+async fn a_concurrent_quota_is_refused_by_its_own_name() {
     let b = RedisBackend::builder()
         .url("redis://127.0.0.1:1")
         .build_approximate(Approximate::asynchronous())
         .unwrap();
-    let quota: Quota = "10/min fixed block 1h".parse().unwrap();
-    let p = Policy::new("api", quota);
+    let p = Policy::new("api", "10/min fixed".parse::<Quota>().unwrap())
+        .and("2 concurrent".parse::<Quota>().unwrap());
     let err = b
         .prepare(&p, &p.validate().unwrap())
         .unwrap_err()
         .to_string();
-    assert!(err.contains("Quota::block_for"), "{err}");
-    assert!(err.contains("\"10/min fixed block 1h\""), "{err}");
-    assert!(!err.contains("Policy::block_for"), "{err}");
+    assert!(err.contains("Quota::concurrent"), "{err}");
     assert!(
         err.contains("PostgreSQL"),
         "names the stores that do: {err}"
     );
+    // Blocks, per quota or per policy, are served.
+    let quota: Quota = "10/min fixed block 1h".parse().unwrap();
+    let p = Policy::new("api", quota);
+    assert!(b.prepare(&p, &p.validate().unwrap()).is_ok());
 }
 
 /// Three instances, each offered 10 times the limit: the fleet stays within the stated bound,
@@ -968,6 +970,74 @@ async fn a_full_key_table_decides_new_keys_through_redis() {
         "{:?}",
         b.stats()
     );
+}
+
+/// Penalties (`block_for`, `Quota::block_for`) on the approximate mode: the meaning they have
+/// on every store (`support::conformance::window_blocks`), in both variants.
+#[tokio::test]
+async fn blocks_approximate() {
+    let server = RedisServer::start();
+    for (name, mode) in [
+        ("asynchronous", in_step()),
+        ("synchronous", Approximate::synchronous()),
+    ] {
+        let clock = support::conformance::aligned_test_clock();
+        let b = RedisBackend::builder()
+            .url(server.url())
+            .prefix(format!("blocks-{name}"))
+            .timeout(TIMEOUT)
+            .test_clock(clock.clone())
+            .build_approximate(mode)
+            .unwrap();
+        support::conformance::window_blocks(&b, |by| clock.advance(by), name).await;
+    }
+}
+
+/// A block one instance starts is honoured by the others: written to Redis with the next
+/// flush, where each finds it at its next read of the key.
+#[tokio::test]
+async fn a_block_is_honoured_by_the_fleet() {
+    let server = RedisServer::start();
+    let clock = TestClock::new();
+    let policy =
+        Policy::new("b", Quota::per_minute(2).fixed_window()).block_for(Duration::from_secs(600));
+    let [(a, pa), (b, pb)] = pair(&server, &clock, in_step(), &policy);
+    to_window_start(&clock, 60_000_000);
+    let k = key("guesser");
+    for _ in 0..2 {
+        assert!(a.decide(&pa, &k, cost(1)).await.unwrap().is_allowed());
+    }
+    let d = a.decide(&pa, &k, cost(1)).await.unwrap();
+    assert!(d.is_blocked(), "{d:?}");
+    a.flush().await;
+    // B has not seen the key: its first decision reads it (and is blind in the asynchronous
+    // variant); once read, B refuses for what is left of the block, in the next window too.
+    b.decide(&pb, &k, cost(1)).await.unwrap();
+    b.flush().await;
+    clock.advance(Duration::from_secs(60));
+    let d = b.decide(&pb, &k, cost(1)).await.unwrap();
+    assert!(d.is_blocked(), "{d:?}");
+    assert_eq!(d.retry_after(), Some(Duration::from_secs(540)), "{d:?}");
+    let ttl = number(&server, &["PTTL", &counters_like(&server, "*blk")]);
+    assert!(
+        ttl > 500_000,
+        "the block expires with itself in Redis: {ttl}"
+    );
+    // A reset lifts it, as on every store.
+    a.reset(&pa, &k).await.unwrap();
+    assert!(!server.cmd(&["KEYS", "*blk"]).contains("blk"));
+    assert!(a.decide(&pa, &k, cost(1)).await.unwrap().is_allowed());
+}
+
+/// The one Redis key matching `pattern`.
+fn counters_like(server: &RedisServer, pattern: &str) -> String {
+    let keys = server.cmd(&["KEYS", pattern]);
+    let keys: Vec<&str> = keys
+        .lines()
+        .filter(|l| !l.starts_with(['*', '$']))
+        .collect();
+    assert_eq!(keys.len(), 1, "{keys:?}");
+    keys[0].to_owned()
 }
 
 /// A peek answers what a decision would, with the request counted: the same as the exact mode

@@ -1067,3 +1067,82 @@ pub async fn flood<B: Backend>(backend: &B, quota: &str, n: usize, who: &str) ->
     }
     name
 }
+
+/// Penalties on window quotas, which every store serves, the approximate mode included: the
+/// same meaning as [`blocks`] (GCRA there). `advance` moves the backend's clock, which starts
+/// on a window boundary (the local backend's epoch at 0, a remote one at
+/// [`aligned_test_clock`]).
+pub async fn window_blocks<B: Backend>(backend: &B, advance: impl Fn(Duration), who: &str) {
+    use tollgate::backend::Mode;
+    let ms = Duration::from_millis;
+    // 2 a second in fixed windows; blocked for a second once refused.
+    let policy =
+        Policy::new("window-blocks", Quota::new(2, ms(1000)).fixed_window()).block_for(ms(1000));
+    let p = prepare(backend, &policy);
+    let (k, other) = (key("blocked"), key("other"));
+    let ask = |k, c: u32, mode: Mode| backend.decide_with(&p, k, cost(c), mode);
+    for _ in 0..2 {
+        let d = ask(&k, 1, Mode::Decide).await.unwrap();
+        assert!(d.is_allowed(), "{who}: {d:?}");
+    }
+    let d = ask(&k, 1, Mode::Decide).await.unwrap();
+    assert!(d.is_blocked(), "{who}: the refusal starts the block: {d:?}");
+    assert_eq!(d.retry_after(), Some(ms(1000)), "{who}: {d:?}");
+    assert_eq!(
+        (d.quotas()[0].remaining, d.quotas()[0].reset_after),
+        (0, ms(1000)),
+        "{who}: `t` is the block's end: {d:?}"
+    );
+    // Half a second later: still blocked, for what is left, whatever the cost or the mode.
+    advance(ms(500));
+    for (c, mode) in [(1, Mode::Decide), (2, Mode::Decide), (1, Mode::Peek)] {
+        let d = ask(&k, c, mode).await.unwrap();
+        assert!(d.is_blocked(), "{who}: {mode:?}: {d:?}");
+        assert_eq!(d.retry_after(), Some(ms(500)), "{who}: {mode:?}: {d:?}");
+    }
+    // Another key is not blocked; a request that can never fit starts no block.
+    let d = ask(&other, 3, Mode::Decide).await.unwrap();
+    assert!(d.never_fits() && !d.is_blocked(), "{who}: {d:?}");
+    assert!(
+        ask(&other, 1, Mode::Decide).await.unwrap().is_allowed(),
+        "{who}"
+    );
+    advance(ms(500));
+    // The block is over, and so is the window.
+    let d = ask(&k, 1, Mode::Decide).await.unwrap();
+    assert!(d.is_allowed(), "{who}: {d:?}");
+    assert_eq!(d.quotas()[0].remaining, 1, "{who}: {d:?}");
+
+    // A block on one quota: only its refusal starts it. 2 per 100 ms refuses and that is all;
+    // 3 a second blocks for a second.
+    let per_quota = Policy::new("window-quota-blocks", Quota::new(2, ms(100)).fixed_window())
+        .and(Quota::new(3, ms(1000)).fixed_window().block_for(ms(1000)));
+    let q = prepare(backend, &per_quota);
+    let k = key("per-quota");
+    let ask = |c: u32| backend.decide_with(&q, &k, cost(c), Mode::Decide);
+    for _ in 0..2 {
+        assert!(ask(1).await.unwrap().is_allowed(), "{who}");
+    }
+    let d = ask(1).await.unwrap();
+    assert!(!d.is_allowed() && !d.is_blocked(), "{who}: {d:?}");
+    assert_eq!(d.retry_after(), Some(ms(100)), "{who}: {d:?}");
+    advance(ms(100));
+    assert!(ask(1).await.unwrap().is_allowed(), "{who}");
+    advance(ms(100));
+    // Now the second quota refuses (its 3 spent this second): blocked for a second.
+    let d = ask(1).await.unwrap();
+    assert!(
+        d.is_blocked(),
+        "{who}: the blocking quota's refusal starts it: {d:?}"
+    );
+    assert_eq!(d.retry_after(), Some(ms(1000)), "{who}: {d:?}");
+    advance(ms(900));
+    let d = ask(1).await.unwrap();
+    assert!(d.is_blocked(), "{who}: {d:?}");
+    assert_eq!(d.retry_after(), Some(ms(100)), "{who}: {d:?}");
+    advance(ms(100));
+    assert!(
+        ask(1).await.unwrap().is_allowed(),
+        "{who}: the block is over"
+    );
+}

@@ -96,6 +96,10 @@ struct Job {
     writes: Increments,
     /// Quota, first sub-window, how many, and the current sub-window of the read.
     reads: SmallVec<[(usize, u64, usize, u64); 1]>,
+    /// A block this instance started, to write: until when (µs), and for how long.
+    block: Option<(u64, u64)>,
+    /// Whether the reads read the key's block too (a policy with `block_for`).
+    read_block: bool,
 }
 
 /// What a job takes from its key.
@@ -117,6 +121,7 @@ impl Job {
         let now_us = s.now.us();
         let mut writes = Increments::new();
         let mut reads = SmallVec::new();
+        let mut block = None;
         let seen;
         {
             let mut st = entry.lock();
@@ -147,9 +152,16 @@ impl Job {
             if !reads.is_empty() {
                 st.reading = true;
             }
+            if take == Take::Due && st.block_owed {
+                if st.blocked_until_us > now_us {
+                    block = Some((st.blocked_until_us, st.blocked_until_us - now_us));
+                }
+                st.block_owed = false;
+            }
             seen = st.confirmations;
         }
-        (!writes.is_empty() || !reads.is_empty()).then(|| Job {
+        let read_block = !reads.is_empty() && policy.block_us > 0;
+        (!writes.is_empty() || !reads.is_empty() || block.is_some()).then(|| Job {
             shared: s.clone(),
             done: false,
             policy,
@@ -157,6 +169,8 @@ impl Job {
             seen,
             writes,
             reads,
+            block,
+            read_block,
         })
     }
 
@@ -183,10 +197,25 @@ impl Job {
                 );
             }
         }
+        // A block: its end (µs on the instances' clocks), expiring with it; one already there
+        // is kept (a block runs its course, it is not extended).
+        if let Some((until_us, left_us)) = self.block {
+            pipe.cmd("SET")
+                .arg(self.entry.block_key(&self.policy, &self.shared))
+                .arg(until_us)
+                .arg("PX")
+                .arg((left_us / 1000).max(1))
+                .arg("NX")
+                .ignore();
+        }
+        if self.read_block {
+            pipe.cmd("GET")
+                .arg(self.entry.block_key(&self.policy, &self.shared));
+        }
     }
 
     fn replies(&self) -> usize {
-        self.writes.len() + self.reads.len()
+        self.writes.len() + self.reads.len() + usize::from(self.read_block)
     }
 
     /// Takes the replies in, or on failure (`None`) queues the units to be sent again.
@@ -198,6 +227,7 @@ impl Job {
             return;
         };
         let (w, r) = values.split_at(self.writes.len());
+        let (r, blocked) = r.split_at(self.reads.len());
         let reads: Option<Vec<SmallVec<[u32; 4]>>> = r
             .iter()
             .zip(&self.reads)
@@ -237,6 +267,14 @@ impl Job {
             st.confirmations += 1;
         }
         let reads_ok = reads.is_some();
+        // Another instance's block (or this one's), as Redis has it.
+        if let Some(until) = blocked
+            .first()
+            .and_then(|v| redis::from_redis_value_ref(v).ok())
+        {
+            let until: u64 = until;
+            st.blocked_until_us = st.blocked_until_us.max(until);
+        }
         if let Some(reads) = reads {
             for (&(q, first, _, as_of), fleet) in self.reads.iter().zip(reads) {
                 st.quotas[q].read_reply(first, &fleet, as_of, fresh);
@@ -282,6 +320,9 @@ impl Job {
         }
         for &(q, slice, units, _) in &self.writes {
             st.quotas[q].failed(slice, units);
+        }
+        if self.block.is_some() {
+            st.block_owed = true;
         }
         self.shared.enqueue(&self.policy, &self.entry, &mut st);
     }
@@ -468,10 +509,12 @@ fn sweep(s: &Shared) {
     }
 }
 
-/// Whether an entry still matters: queued, being read, or with counts in their windows.
+/// Whether an entry still matters: queued, being read, blocked, or with counts in their
+/// windows.
 fn busy(p: &PolicyShared, st: &super::EntryState, now_us: u64) -> bool {
     st.queued
         || st.reading
+        || st.blocked_until_us > now_us
         || !p
             .specs
             .iter()

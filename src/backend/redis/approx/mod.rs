@@ -37,7 +37,17 @@
 //! [sliding](crate::Quota::sliding_window) windows, whose
 //! [resolution](crate::Quota::resolution) is the sub-window. A policy with a GCRA quota is
 //! refused when the layer is built (`"10/s burst 20"` can be written `"20/2s sliding 100ms"`),
-//! and so is a policy with a concurrent quota or a penalty (not served by this mode yet).
+//! and so is a policy with a concurrent quota (not served by this mode yet).
+//!
+//! Penalties (`Policy::block_for`, `Quota::block_for`) mean what they mean on every store: a
+//! refusal by a quota that blocks blocks the key, and every request on it is refused until the
+//! block ends, whatever its cost or mode. The instance that starts a block refuses at once,
+//! writes it to Redis with its next flush (`SET <prefix>:{<policy>:<key>}:blk <end> PX <left>
+//! NX`: a running block is not extended, and it expires with itself) and, with allowances on,
+//! announces the key; the others find the block with their next read of the key (before their
+//! first decision on it in the synchronous variant, a flush after it in the asynchronous one)
+//! and refuse until it ends. Block ends are times on the instances' clocks (keep them in
+//! sync, as for the windows).
 //!
 //! Settlements after the response (`Policy::charge_when`, `Policy::cost_from`, a `Limiter`'s
 //! `Permit::settle`) go into the counts, with the meaning they have on every store: a debit
@@ -423,6 +433,11 @@ pub(crate) struct PolicyShared {
     entries: DashMap<Key, Held, RandomState>,
     /// The backend's count of keys held, which this policy's keys leave when it is dropped.
     held: Arc<AtomicUsize>,
+    /// How long a refusal blocks the key, in µs (`Policy::block_for`, `Quota::block_for`); 0
+    /// for no block.
+    block_us: u64,
+    /// The quotas whose refusals start a block, a bit each; 0 for all of them.
+    block_mask: u64,
 }
 
 impl Drop for PolicyShared {
@@ -433,6 +448,23 @@ impl Drop for PolicyShared {
 }
 
 impl PolicyShared {
+    /// The refusal of a key blocked for `left_us` more.
+    fn blocked(&self, left_us: u64) -> Decision {
+        let params: SmallVec<[QuotaParams; 2]> = self.specs.iter().map(|s| s.params).collect();
+        Decision::blocked(&params, std::time::Duration::from_micros(left_us))
+    }
+
+    /// Whether a refusal with these `codes` (one per quota) starts a block: a quota that
+    /// blocks refused (not because the cost can never fit it).
+    fn blocks(&self, codes: &[Code]) -> bool {
+        let mask = self.block_mask;
+        self.block_us > 0
+            && (self.specs.iter().zip(codes)).any(|(spec, code)| {
+                *code == Code::Denied
+                    && (mask == 0 || (spec.index < 64 && mask & (1 << spec.index) != 0))
+            })
+    }
+
     /// When (µs) every count of a key decided at `now_us` will have left its windows: the
     /// earliest a sweep may forget it, if nothing else happens to it.
     fn idle_at(&self, now_us: u64) -> u64 {
@@ -477,6 +509,11 @@ struct EntryState {
     quiet: bool,
     /// Until when (µs) the key stays in step: announced by this instance or another.
     hot_until_us: u64,
+    /// Until when (µs) the key is blocked (`block_for`), as this instance knows: a block it
+    /// started, or one it read from Redis.
+    blocked_until_us: u64,
+    /// A block this instance started and has not written to Redis yet.
+    block_owed: bool,
 }
 
 impl EntryState {
@@ -488,6 +525,8 @@ impl EntryState {
             confirmations: 0,
             quiet: false,
             hot_until_us: 0,
+            blocked_until_us: 0,
+            block_owed: false,
         }
     }
 }
@@ -507,6 +546,13 @@ impl Entry {
             let hash = s.hasher.hash_one(&base[..]);
             (base.into_boxed_slice(), hash)
         })
+    }
+
+    /// The Redis key of the key's block (`block_for`): `<prefix>:{<policy>:<key>}:blk`.
+    fn block_key(&self, policy: &PolicyShared, s: &Shared) -> Vec<u8> {
+        let mut k = self.base(policy, s).0.to_vec();
+        k.extend_from_slice(b"blk");
+        k
     }
 
     /// The Redis key of quota `spec`'s sub-window `slice`.
@@ -976,12 +1022,26 @@ impl Shared {
         let now_us = self.now.us();
         let sync = self.mode.writes == Writes::Sync && !self.breaker_open();
         let mut st = entry.lock();
+        if st.blocked_until_us > now_us {
+            return (policy.blocked(st.blocked_until_us - now_us), false);
+        }
         let mut codes: SmallVec<[Code; 2]> = SmallVec::new();
         for (spec, c) in policy.specs.iter().zip(st.quotas.iter_mut()) {
             c.advance(spec.slice_at(now_us));
             codes.push(c.code(spec, now_us, cost));
         }
         let allowed = codes.iter().all(|c| *c == Code::Allowed);
+        if !allowed && mode != Mode::Peek && policy.blocks(&codes) {
+            // Blocked here at once, in Redis with the next flush (where every instance that
+            // reads the key finds it), and announced, so that the others read it soon.
+            st.blocked_until_us = now_us.saturating_add(policy.block_us);
+            st.block_owed = true;
+            if self.mode.allowance > 0 {
+                self.mark(policy, entry, &mut st, now_us);
+            }
+            self.enqueue(policy, entry, &mut st);
+            return (policy.blocked(policy.block_us), false);
+        }
         let take = mode != Mode::Peek && allowed;
         // A peek answers what the decision would: the state with the request counted.
         let extra = if mode == Mode::Peek && allowed {
@@ -1296,7 +1356,7 @@ impl Backend for ApproxBackend {
         policy: &Policy,
         params: &[QuotaParams],
     ) -> Result<ApproxPolicy, ConfigError> {
-        if policy.holds_slots() || policy.block().is_some() {
+        if policy.holds_slots() {
             return Err(crate::settle::unsupported(
                 policy,
                 "the approximate Redis mode",
@@ -1341,6 +1401,10 @@ impl Backend for ApproxBackend {
             // milliseconds each).
             entries: DashMap::with_hasher_and_shard_amount(RandomState::default(), ENTRY_SHARDS),
             held: self.shared.keys.clone(),
+            block_us: (policy.block()).map_or(0, |b| {
+                u64::try_from(b.as_micros()).unwrap_or(u64::MAX).max(1)
+            }),
+            block_mask: policy.block_mask(),
         });
         let mut policies = self
             .shared
@@ -1509,6 +1573,12 @@ impl Backend for ApproxBackend {
                     .arg("PX")
                     .arg(spec.ttl_ms())
                     .ignore();
+            }
+            if p.block_us > 0 {
+                // The key's block goes too, as on every store.
+                let mut blk = base.clone();
+                blk.extend_from_slice(b"blk");
+                pipe.cmd("DEL").arg(blk).ignore();
             }
             match tokio::time::timeout(shared.opts.timeout, shared.conn.pipeline(&pipe)).await {
                 Ok(Ok(_)) => Ok(()),
