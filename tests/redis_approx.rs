@@ -231,29 +231,25 @@ async fn gcra_quotas_are_refused_when_the_layer_is_built() {
     assert!(err.to_string().contains("sliding"), "{err}");
 }
 
-/// A policy the mode cannot serve is refused with a message that names what the policy uses,
-/// as the user wrote it.
+/// Every outcome feature is served: settling after the response, concurrent quotas and
+/// penalties, per policy or per quota (each has its own tests below).
 #[tokio::test]
-async fn a_concurrent_quota_is_refused_by_its_own_name() {
+async fn outcome_features_are_served() {
     let b = RedisBackend::builder()
         .url("redis://127.0.0.1:1")
         .build_approximate(Approximate::asynchronous())
         .unwrap();
-    let p = Policy::new("api", "10/min fixed".parse::<Quota>().unwrap())
-        .and("2 concurrent".parse::<Quota>().unwrap());
-    let err = b
-        .prepare(&p, &p.validate().unwrap())
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("Quota::concurrent"), "{err}");
-    assert!(
-        err.contains("PostgreSQL"),
-        "names the stores that do: {err}"
-    );
-    // Blocks, per quota or per policy, are served.
-    let quota: Quota = "10/min fixed block 1h".parse().unwrap();
-    let p = Policy::new("api", quota);
-    assert!(b.prepare(&p, &p.validate().unwrap()).is_ok());
+    for quotas in [
+        &["10/min fixed", "2 concurrent"][..],
+        &["10/min fixed block 1h"],
+        &["10/min fixed", "100/h sliding 1min block 10min"],
+    ] {
+        let mut q = quotas.iter().map(|q| q.parse::<Quota>().unwrap());
+        let first = q.next().unwrap();
+        let p = q.fold(Policy::new("api", first), Policy::and);
+        let p = p.charge_when(tollgate::settle::ChargeWhen::status([401]));
+        assert!(b.prepare(&p, &p.validate().unwrap()).is_ok(), "{quotas:?}");
+    }
 }
 
 /// Three instances, each offered 10 times the limit: the fleet stays within the stated bound,
@@ -1038,6 +1034,153 @@ fn counters_like(server: &RedisServer, pattern: &str) -> String {
         .collect();
     assert_eq!(keys.len(), 1, "{keys:?}");
     keys[0].to_owned()
+}
+
+/// Concurrent quotas on the approximate mode: decided at the store (a slot cannot be
+/// approximate), with the meaning they have on every store (`support::conformance::leases`).
+#[tokio::test]
+async fn leases_approximate() {
+    let server = RedisServer::start();
+    for (name, mode) in [
+        ("asynchronous", in_step()),
+        ("synchronous", Approximate::synchronous()),
+    ] {
+        let clock = support::conformance::aligned_test_clock();
+        let b = RedisBackend::builder()
+            .url(server.url())
+            .prefix(format!("leases-{name}"))
+            .timeout(TIMEOUT)
+            .test_clock(clock.clone())
+            .build_approximate(mode)
+            .unwrap();
+        support::conformance::leases(&b, |by| clock.advance(by), name).await;
+    }
+}
+
+/// A policy of windows and a concurrent quota: the windows decided here, the slot at the
+/// store; all or nothing (a request the slot refuses takes no window units), and the slot
+/// given back when the request ends.
+#[tokio::test]
+async fn windows_and_a_slot_together() {
+    use tollgate::backend::Mode;
+    let server = RedisServer::start();
+    let clock = support::conformance::aligned_test_clock();
+    let b = RedisBackend::builder()
+        .url(server.url())
+        .timeout(TIMEOUT)
+        .test_clock(clock.clone())
+        .build_approximate(in_step())
+        .unwrap();
+    let policy = Policy::new("mixed", Quota::per_minute(5).fixed_window())
+        .and(Quota::concurrent(1).lease(Duration::from_secs(60)));
+    let p = prepare(&b, &policy);
+    let k = key("k");
+    let ask = |mode| b.decide_with(&p, &k, cost(1), mode);
+    let d = ask(Mode::Hold { lease: 1 }).await.unwrap();
+    assert!(d.is_allowed(), "{d:?}");
+    assert_eq!(d.quotas().len(), 2, "both quotas reported: {d:?}");
+    assert_eq!(
+        (d.quotas()[0].index, d.quotas()[0].remaining),
+        (0, 4),
+        "{d:?}"
+    );
+    assert_eq!(
+        (d.quotas()[1].index, d.quotas()[1].remaining),
+        (1, 0),
+        "{d:?}"
+    );
+    // The slot is held: refused by it, and the window's unit given back.
+    let d = ask(Mode::Hold { lease: 2 }).await.unwrap();
+    assert!(!d.is_allowed(), "{d:?}");
+    assert_eq!(d.quotas()[0].index, 1, "the slot refused: {d:?}");
+    // A peek counts its own request: 5 less the one held and the one asked.
+    let d = ask(Mode::Peek).await.unwrap();
+    assert_eq!(
+        d.quotas()[0].remaining,
+        3,
+        "nothing taken by the refusal: {d:?}"
+    );
+    // The first request ends: its slot comes back.
+    let d = ask(Mode::Release { lease: 1 }).await.unwrap();
+    assert_eq!(
+        (d.quotas()[0].index, d.quotas()[0].remaining),
+        (1, 1),
+        "{d:?}"
+    );
+    let d = ask(Mode::Hold { lease: 3 }).await.unwrap();
+    assert!(d.is_allowed(), "{d:?}");
+    assert_eq!(d.quotas()[0].remaining, 3, "{d:?}");
+    ask(Mode::Release { lease: 3 }).await.unwrap();
+    // A window refusal takes no slot.
+    for lease in 4..7 {
+        assert!(ask(Mode::Hold { lease }).await.unwrap().is_allowed());
+        ask(Mode::Release { lease }).await.unwrap();
+    }
+    let d = ask(Mode::Hold { lease: 7 }).await.unwrap();
+    assert!(!d.is_allowed() && d.quotas()[0].index == 0, "{d:?}");
+    let d = ask(Mode::Peek).await;
+    assert_eq!(d.unwrap().quotas()[0].remaining, 0);
+    // No slot held: the slot's sorted set is empty (and so gone).
+    let slots = server.cmd(&["EVAL", "return #redis.call('KEYS', '*c60000x1*')", "0"]);
+    assert_eq!(slots.trim(), ":0", "no slot held");
+}
+
+/// Through a layer: a request holds its slot while it runs, and gives it back when its
+/// response is done, on the approximate mode as on every store.
+#[tokio::test]
+async fn a_layer_holds_and_gives_back_slots() {
+    use axum::body::Body;
+    use tower::{Layer, ServiceExt};
+    let server = RedisServer::start();
+    let b = RedisBackend::builder()
+        .url(server.url())
+        .timeout(TIMEOUT)
+        .build_approximate(in_step())
+        .unwrap();
+    let policy = Policy::new("exports", Quota::per_minute(100).fixed_window())
+        .and(Quota::concurrent(1).lease(Duration::from_secs(60)));
+    let layer = tollgate::RateLimitLayer::builder()
+        .policy(policy)
+        .key(tollgate::key::Global)
+        .backend(b)
+        .build()
+        .unwrap();
+    let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(0));
+    let svc = layer.layer(tower::service_fn({
+        let gate = gate.clone();
+        move |req: http::Request<Body>| {
+            let gate = gate.clone();
+            async move {
+                if req.uri().path() == "/slow" {
+                    let _ = gate.acquire().await;
+                }
+                Ok::<_, std::convert::Infallible>(http::Response::new(Body::empty()))
+            }
+        }
+    }));
+    let call = |path: &'static str| {
+        let svc = svc.clone();
+        async move {
+            let req = http::Request::builder()
+                .uri(path)
+                .body(Body::empty())
+                .unwrap();
+            svc.oneshot(req).await.unwrap().status()
+        }
+    };
+    for _ in 0..3 {
+        assert_eq!(call("/fast").await, 200, "the slot comes back after each");
+    }
+    let slow = tokio::spawn(call("/slow"));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        call("/fast").await,
+        429,
+        "the slot is held while /slow runs"
+    );
+    gate.add_permits(1);
+    assert_eq!(slow.await.unwrap(), 200);
+    assert_eq!(call("/fast").await, 200, "given back when /slow was done");
 }
 
 /// A peek answers what a decision would, with the request counted: the same as the exact mode

@@ -449,10 +449,7 @@ pub(crate) fn estimate(counts: &[u32], slice_us: u64, r: u64) -> f64 {
 }
 
 /// The nonzero counts of a dense window, with their positions.
-#[cfg_attr(
-    not(any(feature = "redis", feature = "postgres", feature = "mysql")),
-    allow(dead_code)
-)]
+#[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
 fn dense(counts: &[u32]) -> impl Iterator<Item = (usize, u32)> + Clone + '_ {
     counts.iter().copied().enumerate().filter(|&(_, c)| c > 0)
 }
@@ -476,10 +473,7 @@ pub(crate) fn estimate_by(
 
 /// A sliding window's state after a decision, from its counts (moved to the current sub-window
 /// and including this request when it passed), `r` µs into the current sub-window.
-#[cfg_attr(
-    not(any(feature = "redis", feature = "postgres", feature = "mysql")),
-    allow(dead_code)
-)]
+#[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
 pub(crate) fn sliding_state(
     index: usize,
     params: &QuotaParams,

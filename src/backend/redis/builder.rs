@@ -27,6 +27,7 @@ use crate::backend::remote::{FailurePolicy, MAX_DURATION, Options, Remote, TestC
 /// | [`circuit_breaker`](Self::circuit_breaker) | open after 5 consecutive failed calls, probe every 500 ms |
 /// | [`deny_cache_capacity`](Self::deny_cache_capacity) | 65 536 denials |
 #[must_use = "call `.build()` to get a backend"]
+#[derive(Clone)]
 pub struct RedisBackendBuilder {
     target: Option<Target>,
     prefix: String,
@@ -36,6 +37,7 @@ pub struct RedisBackendBuilder {
     tls_client: Option<(Vec<u8>, Vec<u8>)>,
 }
 
+#[derive(Clone)]
 enum Target {
     Url(String),
     Cluster(Vec<String>),
@@ -254,9 +256,12 @@ impl RedisBackendBuilder {
         self,
         mode: super::approx::Approximate,
     ) -> Result<super::approx::ApproxBackend, ConfigError> {
+        // The exact backend a policy's concurrent quotas are decided by, built (with its own
+        // connection) when a policy first has one.
+        let exact = self.clone();
         let c = self.connect()?;
         Ok(super::approx::ApproxBackend::new(
-            c.conn, c.endpoint, c.prefix, c.opts, mode,
+            c.conn, c.endpoint, c.prefix, c.opts, mode, exact,
         ))
     }
 

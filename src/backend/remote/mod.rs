@@ -68,6 +68,7 @@ pub use health::StoreFailure;
 pub(crate) use inner::{MemoryState, MemoryWatch};
 pub(crate) use options::Options;
 pub use options::{FailurePolicy, Fleet, RemoteStats};
+#[cfg(feature = "redis")]
 pub(crate) use store::Memory;
 pub(crate) use store::{CallError, Job, Store};
 

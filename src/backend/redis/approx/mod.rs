@@ -36,8 +36,21 @@
 //! Only window quotas can be counted this way: [fixed](crate::Quota::fixed_window) and
 //! [sliding](crate::Quota::sliding_window) windows, whose
 //! [resolution](crate::Quota::resolution) is the sub-window. A policy with a GCRA quota is
-//! refused when the layer is built (`"10/s burst 20"` can be written `"20/2s sliding 100ms"`),
-//! and so is a policy with a concurrent quota (not served by this mode yet).
+//! refused when the layer is built (`"10/s burst 20"` can be written `"20/2s sliding 100ms"`).
+//!
+//! # Concurrent quotas
+//!
+//! A slot cannot be approximate: a policy's concurrent quotas ([`Quota::concurrent`]) are
+//! decided at the store, by the exact backend ([`RedisBackend`](super::RedisBackend), built from
+//! the same builder, on a connection of its own made when a policy first has one), with leases
+//! and releases as in the exact mode; the policy's window quotas stay approximate. A request
+//! is decided by its windows first, here; when they allow it, its slot is asked at the store
+//! (a round trip, in both variants), and when the slot refuses, what the windows took is given
+//! back and the refusal is the slot's. A failing Redis answers the slot by the exact backend's
+//! failure policy ([`on_failure`](super::RedisBackendBuilder::on_failure), by default
+//! the local fallback at the instance's share).
+//!
+//! [`Quota::concurrent`]: crate::Quota::concurrent
 //!
 //! Penalties (`Policy::block_for`, `Quota::block_for`) mean what they mean on every store: a
 //! refusal by a quota that blocks blocks the key, and every request on it is refused until the
@@ -411,6 +424,30 @@ pub struct ApproxBackend {
 #[derive(Clone)]
 pub struct ApproxPolicy {
     inner: Arc<PolicyShared>,
+    /// The policy's concurrent quotas, decided at the store by the exact backend.
+    slots: Option<Arc<Slots>>,
+}
+
+/// A policy's concurrent quotas, as a policy of their own on the exact backend: a slot cannot
+/// be approximate (see the [module docs](self#concurrent-quotas)).
+struct Slots {
+    backend: super::RedisBackend,
+    policy: <super::RedisBackend as Backend>::Policy,
+    /// Each of its quotas' place in the whole policy.
+    index: Box<[usize]>,
+}
+
+impl Slots {
+    /// `decision` of the slots' policy, its quotas numbered as in the whole policy.
+    fn renumber(&self, decision: Decision) -> SmallVec<[crate::backend::QuotaState; 2]> {
+        (decision.quotas().iter())
+            .map(|q| {
+                let mut q = *q;
+                q.index = self.index.get(q.index).copied().unwrap_or(q.index);
+                q
+            })
+            .collect()
+    }
 }
 
 impl fmt::Debug for ApproxPolicy {
@@ -433,6 +470,9 @@ pub(crate) struct PolicyShared {
     entries: DashMap<Key, Held, RandomState>,
     /// The backend's count of keys held, which this policy's keys leave when it is dropped.
     held: Arc<AtomicUsize>,
+    /// Every quota of the policy, its concurrent ones included (a blocked key's refusal lists
+    /// them all).
+    all_params: Box<[QuotaParams]>,
     /// How long a refusal blocks the key, in µs (`Policy::block_for`, `Quota::block_for`); 0
     /// for no block.
     block_us: u64,
@@ -450,8 +490,7 @@ impl Drop for PolicyShared {
 impl PolicyShared {
     /// The refusal of a key blocked for `left_us` more.
     fn blocked(&self, left_us: u64) -> Decision {
-        let params: SmallVec<[QuotaParams; 2]> = self.specs.iter().map(|s| s.params).collect();
-        Decision::blocked(&params, std::time::Duration::from_micros(left_us))
+        Decision::blocked(&self.all_params, std::time::Duration::from_micros(left_us))
     }
 
     /// Whether a refusal with these `codes` (one per quota) starts a block: a quota that
@@ -618,6 +657,10 @@ pub(crate) struct Shared {
     keys: Arc<AtomicUsize>,
     /// Redis's memory as the watch last read it (see `RedisBackendBuilder::watch_memory`).
     memory: MemoryState,
+    /// The exact backend that decides concurrent quotas, built when a policy first has one
+    /// (from `exact_builder`).
+    exact: OnceLock<super::RedisBackend>,
+    exact_builder: Mutex<Option<super::RedisBackendBuilder>>,
     refused_full: AtomicU64,
     /// Requests on new keys decided through Redis because `max_keys` were held, and the
     /// warning of it.
@@ -682,6 +725,7 @@ impl ApproxBackend {
         prefix: String,
         opts: Options,
         mode: Approximate,
+        exact: super::RedisBackendBuilder,
     ) -> Self {
         let now = match &opts.test_clock {
             Some(c) => Now::Test(c.clone()),
@@ -711,6 +755,8 @@ impl ApproxBackend {
                 urgent: AtomicBool::new(false),
                 keys: Arc::new(AtomicUsize::new(0)),
                 memory: MemoryState::default(),
+                exact: OnceLock::new(),
+                exact_builder: Mutex::new(Some(exact)),
                 refused_full: AtomicU64::new(0),
                 overflowed: AtomicU64::new(0),
                 full_warned: OnceAMinute::default(),
@@ -969,6 +1015,16 @@ pub struct ApproxFuture {
 enum FutureInner {
     Ready(Option<Decision>),
     Waiting(Pin<Box<dyn Future<Output = Decision> + Send>>),
+    /// A decision that asks the exact backend too (a policy's concurrent quotas).
+    Slots(Pin<Box<dyn Future<Output = Result<Decision, BackendError>> + Send>>),
+}
+
+impl ApproxFuture {
+    fn slots(f: impl Future<Output = Result<Decision, BackendError>> + Send + 'static) -> Self {
+        ApproxFuture {
+            inner: FutureInner::Slots(Box::pin(f)),
+        }
+    }
 }
 
 impl fmt::Debug for ApproxFuture {
@@ -976,6 +1032,7 @@ impl fmt::Debug for ApproxFuture {
         f.write_str(match self.inner {
             FutureInner::Ready(_) => "ApproxFuture::Ready",
             FutureInner::Waiting(_) => "ApproxFuture::Waiting",
+            FutureInner::Slots(_) => "ApproxFuture::Slots",
         })
     }
 }
@@ -993,6 +1050,7 @@ impl Future for ApproxFuture {
                 ))),
             },
             FutureInner::Waiting(f) => f.as_mut().poll(cx).map(Ok),
+            FutureInner::Slots(f) => f.as_mut().poll(cx),
         }
     }
 }
@@ -1347,82 +1405,9 @@ impl Shared {
     }
 }
 
-impl Backend for ApproxBackend {
-    type Policy = ApproxPolicy;
-    type Future = ApproxFuture;
-
-    fn prepare(
-        &self,
-        policy: &Policy,
-        params: &[QuotaParams],
-    ) -> Result<ApproxPolicy, ConfigError> {
-        if policy.holds_slots() {
-            return Err(crate::settle::unsupported(
-                policy,
-                "the approximate Redis mode",
-            ));
-        }
-        if params.is_empty() {
-            return Err(ConfigError::QuotaCount {
-                policy: policy.name().to_owned(),
-                count: 0,
-            });
-        }
-        let mut specs = Vec::with_capacity(params.len());
-        for (i, p) in params.iter().enumerate() {
-            let Some(spec) = Spec::new(i, *p) else {
-                return Err(ConfigError::InvalidQuota {
-                    policy: policy.name().to_owned(),
-                    quota: Box::new(policy.quotas()[i]),
-                    reason: "the approximate Redis mode counts windows: use a fixed or sliding \
-                             window (e.g. \"20/2s sliding 100ms\" for \"10/s burst 20\")",
-                });
-            };
-            specs.push(spec);
-        }
-        let window_us = specs
-            .iter()
-            .map(|s| {
-                s.slice_us
-                    .saturating_mul(s.kept.saturating_sub(1).max(1) as u64)
-            })
-            .max()
-            .unwrap_or(0);
-        self.shared
-            .longest_window_us
-            .fetch_max(window_us, Ordering::Relaxed);
-        let inner = Arc::new(PolicyShared {
-            name: policy.name().to_owned(),
-            specs: specs.into_boxed_slice(),
-            window_us,
-            key_prefix: keys::policy_prefix(&self.shared.prefix, policy.name()),
-            // Many small shards: the sweep holds each shard's lock while it walks it, and
-            // requests on that shard wait (8 shards of a million keys held them for tens of
-            // milliseconds each).
-            entries: DashMap::with_hasher_and_shard_amount(RandomState::default(), ENTRY_SHARDS),
-            held: self.shared.keys.clone(),
-            block_us: (policy.block()).map_or(0, |b| {
-                u64::try_from(b.as_micros()).unwrap_or(u64::MAX).max(1)
-            }),
-            block_mask: policy.block_mask(),
-        });
-        let mut policies = self
-            .shared
-            .policies
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        policies.retain(|p| p.strong_count() > 0);
-        policies.push(Arc::downgrade(&inner));
-        Ok(ApproxPolicy { inner })
-    }
-
-    fn decide(&self, policy: &ApproxPolicy, key: &Key, cost: NonZeroU32) -> ApproxFuture {
-        self.decide_with(policy, key, cost, Mode::Decide)
-    }
-
-    /// Window quotas reserve nothing ahead: [`Mode::Reserve`] is answered as
-    /// [`Mode::Decide`] (a denial's `retry_after` tells when to ask again).
-    fn decide_with(
+impl ApproxBackend {
+    /// The decision of `policy`'s window quotas (all of them but its concurrent ones).
+    fn windows(
         &self,
         policy: &ApproxPolicy,
         key: &Key,
@@ -1533,6 +1518,255 @@ impl Backend for ApproxBackend {
                 shared.flushed().await;
                 decision
             })),
+        }
+    }
+
+    /// A decision on a policy with concurrent quotas, once its windows (`windows`) have
+    /// answered: when they allow it, the slots are asked at the store (checked, or taken for
+    /// [`Mode::Hold`]); when a slot refuses, what the windows took is given back and the
+    /// refusal is the slot's (a block starts if that quota blocks). All or nothing, as on
+    /// every store, but in two steps: between them another request may see the window units
+    /// taken (and be refused for it), never the other way round.
+    async fn with_slots(
+        &self,
+        windows: ApproxFuture,
+        policy: &ApproxPolicy,
+        slots: &Slots,
+        key: &Key,
+        cost: NonZeroU32,
+        mode: Mode,
+    ) -> Result<Decision, BackendError> {
+        let w = windows.await?;
+        if !w.is_allowed() {
+            return Ok(w);
+        }
+        let slot_mode = match mode {
+            Mode::Reserve { .. } => Mode::Decide,
+            other => other,
+        };
+        let took = matches!(
+            mode,
+            Mode::Decide | Mode::Hold { .. } | Mode::Reserve { .. }
+        );
+        let give_back = || async {
+            if took {
+                let back = Mode::Refund {
+                    admitted_ago: std::time::Duration::ZERO,
+                };
+                let _ = self.windows(policy, key, cost, back).await;
+            }
+        };
+        let d = match slots
+            .backend
+            .decide_with(&slots.policy, key, cost, slot_mode)
+            .await
+        {
+            Ok(d) => d,
+            Err(e) => {
+                give_back().await;
+                return Err(e);
+            }
+        };
+        let states = slots.renumber(d);
+        let refused = states
+            .iter()
+            .any(|q| !matches!(q.outcome, crate::backend::Outcome::Allowed));
+        // A peek reports every quota up to the one that refuses; a decision refused by a slot
+        // reports that slot alone.
+        if refused && mode != Mode::Peek {
+            give_back().await;
+            if let Some(left_us) = self.block_on_slots(&policy.inner, key, &states) {
+                return Ok(policy.inner.blocked(left_us));
+            }
+            return Ok(Decision::new(states));
+        }
+        let mut all: SmallVec<[crate::backend::QuotaState; 2]> =
+            w.quotas().iter().cloned().collect();
+        all.extend(states);
+        all.sort_unstable_by_key(|q| q.index);
+        Ok(Decision::from_states(all))
+    }
+
+    /// Blocks `key` when a concurrent quota that blocks refused it (`states`): as a window's
+    /// refusal does (see `decide_here`). Returns the block's length in µs, if it started one.
+    fn block_on_slots(
+        &self,
+        p: &Arc<PolicyShared>,
+        key: &Key,
+        states: &[crate::backend::QuotaState],
+    ) -> Option<u64> {
+        let mask = p.block_mask;
+        let blocks = p.block_us > 0
+            && states.iter().any(|q| {
+                matches!(q.outcome, crate::backend::Outcome::Denied { .. })
+                    && (mask == 0 || (q.index < 64 && mask & (1 << q.index) != 0))
+            });
+        if !blocks {
+            return None;
+        }
+        let s = &self.shared;
+        let now_us = s.now.us();
+        let entry = p.entries.get(key)?.entry.clone();
+        let mut st = entry.lock();
+        st.blocked_until_us = now_us.saturating_add(p.block_us);
+        st.block_owed = true;
+        if s.mode.allowance > 0 {
+            s.mark(p, &entry, &mut st, now_us);
+        }
+        s.enqueue(p, &entry, &mut st);
+        Some(p.block_us)
+    }
+}
+
+impl ApproxBackend {
+    /// The concurrent quotas `index` of `policy`, prepared on the exact backend (built now if
+    /// no policy needed it before).
+    fn slots(&self, policy: &Policy, index: &[usize]) -> Result<Slots, ConfigError> {
+        let s = &self.shared;
+        let backend = match s.exact.get() {
+            Some(b) => b.clone(),
+            None => {
+                let builder = (s.exact_builder.lock().unwrap_or_else(|e| e.into_inner())).take();
+                match builder {
+                    Some(builder) => {
+                        let built = builder.build()?;
+                        s.exact.get_or_init(|| built).clone()
+                    }
+                    // Another thread is building it: it is there once that returns.
+                    None => loop {
+                        if let Some(b) = s.exact.get() {
+                            break b.clone();
+                        }
+                        std::thread::yield_now();
+                    },
+                }
+            }
+        };
+        let quotas = index.iter().map(|&i| policy.quotas()[i]);
+        let mut quotas = quotas.peekable();
+        let first = quotas.next().ok_or_else(|| ConfigError::QuotaCount {
+            policy: policy.name().to_owned(),
+            count: 0,
+        })?;
+        let slot_policy = quotas.fold(Policy::new(policy.name(), first), Policy::and);
+        let params = slot_policy.validate()?;
+        Ok(Slots {
+            policy: backend.prepare(&slot_policy, &params)?,
+            backend,
+            index: index.into(),
+        })
+    }
+}
+
+impl Backend for ApproxBackend {
+    type Policy = ApproxPolicy;
+    type Future = ApproxFuture;
+
+    fn prepare(
+        &self,
+        policy: &Policy,
+        params: &[QuotaParams],
+    ) -> Result<ApproxPolicy, ConfigError> {
+        if params.is_empty() {
+            return Err(ConfigError::QuotaCount {
+                policy: policy.name().to_owned(),
+                count: 0,
+            });
+        }
+        let mut specs = Vec::with_capacity(params.len());
+        let mut slots = Vec::new();
+        for (i, p) in params.iter().enumerate() {
+            if p.is_concurrent() {
+                slots.push(i);
+                continue;
+            }
+            let Some(spec) = Spec::new(i, *p) else {
+                return Err(ConfigError::InvalidQuota {
+                    policy: policy.name().to_owned(),
+                    quota: Box::new(policy.quotas()[i]),
+                    reason: "the approximate Redis mode counts windows: use a fixed or sliding \
+                             window (e.g. \"20/2s sliding 100ms\" for \"10/s burst 20\")",
+                });
+            };
+            specs.push(spec);
+        }
+        let window_us = specs
+            .iter()
+            .map(|s| {
+                s.slice_us
+                    .saturating_mul(s.kept.saturating_sub(1).max(1) as u64)
+            })
+            .max()
+            .unwrap_or(0);
+        self.shared
+            .longest_window_us
+            .fetch_max(window_us, Ordering::Relaxed);
+        let inner = Arc::new(PolicyShared {
+            name: policy.name().to_owned(),
+            specs: specs.into_boxed_slice(),
+            window_us,
+            key_prefix: keys::policy_prefix(&self.shared.prefix, policy.name()),
+            // Many small shards: the sweep holds each shard's lock while it walks it, and
+            // requests on that shard wait (8 shards of a million keys held them for tens of
+            // milliseconds each).
+            entries: DashMap::with_hasher_and_shard_amount(RandomState::default(), ENTRY_SHARDS),
+            held: self.shared.keys.clone(),
+            block_us: (policy.block()).map_or(0, |b| {
+                u64::try_from(b.as_micros()).unwrap_or(u64::MAX).max(1)
+            }),
+            block_mask: policy.block_mask(),
+            all_params: params.into(),
+        });
+        let mut policies = self
+            .shared
+            .policies
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        policies.retain(|p| p.strong_count() > 0);
+        policies.push(Arc::downgrade(&inner));
+        let slots = if slots.is_empty() {
+            None
+        } else {
+            Some(Arc::new(self.slots(policy, &slots)?))
+        };
+        Ok(ApproxPolicy { inner, slots })
+    }
+
+    fn decide(&self, policy: &ApproxPolicy, key: &Key, cost: NonZeroU32) -> ApproxFuture {
+        self.decide_with(policy, key, cost, Mode::Decide)
+    }
+
+    /// Window quotas reserve nothing ahead: [`Mode::Reserve`] is answered as
+    /// [`Mode::Decide`] (a denial's `retry_after` tells when to ask again). A policy's
+    /// concurrent quotas are decided by the exact backend once its windows allow the request
+    /// (see the [module docs](self#concurrent-quotas)).
+    fn decide_with(
+        &self,
+        policy: &ApproxPolicy,
+        key: &Key,
+        cost: NonZeroU32,
+        mode: Mode,
+    ) -> ApproxFuture {
+        match (&policy.slots, mode) {
+            (None, _) | (Some(_), Mode::Refund { .. } | Mode::Debit) => {
+                self.windows(policy, key, cost, mode)
+            }
+            (Some(slots), Mode::Release { .. }) => {
+                let (slots, key) = (slots.clone(), key.clone());
+                ApproxFuture::slots(async move {
+                    let d = slots.backend.decide_with(&slots.policy, &key, cost, mode);
+                    Ok(Decision::new(slots.renumber(d.await?)))
+                })
+            }
+            (Some(slots), _) => {
+                let windows = self.windows(policy, key, cost, mode);
+                let (this, policy, slots, key) =
+                    (self.clone(), policy.clone(), slots.clone(), key.clone());
+                ApproxFuture::slots(async move {
+                    this.with_slots(windows, &policy, &slots, &key, cost, mode)
+                        .await
+                })
+            }
         }
     }
 
