@@ -18,14 +18,15 @@ use http::{HeaderMap, Request, Response, StatusCode};
 
 use crate::backend::{Backend, DecidedBy, Decision, Mode};
 use crate::key::{KeyError, KeyExtractor, OnMissingKey};
-use crate::metrics::{Outcome as Counted, PolicyMetrics};
+use crate::metrics::Outcome as Counted;
+use crate::prepared::Prepared;
+use crate::report::RateLimitStatus;
 use crate::request::grpc_content_type;
-use crate::response::{self, HeaderAdds, PolicyHeaders, Rejection, RejectionKind, Responder};
+use crate::response::{self, HeaderAdds, Rejection, RejectionKind, Responder};
 use crate::rules::LiveRules;
 use crate::settle::{Settle, Taken};
-use crate::status::RateLimitStatus;
 use crate::wait::{Pauses, Slot, Waiting};
-use crate::{BackendError, ConfigError, Key, Policy, RequestInfo};
+use crate::{BackendError, Key, RequestInfo};
 
 /// Everything the services of one layer share.
 pub(crate) struct Shared<K, Bk: Backend> {
@@ -40,46 +41,6 @@ pub(crate) struct Shared<K, Bk: Backend> {
     pub(crate) pauses: Option<Arc<Pauses>>,
     /// Whether allowed requests carry the decision in their extensions.
     pub(crate) decision_ext: bool,
-}
-
-/// A policy with its backend-prepared form, header material and counters.
-pub(crate) struct Prepared<P> {
-    pub(crate) policy: Policy,
-    pub(crate) backend: P,
-    pub(crate) headers: PolicyHeaders,
-    pub(crate) metrics: PolicyMetrics,
-    /// Whether every quota is GCRA, so that a reservation can wait (window quotas cannot count
-    /// into a window that has not begun: a reservation on them waits for nothing).
-    pub(crate) reserves: bool,
-    /// Whether the policy has a concurrent quota: its requests hold a slot until they end.
-    pub(crate) holds_slots: bool,
-    /// Per quota, its parameters and whether it counts bytes: for a [`RateLimitStatus`].
-    pub(crate) quota_units: Box<[(crate::quota::QuotaParams, bool)]>,
-}
-
-impl<P> Prepared<P> {
-    /// `policy` validated and prepared for `backend`, with its header material and counters.
-    pub(crate) fn new<Bk: Backend<Policy = P>>(
-        backend: &Bk,
-        policy: Policy,
-    ) -> Result<Self, ConfigError> {
-        let params = policy.validate()?;
-        let prepared = backend.prepare(&policy, &params)?;
-        let headers = PolicyHeaders::new(&policy, &params);
-        Ok(Prepared {
-            metrics: PolicyMetrics::new(&policy, &headers.labels),
-            holds_slots: params.iter().any(|p| p.is_concurrent()),
-            quota_units: (params.iter().zip(policy.quotas()))
-                .map(|(p, q)| (*p, q.counts_bytes()))
-                .collect(),
-            reserves: params
-                .iter()
-                .all(|p| p.kind == crate::quota::QuotaKind::Gcra),
-            headers,
-            backend: prepared,
-            policy,
-        })
-    }
 }
 
 /// The policy of a layer: one, or chosen by live rules.
@@ -278,11 +239,20 @@ impl<K: KeyExtractor, Bk: Backend> Shared<K, Bk> {
             if taken.cost == 0 && !policy.holds_slots && policy.policy.settle_rules().is_none() {
                 policy.metrics.record(Counted::Free, None);
                 let pass = Admission::Now(Verdict::Pass(HeaderAdds::new()));
-                return (pass, Settle::new(self, policy, None, key));
+                return (
+                    pass,
+                    Settle::new(&self.backend, self.pauses.as_ref(), policy, None, key),
+                );
             }
             let cost = taken.units;
             // 3. decision
-            let settle = Settle::new(self, policy, Some(taken), key);
+            let settle = Settle::new(
+                &self.backend,
+                self.pauses.as_ref(),
+                policy,
+                Some(taken),
+                key,
+            );
             let lease = Settle::lease(&settle);
             (self.decide(policy, key, cost, lease, &info), settle)
         })

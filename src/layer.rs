@@ -8,10 +8,11 @@ use std::time::Duration;
 
 use tower_layer::Layer;
 
-use crate::admit::{Policies, Prepared, Shared};
+use crate::admit::{Policies, Shared};
 use crate::backend::Backend;
 use crate::body::{KeepBody, WrapBody};
 use crate::key::{ClientIp, KeyExtractor, OnMissingKey};
+use crate::prepared::Prepared;
 use crate::response::{HeaderStyle, RejectionBody, Responder};
 use crate::rules::{LiveRules, RuleSet, RulesHandle};
 use crate::service::{Erased, RateLimit};

@@ -91,7 +91,9 @@ pub mod metrics;
 #[cfg_attr(docsrs, doc(cfg(feature = "reqwest")))]
 pub mod middleware;
 mod policy;
+mod prepared;
 pub mod quota;
+mod report;
 mod request;
 pub mod response;
 pub mod rules;

@@ -125,8 +125,9 @@ use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::backend::next_lease;
 use crate::backend::{Backend, Decision, Mode};
-use crate::settle::{Landing, next_lease, refund_at, send, took};
+use crate::settle::{Landing, refund_at, send, took};
 use crate::wait::Pauses;
 use crate::{BackendError, ConfigError, Key, Policy};
 

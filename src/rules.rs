@@ -137,8 +137,8 @@ use arc_swap::ArcSwap;
 use http::Method;
 use smallvec::SmallVec;
 
-use crate::admit::Prepared;
 use crate::backend::Backend;
+use crate::prepared::Prepared;
 use crate::{ConfigError, Key, Policy, RequestInfo};
 
 type Predicate = Arc<dyn Fn(&RequestInfo<'_>) -> bool + Send + Sync>;

@@ -70,9 +70,9 @@ use std::time::Duration;
 
 use http::{Extensions, HeaderMap, HeaderName, Response, StatusCode};
 
-use crate::admit::{Prepared, Shared};
 use crate::backend::{Backend, Decision, Mode};
 use crate::body::{BodyGuard, BodyMode, Held};
+use crate::prepared::Prepared;
 use crate::response::{HeaderAdds, add_headers};
 use crate::wait::Pauses;
 use crate::{BackendError, Key};
@@ -438,43 +438,6 @@ impl Rules {
     }
 }
 
-/// The error for a policy that settles on a store that does not settle yet.
-#[cfg_attr(
-    not(any(feature = "redis", feature = "postgres", feature = "mysql")),
-    allow(dead_code)
-)]
-pub(crate) fn unsupported(policy: &crate::Policy, store: &str) -> crate::ConfigError {
-    // What the policy asks for that the store lacks: slots and blocks first, which a store
-    // that settles may still lack; settling only when it is all the policy asks for.
-    let blocking = (policy.quotas().iter()).find(|q| q.block().is_some());
-    let (option, what) = if policy.holds_slots() {
-        ("Quota::concurrent", "caps requests in flight".to_owned())
-    } else if let Some(quota) = blocking.filter(|_| policy.block_mask() != 0) {
-        (
-            "Quota::block_for",
-            format!("blocks keys once its quota \"{quota}\" refuses"),
-        )
-    } else if policy.block().is_some() {
-        (
-            "Policy::block_for",
-            "blocks keys once refused (`block_for`)".to_owned(),
-        )
-    } else {
-        (
-            "Policy::charge_when / Policy::cost_from",
-            "settles requests after their response".to_owned(),
-        )
-    };
-    crate::ConfigError::Invalid {
-        option,
-        reason: format!(
-            "policy `{}` {what}, which {store} does not do yet (the local backend, Redis in its \
-             exact mode, Redis Cluster, PostgreSQL and MySQL do)",
-            policy.name()
-        ),
-    }
-}
-
 /// What a request settles once the wrapped service has answered. A layer and a policy that
 /// settle nothing carry none (a `None`, checked once per response).
 pub(crate) struct Settle<Bk: Backend> {
@@ -524,9 +487,9 @@ struct Target<Bk: Backend> {
 }
 
 impl<Bk: Backend> Target<Bk> {
-    fn new<K>(shared: &Shared<K, Bk>, policy: &Arc<Prepared<Bk::Policy>>, key: &Key) -> Self {
+    fn new(backend: &Arc<Bk>, policy: &Arc<Prepared<Bk::Policy>>, key: &Key) -> Self {
         Target {
-            backend: shared.backend.clone(),
+            backend: backend.clone(),
             policy: policy.clone(),
             key: key.clone(),
         }
@@ -570,22 +533,6 @@ impl<Bk: Backend> Drop for Slot<Bk> {
     }
 }
 
-/// A lease id unique to a request: a counter from a random start per process, so that the
-/// instances sharing a store do not give out the same ids.
-pub(crate) fn next_lease() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static NEXT: std::sync::OnceLock<AtomicU64> = std::sync::OnceLock::new();
-    let next = NEXT.get_or_init(|| {
-        let start = std::collections::hash_map::RandomState::new()
-            .build_hasher()
-            .finish();
-        AtomicU64::new(start)
-    });
-    // Never 0, which the stores read as no lease.
-    next.fetch_add(1, Ordering::Relaxed).max(1)
-}
-
 /// A request's admission, to be settled by its policy's rules.
 struct Charging<Bk: Backend> {
     target: Target<Bk>,
@@ -602,8 +549,9 @@ impl<Bk: Backend> Settle<Bk> {
     /// the wrapped service's requests to slow down, or the request is decided (`taken`: what
     /// it takes; `None` for a free request) under a policy that settles or holds slots.
     #[inline]
-    pub(crate) fn new<K>(
-        shared: &Shared<K, Bk>,
+    pub(crate) fn new(
+        backend: &Arc<Bk>,
+        pauses: Option<&Arc<Pauses>>,
         policy: &Arc<Prepared<Bk::Policy>>,
         taken: Option<Taken>,
         key: &Key,
@@ -621,21 +569,21 @@ impl<Bk: Backend> Settle<Bk> {
         };
         let charged = taken.and_then(|taken| Some((rules(taken)?, taken)));
         let holds = taken.is_some() && policy.holds_slots;
-        if shared.pauses.is_none() && charged.is_none() && !holds {
+        if pauses.is_none() && charged.is_none() && !holds {
             return None;
         }
         let slot = holds.then(|| Slot {
-            target: Target::new(shared, policy, key),
-            lease: next_lease(),
+            target: Target::new(backend, policy, key),
+            lease: crate::backend::next_lease(),
             taken: false,
         });
         let charge = charged.map(|(rules, taken)| Charging {
-            target: Target::new(shared, policy, key),
+            target: Target::new(backend, policy, key),
             rules: rules.clone(),
             taken,
             admitted: None,
         });
-        let note = shared.pauses.clone().map(|p| (key.clone(), p));
+        let note = pauses.map(|p| (key.clone(), p.clone()));
         Some(Box::new(Settle { note, charge, slot }))
     }
 

@@ -543,3 +543,56 @@ pub(crate) mod throttle {
         }
     }
 }
+
+/// A lease id unique to a request: a counter from a random start per process, so that the
+/// instances sharing a store do not give out the same ids.
+pub(crate) fn next_lease() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: std::sync::OnceLock<AtomicU64> = std::sync::OnceLock::new();
+    let next = NEXT.get_or_init(|| {
+        let start = std::collections::hash_map::RandomState::new()
+            .build_hasher()
+            .finish();
+        AtomicU64::new(start)
+    });
+    // Never 0, which the stores read as no lease.
+    next.fetch_add(1, Ordering::Relaxed).max(1)
+}
+
+/// The error for a policy that settles on a store that does not settle yet.
+#[cfg_attr(
+    not(any(feature = "redis", feature = "postgres", feature = "mysql")),
+    allow(dead_code)
+)]
+pub(crate) fn unsupported(policy: &crate::Policy, store: &str) -> crate::ConfigError {
+    // What the policy asks for that the store lacks: slots and blocks first, which a store
+    // that settles may still lack; settling only when it is all the policy asks for.
+    let blocking = (policy.quotas().iter()).find(|q| q.block().is_some());
+    let (option, what) = if policy.holds_slots() {
+        ("Quota::concurrent", "caps requests in flight".to_owned())
+    } else if let Some(quota) = blocking.filter(|_| policy.block_mask() != 0) {
+        (
+            "Quota::block_for",
+            format!("blocks keys once its quota \"{quota}\" refuses"),
+        )
+    } else if policy.block().is_some() {
+        (
+            "Policy::block_for",
+            "blocks keys once refused (`block_for`)".to_owned(),
+        )
+    } else {
+        (
+            "Policy::charge_when / Policy::cost_from",
+            "settles requests after their response".to_owned(),
+        )
+    };
+    crate::ConfigError::Invalid {
+        option,
+        reason: format!(
+            "policy `{}` {what}, which {store} does not do yet (the local backend, Redis in its \
+             exact mode, Redis Cluster, PostgreSQL and MySQL do)",
+            policy.name()
+        ),
+    }
+}

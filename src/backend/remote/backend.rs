@@ -165,7 +165,7 @@ impl<S: Store> Remote<S> {
         params: &[QuotaParams],
     ) -> Result<RemotePolicy<S>, ConfigError> {
         if (policy.settles() || policy.holds_slots() || policy.block().is_some()) && !S::SETTLES {
-            return Err(crate::settle::unsupported(
+            return Err(crate::backend::unsupported(
                 policy,
                 &format!("the {} backend", S::KIND),
             ));

@@ -164,7 +164,7 @@ impl FleetSize {
                 Fleet::Size(n) => n.get(),
                 Fleet::Announced { .. } => 1,
             }),
-            id: crate::settle::next_lease(),
+            id: crate::backend::next_lease(),
         }
     }
 
