@@ -330,7 +330,7 @@ impl Store for RedisStore {
     /// that redis-rs's own error (refused, a wrong password, its connection timeout) comes
     /// first.
     fn warm_up_timeout(&self, timeout: Duration) -> Duration {
-        super::builder::connect_timeout(timeout)
+        super::conn::connect_timeout(timeout)
             .saturating_add(timeout.max(Duration::from_millis(250)))
     }
 }

@@ -8,7 +8,7 @@ use redis::cluster::{ClusterClient, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
 
 use super::backend::{RedisBackend, RedisStore};
-use super::conn::{Conn, Lazy};
+use super::conn::{Conn, Lazy, connect_timeout};
 use super::tls;
 use crate::ConfigError;
 use crate::backend::remote::redact::{self, Secrets};
@@ -256,9 +256,9 @@ impl RedisBackendBuilder {
         self,
         mode: super::approx::Approximate,
     ) -> Result<super::approx::ApproxBackend, ConfigError> {
-        // The exact backend a policy's concurrent quotas are decided by, built (with its own
-        // connection) when a policy first has one.
-        let exact = self.clone();
+        // The exact backend a policy's concurrent quotas are decided by, with a connection of
+        // its own (made when a policy first uses it).
+        let exact = self.clone().build()?;
         let c = self.connect()?;
         Ok(super::approx::ApproxBackend::new(
             c.conn, c.endpoint, c.prefix, c.opts, mode, exact,
@@ -413,14 +413,6 @@ fn sentinel_node_info(url: &str) -> Option<redis::sentinel::SentinelNodeConnecti
         redis::sentinel::SentinelNodeConnectionInfo::default()
             .set_redis_connection_info(info.redis_settings().clone()),
     )
-}
-
-/// Connection attempts get more time than a decision (a TLS or cross-zone handshake takes a
-/// few round trips), but stay short so that reconnection keeps trying often.
-pub(crate) fn connect_timeout(timeout: Duration) -> Duration {
-    timeout
-        .saturating_mul(5)
-        .clamp(Duration::from_millis(250), Duration::from_secs(2))
 }
 
 /// One connection attempt at a time, no retries inside redis-rs: a failed attempt reports its

@@ -418,6 +418,14 @@ impl fmt::Debug for Conn {
     }
 }
 
+/// Connection attempts get more time than a decision (a TLS or cross-zone handshake takes a
+/// few round trips), but stay short so that reconnection keeps trying often.
+pub(crate) fn connect_timeout(timeout: Duration) -> Duration {
+    timeout
+        .saturating_mul(5)
+        .clamp(Duration::from_millis(250), Duration::from_secs(2))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -657,10 +657,9 @@ pub(crate) struct Shared {
     keys: Arc<AtomicUsize>,
     /// Redis's memory as the watch last read it (see `RedisBackendBuilder::watch_memory`).
     memory: MemoryState,
-    /// The exact backend that decides concurrent quotas, built when a policy first has one
-    /// (from `exact_builder`).
-    exact: OnceLock<super::RedisBackend>,
-    exact_builder: Mutex<Option<super::RedisBackendBuilder>>,
+    /// The exact backend that decides concurrent quotas (its connection made when a policy
+    /// first uses it).
+    exact: super::RedisBackend,
     refused_full: AtomicU64,
     /// Requests on new keys decided through Redis because `max_keys` were held, and the
     /// warning of it.
@@ -725,7 +724,7 @@ impl ApproxBackend {
         prefix: String,
         opts: Options,
         mode: Approximate,
-        exact: super::RedisBackendBuilder,
+        exact: super::RedisBackend,
     ) -> Self {
         let now = match &opts.test_clock {
             Some(c) => Now::Test(c.clone()),
@@ -755,8 +754,7 @@ impl ApproxBackend {
                 urgent: AtomicBool::new(false),
                 keys: Arc::new(AtomicUsize::new(0)),
                 memory: MemoryState::default(),
-                exact: OnceLock::new(),
-                exact_builder: Mutex::new(Some(exact)),
+                exact,
                 refused_full: AtomicU64::new(0),
                 overflowed: AtomicU64::new(0),
                 full_warned: OnceAMinute::default(),
@@ -1619,29 +1617,9 @@ impl ApproxBackend {
 }
 
 impl ApproxBackend {
-    /// The concurrent quotas `index` of `policy`, prepared on the exact backend (built now if
-    /// no policy needed it before).
+    /// The concurrent quotas `index` of `policy`, prepared on the exact backend.
     fn slots(&self, policy: &Policy, index: &[usize]) -> Result<Slots, ConfigError> {
-        let s = &self.shared;
-        let backend = match s.exact.get() {
-            Some(b) => b.clone(),
-            None => {
-                let builder = (s.exact_builder.lock().unwrap_or_else(|e| e.into_inner())).take();
-                match builder {
-                    Some(builder) => {
-                        let built = builder.build()?;
-                        s.exact.get_or_init(|| built).clone()
-                    }
-                    // Another thread is building it: it is there once that returns.
-                    None => loop {
-                        if let Some(b) = s.exact.get() {
-                            break b.clone();
-                        }
-                        std::thread::yield_now();
-                    },
-                }
-            }
-        };
+        let backend = self.shared.exact.clone();
         let quotas = index.iter().map(|&i| policy.quotas()[i]);
         let mut quotas = quotas.peekable();
         let first = quotas.next().ok_or_else(|| ConfigError::QuotaCount {
