@@ -17,6 +17,7 @@ use bytes::Bytes;
 use http::{HeaderMap, Request, Response, StatusCode};
 
 use crate::backend::{Backend, DecidedBy, Decision, Mode};
+use crate::charge::Taken;
 use crate::key::{KeyError, KeyExtractor, OnMissingKey};
 use crate::metrics::Outcome as Counted;
 use crate::prepared::Prepared;
@@ -24,7 +25,7 @@ use crate::report::RateLimitStatus;
 use crate::request::grpc_content_type;
 use crate::response::{self, HeaderAdds, Rejection, RejectionKind, Responder};
 use crate::rules::LiveRules;
-use crate::settle::{Settle, Taken};
+use crate::settle::Settle;
 use crate::wait::{Pauses, Slot, Waiting};
 use crate::{BackendError, Key, RequestInfo};
 

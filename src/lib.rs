@@ -76,6 +76,7 @@ mod admit;
 pub mod backend;
 pub mod body;
 mod call;
+mod charge;
 pub mod cors;
 mod error;
 pub mod fields;

@@ -31,7 +31,7 @@ pub struct Policy {
     shadow: bool,
     shadow_headers: bool,
     /// How requests are settled after their response, when they are.
-    settle: Option<Arc<crate::settle::Rules>>,
+    settle: Option<Arc<crate::charge::Rules>>,
     /// How long a key is refused once refused (`block_for`).
     block: Option<std::time::Duration>,
     /// Whether units are given back to its keys by other means than its own settlement rules
@@ -169,25 +169,25 @@ impl Policy {
     ///     .charge_when(ChargeWhen::status([401, 403]));
     /// assert!(login.settles());
     /// ```
-    pub fn charge_when(mut self, when: crate::settle::ChargeWhen) -> Self {
+    pub fn charge_when(mut self, when: crate::charge::ChargeWhen) -> Self {
         Arc::make_mut(self.settle.get_or_insert_with(Default::default)).when = Some(when);
         self
     }
 
-    /// Charges a request what its response reports (see [`CostFrom`](crate::settle::CostFrom)):
+    /// Charges a request what its response reports (see [`CostFrom`](crate::charge::CostFrom)):
     /// the request's cost is taken at admission as an estimate, and the difference is settled
     /// when the response comes (more taken, or some given back). A key taken past its limit is
     /// in debt, and refused until it is repaid.
-    pub fn cost_from(mut self, from: crate::settle::CostFrom) -> Self {
+    pub fn cost_from(mut self, from: crate::charge::CostFrom) -> Self {
         Arc::make_mut(self.settle.get_or_insert_with(Default::default)).cost = Some(from);
         self
     }
 
     /// What a settling request is charged when it ends without a response (the client went
     /// away and its future was dropped, or the inner service answered with an error instead of
-    /// a response): [`Cancelled::Charge`](crate::settle::Cancelled) (the default) keeps what
+    /// a response): [`Cancelled::Charge`](crate::charge::Cancelled) (the default) keeps what
     /// was taken at admission, `Refund` gives it back.
-    pub fn on_cancel(mut self, cancelled: crate::settle::Cancelled) -> Self {
+    pub fn on_cancel(mut self, cancelled: crate::charge::Cancelled) -> Self {
         Arc::make_mut(self.settle.get_or_insert_with(Default::default)).cancelled = cancelled;
         self
     }
@@ -268,7 +268,7 @@ impl Policy {
     }
 
     /// The settlement rules, when the policy settles.
-    pub(crate) fn settle_rules(&self) -> Option<&Arc<crate::settle::Rules>> {
+    pub(crate) fn settle_rules(&self) -> Option<&Arc<crate::charge::Rules>> {
         self.settle.as_ref().filter(|_| self.settles())
     }
 
@@ -428,24 +428,24 @@ struct PolicySpec {
     #[serde(
         default,
         skip_serializing_if = "Option::is_none",
-        serialize_with = "crate::settle::serde_forms::ser_charge_when",
-        deserialize_with = "crate::settle::serde_forms::de_charge_when"
+        serialize_with = "crate::charge::serde_forms::ser_charge_when",
+        deserialize_with = "crate::charge::serde_forms::de_charge_when"
     )]
-    charge_when: Option<crate::settle::ChargeWhen>,
+    charge_when: Option<crate::charge::ChargeWhen>,
     #[serde(
         default,
         skip_serializing_if = "Option::is_none",
-        serialize_with = "crate::settle::serde_forms::ser_cost_from",
-        deserialize_with = "crate::settle::serde_forms::de_cost_from"
+        serialize_with = "crate::charge::serde_forms::ser_cost_from",
+        deserialize_with = "crate::charge::serde_forms::de_cost_from"
     )]
-    cost_from: Option<crate::settle::CostFrom>,
+    cost_from: Option<crate::charge::CostFrom>,
     #[serde(
         default,
-        skip_serializing_if = "crate::settle::serde_forms::is_charge",
-        serialize_with = "crate::settle::serde_forms::ser_cancelled",
-        deserialize_with = "crate::settle::serde_forms::de_cancelled"
+        skip_serializing_if = "crate::charge::serde_forms::is_charge",
+        serialize_with = "crate::charge::serde_forms::ser_cancelled",
+        deserialize_with = "crate::charge::serde_forms::de_cancelled"
     )]
-    on_cancel: crate::settle::Cancelled,
+    on_cancel: crate::charge::Cancelled,
     /// `Policy::block_for`, as a duration of the quota syntax (`"15min"`, `"30s"`).
     #[serde(
         default,
@@ -558,7 +558,7 @@ impl<'de> serde::Deserialize<'de> for Policy {
         let spec = PolicySpec::deserialize(d)?;
         if spec.charge_when.is_none()
             && spec.cost_from.is_none()
-            && spec.on_cancel != crate::settle::Cancelled::Charge
+            && spec.on_cancel != crate::charge::Cancelled::Charge
         {
             return Err(serde::de::Error::custom(format!(
                 "policy `{}`: `on_cancel` applies to policies that settle (with `charge_when` \
@@ -577,7 +577,7 @@ impl<'de> serde::Deserialize<'de> for Policy {
             shadow: spec.shadow,
             shadow_headers: spec.shadow_headers,
             settle: (spec.charge_when.is_some() || spec.cost_from.is_some()).then(|| {
-                Arc::new(crate::settle::Rules {
+                Arc::new(crate::charge::Rules {
                     when: spec.charge_when,
                     cost: spec.cost_from,
                     cancelled: spec.on_cancel,
