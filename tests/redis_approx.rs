@@ -968,23 +968,35 @@ async fn a_full_key_table_decides_new_keys_through_redis() {
     );
 }
 
+/// Both variants on `server`, each under its own prefix and on a test clock aligned on a day
+/// (the conformance suite's windows start there).
+fn both_variants(
+    server: &RedisServer,
+    prefix: &str,
+) -> [(&'static str, ApproxBackend, TestClock); 2] {
+    [
+        ("asynchronous", in_step()),
+        ("synchronous", Approximate::synchronous()),
+    ]
+    .map(|(name, mode)| {
+        let clock = support::conformance::aligned_test_clock();
+        let b = RedisBackend::builder()
+            .url(server.url())
+            .prefix(format!("{prefix}-{name}"))
+            .timeout(TIMEOUT)
+            .test_clock(clock.clone())
+            .build_approximate(mode)
+            .unwrap();
+        (name, b, clock)
+    })
+}
+
 /// Penalties (`block_for`, `Quota::block_for`) on the approximate mode: the meaning they have
 /// on every store (`support::conformance::window_blocks`), in both variants.
 #[tokio::test]
 async fn blocks_approximate() {
     let server = RedisServer::start();
-    for (name, mode) in [
-        ("asynchronous", in_step()),
-        ("synchronous", Approximate::synchronous()),
-    ] {
-        let clock = support::conformance::aligned_test_clock();
-        let b = RedisBackend::builder()
-            .url(server.url())
-            .prefix(format!("blocks-{name}"))
-            .timeout(TIMEOUT)
-            .test_clock(clock.clone())
-            .build_approximate(mode)
-            .unwrap();
+    for (name, b, clock) in both_variants(&server, "blocks") {
         support::conformance::window_blocks(&b, |by| clock.advance(by), name).await;
     }
 }
@@ -1041,18 +1053,7 @@ fn counters_like(server: &RedisServer, pattern: &str) -> String {
 #[tokio::test]
 async fn leases_approximate() {
     let server = RedisServer::start();
-    for (name, mode) in [
-        ("asynchronous", in_step()),
-        ("synchronous", Approximate::synchronous()),
-    ] {
-        let clock = support::conformance::aligned_test_clock();
-        let b = RedisBackend::builder()
-            .url(server.url())
-            .prefix(format!("leases-{name}"))
-            .timeout(TIMEOUT)
-            .test_clock(clock.clone())
-            .build_approximate(mode)
-            .unwrap();
+    for (name, b, clock) in both_variants(&server, "leases") {
         support::conformance::leases(&b, |by| clock.advance(by), name).await;
     }
 }

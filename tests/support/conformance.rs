@@ -880,35 +880,7 @@ pub async fn blocks<B: Backend>(backend: &B, advance: impl Fn(Duration), who: &s
     // burst 2 refuses and that is all; 3/s blocks for a second.
     let per_quota = Policy::new("quota-blocks", Quota::per_second(10).burst(2))
         .and(Quota::per_second(3).block_for(ms(1000)));
-    let q = prepare(backend, &per_quota);
-    let k = key("per-quota");
-    let ask = |c: u32| backend.decide_with(&q, &k, cost(c), Mode::Decide);
-    for _ in 0..2 {
-        assert!(ask(1).await.unwrap().is_allowed(), "{who}");
-    }
-    // The first quota refuses (its burst is spent), the second has room: no block.
-    let d = ask(1).await.unwrap();
-    assert!(!d.is_allowed() && !d.is_blocked(), "{who}: {d:?}");
-    assert_eq!(d.retry_after(), Some(ms(100)), "{who}: {d:?}");
-    advance(ms(100));
-    assert!(ask(1).await.unwrap().is_allowed(), "{who}");
-    advance(ms(100));
-    // Now the second quota refuses (a unit every 333 ms, its 3 spent): blocked for a second.
-    let d = ask(1).await.unwrap();
-    assert!(
-        d.is_blocked(),
-        "{who}: the blocking quota's refusal starts the block: {d:?}"
-    );
-    assert_eq!(d.retry_after(), Some(ms(1000)), "{who}: {d:?}");
-    advance(ms(900));
-    let d = ask(1).await.unwrap();
-    assert!(d.is_blocked(), "{who}: {d:?}");
-    assert_eq!(d.retry_after(), Some(ms(100)), "{who}: {d:?}");
-    advance(ms(100));
-    assert!(
-        ask(1).await.unwrap().is_allowed(),
-        "{who}: the block is over"
-    );
+    per_quota_block(backend, &per_quota, advance, who).await;
 }
 
 /// Leases, on the shared stores (the local backend needs none): a slot whose request still
@@ -1117,23 +1089,37 @@ pub async fn window_blocks<B: Backend>(backend: &B, advance: impl Fn(Duration), 
     // 3 a second blocks for a second.
     let per_quota = Policy::new("window-quota-blocks", Quota::new(2, ms(100)).fixed_window())
         .and(Quota::new(3, ms(1000)).fixed_window().block_for(ms(1000)));
-    let q = prepare(backend, &per_quota);
+    per_quota_block(backend, &per_quota, advance, who).await;
+}
+
+/// A block on the second of two quotas (`Quota::block_for`), the first refusing two in 100 ms
+/// and the second three a second: only the second's refusal starts the block, of a second.
+async fn per_quota_block<B: Backend>(
+    backend: &B,
+    policy: &Policy,
+    advance: impl Fn(Duration),
+    who: &str,
+) {
+    use tollgate::backend::Mode;
+    let ms = Duration::from_millis;
+    let q = prepare(backend, policy);
     let k = key("per-quota");
     let ask = |c: u32| backend.decide_with(&q, &k, cost(c), Mode::Decide);
     for _ in 0..2 {
         assert!(ask(1).await.unwrap().is_allowed(), "{who}");
     }
+    // The first quota refuses (its burst is spent), the second has room: no block.
     let d = ask(1).await.unwrap();
     assert!(!d.is_allowed() && !d.is_blocked(), "{who}: {d:?}");
     assert_eq!(d.retry_after(), Some(ms(100)), "{who}: {d:?}");
     advance(ms(100));
     assert!(ask(1).await.unwrap().is_allowed(), "{who}");
     advance(ms(100));
-    // Now the second quota refuses (its 3 spent this second): blocked for a second.
+    // Now the second quota refuses (its 3 spent): blocked for a second.
     let d = ask(1).await.unwrap();
     assert!(
         d.is_blocked(),
-        "{who}: the blocking quota's refusal starts it: {d:?}"
+        "{who}: the blocking quota's refusal starts the block: {d:?}"
     );
     assert_eq!(d.retry_after(), Some(ms(1000)), "{who}: {d:?}");
     advance(ms(900));
