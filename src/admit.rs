@@ -26,7 +26,7 @@ use crate::request::grpc_content_type;
 use crate::response::{self, HeaderAdds, Rejection, RejectionKind, Responder};
 use crate::rules::LiveRules;
 use crate::settle::Settle;
-use crate::wait::{Pauses, Slot, Waiting};
+use crate::wait::{Pauses, Place, Waiting};
 use crate::{BackendError, Key, RequestInfo};
 
 /// Everything the services of one layer share.
@@ -90,12 +90,12 @@ pub(crate) enum Verdict {
 }
 
 impl Verdict {
-    /// The verdict, with the waiter's slot `slot` held while it waits (given back at once
+    /// The verdict, with the waiter's place `slot` held while it waits (given back at once
     /// otherwise).
-    fn holding(self, slot: Option<Slot>) -> Self {
+    fn holding(self, place: Option<Place>) -> Self {
         match self {
             Verdict::Wait(adds, mut waited) => {
-                waited.slot = slot;
+                waited.place = place;
                 Verdict::Wait(adds, waited)
             }
             other => other,
@@ -103,11 +103,11 @@ impl Verdict {
     }
 }
 
-/// How long a request waits before it goes on, holding a waiter's slot meanwhile, and its
+/// How long a request waits before it goes on, holding a waiter's place meanwhile, and its
 /// decision for its extensions when asked for.
 pub(crate) struct Waited {
     pub(crate) wait: Duration,
-    pub(crate) slot: Option<Slot>,
+    pub(crate) place: Option<Place>,
     pub(crate) status: Option<Box<RateLimitStatus>>,
 }
 
@@ -123,8 +123,8 @@ pub(crate) enum Admission<Bk: Backend> {
 pub(crate) struct Later<Bk: Backend> {
     policy: Arc<Prepared<Bk::Policy>>,
     step: Step<Bk>,
-    /// A waiter's slot, in wait mode, from the first refusal or pause on.
-    slot: Option<Slot>,
+    /// A waiter's place, in wait mode, from the first refusal or pause on.
+    place: Option<Place>,
 }
 
 enum Step<Bk: Backend> {
@@ -180,10 +180,10 @@ impl<K, Bk: Backend> Admitting<K, Bk> {
                 Step::Deciding(decision, retry) => {
                     let result = ready!(Pin::new(decision).poll(cx));
                     // Wait mode: refused now, but the units come within the longest wait and
-                    // a waiter's slot is free: reserve them.
+                    // a waiter's place is free: reserve them.
                     if let Some((key, cost)) = retry.take()
                         && let Some(waiting) = &shared.waiting
-                        && let Some((slot, max_wait)) =
+                        && let Some((place, max_wait)) =
                             waiting.after_refusal(policy.reserves, &result)
                     {
                         let mode = Mode::Reserve { max_wait };
@@ -192,11 +192,11 @@ impl<K, Bk: Backend> Admitting<K, Bk> {
                                 .backend
                                 .decide_with(&policy.backend, &key, cost, mode);
                         later.step = Step::Deciding(decision, None);
-                        later.slot = Some(slot);
+                        later.place = Some(place);
                         continue;
                     }
                     let verdict = shared.verdict(policy, &result, headers);
-                    return Poll::Ready(verdict.holding(later.slot.take()));
+                    return Poll::Ready(verdict.holding(later.place.take()));
                 }
                 // Only after `abandon`, which the request's drop calls.
                 Step::Abandoned => return Poll::Pending,
@@ -280,9 +280,10 @@ impl<K: KeyExtractor, Bk: Backend> Shared<K, Bk> {
         }
         // In wait mode a request first asks for its units now (a reservation that waits for
         // nothing: all-or-nothing on every store); only one refused for less than the longest
-        // wait takes a waiter's slot and reserves. So requests that pass at once never hold a
-        // slot, even while a store answers.
-        // A request holding a slot cannot wait for one: it is taken now or refused.
+        // wait takes a waiter's place and reserves. So requests that pass at once never hold a
+        // place, even while a store answers.
+        // A request that holds an in-flight slot (a concurrent quota) cannot wait for one: it
+        // is taken now or refused.
         let backend = &self.backend;
         let mut decision = match (waits, lease) {
             (_, Some(lease)) => {
@@ -298,7 +299,7 @@ impl<K: KeyExtractor, Bk: Backend> Shared<K, Bk> {
                 return later(policy, Step::Deciding(decision, retry), None);
             }
         };
-        let Some((slot, max_wait)) = waits.and_then(|w| w.after_refusal(policy.reserves, &result))
+        let Some((place, max_wait)) = waits.and_then(|w| w.after_refusal(policy.reserves, &result))
         else {
             return Admission::Now(self.verdict(policy, &result, info.headers()));
         };
@@ -307,9 +308,9 @@ impl<K: KeyExtractor, Bk: Backend> Shared<K, Bk> {
         match poll_now(&mut decision) {
             Poll::Ready(result) => Admission::Now(
                 self.verdict(policy, &result, info.headers())
-                    .holding(Some(slot)),
+                    .holding(Some(place)),
             ),
-            Poll::Pending => later(policy, Step::Deciding(decision, None), Some(slot)),
+            Poll::Pending => later(policy, Step::Deciding(decision, None), Some(place)),
         }
     }
 
@@ -350,12 +351,12 @@ impl<K: KeyExtractor, Bk: Backend> Shared<K, Bk> {
 fn later<Bk: Backend>(
     policy: &Arc<Prepared<Bk::Policy>>,
     step: Step<Bk>,
-    slot: Option<Slot>,
+    place: Option<Place>,
 ) -> Admission<Bk> {
     Admission::Later(Box::new(Later {
         policy: policy.clone(),
         step,
-        slot,
+        place,
     }))
 }
 
@@ -516,7 +517,7 @@ impl<K, Bk: Backend> Shared<K, Bk> {
                 adds,
                 Box::new(Waited {
                     wait,
-                    slot: None,
+                    place: None,
                     status,
                 }),
             ),

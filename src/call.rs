@@ -12,7 +12,7 @@ use tower_service::Service;
 use crate::backend::Backend;
 use crate::response::HeaderAdds;
 use crate::settle::Settle;
-use crate::wait::Slot;
+use crate::wait::Place;
 
 /// The service that was polled ready, for a request that goes on later: a fresh clone takes its
 /// place (tower's rule: a clone that was never polled ready must not be called).
@@ -28,7 +28,7 @@ pub(crate) struct Wait<S, ReqBody, Bk: Backend> {
     sleep: Pin<Box<tokio::time::Sleep>>,
     call: Option<Call<S, ReqBody, Bk>>,
     // Given back when the request goes on, or when it is dropped while waiting.
-    _slot: Option<Slot>,
+    _place: Option<Place>,
 }
 
 /// A call to make: the ready service and its request, with what admission decided for the
@@ -41,11 +41,11 @@ pub(crate) struct Call<S, ReqBody, Bk: Backend> {
 }
 
 impl<S, ReqBody, Bk: Backend> Wait<S, ReqBody, Bk> {
-    pub(crate) fn new(wait: Duration, slot: Option<Slot>, call: Call<S, ReqBody, Bk>) -> Self {
+    pub(crate) fn new(wait: Duration, place: Option<Place>, call: Call<S, ReqBody, Bk>) -> Self {
         Wait {
             sleep: Box::pin(tokio::time::sleep(wait)),
             call: Some(call),
-            _slot: slot,
+            _place: place,
         }
     }
 

@@ -161,7 +161,11 @@ where
             }
             Verdict::Unsettled(adds) => Self::unsettled(inner.call(req), adds, settle),
             Verdict::Wait(adds, waited) => {
-                let Waited { wait, slot, status } = *waited;
+                let Waited {
+                    wait,
+                    place,
+                    status,
+                } = *waited;
                 let mut req = req;
                 if let Some(status) = status {
                     req.extensions_mut().insert(*status);
@@ -174,7 +178,7 @@ where
                     adds,
                     settle,
                 };
-                let wait = Box::new(Wait::new(wait, slot, call));
+                let wait = Box::new(Wait::new(wait, place, call));
                 Self::new(State::Waiting { wait })
             }
             Verdict::Reject(response) => Self::refused(response),

@@ -298,7 +298,7 @@ impl<K, Bk> RateLimitLayerBuilder<K, Bk> {
     /// the request's key is paused until then (at most an hour); and before any refusal, when
     /// an answer's `RateLimit` field ([`fields`](crate::fields)) says a policy has nothing left
     /// (`r=0;t=N`), for those `N` seconds. Further requests for the key wait out the pause in
-    /// [wait mode](Self::wait) when it is within the longest wait (and a waiter's slot is
+    /// [wait mode](Self::wait) when it is within the longest wait (and a waiter's place is
     /// free), and are answered `429` with the remaining time otherwise, without reaching the
     /// upstream. Per layer (its clones share the pauses), in memory, for at most 65 536 keys
     /// at once.

@@ -118,7 +118,7 @@
 //! **Cancellation.** A reservation is taken before the sleep: if the future of `acquire` is
 //! dropped while it sleeps (a timeout, a cancelled task), the units stay spent. Giving them back
 //! is not safe in general, since later reservations were counted after them; the cost is that a
-//! cancelled waiter's slot goes unused.
+//! cancelled waiter's units go unused.
 
 use std::fmt;
 use std::num::NonZeroU32;

@@ -21,9 +21,9 @@ impl Waiting {
         }
     }
 
-    /// A waiter's slot, if one is free: held while the request waits, given back when it goes
+    /// A waiter's place, if one is free: held while the request waits, given back when it goes
     /// on or is dropped.
-    pub(crate) fn enter(&self) -> Option<Slot> {
+    pub(crate) fn enter(&self) -> Option<Place> {
         let mut n = self.waiters.load(Ordering::Relaxed);
         loop {
             if n >= self.max_waiters {
@@ -33,7 +33,7 @@ impl Waiting {
                 .waiters
                 .compare_exchange_weak(n, n + 1, Ordering::AcqRel, Ordering::Relaxed)
             {
-                Ok(_) => return Some(Slot(self.waiters.clone())),
+                Ok(_) => return Some(Place(self.waiters.clone())),
                 Err(actual) => n = actual,
             }
         }
@@ -41,15 +41,15 @@ impl Waiting {
 }
 
 impl Waiting {
-    /// Whether a request refused now waits for its units instead, and if so a waiter's slot
+    /// Whether a request refused now waits for its units instead, and if so a waiter's place
     /// for it and the longest wait: its policy can reserve (`reserves`: GCRA quotas only), the
     /// store refused it (not a failure, not a cost above a burst) for at most the longest
-    /// wait, and a slot is free. (Shadow policies never wait: callers do not ask for them.)
+    /// wait, and a place is free. (Shadow policies never wait: callers do not ask for them.)
     pub(crate) fn after_refusal(
         &self,
         reserves: bool,
         result: &Result<crate::backend::Decision, crate::BackendError>,
-    ) -> Option<(Slot, Duration)> {
+    ) -> Option<(Place, Duration)> {
         if !reserves {
             return None;
         }
@@ -64,9 +64,9 @@ impl Waiting {
 
 /// One waiting request's place among the waiters.
 #[derive(Debug)]
-pub(crate) struct Slot(Arc<AtomicUsize>);
+pub(crate) struct Place(Arc<AtomicUsize>);
 
-impl Drop for Slot {
+impl Drop for Place {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::AcqRel);
     }
