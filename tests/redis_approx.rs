@@ -1184,6 +1184,33 @@ async fn a_layer_holds_and_gives_back_slots() {
     assert_eq!(call("/fast").await, 200, "given back when /slow was done");
 }
 
+/// A process whose approximate mode decides slots through the exact backend is one instance
+/// of the fleet, not two: both announce it under one id.
+#[tokio::test]
+async fn the_exact_backend_for_slots_is_the_same_instance() {
+    let server = RedisServer::start();
+    let b = RedisBackend::builder()
+        .url(server.url())
+        .timeout(TIMEOUT)
+        .build_approximate(Approximate::asynchronous())
+        .unwrap();
+    let policy = Policy::new("mixed", Quota::per_minute(50).fixed_window())
+        .and(Quota::concurrent(2).lease(Duration::from_secs(60)));
+    let p = prepare(&b, &policy);
+    let lease = tollgate::backend::Mode::Hold { lease: 1 };
+    assert!(
+        b.decide_with(&p, &key("k"), cost(1), lease)
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+    // Both have announced (each every second) by now.
+    support::eventually("the fleet counted", || b.stats().fleet_size >= 1).await;
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(number(&server, &["ZCARD", "tollgate:fleet"]), 1);
+    assert_eq!(b.stats().fleet_size, 1);
+}
+
 /// A peek answers what a decision would, with the request counted: the same as the exact mode
 /// and every other backend, in both variants, for both windows.
 #[tokio::test]

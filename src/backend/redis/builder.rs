@@ -258,8 +258,11 @@ impl RedisBackendBuilder {
     ) -> Result<super::approx::ApproxBackend, ConfigError> {
         // The exact backend a policy's concurrent quotas are decided by, with a connection of
         // its own (made when a policy first uses it).
-        let exact = self.clone().build()?;
-        let c = self.connect()?;
+        // One member of the fleet's announcements for both: the process is one instance.
+        let mut this = self;
+        this.opts.fleet_id = Some(crate::backend::next_lease());
+        let exact = this.clone().build()?;
+        let c = this.connect()?;
         Ok(super::approx::ApproxBackend::new(
             c.conn, c.endpoint, c.prefix, c.opts, mode, exact,
         ))

@@ -98,7 +98,7 @@ impl<S: Store> Remote<S> {
                 counters: Counters::default(),
                 batching: opts.batching,
                 memory_watch: opts.memory_watch,
-                fleet: FleetSize::new(opts.fleet),
+                fleet: FleetSize::new(opts.fleet, opts.fleet_id),
             }),
             batcher: Arc::default(),
         }

@@ -157,14 +157,14 @@ pub(crate) struct FleetSize {
 }
 
 impl FleetSize {
-    pub(crate) fn new(fleet: Fleet) -> Self {
+    pub(crate) fn new(fleet: Fleet, id: Option<u64>) -> Self {
         FleetSize {
             fleet,
             size: AtomicU32::new(match fleet {
                 Fleet::Size(n) => n.get(),
                 Fleet::Announced { .. } => 1,
             }),
-            id: crate::backend::next_lease(),
+            id: id.unwrap_or_else(crate::backend::next_lease),
         }
     }
 

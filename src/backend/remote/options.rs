@@ -166,6 +166,10 @@ pub(crate) struct Options {
     pub(crate) test_clock: Option<TestClock>,
     /// How often the store's memory is read (Redis `INFO`), `None` for never.
     pub(crate) memory_watch: Option<Duration>,
+    /// This instance's id in the fleet's announcements, when two backends of one process
+    /// announce it (the approximate mode and the exact backend deciding its slots): one
+    /// member, counted once. `None`: a fresh one.
+    pub(crate) fleet_id: Option<u64>,
 }
 
 impl Default for Options {
@@ -180,6 +184,7 @@ impl Default for Options {
             fleet: Fleet::default(),
             test_clock: None,
             memory_watch: Some(Duration::from_secs(10)),
+            fleet_id: None,
         }
     }
 }

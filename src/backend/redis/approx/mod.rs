@@ -775,7 +775,7 @@ impl ApproxBackend {
                     Fleet::Size(n) => n.get(),
                     Fleet::Announced { .. } => 0,
                 }),
-                fleet_id: crate::backend::next_lease(),
+                fleet_id: opts.fleet_id.unwrap_or_else(crate::backend::next_lease),
                 next_count_ns: AtomicU64::new(0),
                 next_poll_ns: AtomicU64::new(0),
                 hot: DashMap::with_hasher(RandomState::default()),
