@@ -257,6 +257,9 @@ use crate::{BackendError, BackendErrorKind, ConfigError, Key, Policy};
 mod announce;
 mod counts;
 mod flush;
+mod slots;
+
+use slots::Slots;
 
 use counts::{Counts, Spec};
 
@@ -426,28 +429,6 @@ pub struct ApproxPolicy {
     inner: Arc<PolicyShared>,
     /// The policy's concurrent quotas, decided at the store by the exact backend.
     slots: Option<Arc<Slots>>,
-}
-
-/// A policy's concurrent quotas, as a policy of their own on the exact backend: a slot cannot
-/// be approximate (see the [module docs](self#concurrent-quotas)).
-struct Slots {
-    backend: super::RedisBackend,
-    policy: <super::RedisBackend as Backend>::Policy,
-    /// Each of its quotas' place in the whole policy.
-    index: Box<[usize]>,
-}
-
-impl Slots {
-    /// `decision` of the slots' policy, its quotas numbered as in the whole policy.
-    fn renumber(&self, decision: Decision) -> SmallVec<[crate::backend::QuotaState; 2]> {
-        (decision.quotas().iter())
-            .map(|q| {
-                let mut q = *q;
-                q.index = self.index.get(q.index).copied().unwrap_or(q.index);
-                q
-            })
-            .collect()
-    }
 }
 
 impl fmt::Debug for ApproxPolicy {
@@ -1517,122 +1498,6 @@ impl ApproxBackend {
                 decision
             })),
         }
-    }
-
-    /// A decision on a policy with concurrent quotas, once its windows (`windows`) have
-    /// answered: when they allow it, the slots are asked at the store (checked, or taken for
-    /// [`Mode::Hold`]); when a slot refuses, what the windows took is given back and the
-    /// refusal is the slot's (a block starts if that quota blocks). All or nothing, as on
-    /// every store, but in two steps: between them another request may see the window units
-    /// taken (and be refused for it), never the other way round.
-    async fn with_slots(
-        &self,
-        windows: ApproxFuture,
-        policy: &ApproxPolicy,
-        slots: &Slots,
-        key: &Key,
-        cost: NonZeroU32,
-        mode: Mode,
-    ) -> Result<Decision, BackendError> {
-        let w = windows.await?;
-        if !w.is_allowed() {
-            return Ok(w);
-        }
-        let slot_mode = match mode {
-            Mode::Reserve { .. } => Mode::Decide,
-            other => other,
-        };
-        let took = matches!(
-            mode,
-            Mode::Decide | Mode::Hold { .. } | Mode::Reserve { .. }
-        );
-        let give_back = || async {
-            if took {
-                let back = Mode::Refund {
-                    admitted_ago: std::time::Duration::ZERO,
-                };
-                let _ = self.windows(policy, key, cost, back).await;
-            }
-        };
-        let d = match slots
-            .backend
-            .decide_with(&slots.policy, key, cost, slot_mode)
-            .await
-        {
-            Ok(d) => d,
-            Err(e) => {
-                give_back().await;
-                return Err(e);
-            }
-        };
-        let states = slots.renumber(d);
-        let refused = states
-            .iter()
-            .any(|q| !matches!(q.outcome, crate::backend::Outcome::Allowed));
-        // A peek reports every quota up to the one that refuses; a decision refused by a slot
-        // reports that slot alone.
-        if refused && mode != Mode::Peek {
-            give_back().await;
-            if let Some(left_us) = self.block_on_slots(&policy.inner, key, &states) {
-                return Ok(policy.inner.blocked(left_us));
-            }
-            return Ok(Decision::new(states));
-        }
-        let mut all: SmallVec<[crate::backend::QuotaState; 2]> =
-            w.quotas().iter().cloned().collect();
-        all.extend(states);
-        all.sort_unstable_by_key(|q| q.index);
-        Ok(Decision::from_states(all))
-    }
-
-    /// Blocks `key` when a concurrent quota that blocks refused it (`states`): as a window's
-    /// refusal does (see `decide_here`). Returns the block's length in µs, if it started one.
-    fn block_on_slots(
-        &self,
-        p: &Arc<PolicyShared>,
-        key: &Key,
-        states: &[crate::backend::QuotaState],
-    ) -> Option<u64> {
-        let mask = p.block_mask;
-        let blocks = p.block_us > 0
-            && states.iter().any(|q| {
-                matches!(q.outcome, crate::backend::Outcome::Denied { .. })
-                    && (mask == 0 || (q.index < 64 && mask & (1 << q.index) != 0))
-            });
-        if !blocks {
-            return None;
-        }
-        let s = &self.shared;
-        let now_us = s.now.us();
-        let entry = p.entries.get(key)?.entry.clone();
-        let mut st = entry.lock();
-        st.blocked_until_us = now_us.saturating_add(p.block_us);
-        st.block_owed = true;
-        if s.mode.allowance > 0 {
-            s.mark(p, &entry, &mut st, now_us);
-        }
-        s.enqueue(p, &entry, &mut st);
-        Some(p.block_us)
-    }
-}
-
-impl ApproxBackend {
-    /// The concurrent quotas `index` of `policy`, prepared on the exact backend.
-    fn slots(&self, policy: &Policy, index: &[usize]) -> Result<Slots, ConfigError> {
-        let backend = self.shared.exact.clone();
-        let quotas = index.iter().map(|&i| policy.quotas()[i]);
-        let mut quotas = quotas.peekable();
-        let first = quotas.next().ok_or_else(|| ConfigError::QuotaCount {
-            policy: policy.name().to_owned(),
-            count: 0,
-        })?;
-        let slot_policy = quotas.fold(Policy::new(policy.name(), first), Policy::and);
-        let params = slot_policy.validate()?;
-        Ok(Slots {
-            policy: backend.prepare(&slot_policy, &params)?,
-            backend,
-            index: index.into(),
-        })
     }
 }
 
