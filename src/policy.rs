@@ -232,6 +232,12 @@ impl Policy {
             .fold(0, |m, (i, _)| m | 1 << i)
     }
 
+    /// Whether a refusal by quota `index` starts a block, by the policy's
+    /// [`block_mask`](Self::block_mask) `mask`.
+    pub(crate) fn blocks_on(mask: u64, index: usize) -> bool {
+        mask == 0 || (index < 64 && mask & (1 << index) != 0)
+    }
+
     /// Whether requests are settled after their response
     /// ([`charge_when`](Self::charge_when), [`cost_from`](Self::cost_from)).
     pub fn settles(&self) -> bool {

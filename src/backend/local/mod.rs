@@ -815,7 +815,7 @@ where
         now_us: u64,
     ) -> bool {
         let mask = policy.block_mask;
-        let blocks = |i: usize| mask == 0 || (i < 64 && mask & (1 << i) != 0);
+        let blocks = |i: usize| Policy::blocks_on(mask, i);
         let denied = |s: &QuotaState| matches!(s.outcome, Outcome::Denied { .. });
         if decision
             .quotas()

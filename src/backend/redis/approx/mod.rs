@@ -477,12 +477,13 @@ impl PolicyShared {
     /// Whether a refusal with these `codes` (one per quota) starts a block: a quota that
     /// blocks refused (not because the cost can never fit it).
     fn blocks(&self, codes: &[Code]) -> bool {
-        let mask = self.block_mask;
-        self.block_us > 0
-            && (self.specs.iter().zip(codes)).any(|(spec, code)| {
-                *code == Code::Denied
-                    && (mask == 0 || (spec.index < 64 && mask & (1 << spec.index) != 0))
-            })
+        (self.specs.iter().zip(codes))
+            .any(|(spec, code)| *code == Code::Denied && self.blocks_on(spec.index))
+    }
+
+    /// Whether a refusal by quota `index` (of the whole policy) starts a block.
+    fn blocks_on(&self, index: usize) -> bool {
+        self.block_us > 0 && Policy::blocks_on(self.block_mask, index)
     }
 
     /// When (µs) every count of a key decided at `now_us` will have left its windows: the
@@ -1046,6 +1047,24 @@ impl Shared {
         (self.refused_warned).now(self.now_ns_mono())
     }
 
+    /// Blocks the key of `entry` from `now_us` for the policy's block: here at once, in Redis
+    /// with the next flush (where every instance that reads the key finds it), and announced,
+    /// so that the others read it soon.
+    fn start_block(
+        &self,
+        policy: &Arc<PolicyShared>,
+        entry: &Arc<Entry>,
+        st: &mut EntryState,
+        now_us: u64,
+    ) {
+        st.blocked_until_us = now_us.saturating_add(policy.block_us);
+        st.block_owed = true;
+        if self.mode.allowance > 0 {
+            self.mark(policy, entry, st, now_us);
+        }
+        self.enqueue(policy, entry, st);
+    }
+
     /// Decides from the counts held, counting the units when allowed and queueing them for
     /// the next flush. Returns the decision, and whether it waits for that flush (the
     /// synchronous variant's allowed requests, while Redis answers).
@@ -1069,14 +1088,7 @@ impl Shared {
         }
         let allowed = codes.iter().all(|c| *c == Code::Allowed);
         if !allowed && mode != Mode::Peek && policy.blocks(&codes) {
-            // Blocked here at once, in Redis with the next flush (where every instance that
-            // reads the key finds it), and announced, so that the others read it soon.
-            st.blocked_until_us = now_us.saturating_add(policy.block_us);
-            st.block_owed = true;
-            if self.mode.allowance > 0 {
-                self.mark(policy, entry, &mut st, now_us);
-            }
-            self.enqueue(policy, entry, &mut st);
+            self.start_block(policy, entry, &mut st, now_us);
             return (policy.blocked(policy.block_us), false);
         }
         let take = mode != Mode::Peek && allowed;

@@ -125,25 +125,16 @@ impl ApproxBackend {
         key: &Key,
         states: &[QuotaState],
     ) -> Option<u64> {
-        let mask = p.block_mask;
-        let blocks = p.block_us > 0
-            && states.iter().any(|q| {
-                matches!(q.outcome, crate::backend::Outcome::Denied { .. })
-                    && (mask == 0 || (q.index < 64 && mask & (1 << q.index) != 0))
-            });
+        let blocks = states.iter().any(|q| {
+            matches!(q.outcome, crate::backend::Outcome::Denied { .. }) && p.blocks_on(q.index)
+        });
         if !blocks {
             return None;
         }
-        let s = &self.shared;
-        let now_us = s.now.us();
         let entry = p.entries.get(key)?.entry.clone();
         let mut st = entry.lock();
-        st.blocked_until_us = now_us.saturating_add(p.block_us);
-        st.block_owed = true;
-        if s.mode.allowance > 0 {
-            s.mark(p, &entry, &mut st, now_us);
-        }
-        s.enqueue(p, &entry, &mut st);
+        self.shared
+            .start_block(p, &entry, &mut st, self.shared.now.us());
         Some(p.block_us)
     }
 }
