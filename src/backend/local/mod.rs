@@ -374,7 +374,9 @@ impl<C: Clock> LocalBackend<C> {
     }
 
     /// How many buckets were evicted to make room for new keys in a full table, since the
-    /// backend was built (see [`max_keys`](LocalBackendBuilder::max_keys)).
+    /// backend was built (see [`max_keys`](LocalBackendBuilder::max_keys)), in the cap's
+    /// units: a sliding window's bucket that held counts in many sub-windows counts as the
+    /// several it took of the cap.
     pub fn evicted_keys(&self) -> u64 {
         self.inner.evicted.load(Ordering::Relaxed)
     }

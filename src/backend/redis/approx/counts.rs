@@ -178,7 +178,8 @@ impl Counts {
 
     /// Sub-window `slice`'s cell, if it has one.
     fn cell(&mut self, slice: u64) -> Option<&mut Cell> {
-        self.cells.iter_mut().find(|c| c.slice == slice)
+        let at = self.cells.partition_point(|c| c.slice < slice);
+        self.cells.get_mut(at).filter(|c| c.slice == slice)
     }
 
     /// Sub-window `slice`'s cell, made if it is in the window and has none; `None` outside
@@ -316,7 +317,8 @@ impl Counts {
         extra: u32,
     ) -> QuotaState {
         let newest = self.slice;
-        let has_newest = self.cells.iter().any(|c| c.slice == newest);
+        // The cells are in order: the newest sub-window's, if any, is the last.
+        let has_newest = self.cells.last().is_some_and(|c| c.slice == newest);
         let view = move |c: &Cell| {
             let more = if c.slice == newest { extra } else { 0 };
             c.view().saturating_add(more)
