@@ -154,7 +154,7 @@ fn deny_cache(c: &mut Criterion) {
         let s = b.stats();
         println!(
             "{name}: redis calls {} deny-cache hits {}",
-            s.redis_calls, s.deny_cache_hits
+            s.decisions, s.deny_cache_hits
         );
     }
     g.finish();

@@ -234,6 +234,7 @@ impl Policy {
 
     /// Whether a refusal by quota `index` starts a block, by the policy's
     /// [`block_mask`](Self::block_mask) `mask`.
+    #[cfg_attr(not(any(feature = "local", feature = "redis")), allow(dead_code))]
     pub(crate) fn blocks_on(mask: u64, index: usize) -> bool {
         mask == 0 || (index < 64 && mask & (1 << index) != 0)
     }

@@ -117,61 +117,36 @@
 //! `native-tls-tls` feature) and hand it over with [`pool`](MysqlBackendBuilder::pool).
 
 mod builder;
-mod store;
+mod dialect;
 
 pub use builder::MysqlBackendBuilder;
 /// The mysql_async crate the backend speaks through and its pools come from, for
 /// [`pool`](MysqlBackendBuilder::pool).
 pub use mysql_async;
 
-use crate::BackendError;
-use crate::backend::remote::{Remote, RemotePolicy};
-use store::MysqlStore;
-
-/// A [`Backend`](crate::backend::Backend) keeping buckets in a MySQL or MariaDB table: one limit shared by every
-/// instance of an application. Cheap to clone: clones share the pool, breaker and counters.
-///
-/// See the [module docs](self) for guarantees, schema and failure modes.
-#[derive(Clone)]
-pub struct MysqlBackend {
-    remote: Remote<MysqlStore>,
-}
-
-/// A policy prepared for the [`MysqlBackend`].
-pub struct MysqlPolicy {
-    inner: RemotePolicy<MysqlStore>,
-}
-
-impl MysqlBackend {
+crate::backend::sql::sql_backend! {
+    /// A [`Backend`](crate::backend::Backend) keeping buckets in a MySQL or MariaDB table: one
+    /// limit shared by every instance of an application. Cheap to clone: clones share the
+    /// pool, breaker and counters.
+    ///
+    /// See the [module docs](self) for guarantees, schema and failure modes.
+    MysqlBackend,
+    /// A policy prepared for the [`MysqlBackend`].
+    MysqlPolicy,
+    dialect::Mysql;
     /// Creates the table if missing and replaces the procedure by this version's when it
     /// differs: idempotent, safe to run from every instance at start (they take turns on a
     /// named lock), and while other instances decide (when nothing changed, the procedure is
     /// left alone).
-    pub async fn migrate(&self) -> Result<(), BackendError> {
-        self.remote.store().migrate().await
-    }
-
+    migrate;
     /// The SQL [`migrate`](Self::migrate) runs, for teams that run their own migrations: its
     /// statements are separated by lines holding only `-- statement` (send each alone; the
     /// procedure's body holds semicolons).
-    pub fn migration_sql(&self) -> String {
-        self.remote.store().names.migration()
-    }
-
+    migration_sql;
     /// Calls sent again after the database rolled them back for a conflict (a deadlock or a
     /// lock wait timeout), since the backend was built.
-    pub fn conflicts_retried(&self) -> u64 {
-        self.remote
-            .store()
-            .conflicts
-            .load(std::sync::atomic::Ordering::Relaxed)
-    }
-
+    conflicts_retried;
     /// Where the backend connects, password left out: `mysql://user@host:3306/db`, or `pool`
     /// for a pool you handed over.
-    pub fn endpoint(&self) -> &str {
-        &self.remote.store().endpoint
-    }
+    endpoint;
 }
-
-crate::backend::sql::sql_backend!(MysqlBackend, MysqlPolicy, MysqlStore);

@@ -113,7 +113,7 @@
 //! and hand it over with [`pool`](PostgresBackendBuilder::pool).
 
 mod builder;
-mod store;
+mod dialect;
 
 pub use builder::PostgresBackendBuilder;
 /// The deadpool-postgres crate the backend's pools come from, for
@@ -122,51 +122,26 @@ pub use deadpool_postgres;
 /// The tokio-postgres crate the backend speaks through.
 pub use tokio_postgres;
 
-use crate::BackendError;
-use crate::backend::remote::{Remote, RemotePolicy};
-use store::PgStore;
-
-/// A [`Backend`](crate::backend::Backend) keeping buckets in a PostgreSQL table: one limit shared by every instance of
-/// an application. Cheap to clone: clones share the pool, breaker and counters.
-///
-/// See the [module docs](self) for guarantees, schema and failure modes.
-#[derive(Clone)]
-pub struct PostgresBackend {
-    remote: Remote<PgStore>,
-}
-
-/// A policy prepared for the [`PostgresBackend`].
-pub struct PostgresPolicy {
-    inner: RemotePolicy<PgStore>,
-}
-
-impl PostgresBackend {
+crate::backend::sql::sql_backend! {
+    /// A [`Backend`](crate::backend::Backend) keeping buckets in a PostgreSQL table: one limit
+    /// shared by every instance of an application. Cheap to clone: clones share the pool,
+    /// breaker and counters.
+    ///
+    /// See the [module docs](self) for guarantees, schema and failure modes.
+    PostgresBackend,
+    /// A policy prepared for the [`PostgresBackend`].
+    PostgresPolicy,
+    dialect::Postgres;
     /// Creates the table and the function if missing, and replaces the function by this
     /// version's: idempotent, safe to run from every instance at start (they take turns on an
     /// advisory lock).
-    pub async fn migrate(&self) -> Result<(), BackendError> {
-        self.remote.store().migrate().await
-    }
-
+    migrate;
     /// The SQL [`migrate`](Self::migrate) runs, for teams that run their own migrations.
-    pub fn migration_sql(&self) -> String {
-        self.remote.store().names.migration()
-    }
-
+    migration_sql;
     /// Calls sent again after the database rolled them back for a conflict (a serialization
     /// failure or a deadlock), since the backend was built.
-    pub fn conflicts_retried(&self) -> u64 {
-        self.remote
-            .store()
-            .conflicts
-            .load(std::sync::atomic::Ordering::Relaxed)
-    }
-
+    conflicts_retried;
     /// Where the backend connects, password left out: `postgres://user@host:5432/db`, or
     /// `pool` for a pool you handed over.
-    pub fn endpoint(&self) -> &str {
-        &self.remote.store().endpoint
-    }
+    endpoint;
 }
-
-crate::backend::sql::sql_backend!(PostgresBackend, PostgresPolicy, PgStore);

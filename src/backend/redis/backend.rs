@@ -15,59 +15,10 @@ use crate::backend::{Backend, Decision, Mode, ResetFuture};
 use crate::quota::QuotaParams;
 use crate::{BackendError, ConfigError, Key, Policy};
 
-/// Counters of a [`RedisBackend`], from [`RedisBackend::stats`]. All counts are since the
-/// backend was built.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct RedisStats {
-    /// Decisions sent to Redis (requests, not script calls).
-    pub redis_calls: u64,
-    /// Script calls those took: concurrent decisions on a single node share one call.
-    pub script_calls: u64,
-    /// Script calls that failed (an error, a timeout, a reply that could not be read), each
-    /// counted once however many decisions it carried; plus single decisions Redis refused
-    /// inside a call that succeeded (a key of the wrong type). Requests that got the failure
-    /// policy are counted in [`fail_open`](Self::fail_open),
-    /// [`fail_closed`](Self::fail_closed) or [`fallback_local`](Self::fallback_local).
-    pub redis_errors: u64,
-    /// Of those, script calls that timed out. A batched call runs until the last deadline of
-    /// its decisions; a request whose own deadline passed earlier, or while it was still
-    /// queued, gets the failure policy without counting here.
-    pub timeouts: u64,
-    /// Requests let through by [`FailurePolicy::FailOpen`](super::FailurePolicy::FailOpen).
-    pub fail_open: u64,
-    /// Requests refused by [`FailurePolicy::FailClosed`](super::FailurePolicy::FailClosed).
-    pub fail_closed: u64,
-    /// Requests decided by the local backend under
-    /// [`FailurePolicy::FallbackLocal`](super::FailurePolicy::FallbackLocal).
-    pub fallback_local: u64,
-    /// Requests denied by the local deny cache without a Redis call.
-    pub deny_cache_hits: u64,
-    /// Denials held in the deny caches now.
-    pub deny_cache_entries: usize,
-    /// How many instances share Redis as this one knows it ([`Fleet`](super::Fleet)): the
-    /// configured size with `Fleet::Size(n)`; with `Fleet::Announced`, 1 until the first count,
-    /// and always 1 unless the failure policy is
-    /// [`FallbackLocal`](super::FailurePolicy::FallbackLocal).
-    pub fleet_size: u32,
-    /// Redis's memory in use (`used_memory`, bytes) as last read by the memory watch
-    /// ([`watch_memory`](super::RedisBackendBuilder::watch_memory)); 0 before the first read,
-    /// and on a Redis Cluster (not read).
-    pub memory_used: u64,
-    /// Redis's `maxmemory` (bytes; 0: no limit, or not read).
-    pub memory_max: u64,
-    /// Keys Redis evicted since the watch first read it (`evicted_keys`): each may have been
-    /// a rate limit's count, which then started afresh.
-    pub evicted_keys: u64,
-    /// Whether the circuit breaker is open (Redis is not being called).
-    pub breaker_open: bool,
-    /// How many times the circuit breaker opened.
-    pub breaker_trips: u64,
-    /// Why Redis is failing, when the last call or probe failed (the real cause: a refused
-    /// connection or a wrong password, rather than the timeouts requests may see); `None`
-    /// while Redis answers, and before the first call.
-    pub failing: Option<StoreFailure>,
-}
+/// The Redis backend's counters: a remote backend's, as every remote backend reports them
+/// (in [`RemoteStats`](crate::backend::remote::RemoteStats), `decisions` are requests sent to
+/// Redis and `calls` the script calls they took).
+pub type RedisStats = crate::backend::remote::RemoteStats;
 
 /// A [`Backend`] keeping buckets in Redis or Redis Cluster: one limit shared by every instance
 /// of an application. Cheap to clone: clones share connections, breaker and counters.
@@ -90,25 +41,7 @@ pub(crate) struct RedisStore {
 impl RedisBackend {
     /// The backend's counters now.
     pub fn stats(&self) -> RedisStats {
-        let s = self.remote.stats();
-        RedisStats {
-            redis_calls: s.decisions,
-            script_calls: s.calls,
-            redis_errors: s.errors,
-            timeouts: s.timeouts,
-            fail_open: s.fail_open,
-            fail_closed: s.fail_closed,
-            fallback_local: s.fallback_local,
-            deny_cache_hits: s.deny_cache_hits,
-            deny_cache_entries: s.deny_cache_entries,
-            fleet_size: s.fleet_size,
-            breaker_open: s.breaker_open,
-            breaker_trips: s.breaker_trips,
-            failing: s.failing,
-            memory_used: s.memory_used,
-            memory_max: s.memory_max,
-            evicted_keys: s.evicted_keys,
-        }
+        self.remote.stats()
     }
 
     /// Where the backend connects, with passwords replaced by `***`, for logs: the URL

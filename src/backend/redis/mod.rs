@@ -19,7 +19,7 @@
 //!     .backend(backend.clone())
 //!     .build()?;
 //! # drop(layer);
-//! assert_eq!(backend.stats().redis_calls, 0);
+//! assert_eq!(backend.stats().decisions, 0);
 //! # Ok(()) }
 //! ```
 //!

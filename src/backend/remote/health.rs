@@ -9,7 +9,7 @@ use std::fmt;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 
 /// Why a remote store could not decide, from [`RemoteStats::failing`](super::RemoteStats::failing)
-/// (and the Redis backend's `RedisStats::failing`, where it is also named `RedisFailure`).
+/// (the Redis backend's `RedisStats` is the same struct; there it is also named `RedisFailure`).
 ///
 /// Its `Display` is a short phrase for logs, e.g. `connection refused`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

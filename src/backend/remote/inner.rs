@@ -189,15 +189,6 @@ pub(crate) fn bump(c: &AtomicU64) {
     c.fetch_add(1, Ordering::Relaxed);
 }
 
-/// How a failed call is reported to the layer.
-fn error_kind(failure: StoreFailure) -> BackendErrorKind {
-    match failure {
-        StoreFailure::Timeout => BackendErrorKind::Timeout,
-        StoreFailure::ErrorReply => BackendErrorKind::Protocol,
-        _ => BackendErrorKind::Unavailable,
-    }
-}
-
 impl<S: Store> Inner<S> {
     /// The result of one call, decision by decision: for a failed call, its error for each.
     pub(crate) fn split(
@@ -360,7 +351,7 @@ impl<S: Store> Inner<S> {
     /// A `BackendError` for a failed call, with no password in its text.
     pub(crate) fn backend_error(&self, err: &CallError) -> BackendError {
         let text = self.secrets.scrub(&err.text).into_owned();
-        BackendError::new(error_kind(err.failure), text)
+        BackendError::new(err.kind(), text)
     }
 
     /// A call carrying `decisions` decisions failed: counted once, and one failure for the
@@ -368,7 +359,7 @@ impl<S: Store> Inner<S> {
     /// 100 decisions once, not 100 times).
     pub(crate) fn call_failed(self: &Arc<Self>, err: &CallError, decisions: usize) {
         bump(&self.counters.errors);
-        let kind = error_kind(err.failure);
+        let kind = err.kind();
         crate::metrics::backend_error(S::KIND, kind);
         if kind == BackendErrorKind::Timeout {
             bump(&self.counters.timeouts);

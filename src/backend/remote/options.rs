@@ -102,14 +102,14 @@ impl Default for Fleet {
     }
 }
 
-/// Counters of a remote backend (PostgreSQL, MySQL; the Redis backend reports the same as
-/// `RedisStats`). All counts are since the backend was built.
+/// Counters of a remote backend (Redis, as `RedisStats`; PostgreSQL; MySQL). All counts are
+/// since the backend was built.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RemoteStats {
     /// Decisions sent to the store (requests, not calls).
     pub decisions: u64,
-    /// Calls those took: concurrent decisions share calls.
+    /// Calls those took (Redis: script calls): concurrent decisions share calls.
     pub calls: u64,
     /// Calls that failed (an error, a timeout, a reply that could not be read), each counted
     /// once however many decisions it carried; plus single decisions the store refused inside

@@ -14,7 +14,7 @@ use super::deny_cache::DenyCache;
 use super::health::StoreFailure;
 use crate::backend::{Decision, Mode};
 use crate::quota::QuotaParams;
-use crate::{BackendError, ConfigError, Key, Policy};
+use crate::{BackendError, BackendErrorKind, ConfigError, Key, Policy};
 
 /// The protocol to one kind of store: everything else (timeouts, breaker, deny cache,
 /// batching, failure policy) is [`Remote`](super::Remote)'s.
@@ -177,6 +177,21 @@ impl CallError {
     /// A call that outlasted the backend's timeout.
     pub(crate) fn timed_out() -> Self {
         CallError::new(StoreFailure::Timeout, "the call timed out")
+    }
+
+    /// How the failure is reported to the layer.
+    pub(crate) fn kind(&self) -> BackendErrorKind {
+        match self.failure {
+            StoreFailure::Timeout => BackendErrorKind::Timeout,
+            StoreFailure::ErrorReply => BackendErrorKind::Protocol,
+            _ => BackendErrorKind::Unavailable,
+        }
+    }
+}
+
+impl From<CallError> for BackendError {
+    fn from(err: CallError) -> Self {
+        BackendError::new(err.kind(), err.text.to_string())
     }
 }
 

@@ -22,12 +22,19 @@ use std::time::Duration;
 use sha2::{Digest, Sha256};
 use smallvec::SmallVec;
 
+mod builder;
+mod store;
+mod sweep;
+
+pub(crate) use builder::{Config, FromUrl, Target, builder_methods, qualified};
+pub(crate) use store::{Dialect, Failed, FleetRows, SqlStore};
+
 use crate::backend::remote::reply::{self, nonneg, protocol};
 use crate::backend::remote::{Job, Store, keys};
 use crate::backend::window;
 use crate::backend::{Decision, Mode, QuotaState};
 use crate::quota::{QuotaKind, QuotaParams};
-use crate::{BackendError, ConfigError, Key};
+use crate::{BackendError, Key};
 
 /// The longest row key: longer bucket keys are replaced by a digest (see [`bucket_key`]).
 pub(crate) const MAX_KEY: usize = 512;
@@ -140,21 +147,6 @@ impl Args {
         }
         args
     }
-}
-
-/// The rows of the fleet's announcements ([`Fleet::Announced`](crate::backend::remote::Fleet)):
-/// this instance's key, and the bounds (exclusive) of every instance's, `<prefix>:fleet:<id>`.
-/// No client's row starts so: theirs are `<prefix>:{...`.
-pub(crate) fn fleet_rows(prefix: &str, id: u64) -> (Vec<u8>, Vec<u8>, Vec<u8>) {
-    let low = format!("{prefix}:fleet:").into_bytes();
-    let high = format!("{prefix}:fleet;").into_bytes();
-    let own = format!("{prefix}:fleet:{id:016x}").into_bytes();
-    (own, low, high)
-}
-
-/// A count of instances from the store, as the fleet's size.
-pub(crate) fn instances(n: i64) -> u32 {
-    u32::try_from(n).unwrap_or(if n < 0 { 0 } else { u32::MAX })
 }
 
 /// The row keys of `key` under a prepared policy (to reset a client).
@@ -303,129 +295,53 @@ fn decision(
     })
 }
 
-/// Checks a table or schema name: a plain SQL identifier (letters, digits, `_`, not starting
-/// with a digit, at most 48 bytes so that the function's name derived from it fits), quoted
-/// when used.
-pub(crate) fn identifier(option: &'static str, name: &str) -> Result<(), ConfigError> {
-    let ok = !name.is_empty()
-        && name.len() <= 48
-        && !name.starts_with(|c: char| c.is_ascii_digit())
-        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
-    if ok {
-        Ok(())
-    } else {
-        Err(ConfigError::Invalid {
-            option,
-            reason: format!(
-                "{name:?}: use 1 to 48 ASCII letters, digits or `_`, not starting with a digit"
-            ),
-        })
-    }
-}
-
-/// The defaults of the sweep of expired rows.
-pub(crate) const SWEEP_EVERY: Duration = Duration::from_secs(10);
-pub(crate) const SWEEP_BATCH: u32 = 1_000;
-/// The most batches one sweep deletes before waiting for the next (bounds its load).
-pub(crate) const SWEEP_ROUNDS: u32 = 100;
-
-/// How many times a call failed by a serialization failure or a deadlock (which the database
-/// rolled back: nothing was taken) is sent again, with a random pause of up to
-/// `attempt` × 2 ms, within the decision's timeout.
-pub(crate) const RETRIES: u32 = 3;
-
-/// A random pause before retry `attempt` (1-based).
-pub(crate) fn jitter(attempt: u32) -> Duration {
-    use std::hash::BuildHasher;
-    let r = std::collections::hash_map::RandomState::new().hash_one(attempt);
-    Duration::from_micros(200 + r % (2_000 * u64::from(attempt)))
-}
-
-/// One batch of the sweep: deletes at most `n` expired rows, answering how many it deleted.
-pub(crate) type SweepBatch = Box<
-    dyn Fn(u32) -> futures_util::future::BoxFuture<'static, Result<u64, BackendError>>
-        + Send
-        + Sync,
->;
-
-/// The background sweep of expired rows: every `every`, batches of `batch` rows until a batch
-/// comes back short (at most [`SWEEP_ROUNDS`] batches, so that a flood's rows are deleted over
-/// several sweeps rather than in one long burst of load).
-pub(crate) struct Sweeper {
-    every: Option<Duration>,
-    batch: u32,
-    started: std::sync::atomic::AtomicBool,
-    swept: std::sync::atomic::AtomicU64,
-    run: SweepBatch,
-}
-
-impl Sweeper {
-    /// A sweeper running `run`; `every: None` never sweeps in the background.
-    pub(crate) fn new(every: Option<Duration>, batch: u32, run: SweepBatch) -> Self {
-        Sweeper {
-            every,
-            batch: batch.max(1),
-            started: Default::default(),
-            swept: Default::default(),
-            run,
-        }
-    }
-
-    /// Rows deleted so far.
-    pub(crate) fn swept(&self) -> u64 {
-        self.swept.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    /// Deletes expired rows now, in batches, until a batch comes back short; answers how many.
-    pub(crate) async fn sweep(&self, rounds: u32) -> Result<u64, BackendError> {
-        let mut total = 0;
-        for _ in 0..rounds.max(1) {
-            let n = (self.run)(self.batch).await?;
-            total += n;
-            self.swept
-                .fetch_add(n, std::sync::atomic::Ordering::Relaxed);
-            if n < u64::from(self.batch) {
-                break;
-            }
-        }
-        Ok(total)
-    }
-
-    /// Starts the background sweep, once, when called inside a Tokio runtime. The task ends
-    /// when the sweeper is dropped (with its backend).
-    pub(crate) fn start(this: &std::sync::Arc<Sweeper>) {
-        use std::sync::atomic::Ordering;
-        let Some(every) = this.every else { return };
-        let Ok(handle) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        if this.started.swap(true, Ordering::AcqRel) {
-            return;
-        }
-        let weak = std::sync::Arc::downgrade(this);
-        handle.spawn(async move {
-            loop {
-                tokio::time::sleep(every).await;
-                let Some(sweeper) = weak.upgrade() else {
-                    return;
-                };
-                match sweeper.sweep(SWEEP_ROUNDS).await {
-                    Ok(0) => {}
-                    Ok(n) => tracing::debug!(rows = n, "tollgate: swept expired buckets"),
-                    Err(err) => tracing::debug!(%err, "tollgate: sweeping expired buckets failed"),
-                }
-            }
-        });
-    }
-}
-
-/// What the SQL backends share around their store: the policy's `Debug`, the backend's
-/// `Debug`, its [`Backend`](crate::backend::Backend) implementation, and the sweep, reset and
-/// stats methods. `$backend` wraps a `Remote<$store>` in a field `remote`, `$policy` a
-/// `RemotePolicy<$store>` in a field `inner`; the store has `endpoint`, `prefix`, `names.table`,
-/// `sweeper` and `reset`.
+/// A SQL backend's public types on a [`SqlStore`] of `$dialect`: the backend and its prepared
+/// policy (their docs given), their `Debug`, the backend's
+/// [`Backend`](crate::backend::Backend) implementation, and its migration, sweep, reset,
+/// conflict, endpoint and stats methods (the docs that differ per database given).
 macro_rules! sql_backend {
-    ($backend:ident, $policy:ident, $store:ty) => {
+    (
+        $(#[$backend_doc:meta])* $backend:ident,
+        $(#[$policy_doc:meta])* $policy:ident,
+        $dialect:ty;
+        $(#[$migrate:meta])* migrate;
+        $(#[$sql:meta])* migration_sql;
+        $(#[$conflicts:meta])* conflicts_retried;
+        $(#[$endpoint:meta])* endpoint;
+    ) => {
+        $(#[$backend_doc])*
+        #[derive(Clone)]
+        pub struct $backend {
+            remote: $crate::backend::remote::Remote<$crate::backend::sql::SqlStore<$dialect>>,
+        }
+
+        $(#[$policy_doc])*
+        pub struct $policy {
+            inner: $crate::backend::remote::RemotePolicy<$crate::backend::sql::SqlStore<$dialect>>,
+        }
+
+        impl $backend {
+            $(#[$migrate])*
+            pub async fn migrate(&self) -> Result<(), $crate::BackendError> {
+                self.remote.store().migrate().await
+            }
+
+            $(#[$sql])*
+            pub fn migration_sql(&self) -> String {
+                self.remote.store().migration()
+            }
+
+            $(#[$conflicts])*
+            pub fn conflicts_retried(&self) -> u64 {
+                self.remote.store().conflicts_retried()
+            }
+
+            $(#[$endpoint])*
+            pub fn endpoint(&self) -> &str {
+                &self.remote.store().endpoint
+            }
+        }
+
         impl std::fmt::Debug for $policy {
             fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
                 f.debug_struct(stringify!($policy))
@@ -440,7 +356,7 @@ macro_rules! sql_backend {
                 let store = self.remote.store();
                 f.debug_struct(stringify!($backend))
                     .field("endpoint", &store.endpoint)
-                    .field("table", &store.names.table)
+                    .field("table", &store.table())
                     .field("prefix", &store.prefix)
                     .field("timeout", &self.remote.timeout())
                     .field("on_failure", &self.remote.on_failure())
@@ -530,7 +446,9 @@ macro_rules! sql_backend {
                 let store = self.remote.store();
                 Some(format!(
                     "{} table {} prefix {:?}",
-                    store.endpoint, store.names.table, store.prefix
+                    store.endpoint,
+                    store.table(),
+                    store.prefix
                 ))
             }
         }
@@ -569,14 +487,6 @@ mod tests {
         // A reply longer than its decisions belongs to another call.
         let out = decode_all(&[0, 0, 0, 0, 0], [one, one]);
         assert!(out.iter().all(Result::is_err));
-    }
-
-    #[test]
-    fn identifiers_are_plain() {
-        assert!(identifier("table", "tollgate_buckets").is_ok());
-        for bad in ["", "1x", "a-b", "a\"b", "a b", &"x".repeat(49)] {
-            assert!(identifier("table", bad).is_err(), "{bad:?}");
-        }
     }
 
     #[test]

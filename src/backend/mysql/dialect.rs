@@ -1,19 +1,14 @@
-//! The MySQL protocol of the backend: a pool of connections, the migration, one procedure call
-//! per batch of decisions, and the sweep.
+//! MySQL's side of the SQL store: its SQL, the procedure call deciding a batch, the migration
+//! that replaces the procedure only when it changed, and how its errors read.
 
 use std::fmt::Write as _;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, Pool};
 
-use crate::backend::Decision;
-use crate::backend::remote::{CallError, Job, Store, StoreFailure};
-use crate::backend::sql::{self, Args, Prepared};
-use crate::quota::QuotaParams;
-use crate::{BackendError, BackendErrorKind, ConfigError, Key, Policy};
+use crate::backend::remote::{CallError, StoreFailure};
+use crate::backend::sql::{Args, Dialect, Failed, FleetRows, qualified};
 
 /// The migration template (`src/backend/sql/mysql.sql`).
 const MIGRATION: &str = include_str!("../sql/mysql.sql");
@@ -23,20 +18,6 @@ const SEPARATOR: &str = "-- statement";
 
 /// The named lock instances take turns on to migrate.
 const MIGRATE_LOCK: &str = "tollgate_migrate";
-
-/// The MySQL side of the backend.
-pub(crate) struct MysqlStore {
-    pub(crate) pool: Pool,
-    /// Where the database is, password masked.
-    pub(crate) endpoint: String,
-    pub(crate) prefix: String,
-    pub(crate) names: Names,
-    pub(crate) in_flight: usize,
-    pub(crate) connect_timeout: Duration,
-    pub(crate) sweeper: Arc<sql::Sweeper>,
-    /// Calls sent again after a deadlock or a lock wait timeout.
-    pub(crate) conflicts: AtomicU64,
-}
 
 /// The quoted names of the table and the procedure, and the statements using them.
 #[derive(Debug, Clone)]
@@ -54,12 +35,7 @@ pub(crate) struct Names {
 
 impl Names {
     pub(crate) fn new(schema: Option<&str>, table: &str) -> Self {
-        let qualify = |name: &str| match schema {
-            Some(schema) => format!("`{schema}`.`{name}`"),
-            None => format!("`{name}`"),
-        };
-        let t = qualify(table);
-        let p = qualify(&format!("{table}_decide"));
+        let (t, p) = qualified(schema, table, '`');
         Names {
             decide: format!("CALL {p}(?, ?)"),
             sweep: format!(
@@ -112,7 +88,7 @@ impl Names {
 
 /// The call's `spec` (see `mysql.sql`): every distinct key once, ascending, then each decision's
 /// cost and quotas, keys in lowercase hexadecimal.
-pub(crate) fn spec(args: &Args) -> String {
+fn spec(args: &Args) -> String {
     const HEX: &[u8; 16] = b"0123456789abcdef";
     let hex = |out: &mut String, key: &[u8]| {
         for b in key {
@@ -185,7 +161,7 @@ fn integers(reply: &str) -> Result<Vec<i64>, CallError> {
 }
 
 /// The kind of failure a MySQL error is.
-pub(crate) fn failure(err: &mysql_async::Error) -> StoreFailure {
+fn failure(err: &mysql_async::Error) -> StoreFailure {
     use mysql_async::{DriverError, Error, IoError};
     match err {
         Error::Server(e) => match e.code {
@@ -217,7 +193,7 @@ pub(crate) fn failure(err: &mysql_async::Error) -> StoreFailure {
     }
 }
 
-pub(crate) fn my_error(err: mysql_async::Error) -> CallError {
+fn my_error(err: mysql_async::Error) -> CallError {
     CallError::new(failure(&err), display(&err))
 }
 
@@ -252,208 +228,153 @@ fn is_conflict(err: &mysql_async::Error) -> bool {
     matches!(err, mysql_async::Error::Server(e) if e.code == 1213 || e.code == 1205)
 }
 
-pub(crate) fn to_backend(err: CallError) -> BackendError {
-    let kind = match err.failure {
-        StoreFailure::Timeout => BackendErrorKind::Timeout,
-        StoreFailure::ErrorReply => BackendErrorKind::Protocol,
-        _ => BackendErrorKind::Unavailable,
-    };
-    BackendError::new(kind, err.text.to_string())
-}
-
-/// A connection from `pool`, within `connect_timeout` (mysql_async has no connect timeout of
-/// its own: a connection attempt to a host that drops packets would wait for the system's).
-pub(crate) async fn connection(pool: &Pool, connect_timeout: Duration) -> Result<Conn, CallError> {
-    match tokio::time::timeout(connect_timeout, pool.get_conn()).await {
-        Ok(conn) => conn.map_err(my_error),
-        Err(_) => Err(CallError::new(
-            StoreFailure::Timeout,
-            "no connection to MySQL within the connect timeout",
-        )),
+/// A failed statement; a deadlock or a lock wait timeout rolled it back whole (nothing was
+/// taken): a conflict, sent again.
+fn failed(err: mysql_async::Error) -> Failed {
+    Failed {
+        conflict: is_conflict(&err),
+        error: my_error(err),
     }
 }
 
-impl MysqlStore {
-    async fn conn(&self) -> Result<Conn, CallError> {
-        connection(&self.pool, self.connect_timeout).await
+/// MySQL and MariaDB, through mysql_async.
+pub(crate) struct Mysql;
+
+impl Dialect for Mysql {
+    const KIND: &'static str = "mysql";
+    const NAME: &'static str = "MySQL";
+    /// A concurrent quota's leases are kept as text in the key's row (`c`, 11 100 bytes):
+    /// room for this many, at their longest (`-9223372036854775808:<16 digits>,`).
+    const MAX_SLOTS: u32 = 256;
+    type Pool = Pool;
+    type Conn = Conn;
+    type Names = Names;
+
+    /// mysql_async has no connect timeout of its own: a connection attempt to a host that
+    /// drops packets would wait for the system's.
+    async fn connect(pool: &Pool, connect_timeout: Duration) -> Result<Conn, CallError> {
+        match tokio::time::timeout(connect_timeout, pool.get_conn()).await {
+            Ok(conn) => conn.map_err(my_error),
+            Err(_) => Err(CallError::new(
+                StoreFailure::Timeout,
+                "no connection to MySQL within the connect timeout",
+            )),
+        }
+    }
+
+    /// mysql_async does not tell a pool's size.
+    fn pool_size(_pool: &Pool) -> Option<usize> {
+        None
+    }
+
+    fn table(names: &Names) -> &str {
+        &names.table
+    }
+
+    fn migration(names: &Names) -> String {
+        names.migration()
     }
 
     /// Runs the migration's statements under a named lock (`GET_LOCK`), so that instances
     /// starting together do not race on `DROP PROCEDURE` / `CREATE PROCEDURE`.
-    pub(crate) async fn migrate(&self) -> Result<(), BackendError> {
-        let mut conn = self.conn().await.map_err(to_backend)?;
+    async fn migrate(conn: &mut Conn, names: &Names) -> Result<(), CallError> {
         let got: Option<Option<i64>> = conn
             .exec_first("SELECT GET_LOCK(?, 10)", (MIGRATE_LOCK,))
             .await
-            .map_err(|e| to_backend(my_error(e)))?;
+            .map_err(my_error)?;
         if got.flatten() != Some(1) {
-            return Err(BackendError::new(
-                BackendErrorKind::Timeout,
+            return Err(CallError::new(
+                StoreFailure::Timeout,
                 "another instance held the migration lock for 10 s",
             ));
         }
-        let result = self.migrate_locked(&mut conn).await;
+        let result = migrate_locked(conn, names).await;
         let released = conn
             .exec_drop("DO RELEASE_LOCK(?)", (MIGRATE_LOCK,))
             .await
-            .map_err(|e| to_backend(my_error(e)));
+            .map_err(my_error);
         result.and(released)
     }
 
-    /// The migration, under the lock. The procedure is replaced only when its body differs
-    /// from this version's: `DROP PROCEDURE` then `CREATE PROCEDURE` leaves a moment without
-    /// it, when calls from running instances would fail.
-    async fn migrate_locked(&self, conn: &mut Conn) -> Result<(), BackendError> {
-        let statements = self.names.statements();
-        let installed: Option<Option<String>> = conn
-            .exec_first(
-                "SELECT ROUTINE_DEFINITION FROM information_schema.ROUTINES \
-                 WHERE ROUTINE_SCHEMA = COALESCE(?, DATABASE()) AND ROUTINE_NAME = ? \
-                 AND ROUTINE_TYPE = 'PROCEDURE'",
-                (self.names.schema.as_deref(), &self.names.procedure_name),
-            )
+    async fn decide(
+        conn: &mut Conn,
+        names: &Names,
+        args: &Args,
+        now_ns: Option<i64>,
+    ) -> Result<Vec<i64>, Failed> {
+        let spec = spec(args);
+        match conn
+            .exec_first::<String, _, _>(&names.decide, (&spec, now_ns))
             .await
-            .map_err(|e| to_backend(my_error(e)))?;
-        let current = installed
-            .flatten()
-            .is_some_and(|body| statements.last().is_some_and(|s| same_body(s, &body)));
-        for statement in &statements {
-            if current && is_procedure(statement) {
-                continue;
-            }
-            conn.query_drop(statement)
-                .await
-                .map_err(|e| to_backend(my_error(e)))?;
-        }
-        Ok(())
-    }
-
-    /// Deletes the rows of `key` under `policy`'s quotas, but for slots in flight.
-    pub(crate) async fn reset(&self, p: &Prepared, key: &Key) -> Result<u64, BackendError> {
-        let keys = sql::reset_keys(p, key);
-        let mut conn = self.conn().await.map_err(to_backend)?;
-        let mut deleted = 0;
-        for k in keys {
-            conn.exec_drop(&self.names.reset, (k,))
-                .await
-                .map_err(|e| to_backend(my_error(e)))?;
-            deleted += conn.affected_rows();
-        }
-        Ok(deleted)
-    }
-}
-
-impl Store for MysqlStore {
-    const KIND: &'static str = "mysql";
-    const SETTLES: bool = true;
-    type Prepared = Prepared;
-
-    fn prepare(&self, policy: &Policy, params: &[QuotaParams]) -> Result<Prepared, ConfigError> {
-        // A concurrent quota's leases are kept as text in the key's row (`c`, 11 100 bytes):
-        // room for this many, at their longest (`-9223372036854775808:<16 digits>,`).
-        const MAX_SLOTS: u32 = 256;
-        if let Some(p) = params
-            .iter()
-            .find(|p| p.is_concurrent() && p.burst.get() > MAX_SLOTS)
         {
-            return Err(ConfigError::Invalid {
-                option: "Quota::concurrent",
-                reason: format!(
-                    "policy `{}`: {} slots; the MySQL store holds at most {MAX_SLOTS} per key",
-                    policy.name(),
-                    p.burst
-                ),
-            });
+            Ok(Some(reply)) => Ok(integers(&reply)?),
+            Ok(None) => Err(CallError::new(
+                StoreFailure::ErrorReply,
+                "the procedure answered no row",
+            )
+            .into()),
+            Err(err) => Err(failed(err)),
         }
-        sql::Sweeper::start(&self.sweeper);
-        Ok(Prepared::new(&self.prefix, policy, params))
     }
 
-    async fn call(
-        &self,
-        jobs: &[Job<Self>],
-        now_ns: Option<u64>,
-    ) -> Result<Vec<Result<Decision, BackendError>>, CallError> {
-        let spec = spec(&Args::of(jobs));
-        let now = now_ns.map(|n| i64::try_from(n).unwrap_or(i64::MAX));
-        let mut conn = self.conn().await?;
-        let mut attempt = 0;
-        let reply = loop {
-            match conn
-                .exec_first::<String, _, _>(&self.names.decide, (&spec, now))
-                .await
-            {
-                Ok(Some(reply)) => break reply,
-                Ok(None) => {
-                    return Err(CallError::new(
-                        StoreFailure::ErrorReply,
-                        "the procedure answered no row",
-                    ));
-                }
-                // Rolled back whole: nothing was taken, so sending it again charges once.
-                Err(err) if is_conflict(&err) && attempt < sql::RETRIES => {
-                    attempt += 1;
-                    self.conflicts.fetch_add(1, Ordering::Relaxed);
-                    tokio::time::sleep(sql::jitter(attempt)).await;
-                }
-                Err(err) => return Err(my_error(err)),
-            }
-        };
-        Ok(sql::decisions(&integers(&reply)?, jobs))
-    }
-
-    async fn ping(&self) -> Result<(), CallError> {
-        let mut conn = self.conn().await?;
+    async fn ping(conn: &mut Conn) -> Result<(), CallError> {
         conn.query_drop("SELECT 1").await.map_err(my_error)
     }
 
     /// Two statements on one connection (autocommit): the count follows the announcement.
-    async fn announce(&self, id: u64, ttl: Duration) -> Result<u32, CallError> {
-        let (own, low, high) = sql::fleet_rows(&self.prefix, id);
-        let ttl_us = i64::try_from(ttl.as_micros()).unwrap_or(i64::MAX);
-        let mut conn = self.conn().await?;
-        (conn.exec_drop(&self.names.announce, (own, ttl_us)).await).map_err(my_error)?;
+    async fn announce(
+        conn: &mut Conn,
+        names: &Names,
+        rows: &FleetRows,
+        ttl_us: i64,
+    ) -> Result<i64, CallError> {
+        (conn.exec_drop(&names.announce, (&rows.own, ttl_us)).await).map_err(my_error)?;
         let n: Option<i64> =
-            (conn.exec_first(&self.names.count, (low, high)).await).map_err(my_error)?;
-        Ok(sql::instances(n.unwrap_or(0)))
+            (conn.exec_first(&names.count, (&rows.low, &rows.high)).await).map_err(my_error)?;
+        Ok(n.unwrap_or(0))
     }
 
-    fn can_batch(&self) -> bool {
-        true
+    async fn delete(conn: &mut Conn, names: &Names, keys: Vec<Vec<u8>>) -> Result<u64, CallError> {
+        let mut deleted = 0;
+        for k in keys {
+            conn.exec_drop(&names.reset, (k,)).await.map_err(my_error)?;
+            deleted += conn.affected_rows();
+        }
+        Ok(deleted)
     }
 
-    fn calls_in_flight(&self) -> usize {
-        self.in_flight
-    }
-
-    fn warm_up_timeout(&self, timeout: Duration) -> Duration {
-        self.connect_timeout.saturating_add(timeout)
+    /// A deadlock with a decision (rare: the sweep's scan locks rows in another order) is a
+    /// conflict, sent again.
+    async fn sweep(conn: &mut Conn, names: &Names, n: u32) -> Result<u64, Failed> {
+        conn.exec_drop(&names.sweep, (n,)).await.map_err(failed)?;
+        Ok(conn.affected_rows())
     }
 }
 
-/// The sweep's batch on `pool`: `sql` deletes at most `?` expired rows. A deadlock with a
-/// decision (rare: the sweep's scan locks rows in another order) is retried.
-pub(crate) fn my_sweep(pool: Pool, sql: String, connect_timeout: Duration) -> sql::SweepBatch {
-    let sql: Arc<str> = sql.into();
-    Box::new(move |n| {
-        let (pool, sql) = (pool.clone(), sql.clone());
-        Box::pin(async move {
-            let mut conn = connection(&pool, connect_timeout)
-                .await
-                .map_err(to_backend)?;
-            let mut attempt = 0;
-            loop {
-                match conn.exec_drop(&*sql, (n,)).await {
-                    Ok(()) => return Ok(conn.affected_rows()),
-                    Err(err) if is_conflict(&err) && attempt < sql::RETRIES => {
-                        attempt += 1;
-                        tokio::time::sleep(sql::jitter(attempt)).await;
-                    }
-                    Err(err) => return Err(to_backend(my_error(err))),
-                }
-            }
-        })
-    })
+/// The migration, under the lock. The procedure is replaced only when its body differs from
+/// this version's: `DROP PROCEDURE` then `CREATE PROCEDURE` leaves a moment without it, when
+/// calls from running instances would fail.
+async fn migrate_locked(conn: &mut Conn, names: &Names) -> Result<(), CallError> {
+    let statements = names.statements();
+    let installed: Option<Option<String>> = conn
+        .exec_first(
+            "SELECT ROUTINE_DEFINITION FROM information_schema.ROUTINES \
+             WHERE ROUTINE_SCHEMA = COALESCE(?, DATABASE()) AND ROUTINE_NAME = ? \
+             AND ROUTINE_TYPE = 'PROCEDURE'",
+            (names.schema.as_deref(), &names.procedure_name),
+        )
+        .await
+        .map_err(my_error)?;
+    let current = installed
+        .flatten()
+        .is_some_and(|body| statements.last().is_some_and(|s| same_body(s, &body)));
+    for statement in &statements {
+        if current && is_procedure(statement) {
+            continue;
+        }
+        conn.query_drop(statement).await.map_err(my_error)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
