@@ -1,0 +1,142 @@
+//! The governor state store: one atomic theoretical arrival time per key, counted against the
+//! backend's key cap.
+
+use super::*;
+
+thread_local! {
+    /// The arrival time the store last wrote on this thread: governor reports remaining units,
+    /// not the time, and `decide` reads it right after the check it made on this thread.
+    pub(super) static LAST_TAT: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    /// The time a limiter last read on this thread ([`Stamped`]), in nanoseconds since the
+    /// backend's origin: the `now` of the decision `decide` just had governor make.
+    pub(super) static LAST_NOW: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Governor state store: one atomic theoretical arrival time per key, counted against the
+/// backend's key cap.
+pub(super) struct Store(pub(super) Arc<StoreMap>);
+
+pub(super) struct StoreMap {
+    pub(super) map: DashMap<Key, AtomicU64, RandomState>,
+    pub(super) tracked: Arc<AtomicUsize>,
+}
+
+impl StoreMap {
+    /// `key`'s arrival time, 0 (full) without a bucket.
+    pub(super) fn tat(&self, key: &Key) -> u64 {
+        self.map
+            .get(key)
+            .map_or(0, |tat| tat.load(Ordering::Acquire))
+    }
+
+    /// Evicts about an eighth of the buckets (`needed` at least), the least used (their
+    /// arrival times nearest `now`, the limiter's time); returns how many it evicted.
+    pub(super) fn evict(&self, needed: usize, now: u64) -> usize {
+        let weight = |tat: &AtomicU64| tat.load(Ordering::Relaxed).saturating_sub(now);
+        let evicted = evict_lightest(&self.map, needed, |v| weight(v), |v| (weight(v), 1));
+        track_sub(&self.tracked, evicted);
+        evicted
+    }
+}
+
+/// Evicts from `map` about an eighth of its entries (`needed` at least, a quarter at most),
+/// those that used the least: entries whose weight (`weigh`, read shared; `weigh_mut` under
+/// the map's write lock, with what the entry takes of the key cap) is at most that of the
+/// lightest eighth of a sample, spread evenly over the map (each of its shards gives up its
+/// share, so that none keeps growing while another is emptied). One pass over the map, its
+/// shards write-locked one at a time. Returns how much of the key cap it freed.
+pub(super) fn evict_lightest<V>(
+    map: &DashMap<Key, V, RandomState>,
+    needed: usize,
+    weigh: impl Fn(&V) -> u64,
+    mut weigh_mut: impl FnMut(&mut V) -> (u64, usize),
+) -> usize {
+    let len = map.len();
+    if len == 0 {
+        return 0;
+    }
+    let budget = (len / 8).max(needed).min(len.div_ceil(4));
+    let mut sample: Vec<u64> = map.iter().take(256).map(|e| weigh(e.value())).collect();
+    sample.sort_unstable();
+    let at = (sample.len() * budget).div_ceil(len).saturating_sub(1);
+    let Some(&threshold) = sample.get(at.min(sample.len().saturating_sub(1))) else {
+        return 0;
+    };
+    let (mut visited, mut evicted, mut freed) = (0usize, 0usize, 0usize);
+    map.retain(|_, v| {
+        visited += 1;
+        // This entry's share of the budget, so far: evictions spread over the whole map.
+        let share = (visited * budget).div_ceil(len);
+        if evicted >= share {
+            return true;
+        }
+        let (weight, units) = weigh_mut(v);
+        let evict = weight <= threshold;
+        evicted += usize::from(evict);
+        freed += if evict { units } else { 0 };
+        !evict
+    });
+    freed
+}
+
+pub(super) fn measure<T, E>(
+    tat: &AtomicU64,
+    f: impl Fn(Option<Nanos>) -> Result<(T, Nanos), E>,
+) -> Result<T, E> {
+    let mut prev = tat.load(Ordering::Acquire);
+    loop {
+        let (result, next) = f((prev != 0).then(|| Nanos::from(prev)))?;
+        match tat.compare_exchange_weak(prev, next.as_u64(), Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => {
+                LAST_TAT.set(next.as_u64());
+                return Ok(result);
+            }
+            Err(actual) => prev = actual,
+        }
+    }
+}
+
+impl StateStore for Store {
+    type Key = Key;
+
+    fn measure_and_replace<T, F, E>(&self, key: &Key, f: F) -> Result<T, E>
+    where
+        F: Fn(Option<Nanos>) -> Result<(T, Nanos), E>,
+    {
+        measure(
+            &entry(&self.0.map, key, &self.0.tracked, || AtomicU64::new(0)),
+            f,
+        )
+    }
+}
+
+impl ShrinkableKeyedStateStore<Key> for Store {
+    fn retain_recent(&self, drop_below: Nanos) {
+        let drop_below = drop_below.as_u64();
+        let mut removed = 0;
+        self.0.map.retain(|_, tat| {
+            let keep = tat.load(Ordering::Relaxed) > drop_below;
+            removed += usize::from(!keep);
+            keep
+        });
+        track_sub(&self.0.tracked, removed);
+    }
+
+    fn shrink_to_fit(&self) {
+        self.0.map.shrink_to_fit();
+    }
+
+    fn len(&self) -> usize {
+        self.0.map.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.map.is_empty()
+    }
+}
+
+impl Drop for StoreMap {
+    fn drop(&mut self) {
+        track_sub(&self.tracked, self.map.len());
+    }
+}
