@@ -26,7 +26,7 @@ use crate::request::grpc_content_type;
 use crate::response::{self, HeaderAdds, Rejection, RejectionKind, Responder};
 use crate::rules::LiveRules;
 use crate::settle::Settle;
-use crate::wait::{Pauses, Place, Waiting};
+use crate::wait::{Pauses, Place, WaitMode};
 use crate::{BackendError, Key, RequestInfo};
 
 /// Everything the services of one layer share.
@@ -37,7 +37,7 @@ pub(crate) struct Shared<K, Bk: Backend> {
     pub(crate) responder: Responder,
     pub(crate) on_missing_key: OnMissingKey,
     /// Wait mode: hold requests until allowed instead of rejecting them.
-    pub(crate) waiting: Option<Waiting>,
+    pub(crate) wait_mode: Option<WaitMode>,
     /// Keys the wrapped service asked to slow down, when obeyed.
     pub(crate) pauses: Option<Arc<Pauses>>,
     /// Whether allowed requests carry the decision in their extensions.
@@ -85,12 +85,12 @@ pub(crate) enum Verdict {
     PassWith(HeaderAdds, Box<RateLimitStatus>),
     /// Pass after a wait (a reservation in wait mode). Boxed: a rare verdict, kept from making
     /// every verdict larger to move.
-    Wait(HeaderAdds, Box<Waited>),
+    Wait(HeaderAdds, Box<WaitPlan>),
     Reject(Box<Response<Bytes>>),
 }
 
 impl Verdict {
-    /// The verdict, with the waiter's place `slot` held while it waits (given back at once
+    /// The verdict, with the waiter's place `place` held while it waits (given back at once
     /// otherwise).
     fn holding(self, place: Option<Place>) -> Self {
         match self {
@@ -105,7 +105,7 @@ impl Verdict {
 
 /// How long a request waits before it goes on, holding a waiter's place meanwhile, and its
 /// decision for its extensions when asked for.
-pub(crate) struct Waited {
+pub(crate) struct WaitPlan {
     pub(crate) wait: Duration,
     pub(crate) place: Option<Place>,
     pub(crate) status: Option<Box<RateLimitStatus>>,
@@ -121,7 +121,7 @@ pub(crate) enum Admission<Bk: Backend> {
 
 /// A decision still to be made, once [`Shared::admit`] has returned.
 pub(crate) struct Later<Bk: Backend> {
-    policy: Arc<Prepared<Bk::Policy>>,
+    prepared: Arc<Prepared<Bk::Policy>>,
     step: Step<Bk>,
     /// A waiter's place, in wait mode, from the first refusal or pause on.
     place: Option<Place>,
@@ -164,7 +164,7 @@ impl<K, Bk: Backend> Admitting<K, Bk> {
     /// rejection).
     pub(crate) fn poll(&mut self, cx: &mut Context<'_>, headers: &HeaderMap) -> Poll<Verdict> {
         let (shared, later) = (&*self.shared, &mut *self.later);
-        let policy = &*later.policy;
+        let prepared = &*later.prepared;
         loop {
             match &mut later.step {
                 Step::Pausing(sleep, key, cost, max_wait) => {
@@ -174,7 +174,7 @@ impl<K, Bk: Backend> Admitting<K, Bk> {
                     };
                     let decision = shared
                         .backend
-                        .decide_with(&policy.backend, key, *cost, mode);
+                        .decide_with(&prepared.backend, key, *cost, mode);
                     later.step = Step::Deciding(decision, None);
                 }
                 Step::Deciding(decision, retry) => {
@@ -182,20 +182,20 @@ impl<K, Bk: Backend> Admitting<K, Bk> {
                     // Wait mode: refused now, but the units come within the longest wait and
                     // a waiter's place is free: reserve them.
                     if let Some((key, cost)) = retry.take()
-                        && let Some(waiting) = &shared.waiting
+                        && let Some(waiting) = &shared.wait_mode
                         && let Some((place, max_wait)) =
-                            waiting.after_refusal(policy.reserves, &result)
+                            waiting.after_refusal(prepared.reserves, &result)
                     {
                         let mode = Mode::Reserve { max_wait };
                         let decision =
                             shared
                                 .backend
-                                .decide_with(&policy.backend, &key, cost, mode);
+                                .decide_with(&prepared.backend, &key, cost, mode);
                         later.step = Step::Deciding(decision, None);
                         later.place = Some(place);
                         continue;
                     }
-                    let verdict = shared.verdict(policy, &result, headers);
+                    let verdict = shared.verdict(prepared, &result, headers);
                     return Poll::Ready(verdict.holding(later.place.take()));
                 }
                 // Only after `abandon`, which the request's drop calls.
@@ -225,24 +225,25 @@ impl<K: KeyExtractor, Bk: Backend> Shared<K, Bk> {
         // 1. key
         let key = self.key.extract(&info);
         // 2. policy
-        (self.policies).with(&info, key.as_ref().ok(), |policy| {
+        (self.policies).with(&info, key.as_ref().ok(), |prepared| {
             let key = match &key {
                 Ok(key) => key,
                 Err(err) => {
-                    let verdict = self.missing_key(policy, err, info.headers());
+                    let verdict = self.missing_key(prepared, err, info.headers());
                     return (Admission::Now(verdict), None);
                 }
             };
-            let taken = Taken::of(policy.policy.cost_of(&info));
+            let taken = Taken::of(prepared.policy.cost_of(&info));
             // A request of cost 0 is free, unless its policy holds slots (a slot is one request
             // whatever its cost) or settles (its response may report a cost): then it is
             // admitted at one unit, given back when it is settled.
-            if taken.cost == 0 && !policy.holds_slots && policy.policy.settle_rules().is_none() {
-                policy.metrics.record(Counted::Free, None);
+            if taken.cost == 0 && !prepared.holds_slots && prepared.policy.settle_rules().is_none()
+            {
+                prepared.metrics.record(Counted::Free, None);
                 let pass = Admission::Now(Verdict::Pass(HeaderAdds::new()));
                 return (
                     pass,
-                    Settle::new(&self.backend, self.pauses.as_ref(), policy, None, key),
+                    Settle::new(&self.backend, self.pauses.as_ref(), prepared, None, key),
                 );
             }
             let cost = taken.units;
@@ -250,12 +251,12 @@ impl<K: KeyExtractor, Bk: Backend> Shared<K, Bk> {
             let settle = Settle::new(
                 &self.backend,
                 self.pauses.as_ref(),
-                policy,
+                prepared,
                 Some(taken),
                 key,
             );
             let lease = Settle::lease(&settle);
-            (self.decide(policy, key, cost, lease, &info), settle)
+            (self.decide(prepared, key, cost, lease, &info), settle)
         })
     }
 
@@ -264,7 +265,7 @@ impl<K: KeyExtractor, Bk: Backend> Shared<K, Bk> {
     #[inline]
     fn decide(
         &self,
-        policy: &Arc<Prepared<Bk::Policy>>,
+        prepared: &Arc<Prepared<Bk::Policy>>,
         key: &Key,
         cost: NonZeroU32,
         lease: Option<u64>,
@@ -272,11 +273,11 @@ impl<K: KeyExtractor, Bk: Backend> Shared<K, Bk> {
     ) -> Admission<Bk> {
         // Wait mode and pauses apply to enforced policies only: a shadow policy never holds a
         // request back.
-        let enforced = !policy.policy.is_shadow();
-        let waits = self.waiting.as_ref().filter(|_| enforced);
+        let enforced = !prepared.policy.is_shadow();
+        let waits = self.wait_mode.as_ref().filter(|_| enforced);
         let paused = (self.pauses.as_ref().filter(|_| enforced)).and_then(|p| p.remaining(key));
         if let Some(pause) = paused {
-            return self.paused(policy, key, cost, pause, info.headers());
+            return self.paused(prepared, key, cost, pause, info.headers());
         }
         // In wait mode a request first asks for its units now (a reservation that waits for
         // nothing: all-or-nothing on every store); only one refused for less than the longest
@@ -287,37 +288,38 @@ impl<K: KeyExtractor, Bk: Backend> Shared<K, Bk> {
         let backend = &self.backend;
         let mut decision = match (waits, lease) {
             (_, Some(lease)) => {
-                backend.decide_with(&policy.backend, key, cost, Mode::Hold { lease })
+                backend.decide_with(&prepared.backend, key, cost, Mode::Hold { lease })
             }
-            (Some(_), None) => backend.decide_with(&policy.backend, key, cost, NOW),
-            (None, None) => backend.decide(&policy.backend, key, cost),
+            (Some(_), None) => backend.decide_with(&prepared.backend, key, cost, NOW),
+            (None, None) => backend.decide(&prepared.backend, key, cost),
         };
         let result = match poll_now(&mut decision) {
             Poll::Ready(result) => result,
             Poll::Pending => {
                 let retry = waits.map(|_| (key.clone(), cost));
-                return later(policy, Step::Deciding(decision, retry), None);
+                return later(prepared, Step::Deciding(decision, retry), None);
             }
         };
-        let Some((place, max_wait)) = waits.and_then(|w| w.after_refusal(policy.reserves, &result))
+        let Some((place, max_wait)) =
+            waits.and_then(|w| w.after_refusal(prepared.reserves, &result))
         else {
-            return Admission::Now(self.verdict(policy, &result, info.headers()));
+            return Admission::Now(self.verdict(prepared, &result, info.headers()));
         };
         let mode = Mode::Reserve { max_wait };
-        let mut decision = self.backend.decide_with(&policy.backend, key, cost, mode);
+        let mut decision = self.backend.decide_with(&prepared.backend, key, cost, mode);
         match poll_now(&mut decision) {
             Poll::Ready(result) => Admission::Now(
-                self.verdict(policy, &result, info.headers())
+                self.verdict(prepared, &result, info.headers())
                     .holding(Some(place)),
             ),
-            Poll::Pending => later(policy, Step::Deciding(decision, None), Some(place)),
+            Poll::Pending => later(prepared, Step::Deciding(decision, None), Some(place)),
         }
     }
 
     /// A request on a key the wrapped service asked to slow down for `pause` more: in wait
-    /// mode, when the pause fits the longest wait and a slot is free, it waits the pause out
-    /// and then reserves; otherwise `429` with the time left, as if its policy's first quota
-    /// denied it.
+    /// mode, when the pause fits the longest wait and a waiter's place is free, it waits the
+    /// pause out and then reserves; otherwise `429` with the time left, as if its policy's
+    /// first quota denied it.
     fn paused(
         &self,
         prepared: &Arc<Prepared<Bk::Policy>>,
@@ -328,12 +330,12 @@ impl<K: KeyExtractor, Bk: Backend> Shared<K, Bk> {
     ) -> Admission<Bk> {
         // A request holding a slot does not wait (it holds its slot from its admission on).
         if let Some(waiting) =
-            (self.waiting.as_ref()).filter(|w| pause <= w.max_wait && !prepared.holds_slots)
-            && let Some(slot) = waiting.enter()
+            (self.wait_mode.as_ref()).filter(|w| pause <= w.max_wait && !prepared.holds_slots)
+            && let Some(place) = waiting.enter()
         {
             let sleep = Box::pin(tokio::time::sleep(pause));
             let step = Step::Pausing(sleep, key.clone(), cost, waiting.max_wait - pause);
-            return later(prepared, step, Some(slot));
+            return later(prepared, step, Some(place));
         }
         let params = prepared
             .policy
@@ -349,12 +351,12 @@ impl<K: KeyExtractor, Bk: Backend> Shared<K, Bk> {
 }
 
 fn later<Bk: Backend>(
-    policy: &Arc<Prepared<Bk::Policy>>,
+    prepared: &Arc<Prepared<Bk::Policy>>,
     step: Step<Bk>,
     place: Option<Place>,
 ) -> Admission<Bk> {
     Admission::Later(Box::new(Later {
-        policy: policy.clone(),
+        prepared: prepared.clone(),
         step,
         place,
     }))
@@ -515,7 +517,7 @@ impl<K, Bk: Backend> Shared<K, Bk> {
             (Duration::ZERO, None) => Verdict::Pass(adds),
             (wait, status) => Verdict::Wait(
                 adds,
-                Box::new(Waited {
+                Box::new(WaitPlan {
                     wait,
                     place: None,
                     status,

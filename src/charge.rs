@@ -238,13 +238,13 @@ pub enum Cancelled {
 
 /// A policy's settlement rules.
 #[derive(Debug, Clone, Default)]
-pub(crate) struct Rules {
+pub(crate) struct ChargeRules {
     pub(crate) when: Option<ChargeWhen>,
     pub(crate) cost: Option<CostFrom>,
     pub(crate) cancelled: Cancelled,
 }
 
-impl Rules {
+impl ChargeRules {
     /// Whether the settlement waits for the end of the response's body (a gRPC status, a
     /// trailer, the bytes sent).
     pub(crate) fn needs_end(&self) -> bool {
@@ -357,13 +357,13 @@ impl Taken {
     }
 }
 
-impl Rules {
+impl ChargeRules {
     /// The rules of a request of cost 0 on a policy that holds slots and settles nothing: the
     /// unit it was admitted at goes back when it ends, whatever its outcome.
-    pub(crate) fn give_back_the_unit() -> &'static Arc<Rules> {
-        static RULES: std::sync::OnceLock<Arc<Rules>> = std::sync::OnceLock::new();
+    pub(crate) fn give_back_the_unit() -> &'static Arc<ChargeRules> {
+        static RULES: std::sync::OnceLock<Arc<ChargeRules>> = std::sync::OnceLock::new();
         RULES.get_or_init(|| {
-            Arc::new(Rules {
+            Arc::new(ChargeRules {
                 when: None,
                 cost: None,
                 cancelled: Cancelled::Refund,

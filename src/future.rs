@@ -10,7 +10,7 @@ use http::{Request, Response};
 use pin_project_lite::pin_project;
 use tower_service::Service;
 
-use crate::admit::{Admitting, Verdict, Waited};
+use crate::admit::{Admitting, Verdict, WaitPlan};
 use crate::backend::Backend;
 use crate::body::{BodyMode, KeepBody};
 use crate::call::{Call, Wait};
@@ -161,7 +161,7 @@ where
             }
             Verdict::Unsettled(adds) => Self::unsettled(inner.call(req), adds, settle),
             Verdict::Wait(adds, waited) => {
-                let Waited {
+                let WaitPlan {
                     wait,
                     place,
                     status,

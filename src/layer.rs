@@ -16,7 +16,7 @@ use crate::prepared::Prepared;
 use crate::response::{HeaderStyle, RejectionBody, Responder};
 use crate::rules::{LiveRules, RuleSet, RulesHandle};
 use crate::service::{Erased, RateLimit};
-use crate::wait::Waiting;
+use crate::wait::WaitMode;
 use crate::{ConfigError, Policy};
 
 /// Applies rate limiting to a service: see the [crate docs](crate).
@@ -367,7 +367,7 @@ fn build<K: KeyExtractor, Bk: Backend>(
             body: b.body,
         },
         on_missing_key: b.on_missing_key,
-        waiting: b.waiting.map(|(max_wait, n)| Waiting::new(max_wait, n)),
+        wait_mode: b.waiting.map(|(max_wait, n)| WaitMode::new(max_wait, n)),
         pauses: b.obey_retry_after.then(Arc::default),
         decision_ext: b.decision_ext,
     });

@@ -31,7 +31,7 @@ pub struct Policy {
     shadow: bool,
     shadow_headers: bool,
     /// How requests are settled after their response, when they are.
-    settle: Option<Arc<crate::charge::Rules>>,
+    settle: Option<Arc<crate::charge::ChargeRules>>,
     /// How long a key is refused once refused (`block_for`).
     block: Option<std::time::Duration>,
     /// Whether units are given back to its keys by other means than its own settlement rules
@@ -275,7 +275,7 @@ impl Policy {
     }
 
     /// The settlement rules, when the policy settles.
-    pub(crate) fn settle_rules(&self) -> Option<&Arc<crate::charge::Rules>> {
+    pub(crate) fn settle_rules(&self) -> Option<&Arc<crate::charge::ChargeRules>> {
         self.settle.as_ref().filter(|_| self.settles())
     }
 
@@ -584,7 +584,7 @@ impl<'de> serde::Deserialize<'de> for Policy {
             shadow: spec.shadow,
             shadow_headers: spec.shadow_headers,
             settle: (spec.charge_when.is_some() || spec.cost_from.is_some()).then(|| {
-                Arc::new(crate::charge::Rules {
+                Arc::new(crate::charge::ChargeRules {
                     when: spec.charge_when,
                     cost: spec.cost_from,
                     cancelled: spec.on_cancel,

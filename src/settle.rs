@@ -72,7 +72,7 @@ use http::{HeaderMap, Response};
 use crate::backend::{Backend, Decision, Mode};
 use crate::body::{BodyGuard, BodyMode, Held};
 pub use crate::charge::{Cancelled, Charge, ChargeWhen, CostFrom, ResponseInfo};
-use crate::charge::{End, Rules, Taken};
+use crate::charge::{ChargeRules, End, Taken};
 use crate::prepared::Prepared;
 use crate::response::{HeaderAdds, add_headers};
 use crate::wait::Pauses;
@@ -122,15 +122,15 @@ impl<Bk: Backend> Held for Tail<Bk> {
 /// backend.
 struct Target<Bk: Backend> {
     backend: Arc<Bk>,
-    policy: Arc<Prepared<Bk::Policy>>,
+    prepared: Arc<Prepared<Bk::Policy>>,
     key: Key,
 }
 
 impl<Bk: Backend> Target<Bk> {
-    fn new(backend: &Arc<Bk>, policy: &Arc<Prepared<Bk::Policy>>, key: &Key) -> Self {
+    fn new(backend: &Arc<Bk>, prepared: &Arc<Prepared<Bk::Policy>>, key: &Key) -> Self {
         Target {
             backend: backend.clone(),
-            policy: policy.clone(),
+            prepared: prepared.clone(),
             key: key.clone(),
         }
     }
@@ -142,11 +142,11 @@ impl<Bk: Backend> Target<Bk> {
 
     /// Makes the settlement (`units`, `mode`) on the store.
     fn send(&self, units: NonZeroU32, mode: Mode) {
-        let policy = &self.policy;
-        let name = policy.policy.name();
+        let prepared = &self.prepared;
+        let name = prepared.policy.name();
         send(
             &*self.backend,
-            &policy.backend,
+            &prepared.backend,
             name,
             &self.key,
             units,
@@ -176,7 +176,7 @@ impl<Bk: Backend> Drop for Slot<Bk> {
 /// A request's admission, to be settled by its policy's rules.
 struct Charging<Bk: Backend> {
     target: Target<Bk>,
-    rules: Arc<Rules>,
+    rules: Arc<ChargeRules>,
     taken: Taken,
     /// Set once the request was admitted (its units taken), to when, on the backend's clock
     /// ([`Backend::now_ns`]): only then is there anything to settle, by its response or, if
@@ -192,33 +192,33 @@ impl<Bk: Backend> Settle<Bk> {
     pub(crate) fn new(
         backend: &Arc<Bk>,
         pauses: Option<&Arc<Pauses>>,
-        policy: &Arc<Prepared<Bk::Policy>>,
+        prepared: &Arc<Prepared<Bk::Policy>>,
         taken: Option<Taken>,
         key: &Key,
     ) -> Option<Box<Self>> {
-        let rules = |taken: Taken| match policy.policy.settle_rules() {
+        let rules = |taken: Taken| match prepared.policy.settle_rules() {
             Some(rules) => Some(rules),
             // A request of cost 0 admitted at one unit gives it back (to the quotas that count
             // units: a policy of slots alone has none).
             None if taken.cost == 0
-                && policy.quota_units.iter().any(|(p, _)| !p.is_concurrent()) =>
+                && prepared.quota_units.iter().any(|(p, _)| !p.is_concurrent()) =>
             {
-                Some(Rules::give_back_the_unit())
+                Some(ChargeRules::give_back_the_unit())
             }
             None => None,
         };
         let charged = taken.and_then(|taken| Some((rules(taken)?, taken)));
-        let holds = taken.is_some() && policy.holds_slots;
+        let holds = taken.is_some() && prepared.holds_slots;
         if pauses.is_none() && charged.is_none() && !holds {
             return None;
         }
         let slot = holds.then(|| Slot {
-            target: Target::new(backend, policy, key),
+            target: Target::new(backend, prepared, key),
             lease: crate::backend::next_lease(),
             taken: false,
         });
         let charge = charged.map(|(rules, taken)| Charging {
-            target: Target::new(backend, policy, key),
+            target: Target::new(backend, prepared, key),
             rules: rules.clone(),
             taken,
             admitted: None,

@@ -6,15 +6,15 @@ use std::time::Duration;
 
 /// How the layer waits (see [`RateLimitLayerBuilder::wait`](crate::RateLimitLayerBuilder::wait)).
 #[derive(Debug, Clone)]
-pub(crate) struct Waiting {
+pub(crate) struct WaitMode {
     pub(crate) max_wait: Duration,
     max_waiters: usize,
     waiters: Arc<AtomicUsize>,
 }
 
-impl Waiting {
+impl WaitMode {
     pub(crate) fn new(max_wait: Duration, max_waiters: usize) -> Self {
-        Waiting {
+        WaitMode {
             max_wait,
             max_waiters,
             waiters: Arc::default(),
@@ -40,7 +40,7 @@ impl Waiting {
     }
 }
 
-impl Waiting {
+impl WaitMode {
     /// Whether a request refused now waits for its units instead, and if so a waiter's place
     /// for it and the longest wait: its policy can reserve (`reserves`: GCRA quotas only), the
     /// store refused it (not a failure, not a cost above a burst) for at most the longest
