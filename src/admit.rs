@@ -19,7 +19,7 @@ use http::{HeaderMap, Request, Response, StatusCode};
 use crate::backend::{Backend, DecidedBy, Decision, Mode};
 use crate::charge::Taken;
 use crate::key::{KeyError, KeyExtractor, OnMissingKey};
-use crate::metrics::Outcome as Counted;
+use crate::metrics::{Outcome as Counted, PolicyMetrics};
 use crate::prepared::Prepared;
 use crate::report::RateLimitStatus;
 use crate::request::grpc_content_type;
@@ -109,6 +109,70 @@ pub(crate) struct WaitPlan {
     pub(crate) wait: Duration,
     pub(crate) place: Option<Place>,
     pub(crate) status: Option<Box<RateLimitStatus>>,
+}
+
+/// A layer's [`Shared`] state behind a trait object whose methods carry the `Bk: Backend`
+/// bound, so that the public types need none on their definitions.
+pub(crate) struct Erased<K, Bk>(Arc<dyn Layered<K, Bk>>);
+
+/// What hides a layer's [`Shared`] state: implemented by it alone.
+pub(crate) trait Layered<K, Bk>: Send + Sync + 'static {
+    /// The shared state.
+    fn get(&self) -> &Shared<K, Bk>
+    where
+        Bk: Backend;
+
+    /// The shared state, for a future that outlives the service's borrow.
+    fn arc(self: Arc<Self>) -> Arc<Shared<K, Bk>>
+    where
+        Bk: Backend;
+}
+
+impl<K: KeyExtractor, Bk: Backend> Layered<K, Bk> for Shared<K, Bk> {
+    #[inline]
+    fn get(&self) -> &Shared<K, Bk> {
+        self
+    }
+
+    fn arc(self: Arc<Self>) -> Arc<Shared<K, Bk>> {
+        self
+    }
+}
+
+impl<K, Bk> Clone for Erased<K, Bk> {
+    fn clone(&self) -> Self {
+        Erased(self.0.clone())
+    }
+}
+
+impl<K, Bk> Erased<K, Bk> {
+    /// A weak handle, to tell whether the layer is still alive.
+    pub(crate) fn downgrade(&self) -> std::sync::Weak<dyn Send + Sync> {
+        let weak: std::sync::Weak<dyn Layered<K, Bk>> = Arc::downgrade(&self.0);
+        weak
+    }
+
+    /// Whether `other` is this layer's state.
+    pub(crate) fn is(&self, other: &Arc<dyn Send + Sync>) -> bool {
+        std::ptr::addr_eq(Arc::as_ptr(&self.0), Arc::as_ptr(other))
+    }
+}
+
+impl<K: KeyExtractor, Bk: Backend> Erased<K, Bk> {
+    pub(crate) fn new(shared: Shared<K, Bk>) -> Self {
+        Erased(Arc::new(shared))
+    }
+
+    /// The shared state.
+    #[inline]
+    pub(crate) fn get(&self) -> &Shared<K, Bk> {
+        self.0.get()
+    }
+
+    /// The shared state, for a future that outlives the service's borrow.
+    pub(crate) fn arc(&self) -> Arc<Shared<K, Bk>> {
+        self.0.clone().arc()
+    }
 }
 
 /// A request's admission: the verdict now, or a decision a store is still making.
@@ -362,46 +426,43 @@ fn later<Bk: Backend>(
     }))
 }
 
-/// Counts a backend's answer in the policy's metrics.
+/// Counts an enforced policy's answer in its metrics (a shadow policy's: in
+/// [`Shared::shadow`]).
 #[inline]
-pub(crate) fn count<P>(prepared: &Prepared<P>, result: &Result<Decision, BackendError>) {
+fn count<P>(prepared: &Prepared<P>, result: &Result<Decision, BackendError>) {
     let m = &prepared.metrics;
-    let shadow = prepared.policy.is_shadow();
     let decision = match result {
+        Ok(decision) if decision.is_allowed() => return count_allowed(m, decision),
         Ok(decision) => decision,
-        Err(_) if shadow => return m.record(Counted::ShadowError, None),
         Err(_) => return m.record(Counted::FailClosed, None),
     };
-    let fallback = decision.made_by() == DecidedBy::FallbackLocal;
-    if decision.is_allowed() {
-        let outcome = match decision.made_by() {
-            DecidedBy::FailOpen => Counted::FailOpen,
-            _ if fallback => Counted::FallbackAllowed,
-            _ => Counted::Allowed,
-        };
-        m.record(outcome, None);
-        // Near the limit: the tightest quota (`Decision::tightest` of an allowed decision) has
-        // less than a tenth of it left.
-        let tightest = (decision.quotas().iter()).min_by_key(|q| (q.remaining, q.limit));
-        if let Some(q) = tightest
-            && u64::from(q.remaining) * 10 < u64::from(q.limit)
-        {
-            m.near_limit(q.index);
-        }
-        return;
-    }
-    let quota = decision.tightest().map(|q| q.index);
-    // A shadow policy lets every refusal through: counted as such, whatever the reason.
-    let outcome = if shadow {
-        Counted::ShadowDenied
-    } else if decision.never_fits() {
+    let outcome = if decision.never_fits() {
         Counted::NeverFits
-    } else if fallback {
+    } else if decision.made_by() == DecidedBy::FallbackLocal {
         Counted::FallbackDenied
     } else {
         Counted::Denied
     };
-    m.record(outcome, quota);
+    m.record(outcome, decision.tightest().map(|q| q.index));
+}
+
+/// Counts an allowed decision, and whether it came near the limit.
+#[inline]
+fn count_allowed(m: &PolicyMetrics, decision: &Decision) {
+    let outcome = match decision.made_by() {
+        DecidedBy::FailOpen => Counted::FailOpen,
+        DecidedBy::FallbackLocal => Counted::FallbackAllowed,
+        _ => Counted::Allowed,
+    };
+    m.record(outcome, None);
+    // Near the limit: the tightest quota (`Decision::tightest` of an allowed decision) has
+    // less than a tenth of it left.
+    let tightest = (decision.quotas().iter()).min_by_key(|q| (q.remaining, q.limit));
+    if let Some(q) = tightest
+        && u64::from(q.remaining) * 10 < u64::from(q.limit)
+    {
+        m.near_limit(q.index);
+    }
 }
 
 impl<K, Bk: Backend> Shared<K, Bk> {
@@ -413,9 +474,10 @@ impl<K, Bk: Backend> Shared<K, Bk> {
         headers: &HeaderMap,
     ) -> Verdict {
         let policy = prepared.policy.name();
-        if *err == KeyError::NoPeerAddr {
-            // The server's setup, not the client's request, is at fault: a 500 with a generic
-            // body (whatever `on_missing_key` says), and the explanation in the log.
+        // No peer address: the server's setup, not the client's request, is at fault. A 500
+        // with a generic body (whatever `on_missing_key` says), and the explanation in the log.
+        let no_peer = *err == KeyError::NoPeerAddr;
+        if no_peer {
             static WARNED: AtomicBool = AtomicBool::new(false);
             if !WARNED.swap(true, Ordering::Relaxed) {
                 tracing::error!(
@@ -424,51 +486,42 @@ impl<K, Bk: Backend> Shared<K, Bk> {
                      `into_make_service_with_connect_info::<SocketAddr>()` (logged once)"
                 );
             }
-            // `Allow` is an explicit choice to let keyless requests through (a server on a
-            // Unix socket has no peer address at all): kept, with the log above.
             prepared.metrics.record(Counted::NoPeerAddress, None);
-            if prepared.policy.is_shadow() || self.on_missing_key == OnMissingKey::Allow {
-                return Verdict::Pass(HeaderAdds::new());
-            }
-            let rejection = Rejection {
-                kind: RejectionKind::MissingKey(err),
-                policy,
-                status: StatusCode::INTERNAL_SERVER_ERROR,
-                retry_after: None,
-                quota_names: &[],
-            };
-            return self.reject(&rejection, headers, HeaderAdds::new());
+        } else {
+            prepared.metrics.record(Counted::MissingKey, None);
         }
-        prepared.metrics.record(Counted::MissingKey, None);
-        match self.on_missing_key {
+        // `Allow` is an explicit choice to let keyless requests through (a server on a Unix
+        // socket has no peer address at all): kept, with the log above.
+        let status = match self.on_missing_key {
             OnMissingKey::Allow => {
                 tracing::trace!(policy, reason = %err, "no rate-limit key; allowed");
-                Verdict::Pass(HeaderAdds::new())
+                return Verdict::Pass(HeaderAdds::new());
             }
-            OnMissingKey::Reject(_) if prepared.policy.is_shadow() => {
-                tracing::info!(
-                    policy,
-                    shadow = true,
-                    reason = %err,
-                    "request without a rate-limit key would have been rejected (shadow mode)"
-                );
-                Verdict::Pass(HeaderAdds::new())
-            }
-            OnMissingKey::Reject(status) => {
-                tracing::debug!(policy, reason = %err, "no rate-limit key; rejected");
-                let rejection = Rejection {
-                    kind: RejectionKind::MissingKey(err),
-                    policy,
-                    status,
-                    retry_after: None,
-                    quota_names: &[],
-                };
-                self.reject(&rejection, headers, HeaderAdds::new())
-            }
+            OnMissingKey::Reject(_) if no_peer => StatusCode::INTERNAL_SERVER_ERROR,
+            OnMissingKey::Reject(status) => status,
+        };
+        if prepared.policy.is_shadow() {
+            tracing::info!(
+                policy,
+                shadow = true,
+                reason = %err,
+                "request without a rate-limit key would have been rejected (shadow mode)"
+            );
+            return Verdict::Pass(HeaderAdds::new());
         }
+        tracing::debug!(policy, reason = %err, "no rate-limit key; rejected");
+        let rejection = Rejection {
+            kind: RejectionKind::MissingKey(err),
+            policy,
+            status,
+            retry_after: None,
+            quota_names: &[],
+        };
+        self.reject(&rejection, headers, HeaderAdds::new())
     }
 
-    /// Turns a backend's answer into a verdict, logging rejections and failures.
+    /// Turns a backend's answer into a verdict, logging rejections and failures. A shadow
+    /// policy's answer is decided here, once, apart: it lets everything through.
     #[inline]
     pub(crate) fn verdict(
         &self,
@@ -476,11 +529,13 @@ impl<K, Bk: Backend> Shared<K, Bk> {
         result: &Result<Decision, BackendError>,
         headers: &HeaderMap,
     ) -> Verdict {
+        if prepared.policy.is_shadow() {
+            return self.shadow(prepared, result);
+        }
         count(prepared, result);
         if let Ok(decision) = result
             && decision.is_allowed()
             && !decision.quotas().is_empty()
-            && !prepared.policy.is_shadow()
         {
             let style = self.responder.style;
             let adds = response::rate_limit_headers(style, &prepared.headers, decision);
@@ -489,7 +544,7 @@ impl<K, Bk: Backend> Shared<K, Bk> {
                 wait => self.passing(prepared, decision, adds, wait),
             };
         }
-        self.refused_or_shadow(prepared, result, headers)
+        self.refused(prepared, result, headers)
     }
 
     /// [`verdict`](Self::verdict) for an allowed request that waits first, or carries its
@@ -526,17 +581,15 @@ impl<K, Bk: Backend> Shared<K, Bk> {
         }
     }
 
-    /// [`verdict`](Self::verdict) for a refusal, a failure, or a shadow policy's answer.
+    /// [`verdict`](Self::verdict) for an enforced policy's refusal or failure (or an allowed
+    /// decision without quota states: nothing taken).
     #[inline(never)]
-    fn refused_or_shadow(
+    fn refused(
         &self,
         prepared: &Prepared<Bk::Policy>,
         result: &Result<Decision, BackendError>,
         headers: &HeaderMap,
     ) -> Verdict {
-        if prepared.policy.is_shadow() {
-            return self.shadow(prepared, result);
-        }
         let policy = prepared.policy.name();
         let (decision, adds) = match result {
             Ok(decision) => {
@@ -589,16 +642,19 @@ impl<K, Bk: Backend> Shared<K, Bk> {
     }
 
     /// The verdict of a shadow policy: every request passes. Refusals and failures are
-    /// logged (and counted, by [`count`]); the fields go out on allowed responses only when
-    /// asked for, since they would make clients back off for nothing.
+    /// logged and counted as such; the fields go out on allowed responses only when asked
+    /// for, since they would make clients back off for nothing.
+    #[inline(never)]
     fn shadow(
         &self,
         prepared: &Prepared<Bk::Policy>,
         result: &Result<Decision, BackendError>,
     ) -> Verdict {
         let policy = prepared.policy.name();
+        let m = &prepared.metrics;
         match result {
             Ok(decision) if decision.is_allowed() => {
+                count_allowed(m, decision);
                 if !prepared.policy.sends_shadow_headers() {
                     return Verdict::Pass(HeaderAdds::new());
                 }
@@ -610,6 +666,7 @@ impl<K, Bk: Backend> Shared<K, Bk> {
                 ))
             }
             Ok(decision) => {
+                m.record(Counted::ShadowDenied, decision.tightest().map(|q| q.index));
                 tracing::info!(
                     policy,
                     shadow = true,
@@ -619,6 +676,7 @@ impl<K, Bk: Backend> Shared<K, Bk> {
                 Verdict::Unsettled(HeaderAdds::new())
             }
             Err(error) => {
+                m.record(Counted::ShadowError, None);
                 tracing::debug!(
                     policy,
                     shadow = true,

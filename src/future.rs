@@ -13,7 +13,7 @@ use tower_service::Service;
 use crate::admit::{Admitting, Verdict, WaitPlan};
 use crate::backend::Backend;
 use crate::body::{BodyMode, KeepBody};
-use crate::call::{Call, Wait};
+use crate::call::{Call, Wait, take_ready};
 use crate::response::HeaderAdds;
 use crate::settle::{Settle, see_through, settle, took};
 
@@ -117,71 +117,106 @@ where
         Self::new(State::Admitting { admitting })
     }
 
-    /// The inner service is called (passed at once, its units taken).
-    pub(crate) fn calling(
-        fut: S::Future,
-        adds: HeaderAdds,
-        mut settle: Option<Box<Settle<Bk>>>,
-    ) -> Self {
-        Settle::arm(&mut settle);
-        Self::unsettled(fut, adds, settle)
+    /// The request is refused with `response`.
+    fn refused(response: Box<Response<Bytes>>) -> Self {
+        Self::new(State::Refused {
+            response: Some(response),
+        })
     }
 
-    /// The inner service is called, nothing having been taken for it: its response settles
-    /// nothing (it may still note a pause).
-    fn unsettled(fut: S::Future, adds: HeaderAdds, settle: Option<Box<Settle<Bk>>>) -> Self {
+    /// What follows an admission, for every verdict: the call (at once, or after the wait
+    /// admission decided), or the refusal. `inner` is the service that was polled ready, for
+    /// `req`.
+    #[inline]
+    pub(crate) fn admitted(
+        verdict: Verdict,
+        inner: Ready<'_, S>,
+        mut req: Request<ReqBody>,
+        mut settle: Option<Box<Settle<Bk>>>,
+    ) -> Self {
+        let (adds, wait) = match verdict {
+            Verdict::Reject(response) => return Self::refused(response),
+            // Nothing was taken: the response settles nothing (it may still note a pause).
+            Verdict::Unsettled(adds) => return Self::calling(inner.call(req), adds, settle),
+            Verdict::Pass(adds) => (adds, None),
+            Verdict::PassWith(adds, status) => {
+                req.extensions_mut().insert(*status);
+                (adds, None)
+            }
+            Verdict::Wait(adds, plan) => {
+                let WaitPlan {
+                    wait,
+                    place,
+                    status,
+                } = *plan;
+                if let Some(status) = status {
+                    req.extensions_mut().insert(*status);
+                }
+                (adds, Some((wait, place)))
+            }
+        };
+        // Units were taken for the request: from here on its answer, or its drop, settles them.
+        Settle::arm(&mut settle);
+        match wait {
+            None => Self::calling(inner.call(req), adds, settle),
+            Some((wait, place)) => {
+                let call = Call {
+                    inner: inner.into_owned(),
+                    req,
+                    adds,
+                    settle,
+                };
+                Self::new(State::Waiting {
+                    wait: Box::new(Wait::new(wait, place, call)),
+                })
+            }
+        }
+    }
+
+    /// The inner service is called.
+    fn calling(fut: S::Future, adds: HeaderAdds, settle: Option<Box<Settle<Bk>>>) -> Self {
         Self::new(State::Calling {
             fut,
             adds: Some(adds),
             settle,
         })
     }
+}
 
-    /// The request is refused with `response`.
-    pub(crate) fn refused(response: Box<Response<Bytes>>) -> Self {
-        Self::new(State::Refused {
-            response: Some(response),
-        })
+/// The service that was polled ready for a request: the layer's own (borrowed, called at once,
+/// with the way to take it for a call made later) or one taken already.
+pub(crate) enum Ready<'a, S> {
+    Borrowed(&'a mut S, fn(&mut S) -> S),
+    Owned(S),
+}
+
+impl<'a, S: Clone> Ready<'a, S> {
+    /// The layer's service, polled ready.
+    #[inline]
+    pub(crate) fn borrowed(inner: &'a mut S) -> Self {
+        Ready::Borrowed(inner, take_ready::<S>)
+    }
+}
+
+impl<S> Ready<'_, S> {
+    /// Calls the service now.
+    #[inline]
+    fn call<ReqBody>(self, req: Request<ReqBody>) -> S::Future
+    where
+        S: Service<Request<ReqBody>>,
+    {
+        match self {
+            Ready::Borrowed(inner, _) => inner.call(req),
+            Ready::Owned(mut inner) => inner.call(req),
+        }
     }
 
-    /// What follows an admission: the call, after a wait where one was decided, or the
-    /// refusal (`inner`: the service that was polled ready, for `req`).
-    pub(crate) fn admitted(
-        verdict: Verdict,
-        mut inner: S,
-        req: Request<ReqBody>,
-        settle: Option<Box<Settle<Bk>>>,
-    ) -> Self {
-        match verdict {
-            Verdict::Pass(adds) => Self::calling(inner.call(req), adds, settle),
-            Verdict::PassWith(adds, status) => {
-                let mut req = req;
-                req.extensions_mut().insert(*status);
-                Self::calling(inner.call(req), adds, settle)
-            }
-            Verdict::Unsettled(adds) => Self::unsettled(inner.call(req), adds, settle),
-            Verdict::Wait(adds, waited) => {
-                let WaitPlan {
-                    wait,
-                    place,
-                    status,
-                } = *waited;
-                let mut req = req;
-                if let Some(status) = status {
-                    req.extensions_mut().insert(*status);
-                }
-                let mut settle = settle;
-                Settle::arm(&mut settle);
-                let call = Call {
-                    inner,
-                    req,
-                    adds,
-                    settle,
-                };
-                let wait = Box::new(Wait::new(wait, place, call));
-                Self::new(State::Waiting { wait })
-            }
-            Verdict::Reject(response) => Self::refused(response),
+    /// The service, for a call made later: the ready one, a fresh clone taking its place in
+    /// the layer ([`take_ready`]).
+    fn into_owned(self) -> S {
+        match self {
+            Ready::Borrowed(inner, take) => take(inner),
+            Ready::Owned(inner) => inner,
         }
     }
 }
@@ -208,7 +243,7 @@ where
                     let Some((inner, req)) = p.call.take() else {
                         panic!("ResponseFuture polled after completion");
                     };
-                    Self::admitted(verdict, inner, req, p.settle.take()).state
+                    Self::admitted(verdict, Ready::Owned(inner), req, p.settle.take()).state
                 }
                 StateProj::Waiting { wait } => {
                     let Some(mut call) = ready!(wait.poll(cx)) else {

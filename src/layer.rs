@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use tower_layer::Layer;
 
+use crate::admit::Erased;
 use crate::admit::{Policies, Shared};
 use crate::backend::Backend;
 use crate::body::{KeepBody, WrapBody};
@@ -15,7 +16,7 @@ use crate::key::{ClientIp, KeyExtractor, OnMissingKey};
 use crate::prepared::Prepared;
 use crate::response::{HeaderStyle, RejectionBody, Responder};
 use crate::rules::{LiveRules, RuleSet, RulesHandle};
-use crate::service::{Erased, RateLimit};
+use crate::service::RateLimit;
 use crate::wait::WaitMode;
 use crate::{ConfigError, Policy};
 

@@ -5,17 +5,16 @@
 
 use std::fmt;
 use std::marker::PhantomData;
-use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use http::{Request, Response};
 use tower_service::Service;
 
-use crate::admit::{Admission, Admitting, Shared, Verdict};
+use crate::admit::{Admission, Admitting, Erased};
 use crate::backend::Backend;
 use crate::body::{BodyMode, KeepBody};
 use crate::call::take_ready;
-use crate::future::ResponseFuture;
+use crate::future::{Ready, ResponseFuture};
 use crate::key::KeyExtractor;
 
 /// Rate-limits requests to the inner service. Made by [`RateLimitLayer`](crate::RateLimitLayer).
@@ -31,70 +30,6 @@ pub struct RateLimit<S, K, Bk, M = KeepBody> {
     inner: S,
     shared: Erased<K, Bk>,
     mode: PhantomData<fn() -> M>,
-}
-
-/// A layer's [`Shared`] state behind a trait object whose methods carry the `Bk: Backend`
-/// bound, so that the public types need none on their definitions.
-pub(crate) struct Erased<K, Bk>(Arc<dyn Layered<K, Bk>>);
-
-/// What hides a layer's [`Shared`] state: implemented by it alone.
-pub(crate) trait Layered<K, Bk>: Send + Sync + 'static {
-    /// The shared state.
-    fn get(&self) -> &Shared<K, Bk>
-    where
-        Bk: Backend;
-
-    /// The shared state, for a future that outlives the service's borrow.
-    fn arc(self: Arc<Self>) -> Arc<Shared<K, Bk>>
-    where
-        Bk: Backend;
-}
-
-impl<K: KeyExtractor, Bk: Backend> Layered<K, Bk> for Shared<K, Bk> {
-    #[inline]
-    fn get(&self) -> &Shared<K, Bk> {
-        self
-    }
-
-    fn arc(self: Arc<Self>) -> Arc<Shared<K, Bk>> {
-        self
-    }
-}
-
-impl<K, Bk> Clone for Erased<K, Bk> {
-    fn clone(&self) -> Self {
-        Erased(self.0.clone())
-    }
-}
-
-impl<K, Bk> Erased<K, Bk> {
-    /// A weak handle, to tell whether the layer is still alive.
-    pub(crate) fn downgrade(&self) -> std::sync::Weak<dyn Send + Sync> {
-        let weak: std::sync::Weak<dyn Layered<K, Bk>> = Arc::downgrade(&self.0);
-        weak
-    }
-
-    /// Whether `other` is this layer's state.
-    pub(crate) fn is(&self, other: &Arc<dyn Send + Sync>) -> bool {
-        std::ptr::addr_eq(Arc::as_ptr(&self.0), Arc::as_ptr(other))
-    }
-}
-
-impl<K: KeyExtractor, Bk: Backend> Erased<K, Bk> {
-    pub(crate) fn new(shared: Shared<K, Bk>) -> Self {
-        Erased(Arc::new(shared))
-    }
-
-    /// The shared state.
-    #[inline]
-    pub(crate) fn get(&self) -> &Shared<K, Bk> {
-        self.0.get()
-    }
-
-    /// The shared state, for a future that outlives the service's borrow.
-    pub(crate) fn arc(&self) -> Arc<Shared<K, Bk>> {
-        self.0.clone().arc()
-    }
 }
 
 impl<S, K, Bk, M> RateLimit<S, K, Bk, M> {
@@ -163,12 +98,8 @@ where
         // 2. call the inner service: at once, after a wait, or once a store has decided;
         // 3. settle: in the response future, when the inner service answers
         match admission {
-            Admission::Now(Verdict::Pass(adds)) => {
-                ResponseFuture::calling(self.inner.call(req), adds, settle)
-            }
-            Admission::Now(Verdict::Reject(response)) => ResponseFuture::refused(response),
-            Admission::Now(wait) => {
-                ResponseFuture::admitted(wait, take_ready(&mut self.inner), req, settle)
+            Admission::Now(verdict) => {
+                ResponseFuture::admitted(verdict, Ready::borrowed(&mut self.inner), req, settle)
             }
             Admission::Later(later) => {
                 let admitting = Admitting::new(self.shared.arc(), later);

@@ -97,7 +97,7 @@ use crate::backend::Decision;
 /// let app: Router = Router::new().route("/rate_limit", get_service(status));
 /// ```
 pub struct StatusService<K, Bk> {
-    shared: crate::service::Erased<K, Bk>,
+    shared: crate::admit::Erased<K, Bk>,
     authorize: Option<Authorize>,
 }
 
@@ -105,7 +105,7 @@ pub struct StatusService<K, Bk> {
 type Authorize = std::sync::Arc<dyn Fn(&crate::RequestInfo<'_>, &crate::Key) -> bool + Send + Sync>;
 
 impl<K, Bk> StatusService<K, Bk> {
-    pub(crate) fn new(shared: crate::service::Erased<K, Bk>) -> Self {
+    pub(crate) fn new(shared: crate::admit::Erased<K, Bk>) -> Self {
         StatusService {
             shared,
             authorize: None,
