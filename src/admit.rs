@@ -90,6 +90,16 @@ pub(crate) enum Verdict {
 }
 
 impl Verdict {
+    /// Whether units were taken for the request (it passes, now or after a wait), so that
+    /// its answer or its drop settles them.
+    #[inline]
+    pub(crate) fn took(&self) -> bool {
+        matches!(
+            self,
+            Verdict::Pass(_) | Verdict::PassWith(..) | Verdict::Wait(..)
+        )
+    }
+
     /// The verdict, with the waiter's place `place` held while it waits (given back at once
     /// otherwise).
     fn holding(self, place: Option<Place>) -> Self {

@@ -134,43 +134,51 @@ where
         mut req: Request<ReqBody>,
         mut settle: Option<Box<Settle<Bk>>>,
     ) -> Self {
-        let (adds, wait) = match verdict {
-            Verdict::Reject(response) => return Self::refused(response),
-            // Nothing was taken: the response settles nothing (it may still note a pause).
-            Verdict::Unsettled(adds) => return Self::calling(inner.call(req), adds, settle),
-            Verdict::Pass(adds) => (adds, None),
+        // Units were taken for the request: from here on its answer, or its drop, settles them.
+        if verdict.took() {
+            Settle::arm(&mut settle);
+        }
+        match verdict {
+            Verdict::Pass(adds) => Self::calling(inner.call(req), adds, settle),
             Verdict::PassWith(adds, status) => {
                 req.extensions_mut().insert(*status);
-                (adds, None)
+                Self::calling(inner.call(req), adds, settle)
             }
+            // Nothing was taken: the response settles nothing (it may still note a pause).
+            Verdict::Unsettled(adds) => Self::calling(inner.call(req), adds, settle),
             Verdict::Wait(adds, plan) => {
-                let WaitPlan {
-                    wait,
-                    place,
-                    status,
-                } = *plan;
-                if let Some(status) = status {
-                    req.extensions_mut().insert(*status);
-                }
-                (adds, Some((wait, place)))
+                Self::waiting(*plan, inner.into_owned(), req, adds, settle)
             }
-        };
-        // Units were taken for the request: from here on its answer, or its drop, settles them.
-        Settle::arm(&mut settle);
-        match wait {
-            None => Self::calling(inner.call(req), adds, settle),
-            Some((wait, place)) => {
-                let call = Call {
-                    inner: inner.into_owned(),
-                    req,
-                    adds,
-                    settle,
-                };
-                Self::new(State::Waiting {
-                    wait: Box::new(Wait::new(wait, place, call)),
-                })
-            }
+            Verdict::Reject(response) => Self::refused(response),
         }
+    }
+
+    /// The request waits as its plan says, then calls `inner`.
+    #[inline(never)]
+    fn waiting(
+        plan: WaitPlan,
+        inner: S,
+        mut req: Request<ReqBody>,
+        adds: HeaderAdds,
+        settle: Option<Box<Settle<Bk>>>,
+    ) -> Self {
+        let WaitPlan {
+            wait,
+            place,
+            status,
+        } = plan;
+        if let Some(status) = status {
+            req.extensions_mut().insert(*status);
+        }
+        let call = Call {
+            inner,
+            req,
+            adds,
+            settle,
+        };
+        Self::new(State::Waiting {
+            wait: Box::new(Wait::new(wait, place, call)),
+        })
     }
 
     /// The inner service is called.
