@@ -304,15 +304,16 @@ end
 
 -- The quotas' states this call has read, by key (see `load`). Decisions of one call on the same
 -- key (a hot key, a global limit) read it once and see each other's updates, exactly as if they
--- ran one after another; each key changed is written once, at the end (dirty[1..nd], with its
--- quota in dq). The script is atomic, so deferring the writes is invisible to every other
+-- ran one after another; each key changed is written once, at the end (dq: each key changed,
+-- with its quota). The script is atomic, so deferring the writes is invisible to every other
 -- client.
-local states, dirty, dq = {}, {}, {}
-local nd = 0
+local states, dq = {}, {}
 -- Per quota of the decision being made (reused): its code.
 local cur = {}
 local reply = {}
 local nr = 0
+-- The length of a quota's reply when its key holds another type (code 4, then zeros), by kind.
+local WRONG = {[0] = 2, 3, 4, 2, 2}
 -- The leases each concurrent key takes in this call, written at the end with its other
 -- changes (adds[key]: the members); made only when a slot is taken. (No helper functions here:
 -- each would be a closure made on every call, garbage for the collector.)
@@ -348,16 +349,10 @@ for _ = 1, tonumber(ARGV[a], 16) do
         end
         local kind = at[8 * g - 7]
         if st == false then
-          reply[nr + 1], reply[nr + 2] = 4, 0
-          nr = nr + 2
-          if kind == 1 or kind == 2 then
-            reply[nr + 1] = 0
-            nr = nr + 1
-            if kind == 2 then
-              reply[nr + 1] = 0
-              nr = nr + 1
-            end
+          for z = 1, WRONG[kind] do
+            reply[nr + z] = z == 1 and 4 or 0
           end
+          nr = nr + WRONG[kind]
         elseif kind == 0 then
           local step = cost * at[8 * g - 6]
           if op == '3' then
@@ -366,18 +361,10 @@ for _ = 1, tonumber(ARGV[a], 16) do
             if st < 0 then
               st = 0
             end
-            if not dq[key] then
-              dq[key] = g
-              nd = nd + 1
-              dirty[nd] = key
-            end
+            dq[key] = g
           elseif op == '4' then
             st = st + step
-            if not dq[key] then
-              dq[key] = g
-              nd = nd + 1
-              dirty[nd] = key
-            end
+            dq[key] = g
           end
           states[key] = st
           local tat = st
@@ -395,11 +382,7 @@ for _ = 1, tonumber(ARGV[a], 16) do
               if st < 0 then
                 st = 0
               end
-              if not dq[key] then
-                dq[key] = g
-                nd = nd + 1
-                dirty[nd] = key
-              end
+              dq[key] = g
             end
           elseif op == '4' then
             -- A count saturates at 2^32 - 1, as on every store (it is packed in 32 bits).
@@ -407,11 +390,7 @@ for _ = 1, tonumber(ARGV[a], 16) do
             if st > MAXC then
               st = MAXC
             end
-            if not dq[key] then
-              dq[key] = g
-              nd = nd + 1
-              dirty[nd] = key
-            end
+            dq[key] = g
           end
           states[key] = st
           reply[nr + 1], reply[nr + 2], reply[nr + 3] = 0, st, len - at[8 * g - 3]
@@ -431,11 +410,7 @@ for _ = 1, tonumber(ARGV[a], 16) do
               if pos >= 2 then
                 st[m + 1] = st[m + 1] - (old - new)
               end
-              if not dq[key] then
-                dq[key] = g
-                nd = nd + 1
-                dirty[nd] = key
-              end
+              dq[key] = g
             end
           elseif op == '4' then
             local new = st[m] + cost
@@ -444,11 +419,7 @@ for _ = 1, tonumber(ARGV[a], 16) do
             end
             st[m + 1] = st[m + 1] + (new - st[m])
             st[m] = new
-            if not dq[key] then
-              dq[key] = g
-              nd = nd + 1
-              dirty[nd] = key
-            end
+            dq[key] = g
           end
           do
             local s, m, r, limit = at[8 * g - 6], at[8 * g - 4] + 1, at[8 * g - 3], at[8 * g - 5]
@@ -512,11 +483,7 @@ for _ = 1, tonumber(ARGV[a], 16) do
           -- A reservation's wait, st + tol, is never more than st: the same update.
           st = st + step
           states[key] = st
-          if not dq[key] then
-            dq[key] = g1
-            nd = nd + 1
-            dirty[nd] = key
-          end
+          dq[key] = g1
         end
         if st > CLAMP then
           reply[nr + 1], reply[nr + 2] = c, CLAMP
@@ -599,16 +566,10 @@ for _ = 1, tonumber(ARGV[a], 16) do
     if refused then
       for i = 1, n do
         local kind = at[8 * (f + i) - 7]
-        reply[nr + 1], reply[nr + 2] = 4, 0
-        nr = nr + 2
-        if kind == 1 or kind == 2 then
-          reply[nr + 1] = 0
-          nr = nr + 1
-          if kind == 2 then
-            reply[nr + 1] = 0
-            nr = nr + 1
-          end
+        for z = 1, WRONG[kind] do
+          reply[nr + z] = z == 1 and 4 or 0
         end
+        nr = nr + WRONG[kind]
       end
     else
       -- Then, all allowed, every quota takes the cost; or, one denied, none does.
@@ -624,11 +585,7 @@ for _ = 1, tonumber(ARGV[a], 16) do
           if refusal and st == 0 and not peek then
             st = at[8 * g - 6]
             states[key] = st
-            if not dq[key] then
-              dq[key] = g
-              nd = nd + 1
-              dirty[nd] = key
-            end
+            dq[key] = g
           end
           if st > 0 then
             c = 1
@@ -653,11 +610,7 @@ for _ = 1, tonumber(ARGV[a], 16) do
               adds[key] = list
             end
             list[#list + 1] = lease
-            if not dq[key] then
-              dq[key] = g
-              nd = nd + 1
-              dirty[nd] = key
-            end
+            dq[key] = g
           end
         else
           if kind == 0 then
@@ -680,11 +633,7 @@ for _ = 1, tonumber(ARGV[a], 16) do
               states[key] = st
             end
             -- First change of this key in this call: remember to write it.
-            if not dq[key] then
-              dq[key] = g
-              nd = nd + 1
-              dirty[nd] = key
-            end
+            dq[key] = g
           end
         end
         if kind == 3 or kind == 4 then
@@ -742,9 +691,7 @@ end
 -- them took anything (the caller fails those that would have, and keeps the refusals).
 local expiries = {}
 local refused = false
-for i = 1, nd do
-  local key = dirty[i]
-  local g = dq[key]
+for key, g in pairs(dq) do
   local kind, len = at[8 * g - 7], at[8 * g - 6]
   local st = states[key]
   local value, ms
