@@ -14,6 +14,7 @@
 //! | `tollgate_circuit_breaker_open` | gauge | `backend` | 1 while the breaker is open, else 0 |
 //! | `tollgate_deny_cache_hits_total` | counter | `policy` | denials answered from the deny cache, without a round trip |
 //! | `tollgate_fleet_size` | gauge | `backend` | instances sharing the store as the last count read ([`Fleet`](crate::backend::remote::Fleet); with the local fallback only) |
+//! | `tollgate_store_time_source` | gauge | `backend`, `source` | 1 for the clock decisions read (`store`: the store's own, in the call; `store_synced`: the store's, read outside its scripts; `instances`: each instance's), set when the backend finds out ([`RedisClock`](crate::backend::redis::RedisClock)) |
 //! | `tollgate_store_memory_used_bytes` | gauge | `backend` | the store's memory in use, as its memory watch last read it (Redis `used_memory`) |
 //! | `tollgate_store_memory_max_bytes` | gauge | `backend` | the store's memory limit (Redis `maxmemory`; 0: none) |
 //! | `tollgate_store_evicted_keys_total` | counter | `backend` | keys the store evicted since the watch first read it (Redis `evicted_keys`): rate limits' counts lost |
@@ -216,6 +217,20 @@ pub(crate) fn local_evictions(n: u64) {
 pub(crate) fn fleet_size(backend: &'static str, size: u32) {
     #[cfg(feature = "metrics")]
     metrics::gauge!("tollgate_fleet_size", "backend" => backend).set(f64::from(size));
+}
+
+/// Sets `tollgate_store_time_source` for `backend`: 1 for `source`, 0 for the others.
+#[cfg_attr(
+    not(all(feature = "metrics", feature = "redis")),
+    allow(unused_variables, dead_code)
+)]
+pub(crate) fn time_source(backend: &'static str, source: &'static str) {
+    #[cfg(feature = "metrics")]
+    for other in ["store", "store_synced", "instances"] {
+        let on = if other == source { 1.0 } else { 0.0 };
+        metrics::gauge!("tollgate_store_time_source", "backend" => backend, "source" => other)
+            .set(on);
+    }
 }
 
 /// A shared store's memory as its watch read it: in use and the limit (bytes, gauges), and

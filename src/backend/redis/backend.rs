@@ -6,10 +6,12 @@ use std::time::Duration;
 
 use smallvec::SmallVec;
 
+use super::clock::{Clock, Time};
 use super::conn::Conn;
 use super::{failure, script};
 use crate::backend::remote::{
-    CallError, Job, Memory, Remote, RemoteFuture, RemotePolicy, Store, StoreFailure, keys,
+    CallError, Job, Memory, Remote, RemoteFuture, RemotePolicy, Store, StoreFailure, TimeSource,
+    keys,
 };
 use crate::backend::{Backend, Decision, Mode, ResetFuture};
 use crate::quota::QuotaParams;
@@ -33,6 +35,8 @@ pub struct RedisBackend {
 /// The Redis protocol of the backend: the connection, the key prefix, and the script.
 pub(crate) struct RedisStore {
     pub(crate) conn: Conn,
+    /// Whose clock decisions read.
+    pub(crate) clock: Clock,
     /// Where Redis is, passwords masked: for [`RedisBackend::endpoint`] and `Debug`.
     pub(crate) endpoint: String,
     pub(crate) prefix: String,
@@ -193,12 +197,22 @@ impl Store for RedisStore {
         jobs: &[Job<Self>],
         now_ns: Option<u64>,
     ) -> Result<Vec<Result<Decision, BackendError>>, CallError> {
-        let cmd = command(jobs, now_ns);
-        let reply = self
-            .conn
-            .eval(&cmd)
-            .await
-            .map_err(|e| failure::call_error(&e))?;
+        let time = self.clock.time(&self.conn, now_ns).await;
+        let reply = match self.conn.eval(&command(jobs, time)).await {
+            Ok(reply) => reply,
+            // An error reply may be a server that refuses `TIME` in scripts: asked once, and
+            // the call sent again on the clock found (the script reads the time before it
+            // writes anything, so the failed call took nothing).
+            Err(e) if time == Time::Script && is_reply(&e) => {
+                self.clock.probe(&self.conn, &self.endpoint).await;
+                let time = self.clock.time(&self.conn, now_ns).await;
+                if time == Time::Script {
+                    return Err(failure::call_error(&e));
+                }
+                (self.conn.eval(&command(jobs, time)).await).map_err(|e| failure::call_error(&e))?
+            }
+            Err(e) => return Err(failure::call_error(&e)),
+        };
         // One integer more than the decisions take, -1: Redis refused the call's writes (its
         // memory full), so nothing was taken. A decision that would have taken something
         // fails (the failure policy answers it); a refusal stands, as it took nothing.
@@ -227,13 +241,28 @@ impl Store for RedisStore {
             .collect())
     }
 
+    /// `PING`; the first that Redis answers also finds out, with [`RedisClock::Auto`], whether
+    /// scripts may read `TIME`.
     async fn ping(&self) -> Result<(), CallError> {
-        self.conn.ping().await.map_err(|e| failure::call_error(&e))
+        self.conn
+            .ping()
+            .await
+            .map_err(|e| failure::call_error(&e))?;
+        self.clock.probe(&self.conn, &self.endpoint).await;
+        Ok(())
+    }
+
+    fn time_source(&self) -> TimeSource {
+        self.clock.source()
     }
 
     /// One script on one key, `<prefix>:fleet` ([`announce_pipe`]).
     async fn announce(&self, id: u64, ttl: Duration) -> Result<u32, CallError> {
-        let pipe = announce_pipe(&self.prefix, id, ttl);
+        let now_us = match self.clock.time(&self.conn, None).await {
+            Time::Given(ns) | Time::Test(ns) => Some(ns / 1000),
+            Time::Script => None,
+        };
+        let pipe = announce_pipe(&self.prefix, id, ttl, now_us);
         let reply = (self.conn.pipeline(&pipe).await).map_err(|e| failure::call_error(&e))?;
         announced(reply.first()).map_err(|text| CallError::new(StoreFailure::ErrorReply, text))
     }
@@ -268,6 +297,11 @@ impl Store for RedisStore {
     }
 }
 
+/// Whether Redis answered with an error (rather than not answering).
+fn is_reply(e: &redis::RedisError) -> bool {
+    !(e.is_io_error() || e.is_timeout() || e.is_connection_dropped() || e.is_connection_refusal())
+}
+
 /// Whether a decision (in `mode`) writes what it decided: an admission, a settlement. A
 /// refusal and a peek write nothing (a refusal that starts a block does, but is a refusal
 /// whether or not the block is written).
@@ -278,7 +312,7 @@ fn takes(decision: &Decision, mode: Mode) -> bool {
 /// The `EVALSHA` command for a batch, written in one buffer sized up front: the keys of every
 /// decision, then each distinct policy's quotas once, then the decisions' policies and costs,
 /// in runs (see `gcra.lua`).
-fn command(batch: &[Job<RedisStore>], now_ns: Option<u64>) -> redis::Cmd {
+fn command(batch: &[Job<RedisStore>], time: Time) -> redis::Cmd {
     // The batch's distinct policies (usually one or two), and each decision's, 1-based.
     let mut policies: SmallVec<[&Prepared; 4]> = SmallVec::new();
     let mut of_job: SmallVec<[usize; 128]> = SmallVec::new();
@@ -316,9 +350,10 @@ fn command(batch: &[Job<RedisStore>], now_ns: Option<u64>) -> redis::Cmd {
             cmd.arg(&key[..]);
         }
     }
-    match now_ns {
-        Some(ns) => cmd.arg(ns),
-        None => cmd.arg(""),
+    match time {
+        Time::Script => cmd.arg(""),
+        Time::Given(ns) => cmd.arg(format!("={ns}")),
+        Time::Test(ns) => cmd.arg(ns),
     };
     cmd.arg(script::hex(policies.len() as u64).as_bytes());
     for p in &policies {
@@ -336,11 +371,20 @@ fn command(batch: &[Job<RedisStore>], now_ns: Option<u64>) -> redis::Cmd {
 /// The announcement of instance `id` (both Redis modes): one script on one key,
 /// `<prefix>:fleet`, a sorted set of instance ids scored by when their announcement expires
 /// (µs on Redis's clock), which drops the expired ones and counts those left.
-pub(crate) fn announce_pipe(prefix: &str, id: u64, ttl: Duration) -> redis::Pipeline {
-    // Effects replication (a write after TIME) must be asked for before Redis 5.
+pub(crate) fn announce_pipe(
+    prefix: &str,
+    id: u64,
+    ttl: Duration,
+    now_us: Option<u64>,
+) -> redis::Pipeline {
+    // Effects replication (a write after TIME) must be asked for before Redis 5. The time is
+    // the caller's (ARGV[3], µs) on a Redis that refuses TIME in scripts.
     const ANNOUNCE: &str = "if redis.replicate_commands then pcall(redis.replicate_commands) end \
-        local t = redis.call('TIME') \
-        local now = tonumber(t[1]) * 1000000 + tonumber(t[2]) \
+        local now = tonumber(ARGV[3]) \
+        if now == nil then \
+          local t = redis.call('TIME') \
+          now = tonumber(t[1]) * 1000000 + tonumber(t[2]) \
+        end \
         local ttl = tonumber(ARGV[2]) \
         redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now) \
         redis.call('ZADD', KEYS[1], now + ttl, ARGV[1]) \
@@ -352,7 +396,8 @@ pub(crate) fn announce_pipe(prefix: &str, id: u64, ttl: Duration) -> redis::Pipe
         .arg(1)
         .arg(format!("{prefix}:fleet"))
         .arg(format!("{id:016x}"))
-        .arg(u64::try_from(ttl.as_micros()).unwrap_or(u64::MAX));
+        .arg(u64::try_from(ttl.as_micros()).unwrap_or(u64::MAX))
+        .arg(now_us.map_or(String::new(), |us| us.to_string()));
     pipe
 }
 

@@ -8,6 +8,7 @@ use redis::cluster::{ClusterClient, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
 
 use super::backend::{RedisBackend, RedisStore};
+use super::clock::{Clock, RedisClock};
 use super::conn::{Conn, Lazy, connect_timeout};
 use super::tls;
 use crate::ConfigError;
@@ -21,6 +22,7 @@ use crate::backend::remote::{FailurePolicy, MAX_DURATION, Options, Remote, TestC
 /// |---|---|
 /// | connection | none: one of [`url`](Self::url), [`cluster_nodes`](Self::cluster_nodes), [`connection_manager`](Self::connection_manager), [`cluster_connection`](Self::cluster_connection) |
 /// | [`prefix`](Self::prefix) | `tollgate` |
+/// | [`clock`](Self::clock) | [`RedisClock::Auto`]: Redis's `TIME` in the script, or what the server allows |
 /// | [`timeout`](Self::timeout) | 100 ms |
 /// | [`on_failure`](Self::on_failure) | [`FailurePolicy::FailOpen`] |
 /// | [`fleet`](Self::fleet) | announced every second (used by the local fallback only) |
@@ -35,6 +37,7 @@ pub struct RedisBackendBuilder {
     /// PEM: a CA to trust besides the system's, and a client certificate and key.
     tls_ca: Option<Vec<u8>>,
     tls_client: Option<(Vec<u8>, Vec<u8>)>,
+    clock: RedisClock,
 }
 
 #[derive(Clone)]
@@ -55,6 +58,7 @@ impl RedisBackend {
             opts: Options::default(),
             tls_ca: None,
             tls_client: None,
+            clock: RedisClock::Auto,
         }
     }
 }
@@ -150,6 +154,15 @@ impl RedisBackendBuilder {
         self
     }
 
+    /// Whose clock decisions read (default [`RedisClock::Auto`]: Redis's, inside the script,
+    /// unless the server refuses `TIME` there; see [`RedisClock`] for what each choice
+    /// guarantees). Choose [`Synced`](RedisClock::Synced) or [`Instances`](RedisClock::Instances)
+    /// for a managed service known to refuse `TIME` in scripts, to skip finding out.
+    pub fn clock(mut self, clock: RedisClock) -> Self {
+        self.clock = clock;
+        self
+    }
+
     /// How long one decision may wait for Redis (default 100 ms, at least 1 ms, at most an
     /// hour) before the [failure policy](Self::on_failure) answers instead, counted from the
     /// moment it is asked for. A call that timed out may still reach Redis and take its units.
@@ -232,9 +245,11 @@ impl RedisBackendBuilder {
     /// blocks nor fails when Redis is down: connections are made in the background from the
     /// first prepared policy (or the first decision) on, inside the Tokio runtime.
     pub fn build(self) -> Result<RedisBackend, ConfigError> {
+        let clock = Clock::new(self.clock);
         let c = self.connect()?;
         let store = RedisStore {
             conn: c.conn,
+            clock,
             endpoint: c.endpoint,
             prefix: c.prefix,
         };

@@ -3,9 +3,10 @@
 --
 -- Numbers in ARGV are lowercase hexadecimal (parsed by strtoul: decimal would go through strtod,
 -- several times dearer), except ARGV[1].
--- ARGV[1]            "" to read the time from Redis TIME; otherwise a fixed time in integer
---                    nanoseconds, decimal (test hook, settable only through a hidden builder
---                    method)
+-- ARGV[1]            "" to read the time from Redis TIME; "=<ns>" a time read outside the
+--                    script (a server that refuses TIME in scripts: Redis's read apart, or the
+--                    instances'), integer nanoseconds since the epoch, decimal; "<ns>" the
+--                    same for the test hook (settable only through a hidden builder method)
 -- ARGV[2]            number of policies in this call, P >= 1; then per policy p, in order:
 --   n                number of quotas
 --   then per quota i, four numbers "kind a b c":
@@ -110,8 +111,13 @@ if ARGV[1] == '' then
     base_ms = now_s * 1000 + (us - base_us) / 1000
   end
 else
-  -- Split as a string: nanoseconds since 1970 are past 2^53.
+  -- Split as a string: nanoseconds since 1970 are past 2^53. `=<ns>`: a time read outside
+  -- the script (on a server that refuses TIME in scripts); `<ns>`: the test hook's.
   local fixed = ARGV[1]
+  local given = string.sub(fixed, 1, 1) == '='
+  if given then
+    fixed = string.sub(fixed, 2)
+  end
   local len = #fixed
   if len > 9 then
     now_s = tonumber(string.sub(fixed, 1, len - 9))
@@ -125,8 +131,13 @@ else
   -- time longer, so that one does not expire between two steps of a test that are a
   -- millisecond apart in its time but more in Redis's. Every value says its own time (a
   -- window's index, a TAT, a block's end, a lease's expiry), so a key kept longer reads the
-  -- same as a missing one once its time is past.
-  base_ms = 60000
+  -- same as a missing one once its time is past. A time read outside the script runs on:
+  -- keys live a second longer, for the skew between the instances' clocks and Redis's.
+  if given then
+    base_ms = 1000
+  else
+    base_ms = 60000
+  end
 end
 
 local now_ms = floor(now_us / 1000)

@@ -213,6 +213,7 @@
 pub mod approx;
 mod backend;
 mod builder;
+mod clock;
 mod conn;
 mod failure;
 pub(crate) mod script;
@@ -229,6 +230,7 @@ pub use crate::backend::remote::{FailurePolicy, Fleet};
 pub use approx::{ApproxBackend, ApproxFuture, ApproxPolicy, ApproxStats, Approximate};
 pub use backend::{RedisBackend, RedisPolicy, RedisStats};
 pub use builder::RedisBackendBuilder;
+pub use clock::RedisClock;
 /// The redis-rs crate this backend speaks through, so that a connection handed to
 /// [`connection_manager`](RedisBackendBuilder::connection_manager) or
 /// [`cluster_connection`](RedisBackendBuilder::cluster_connection) is of the right version

@@ -150,6 +150,7 @@ impl<S: Store> Remote<S> {
             breaker_open: self.inner.breaker.is_open(),
             breaker_trips: self.inner.breaker.trips(),
             failing: self.inner.health.failing(),
+            time_source: self.store().time_source(),
             memory_used: get(&self.inner.memory.used),
             memory_max: get(&self.inner.memory.max),
             evicted_keys: get(&self.inner.memory.evicted),

@@ -67,7 +67,7 @@ pub use health::StoreFailure;
 #[cfg(feature = "redis")]
 pub(crate) use inner::{MemoryState, MemoryWatch};
 pub(crate) use options::Options;
-pub use options::{FailurePolicy, Fleet, RemoteStats};
+pub use options::{FailurePolicy, Fleet, RemoteStats, TimeSource};
 #[cfg(feature = "redis")]
 pub(crate) use store::Memory;
 pub(crate) use store::{CallError, Job, Store};

@@ -143,6 +143,10 @@ pub struct RemoteStats {
     /// refused connection or a wrong password, rather than the timeouts requests may see);
     /// `None` while it answers, and before the first call.
     pub failing: Option<StoreFailure>,
+    /// Whose clock decisions read: the store's own (the default on every store), or, on a
+    /// Redis that refuses `TIME` in scripts, Redis's read outside them or the instances'
+    /// ([`RedisClock`](crate::backend::redis::RedisClock)).
+    pub time_source: TimeSource,
     /// The store's memory in use, in bytes, as last read (Redis `used_memory`; 0 before the
     /// first read, or for a store that does not say).
     pub memory_used: u64,
@@ -151,6 +155,33 @@ pub struct RemoteStats {
     /// Keys the store evicted (Redis `evicted_keys`) since this backend first read it: each
     /// may have been a count of a rate limit, which then started afresh.
     pub evicted_keys: u64,
+}
+
+/// Whose clock a remote store's decisions read ([`RemoteStats::time_source`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum TimeSource {
+    /// The store's own, read in the call that decides (Redis `TIME` in the script, SQL
+    /// `clock_timestamp()` / `SYSDATE(6)`): one clock for every instance.
+    #[default]
+    Store,
+    /// The store's, read outside its scripts and kept as an offset from the instance's clock
+    /// (a Redis that refuses `TIME` in scripts): one clock to within half a round trip.
+    StoreSynced,
+    /// Each instance's own (a Redis that refuses `TIME`): one limit to within the instances'
+    /// clock skew.
+    Instances,
+}
+
+impl TimeSource {
+    /// Its name in metrics: `store`, `store_synced`, `instances`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TimeSource::Store => "store",
+            TimeSource::StoreSynced => "store_synced",
+            TimeSource::Instances => "instances",
+        }
+    }
 }
 
 /// The options every remote backend's builder has.

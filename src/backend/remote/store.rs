@@ -79,6 +79,11 @@ pub(crate) trait Store: Send + Sync + Sized + 'static {
         ttl: Duration,
     ) -> impl Future<Output = Result<u32, CallError>> + Send + '_;
 
+    /// Whose clock the store's decisions read now.
+    fn time_source(&self) -> super::TimeSource {
+        super::TimeSource::Store
+    }
+
     /// The store's memory as it reports it, for the memory watch; `None` (the default) for a
     /// store that has no such report, which ends the watch.
     fn memory(&self) -> impl Future<Output = Result<Option<Memory>, CallError>> + Send + '_ {

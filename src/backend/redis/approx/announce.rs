@@ -95,7 +95,8 @@ pub(super) async fn exchange(s: &Arc<Shared>, force: bool) {
 }
 
 async fn count(s: &Shared, every: Duration) {
-    let pipe = super::super::backend::announce_pipe(&s.prefix, s.fleet_id, every.saturating_mul(3));
+    let pipe =
+        super::super::backend::announce_pipe(&s.prefix, s.fleet_id, every.saturating_mul(3), None);
     let limit = s.opts.timeout.max(Duration::from_millis(250));
     let reply = tokio::time::timeout(limit, s.conn.pipeline(&pipe)).await;
     match reply {

@@ -201,7 +201,7 @@ impl Backend for ApproxBackend {
     /// Window quotas reserve nothing ahead: [`Mode::Reserve`] is answered as
     /// [`Mode::Decide`] (a denial's `retry_after` tells when to ask again). A policy's
     /// concurrent quotas are decided by the exact backend once its windows allow the request
-    /// (see the [module docs](self#concurrent-quotas)).
+    /// (see the [module docs](super#concurrent-quotas)).
     fn decide_with(
         &self,
         policy: &ApproxPolicy,
