@@ -1,0 +1,326 @@
+//! Stored state survives upgrades: state in stored format 1 (Redis keys with their binary
+//! values, which replaced tollgate 0.1's text values; PostgreSQL and MySQL rows) is checked in
+//! under `tests/fixtures/`, and each test loads it into a fresh server and checks that the current code decides on it as documented: a key that had
+//! spent 7 of 10 still has 3, for every algorithm and a running block. A change of a stored
+//! format must keep reading these, or ship a documented migration (and new fixtures beside the
+//! old ones).
+//!
+//! The fixtures were written by `write_golden_fixtures` (ignored: run it by hand, against the
+//! release whose format they keep, with `cargo nextest run --all-features --run-ignored only
+//! -E 'test(write_golden_fixtures)'`).
+#![cfg(all(feature = "redis", feature = "postgres", feature = "mysql"))]
+
+mod support;
+
+use std::num::NonZeroU32;
+use std::time::Duration;
+
+use support::sql::{MariaDbServer, PgServer};
+use support::{RedisServer, cost, key, prepare};
+use tollgate::backend::Backend;
+use tollgate::backend::mysql::MysqlBackend;
+use tollgate::backend::postgres::PostgresBackend;
+use tollgate::backend::redis::{RedisBackend, redis};
+use tollgate::backend::remote::{Fleet, TestClock};
+use tollgate::{Policy, Quota};
+
+const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures");
+
+/// The policies the fixtures hold, each spent 7 of 10 by `alice` (and `blocked` refused once,
+/// into a one-hour block).
+fn policies() -> Vec<Policy> {
+    vec![
+        Policy::new("gcra", Quota::per_hour(10)),
+        Policy::new("fixed", Quota::per_hour(10).fixed_window()),
+        Policy::new("sliding", Quota::per_hour(10).sliding_window()),
+        Policy::new(
+            "sliding12",
+            Quota::per_hour(10)
+                .sliding_window()
+                .resolution(Duration::from_secs(300)),
+        ),
+        Policy::new("blocked", Quota::per_hour(1)).block_for(Duration::from_secs(3600)),
+    ]
+}
+
+/// Spends 7 of 10 on every rate policy, and gets `blocked` blocked, at the test clock's time.
+async fn write_state<B: Backend>(b: &B) {
+    let alice = key("alice");
+    for policy in policies() {
+        let p = prepare(b, &policy);
+        if policy.name() == "blocked" {
+            assert!(b.decide(&p, &alice, cost(1)).await.unwrap().is_allowed());
+            assert!(!b.decide(&p, &alice, cost(1)).await.unwrap().is_allowed());
+            continue;
+        }
+        for _ in 0..7 {
+            assert!(b.decide(&p, &alice, cost(1)).await.unwrap().is_allowed());
+        }
+    }
+}
+
+/// A second after the fixtures were written: each rate policy has 3 left (3 pass, the next is
+/// refused), and the block still holds.
+async fn check_state<B: Backend>(b: &B, store: &str) {
+    let alice = key("alice");
+    for policy in policies() {
+        let p = prepare(b, &policy);
+        let name = policy.name();
+        if name == "blocked" {
+            let d = b.decide(&p, &alice, cost(1)).await.unwrap();
+            assert!(!d.is_allowed(), "{store} {name}: the block holds");
+            let left = d.retry_after().unwrap();
+            assert!(left > Duration::from_secs(3500), "{store} {name}: {left:?}");
+            continue;
+        }
+        let d = b.decide(&p, &alice, cost(3)).await.unwrap();
+        assert!(d.is_allowed(), "{store} {name}: 3 left of 10: {d:?}");
+        assert_eq!(d.quotas()[0].remaining, 0, "{store} {name}");
+        let d = b.decide(&p, &alice, NonZeroU32::MIN).await.unwrap();
+        assert!(!d.is_allowed(), "{store} {name}: all 10 spent: {d:?}");
+        // Another client starts afresh.
+        let d = b.decide(&p, &key("bob"), cost(1)).await.unwrap();
+        assert_eq!(d.quotas()[0].remaining, 9, "{store} {name}");
+    }
+}
+
+fn one() -> Fleet {
+    Fleet::Size(NonZeroU32::MIN)
+}
+
+fn redis(server: &RedisServer, clock: &TestClock) -> RedisBackend {
+    RedisBackend::builder()
+        .url(server.url())
+        .fleet(one())
+        .deny_cache_capacity(0)
+        .test_clock(clock.clone())
+        .build()
+        .unwrap()
+}
+
+async fn postgres(server: &PgServer, clock: &TestClock) -> PostgresBackend {
+    let b = PostgresBackend::builder()
+        .url(server.url())
+        .timeout(Duration::from_secs(5))
+        .fleet(one())
+        .deny_cache_capacity(0)
+        .sweep(None, 1000)
+        .test_clock(clock.clone())
+        .build()
+        .unwrap();
+    b.migrate().await.unwrap();
+    b
+}
+
+async fn mysql(server: &MariaDbServer, clock: &TestClock) -> MysqlBackend {
+    let b = MysqlBackend::builder()
+        .url(server.url())
+        .timeout(Duration::from_secs(5))
+        .fleet(one())
+        .deny_cache_capacity(0)
+        .sweep(None, 1000)
+        .test_clock(clock.clone())
+        .build()
+        .unwrap();
+    b.migrate().await.unwrap();
+    b
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(text: &str) -> Vec<u8> {
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&text[i..i + 2], 16).unwrap())
+        .collect()
+}
+
+/// Redis: `<key hex> <value hex>` per line, strings only (the policies above hold no slots).
+#[tokio::test]
+async fn redis_state_of_format_1_is_read() {
+    let server = RedisServer::start();
+    let mut conn = redis_connection(&server).await;
+    let fixture = std::fs::read_to_string(format!("{FIXTURES}/redis-format-1.txt")).unwrap();
+    let mut loaded = 0;
+    for line in fixture
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+    {
+        let (k, v) = line.split_once(' ').unwrap();
+        let _: () = redis::cmd("SET")
+            .arg(unhex(k))
+            .arg(unhex(v))
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        loaded += 1;
+    }
+    assert_eq!(loaded, 6, "one key per quota, and the block's");
+    let clock = TestClock::new();
+    clock.advance(Duration::from_secs(1));
+    check_state(&redis(&server, &clock), "redis").await;
+}
+
+/// PostgreSQL: the rows as `INSERT` statements.
+#[tokio::test]
+async fn postgres_state_of_format_1_is_read() {
+    let server = PgServer::start();
+    let clock = TestClock::new();
+    clock.advance(Duration::from_secs(1));
+    let b = postgres(&server, &clock).await;
+    let rows = std::fs::read_to_string(format!("{FIXTURES}/postgres-format-1.sql")).unwrap();
+    server.psql(&rows);
+    assert_eq!(
+        server.psql("SELECT count(*) FROM tollgate_buckets").trim(),
+        "6"
+    );
+    check_state(&b, "postgres").await;
+}
+
+/// MySQL: the rows as `INSERT` statements.
+#[tokio::test]
+async fn mysql_state_of_format_1_is_read() {
+    let server = MariaDbServer::start();
+    let clock = TestClock::new();
+    clock.advance(Duration::from_secs(1));
+    let b = mysql(&server, &clock).await;
+    let rows = std::fs::read_to_string(format!("{FIXTURES}/mysql-format-1.sql")).unwrap();
+    server.sql(&format!("USE test; {rows}"));
+    assert_eq!(
+        server
+            .sql("SELECT count(*) FROM test.tollgate_buckets")
+            .trim(),
+        "6"
+    );
+    check_state(&b, "mysql").await;
+}
+
+/// A rolling upgrade on Redis: an instance still running format 1's script (kept in
+/// `tests/fixtures/gcra-format-1.lua`, with the arguments it takes) and one running this release
+/// decide on one key: one limit, 10 in all, whoever asks.
+#[tokio::test]
+async fn the_script_of_format_1_and_this_one_keep_one_limit() {
+    let server = RedisServer::start();
+    let clock = TestClock::new();
+    let b = redis(&server, &clock);
+    let p = prepare(&b, &Policy::new("roll", support::no_refill(10)));
+    for _ in 0..4 {
+        assert!(b.decide(&p, &key("k"), cost(1)).await.unwrap().is_allowed());
+    }
+    let mut conn = redis_connection(&server).await;
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("tollgate:{roll:*")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(keys.len(), 1, "{keys:?}");
+    let old = std::fs::read_to_string(format!("{FIXTURES}/gcra-format-1.lua")).unwrap();
+    // format 1's arguments: the test hook's time, one policy of one GCRA quota (emission interval
+    // 86 400 s in ns, burst 10), one run of one decision costing 1 (see the script's header).
+    let emission = format!("{:x}", 86_400_000_000_000u64);
+    let mut admitted = 0;
+    for _ in 0..8 {
+        let reply: Vec<i64> = redis::cmd("EVAL")
+            .arg(&old)
+            .arg(1)
+            .arg(&keys[0])
+            .arg(clock.now_ns().to_string())
+            .arg("1")
+            .arg("1")
+            .arg("0")
+            .arg(&emission)
+            .arg("a")
+            .arg("0")
+            .arg("1")
+            .arg("1")
+            .arg("1")
+            .arg("1")
+            .arg("0")
+            .arg("0")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        if reply[0] == 0 {
+            admitted += 1;
+        }
+    }
+    assert_eq!(
+        admitted, 6,
+        "format 1's script sees the 4 this release took"
+    );
+    let d = b.decide(&p, &key("k"), cost(1)).await.unwrap();
+    assert!(
+        !d.is_allowed(),
+        "this release sees the 6 format 1's script took"
+    );
+}
+
+async fn redis_connection(server: &RedisServer) -> redis::aio::MultiplexedConnection {
+    let client = redis::Client::open(server.url()).unwrap();
+    client.get_multiplexed_async_connection().await.unwrap()
+}
+
+/// Writes the fixtures from the code as it is: run by hand, for the release whose format they
+/// keep (see the module docs).
+#[tokio::test]
+#[ignore = "writes tests/fixtures: run by hand for a release's formats"]
+async fn write_golden_fixtures() {
+    let clock = TestClock::new();
+
+    let server = RedisServer::start();
+    write_state(&redis(&server, &clock)).await;
+    let mut conn = redis_connection(&server).await;
+    let mut keys: Vec<Vec<u8>> = redis::cmd("KEYS")
+        .arg("*")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    keys.sort();
+    let mut out = String::from(
+        "# format 1's Redis state (tests/golden.rs): key and value, hexadecimal, written at\n\
+         # TestClock::new()'s time; every policy spent 7 of 10 by `alice`, `blocked` blocked.\n",
+    );
+    for k in keys {
+        let v: Vec<u8> = redis::cmd("GET")
+            .arg(&k)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        out.push_str(&format!("{} {}\n", hex(&k), hex(&v)));
+    }
+    std::fs::write(format!("{FIXTURES}/redis-format-1.txt"), out).unwrap();
+
+    let server = PgServer::start();
+    write_state(&postgres(&server, &clock).await).await;
+    let rows = server.psql(
+        "SELECT format('INSERT INTO tollgate_buckets (k, a, n, c, expires_us) \
+         VALUES (%L, %s, %s, %L, %s);', k, a, n, c, expires_us) \
+         FROM tollgate_buckets ORDER BY k",
+    );
+    std::fs::write(
+        format!("{FIXTURES}/postgres-format-1.sql"),
+        format!(
+            "-- format 1's PostgreSQL rows (tests/golden.rs)\n{}\n",
+            rows.trim_end()
+        ),
+    )
+    .unwrap();
+
+    let server = MariaDbServer::start();
+    write_state(&mysql(&server, &clock).await).await;
+    let rows = server.sql(
+        "SELECT CONCAT('INSERT INTO tollgate_buckets (k, a, n, c, expires_us) VALUES (0x', \
+         HEX(k), ', ', a, ', ', n, ', ', QUOTE(c), ', ', expires_us, ');') \
+         FROM test.tollgate_buckets ORDER BY k",
+    );
+    std::fs::write(
+        format!("{FIXTURES}/mysql-format-1.sql"),
+        format!(
+            "-- format 1's MySQL rows (tests/golden.rs)\n{}\n",
+            rows.trim_end()
+        ),
+    )
+    .unwrap();
+}
