@@ -37,6 +37,8 @@ pub(crate) struct RedisStore {
     pub(crate) conn: Conn,
     /// Whose clock decisions read.
     pub(crate) clock: Clock,
+    /// The key the clock's probes name (`<prefix>:clock`, never read nor written).
+    pub(crate) clock_key: String,
     /// Where Redis is, passwords masked: for [`RedisBackend::endpoint`] and `Debug`.
     pub(crate) endpoint: String,
     pub(crate) prefix: String,
@@ -204,7 +206,9 @@ impl Store for RedisStore {
             // the call sent again on the clock found (the script reads the time before it
             // writes anything, so the failed call took nothing).
             Err(e) if time == Time::Script && is_reply(&e) => {
-                self.clock.probe(&self.conn, &self.endpoint).await;
+                self.clock
+                    .probe(&self.conn, &self.endpoint, &self.clock_key)
+                    .await;
                 let time = self.clock.time(&self.conn, now_ns).await;
                 if time == Time::Script {
                     return Err(failure::call_error(&e));
@@ -248,7 +252,9 @@ impl Store for RedisStore {
             .ping()
             .await
             .map_err(|e| failure::call_error(&e))?;
-        self.clock.probe(&self.conn, &self.endpoint).await;
+        self.clock
+            .probe(&self.conn, &self.endpoint, &self.clock_key)
+            .await;
         Ok(())
     }
 

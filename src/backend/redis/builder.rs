@@ -250,6 +250,7 @@ impl RedisBackendBuilder {
         let store = RedisStore {
             conn: c.conn,
             clock,
+            clock_key: format!("{}:clock", c.prefix),
             endpoint: c.endpoint,
             prefix: c.prefix,
         };

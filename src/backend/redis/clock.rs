@@ -138,8 +138,9 @@ impl Clock {
     /// may; the mode follows, logged once.
     /// Calls that fail meanwhile wait for the answer, then read the mode again (a call that
     /// failed on `TIME` can be sent again: the script reads the time before it writes
-    /// anything). `endpoint`: for the log.
-    pub(crate) async fn probe(&self, conn: &Conn, endpoint: &str) {
+    /// anything). The probes name one key (`key`, never read nor written), as services that
+    /// refuse scripts without keys (ElastiCache Serverless) require. `endpoint`: for the log.
+    pub(crate) async fn probe(&self, conn: &Conn, endpoint: &str, key: &str) {
         if !self.auto {
             return;
         }
@@ -150,12 +151,15 @@ impl Clock {
         // A script that reads nothing must run first: an error there (a wrong password, a
         // server loading its data) says nothing about TIME; ask again next time.
         let mut plain = redis::pipe();
-        plain.cmd("EVAL").arg("return 1").arg(0);
+        plain.cmd("EVAL").arg("return 1").arg(1).arg(key);
         if conn.pipeline(&plain).await.is_err() {
             return;
         }
         let mut pipe = redis::pipe();
-        pipe.cmd("EVAL").arg("return redis.call('TIME')").arg(0);
+        pipe.cmd("EVAL")
+            .arg("return redis.call('TIME')")
+            .arg(1)
+            .arg(key);
         match conn.pipeline(&pipe).await {
             Ok(_) => {
                 *probed = true;
