@@ -199,21 +199,18 @@ impl Store for RedisStore {
         jobs: &[Job<Self>],
         now_ns: Option<u64>,
     ) -> Result<Vec<Result<Decision, BackendError>>, CallError> {
-        let time = self.clock.time(&self.conn, now_ns).await;
+        let time = match self.clock.time_now(now_ns) {
+            Some(time) => time,
+            None => self.clock.time(&self.conn, now_ns).await,
+        };
         let reply = match self.conn.eval(&command(jobs, time)).await {
             Ok(reply) => reply,
             // An error reply may be a server that refuses `TIME` in scripts: asked once, and
             // the call sent again on the clock found (the script reads the time before it
-            // writes anything, so the failed call took nothing).
+            // writes anything, so the failed call took nothing). Out of line: the common
+            // call's future stays small.
             Err(e) if time == Time::Script && is_reply(&e) => {
-                self.clock
-                    .probe(&self.conn, &self.endpoint, &self.clock_key)
-                    .await;
-                let time = self.clock.time(&self.conn, now_ns).await;
-                if time == Time::Script {
-                    return Err(failure::call_error(&e));
-                }
-                (self.conn.eval(&command(jobs, time)).await).map_err(|e| failure::call_error(&e))?
+                Box::pin(self.after_refusal(jobs, now_ns, e)).await?
             }
             Err(e) => return Err(failure::call_error(&e)),
         };
@@ -300,6 +297,27 @@ impl Store for RedisStore {
     fn warm_up_timeout(&self, timeout: Duration) -> Duration {
         super::conn::connect_timeout(timeout)
             .saturating_add(timeout.max(Duration::from_millis(250)))
+    }
+}
+
+impl RedisStore {
+    /// A call Redis answered with an error while scripts read `TIME`: finds out whether the
+    /// server refuses it ([`Clock::probe`]), and if the clock changed, sends the call again.
+    #[cold]
+    async fn after_refusal(
+        &self,
+        jobs: &[Job<Self>],
+        now_ns: Option<u64>,
+        error: redis::RedisError,
+    ) -> Result<Vec<i64>, CallError> {
+        self.clock
+            .probe(&self.conn, &self.endpoint, &self.clock_key)
+            .await;
+        let time = self.clock.time(&self.conn, now_ns).await;
+        if time == Time::Script {
+            return Err(failure::call_error(&error));
+        }
+        (self.conn.eval(&command(jobs, time)).await).map_err(|e| failure::call_error(&e))
     }
 }
 

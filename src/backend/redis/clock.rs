@@ -91,10 +91,33 @@ impl Clock {
         }
     }
 
-    /// The time of a decision made now (`test`: the test clock's, which wins).
-    pub(crate) async fn time(&self, conn: &Conn, test: Option<u64>) -> Time {
+    /// The time of a decision made now, when it needs no round trip (`test`: the test clock's,
+    /// which wins); `None` when Redis's clock is to be read again first ([`time`](Self::time)).
+    #[inline]
+    pub(crate) fn time_now(&self, test: Option<u64>) -> Option<Time> {
         if let Some(ns) = test {
-            return Time::Test(ns);
+            return Some(Time::Test(ns));
+        }
+        match self.mode.load(Ordering::Relaxed) {
+            SCRIPT => Some(Time::Script),
+            SYNCED => {
+                let at = self.synced_at_ns.load(Ordering::Relaxed);
+                let now = system_ns();
+                if at == 0 || now.saturating_sub(at) >= RESYNC.as_nanos() as u64 {
+                    return None;
+                }
+                let offset = self.offset_ns.load(Ordering::Relaxed);
+                Some(Time::Given(now.saturating_add_signed(offset)))
+            }
+            _ => Some(Time::Given(system_ns())),
+        }
+    }
+
+    /// The time of a decision made now (`test`: the test clock's, which wins), reading Redis's
+    /// clock again first when it is due.
+    pub(crate) async fn time(&self, conn: &Conn, test: Option<u64>) -> Time {
+        if let Some(time) = self.time_now(test) {
+            return time;
         }
         match self.mode.load(Ordering::Relaxed) {
             SCRIPT => Time::Script,
