@@ -8,27 +8,12 @@
 mod example;
 mod support;
 
-use std::net::SocketAddr;
-
 use reqwest::StatusCode;
+use support::serve_app;
 use tollgate::backend::{Backend, LocalBackend};
 
 async fn serve<B: Backend + Clone>(backend: B) -> String {
     serve_app(example::app(backend).unwrap()).await
-}
-
-async fn serve_app(app: axum::Router) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        axum::serve(
-            listener,
-            app.into_make_service_with_connect_info::<SocketAddr>(),
-        )
-        .await
-        .unwrap()
-    });
-    format!("http://{addr}")
 }
 
 async fn login(base: &str, user: &str, password: &str) -> reqwest::Response {

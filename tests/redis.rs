@@ -4,7 +4,6 @@
 mod support;
 
 use std::future::Future;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -993,17 +992,7 @@ async fn replica_with(redis_url: &str, policy: Policy) -> String {
         .route("/api/hello", get(|| async { "hello" }))
         .route_layer(layer)
         .route("/", get(|| async { "free" }));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        axum::serve(
-            listener,
-            app.into_make_service_with_connect_info::<SocketAddr>(),
-        )
-        .await
-        .unwrap();
-    });
-    format!("http://{addr}")
+    support::serve_app(app).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

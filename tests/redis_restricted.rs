@@ -5,11 +5,10 @@
 
 mod support;
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use axum::{Router, routing::get};
-use support::{RedisServer, cost, key, no_refill, prepare};
+use support::{RedisServer, cost, key, no_refill, prepare, serve_app};
 use tollgate::backend::Backend;
 use tollgate::backend::redis::{RedisBackend, RedisClock};
 use tollgate::backend::remote::TimeSource;
@@ -33,17 +32,7 @@ async fn instance(url: &str, policy: Policy, clock: RedisClock) -> (String, Redi
     let app = Router::new()
         .route("/api", get(|| async { "ok" }))
         .route_layer(layer);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        axum::serve(
-            listener,
-            app.into_make_service_with_connect_info::<SocketAddr>(),
-        )
-        .await
-        .unwrap();
-    });
-    (format!("http://{addr}"), backend)
+    (serve_app(app).await, backend)
 }
 
 /// Sends `n` requests in turn to `a` and `b`, answering their statuses.
