@@ -10,7 +10,7 @@ use std::time::Duration;
 use axum::{Router, routing::get};
 use support::{RedisServer, cost, key, no_refill, prepare, serve_app};
 use tollgate::backend::Backend;
-use tollgate::backend::redis::{RedisBackend, RedisClock};
+use tollgate::backend::redis::{Approximate, FailurePolicy, RedisBackend, RedisClock};
 use tollgate::backend::remote::TimeSource;
 use tollgate::key::Global;
 use tollgate::{Policy, Quota, RateLimitLayer};
@@ -163,5 +163,59 @@ async fn a_script_flush_in_a_burst_keeps_the_limit() {
         let stats = backend.stats();
         assert_eq!(stats.errors, 0, "{stats:?}");
         assert_eq!(stats.fail_open + stats.fallback_local, 0, "{stats:?}");
+    }
+}
+
+/// The approximate mode on a Redis without `TIME`: its fleet's announcements and its stream's
+/// first read fall back to the instances' clocks (its windows always use them), so the
+/// instances learn each other's counts, the fleet is counted, and keys past their allowances
+/// are announced and read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_approximate_mode_works_without_time() {
+    let server = RedisServer::start_with(&["--rename-command", "TIME", ""]);
+    let policy = Policy::new("f", Quota::per_minute(10).fixed_window());
+    let pair = |mode: Approximate| {
+        [0, 1].map(|_| {
+            let b = RedisBackend::builder()
+                .url(server.url())
+                .on_failure(FailurePolicy::FallbackLocal)
+                .build_approximate(mode.flush_every(Duration::from_millis(5)))
+                .unwrap();
+            let p = prepare(&b, &policy);
+            (b, p)
+        })
+    };
+    // Kept in step: every unit sent.
+    let [(a, pa), (b, pb)] = pair(Approximate::asynchronous().allowance(0.0));
+    let k = key("k");
+    for _ in 0..7 {
+        assert!(a.decide(&pa, &k, cost(1)).await.unwrap().is_allowed());
+    }
+    a.flush().await;
+    // B's first decision is blind and queues a read of the fleet's counts.
+    assert!(b.decide(&pb, &k, cost(1)).await.unwrap().is_allowed());
+    b.flush().await;
+    let d = b.decide(&pb, &k, cost(1)).await.unwrap();
+    assert_eq!(d.quotas()[0].remaining, 1, "B counts A's 7: {d:?}");
+    // With allowances: the fleet is counted, and a key A drives past its allowance is
+    // announced and read by B.
+    let [(a, pa), (b, pb)] = pair(Approximate::asynchronous());
+    let hot = key("hot");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        // Work for both (the fleet is counted with their flushes), until each has counted
+        // the other and B has read what A announced.
+        assert!(b.decide(&pb, &hot, cost(1)).await.is_ok());
+        for _ in 0..4 {
+            let _ = a.decide(&pa, &hot, cost(1)).await.unwrap();
+        }
+        a.flush().await;
+        b.flush().await;
+        let (sa, sb) = (a.stats(), b.stats());
+        if sa.fleet_size == 2 && sb.fleet_size == 2 && sb.announcements_read > 0 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{sa:?}\n{sb:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }

@@ -322,7 +322,7 @@ impl RedisStore {
 }
 
 /// Whether Redis answered with an error (rather than not answering).
-fn is_reply(e: &redis::RedisError) -> bool {
+pub(crate) fn is_reply(e: &redis::RedisError) -> bool {
     !(e.is_io_error() || e.is_timeout() || e.is_connection_dropped() || e.is_connection_refusal())
 }
 

@@ -95,8 +95,14 @@ pub(super) async fn exchange(s: &Arc<Shared>, force: bool) {
 }
 
 async fn count(s: &Shared, every: Duration) {
-    let pipe =
-        super::super::backend::announce_pipe(&s.prefix, s.fleet_id, every.saturating_mul(3), None);
+    // On Redis's clock (`TIME` in the script), or this instance's where Redis refuses `TIME`.
+    let now_us = s.no_time.load(Ordering::Relaxed).then(|| s.now.us());
+    let pipe = super::super::backend::announce_pipe(
+        &s.prefix,
+        s.fleet_id,
+        every.saturating_mul(3),
+        now_us,
+    );
     let limit = s.opts.timeout.max(Duration::from_millis(250));
     let reply = tokio::time::timeout(limit, s.conn.pipeline(&pipe)).await;
     match reply {
@@ -112,12 +118,45 @@ async fn count(s: &Shared, every: Duration) {
             Err(text) => tracing::debug!(endpoint = %s.endpoint, "approximate mode: {text}"),
         },
         Ok(Err(e)) => {
+            if now_us.is_none() && super::super::backend::is_reply(&e) && time_refused(s).await {
+                return;
+            }
             tracing::debug!(endpoint = %s.endpoint, error = %e, "approximate mode: the fleet's count failed")
         }
         Err(_) => {
             tracing::debug!(endpoint = %s.endpoint, "approximate mode: the fleet's count timed out")
         }
     }
+}
+
+/// After an error reply to `TIME` (as a command, or in the fleet's announcement script):
+/// whether Redis refuses `TIME` while it runs scripts that read nothing (a script that reads
+/// nothing runs, one that reads `TIME` does not, or the command fails). If so the announcements
+/// and the stream's first read use this instance's clock from now on, logged once; answers it.
+async fn time_refused(s: &Shared) -> bool {
+    let key = format!("{}:clock", s.prefix);
+    let mut plain = redis::pipe();
+    plain.cmd("EVAL").arg("return 1").arg(1).arg(&key);
+    if !matches!(s.conn.pipeline(&plain).await, Ok(_)) {
+        return false;
+    }
+    let mut time = redis::pipe();
+    time.cmd("EVAL")
+        .arg("return redis.call('TIME')")
+        .arg(1)
+        .arg(&key);
+    time.cmd("TIME");
+    if s.conn.pipeline(&time).await.is_ok() {
+        return false;
+    }
+    if !s.no_time.swap(true, Ordering::Relaxed) {
+        tracing::warn!(
+            endpoint = %s.endpoint,
+            "approximate mode: Redis refuses TIME; the fleet's announcements and the stream's \
+             first read use this instance's clock (its windows always do)"
+        );
+    }
+    true
 }
 
 fn stream_key(s: &Shared) -> String {
@@ -201,14 +240,26 @@ async fn poll(s: &Shared) {
     let cursor = if cursor.is_empty() {
         // The first read: what was announced in the longest window before, on Redis's clock
         // (the stream's ids are its times; this instance's clock may be off).
-        let mut time = redis::pipe();
-        time.cmd("TIME");
-        let Ok(Ok(values)) = tokio::time::timeout(s.opts.timeout, s.conn.pipeline(&time)).await
-        else {
-            return;
-        };
-        let Some(redis_ms) = redis_ms(values.first()) else {
-            return;
+        let redis_ms = if s.no_time.load(Ordering::Relaxed) {
+            // A Redis without `TIME`: this instance's clock, a second earlier for the skew
+            // between the instances' clocks (the read then starts a little further back).
+            (now_us / 1000).saturating_sub(1000)
+        } else {
+            let mut time = redis::pipe();
+            time.cmd("TIME");
+            let read = tokio::time::timeout(s.opts.timeout, s.conn.pipeline(&time)).await;
+            let values = match read {
+                Ok(Ok(values)) => values,
+                Ok(Err(e)) if super::super::backend::is_reply(&e) => {
+                    time_refused(s).await;
+                    return;
+                }
+                _ => return,
+            };
+            let Some(redis_ms) = redis_ms(values.first()) else {
+                return;
+            };
+            redis_ms
         };
         let back_ms = s.longest_window_us.load(Ordering::Relaxed) / 1000;
         let from = format!("{}-0", redis_ms.saturating_sub(back_ms));

@@ -584,6 +584,7 @@ impl ApproxBackend {
                 recalled: AtomicU64::new(0),
                 announced: AtomicU64::new(0),
                 announcements_read: AtomicU64::new(0),
+                no_time: Default::default(),
                 opts,
             }),
         }

@@ -90,6 +90,9 @@ pub(crate) struct Shared {
     pub(super) recalled: AtomicU64,
     pub(super) announced: AtomicU64,
     pub(super) announcements_read: AtomicU64,
+    /// Whether Redis refused `TIME` (in the fleet's announcement script, or as a command): the
+    /// announcements and the first read of the stream then use this instance's clock.
+    pub(super) no_time: std::sync::atomic::AtomicBool,
 }
 
 impl Shared {
