@@ -140,13 +140,17 @@ async fn time_refused(s: &Shared) -> bool {
     if s.conn.pipeline(&plain).await.is_err() {
         return false;
     }
-    let mut time = redis::pipe();
-    time.cmd("EVAL")
+    // One command per pipeline: on a cluster a keyed script and a keyless command go to
+    // different nodes.
+    let mut script = redis::pipe();
+    script
+        .cmd("EVAL")
         .arg("return redis.call('TIME')")
         .arg(1)
         .arg(&key);
-    time.cmd("TIME");
-    if s.conn.pipeline(&time).await.is_ok() {
+    let mut command = redis::pipe();
+    command.cmd("TIME");
+    if s.conn.pipeline(&script).await.is_ok() && s.conn.pipeline(&command).await.is_ok() {
         return false;
     }
     if !s.no_time.swap(true, Ordering::Relaxed) {
