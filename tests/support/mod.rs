@@ -22,20 +22,9 @@ pub mod outage;
 pub mod proxy;
 pub mod sql;
 
-/// Serves `app` on a free port of 127.0.0.1, with each request's peer address (for keys by
-/// client IP), for as long as the test's runtime lives; answers its base URL.
+/// [`serve`]s `app`, answering its base URL (`http://127.0.0.1:<port>`).
 pub async fn serve_app(app: axum::Router) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        axum::serve(
-            listener,
-            app.into_make_service_with_connect_info::<std::net::SocketAddr>(),
-        )
-        .await
-        .unwrap()
-    });
-    format!("http://{addr}")
+    format!("http://{}", serve(app).await)
 }
 
 /// A cost of `n` units.
