@@ -812,6 +812,38 @@ async fn count_edges<B: Backend>(backend: &B, who: &str) {
     }
 }
 
+/// The last half second of a one-second block on key `k` (policy `p`, which allows 2 of a
+/// cost-1 key): `k` is refused for the 500 ms left in every one of `modes`, asking does not
+/// extend it; `other` is not blocked, and a cost it can never fit (3) starts no block; once
+/// the 500 ms pass, `k` is allowed with one unit left.
+async fn last_half_of_a_block<B: Backend>(
+    backend: &B,
+    p: &B::Policy,
+    (k, other): (&tollgate::Key, &tollgate::Key),
+    modes: &[(u32, tollgate::backend::Mode)],
+    advance: &impl Fn(Duration),
+    who: &str,
+) {
+    use tollgate::backend::Mode;
+    let ms = Duration::from_millis;
+    let ask = |k, c: u32, mode: Mode| backend.decide_with(p, k, cost(c), mode);
+    for &(c, mode) in modes {
+        let d = ask(k, c, mode).await.unwrap();
+        assert!(d.is_blocked(), "{who}: {mode:?}: {d:?}");
+        assert_eq!(d.retry_after(), Some(ms(500)), "{who}: {mode:?}: {d:?}");
+    }
+    let d = ask(other, 3, Mode::Decide).await.unwrap();
+    assert!(d.never_fits() && !d.is_blocked(), "{who}: {d:?}");
+    assert!(
+        ask(other, 1, Mode::Decide).await.unwrap().is_allowed(),
+        "{who}"
+    );
+    advance(ms(500));
+    let d = ask(k, 1, Mode::Decide).await.unwrap();
+    assert!(d.is_allowed(), "{who}: {d:?}");
+    assert_eq!(d.quotas()[0].remaining, 1, "{who}: {d:?}");
+}
+
 /// Penalties (`Policy::block_for`), the same on every backend that blocks, at times set by
 /// `advance`: a refusal blocks the key for the block's length whatever its quotas hold, the
 /// requests meanwhile do not extend it, a request that can never fit starts none, and other
@@ -841,7 +873,7 @@ pub async fn blocks<B: Backend>(backend: &B, advance: impl Fn(Duration), who: &s
     // Half a second later the bucket is full again, but the key is still blocked, for what is
     // left of the block, whatever the cost or the mode; asking does not extend it.
     advance(ms(500));
-    for (c, mode) in [
+    let modes = [
         (1, Mode::Decide),
         (2, Mode::Decide),
         (1, Mode::Peek),
@@ -851,23 +883,9 @@ pub async fn blocks<B: Backend>(backend: &B, advance: impl Fn(Duration), who: &s
                 max_wait: ms(10_000),
             },
         ),
-    ] {
-        let d = ask(&k, c, mode).await.unwrap();
-        assert!(d.is_blocked(), "{who}: {mode:?}: {d:?}");
-        assert_eq!(d.retry_after(), Some(ms(500)), "{who}: {mode:?}: {d:?}");
-    }
-    // Another key is not blocked; a request that can never fit starts no block.
-    let d = ask(&other, 3, Mode::Decide).await.unwrap();
-    assert!(d.never_fits() && !d.is_blocked(), "{who}: {d:?}");
-    assert!(
-        ask(&other, 1, Mode::Decide).await.unwrap().is_allowed(),
-        "{who}"
-    );
-    advance(ms(500));
-    // The block is over, the bucket full.
-    let d = ask(&k, 1, Mode::Decide).await.unwrap();
-    assert!(d.is_allowed(), "{who}: {d:?}");
-    assert_eq!(d.quotas()[0].remaining, 1, "{who}: {d:?}");
+    ];
+    // Then the block is over, the bucket full.
+    last_half_of_a_block(backend, &p, (&k, &other), &modes, &advance, who).await;
     // A reservation refused for its wait blocks too.
     ask(&k, 1, Mode::Decide).await.unwrap();
     let d = ask(&k, 1, Mode::Reserve { max_wait: ms(50) })
@@ -1067,23 +1085,9 @@ pub async fn window_blocks<B: Backend>(backend: &B, advance: impl Fn(Duration), 
     );
     // Half a second later: still blocked, for what is left, whatever the cost or the mode.
     advance(ms(500));
-    for (c, mode) in [(1, Mode::Decide), (2, Mode::Decide), (1, Mode::Peek)] {
-        let d = ask(&k, c, mode).await.unwrap();
-        assert!(d.is_blocked(), "{who}: {mode:?}: {d:?}");
-        assert_eq!(d.retry_after(), Some(ms(500)), "{who}: {mode:?}: {d:?}");
-    }
-    // Another key is not blocked; a request that can never fit starts no block.
-    let d = ask(&other, 3, Mode::Decide).await.unwrap();
-    assert!(d.never_fits() && !d.is_blocked(), "{who}: {d:?}");
-    assert!(
-        ask(&other, 1, Mode::Decide).await.unwrap().is_allowed(),
-        "{who}"
-    );
-    advance(ms(500));
-    // The block is over, and so is the window.
-    let d = ask(&k, 1, Mode::Decide).await.unwrap();
-    assert!(d.is_allowed(), "{who}: {d:?}");
-    assert_eq!(d.quotas()[0].remaining, 1, "{who}: {d:?}");
+    let modes = [(1, Mode::Decide), (2, Mode::Decide), (1, Mode::Peek)];
+    // Then the block is over, and so is the window.
+    last_half_of_a_block(backend, &p, (&k, &other), &modes, &advance, who).await;
 
     // A block on one quota: only its refusal starts it. 2 per 100 ms refuses and that is all;
     // 3 a second blocks for a second.
