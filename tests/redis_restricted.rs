@@ -219,3 +219,33 @@ async fn the_approximate_mode_works_without_time() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// The first requests on a Redis without `TIME` arrive at once: each of their calls fails on
+/// `TIME`, one finds out (the others wait for it), and every call is sent again on the
+/// instances' clocks: exactly the limit admitted, none given the failure policy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_first_requests_find_out_once_and_keep_the_limit() {
+    let server = RedisServer::start_with(&["--rename-command", "TIME", ""]);
+    let policy = Policy::new("burst", no_refill(10));
+    let (a, ba) = instance(&server.url(), policy.clone(), RedisClock::Auto).await;
+    let (b, bb) = instance(&server.url(), policy, RedisClock::Auto).await;
+    let client = reqwest::Client::new();
+    let tasks: Vec<_> = (0..40)
+        .map(|i| {
+            let url = format!("{}/api", if i % 2 == 0 { &a } else { &b });
+            let client = client.clone();
+            tokio::spawn(async move { client.get(url).send().await.unwrap().status().as_u16() })
+        })
+        .collect();
+    let mut statuses = Vec::new();
+    for t in tasks {
+        statuses.push(t.await.unwrap());
+    }
+    assert_eq!(count(&statuses, 200), 10, "{statuses:?}");
+    assert_eq!(count(&statuses, 429), 30, "{statuses:?}");
+    for backend in [&ba, &bb] {
+        let stats = backend.stats();
+        assert_eq!(stats.time_source, TimeSource::Instances, "{stats:?}");
+        assert_eq!(stats.fail_open + stats.fallback_local, 0, "{stats:?}");
+    }
+}

@@ -119,21 +119,11 @@ impl Clock {
         if let Some(time) = self.time_now(test) {
             return time;
         }
-        match self.mode.load(Ordering::Relaxed) {
-            SCRIPT => Time::Script,
-            SYNCED => {
-                let now = system_ns();
-                let at = self.synced_at_ns.load(Ordering::Relaxed);
-                if at == 0 || now.saturating_sub(at) >= RESYNC.as_nanos() as u64 {
-                    // A failed read keeps the last offset (or none): the call that follows
-                    // tells whether Redis answers.
-                    let _ = self.sync(conn).await;
-                }
-                let offset = self.offset_ns.load(Ordering::Relaxed);
-                Time::Given(system_ns().saturating_add_signed(offset))
-            }
-            _ => Time::Given(system_ns()),
-        }
+        // Synced, and Redis's clock is due: read it again. A failed read keeps the last
+        // offset (or none): the call that follows tells whether Redis answers.
+        let _ = self.sync(conn).await;
+        let offset = self.offset_ns.load(Ordering::Relaxed);
+        Time::Given(system_ns().saturating_add_signed(offset))
     }
 
     /// Reads Redis's clock outside a script and keeps its offset from this instance's, taken
