@@ -47,6 +47,23 @@ async fn alternate(a: &str, b: &str, n: usize) -> Vec<u16> {
     statuses
 }
 
+/// Sends `n` requests at once, half to `a` and half to `b`, answering their statuses.
+async fn at_once(a: &str, b: &str, n: usize) -> Vec<u16> {
+    let client = reqwest::Client::new();
+    let tasks: Vec<_> = (0..n)
+        .map(|i| {
+            let url = format!("{}/api", if i % 2 == 0 { a } else { b });
+            let client = client.clone();
+            tokio::spawn(async move { client.get(url).send().await.unwrap().status().as_u16() })
+        })
+        .collect();
+    let mut statuses = Vec::new();
+    for t in tasks {
+        statuses.push(t.await.unwrap());
+    }
+    statuses
+}
+
 fn count(statuses: &[u16], status: u16) -> usize {
     statuses.iter().filter(|s| **s == status).count()
 }
@@ -145,18 +162,7 @@ async fn a_script_flush_in_a_burst_keeps_the_limit() {
     let first = alternate(&a, &b, 8).await;
     assert_eq!(count(&first, 200), 8);
     assert_eq!(server.cmd(&["SCRIPT", "FLUSH"]).trim(), "+OK");
-    let client = reqwest::Client::new();
-    let tasks: Vec<_> = (0..40)
-        .map(|i| {
-            let url = format!("{}/api", if i % 2 == 0 { &a } else { &b });
-            let client = client.clone();
-            tokio::spawn(async move { client.get(url).send().await.unwrap().status().as_u16() })
-        })
-        .collect();
-    let mut rest = Vec::new();
-    for t in tasks {
-        rest.push(t.await.unwrap());
-    }
+    let rest = at_once(&a, &b, 40).await;
     assert_eq!(count(&rest, 200), 12, "{rest:?}");
     assert_eq!(count(&rest, 429), 28, "{rest:?}");
     for backend in [&ba, &bb] {
@@ -229,18 +235,7 @@ async fn concurrent_first_requests_find_out_once_and_keep_the_limit() {
     let policy = Policy::new("burst", no_refill(10));
     let (a, ba) = instance(&server.url(), policy.clone(), RedisClock::Auto).await;
     let (b, bb) = instance(&server.url(), policy, RedisClock::Auto).await;
-    let client = reqwest::Client::new();
-    let tasks: Vec<_> = (0..40)
-        .map(|i| {
-            let url = format!("{}/api", if i % 2 == 0 { &a } else { &b });
-            let client = client.clone();
-            tokio::spawn(async move { client.get(url).send().await.unwrap().status().as_u16() })
-        })
-        .collect();
-    let mut statuses = Vec::new();
-    for t in tasks {
-        statuses.push(t.await.unwrap());
-    }
+    let statuses = at_once(&a, &b, 40).await;
     assert_eq!(count(&statuses, 200), 10, "{statuses:?}");
     assert_eq!(count(&statuses, 429), 30, "{statuses:?}");
     for backend in [&ba, &bb] {
