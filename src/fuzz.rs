@@ -1068,7 +1068,7 @@ pub fn redis_reply(data: &[u8]) {
         Err(e) => assert_eq!(e.kind(), crate::BackendErrorKind::Protocol, "{e}"),
     }
     // The arguments of the same policy: one count, then four numbers per quota, in hex.
-    let args = script::policy_args(&params, None);
+    let args = script::policy_args(&params, crate::quota::OnChange::Keep, None);
     assert_eq!(args.len(), 1 + script::PER_QUOTA * params.len());
 }
 

@@ -111,7 +111,7 @@ pub use error::{BackendError, BackendErrorKind, ConfigError};
 pub use key::{Key, KeyError, KeyExtractor, OnMissingKey};
 pub use layer::{RateLimitLayer, RateLimitLayerBuilder, Unset};
 pub use policy::Policy;
-pub use quota::{Quota, QuotaParams};
+pub use quota::{OnChange, Quota, QuotaParams};
 pub use request::RequestInfo;
 pub use response::{HeaderStyle, Rejection, RejectionKind};
 pub use service::RateLimit;

@@ -37,6 +37,8 @@ pub struct Policy {
     /// Whether units are given back to its keys by other means than its own settlement rules
     /// (a [`Limiter`](crate::limiter::Limiter)'s permits settle).
     given_back: bool,
+    /// What live keys keep when the quotas' values change.
+    on_change: crate::quota::OnChange,
 }
 
 #[derive(Clone)]
@@ -66,6 +68,7 @@ impl Policy {
             settle: None,
             block: None,
             given_back: false,
+            on_change: crate::quota::OnChange::Keep,
         }
     }
 
@@ -211,6 +214,31 @@ impl Policy {
     pub fn block_for(mut self, duration: std::time::Duration) -> Self {
         self.block = Some(duration);
         self
+    }
+
+    /// What a live key keeps of what it used when this policy's quotas change values (a
+    /// rule swap, a reloaded configuration, another instance running other values): by
+    /// default [`OnChange::Keep`](crate::quota::OnChange::Keep), what it used carries over,
+    /// at most the new limit. A quota is known by the policy's name and its own name (or its
+    /// place in the policy when it has none) and its algorithm: a changed count, period,
+    /// burst or resolution converts the key's state; a changed algorithm, a renamed policy or
+    /// quota, or a reordered unnamed quota starts afresh. See `docs/algorithms.md`, "When a
+    /// quota changes".
+    ///
+    /// ```
+    /// use tollgate::{OnChange, Policy, Quota};
+    ///
+    /// let daily = Policy::new("daily", Quota::per_day(10_000)).on_change(OnChange::Reset);
+    /// assert_eq!(daily.change_strategy(), OnChange::Reset);
+    /// ```
+    pub fn on_change(mut self, strategy: crate::quota::OnChange) -> Self {
+        self.on_change = strategy;
+        self
+    }
+
+    /// What live keys keep when the quotas change ([`on_change`](Self::on_change)).
+    pub fn change_strategy(&self) -> crate::quota::OnChange {
+        self.on_change
     }
 
     /// The penalty, if any: set with [`block_for`](Self::block_for) (started by any quota's
@@ -409,6 +437,26 @@ impl Policy {
         Ok(params)
     }
 
+    /// A quota's identity in its policy, part of its buckets' names in every store: its
+    /// own name (`-<name>`), or its place in the policy (`<index>`) when it has none. Its
+    /// values (count, period, burst) are not part of it: a changed quota keeps its buckets
+    /// (see [`on_change`](Self::on_change)).
+    #[cfg_attr(
+        not(any(
+            feature = "local",
+            feature = "redis",
+            feature = "postgres",
+            feature = "mysql"
+        )),
+        allow(dead_code)
+    )]
+    pub(crate) fn quota_id(&self, index: usize) -> String {
+        match self.quotas[index].name() {
+            Some(n) => format!("-{n}"),
+            None => index.to_string(),
+        }
+    }
+
     /// The name a quota has in the headers: its own, the policy's (single quota), or
     /// `<policy>-<index>`.
     pub(crate) fn quota_label(&self, index: usize) -> String {
@@ -461,6 +509,14 @@ struct PolicySpec {
         deserialize_with = "crate::quota::serde_duration::de"
     )]
     block_for: Option<std::time::Duration>,
+    /// `Policy::on_change`: `"keep"`, `"reset"`, `"proportional"` or `"additive"`.
+    #[serde(default, skip_serializing_if = "is_keep")]
+    on_change: crate::quota::OnChange,
+}
+
+#[cfg(feature = "serde")]
+fn is_keep(s: &crate::quota::OnChange) -> bool {
+    *s == crate::quota::OnChange::Keep
 }
 
 #[cfg(feature = "serde")]
@@ -554,6 +610,7 @@ impl serde::Serialize for Policy {
                 .map(|r| r.cancelled)
                 .unwrap_or_default(),
             block_for: self.block,
+            on_change: self.on_change,
         }
         .serialize(s)
     }
@@ -592,6 +649,7 @@ impl<'de> serde::Deserialize<'de> for Policy {
             }),
             block: spec.block_for,
             given_back: false,
+            on_change: spec.on_change,
         })
     }
 }
@@ -624,6 +682,7 @@ impl fmt::Debug for Policy {
             .field("shadow", &self.shadow)
             .field("settle", &self.settle_rules())
             .field("block", &self.block)
+            .field("on_change", &self.on_change)
             .finish()
     }
 }

@@ -1,6 +1,7 @@
-//! Stored state survives upgrades: state in stored format 1 (Redis keys with their binary
-//! values, which replaced tollgate 0.1's text values; PostgreSQL and MySQL rows) is checked in
-//! under `tests/fixtures/`, and each test loads it into a fresh server and checks that the current code decides on it as documented: a key that had
+//! Stored state survives upgrades: state in each stored format (Redis format 2, whose keys
+//! name a quota by its identity and whose values carry the values they were counted under and
+//! the format; Redis format 1, whose keys named the quota's values; PostgreSQL and MySQL rows,
+//! format 1) is checked in under `tests/fixtures/`, and each test loads it into a fresh server and checks that the current code decides on it as documented: a key that had
 //! spent 7 of 10 still has 3, for every algorithm and a running block. A change of a stored
 //! format must keep reading these, or ship a documented migration (and new fixtures beside the
 //! old ones).
@@ -137,12 +138,11 @@ fn unhex(text: &str) -> Vec<u8> {
         .collect()
 }
 
-/// Redis: `<key hex> <value hex>` per line, strings only (the policies above hold no slots).
-#[tokio::test]
-async fn redis_state_of_format_1_is_read() {
-    let server = RedisServer::start();
-    let mut conn = redis_connection(&server).await;
-    let fixture = std::fs::read_to_string(format!("{FIXTURES}/redis-format-1.txt")).unwrap();
+/// Loads a Redis fixture: `<key hex> <value hex>` per line, strings only (the policies above
+/// hold no slots); returns how many keys it set.
+async fn load_redis_fixture(server: &RedisServer, name: &str) -> usize {
+    let mut conn = redis_connection(server).await;
+    let fixture = std::fs::read_to_string(format!("{FIXTURES}/{name}")).unwrap();
     let mut loaded = 0;
     for line in fixture
         .lines()
@@ -157,10 +157,42 @@ async fn redis_state_of_format_1_is_read() {
             .unwrap();
         loaded += 1;
     }
+    loaded
+}
+
+/// Redis, format 2 (this release): every quota's state, and the block, are read.
+#[tokio::test]
+async fn redis_state_of_format_2_is_read() {
+    let server = RedisServer::start();
+    let loaded = load_redis_fixture(&server, "redis-format-2.txt").await;
     assert_eq!(loaded, 6, "one key per quota, and the block's");
     let clock = TestClock::new();
     clock.advance(Duration::from_secs(1));
     check_state(&redis(&server, &clock), "redis").await;
+}
+
+/// Redis, format 1 (tollgate up to 0.3, whose keys named a quota's values): its keys are not
+/// read; the documented migration is that every key starts afresh once (docs/redis.md,
+/// "Upgrading"), and the old keys expire by themselves, untouched.
+#[tokio::test]
+async fn redis_state_of_format_1_starts_afresh() {
+    let server = RedisServer::start();
+    assert_eq!(load_redis_fixture(&server, "redis-format-1.txt").await, 6);
+    let clock = TestClock::new();
+    clock.advance(Duration::from_secs(1));
+    let b = redis(&server, &clock);
+    for policy in policies().iter().filter(|p| p.block().is_none()) {
+        let p = prepare(&b, policy);
+        let d = b.decide(&p, &key("alice"), cost(1)).await.unwrap();
+        assert_eq!(d.quotas()[0].remaining, 9, "{}: {d:?}", policy.name());
+    }
+    let mut conn = redis_connection(&server).await;
+    let old: Vec<String> = redis::cmd("KEYS")
+        .arg("tollgate:*}:0*")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(old.len(), 5, "format 1's keys are left to expire: {old:?}");
 }
 
 /// PostgreSQL: the rows as `INSERT` statements.
@@ -197,11 +229,12 @@ async fn mysql_state_of_format_1_is_read() {
     check_state(&b, "mysql").await;
 }
 
-/// A rolling upgrade on Redis: an instance still running format 1's script (kept in
-/// `tests/fixtures/gcra-format-1.lua`, with the arguments it takes) and one running this release
-/// decide on one key: one limit, 10 in all, whoever asks.
+/// A rolling upgrade on Redis: an instance still running format 2's script (kept in
+/// `tests/fixtures/gcra-format-2.lua`, with the arguments it takes) and one running this release
+/// decide on one key: one limit, 10 in all, whoever asks. A later change of the script must
+/// keep this (or ship a documented migration).
 #[tokio::test]
-async fn the_script_of_format_1_and_this_one_keep_one_limit() {
+async fn the_script_of_format_2_and_this_one_keep_one_limit() {
     let server = RedisServer::start();
     let clock = TestClock::new();
     let b = redis(&server, &clock);
@@ -215,10 +248,11 @@ async fn the_script_of_format_1_and_this_one_keep_one_limit() {
         .query_async(&mut conn)
         .await
         .unwrap();
-    assert_eq!(keys.len(), 1, "{keys:?}");
-    let old = std::fs::read_to_string(format!("{FIXTURES}/gcra-format-1.lua")).unwrap();
-    // format 1's arguments: the test hook's time, one policy of one GCRA quota (emission interval
-    // 86 400 s in ns, burst 10), one run of one decision costing 1 (see the script's header).
+    assert_eq!(keys, ["tollgate:{roll:bk}:2.g0"]);
+    let old = std::fs::read_to_string(format!("{FIXTURES}/gcra-format-2.lua")).unwrap();
+    // format 2's arguments: the test hook's time, one policy of one GCRA quota (emission interval
+    // 86 400 s in ns, burst 10, kept: strategy 0), one run of one decision costing 1 (see the
+    // script's header).
     let emission = format!("{:x}", 86_400_000_000_000u64);
     let mut admitted = 0;
     for _ in 0..8 {
@@ -248,12 +282,12 @@ async fn the_script_of_format_1_and_this_one_keep_one_limit() {
     }
     assert_eq!(
         admitted, 6,
-        "format 1's script sees the 4 this release took"
+        "format 2's script sees the 4 this release took"
     );
     let d = b.decide(&p, &key("k"), cost(1)).await.unwrap();
     assert!(
         !d.is_allowed(),
-        "this release sees the 6 format 1's script took"
+        "this release sees the 6 format 2's script took"
     );
 }
 
@@ -279,8 +313,8 @@ async fn write_golden_fixtures() {
         .unwrap();
     keys.sort();
     let mut out = String::from(
-        "# format 1's Redis state (tests/golden.rs): key and value, hexadecimal, written at\n\
-         # TestClock::new()'s time; every policy spent 7 of 10 by `alice`, `blocked` blocked.\n",
+        "# Stored format 2: Redis state (tests/golden.rs): key and value, hexadecimal, written\n\
+         # at TestClock::new()'s time; every policy spent 7 of 10 by `alice`, `blocked` blocked.\n",
     );
     for k in keys {
         let v: Vec<u8> = redis::cmd("GET")
@@ -290,7 +324,7 @@ async fn write_golden_fixtures() {
             .unwrap();
         out.push_str(&format!("{} {}\n", hex(&k), hex(&v)));
     }
-    std::fs::write(format!("{FIXTURES}/redis-format-1.txt"), out).unwrap();
+    std::fs::write(format!("{FIXTURES}/redis-format-2.txt"), out).unwrap();
 
     let server = PgServer::start();
     write_state(&postgres(&server, &clock).await).await;
@@ -302,7 +336,7 @@ async fn write_golden_fixtures() {
     std::fs::write(
         format!("{FIXTURES}/postgres-format-1.sql"),
         format!(
-            "-- format 1's PostgreSQL rows (tests/golden.rs)\n{}\n",
+            "-- Stored format 1: PostgreSQL rows (tests/golden.rs)\n{}\n",
             rows.trim_end()
         ),
     )
@@ -318,7 +352,7 @@ async fn write_golden_fixtures() {
     std::fs::write(
         format!("{FIXTURES}/mysql-format-1.sql"),
         format!(
-            "-- format 1's MySQL rows (tests/golden.rs)\n{}\n",
+            "-- Stored format 1: MySQL rows (tests/golden.rs)\n{}\n",
             rows.trim_end()
         ),
     )

@@ -839,3 +839,14 @@ fn a_sliding_key_counts_against_the_cap_by_what_it_holds() {
     drop(p);
     assert_eq!(backend.tracked_keys(), 0);
 }
+
+/// Live quota changes on the local backend: the conformance suite's cases.
+#[tokio::test]
+async fn quota_changes_keep_what_keys_used() {
+    let clock = governor::clock::FakeRelativeClock::default();
+    let backend = tollgate::backend::LocalBackend::builder()
+        .clock(clock.clone())
+        .clock_epoch(std::time::Duration::ZERO)
+        .build();
+    support::conformance::changes(&backend, |by| clock.advance(by), "local").await;
+}

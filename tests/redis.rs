@@ -275,9 +275,12 @@ fn pttl(server: &RedisServer, key: &str) -> i64 {
         .unwrap()
 }
 
-/// A stored value's numbers (see `gcra.lua`): a little-endian f64, then little-endian u32s.
+/// A stored value's numbers (see `gcra.lua`): a little-endian f64, then little-endian u32s,
+/// then the values it was counted under and the format (17 bytes, left out).
 fn stored_numbers(server: &RedisServer, key: &str) -> (f64, Vec<u32>) {
     let v = server.get_bytes(key).expect(key);
+    assert_eq!(v.last(), Some(&2), "format 2: {v:?}");
+    let v = &v[..v.len() - 17];
     assert_eq!((v.len() - 8) % 4, 0, "{v:?}");
     let first = f64::from_le_bytes(v[..8].try_into().unwrap());
     let rest = v[8..]
@@ -308,10 +311,7 @@ async fn window_keys_hold_their_counts_and_expire() {
     let d = b.decide(&p, &key("k"), cost(2)).await.unwrap();
     assert!(d.is_allowed());
     assert_eq!(remaining(&d), [1, 8]);
-    let (fixed, sliding) = (
-        "tollgate:{store:bk}:0f1000000x3",
-        "tollgate:{store:bk}:1s500000x2x10",
-    );
+    let (fixed, sliding) = ("tollgate:{store:bk}:2.f0", "tollgate:{store:bk}:2.s1");
     let unix = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap();
@@ -408,14 +408,21 @@ async fn gcra_stores_its_time_exactly_and_takes_foreign_values_for_nothing() {
     clock.advance(Duration::from_nanos(123));
     let b = at_time(&server, &clock);
     let p = prepare(&b, &Policy::new("api", Quota::per_minute(1).burst(10)));
-    let name = "tollgate:{api:balice}:0g60000000000x10";
-    // A full bucket in the old layout's key: not this version's, not read.
+    let name = "tollgate:{api:balice}:2.g0";
+    // A full bucket in older layouts' keys (0.1's text, format 1's values in the name): not
+    // this version's, not read.
     server.cmd(&["SET", "tollgate:{api:balice}:0:60000000000x10", "1000600 0"]);
+    server.cmd(&["SET", "tollgate:{api:balice}:0g60000000000x10", "\x01"]);
     let d = b.decide(&p, &key("alice"), cost(1)).await.unwrap();
     assert_eq!(remaining(&d), [9]);
     let stored = server.get_bytes(name).unwrap();
     let mut expected = 1_000_060u32.to_le_bytes().to_vec();
     expected.extend_from_slice(&123u32.to_le_bytes());
+    // Then the values it was counted under (emission interval, burst, 0) and the format.
+    expected.extend_from_slice(&60e9f64.to_le_bytes());
+    expected.extend_from_slice(&10u32.to_le_bytes());
+    expected.extend_from_slice(&0u32.to_le_bytes());
+    expected.push(2);
     assert_eq!(stored, expected, "TAT = now + 60 s");
     for foreign in ["1000600 0", "garbage", "12345678901234567890"] {
         server.cmd(&["SET", name, foreign]);
@@ -440,7 +447,7 @@ async fn one_request_on_a_fresh_burst_10_bucket_leaves_exactly_9_and_the_key_exp
     // The key lives until the bucket is full again: 200 ms, to the millisecond since the epoch
     // rounded up (`PTTL` counts from the current millisecond rounded down: up to 201).
     let pttl: i64 = server
-        .cmd(&["PTTL", "tollgate:{api:balice}:0g200000000x10"])
+        .cmd(&["PTTL", "tollgate:{api:balice}:2.g0"])
         .trim_start_matches(':')
         .trim()
         .parse()
@@ -448,9 +455,7 @@ async fn one_request_on_a_fresh_burst_10_bucket_leaves_exactly_9_and_the_key_exp
     assert!((1..=201).contains(&pttl), "PTTL {pttl}");
     tokio::time::sleep(Duration::from_millis(400)).await;
     assert_eq!(
-        server
-            .cmd(&["EXISTS", "tollgate:{api:balice}:0g200000000x10"])
-            .trim(),
+        server.cmd(&["EXISTS", "tollgate:{api:balice}:2.g0"]).trim(),
         ":0"
     );
     assert_eq!(server.cmd(&["DBSIZE"]).trim(), ":0", "nothing left behind");
@@ -632,8 +637,8 @@ async fn multi_quota_is_all_or_nothing() {
     }
     // Both keys of the decision share one hash tag.
     let keys = server.cmd(&["KEYS", "*"]);
-    assert!(keys.contains("tollgate:{multi:btenant}:0g"), "{keys}");
-    assert!(keys.contains("tollgate:{multi:btenant}:1g"), "{keys}");
+    assert!(keys.contains("tollgate:{multi:btenant}:2.g0"), "{keys}");
+    assert!(keys.contains("tollgate:{multi:btenant}:2.g1"), "{keys}");
 
     // A cost that fits the first quota but not the second takes nothing from the first.
     let p2 = prepare(&b, &Policy::new("multi2", no_refill(10)).and(no_refill(4)));
@@ -748,13 +753,14 @@ async fn deny_cache_is_scoped_to_the_prepared_policy() {
     let big = prepare(&b, &Policy::new("plan", no_refill(10)));
     let d = b.decide(&big, &k, cost(1)).await.unwrap();
     assert!(d.is_allowed(), "{d:?}");
-    // A changed quota starts from a fresh bucket (as on the local backend).
-    assert_eq!(d.quotas()[0].remaining, 9);
+    // A changed quota keeps what the key used (`OnChange::Keep`, as on the local backend):
+    // 2 used, 1 more.
+    assert_eq!(d.quotas()[0].remaining, 7);
     // The same quota under the same name shares the bucket, whoever prepared it.
     let again = prepare(&b, &Policy::new("plan", no_refill(10)));
     assert_eq!(
         b.decide(&again, &k, cost(1)).await.unwrap().quotas()[0].remaining,
-        8
+        6
     );
 }
 
@@ -768,8 +774,10 @@ async fn raising_a_rate_applies_at_once() {
     let daily = prepare(&b, &Policy::new("tier", Quota::per_day(1)));
     assert!(b.decide(&daily, &k, cost(1)).await.unwrap().is_allowed());
     assert!(!b.decide(&daily, &k, cost(1)).await.unwrap().is_allowed());
+    // The one request of the day carries over (`OnChange::Keep`): 99 left of the hour's 100,
+    // at once, not after the day's emission interval.
     let hourly = prepare(&b, &Policy::new("tier", Quota::per_hour(100)));
-    for _ in 0..100 {
+    for _ in 0..99 {
         assert!(b.decide(&hourly, &k, cost(1)).await.unwrap().is_allowed());
     }
     assert!(!b.decide(&hourly, &k, cost(1)).await.unwrap().is_allowed());
@@ -1125,7 +1133,9 @@ async fn an_existing_connection_manager_can_be_used() {
     let p = prepare(&b, &Policy::new("api", no_refill(3)));
     assert!(b.decide(&p, &key("k"), cost(1)).await.unwrap().is_allowed());
     assert!(
-        server.cmd(&["KEYS", "*"]).contains("myapp:rl:{api:bk}:0g"),
+        server
+            .cmd(&["KEYS", "*"])
+            .contains("myapp:rl:{api:bk}:2.g0"),
         "keys under the custom prefix"
     );
 }
@@ -1141,8 +1151,8 @@ async fn a_refused_key_fails_only_its_own_decision() {
         .unwrap();
     let p = Arc::new(prepare(&b, &Policy::new("iso", no_refill(1000))));
     // Another program wrote a list where the "bad" bucket lives.
-    let bad_key = format!("tollgate:{{iso:bbad}}:0g{}x1000", 86_400_000_000_000u64);
-    server.cmd(&["RPUSH", &bad_key, "x"]);
+    let bad_key = "tollgate:{iso:bbad}:2.g0";
+    server.cmd(&["RPUSH", bad_key, "x"]);
     let mut tasks = Vec::new();
     for i in 0..200 {
         let (b, p) = (b.clone(), p.clone());
@@ -1180,7 +1190,7 @@ async fn a_refused_key_fails_only_its_own_decision() {
             .is_allowed()
     );
     // The list is untouched.
-    assert_eq!(server.cmd(&["LLEN", &bad_key]).trim(), ":1");
+    assert_eq!(server.cmd(&["LLEN", bad_key]).trim(), ":1");
 }
 
 /// Without batching (e.g. behind a sharding proxy), every decision is its own call.
@@ -1275,7 +1285,7 @@ async fn a_lease_that_expires_while_its_request_runs_frees_its_slot_once() {
     assert!(ask(Mode::Hold { lease: 4 }).await.unwrap().is_allowed());
     let keys = server.cmd(&["KEYS", "*"]);
     let name = (keys.lines())
-        .find(|k| k.contains("c1000x1"))
+        .find(|k| k.contains(":2.c0"))
         .unwrap_or_else(|| panic!("no lease key in {keys:?}"));
     assert!(server.cmd(&["TYPE", name]).contains("zset"));
     let ttl = server.cmd(&["PTTL", name]);
@@ -1464,4 +1474,21 @@ async fn a_flood_of_fresh_keys_limits_every_key() {
             reply.trim().trim_start_matches(':')
         );
     }
+}
+
+/// Live quota changes: the conformance suite's cases, with and without the deny cache.
+#[tokio::test]
+async fn quota_changes_redis() {
+    let server = RedisServer::start();
+    let clock = support::conformance::aligned_test_clock();
+    let b = at_time(&server, &clock);
+    support::conformance::changes(&b, |by| clock.advance(by), "redis").await;
+    server.cmd(&["FLUSHALL"]);
+    let clock = support::conformance::aligned_test_clock();
+    let cached = RedisBackend::builder()
+        .url(server.url())
+        .test_clock(clock.clone())
+        .build()
+        .unwrap();
+    support::conformance::changes(&cached, |by| clock.advance(by), "redis-cached").await;
 }

@@ -333,3 +333,17 @@ async fn instances_on_a_cluster_count_each_other() {
     })
     .await;
 }
+
+/// Live quota changes on the cluster: the conformance suite's cases.
+#[tokio::test]
+async fn cluster_quota_changes() {
+    let cluster = RedisCluster::start();
+    let clock = support::conformance::aligned_test_clock();
+    let b = RedisBackend::builder()
+        .cluster_nodes(cluster.urls())
+        .timeout(Duration::from_secs(2))
+        .test_clock(clock.clone())
+        .build()
+        .unwrap();
+    support::conformance::changes(&b, |by| clock.advance(by), "redis cluster").await;
+}

@@ -206,3 +206,55 @@ async fn admin_rejects_typos_and_keeps_declared_tiers() {
             .starts_with(r#""pro-0""#)
     );
 }
+
+/// A quota changed live keeps what keys used (`on_change = "keep"`, the default): merchant-9
+/// spent 5 of free's `1000/h`; after the admin changes it to `900/h`, the next answer counts
+/// those 5 against the 900: 894 left after the sixth request (without `keep`: 899).
+#[tokio::test]
+async fn a_changed_quota_keeps_what_keys_used() {
+    let base = serve(Some("s3cret")).await;
+    let client = reqwest::Client::new();
+    let orders = || {
+        client
+            .get(format!("{base}/api/orders"))
+            .header("x-merchant-id", "merchant-9")
+            .send()
+    };
+    for _ in 0..5 {
+        assert_eq!(orders().await.unwrap().status(), 200);
+    }
+    let mut rules: serde_json::Value = client
+        .get(format!("{base}/admin/rules"))
+        .bearer_auth("s3cret")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let free = (rules["policies"].as_array_mut().unwrap().iter_mut())
+        .find(|p| p["name"] == "free")
+        .unwrap();
+    assert_eq!(free["quotas"][1], "1000/h");
+    free["quotas"][1] = "900/h".into();
+    let res = client
+        .put(format!("{base}/admin/rules"))
+        .bearer_auth("s3cret")
+        .json(&rules)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 200, "{}", res.text().await.unwrap());
+    // A unit of free's burst (2/s) comes back, so that the next request passes and reports
+    // both quotas (a 429 reports only the quota that refused).
+    tokio::time::sleep(std::time::Duration::from_millis(600)).await;
+    let res = orders().await.unwrap();
+    assert_eq!(res.status(), 200);
+    let header = res.headers()["ratelimit"].to_str().unwrap().to_owned();
+    let policy = res.headers()["ratelimit-policy"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    assert!(policy.contains(r#""free-1";q=900"#), "{policy}");
+    assert!(header.contains(r#""free-1";r=894"#), "{header}");
+}

@@ -407,6 +407,24 @@ impl SlidingState {
         )
     }
 
+    /// A window of `slices` sub-windows holding `count` units in the sub-window of `now_us`:
+    /// what a key carries over from a changed quota.
+    #[cfg(feature = "local")]
+    pub(crate) fn carried(slices: u32, slice_us: u64, now_us: u64, count: u32) -> Self {
+        let mut state = SlidingState::new(slices);
+        if count > 0 {
+            state.add((now_us / slice_us) as u32, count);
+        }
+        state
+    }
+
+    /// The units the window holds at `now_us`: its estimate.
+    #[cfg(feature = "local")]
+    pub(crate) fn used(&self, slice_us: u64, now_us: u64) -> f64 {
+        let now = self.now(now_us / slice_us);
+        estimate_by(self.in_window(now), slice_us, now_us % slice_us)
+    }
+
     /// Whether every count has left the window (indistinguishable from nothing counted).
     pub(crate) fn is_idle(&self, slice_us: u64, now_us: u64) -> bool {
         self.in_window(self.now(now_us / slice_us)).next().is_none()

@@ -2,9 +2,11 @@
 
 use std::time::Duration;
 
+mod change;
 mod params;
 mod syntax;
 
+pub use change::OnChange;
 pub use params::{QuotaKind, QuotaParams};
 #[cfg(feature = "serde")]
 pub(crate) use syntax::serde_duration;

@@ -1136,3 +1136,216 @@ async fn per_quota_block<B: Backend>(
         "{who}: the block is over"
     );
 }
+
+/// Live quota changes (`Policy::on_change`), the same on every store: a key that spent 5 of
+/// a quota whose values then change keeps, resets, scales or adds as its strategy says, for
+/// GCRA, fixed and sliding windows (a changed period too), a concurrent quota's slots stay
+/// held, a running block stays, and a changed algorithm starts afresh. The clock stands still
+/// (`advance` moves it only where said), on a window boundary. `p_old` stays alive while the
+/// new policy is prepared, as a rule swap does.
+pub async fn changes<B: Backend>(backend: &B, advance: impl Fn(Duration), who: &str) {
+    use tollgate::OnChange::{self, *};
+    use tollgate::backend::Mode;
+    let ms = Duration::from_millis;
+    let min = Duration::from_secs(60);
+    let hour = Duration::from_secs(3600);
+    // (strategy, quota before, quota after, remaining after one more request)
+    let cases: [(OnChange, Quota, Quota, u32); 20] = [
+        (Keep, Quota::per_hour(1000), Quota::per_hour(900), 894),
+        (Reset, Quota::per_hour(1000), Quota::per_hour(900), 899),
+        (
+            Proportional,
+            Quota::per_hour(1000),
+            Quota::per_hour(900),
+            894,
+        ),
+        (Additive, Quota::per_hour(1000), Quota::per_hour(900), 899),
+        (Keep, Quota::per_hour(1000), Quota::per_hour(2000), 1994),
+        (
+            Proportional,
+            Quota::per_hour(1000),
+            Quota::per_hour(2000),
+            1989,
+        ),
+        (Additive, Quota::per_hour(1000), Quota::per_hour(2000), 1994),
+        // Only the burst changes: the debt is kept to the nanosecond.
+        (
+            Keep,
+            Quota::per_hour(1000),
+            Quota::per_hour(1000).burst(10),
+            4,
+        ),
+        (
+            Keep,
+            Quota::new(100, hour).fixed_window(),
+            Quota::new(90, hour).fixed_window(),
+            84,
+        ),
+        (
+            Reset,
+            Quota::new(100, hour).fixed_window(),
+            Quota::new(90, hour).fixed_window(),
+            89,
+        ),
+        (
+            Proportional,
+            Quota::new(100, hour).fixed_window(),
+            Quota::new(50, hour).fixed_window(),
+            46,
+        ),
+        (
+            Additive,
+            Quota::new(100, hour).fixed_window(),
+            Quota::new(90, hour).fixed_window(),
+            89,
+        ),
+        (
+            Additive,
+            Quota::new(100, hour).fixed_window(),
+            Quota::new(200, hour).fixed_window(),
+            194,
+        ),
+        // A changed window length: the count moves into the new window of now.
+        (
+            Keep,
+            Quota::new(100, hour).fixed_window(),
+            Quota::new(100, min).fixed_window(),
+            94,
+        ),
+        (
+            Keep,
+            Quota::new(100, min).sliding_window(),
+            Quota::new(90, min).sliding_window(),
+            84,
+        ),
+        (
+            Reset,
+            Quota::new(100, min).sliding_window(),
+            Quota::new(90, min).sliding_window(),
+            89,
+        ),
+        (
+            Proportional,
+            Quota::new(100, min).sliding_window(),
+            Quota::new(50, min).sliding_window(),
+            46,
+        ),
+        (
+            Keep,
+            Quota::new(100, min).sliding_window(),
+            Quota::new(100, min)
+                .sliding_window()
+                .resolution(Duration::from_secs(10)),
+            94,
+        ),
+        // Lowered below what was used: clamped to the new limit.
+        (
+            Keep,
+            Quota::new(100, hour).fixed_window(),
+            Quota::new(3, hour).fixed_window(),
+            0,
+        ),
+        (Keep, Quota::per_hour(1000), Quota::per_hour(4).burst(4), 0),
+    ];
+    for (i, (strategy, before, after, left)) in cases.into_iter().enumerate() {
+        let name = format!("change-{i}");
+        let old = prepare(
+            backend,
+            &Policy::new(name.as_str(), before).on_change(strategy),
+        );
+        let k = key("spender");
+        let d = backend.decide(&old, &k, cost(5)).await.unwrap();
+        assert!(d.is_allowed(), "{who} case {i}: {d:?}");
+        let new = prepare(
+            backend,
+            &Policy::new(name.as_str(), after).on_change(strategy),
+        );
+        let d = backend.decide(&new, &k, cost(1)).await.unwrap();
+        assert_eq!(
+            (d.is_allowed(), d.quotas()[0].remaining),
+            (left > 0, left),
+            "{who} case {i}: {strategy:?} {before} -> {after}: {d:?}"
+        );
+        // Another key starts afresh under the new values.
+        let d = backend.decide(&new, &key("fresh"), cost(1)).await.unwrap();
+        assert_eq!(
+            d.quotas()[0].remaining,
+            after.count().min(after.burst_size()) - 1,
+            "{who} case {i}: {d:?}"
+        );
+        drop(old);
+    }
+
+    // The default is keep; a changed algorithm starts afresh.
+    let old = prepare(backend, &Policy::new("change-alg", Quota::per_minute(10)));
+    let k = key("spender");
+    backend.decide(&old, &k, cost(5)).await.unwrap();
+    let kept = prepare(backend, &Policy::new("change-alg", Quota::per_minute(20)));
+    let d = backend.decide(&kept, &k, cost(1)).await.unwrap();
+    assert_eq!(d.quotas()[0].remaining, 14, "{who}: keep by default: {d:?}");
+    let windowed = Policy::new("change-alg", Quota::per_minute(20).fixed_window());
+    let fresh = prepare(backend, &windowed);
+    let d = backend.decide(&fresh, &k, cost(1)).await.unwrap();
+    assert_eq!(d.quotas()[0].remaining, 19, "{who}: a new algorithm: {d:?}");
+    drop((old, kept));
+
+    // Named quotas are known by name: reordered, each keeps its own.
+    let a = Quota::per_hour(100).named("hourly");
+    let b = Quota::per_day(1000).named("daily");
+    let old = prepare(backend, &Policy::new("change-named", a).and(b));
+    backend.decide(&old, &k, cost(5)).await.unwrap();
+    let swapped = Policy::new("change-named", Quota::per_day(2000).named("daily"))
+        .and(Quota::per_hour(100).named("hourly"));
+    let new = prepare(backend, &swapped);
+    let d = backend.decide(&new, &k, cost(1)).await.unwrap();
+    let left: Vec<u32> = d.quotas().iter().map(|q| q.remaining).collect();
+    assert_eq!(left, [1994, 94], "{who}: {d:?}");
+    drop(old);
+
+    // A concurrent quota's slots stay held: 1 of 2 held, then 3 slots leave 2 to take.
+    let old = prepare(backend, &Policy::new("change-slots", Quota::concurrent(2)));
+    let hold = |lease| Mode::Hold { lease };
+    let d = backend
+        .decide_with(&old, &k, cost(1), hold(1))
+        .await
+        .unwrap();
+    assert!(d.is_allowed(), "{who}: {d:?}");
+    let new = prepare(backend, &Policy::new("change-slots", Quota::concurrent(3)));
+    for lease in [2, 3] {
+        let d = backend
+            .decide_with(&new, &k, cost(1), hold(lease))
+            .await
+            .unwrap();
+        assert!(d.is_allowed(), "{who}: slot {lease}: {d:?}");
+    }
+    let d = backend
+        .decide_with(&new, &k, cost(1), hold(4))
+        .await
+        .unwrap();
+    assert!(!d.is_allowed(), "{who}: three held: {d:?}");
+    // The first request ends under the old policy: its slot comes back to the new one.
+    backend
+        .decide_with(&old, &k, cost(1), Mode::Release { lease: 1 })
+        .await
+        .unwrap();
+    let d = backend
+        .decide_with(&new, &k, cost(1), hold(5))
+        .await
+        .unwrap();
+    assert!(d.is_allowed(), "{who}: the slot given back: {d:?}");
+    drop(old);
+
+    // A running block stays when the block's length changes; new blocks last the new length.
+    let blocking =
+        |len: u64| Policy::new("change-block", Quota::per_second(1).burst(1)).block_for(ms(len));
+    let old = prepare(backend, &blocking(1000));
+    backend.decide(&old, &k, cost(1)).await.unwrap();
+    let d = backend.decide(&old, &k, cost(1)).await.unwrap();
+    assert!(d.is_blocked(), "{who}: {d:?}");
+    let new = prepare(backend, &blocking(5000));
+    advance(ms(500));
+    let d = backend.decide(&new, &k, cost(1)).await.unwrap();
+    assert!(d.is_blocked(), "{who}: the block runs on: {d:?}");
+    assert_eq!(d.retry_after(), Some(ms(500)), "{who}: {d:?}");
+    drop(old);
+}

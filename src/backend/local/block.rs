@@ -12,8 +12,9 @@ use crate::Key;
 /// The blocks of one policy: per key, the Unix time (µs) its block ends, counted against the
 /// backend's key cap and swept once ended.
 pub(super) struct Blocks {
-    /// How long a block lasts, in µs.
-    block_us: u64,
+    /// How long a block lasts, in µs (the policy's latest: a changed length applies to the
+    /// blocks that start from then on).
+    block_us: AtomicU64,
     until: DashMap<Key, AtomicU64, RandomState>,
     tracked: Arc<AtomicUsize>,
 }
@@ -21,7 +22,7 @@ pub(super) struct Blocks {
 impl Blocks {
     pub(super) fn new(block_us: u64, tracked: Arc<AtomicUsize>) -> Self {
         Blocks {
-            block_us,
+            block_us: AtomicU64::new(block_us),
             until: DashMap::with_hasher(RandomState::default()),
             tracked,
         }
@@ -42,11 +43,16 @@ impl Blocks {
             let end = if until > now_us {
                 until
             } else {
-                now_us.saturating_add(self.block_us)
+                now_us.saturating_add(self.block_us.load(Ordering::Relaxed))
             };
             (end, end)
         });
         end - now_us
+    }
+
+    /// Sets how long the blocks that start from now on last.
+    pub(super) fn set_length(&self, block_us: u64) {
+        self.block_us.store(block_us, Ordering::Relaxed);
     }
 
     /// Forgets `key`'s block (an operator forgiving a client).

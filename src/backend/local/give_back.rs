@@ -100,7 +100,7 @@ where
                         // never fills past full (an arrival time before now).
                         Some(_) => give_back(store, key, step, at),
                         None => {
-                            let tat = entry(&store.map, key, &store.tracked, || AtomicU64::new(0));
+                            let tat = store.bucket(key, now);
                             swap(&tat, |tat| {
                                 let next = tat.max(at).saturating_add(step);
                                 (next, next)
@@ -120,7 +120,8 @@ where
 /// time now: a bucket never fills past full); returns the arrival time after it. A key without
 /// a bucket is full: nothing to give back.
 pub(super) fn give_back(store: &StoreMap, key: &Key, step: u64, at: u64) -> u64 {
-    store.map.get(key).map_or(0, |tat| {
+    let now = at.saturating_add(store.start.load(Ordering::Relaxed));
+    store.get(key, now).map_or(0, |tat| {
         swap(&tat, |tat| {
             let next = tat.saturating_sub(step).max(at);
             (next, next)

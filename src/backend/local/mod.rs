@@ -250,15 +250,22 @@ fn blocked<C: Clock>(policy: &LocalPolicy<C>, left_us: u64) -> Decision {
     Decision::blocked(&params, Duration::from_micros(left_us))
 }
 
-/// The index of a policy's blocks among its registered counters (its quotas are 0..n).
-const BLOCKS: usize = usize::MAX;
+/// The identity of a policy's blocks among its registered counters (no quota's: those are
+/// digits, or a name after `-`).
+const BLOCKS: &str = "blocks";
 
+/// A quota's counters in the registry: the policy's name, the quota's identity in it
+/// (`Policy::quota_id`) and its values. A concurrent quota's slots and a policy's blocks are
+/// registered without values: every version of the policy shares them.
 #[derive(Clone, PartialEq, Eq, Hash)]
 struct LimiterId {
     policy: Arc<str>,
-    index: usize,
-    params: QuotaParams,
+    quota: Box<str>,
+    params: Option<QuotaParams>,
 }
+
+/// The order stores are made in, for a changed quota to find its latest earlier store.
+static STORE_SEQ: AtomicU64 = AtomicU64::new(0);
 
 /// Builds a [`LocalBackend`].
 pub struct LocalBackendBuilder<C: Clock = MonotonicClock> {
@@ -462,9 +469,10 @@ impl<C: Clock> Inner<C> {
         }
         for counter in limiters {
             match counter {
-                Counter::Gcra { limiter, .. } => {
+                Counter::Gcra { limiter, store, .. } => {
                     limiter.retain_recent();
                     limiter.shrink_to_fit();
+                    store.sweep_earlier(self.elapsed_ns());
                 }
                 Counter::Window(store) => store.sweep(now_us),
             }
@@ -559,6 +567,133 @@ impl<C: Clock> fmt::Debug for LocalPolicy<C> {
     }
 }
 
+impl<C> LocalBackend<C>
+where
+    C: Clock + Clone + Send + Sync + 'static,
+    C::Instant: Send + Sync,
+{
+    /// The counter of quota `index` of `policy`: the one registered for the same policy,
+    /// quota and values (layers sharing a backend and a policy share buckets, as they would in
+    /// Redis), or a new one that inherits the keys of the quota's latest store under other
+    /// values of the same algorithm (see [`OnChange`](crate::quota::OnChange)); a concurrent
+    /// quota's slots are shared by all its versions.
+    fn quota_counter(
+        &self,
+        map: &mut HashMap<LimiterId, Registered<C>>,
+        policy: &Policy,
+        index: usize,
+        p: &QuotaParams,
+    ) -> Result<PreparedQuota<C>, ConfigError> {
+        let quota: Box<str> = policy.quota_id(index).into();
+        let concurrent = p.is_concurrent();
+        let id = LimiterId {
+            policy: policy.name().into(),
+            quota: quota.clone(),
+            params: (!concurrent).then_some(*p),
+        };
+        let registered = map.get(&id).and_then(Registered::upgrade);
+        let seq = STORE_SEQ.fetch_add(1, Ordering::Relaxed);
+        if concurrent {
+            let store = match registered {
+                Some(Counter::Window(store)) if store.params() == p => store,
+                Some(Counter::Window(store)) => {
+                    Arc::new(store.sharing_slots(*p, seq).unwrap_or_else(
+                        // Registered under a concurrent quota's id: always slots.
+                        || unreachable_slots(*p, self.inner.tracked.clone(), seq),
+                    ))
+                }
+                _ => Arc::new(unreachable_slots(*p, self.inner.tracked.clone(), seq)),
+            };
+            map.insert(id, Registered::Window(Arc::downgrade(&store)));
+            return Ok(PreparedQuota {
+                params: *p,
+                counter: Counter::Window(store),
+            });
+        }
+        if let Some(counter) = registered {
+            return Ok(PreparedQuota {
+                params: *p,
+                counter,
+            });
+        }
+        // The latest store of this quota under other values of the same algorithm.
+        let same_kind = |other: &QuotaParams| {
+            std::mem::discriminant(&other.kind) == std::mem::discriminant(&p.kind)
+        };
+        let latest = (map.iter())
+            .filter(|(k, _)| k.policy == id.policy && k.quota == quota)
+            .filter(|(k, _)| k.params.as_ref().is_some_and(same_kind))
+            .filter_map(|(_, r)| r.upgrade())
+            .max_by_key(|c| match c {
+                Counter::Gcra { store, .. } => store.seq,
+                Counter::Window(store) => store.seq,
+            });
+        let on_change = policy.change_strategy();
+        if let Some(store) = WindowStore::new(*p, self.inner.tracked.clone(), seq) {
+            if let Some(Counter::Window(from)) = latest {
+                store
+                    .earlier
+                    .store(Some(Arc::new(store::Earlier { from, on_change })));
+            }
+            let store = Arc::new(store);
+            map.insert(id, Registered::Window(Arc::downgrade(&store)));
+            return Ok(PreparedQuota {
+                params: *p,
+                counter: Counter::Window(store),
+            });
+        }
+        let quota = governor::Quota::with_period(p.emission_interval())
+            .ok_or_else(|| ConfigError::Invalid {
+                option: "quota",
+                reason: "zero emission interval".to_owned(),
+            })?
+            .allow_burst(p.burst);
+        let store = StoreMap::new(
+            self.inner.tracked.clone(),
+            (p.emission_ns, p.burst.get()),
+            seq,
+        );
+        if let Some(Counter::Gcra { store: from, .. }) = latest {
+            store
+                .earlier
+                .store(Some(Arc::new(store::Earlier { from, on_change })));
+        }
+        let store = Arc::new(store);
+        let clock = Stamped {
+            clock: self.inner.clock.clone(),
+            origin: self.inner.origin,
+        };
+        let limiter = RateLimiter::<Key, Store, Stamped<C>, NoOpMiddleware<Nanos>>::new(
+            quota,
+            Store(store.clone()),
+            clock,
+        );
+        // The instant governor counts its stored times from: `new` reads the clock
+        // once, and the reading is kept for this thread (see `Stamped`).
+        let start = Nanos::from(LAST_NOW.get());
+        store.start.store(start.as_u64(), Ordering::Relaxed);
+        let limiter = Arc::new(limiter.with_middleware::<StateInformationMiddleware>());
+        map.insert(
+            id,
+            Registered::Gcra(Arc::downgrade(&limiter), Arc::downgrade(&store), start),
+        );
+        Ok(PreparedQuota {
+            params: *p,
+            counter: Counter::Gcra {
+                limiter,
+                store,
+                start,
+            },
+        })
+    }
+}
+
+/// A concurrent quota's new slot store.
+fn unreachable_slots(p: QuotaParams, tracked: Arc<AtomicUsize>, seq: u64) -> WindowStore {
+    // `new` makes a store for every kind but GCRA, and `p` is a concurrent quota's.
+    WindowStore::new(p, tracked, seq).unwrap_or_else(|| unreachable!("a concurrent quota's store"))
+}
+
 impl<C> Backend for LocalBackend<C>
 where
     C: Clock + Clone + Send + Sync + 'static,
@@ -581,62 +716,7 @@ where
         let limiters = params
             .iter()
             .enumerate()
-            .map(|(index, p)| {
-                let id = LimiterId {
-                    policy: policy.name().into(),
-                    index,
-                    params: *p,
-                };
-                if let Some(counter) = map.get(&id).and_then(Registered::upgrade) {
-                    return Ok(PreparedQuota {
-                        params: *p,
-                        counter,
-                    });
-                }
-                if let Some(store) = WindowStore::new(*p, self.inner.tracked.clone()) {
-                    let store = Arc::new(store);
-                    map.insert(id, Registered::Window(Arc::downgrade(&store)));
-                    return Ok(PreparedQuota {
-                        params: *p,
-                        counter: Counter::Window(store),
-                    });
-                }
-                let quota = governor::Quota::with_period(p.emission_interval())
-                    .ok_or_else(|| ConfigError::Invalid {
-                        option: "quota",
-                        reason: "zero emission interval".to_owned(),
-                    })?
-                    .allow_burst(p.burst);
-                let store = Arc::new(StoreMap {
-                    map: DashMap::with_hasher(RandomState::default()),
-                    tracked: self.inner.tracked.clone(),
-                });
-                let clock = Stamped {
-                    clock: self.inner.clock.clone(),
-                    origin: self.inner.origin,
-                };
-                let limiter = RateLimiter::<Key, Store, Stamped<C>, NoOpMiddleware<Nanos>>::new(
-                    quota,
-                    Store(store.clone()),
-                    clock,
-                );
-                // The instant governor counts its stored times from: `new` reads the clock
-                // once, and the reading is kept for this thread (see `Stamped`).
-                let start = Nanos::from(LAST_NOW.get());
-                let limiter = Arc::new(limiter.with_middleware::<StateInformationMiddleware>());
-                map.insert(
-                    id,
-                    Registered::Gcra(Arc::downgrade(&limiter), Arc::downgrade(&store), start),
-                );
-                Ok(PreparedQuota {
-                    params: *p,
-                    counter: Counter::Gcra {
-                        limiter,
-                        store,
-                        start,
-                    },
-                })
-            })
+            .map(|(index, p)| self.quota_counter(&mut map, policy, index, p))
             .collect::<Result<_, ConfigError>>()?;
         let limiters: Vec<PreparedQuota<C>> = limiters;
         let is_window = |q: &PreparedQuota<C>| matches!(q.counter, Counter::Window(_));
@@ -654,14 +734,17 @@ where
             .unwrap_or(u32::MAX);
         let blocks = policy.block().map(|block| {
             let block_us = u64::try_from(block.as_micros()).unwrap_or(u64::MAX);
+            // Blocks are the policy's whatever their length: a running block stays when the
+            // length changes, and new ones last the new length.
             let id = LimiterId {
                 policy: policy.name().into(),
-                index: BLOCKS,
-                params: QuotaParams::gcra(block_us.max(1), NonZeroU32::MIN),
+                quota: BLOCKS.into(),
+                params: None,
             };
             if let Some(Registered::Blocks(b)) = map.get(&id)
                 && let Some(blocks) = b.upgrade()
             {
+                blocks.set_length(block_us);
                 return blocks;
             }
             let blocks = Arc::new(Blocks::new(block_us, self.inner.tracked.clone()));

@@ -71,8 +71,9 @@ where
                     }
                 }
                 Counter::Gcra { store, start, .. } => {
-                    let tat = store.tat(key);
-                    let rel = until(*start, tat, inner.elapsed_ns());
+                    let now = inner.elapsed_ns();
+                    let tat = store.tat(key, now);
+                    let rel = until(*start, tat, now);
                     let w = gcra_wait(&quota.params, cost, rel);
                     if w > max_wait {
                         return Decision::new([gcra_state(
@@ -97,7 +98,7 @@ where
                     let now = inner.elapsed_ns().saturating_sub(start.as_u64());
                     let step = p.emission_ns.saturating_mul(u64::from(cost.get()));
                     let longest = std::cell::Cell::new(wait);
-                    let bucket = entry(&store.map, key, &store.tracked, || AtomicU64::new(0));
+                    let bucket = store.bucket(key, now.saturating_add(start.as_u64()));
                     let charged = measure(&bucket, |tat| {
                         let tat = tat.map_or(0, |t| t.as_u64());
                         let w = gcra_wait(p, cost, Duration::from_nanos(tat.saturating_sub(now)));
@@ -239,8 +240,9 @@ impl<C: Clock> PreparedQuota<C> {
         match &self.counter {
             Counter::Window(store) => store.would(index, key, now_us, cost),
             Counter::Gcra { store, start, .. } => {
-                let tat = store.tat(key);
-                let rel = until(*start, tat, inner.elapsed_ns());
+                let now = inner.elapsed_ns();
+                let tat = store.tat(key, now);
+                let rel = until(*start, tat, now);
                 gcra_state(index, &self.params, cost, rel, Duration::ZERO)
             }
         }
@@ -249,8 +251,9 @@ impl<C: Clock> PreparedQuota<C> {
     pub(super) fn peek(&self, index: usize, key: &Key, inner: &Inner<C>) -> QuotaState {
         match &self.counter {
             Counter::Gcra { store, start, .. } => {
-                let tat = store.tat(key);
-                QuotaState::never_fits(index, &self.params, until(*start, tat, inner.elapsed_ns()))
+                let now = inner.elapsed_ns();
+                let tat = store.tat(key, now);
+                QuotaState::never_fits(index, &self.params, until(*start, tat, now))
             }
             Counter::Window(store) => store.peek(index, key, inner.now_us()),
         }

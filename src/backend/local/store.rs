@@ -19,14 +19,139 @@ pub(super) struct Store(pub(super) Arc<StoreMap>);
 pub(super) struct StoreMap {
     pub(super) map: DashMap<Key, AtomicU64, RandomState>,
     pub(super) tracked: Arc<AtomicUsize>,
+    /// The instant (ns since the backend's origin) its limiter counts the stored times from:
+    /// a stored time `t` is `start + t` on the backend's clock.
+    pub(super) start: AtomicU64,
+    /// The quota's emission interval (ns) and burst, which the stored times are counted in.
+    pub(super) values: (u64, u32),
+    /// When it was made, among the backend's stores: the latest of a quota's is the one a
+    /// store for changed values inherits from.
+    pub(super) seq: u64,
+    /// The store of the quota's earlier values, whose buckets are moved here (converted as
+    /// the policy's `OnChange` says) when their keys are first seen here; dropped by the
+    /// sweep once it holds nothing.
+    pub(super) earlier: arc_swap::ArcSwapOption<Earlier<StoreMap>>,
+}
+
+/// A store of a quota's earlier values, and what its keys keep when they move.
+pub(super) struct Earlier<S> {
+    pub(super) from: Arc<S>,
+    pub(super) on_change: crate::quota::OnChange,
 }
 
 impl StoreMap {
-    /// `key`'s arrival time, 0 (full) without a bucket.
-    pub(super) fn tat(&self, key: &Key) -> u64 {
-        self.map
-            .get(key)
+    pub(super) fn new(tracked: Arc<AtomicUsize>, values: (u64, u32), seq: u64) -> Self {
+        StoreMap {
+            map: DashMap::with_hasher(RandomState::default()),
+            tracked,
+            start: AtomicU64::new(0),
+            values,
+            seq,
+            earlier: arc_swap::ArcSwapOption::empty(),
+        }
+    }
+
+    fn start(&self) -> u64 {
+        self.start.load(Ordering::Relaxed)
+    }
+
+    /// `key`'s arrival time at `now` (ns since the backend's origin), 0 (full) without a
+    /// bucket.
+    pub(super) fn tat(&self, key: &Key, now: u64) -> u64 {
+        self.get(key, now)
             .map_or(0, |tat| tat.load(Ordering::Acquire))
+    }
+
+    /// `key`'s bucket, if it has one here or had one under the quota's earlier values (moved
+    /// here at `now`).
+    pub(super) fn get(
+        &self,
+        key: &Key,
+        now: u64,
+    ) -> Option<dashmap::mapref::one::Ref<'_, Key, AtomicU64>> {
+        match self.map.get(key) {
+            Some(tat) => Some(tat),
+            None if self.earlier_holds(key) => Some(self.bucket(key, now)),
+            None => None,
+        }
+    }
+
+    /// `key`'s bucket, made on its first request: fresh, or what it held under the quota's
+    /// earlier values, converted at `now`.
+    #[inline]
+    pub(super) fn bucket(
+        &self,
+        key: &Key,
+        now: u64,
+    ) -> dashmap::mapref::one::Ref<'_, Key, AtomicU64> {
+        entry(&self.map, key, &self.tracked, || {
+            AtomicU64::new(self.inherit(key, now))
+        })
+    }
+
+    fn earlier_holds(&self, key: &Key) -> bool {
+        let earlier = self.earlier.load();
+        earlier
+            .as_ref()
+            .is_some_and(|e| e.from.map.contains_key(key) || e.from.earlier_holds(key))
+    }
+
+    /// The stored time a new bucket of `key` starts from at `now`: 0 (full), or the debt it
+    /// had under the quota's earlier values (taken from their store), converted.
+    fn inherit(&self, key: &Key, now: u64) -> u64 {
+        let earlier = self.earlier.load();
+        let Some(e) = earlier.as_ref() else {
+            return 0;
+        };
+        let tat = e.from.take(key, now);
+        if tat <= now {
+            return 0;
+        }
+        match e
+            .on_change
+            .carry_debt(tat - now, e.from.values, self.values)
+        {
+            0 => 0,
+            debt => (now + debt).saturating_sub(self.start()).max(1),
+        }
+    }
+
+    /// Removes `key`'s bucket and returns its arrival time on the backend's clock (0: none).
+    fn take(&self, key: &Key, now: u64) -> u64 {
+        let stored = match self.map.remove(key) {
+            Some((_, tat)) => {
+                track_sub(&self.tracked, 1);
+                tat.into_inner()
+            }
+            None => self.inherit(key, now),
+        };
+        if stored == 0 {
+            0
+        } else {
+            stored + self.start()
+        }
+    }
+
+    /// Drops the buckets of the earlier stores that are full again at `now`, and the stores
+    /// once they hold nothing.
+    pub(super) fn sweep_earlier(&self, now: u64) {
+        let earlier = self.earlier.load();
+        let Some(e) = earlier.as_ref() else {
+            return;
+        };
+        let from = &e.from;
+        let below = now.saturating_sub(from.start());
+        let mut removed = 0;
+        from.map.retain(|_, tat| {
+            let keep = *tat.get_mut() > below;
+            removed += usize::from(!keep);
+            keep
+        });
+        track_sub(&from.tracked, removed);
+        from.sweep_earlier(now);
+        if from.map.is_empty() && from.earlier.load().is_none() {
+            self.earlier.store(None);
+        }
     }
 
     /// Evicts about an eighth of the buckets (`needed` at least), the least used (their
@@ -103,10 +228,8 @@ impl StateStore for Store {
     where
         F: Fn(Option<Nanos>) -> Result<(T, Nanos), E>,
     {
-        measure(
-            &entry(&self.0.map, key, &self.0.tracked, || AtomicU64::new(0)),
-            f,
-        )
+        // Governor read the clock (kept by `Stamped`) just before.
+        measure(&self.0.bucket(key, LAST_NOW.get()), f)
     }
 }
 

@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 use dashmap::DashMap;
 use foldhash::quality::RandomState;
 
+use super::store::Earlier;
 use super::{entry, evict_lightest, swap};
 use crate::Key;
 use crate::backend::QuotaState;
@@ -26,6 +27,12 @@ pub(super) struct WindowStore {
     counters: Counters,
     tracked: Arc<AtomicUsize>,
     params: QuotaParams,
+    /// When it was made, among the backend's stores (see `StoreMap::seq`).
+    pub(super) seq: u64,
+    /// The store of the quota's earlier values, whose counters move here (converted as the
+    /// policy's `OnChange` says) when their keys are first seen here; dropped by the sweep
+    /// once it holds nothing. Never for a concurrent quota, whose slots are shared instead.
+    pub(super) earlier: arc_swap::ArcSwapOption<Earlier<WindowStore>>,
 }
 
 /// A fixed window's counter is one `AtomicU64` updated by compare-and-swap (as small as a GCRA
@@ -45,7 +52,7 @@ enum Counters {
     /// A concurrent quota's requests in flight per key: a count, up by one at admission and
     /// down by one at release. A count back at zero is swept like a passed window.
     InFlight {
-        map: DashMap<Key, AtomicU64, RandomState>,
+        map: Arc<DashMap<Key, AtomicU64, RandomState>>,
     },
 }
 
@@ -78,7 +85,7 @@ fn pack(state: FixedState) -> u64 {
 
 impl WindowStore {
     /// A store for a window quota (`None` unless `params.kind` is a window kind).
-    pub(super) fn new(params: QuotaParams, tracked: Arc<AtomicUsize>) -> Option<Self> {
+    pub(super) fn new(params: QuotaParams, tracked: Arc<AtomicUsize>, seq: u64) -> Option<Self> {
         let counters = match params.kind {
             QuotaKind::FixedWindow { window_us } => Counters::Fixed {
                 window_us,
@@ -90,7 +97,7 @@ impl WindowStore {
                 map: DashMap::with_hasher(RandomState::default()),
             },
             QuotaKind::Concurrent { .. } => Counters::InFlight {
-                map: DashMap::with_hasher(RandomState::default()),
+                map: Arc::new(DashMap::with_hasher(RandomState::default())),
             },
             QuotaKind::Gcra => return None,
         };
@@ -98,7 +105,139 @@ impl WindowStore {
             counters,
             tracked,
             params,
+            seq,
+            earlier: arc_swap::ArcSwapOption::empty(),
         })
+    }
+
+    /// A concurrent quota's store for changed values (`params`), holding the slots `other`
+    /// holds: requests in flight keep their slots, and give them back here or there alike.
+    pub(super) fn sharing_slots(&self, params: QuotaParams, seq: u64) -> Option<Self> {
+        let Counters::InFlight { map } = &self.counters else {
+            return None;
+        };
+        Some(WindowStore {
+            counters: Counters::InFlight { map: map.clone() },
+            tracked: self.tracked.clone(),
+            params,
+            seq,
+            earlier: arc_swap::ArcSwapOption::empty(),
+        })
+    }
+
+    /// The values this store counts under.
+    pub(super) fn params(&self) -> &QuotaParams {
+        &self.params
+    }
+
+    /// Whether a store of the quota's earlier values holds a counter of `key`.
+    fn earlier_holds(&self, key: &Key) -> bool {
+        let earlier = self.earlier.load();
+        earlier
+            .as_ref()
+            .is_some_and(|e| e.from.contains(key) || e.from.earlier_holds(key))
+    }
+
+    /// The units `key` used at `now_us` under the quota's earlier values (taken from their
+    /// store), converted to this store's limit.
+    fn inherit(&self, key: &Key, now_us: u64) -> f64 {
+        let earlier = self.earlier.load();
+        let Some(e) = earlier.as_ref() else {
+            return 0.0;
+        };
+        let used = e.from.take(key, now_us);
+        if used <= 0.0 {
+            return 0.0;
+        }
+        let (from, to) = (e.from.params.burst.get(), self.params.burst.get());
+        e.on_change.carry(used, f64::from(from), f64::from(to))
+    }
+
+    /// Removes `key`'s counter and returns the units it holds at `now_us` (a fixed window:
+    /// its count, when its window is the current one; a sliding window: its estimate).
+    fn take(&self, key: &Key, now_us: u64) -> f64 {
+        let taken = match &self.counters {
+            Counters::Fixed { window_us, map } => map.remove(key).map(|(_, c)| {
+                super::track_sub(&self.tracked, 1);
+                let now_window = now_us / window_us;
+                let state = unpack(c.into_inner(), now_window);
+                if state.window == now_window {
+                    f64::from(state.count)
+                } else {
+                    0.0
+                }
+            }),
+            Counters::Sliding { slice_us, map, .. } => map.remove(key).map(|(_, s)| {
+                super::track_sub(&self.tracked, sliding_units(&s));
+                let state = s.into_inner().unwrap_or_else(|p| p.into_inner());
+                state.used(*slice_us, now_us)
+            }),
+            Counters::InFlight { .. } => Some(0.0),
+        };
+        taken.unwrap_or_else(|| self.inherit(key, now_us))
+    }
+
+    /// A fixed window's packed counter for a key first seen here at `now_us`.
+    fn fresh_fixed(&self, key: &Key, now_us: u64, window_us: u64) -> AtomicU64 {
+        let count = self.inherit(key, now_us).ceil() as u32;
+        AtomicU64::new(if count == 0 {
+            0
+        } else {
+            pack(FixedState {
+                window: now_us / window_us,
+                count,
+            })
+        })
+    }
+
+    /// A sliding window's state for a key first seen here at `now_us`.
+    fn fresh_sliding(
+        &self,
+        key: &Key,
+        now_us: u64,
+        slice_us: u64,
+        slices: u32,
+    ) -> Mutex<SlidingState> {
+        let count = self.inherit(key, now_us).ceil() as u32;
+        Mutex::new(SlidingState::carried(slices, slice_us, now_us, count))
+    }
+
+    /// Moves `key`'s counter here from the quota's earlier values' store, when it has none
+    /// here yet and one there, so that reads see what it used.
+    fn adopt(&self, key: &Key, now_us: u64) {
+        if self.earlier.load().is_none() || self.contains(key) || !self.earlier_holds(key) {
+            return;
+        }
+        match &self.counters {
+            Counters::Fixed { window_us, map } => {
+                entry(map, key, &self.tracked, || {
+                    self.fresh_fixed(key, now_us, *window_us)
+                });
+            }
+            Counters::Sliding {
+                slice_us,
+                slices,
+                map,
+            } => {
+                entry(map, key, &self.tracked, || {
+                    self.fresh_sliding(key, now_us, *slice_us, *slices)
+                });
+            }
+            Counters::InFlight { .. } => {}
+        }
+    }
+
+    /// Drops the counters of the earlier stores that hold nothing at `now_us`, and the stores
+    /// once empty.
+    fn sweep_earlier(&self, now_us: u64) {
+        let earlier = self.earlier.load();
+        let Some(e) = earlier.as_ref() else {
+            return;
+        };
+        e.from.sweep(now_us);
+        if e.from.len() == 0 && e.from.earlier.load().is_none() {
+            self.earlier.store(None);
+        }
     }
 
     /// Decides a request of `cost` on `key` at `now_us`, counting it when it passes (a
@@ -114,7 +253,9 @@ impl WindowStore {
         let p = &self.params;
         match &self.counters {
             Counters::Fixed { window_us, map } => {
-                let counter = entry(map, key, &self.tracked, || AtomicU64::new(0));
+                let counter = entry(map, key, &self.tracked, || {
+                    self.fresh_fixed(key, now_us, *window_us)
+                });
                 let now_window = now_us / window_us;
                 swap(&counter, |packed| {
                     let mut state = unpack(packed, now_window);
@@ -128,7 +269,7 @@ impl WindowStore {
                 map,
             } => {
                 let state = entry(map, key, &self.tracked, || {
-                    Mutex::new(SlidingState::new(*slices))
+                    self.fresh_sliding(key, now_us, *slice_us, *slices)
                 });
                 let mut state = state.lock().unwrap_or_else(|p| p.into_inner());
                 let decided = state.decide(index, p, *slice_us, now_us, cost);
@@ -175,6 +316,7 @@ impl WindowStore {
         now_us: u64,
         settlement: Settlement,
     ) -> QuotaState {
+        self.adopt(key, now_us);
         let p = &self.params;
         let refund = matches!(settlement, Settlement::Refund { .. });
         match &self.counters {
@@ -231,6 +373,7 @@ impl WindowStore {
         now_us: u64,
         cost: NonZeroU32,
     ) -> QuotaState {
+        self.adopt(key, now_us);
         let p = &self.params;
         match &self.counters {
             Counters::Fixed { window_us, map } => {
@@ -265,6 +408,7 @@ impl WindowStore {
         now_us: u64,
         cost: NonZeroU32,
     ) -> QuotaState {
+        self.adopt(key, now_us);
         let p = &self.params;
         match &self.counters {
             Counters::Fixed { .. } | Counters::InFlight { .. } => {
@@ -286,6 +430,7 @@ impl WindowStore {
 
     /// `key`'s state at `now_us`, changing nothing (a fresh one when untracked).
     pub(super) fn peek(&self, index: usize, key: &Key, now_us: u64) -> QuotaState {
+        self.adopt(key, now_us);
         let p = &self.params;
         match &self.counters {
             Counters::Fixed { window_us, map } => {
@@ -312,7 +457,8 @@ impl WindowStore {
     /// Whether `key` has a counter here.
     pub(super) fn contains(&self, key: &Key) -> bool {
         match &self.counters {
-            Counters::Fixed { map, .. } | Counters::InFlight { map } => map.contains_key(key),
+            Counters::Fixed { map, .. } => map.contains_key(key),
+            Counters::InFlight { map } => map.contains_key(key),
             Counters::Sliding { map, .. } => map.contains_key(key),
         }
     }
@@ -380,7 +526,8 @@ impl WindowStore {
 
     pub(super) fn len(&self) -> usize {
         match &self.counters {
-            Counters::Fixed { map, .. } | Counters::InFlight { map } => map.len(),
+            Counters::Fixed { map, .. } => map.len(),
+            Counters::InFlight { map } => map.len(),
             Counters::Sliding { map, .. } => map.len(),
         }
     }
@@ -421,6 +568,7 @@ impl WindowStore {
             }
         }
         super::track_sub(&self.tracked, removed);
+        self.sweep_earlier(now_us);
     }
 }
 
@@ -428,6 +576,8 @@ impl Drop for WindowStore {
     fn drop(&mut self) {
         let units = match &mut self.counters {
             Counters::Sliding { map, .. } => map.iter().map(|e| sliding_units(e.value())).sum(),
+            // Slots shared with a store of the quota's other values are counted there.
+            Counters::InFlight { map } if Arc::strong_count(map) > 1 => 0,
             _ => self.len(),
         };
         super::track_sub(&self.tracked, units);

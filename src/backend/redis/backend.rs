@@ -82,7 +82,7 @@ pub struct RedisPolicy {
 /// What the script needs of a policy, formatted once.
 pub(crate) struct Prepared {
     pub(crate) key_prefix: Vec<u8>,
-    /// Per quota: `<index><algorithm><parameters>` (see `keys::quota_suffixes`).
+    /// Per quota: `2.<algorithm><quota>`, then `2.b` for blocks (see `keys::quota_keys`).
     pub(crate) key_suffixes: Vec<Box<[u8]>>,
     /// The policy's entry in the script's arguments (`script::policy_args`).
     pub(crate) args: Vec<Vec<u8>>,
@@ -181,14 +181,14 @@ impl Store for RedisStore {
 
     fn prepare(&self, policy: &Policy, params: &[QuotaParams]) -> Result<Prepared, ConfigError> {
         let block_us = (policy.block()).map(|b| u64::try_from(b.as_micros()).unwrap_or(u64::MAX));
-        let mut key_suffixes = keys::quota_suffixes(params);
-        if let Some(us) = block_us {
-            key_suffixes.push(format!("b{us}").into_bytes().into_boxed_slice());
-        }
         Ok(Prepared {
             key_prefix: keys::policy_prefix(&self.prefix, policy.name()),
-            key_suffixes,
-            args: script::policy_args(params, block_us.map(|us| (us, policy.block_mask()))),
+            key_suffixes: keys::quota_keys(policy, params),
+            args: script::policy_args(
+                params,
+                policy.change_strategy(),
+                block_us.map(|us| (us, policy.block_mask())),
+            ),
             reply_len: script::reply_len(params) + if block_us.is_some() { 2 } else { 0 },
             blocks: block_us.is_some(),
         })

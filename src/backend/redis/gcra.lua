@@ -9,7 +9,8 @@
 --                    same for the test hook (settable only through a hidden builder method)
 -- ARGV[2]            number of policies in this call, P >= 1; then per policy p, in order:
 --   n                number of quotas
---   then per quota i, four numbers "kind a b c":
+--   then per quota i, four numbers "kind a b c" (the kind plus 8 times the policy's
+--   OnChange strategy: 0 keep, 1 reset, 2 proportional, 3 additive):
 --     0 emission burst 0      GCRA: emission interval (integer ns >= 1), burst (units >= 1)
 --     1 window limit 0        fixed window: length (integer us >= 1), limit (>= 1)
 --     2 slice limit slices    sliding window of `slices` (>= 1) sub-windows of `slice` us
@@ -42,8 +43,14 @@
 -- Time is integer: nanoseconds for GCRA, microseconds since the Unix epoch for windows (exact
 -- in Lua's doubles: both stay below 2^53). No float seconds anywhere.
 --
--- Storage, one string key per quota, binary (Redis's struct library, little-endian: no number
--- is parsed or formatted as text):
+-- Storage, format 2: one string key per quota, named by the quota's identity and algorithm,
+-- not its values (`2.g0`, `2.f-hourly`), binary (Redis's struct library, little-endian: no
+-- number is parsed or formatted as text). Every rate quota's value is its state (below) then
+-- "<dI4I4B": the values it was counted under (the quota's first three numbers above: length,
+-- limit, sub-windows or 0) and the format, 2. A value counted under other values than the
+-- quota's now is converted as the strategy says (see `carry`: the units it used now, a GCRA
+-- debt as a count of emission intervals, a sliding window's estimate, moved into the current
+-- (sub-)window) before the decision. A block's value ends with the format alone.
 --   GCRA     the theoretical arrival time (TAT), struct "<I4I4": unix seconds, nanoseconds
 --            (nanoseconds since 1970 are past 2^53); arithmetic is on times relative to now,
 --            in integer ns, exact while they stay under 2^53 ns (104 days). Expires when the
@@ -52,7 +59,7 @@
 --            window's end.
 --   sliding  "<d" then slices + 1 times "I4": the newest sub-window's index, then the counts
 --            c_oldest ... c_newest; expires when every count has slid out of the window.
---   block    "<d": the Unix time (us) the block ends; expires then.
+--   block    "<dB": the Unix time (us) the block ends, the format; expires then.
 --   concurrent  a sorted set: one member per lease (its id), scored by its expiry (ms since the
 --            Unix epoch); expired leases are removed when the key is read; the key expires
 --            with its newest lease.
@@ -85,7 +92,7 @@
 
 -- Library functions in locals: global lookups cost a table access each in Redis's sandbox.
 local tonumber, type, floor, ceil, fmod, ipairs = tonumber, type, math.floor, math.ceil, math.fmod, ipairs
-local format, rep = string.format, string.rep
+local format, rep, byte = string.format, string.rep, string.byte
 local spack, sunpack, tunpack = struct.pack, struct.unpack, unpack
 local call, pcall_redis = redis.call, redis.pcall
 local KEYS, ARGV = KEYS, ARGV
@@ -208,6 +215,12 @@ end
 -- struct format of the stored value. (Sized for the usual one policy of one quota.)
 local a = 2
 local pq, at = {0, 0}, {0, 0, 0, 0, 0, 0, 0, 0}
+-- The stored format this script writes (format 1, tollgate 0.1 to 0.3, named a quota's values
+-- in its key and stored none), and per quota g, tr[g], the end of its values: its own values
+-- and the format (rate quotas), the format (blocks).
+local FORMAT = 2
+local TRAILER_BLOCK = spack('B', FORMAT)
+local tr = {}
 local ng = 0
 for p = 1, tonumber(ARGV[a], 16) do
   local n = tonumber(ARGV[a + 1], 16)
@@ -217,7 +230,18 @@ for p = 1, tonumber(ARGV[a], 16) do
     local g = 8 * ng
     local kind, len = tonumber(ARGV[j], 16), tonumber(ARGV[j + 1], 16)
     local c = tonumber(ARGV[j + 3], 16)
-    at[g - 7], at[g - 6], at[g - 5], at[g - 4] = kind, len, tonumber(ARGV[j + 2], 16), c
+    local limit = tonumber(ARGV[j + 2], 16)
+    -- The kind's number carries the policy's OnChange strategy times 8.
+    local strategy = floor(kind / 8)
+    kind = kind - 8 * strategy
+    at[g - 7], at[g - 6], at[g - 5], at[g - 4], at[g] = kind, len, limit, c, strategy
+    if kind == 4 then
+      tr[ng] = TRAILER_BLOCK
+    elseif kind ~= 3 then
+      -- The values a rate quota's state is counted under, and the format: each stored value
+      -- ends with them, so that a quota whose values changed converts its state.
+      tr[ng] = spack('<dI4I4B', len, limit, c, FORMAT)
+    end
     if kind == 1 or kind == 2 then
       local r = fmod(now_us, len)
       at[g - 3], at[g - 2] = r, (now_us - r) / len
@@ -227,6 +251,73 @@ for p = 1, tonumber(ARGV[a], 16) do
     end
   end
   a = a + 1 + 4 * n
+end
+
+-- The units used under a changed limit `nl`, from `used` under `ol`, by strategy (0 keep,
+-- 1 reset, 2 proportional, 3 additive): OnChange::carry in src/quota/change.rs, in the same
+-- floating-point operations.
+local function carry(strategy, used, ol, nl)
+  if not (used > 0) then
+    used = 0
+  end
+  local c = used
+  if strategy == 1 then
+    c = 0
+  elseif strategy == 2 then
+    c = used * nl / ol
+  elseif strategy == 3 and nl < ol then
+    c = used - (ol - nl)
+  end
+  if c < 0 then
+    c = 0
+  elseif c > nl then
+    c = nl
+  end
+  return c
+end
+
+-- The units a stored value of quota g's kind holds now, under the values it was counted
+-- under (`olen`, `olim`, `osl`: length, limit, sub-windows), converted to quota g's limit as
+-- its strategy says.
+local function carried(g, stored, olen, olim, osl)
+  local kind = at[8 * g - 7]
+  local used = 0
+  if kind == 0 then
+    local sec, ns = sunpack('<I4I4', stored)
+    local rel = (sec - now_s) * 1000000000 + (ns - now_ns)
+    if rel > 0 then
+      used = rel / olen
+    end
+  elseif kind == 1 then
+    local w, n = sunpack('<dI4', stored)
+    local r = fmod(now_us, olen)
+    if w == (now_us - r) / olen then
+      used = n
+    end
+  else
+    local om = osl + 1
+    if #stored ~= 8 + 4 * om + 17 then
+      return 0
+    end
+    local v = {sunpack('<d' .. rep('I4', om), stored)}
+    local r = fmod(now_us, olen)
+    local by = (now_us - r) / olen - v[1]
+    if by < 0 then
+      by = 0
+    end
+    -- The counts moved on to the sub-window of now, as `load` does: c_oldest's weight, then
+    -- the rest.
+    local oldest, rest = 0, 0
+    for y = 1, om - by do
+      if y == 1 then
+        oldest = v[y + 1 + by]
+      else
+        rest = rest + v[y + 1 + by]
+      end
+    end
+    used = oldest * (olen - r) / olen + rest
+  end
+  return carry(at[8 * g], used, olim, at[8 * g - 5])
 end
 
 -- Reads a quota's key (once per call): GCRA, the TAT relative to now (ns, 0 when full);
@@ -250,15 +341,39 @@ local function load(key, g)
     return false
   end
   if kind == 4 then
-    if stored and #stored == 8 then
+    if stored and #stored == 9 then
       local left = sunpack('<d', stored) - now_us
       if left > 0 then
         return left
       end
     end
     return 0
-  elseif kind == 0 then
-    if stored and #stored == 8 then
+  end
+  -- A rate quota's value: its state, then the values it was counted under and the format.
+  if stored and #stored > 17 and byte(stored, #stored) == FORMAT then
+    local olen, olim, osl = sunpack('<dI4I4', stored, #stored - 16)
+    if olen ~= at[8 * g - 6] or olim ~= at[8 * g - 5] or osl ~= at[8 * g - 4] then
+      -- Counted under other values: what it used, converted, counts now.
+      local units = carried(g, stored, olen, olim, osl)
+      if kind == 0 then
+        return floor(units * at[8 * g - 6])
+      elseif kind == 1 then
+        return ceil(units)
+      end
+      local m = at[8 * g - 4] + 1
+      local c = {}
+      for y = 1, m do
+        c[y] = 0
+      end
+      c[m] = ceil(units)
+      c[m + 1], c[m + 2] = c[m], at[8 * g - 2]
+      return c
+    end
+  else
+    stored = false
+  end
+  if kind == 0 then
+    if stored and #stored == 25 then
       local sec, ns = sunpack('<I4I4', stored)
       local rel = (sec - now_s) * 1000000000 + (ns - now_ns)
       if rel > 0 then
@@ -267,7 +382,7 @@ local function load(key, g)
     end
     return 0
   elseif kind == 1 then
-    if stored and #stored == 12 then
+    if stored and #stored == 29 then
       local w, n = sunpack('<dI4', stored)
       -- Another window's count (a past one, or a future one after a clock step back, as
       -- window.rs) is not this window's.
@@ -281,7 +396,7 @@ local function load(key, g)
   local now_i = at[8 * g - 2]
   local c = {}
   local newest = now_i
-  if stored and #stored == 8 + 4 * m then
+  if stored and #stored == 8 + 4 * m + 17 then
     -- v[1] the newest sub-window's index, v[2 .. m + 1] the counts (then struct's position).
     local v = {sunpack(at[8 * g - 1], stored)}
     -- Move the counts on to the current sub-window, as window.rs: the sub-windows that left
@@ -708,7 +823,7 @@ for key, g in pairs(dq) do
   local value, ms
   if kind == 4 then
     -- The block's end; the key expires then.
-    value = spack('<d', now_us + st)
+    value = spack('<d', now_us + st) .. tr[g]
     ms = base_ms + ceil((base_us + st) / 1000)
   elseif kind == 3 then
     -- The leases taken, each expiring `len` ms from now; the key with the newest.
@@ -729,15 +844,15 @@ for key, g in pairs(dq) do
     if r < 0 then
       r = r + 1000000000
     end
-    value = spack('<I4I4', now_s + (total - r) / 1000000000, r)
+    value = spack('<I4I4', now_s + (total - r) / 1000000000, r) .. tr[g]
     ms = base_ms + ceil((base_us * 1000 + st) / 1000000)
   elseif kind == 1 then
-    value = spack('<dI4', at[8 * g - 2], st)
+    value = spack('<dI4', at[8 * g - 2], st) .. tr[g]
     ms = base_ms + ceil((base_us + len - at[8 * g - 3]) / 1000)
   else
     local m = at[8 * g - 4] + 1
     local newest = st[m + 2]
-    value = spack(at[8 * g - 1], newest, tunpack(st, 1, m))
+    value = spack(at[8 * g - 1], newest, tunpack(st, 1, m)) .. tr[g]
     ms = base_ms + ceil((base_us + (newest + m) * len - now_us) / 1000)
   end
   if ms < 1 then

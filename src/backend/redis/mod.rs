@@ -66,8 +66,9 @@
 //!   suite (the redis-cell `CL.THROTTLE` vectors, window boundaries, sliding windows of one and
 //!   of twelve sub-windows, among others) runs against both.
 //!   Multi-quota policies are all-or-nothing on both (here in one atomic step; there by giving
-//!   back what earlier quotas took when a later one refuses). A changed quota starts from a fresh bucket on both (the quota's
-//!   parameters are part of its Redis key).
+//!   back what earlier quotas took when a later one refuses). A quota whose values change keeps what its keys used on both, as
+//!   the policy's [`OnChange`](crate::quota::OnChange) says (the values are not part of its
+//!   Redis key; each value says what it was counted under).
 //! - **Exact integer time.** Time comes from Redis `TIME` (never the instances' clocks, which
 //!   may disagree) and is kept in integer nanoseconds for GCRA, integer microseconds since the
 //!   Unix epoch for windows (so windows start at the same instants as on the local backend):
@@ -80,23 +81,26 @@
 //! - **Cost larger than the burst** (or a window's limit) is answered
 //!   [`NeverFits`](crate::backend::Outcome::NeverFits), with the quota's real state from Redis
 //!   (nothing taken), or as an untouched quota when Redis cannot be asked.
-//! - **Keys** are `<prefix>:{<policy>:<client key>}:<quota index><parameters>`, one string
-//!   per quota, the parameters naming the algorithm so that a changed quota gets a fresh key;
+//! - **Keys** are `<prefix>:{<policy>:<client key>}:2.<algorithm><quota>`, one string per
+//!   quota (stored format 2): the algorithm a letter, the quota its place in the policy or
+//!   `-<name>`, so that a changed quota keeps its key and a changed algorithm gets another;
 //!   values are binary (Redis's `struct` library, little-endian), so that the script parses
-//!   and formats no number as text:
+//!   and formats no number as text, and each ends with the values it was counted under and
+//!   the format (`<dI4I4B`):
 //!
 //!   | algorithm | suffix | value |
 //!   |---|---|---|
-//!   | GCRA | `g<emission ns>x<burst>` | the theoretical arrival time: unix seconds, nanoseconds (`<I4I4`) |
-//!   | fixed window | `f<window µs>x<limit>` | window index, count (`<dI4`) |
-//!   | sliding window | `s<sub-window µs>x<sub-windows>x<limit>` | newest sub-window index, then the counts, oldest first (`<d`, sub-windows + 1 × `I4`) |
+//!   | GCRA | `2.g<quota>` | the theoretical arrival time: unix seconds, nanoseconds (`<I4I4`) |
+//!   | fixed window | `2.f<quota>` | window index, count (`<dI4`) |
+//!   | sliding window | `2.s<quota>` | newest sub-window index, then the counts, oldest first (`<d`, sub-windows + 1 × `I4`) |
 //!
 //!   Client keys are escaped so that none can reach another's key, keys are of bounded length,
 //!   and all quotas of one decision share one Redis Cluster hash slot (the suffix is outside
-//!   the hash tag). For example `tollgate:{api:balice}:0g200000000x10` for the key `alice`
-//!   under a 5 per second, burst 10 quota, and `tollgate:{api:balice}:1s5000000x12x100` for
-//!   100 per minute kept as twelve 5-second sub-windows. Keys written by tollgate 0.1 (text
-//!   values, `<quota index>:<parameters>`) are never read and expire by themselves.
+//!   the hash tag). For example `tollgate:{api:balice}:2.g0` for the key `alice` under the
+//!   policy's first quota, and `tollgate:{api:balice}:2.s-minute` for a sliding-window quota
+//!   named `minute`. Keys written by earlier formats (tollgate 0.1's text values, format 1's
+//!   values in the key's name) are never read and expire by themselves: see
+//!   `docs/redis.md`, "Upgrading".
 //!
 //! # When Redis fails
 //!

@@ -57,10 +57,20 @@ fn quota_args(p: &QuotaParams) -> [u64; PER_QUOTA] {
 /// quotas, then four numbers per quota; a policy that blocks keys once refused has one more,
 /// `4 block 1 mask` (the block's length in µs, and the quotas whose refusal starts it: a bit
 /// each, 0 for all), last.
-pub(crate) fn policy_args(params: &[QuotaParams], block: Option<(u64, u64)>) -> Vec<Vec<u8>> {
+pub(crate) fn policy_args(
+    params: &[QuotaParams],
+    on_change: crate::quota::OnChange,
+    block: Option<(u64, u64)>,
+) -> Vec<Vec<u8>> {
     let block = block.map(|(us, mask)| [4, us, 1, mask]);
+    // The kind carries the strategy times 8.
+    let strategy = 8 * u64::from(on_change.code());
     std::iter::once((params.len() + usize::from(block.is_some())) as u64)
-        .chain(params.iter().flat_map(quota_args))
+        .chain(params.iter().flat_map(|p| {
+            let mut args = quota_args(p);
+            args[0] += strategy;
+            args
+        }))
         .chain(block.into_iter().flatten())
         .map(|n| hex(n).as_bytes().to_vec())
         .collect()
@@ -258,10 +268,11 @@ mod tests {
                 .resolution(Duration::from_secs(5)),
         );
         let gcra = params(5, 10);
-        let args: Vec<String> = policy_args(&[gcra, fixed, sliding], None)
-            .into_iter()
-            .map(|a| String::from_utf8(a).unwrap())
-            .collect();
+        let args: Vec<String> =
+            policy_args(&[gcra, fixed, sliding], crate::quota::OnChange::Keep, None)
+                .into_iter()
+                .map(|a| String::from_utf8(a).unwrap())
+                .collect();
         // Hexadecimal: 200 000 000 ns, 60 000 000 us, 5 000 000 us.
         let expected = "3 0 bebc200 a 0 1 3938700 a 0 2 4c4b40 64 c";
         assert_eq!(args.join(" "), expected);

@@ -11,8 +11,10 @@
 //!   close the hash tag, inject a separator, or spell another tenant's key; `<key>` is
 //!   [`Key::encode`], which is itself unambiguous and bounded (at most 1 047 bytes, so at most
 //!   3 141 characters escaped);
-//! - the suffix after the hash tag names the quota by its place in the policy, its algorithm
-//!   and its parameters (see [`quota_suffixes`]).
+//! - the suffix after the hash tag names the quota: on Redis (stored format 2) by the format,
+//!   its algorithm and its identity in the policy (see [`quota_keys`]); on the SQL stores
+//!   (format 1) by its place in the policy, its algorithm and its parameters (see
+//!   [`quota_suffixes`]).
 
 use crate::quota::{QuotaKind, QuotaParams};
 use crate::{ConfigError, Key};
@@ -78,14 +80,16 @@ pub(crate) fn key_base(policy_prefix: &[u8], key: &Key, out: &mut Vec<u8>) {
 
 /// The per-quota key suffixes, by algorithm: `<index>g<emission ns>x<burst>` (GCRA),
 /// `<index>f<window µs>x<limit>` (fixed window), `<index>s<sub-window µs>x<sub-windows>x<limit>`
-/// (sliding window). The parameters are part of the key so that a changed quota (a raised
-/// limit, another algorithm, a reordered policy) starts from a fresh bucket, as on the local
-/// backend, instead of reading a state computed under other parameters; the old key expires by
-/// itself. Outside the hash tag: they do not move the slot.
+/// (sliding window): the SQL stores' keys (their rows do not say what values they were counted
+/// under). The parameters are part of the key so that a changed quota (a raised limit, another
+/// algorithm, a reordered policy) starts from a fresh bucket instead of reading a state computed
+/// under other parameters; the old key expires by itself. Outside the hash tag: they do not
+/// move the slot.
 ///
 /// Versions before the binary values (tollgate 0.1) wrote `<index>:<parameters>` with text
 /// values: those keys are never read (no value of one format is taken for the other) and
 /// expire by themselves.
+#[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
 pub(crate) fn quota_suffixes(params: &[QuotaParams]) -> Vec<Box<[u8]>> {
     params
         .iter()
@@ -106,10 +110,47 @@ pub(crate) fn quota_suffixes(params: &[QuotaParams]) -> Vec<Box<[u8]>> {
         .collect()
 }
 
-/// Whether a key suffix of [`quota_suffixes`] is a concurrent quota's (its slots in flight):
+/// The stored format the Redis store writes: its keys' suffixes start with `2.`, and every
+/// value ends with the format's number (see `gcra.lua`).
+pub(crate) const FORMAT: u8 = 2;
+
+/// The per-quota key suffixes of the Redis store's format 2: `2.<algorithm><quota>`, the
+/// algorithm a letter (`g` GCRA, `f` fixed window, `s` sliding window, `c` requests in
+/// flight) and the quota its identity in the policy (`Policy::quota_id`: its place, or `-`
+/// and its escaped name), then `2.b` for the policy's blocks when it has them. A quota's
+/// values are not in its key: a changed quota keeps its buckets, whose values say what they
+/// were counted under (see [`OnChange`](crate::quota::OnChange)); a changed algorithm is
+/// another key, and starts afresh.
+#[cfg_attr(not(feature = "redis"), allow(dead_code))]
+pub(crate) fn quota_keys(policy: &crate::Policy, params: &[QuotaParams]) -> Vec<Box<[u8]>> {
+    let mut out: Vec<Box<[u8]>> = params
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let letter = match p.kind {
+                QuotaKind::Gcra => b'g',
+                QuotaKind::FixedWindow { .. } => b'f',
+                QuotaKind::SlidingWindow { .. } => b's',
+                QuotaKind::Concurrent { .. } => b'c',
+            };
+            let mut k = vec![b'0' + FORMAT, b'.', letter];
+            escape(policy.quota_id(i).as_bytes(), &mut k);
+            k.into_boxed_slice()
+        })
+        .collect();
+    if policy.block().is_some() {
+        out.push(vec![b'0' + FORMAT, b'.', b'b'].into_boxed_slice());
+    }
+    out
+}
+
+/// Whether a key suffix of [`quota_suffixes`] or [`quota_keys`] is a concurrent quota's (its slots in flight):
 /// `reset` leaves those, whose requests still run and give their slots back when they end.
 pub(crate) fn holds_slots(suffix: &[u8]) -> bool {
-    suffix.iter().find(|b| !b.is_ascii_digit()) == Some(&b'c')
+    match suffix {
+        [v, b'.', letter, ..] if *v == b'0' + FORMAT => *letter == b'c',
+        _ => suffix.iter().find(|b| !b.is_ascii_digit()) == Some(&b'c'),
+    }
 }
 
 fn escape(bytes: &[u8], out: &mut Vec<u8>) {
@@ -140,6 +181,31 @@ mod tests {
         .into_iter()
         .map(|k| String::from_utf8(k).unwrap())
         .collect()
+    }
+
+    #[test]
+    fn format_2_names_quotas_by_identity_not_values() {
+        let suffixes = |p: &crate::Policy| -> Vec<String> {
+            let params = p.validate().unwrap();
+            (quota_keys(p, &params).into_iter())
+                .map(|k| String::from_utf8(k.into_vec()).unwrap())
+                .collect()
+        };
+        let p = crate::Policy::new("p", crate::Quota::per_second(5).burst(10))
+            .and(
+                crate::Quota::per_hour(100)
+                    .fixed_window()
+                    .named("by:the/hour"),
+            )
+            .and(crate::Quota::concurrent(2))
+            .block_for(std::time::Duration::from_secs(60));
+        assert_eq!(suffixes(&p), ["2.g0", "2.f-by%3Athe%2Fhour", "2.c2", "2.b"]);
+        // Other values, the same keys.
+        let q = crate::Policy::new("p", crate::Quota::per_minute(7))
+            .and(crate::Quota::per_day(9).fixed_window().named("by:the/hour"));
+        assert_eq!(suffixes(&q)[..2], suffixes(&p)[..2]);
+        assert!(holds_slots(b"2.c2") && !holds_slots(b"2.g0") && !holds_slots(b"2.b"));
+        assert!(holds_slots(b"0c1000x2") && !holds_slots(b"0g5x1"));
     }
 
     #[test]
