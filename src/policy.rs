@@ -451,7 +451,7 @@ impl Policy {
         allow(dead_code)
     )]
     pub(crate) fn quota_id(&self, index: usize) -> String {
-        match self.quotas[index].name() {
+        match self.quotas.get(index).and_then(|q| q.name()) {
             Some(n) => format!("-{n}"),
             None => index.to_string(),
         }

@@ -1,7 +1,7 @@
-//! Stored state survives upgrades: state in each stored format (Redis format 2, whose keys
-//! name a quota by its identity and whose values carry the values they were counted under and
-//! the format; Redis format 1, whose keys named the quota's values; PostgreSQL and MySQL rows,
-//! format 1) is checked in under `tests/fixtures/`, and each test loads it into a fresh server and checks that the current code decides on it as documented: a key that had
+//! Stored state survives upgrades: state in each stored format (format 2, whose Redis keys and
+//! SQL rows name a quota by its identity and whose values carry the values they were counted
+//! under and the format; format 1, whose keys named the quota's values and which this release
+//! does not read, its documented migration) is checked in under `tests/fixtures/`, and each test loads it into a fresh server and checks that the current code decides on it as documented: a key that had
 //! spent 7 of 10 still has 3, for every algorithm and a running block. A change of a stored
 //! format must keep reading these, or ship a documented migration (and new fixtures beside the
 //! old ones).
@@ -180,12 +180,7 @@ async fn redis_state_of_format_1_starts_afresh() {
     assert_eq!(load_redis_fixture(&server, "redis-format-1.txt").await, 6);
     let clock = TestClock::new();
     clock.advance(Duration::from_secs(1));
-    let b = redis(&server, &clock);
-    for policy in policies().iter().filter(|p| p.block().is_none()) {
-        let p = prepare(&b, policy);
-        let d = b.decide(&p, &key("alice"), cost(1)).await.unwrap();
-        assert_eq!(d.quotas()[0].remaining, 9, "{}: {d:?}", policy.name());
-    }
+    afresh(&redis(&server, &clock), "redis").await;
     let mut conn = redis_connection(&server).await;
     let old: Vec<String> = redis::cmd("KEYS")
         .arg("tollgate:*}:0*")
@@ -195,38 +190,68 @@ async fn redis_state_of_format_1_starts_afresh() {
     assert_eq!(old.len(), 5, "format 1's keys are left to expire: {old:?}");
 }
 
-/// PostgreSQL: the rows as `INSERT` statements.
+/// PostgreSQL: the rows as `INSERT` statements, of format 2 (read) and of format 1 (not read:
+/// every key starts afresh once, as on Redis; docs/sql.md, "Upgrading").
 #[tokio::test]
-async fn postgres_state_of_format_1_is_read() {
-    let server = PgServer::start();
-    let clock = TestClock::new();
-    clock.advance(Duration::from_secs(1));
-    let b = postgres(&server, &clock).await;
-    let rows = std::fs::read_to_string(format!("{FIXTURES}/postgres-format-1.sql")).unwrap();
-    server.psql(&rows);
-    assert_eq!(
-        server.psql("SELECT count(*) FROM tollgate_buckets").trim(),
-        "6"
-    );
-    check_state(&b, "postgres").await;
+async fn postgres_state_of_format_2_is_read_and_of_format_1_starts_afresh() {
+    for (file, read) in [
+        ("postgres-format-2.sql", true),
+        ("postgres-format-1.sql", false),
+    ] {
+        let server = PgServer::start();
+        let clock = TestClock::new();
+        clock.advance(Duration::from_secs(1));
+        let b = postgres(&server, &clock).await;
+        let rows = std::fs::read_to_string(format!("{FIXTURES}/{file}")).unwrap();
+        server.psql(&rows);
+        assert_eq!(
+            server.psql("SELECT count(*) FROM tollgate_buckets").trim(),
+            "6"
+        );
+        if read {
+            check_state(&b, "postgres").await;
+        } else {
+            afresh(&b, "postgres").await;
+        }
+    }
 }
 
-/// MySQL: the rows as `INSERT` statements.
+/// MySQL: the rows as `INSERT` statements, as for PostgreSQL.
 #[tokio::test]
-async fn mysql_state_of_format_1_is_read() {
-    let server = MariaDbServer::start();
-    let clock = TestClock::new();
-    clock.advance(Duration::from_secs(1));
-    let b = mysql(&server, &clock).await;
-    let rows = std::fs::read_to_string(format!("{FIXTURES}/mysql-format-1.sql")).unwrap();
-    server.sql(&format!("USE test; {rows}"));
-    assert_eq!(
-        server
-            .sql("SELECT count(*) FROM test.tollgate_buckets")
-            .trim(),
-        "6"
-    );
-    check_state(&b, "mysql").await;
+async fn mysql_state_of_format_2_is_read_and_of_format_1_starts_afresh() {
+    for (file, read) in [("mysql-format-2.sql", true), ("mysql-format-1.sql", false)] {
+        let server = MariaDbServer::start();
+        let clock = TestClock::new();
+        clock.advance(Duration::from_secs(1));
+        let b = mysql(&server, &clock).await;
+        let rows = std::fs::read_to_string(format!("{FIXTURES}/{file}")).unwrap();
+        server.sql(&format!("USE test; {rows}"));
+        assert_eq!(
+            server
+                .sql("SELECT count(*) FROM test.tollgate_buckets")
+                .trim(),
+            "6"
+        );
+        if read {
+            check_state(&b, "mysql").await;
+        } else {
+            afresh(&b, "mysql").await;
+        }
+    }
+}
+
+/// Every rate policy of the fixtures starts afresh: 9 left after one request.
+async fn afresh<B: Backend>(b: &B, store: &str) {
+    for policy in policies().iter().filter(|p| p.block().is_none()) {
+        let p = prepare(b, policy);
+        let d = b.decide(&p, &key("alice"), cost(1)).await.unwrap();
+        assert_eq!(
+            d.quotas()[0].remaining,
+            9,
+            "{store} {}: {d:?}",
+            policy.name()
+        );
+    }
 }
 
 /// A rolling upgrade on Redis: an instance still running format 2's script (kept in
@@ -334,9 +359,9 @@ async fn write_golden_fixtures() {
          FROM tollgate_buckets ORDER BY k",
     );
     std::fs::write(
-        format!("{FIXTURES}/postgres-format-1.sql"),
+        format!("{FIXTURES}/postgres-format-2.sql"),
         format!(
-            "-- Stored format 1: PostgreSQL rows (tests/golden.rs)\n{}\n",
+            "-- Stored format 2: PostgreSQL rows (tests/golden.rs)\n{}\n",
             rows.trim_end()
         ),
     )
@@ -350,9 +375,9 @@ async fn write_golden_fixtures() {
          FROM test.tollgate_buckets ORDER BY k",
     );
     std::fs::write(
-        format!("{FIXTURES}/mysql-format-1.sql"),
+        format!("{FIXTURES}/mysql-format-2.sql"),
         format!(
-            "-- Stored format 1: MySQL rows (tests/golden.rs)\n{}\n",
+            "-- Stored format 2: MySQL rows (tests/golden.rs)\n{}\n",
             rows.trim_end()
         ),
     )

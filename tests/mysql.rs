@@ -247,7 +247,7 @@ async fn migration_is_idempotent_and_names_are_configurable() {
         server.sql("SELECT COUNT(*) FROM information_schema.TABLES WHERE TABLE_SCHEMA = 'test'"),
         "0"
     );
-    assert!(b.migration_sql().contains("`limits`.`buckets_decide`"));
+    assert!(b.migration_sql().contains("`limits`.`buckets_decide_2`"));
     // Instances starting together migrate one after another.
     let others: Vec<MysqlBackend> = (0..3)
         .map(|_| {
@@ -298,7 +298,7 @@ async fn migrating_again_while_deciding_fails_nothing() {
     deciding.await.unwrap();
     assert_eq!(b.stats().errors, 0, "{:?}", b.stats());
 
-    server.sql("DROP PROCEDURE tollgate_buckets_decide");
+    server.sql("DROP PROCEDURE tollgate_buckets_decide_2");
     assert!(b.decide(&p, &key("k"), cost(1)).await.is_err());
     b.migrate().await.unwrap();
     let d = b.decide(&p, &key("k"), cost(1)).await.unwrap();
@@ -573,4 +573,14 @@ async fn a_flood_of_fresh_keys_limits_every_key() {
         ));
         eprintln!("mysql, \"{quota}\": {row} bytes of data per row");
     }
+}
+
+/// Live quota changes: the conformance suite's cases.
+#[tokio::test]
+async fn quota_changes_mysql() {
+    let server = MariaDbServer::start();
+    migrated(builder(&server)).await;
+    let clock = support::conformance::aligned_test_clock();
+    let b = builder(&server).test_clock(clock.clone()).build().unwrap();
+    support::conformance::changes(&b, |by| clock.advance(by), "mysql").await;
 }

@@ -260,7 +260,10 @@ async fn migration_is_idempotent_and_names_are_configurable() {
         server.psql("SELECT relpersistence FROM pg_class WHERE relname = 'buckets'"),
         "u"
     );
-    assert!(b.migration_sql().contains("\"limits\".\"buckets_decide\""));
+    assert!(
+        b.migration_sql()
+            .contains("\"limits\".\"buckets_decide_2\"")
+    );
     // Instances starting together migrate one after another.
     let (x, y) = (b.clone(), b.clone());
     let (rx, ry) = tokio::join!(x.migrate(), y.migrate());
@@ -535,4 +538,14 @@ async fn a_flood_of_fresh_keys_limits_every_key() {
             (after - before) / n as i64
         );
     }
+}
+
+/// Live quota changes: the conformance suite's cases.
+#[tokio::test]
+async fn quota_changes_postgres() {
+    let server = PgServer::start();
+    migrated(builder(&server)).await;
+    let clock = support::conformance::aligned_test_clock();
+    let b = builder(&server).test_clock(clock.clone()).build().unwrap();
+    support::conformance::changes(&b, |by| clock.advance(by), "postgres").await;
 }

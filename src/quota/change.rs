@@ -55,7 +55,10 @@ impl OnChange {
     }
 
     /// The strategy's number in the stores' arguments (the Redis script, the SQL procedures).
-    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    #[cfg_attr(
+        not(any(feature = "redis", feature = "postgres", feature = "mysql")),
+        allow(dead_code)
+    )]
     pub(crate) const fn code(self) -> u8 {
         match self {
             OnChange::Keep => 0,

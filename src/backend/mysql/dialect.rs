@@ -52,7 +52,7 @@ impl Names {
             table: t,
             procedure: p,
             schema: schema.map(str::to_owned),
-            procedure_name: format!("{table}_decide"),
+            procedure_name: format!("{table}_decide_2"),
         }
     }
 
@@ -400,8 +400,8 @@ mod tests {
         let statements = names.statements();
         assert_eq!(statements.len(), 3, "{statements:#?}");
         assert!(statements[0].contains("CREATE TABLE IF NOT EXISTS `db`.`buckets`"));
-        assert!(statements[1].contains("DROP PROCEDURE IF EXISTS `db`.`buckets_decide`"));
-        assert!(statements[2].contains("CREATE PROCEDURE `db`.`buckets_decide`"));
+        assert!(statements[1].contains("DROP PROCEDURE IF EXISTS `db`.`buckets_decide_2`"));
+        assert!(statements[2].contains("CREATE PROCEDURE `db`.`buckets_decide_2`"));
         assert!(!names.migration().contains('{'));
         let procedure: Vec<bool> = statements.iter().map(|s| is_procedure(s)).collect();
         assert_eq!(procedure, [false, true, true]);

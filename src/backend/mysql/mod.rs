@@ -42,7 +42,7 @@
 //! # Guarantees
 //!
 //! - **One round trip, atomic.** A decision (or a batch of concurrent ones) is one call of the
-//!   stored procedure `<table>_decide`, which runs one transaction of its own: every quota of
+//!   stored procedure `<table>_decide_2`, which runs one transaction of its own: every quota of
 //!   the policy, all-or-nothing, whatever its [algorithm](crate::quota::Algorithm), with the
 //!   same arithmetic as the local and Redis backends (one conformance suite runs against all
 //!   of them).
@@ -80,7 +80,7 @@
 //! ) ENGINE = InnoDB;
 //! ```
 //!
-//! and the procedure `tollgate_buckets_decide(IN spec LONGTEXT, IN now_ns BIGINT)`, which
+//! and the procedure `tollgate_buckets_decide_2(IN spec LONGTEXT, IN now_ns BIGINT)`, which
 //! answers one row of one column, the decisions' integers. Keys are the Redis backend's
 //! (`<prefix>:{<policy>:<client key>}:<quota>`), or `<prefix>:#` and their SHA-256 when longer
 //! than 512 bytes. Instances migrating together take turns on the named lock

@@ -42,7 +42,7 @@
 //! # Guarantees
 //!
 //! - **One round trip, atomic.** A decision (or a batch of concurrent ones) is one call of the
-//!   function `<table>_decide`, one statement and so one transaction: every quota of the
+//!   function `<table>_decide_2`, one statement and so one transaction: every quota of the
 //!   policy, all-or-nothing, whatever its [algorithm](crate::quota::Algorithm), with the same
 //!   arithmetic as the local and Redis backends (one conformance suite runs against all three).
 //! - **Exact under concurrency,** without `SERIALIZABLE`. The function first locks every row
@@ -79,7 +79,7 @@
 //! );
 //! ```
 //!
-//! and the PL/pgSQL function `tollgate_buckets_decide(keys bytea[], quotas bigint[], decisions
+//! and the PL/pgSQL function `tollgate_buckets_decide_2(keys bytea[], quotas bigint[], decisions
 //! bigint[], now_ns bigint) RETURNS bigint[]`. Keys are the Redis backend's
 //! (`<prefix>:{<policy>:<client key>}:<quota>`), or `<prefix>:#` and their SHA-256 when longer
 //! than 512 bytes. The sweep is

@@ -11,10 +11,8 @@
 //!   close the hash tag, inject a separator, or spell another tenant's key; `<key>` is
 //!   [`Key::encode`], which is itself unambiguous and bounded (at most 1 047 bytes, so at most
 //!   3 141 characters escaped);
-//! - the suffix after the hash tag names the quota: on Redis (stored format 2) by the format,
-//!   its algorithm and its identity in the policy (see [`quota_keys`]); on the SQL stores
-//!   (format 1) by its place in the policy, its algorithm and its parameters (see
-//!   [`quota_suffixes`]).
+//! - the suffix after the hash tag names the quota by the stored format, its algorithm and its
+//!   identity in the policy, not its values (see [`quota_keys`]).
 
 use crate::quota::{QuotaKind, QuotaParams};
 use crate::{ConfigError, Key};
@@ -78,50 +76,19 @@ pub(crate) fn key_base(policy_prefix: &[u8], key: &Key, out: &mut Vec<u8>) {
     out.extend_from_slice(b"}:");
 }
 
-/// The per-quota key suffixes, by algorithm: `<index>g<emission ns>x<burst>` (GCRA),
-/// `<index>f<window µs>x<limit>` (fixed window), `<index>s<sub-window µs>x<sub-windows>x<limit>`
-/// (sliding window): the SQL stores' keys (their rows do not say what values they were counted
-/// under). The parameters are part of the key so that a changed quota (a raised limit, another
-/// algorithm, a reordered policy) starts from a fresh bucket instead of reading a state computed
-/// under other parameters; the old key expires by itself. Outside the hash tag: they do not
-/// move the slot.
-///
-/// Versions before the binary values (tollgate 0.1) wrote `<index>:<parameters>` with text
-/// values: those keys are never read (no value of one format is taken for the other) and
-/// expire by themselves.
-#[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
-pub(crate) fn quota_suffixes(params: &[QuotaParams]) -> Vec<Box<[u8]>> {
-    params
-        .iter()
-        .enumerate()
-        .map(|(i, p)| {
-            let limit = p.burst;
-            match p.kind {
-                QuotaKind::Gcra => format!("{i}g{}x{limit}", p.emission_ns),
-                QuotaKind::FixedWindow { window_us } => format!("{i}f{window_us}x{limit}"),
-                QuotaKind::SlidingWindow { slice_us, slices } => {
-                    format!("{i}s{slice_us}x{slices}x{limit}")
-                }
-                QuotaKind::Concurrent { lease_ms } => format!("{i}c{lease_ms}x{limit}"),
-            }
-            .into_bytes()
-            .into_boxed_slice()
-        })
-        .collect()
-}
-
-/// The stored format the Redis store writes: its keys' suffixes start with `2.`, and every
-/// value ends with the format's number (see `gcra.lua`).
+/// The stored format the Redis and SQL stores write: their keys' suffixes start with `2.`, and
+/// every value (Redis) or rate quota's row (SQL) ends with the format's number (see
+/// `gcra.lua`, `postgres.sql`, `mysql.sql`). Format 1 (the release before) named a quota's
+/// values in its keys, `<index><algorithm><parameters>`; those keys are never read.
 pub(crate) const FORMAT: u8 = 2;
 
-/// The per-quota key suffixes of the Redis store's format 2: `2.<algorithm><quota>`, the
+/// The per-quota key suffixes of stored format 2 (Redis keys, SQL rows): `2.<algorithm><quota>`, the
 /// algorithm a letter (`g` GCRA, `f` fixed window, `s` sliding window, `c` requests in
 /// flight) and the quota its identity in the policy (`Policy::quota_id`: its place, or `-`
 /// and its escaped name), then `2.b` for the policy's blocks when it has them. A quota's
 /// values are not in its key: a changed quota keeps its buckets, whose values say what they
 /// were counted under (see [`OnChange`](crate::quota::OnChange)); a changed algorithm is
 /// another key, and starts afresh.
-#[cfg_attr(not(feature = "redis"), allow(dead_code))]
 pub(crate) fn quota_keys(policy: &crate::Policy, params: &[QuotaParams]) -> Vec<Box<[u8]>> {
     let mut out: Vec<Box<[u8]>> = params
         .iter()
@@ -144,13 +111,10 @@ pub(crate) fn quota_keys(policy: &crate::Policy, params: &[QuotaParams]) -> Vec<
     out
 }
 
-/// Whether a key suffix of [`quota_suffixes`] or [`quota_keys`] is a concurrent quota's (its slots in flight):
+/// Whether a key suffix of [`quota_keys`] is a concurrent quota's (its slots in flight):
 /// `reset` leaves those, whose requests still run and give their slots back when they end.
 pub(crate) fn holds_slots(suffix: &[u8]) -> bool {
-    match suffix {
-        [v, b'.', letter, ..] if *v == b'0' + FORMAT => *letter == b'c',
-        _ => suffix.iter().find(|b| !b.is_ascii_digit()) == Some(&b'c'),
-    }
+    matches!(suffix, [v, b'.', b'c', ..] if *v == b'0' + FORMAT)
 }
 
 fn escape(bytes: &[u8], out: &mut Vec<u8>) {
@@ -169,14 +133,13 @@ mod tests {
     use super::*;
 
     fn keys(policy: &str, key: &Key) -> Vec<String> {
-        let params = crate::Policy::new("p", crate::Quota::per_second(5).burst(10))
-            .and(crate::Quota::per_hour(100))
-            .validate()
-            .unwrap();
+        let p = crate::Policy::new("p", crate::Quota::per_second(5).burst(10))
+            .and(crate::Quota::per_hour(100));
+        let params = p.validate().unwrap();
         bucket_keys(
             &policy_prefix("tollgate", policy),
             key,
-            &quota_suffixes(&params),
+            &quota_keys(&p, &params),
         )
         .into_iter()
         .map(|k| String::from_utf8(k).unwrap())
@@ -205,7 +168,6 @@ mod tests {
             .and(crate::Quota::per_day(9).fixed_window().named("by:the/hour"));
         assert_eq!(suffixes(&q)[..2], suffixes(&p)[..2]);
         assert!(holds_slots(b"2.c2") && !holds_slots(b"2.g0") && !holds_slots(b"2.b"));
-        assert!(holds_slots(b"0c1000x2") && !holds_slots(b"0g5x1"));
     }
 
     #[test]
@@ -213,13 +175,10 @@ mod tests {
         let k = keys("api", &Key::from_bytes("alice").unwrap());
         assert_eq!(
             k,
-            [
-                "tollgate:{api:balice}:0g200000000x10",
-                "tollgate:{api:balice}:1g36000000000x100"
-            ]
+            ["tollgate:{api:balice}:2.g0", "tollgate:{api:balice}:2.g1"]
         );
         let ip = keys("api", &Key::ip("127.0.0.1".parse().unwrap()));
-        assert_eq!(ip[0], "tollgate:{api:4%7F%00%00%01}:0g200000000x10");
+        assert_eq!(ip[0], "tollgate:{api:4%7F%00%00%01}:2.g0");
     }
 
     #[test]
@@ -232,24 +191,23 @@ mod tests {
         assert_eq!(evil[0].matches('}').count(), 1);
         // Policy names may hold braces too.
         let p = keys("a{b}", &Key::global());
-        assert_eq!(p[0], "tollgate:{a%7Bb%7D:g}:0g200000000x10");
+        assert_eq!(p[0], "tollgate:{a%7Bb%7D:g}:2.g0");
     }
 
     #[test]
     fn windows_name_their_algorithm_outside_the_hash_tag() {
-        let params = crate::Policy::new("p", crate::Quota::per_hour(100).fixed_window())
+        let p = crate::Policy::new("p", crate::Quota::per_hour(100).fixed_window())
             .and(
                 crate::Quota::per_minute(100)
                     .sliding_window()
                     .resolution(std::time::Duration::from_secs(5)),
             )
-            .and(crate::Quota::per_second(10).sliding_window())
-            .validate()
-            .unwrap();
+            .and(crate::Quota::per_second(10).sliding_window());
+        let params = p.validate().unwrap();
         let k: Vec<String> = bucket_keys(
             &policy_prefix("tollgate", "api"),
             &Key::from_bytes("alice").unwrap(),
-            &quota_suffixes(&params),
+            &quota_keys(&p, &params),
         )
         .into_iter()
         .map(|k| String::from_utf8(k).unwrap())
@@ -257,9 +215,9 @@ mod tests {
         assert_eq!(
             k,
             [
-                "tollgate:{api:balice}:0f3600000000x100",
-                "tollgate:{api:balice}:1s5000000x12x100",
-                "tollgate:{api:balice}:2s1000000x1x10",
+                "tollgate:{api:balice}:2.f0",
+                "tollgate:{api:balice}:2.s1",
+                "tollgate:{api:balice}:2.s2",
             ]
         );
     }

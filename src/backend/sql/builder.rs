@@ -130,14 +130,14 @@ impl<P: Clone + Send + Sync + 'static> Config<P> {
     }
 }
 
-/// The table's name and its routine's (`<table>_decide`), each quoted with `quote` and
+/// The table's name and its routine's (`<table>_decide_2`), each quoted with `quote` and
 /// qualified by `schema` when there is one.
 pub(crate) fn qualified(schema: Option<&str>, table: &str, quote: char) -> (String, String) {
     let qualify = |name: &str| match schema {
         Some(schema) => format!("{quote}{schema}{quote}.{quote}{name}{quote}"),
         None => format!("{quote}{name}{quote}"),
     };
-    (qualify(table), qualify(&format!("{table}_decide")))
+    (qualify(table), qualify(&format!("{table}_decide_2")))
 }
 
 /// Checks a table or schema name: a plain SQL identifier (letters, digits, `_`, not starting
@@ -194,7 +194,7 @@ macro_rules! builder_methods {
             }
 
             #[doc = concat!("The table holding the buckets (default `tollgate_buckets`); the ", $routine, " deciding")]
-            /// is named after it (`tollgate_buckets_decide`). A plain identifier of at most 48
+            /// is named after it (`tollgate_buckets_decide_2`). A plain identifier of at most 48
             /// bytes.
             pub fn table(mut self, table: impl Into<String>) -> Self {
                 self.sql.table = table.into();
@@ -244,11 +244,11 @@ mod tests {
     fn names_are_quoted_and_qualified() {
         assert_eq!(
             qualified(Some("s"), "t", '"'),
-            (r#""s"."t""#.to_owned(), r#""s"."t_decide""#.to_owned())
+            (r#""s"."t""#.to_owned(), r#""s"."t_decide_2""#.to_owned())
         );
         assert_eq!(
             qualified(None, "t", '`'),
-            ("`t`".to_owned(), "`t_decide`".to_owned())
+            ("`t`".to_owned(), "`t_decide_2`".to_owned())
         );
     }
 

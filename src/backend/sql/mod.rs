@@ -78,10 +78,20 @@ pub(crate) struct Prepared {
 impl Prepared {
     pub(crate) fn new(prefix: &str, policy: &crate::Policy, params: &[QuotaParams]) -> Self {
         let block_us = (policy.block()).map(|b| i64::try_from(b.as_micros()).unwrap_or(i64::MAX));
-        let mut key_suffixes = keys::quota_suffixes(params);
-        let mut quotas: Vec<i64> = params.iter().flat_map(quota_args).collect();
+        // Stored format 2, as on Redis: rows named by each quota's identity, `2.b` the block's.
+        let key_suffixes = keys::quota_keys(policy, params);
+        // A rate quota's kind carries the policy's OnChange strategy times 8.
+        let strategy = 8 * i64::from(policy.change_strategy().code());
+        let mut quotas: Vec<i64> = (params.iter())
+            .flat_map(|p| {
+                let mut args = quota_args(p);
+                if args[0] <= 2 {
+                    args[0] += strategy;
+                }
+                args
+            })
+            .collect();
         if let Some(us) = block_us {
-            key_suffixes.push(format!("b{us}").into_bytes().into_boxed_slice());
             // The quotas whose refusal starts the block: a bit each (at most 8), 0 for all.
             quotas.extend([4, us, 1, policy.block_mask() as i64]);
         }

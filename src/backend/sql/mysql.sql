@@ -2,7 +2,9 @@
 -- DOUBLE). A migration template; idempotent.
 -- Placeholders, replaced textually before running:
 --   {table}   the table, quoted, possibly schema-qualified: `tollgate_buckets`
---   {decide}  the procedure, quoted likewise: `tollgate_buckets_decide`
+--   {decide}  the procedure, quoted likewise: `tollgate_buckets_decide_2` (the stored format's
+--             number ends its name: a release of another format calls its own, so that
+--             instances of both can run side by side)
 -- No other brace appears in this file.
 -- Statements: split the text on the lines that hold only "-- statement" and send each part
 -- as one statement (no DELIMITER: the bodies hold semicolons).
@@ -21,7 +23,14 @@
 --   c           sliding window: the slices + 1 counts kept, oldest first, the last that of
 --               sub-window a, decimal, comma-separated (NULL otherwise; counts of another
 --               length count as nothing); concurrent quota: the leases, "id:expiry_us",
---               comma-separated (n their number)
+--               comma-separated (n their number). A rate quota's (GCRA, fixed, sliding) c
+--               ends with ";" and the values its state was counted under and the stored
+--               format: "length,limit,sub-windows,2" (sub-windows 0 but for sliding windows).
+--               A row counted under other values than its quota's now is converted first
+--               (the policy's OnChange strategy, as gcra.lua's `carried`); a rate quota's row
+--               without them is a fresh one.
+-- Rows are named by stored format 2's keys (src/backend/remote/keys.rs: `...:2.g0`), whose
+-- quota is its identity, not its values.
 --   (a block: a is the Unix time in us it ends)
 --   expires_us  us since the epoch after which the row is the same as no row (GCRA: the TAT,
 --               rounded up, when the bucket is full again; fixed: the window's end; sliding:
@@ -64,7 +73,9 @@ DROP PROCEDURE IF EXISTS {decide}
 --                                           5  release the slot of the lease id arg
 --                                           (3 to 5: settlements, always allowed, as in
 --                                           gcra.lua); then the decision's quotas
---           quota     = kind "," a "," limit "," slices "," hexkey
+--           quota     = kind "," a "," limit "," slices "," hexkey    (a rate quota's kind plus
+--                       8 times the policy's OnChange strategy: 0 keep, 1 reset,
+--                       2 proportional, 3 additive)
 --                       0,emission ns (>= 1),burst (>= 1),0            GCRA
 --                       1,window us (>= 1),limit (>= 1),0              fixed window
 --                       2,sub-window us (>= 1),limit (>= 1),slices     sliding window
@@ -143,6 +154,13 @@ BEGIN
     DECLARE lcs VARCHAR(11100) CHARACTER SET ascii;
     DECLARE cs VARCHAR(11100) CHARACTER SET ascii;
     DECLARE e DOUBLE;
+    -- The values the row at hand was counted under (ola: length, oli: limit, osl: sub-windows;
+    -- ov as stored), the units it used (u), the policy's OnChange strategy (stg), and the
+    -- values of its quota now (cv, which end its c when written; NULL for slots and blocks).
+    DECLARE ola, oli, osl, stg BIGINT;
+    DECLARE u DOUBLE;
+    DECLARE sep INT;
+    DECLARE ov, cv VARCHAR(100) CHARACTER SET ascii DEFAULT NULL;
     DECLARE EXIT HANDLER FOR SQLEXCEPTION
     BEGIN
         ROLLBACK;
@@ -209,6 +227,8 @@ BEGIN
             WHILE i <= nq DO
                 SET qt = SUBSTRING_INDEX(SUBSTRING_INDEX(dtext, '|', i + 1), '|', -1);
                 SET kind = CAST(SUBSTRING_INDEX(qt, ',', 1) AS SIGNED);
+                -- A rate quota's kind carries the policy's OnChange strategy times 8.
+                SET stg = kind DIV 8, kind = kind % 8;
                 SET qa = CAST(SUBSTRING_INDEX(SUBSTRING_INDEX(qt, ',', 2), ',', -1) AS SIGNED);
                 SET lim = CAST(SUBSTRING_INDEX(SUBSTRING_INDEX(qt, ',', 3), ',', -1) AS SIGNED);
                 SET sl = CAST(SUBSTRING_INDEX(SUBSTRING_INDEX(qt, ',', 4), ',', -1) AS SIGNED);
@@ -217,7 +237,9 @@ BEGIN
                 -- read with a locking read.
                 IF ck IS NULL OR hk <> ck THEN
                     IF dirty THEN
-                        UPDATE {table} SET a = ra, n = rn, c = rc, expires_us = rexp
+                        UPDATE {table} SET a = ra, n = rn,
+                            c = IF(cv IS NULL, rc, CONCAT(COALESCE(rc, ''), ';', cv)),
+                            expires_us = rexp
                             WHERE k = UNHEX(ck);
                         SET dirty = 0;
                     END IF;
@@ -227,7 +249,70 @@ BEGIN
                         SIGNAL SQLSTATE '45000'
                             SET MESSAGE_TEXT = 'tollgate: a key of a quota is missing from the key list';
                     END IF;
-                    SET ck = hk;
+                    SET ck = hk, cv = NULL;
+                    IF kind <= 2 THEN
+                        -- A rate quota's c ends with ";" and the values it was counted under
+                        -- and the format: "length,limit,sub-windows,2". Without them, the row
+                        -- is a fresh one.
+                        SET cv = CONCAT(qa, ',', lim, ',', sl, ',2');
+                        SET sep = LOCATE(';', COALESCE(rc, ''));
+                        IF sep > 0 AND SUBSTRING_INDEX(rc, ',', -1) = '2' THEN
+                            SET ov = SUBSTRING(rc, sep + 1);
+                            SET rc = IF(sep = 1, NULL, LEFT(rc, sep - 1));
+                        ELSE
+                            SET ov = cv, ra = 0, rn = 0, rc = NULL;
+                        END IF;
+                        IF ov <> cv THEN
+                            -- Counted under other values: the units it used now (gcra.lua's
+                            -- `carried`), converted as the strategy says (OnChange::carry), are
+                            -- its state under these.
+                            SET ola = CAST(SUBSTRING_INDEX(ov, ',', 1) AS SIGNED);
+                            SET oli = CAST(SUBSTRING_INDEX(SUBSTRING_INDEX(ov, ',', 2), ',', -1) AS SIGNED);
+                            SET osl = CAST(SUBSTRING_INDEX(SUBSTRING_INDEX(ov, ',', 3), ',', -1) AS SIGNED);
+                            SET u = 0;
+                            IF kind = 0 THEN
+                                IF ra > now_ns THEN
+                                    SET u = CAST(ra - now_ns AS DOUBLE) / CAST(ola AS DOUBLE);
+                                END IF;
+                            ELSEIF kind = 1 THEN
+                                IF ra = now_us DIV ola THEN
+                                    SET u = rn;
+                                END IF;
+                            ELSEIF rc IS NOT NULL AND LENGTH(rc) - LENGTH(REPLACE(rc, ',', '')) = osl THEN
+                                SET byn = GREATEST(now_us DIV ola - ra, 0);
+                                IF byn < osl + 1 THEN
+                                    SET c1 = CAST(SUBSTRING_INDEX(SUBSTRING_INDEX(rc, ',', byn + 1), ',', -1) AS SIGNED);
+                                    SET total = 0;
+                                    IF byn < osl THEN
+                                        SELECT COALESCE(SUM(j.x), 0) INTO total
+                                            FROM JSON_TABLE(CONCAT('[', SUBSTRING_INDEX(rc, ',', byn - osl), ']'),
+                                                '$[*]' COLUMNS (x BIGINT PATH '$')) AS j;
+                                    END IF;
+                                    SET u = CAST(c1 AS DOUBLE) * CAST(ola - now_us % ola AS DOUBLE)
+                                        / CAST(ola AS DOUBLE) + CAST(total AS DOUBLE);
+                                END IF;
+                            END IF;
+                            IF NOT (u > 0) THEN
+                                SET u = 0;
+                            END IF;
+                            IF stg = 1 THEN
+                                SET u = 0;
+                            ELSEIF stg = 2 THEN
+                                SET u = u * CAST(lim AS DOUBLE) / CAST(oli AS DOUBLE);
+                            ELSEIF stg = 3 AND lim < oli THEN
+                                SET u = u - CAST(oli - lim AS DOUBLE);
+                            END IF;
+                            SET u = LEAST(GREATEST(u, 0), CAST(lim AS DOUBLE));
+                            IF kind = 0 THEN
+                                SET ra = now_ns + CAST(FLOOR(u * CAST(qa AS DOUBLE)) AS SIGNED), rn = 0;
+                            ELSEIF kind = 1 THEN
+                                SET ra = now_us DIV qa, rn = CAST(CEIL(u) AS SIGNED);
+                            ELSE
+                                SET ra = now_us DIV qa, rn = CAST(CEIL(u) AS SIGNED);
+                                SET rc = CONCAT(REPEAT('0,', sl), rn);
+                            END IF;
+                        END IF;
+                    END IF;
                 END IF;
                 -- The quota's state now (cur; sliding: the counts cs moved on to now's
                 -- sub-window, their sum total, the newest index), and whether the cost fits.
@@ -454,7 +539,9 @@ BEGIN
     END WHILE;
 
     IF dirty THEN
-        UPDATE {table} SET a = ra, n = rn, c = rc, expires_us = rexp WHERE k = UNHEX(ck);
+        UPDATE {table} SET a = ra, n = rn,
+            c = IF(cv IS NULL, rc, CONCAT(COALESCE(rc, ''), ';', cv)), expires_us = rexp
+            WHERE k = UNHEX(ck);
     END IF;
     COMMIT;
     SELECT SUBSTRING(reply, 2) AS reply;

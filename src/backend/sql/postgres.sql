@@ -2,7 +2,9 @@
 -- A migration template, run as one batch (simple query protocol) at start-up; idempotent.
 -- Placeholders, replaced textually before running:
 --   {table}     the table, quoted, possibly schema-qualified: "public"."tollgate_buckets"
---   {decide}    the function, quoted likewise: "public"."tollgate_buckets_decide"
+--   {decide}    the function, quoted likewise: "public"."tollgate_buckets_decide_2" (the
+--               stored format's number ends its name: a release of another format calls its
+--               own, so that instances of both can run side by side)
 --   {unlogged}  empty, or "UNLOGGED " (with its trailing space)
 -- No other brace appears in this file.
 --
@@ -18,8 +20,15 @@
 --               sliding window: the index of the newest sub-window kept (now_us / sub-window)
 --   n           fixed window: the count of window a
 --   c           sliding window: the slices + 1 counts kept, oldest first, the last that of
---               sub-window a (NULL otherwise; counts of another length count as nothing);
---               concurrent quota: the leases, (id, expiry in us since the epoch) pairs
+--               sub-window a (counts of another length count as nothing); concurrent quota:
+--               the leases, (id, expiry in us since the epoch) pairs. A rate quota's (GCRA,
+--               fixed, sliding) c ends with the values its state was counted under and the
+--               stored format: length, limit, sub-windows (0 but for sliding windows), 2.
+--               A row counted under other values than its quota's now is converted first
+--               (the policy's OnChange strategy, as gcra.lua's `carried`); a rate quota's row
+--               without them is a fresh one.
+-- Rows are named by stored format 2's keys (src/backend/remote/keys.rs: `...:2.g0`), whose
+-- quota is its identity, not its values.
 --   (a block: a is the Unix time in us it ends)
 --   expires_us  us since the epoch after which the row is the same as no row (GCRA: the TAT,
 --               rounded up, when the bucket is full again; fixed: the window's end; sliding:
@@ -36,7 +45,8 @@ CREATE {unlogged}TABLE IF NOT EXISTS {table} (
 
 -- {decide}(keys, quotas, decisions, now_ns) -> bigint[]
 --   keys       one per quota of every decision, decision after decision
---   quotas     4 numbers per key, the quota that key counts:
+--   quotas     4 numbers per key, the quota that key counts (a rate quota's kind plus 8 times
+--              the policy's OnChange strategy: 0 keep, 1 reset, 2 proportional, 3 additive):
 --                0, emission interval (ns >= 1), burst (>= 1), 0          GCRA
 --                1, window (us >= 1), limit (>= 1), 0                     fixed window
 --                2, sub-window (us >= 1), limit (>= 1), slices (>= 1)     sliding window
@@ -168,10 +178,29 @@ DECLARE
     nl int := 0;
     newc bigint[];
     ex bigint;
+    -- A row as read (a, n, c), converted when counted under other values; the values it was
+    -- counted under (ola: length, oli: limit, osl: sub-windows), the units it used (u), the
+    -- policy's OnChange strategy (stg), the count of c (nv).
+    va bigint;
+    vn bigint;
+    vc bigint[];
+    nv int;
+    ola bigint;
+    oli bigint;
+    osl bigint;
+    u float8;
+    stg bigint;
+    strat bigint[];
 BEGIN
     IF nk = 0 THEN
         RETURN reply;
     END IF;
+
+    -- Each rate quota's kind carries the policy's OnChange strategy times 8: kept apart.
+    FOR q IN 1 .. nk LOOP
+        strat[q] := quotas[4 * q - 3] / 8;
+        quotas[4 * q - 3] := quotas[4 * q - 3] % 8;
+    END LOOP;
 
     -- 1. Lock every key of the call, ascending, inserting the missing ones (default rows).
     INSERT INTO {table} AS t (k)
@@ -208,12 +237,75 @@ BEGIN
         p := rec.ro;
         kind := quotas[4 * p - 3];
         qa := quotas[4 * p - 2];
+        va := rec.ra;
+        vn := rec.rn;
+        vc := rec.rc;
+        IF kind <= 2 THEN
+            -- A rate quota's c ends with the values it was counted under and the format:
+            -- length, limit, sub-windows, 2. Without them, the row is a fresh one.
+            nv := coalesce(cardinality(vc), 0);
+            IF nv >= 4 AND array_lower(vc, 1) = 1 AND vc[nv] = 2 THEN
+                ola := vc[nv - 3];
+                oli := vc[nv - 2];
+                osl := vc[nv - 1];
+                vc := vc[1 : nv - 4];
+            ELSE
+                ola := qa;
+                oli := quotas[4 * p - 1];
+                osl := quotas[4 * p];
+                va := 0;
+                vn := 0;
+                vc := NULL;
+            END IF;
+            IF ola <> qa OR oli <> quotas[4 * p - 1] OR osl <> quotas[4 * p] THEN
+                -- Counted under other values: the units it used now (gcra.lua's `carried`),
+                -- converted as the strategy says (OnChange::carry), are its state under these.
+                u := 0;
+                IF kind = 0 THEN
+                    IF va > now_ns THEN
+                        u := (va - now_ns)::float8 / ola::float8;
+                    END IF;
+                ELSIF kind = 1 THEN
+                    IF va = now_us / ola THEN
+                        u := vn;
+                    END IF;
+                ELSIF cardinality(vc) = osl + 1 THEN
+                    byn := greatest(now_us / ola - va, 0);
+                    IF byn < osl + 1 THEN
+                        u := vc[1 + byn]::float8 * (ola - now_us % ola)::float8 / ola::float8
+                            + (SELECT coalesce(sum(x), 0) FROM unnest(vc[2 + byn : osl + 1]) AS x)::float8;
+                    END IF;
+                END IF;
+                stg := strat[p];
+                lim := quotas[4 * p - 1];
+                IF NOT (u > 0) THEN
+                    u := 0;
+                END IF;
+                IF stg = 1 THEN
+                    u := 0;
+                ELSIF stg = 2 THEN
+                    u := u * lim::float8 / oli::float8;
+                ELSIF stg = 3 AND lim < oli THEN
+                    u := u - (oli - lim)::float8;
+                END IF;
+                u := least(greatest(u, 0), lim::float8);
+                IF kind = 0 THEN
+                    va := now_ns + floor(u * qa::float8)::bigint;
+                ELSIF kind = 1 THEN
+                    va := now_us / qa;
+                    vn := ceil(u)::bigint;
+                ELSE
+                    va := now_us / qa;
+                    vc := array_fill(0::bigint, ARRAY[quotas[4 * p]::int]) || ceil(u)::bigint;
+                END IF;
+            END IF;
+        END IF;
         IF kind = 0 THEN
-            st[p] := greatest(rec.ra - now_ns, 0);
+            st[p] := greatest(va - now_ns, 0);
         ELSIF kind = 1 THEN
             -- Another window's count (a past one, or a future one after a clock step back)
             -- is not this window's.
-            st[p] := CASE WHEN rec.ra = now_us / qa THEN rec.rn ELSE 0 END;
+            st[p] := CASE WHEN va = now_us / qa THEN vn ELSE 0 END;
         ELSIF kind = 3 THEN
             -- The leases still running (the expired ones are dropped).
             st[p] := 0;
@@ -236,12 +328,12 @@ BEGIN
             ix := now_us / qa;
             newest := ix;
             byn := m;
-            IF cardinality(rec.rc) = m AND array_lower(rec.rc, 1) = 1 THEN
+            IF cardinality(vc) = m AND array_lower(vc, 1) = 1 THEN
                 -- Move the counts on to now's sub-window; a stored index after now (a clock
                 -- step back) is kept.
-                byn := ix - rec.ra;
+                byn := ix - va;
                 IF byn <= 0 THEN
-                    newest := rec.ra;
+                    newest := va;
                     byn := 0;
                 ELSIF byn > m THEN
                     byn := m;
@@ -249,11 +341,11 @@ BEGIN
             END IF;
             off[p] := ncs;
             IF byn = 0 THEN
-                cs := cs || rec.rc;
+                cs := cs || vc;
             ELSIF byn = m THEN
                 cs := cs || array_fill(0::bigint, ARRAY[m]);
             ELSE
-                cs := cs || rec.rc[byn + 1 : m] || array_fill(0::bigint, ARRAY[byn::int]);
+                cs := cs || vc[byn + 1 : m] || array_fill(0::bigint, ARRAY[byn::int]);
             END IF;
             st[p] := newest;
             rest[p] := (SELECT coalesce(sum(v), 0) FROM unnest(cs[ncs + 2 : ncs + m]) AS v);
@@ -488,13 +580,15 @@ BEGIN
         CONTINUE WHEN dirty[q] IS NOT TRUE;
         kind := quotas[4 * q - 3];
         qa := quotas[4 * q - 2];
+        -- A rate quota's values and the format, which end its c.
+        newc := ARRAY[qa, quotas[4 * q - 1], quotas[4 * q], 2];
         IF kind = 0 THEN
-            UPDATE {table} SET a = now_ns + st[q], n = 0, c = NULL,
+            UPDATE {table} SET a = now_ns + st[q], n = 0, c = newc,
                 expires_us = (now_ns + st[q] + 999) / 1000
             WHERE k = keys[q];
         ELSIF kind = 1 THEN
             ix := now_us / qa;
-            UPDATE {table} SET a = ix, n = st[q], c = NULL, expires_us = (ix + 1) * qa
+            UPDATE {table} SET a = ix, n = st[q], c = newc, expires_us = (ix + 1) * qa
             WHERE k = keys[q];
         ELSIF kind = 3 THEN
             -- The leases still held; the row expires with the last.
@@ -514,7 +608,7 @@ BEGIN
         ELSE
             m := quotas[4 * q] + 1;
             o := off[q];
-            UPDATE {table} SET a = st[q], n = 0, c = cs[o + 1 : o + m],
+            UPDATE {table} SET a = st[q], n = 0, c = cs[o + 1 : o + m] || newc,
                 expires_us = (st[q] + m) * qa
             WHERE k = keys[q];
         END IF;
