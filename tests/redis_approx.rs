@@ -76,7 +76,7 @@ fn counters(server: &RedisServer, pattern: &str) -> Vec<String> {
     server
         .cmd(&["KEYS", pattern])
         .lines()
-        .filter(|l| l.contains("0a"))
+        .filter(|l| l.contains(":2.a"))
         .map(str::to_owned)
         .collect()
 }
@@ -355,7 +355,7 @@ async fn instances_learn_each_others_counts_from_redis() {
     assert!(b.decide(&pb, &k, cost(1)).await.unwrap().is_allowed());
     assert!(!b.decide(&pb, &k, cost(1)).await.unwrap().is_allowed());
     b.flush().await;
-    assert_eq!(counters(&server, "*0a1000000x0x10*").len(), 1);
+    assert_eq!(counters(&server, "*2.a0.1000000x0*").len(), 1);
     // In the next window everything starts again.
     clock.advance(Duration::from_secs(1));
     assert!(a.decide(&pa, &k, cost(1)).await.unwrap().is_allowed());
@@ -958,7 +958,7 @@ async fn a_full_key_table_decides_new_keys_through_redis() {
     assert!(s.overflowed >= 1_900, "{s:?}");
     assert_eq!(s.keys, 100, "{s:?}");
     // Redis counted every unit: 10 × 5 spent, 2 000 fresh, 4 more.
-    let sum = "local t = 0 for _, k in ipairs(redis.call('KEYS', '*0a*')) do \
+    let sum = "local t = 0 for _, k in ipairs(redis.call('KEYS', '*2.a*')) do \
                t = t + tonumber(redis.call('GET', k)) end return t";
     assert_eq!(
         number(&server, &["EVAL", sum, "0"]),
@@ -1674,4 +1674,56 @@ async fn concurrent_settlements_leave_the_counts_exact() {
     let po = prepare(&other, &policy);
     let d = other.decide(&po, &key("k"), whole).await.unwrap();
     assert!(d.is_allowed(), "on another instance: {d:?}");
+}
+
+/// A changed limit keeps the fleet's counts (`on_change = "keep"`, the one strategy the
+/// approximate mode takes: the others are refused when the policy is prepared), and applies to
+/// them at once: 5 spent of 100 per hour (fixed) or per minute (sliding), then 90 leaves 84
+/// after one more, 200 leaves 194. A changed period or resolution counts afresh.
+#[tokio::test]
+async fn a_changed_limit_keeps_the_fleets_counts() {
+    use tollgate::OnChange;
+    let server = RedisServer::start();
+    let hour = Duration::from_secs(3600);
+    let min = Duration::from_secs(60);
+    for (name, b, _clock) in both_variants(&server, "changes") {
+        let cases = [
+            (
+                Quota::new(100, hour).fixed_window(),
+                Quota::new(90, hour).fixed_window(),
+                84,
+            ),
+            (
+                Quota::new(100, hour).fixed_window(),
+                Quota::new(200, hour).fixed_window(),
+                194,
+            ),
+            (
+                Quota::new(100, min).sliding_window(),
+                Quota::new(90, min).sliding_window(),
+                84,
+            ),
+            // Another window's shape: fresh counters.
+            (
+                Quota::new(100, hour).fixed_window(),
+                Quota::new(100, min).fixed_window(),
+                99,
+            ),
+        ];
+        for (i, (before, after, left)) in cases.into_iter().enumerate() {
+            let policy = format!("change-{i}");
+            let old = prepare(&b, &Policy::new(policy.as_str(), before));
+            let k = key("spender");
+            assert!(b.decide(&old, &k, cost(5)).await.unwrap().is_allowed());
+            // No flush: the new policy counts from this instance's counts at once.
+            let new = prepare(&b, &Policy::new(policy.as_str(), after));
+            let d = b.decide(&new, &k, cost(1)).await.unwrap();
+            assert_eq!(d.quotas()[0].remaining, left, "{name} case {i}: {d:?}");
+            drop(old);
+        }
+        let reset =
+            Policy::new("reset", Quota::per_minute(10).fixed_window()).on_change(OnChange::Reset);
+        let err = b.prepare(&reset, &reset.validate().unwrap()).unwrap_err();
+        assert!(err.to_string().contains("keep"), "{err}");
+    }
 }

@@ -117,7 +117,8 @@ pub(crate) fn holds_slots(suffix: &[u8]) -> bool {
     matches!(suffix, [v, b'.', b'c', ..] if *v == b'0' + FORMAT)
 }
 
-fn escape(bytes: &[u8], out: &mut Vec<u8>) {
+/// Appends `bytes` to `out` escaped as key material (see the module docs).
+pub(crate) fn escape(bytes: &[u8], out: &mut Vec<u8>) {
     const HEX: &[u8; 16] = b"0123456789ABCDEF";
     for &b in bytes {
         if b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-' {

@@ -135,6 +135,18 @@ impl Backend for ApproxBackend {
                 count: 0,
             });
         }
+        if policy.change_strategy() != crate::quota::OnChange::Keep {
+            return Err(ConfigError::Invalid {
+                option: "Policy::on_change",
+                reason: format!(
+                    "policy `{}`: the approximate Redis mode keeps the counts the fleet shares \
+                     when a limit changes (`on_change = \"keep\"`); `{}` would have every \
+                     instance rewrite them",
+                    policy.name(),
+                    policy.change_strategy()
+                ),
+            });
+        }
         let mut specs = Vec::with_capacity(params.len());
         let mut slots = Vec::new();
         for (i, p) in params.iter().enumerate() {
@@ -142,7 +154,7 @@ impl Backend for ApproxBackend {
                 slots.push(i);
                 continue;
             }
-            let Some(spec) = Spec::new(i, *p) else {
+            let Some(spec) = Spec::new(i, &policy.quota_id(i), *p) else {
                 return Err(ConfigError::InvalidQuota {
                     policy: policy.name().to_owned(),
                     quota: Box::new(policy.quotas()[i]),
@@ -163,6 +175,23 @@ impl Backend for ApproxBackend {
         self.shared
             .longest_window_us
             .fetch_max(window_us, Ordering::Relaxed);
+        // Another version of this policy whose quotas count in the same counters (the same
+        // quotas, window shapes and block, another limit): its keys' counts are this one's.
+        let same_counters = |other: &PolicyShared| {
+            other.name == policy.name()
+                && (other.block_us > 0) == policy.block().is_some()
+                && other.specs.len() == specs.len()
+                && (other.specs.iter().zip(&specs)).all(|(a, b)| a.suffix == b.suffix)
+        };
+        let shared_entries = (self
+            .shared
+            .policies
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()))
+        .iter()
+        .filter_map(Weak::upgrade)
+        .find(|other| same_counters(other))
+        .map(|other| other.entries.clone());
         let inner = Arc::new(PolicyShared {
             name: policy.name().to_owned(),
             specs: specs.into_boxed_slice(),
@@ -171,7 +200,12 @@ impl Backend for ApproxBackend {
             // Many small shards: the sweep holds each shard's lock while it walks it, and
             // requests on that shard wait (8 shards of a million keys held them for tens of
             // milliseconds each).
-            entries: DashMap::with_hasher_and_shard_amount(RandomState::default(), ENTRY_SHARDS),
+            entries: shared_entries.unwrap_or_else(|| {
+                Arc::new(DashMap::with_hasher_and_shard_amount(
+                    RandomState::default(),
+                    ENTRY_SHARDS,
+                ))
+            }),
             held: self.shared.keys.clone(),
             block_us: (policy.block()).map_or(0, |b| {
                 u64::try_from(b.as_micros()).unwrap_or(u64::MAX).max(1)

@@ -26,22 +26,27 @@ pub(crate) struct Spec {
     pub(crate) slice_us: u64,
     /// Sub-windows held: the window's and the one before (sliding), or one (fixed).
     pub(crate) kept: usize,
-    /// The Redis key suffix naming the quota: `<index>a<sub-window µs>x<sub-windows>x<limit>`.
+    /// The Redis key suffix naming the quota's counters, stored format 2:
+    /// `2.a<quota>.<sub-window µs>x<sub-windows>`, the quota its identity in the policy
+    /// (`Policy::quota_id`, escaped) and the window's shape, not its limit: a changed limit
+    /// keeps the fleet's counts, and applies to them at once; a changed period or resolution
+    /// counts afresh.
     pub(crate) suffix: Box<[u8]>,
 }
 
 impl Spec {
-    /// The spec of a window quota; `None` for GCRA.
-    pub(crate) fn new(index: usize, params: QuotaParams) -> Option<Self> {
+    /// The spec of a window quota whose identity in its policy is `id`; `None` for GCRA.
+    pub(crate) fn new(index: usize, id: &str, params: QuotaParams) -> Option<Self> {
         let (slice_us, kept) = match params.kind {
             QuotaKind::FixedWindow { window_us } => (window_us, 1),
             QuotaKind::SlidingWindow { slice_us, slices } => (slice_us, slices as usize + 1),
             _ => return None,
         };
         let slices = kept.saturating_sub(1);
-        let suffix = format!("{index}a{slice_us}x{slices}x{}", params.burst)
-            .into_bytes()
-            .into_boxed_slice();
+        let mut suffix = b"2.a".to_vec();
+        crate::backend::remote::keys::escape(id.as_bytes(), &mut suffix);
+        suffix.extend_from_slice(format!(".{slice_us}x{slices}").as_bytes());
+        let suffix = suffix.into_boxed_slice();
         Some(Spec {
             index,
             params,
@@ -510,7 +515,7 @@ mod tests {
     use crate::backend::Outcome;
 
     fn spec(q: Quota) -> Spec {
-        Spec::new(0, q.params("p").unwrap()).unwrap()
+        Spec::new(0, "0", q.params("p").unwrap()).unwrap()
     }
 
     /// The counts as they were kept before #35 (dense: every sub-window of the window, seven
@@ -902,7 +907,7 @@ mod tests {
 
     #[test]
     fn gcra_has_no_spec() {
-        assert!(Spec::new(0, Quota::per_second(5).params("p").unwrap()).is_none());
+        assert!(Spec::new(0, "0", Quota::per_second(5).params("p").unwrap()).is_none());
     }
 
     #[test]

@@ -33,6 +33,16 @@
 //! the flush interval in the asynchronous variant, at most half a sub-window): by then the
 //! increments other instances made at the end of the last sub-window have landed.
 //!
+//! A policy whose limits change (a rule swap, a reloaded configuration) keeps its counts: the
+//! counters are named by the policy, the quota's identity (its name, or its place) and its
+//! window's shape (`<prefix>:{<policy>:<key>}:2.a<quota>.<sub-window µs>x<sub-windows>:<n>`),
+//! not its limit, and a new version of a policy whose quotas count in the same counters shares
+//! this instance's counts of its keys, so that the new limit applies at once to what the fleet
+//! and this instance counted. That is [`OnChange::Keep`](crate::quota::OnChange::Keep) without
+//! the clamp (counts past a lowered limit refuse until they slide out); the other strategies
+//! would have every instance rewrite shared counters, and are refused when the policy is
+//! prepared. A changed period or resolution counts afresh.
+//!
 //! Only window quotas can be counted this way: [fixed](crate::Quota::fixed_window) and
 //! [sliding](crate::Quota::sliding_window) windows, whose
 //! [resolution](crate::Quota::resolution) is the sub-window. A policy with a GCRA quota is
@@ -459,7 +469,10 @@ pub(crate) struct PolicyShared {
     window_us: u64,
     /// `<prefix>:{<policy>:`
     key_prefix: Vec<u8>,
-    entries: DashMap<Key, Held, RandomState>,
+    /// Its keys' counts; shared with the versions of the policy whose quotas count in the
+    /// same Redis counters (a changed limit), so that a key's counts follow the new limit at
+    /// once, without a read.
+    entries: Arc<DashMap<Key, Held, RandomState>>,
     /// The backend's count of keys held, which this policy's keys leave when it is dropped.
     held: Arc<AtomicUsize>,
     /// Every quota of the policy, its concurrent ones included (a blocked key's refusal lists
@@ -474,8 +487,11 @@ pub(crate) struct PolicyShared {
 
 impl Drop for PolicyShared {
     fn drop(&mut self) {
-        self.held.fetch_sub(self.entries.len(), Ordering::Relaxed);
-        crate::metrics::approx_keys(-(self.entries.len() as f64));
+        // Keys shared with another version of the policy stay held there.
+        if Arc::strong_count(&self.entries) == 1 {
+            self.held.fetch_sub(self.entries.len(), Ordering::Relaxed);
+            crate::metrics::approx_keys(-(self.entries.len() as f64));
+        }
     }
 }
 
