@@ -92,7 +92,7 @@
 
 -- Library functions in locals: global lookups cost a table access each in Redis's sandbox.
 local tonumber, type, floor, ceil, fmod, ipairs = tonumber, type, math.floor, math.ceil, math.fmod, ipairs
-local format, rep, byte = string.format, string.rep, string.byte
+local format, rep = string.format, string.rep
 local spack, sunpack, tunpack = struct.pack, struct.unpack, unpack
 local call, pcall_redis = redis.call, redis.pcall
 local KEYS, ARGV = KEYS, ARGV
@@ -215,12 +215,11 @@ end
 -- struct format of the stored value. (Sized for the usual one policy of one quota.)
 local a = 2
 local pq, at = {0, 0}, {0, 0, 0, 0, 0, 0, 0, 0}
--- The stored format this script writes (format 1, tollgate 0.1 to 0.3, named a quota's values
--- in its key and stored none), and per quota g, tr[g], the end of its values: its own values
--- and the format (rate quotas), the format (blocks).
+-- The stored format this script writes (format 1 named a quota's values in its key and stored
+-- none). Each rate quota's value ends with the values it was counted under and the format
+-- ("<dI4I4B"), so that a quota whose values changed converts its state; a block's with the
+-- format.
 local FORMAT = 2
-local TRAILER_BLOCK = spack('B', FORMAT)
-local tr = {}
 local ng = 0
 for p = 1, tonumber(ARGV[a], 16) do
   local n = tonumber(ARGV[a + 1], 16)
@@ -235,13 +234,6 @@ for p = 1, tonumber(ARGV[a], 16) do
     local strategy = floor(kind / 8)
     kind = kind - 8 * strategy
     at[g - 7], at[g - 6], at[g - 5], at[g - 4], at[g] = kind, len, limit, c, strategy
-    if kind == 4 then
-      tr[ng] = TRAILER_BLOCK
-    elseif kind ~= 3 then
-      -- The values a rate quota's state is counted under, and the format: each stored value
-      -- ends with them, so that a quota whose values changed converts its state.
-      tr[ng] = spack('<dI4I4B', len, limit, c, FORMAT)
-    end
     if kind == 1 or kind == 2 then
       local r = fmod(now_us, len)
       at[g - 3], at[g - 2] = r, (now_us - r) / len
@@ -251,73 +243,6 @@ for p = 1, tonumber(ARGV[a], 16) do
     end
   end
   a = a + 1 + 4 * n
-end
-
--- The units used under a changed limit `nl`, from `used` under `ol`, by strategy (0 keep,
--- 1 reset, 2 proportional, 3 additive): OnChange::carry in src/quota/change.rs, in the same
--- floating-point operations.
-local function carry(strategy, used, ol, nl)
-  if not (used > 0) then
-    used = 0
-  end
-  local c = used
-  if strategy == 1 then
-    c = 0
-  elseif strategy == 2 then
-    c = used * nl / ol
-  elseif strategy == 3 and nl < ol then
-    c = used - (ol - nl)
-  end
-  if c < 0 then
-    c = 0
-  elseif c > nl then
-    c = nl
-  end
-  return c
-end
-
--- The units a stored value of quota g's kind holds now, under the values it was counted
--- under (`olen`, `olim`, `osl`: length, limit, sub-windows), converted to quota g's limit as
--- its strategy says.
-local function carried(g, stored, olen, olim, osl)
-  local kind = at[8 * g - 7]
-  local used = 0
-  if kind == 0 then
-    local sec, ns = sunpack('<I4I4', stored)
-    local rel = (sec - now_s) * 1000000000 + (ns - now_ns)
-    if rel > 0 then
-      used = rel / olen
-    end
-  elseif kind == 1 then
-    local w, n = sunpack('<dI4', stored)
-    local r = fmod(now_us, olen)
-    if w == (now_us - r) / olen then
-      used = n
-    end
-  else
-    local om = osl + 1
-    if #stored ~= 8 + 4 * om + 17 then
-      return 0
-    end
-    local v = {sunpack('<d' .. rep('I4', om), stored)}
-    local r = fmod(now_us, olen)
-    local by = (now_us - r) / olen - v[1]
-    if by < 0 then
-      by = 0
-    end
-    -- The counts moved on to the sub-window of now, as `load` does: c_oldest's weight, then
-    -- the rest.
-    local oldest, rest = 0, 0
-    for y = 1, om - by do
-      if y == 1 then
-        oldest = v[y + 1 + by]
-      else
-        rest = rest + v[y + 1 + by]
-      end
-    end
-    used = oldest * (olen - r) / olen + rest
-  end
-  return carry(at[8 * g], used, olim, at[8 * g - 5])
 end
 
 -- Reads a quota's key (once per call): GCRA, the TAT relative to now (ns, 0 when full);
@@ -350,11 +275,64 @@ local function load(key, g)
     return 0
   end
   -- A rate quota's value: its state, then the values it was counted under and the format.
-  if stored and #stored > 17 and byte(stored, #stored) == FORMAT then
-    local olen, olim, osl = sunpack('<dI4I4', stored, #stored - 16)
+  local olen, olim, osl, ver
+  if stored and #stored > 17 then
+    olen, olim, osl, ver = sunpack('<dI4I4B', stored, #stored - 16)
+  end
+  if ver == FORMAT then
     if olen ~= at[8 * g - 6] or olim ~= at[8 * g - 5] or osl ~= at[8 * g - 4] then
-      -- Counted under other values: what it used, converted, counts now.
-      local units = carried(g, stored, olen, olim, osl)
+      -- Counted under other values: the units it used now, under those values (GCRA: its
+      -- debt in emission intervals; fixed: the count of the window of now; sliding: the
+      -- estimate of now), converted to this quota's limit as its strategy says (0 keep, 1
+      -- reset, 2 proportional, 3 additive: OnChange::carry in src/quota/change.rs, in the
+      -- same floating-point operations), are its state under these, counted now. (Inline:
+      -- a helper function would be a closure made on every call.)
+      local units = 0
+      if kind == 0 then
+        local sec, ns = sunpack('<I4I4', stored)
+        local rel = (sec - now_s) * 1000000000 + (ns - now_ns)
+        if rel > 0 then
+          units = rel / olen
+        end
+      elseif kind == 1 then
+        local w, n = sunpack('<dI4', stored)
+        local r = fmod(now_us, olen)
+        if w == (now_us - r) / olen then
+          units = n
+        end
+      elseif #stored == 8 + 4 * (osl + 1) + 17 then
+        local om = osl + 1
+        local v = {sunpack('<d' .. rep('I4', om), stored)}
+        local r = fmod(now_us, olen)
+        local by = (now_us - r) / olen - v[1]
+        if by < 0 then
+          by = 0
+        end
+        -- The counts moved on to the sub-window of now, as below: the oldest's weight, then
+        -- the rest.
+        local oldest, rest = 0, 0
+        for y = 1, om - by do
+          if y == 1 then
+            oldest = v[y + 1 + by]
+          else
+            rest = rest + v[y + 1 + by]
+          end
+        end
+        units = oldest * (olen - r) / olen + rest
+      end
+      local strategy, limit = at[8 * g], at[8 * g - 5]
+      if not (units > 0) or strategy == 1 then
+        units = 0
+      elseif strategy == 2 then
+        units = units * limit / olim
+      elseif strategy == 3 and limit < olim then
+        units = units - (olim - limit)
+      end
+      if units < 0 then
+        units = 0
+      elseif units > limit then
+        units = limit
+      end
       if kind == 0 then
         return floor(units * at[8 * g - 6])
       elseif kind == 1 then
@@ -823,7 +801,7 @@ for key, g in pairs(dq) do
   local value, ms
   if kind == 4 then
     -- The block's end; the key expires then.
-    value = spack('<d', now_us + st) .. tr[g]
+    value = spack('<dB', now_us + st, FORMAT)
     ms = base_ms + ceil((base_us + st) / 1000)
   elseif kind == 3 then
     -- The leases taken, each expiring `len` ms from now; the key with the newest.
@@ -844,15 +822,17 @@ for key, g in pairs(dq) do
     if r < 0 then
       r = r + 1000000000
     end
-    value = spack('<I4I4', now_s + (total - r) / 1000000000, r) .. tr[g]
+    value = spack('<I4I4dI4I4B', now_s + (total - r) / 1000000000, r, len, at[8 * g - 5], 0, FORMAT)
     ms = base_ms + ceil((base_us * 1000 + st) / 1000000)
   elseif kind == 1 then
-    value = spack('<dI4', at[8 * g - 2], st) .. tr[g]
+    value = spack('<dI4dI4I4B', at[8 * g - 2], st, len, at[8 * g - 5], 0, FORMAT)
     ms = base_ms + ceil((base_us + len - at[8 * g - 3]) / 1000)
   else
     local m = at[8 * g - 4] + 1
     local newest = st[m + 2]
-    value = spack(at[8 * g - 1], newest, tunpack(st, 1, m)) .. tr[g]
+    -- (The counts are spread last in the call: the values follow, packed apart.)
+    value = spack(at[8 * g - 1], newest, tunpack(st, 1, m))
+      .. spack('<dI4I4B', len, at[8 * g - 5], m - 1, FORMAT)
     ms = base_ms + ceil((base_us + (newest + m) * len - now_us) / 1000)
   end
   if ms < 1 then
