@@ -254,37 +254,26 @@ async fn afresh<B: Backend>(b: &B, store: &str) {
     }
 }
 
-/// A rolling upgrade on Redis: an instance still running format 2's script (kept in
-/// `tests/fixtures/gcra-format-2.lua`, with the arguments it takes) and one running this release
-/// decide on one key: one limit, 10 in all, whoever asks. A later change of the script must
-/// keep this (or ship a documented migration).
-#[tokio::test]
-async fn the_script_of_format_2_and_this_one_keep_one_limit() {
-    let server = RedisServer::start();
-    let clock = TestClock::new();
-    let b = redis(&server, &clock);
-    let p = prepare(&b, &Policy::new("roll", support::no_refill(10)));
-    for _ in 0..4 {
-        assert!(b.decide(&p, &key("k"), cost(1)).await.unwrap().is_allowed());
-    }
-    let mut conn = redis_connection(&server).await;
-    let keys: Vec<String> = redis::cmd("KEYS")
-        .arg("tollgate:{roll:*")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    assert_eq!(keys, ["tollgate:{roll:bk}:2.g0"]);
-    let old = std::fs::read_to_string(format!("{FIXTURES}/gcra-format-2.lua")).unwrap();
-    // format 2's arguments: the test hook's time, one policy of one GCRA quota (emission interval
-    // 86 400 s in ns, burst 10, kept: strategy 0), one run of one decision costing 1 (see the
-    // script's header).
+/// Runs a kept script (`tests/fixtures/gcra-format-<n>.lua`) as an instance of its release
+/// would: the test hook's time, one policy of one GCRA quota (emission interval 86 400 s in
+/// ns, burst 10; kind 0, which format 2 reads as strategy keep), one run of one decision
+/// costing 1 (see the script's header), on `key`, `times` times; returns how many it admitted.
+async fn run_old_script(
+    server: &RedisServer,
+    script: &str,
+    key: &str,
+    clock: &TestClock,
+    times: usize,
+) -> usize {
+    let mut conn = redis_connection(server).await;
+    let old = std::fs::read_to_string(format!("{FIXTURES}/{script}")).unwrap();
     let emission = format!("{:x}", 86_400_000_000_000u64);
     let mut admitted = 0;
-    for _ in 0..8 {
+    for _ in 0..times {
         let reply: Vec<i64> = redis::cmd("EVAL")
             .arg(&old)
             .arg(1)
-            .arg(&keys[0])
+            .arg(key)
             .arg(clock.now_ns().to_string())
             .arg("1")
             .arg("1")
@@ -305,6 +294,35 @@ async fn the_script_of_format_2_and_this_one_keep_one_limit() {
             admitted += 1;
         }
     }
+    admitted
+}
+
+/// A rolling upgrade on Redis: an instance still running format 2's script (kept in
+/// `tests/fixtures/gcra-format-2.lua`, with the arguments it takes) and one running this release
+/// decide on one key: one limit, 10 in all, whoever asks. A later change of the script must
+/// keep this (or ship a documented migration).
+#[tokio::test]
+async fn the_script_of_format_2_and_this_one_keep_one_limit() {
+    let server = RedisServer::start();
+    let clock = TestClock::new();
+    let b = redis(&server, &clock);
+    let p = prepare(&b, &Policy::new("roll", support::no_refill(10)));
+    for _ in 0..4 {
+        assert!(b.decide(&p, &key("k"), cost(1)).await.unwrap().is_allowed());
+    }
+    let keys = server.cmd(&["KEYS", "tollgate:{roll:*"]);
+    assert!(
+        keys.starts_with("*1\r\n") && keys.contains("tollgate:{roll:bk}:2.g0"),
+        "{keys:?}"
+    );
+    let admitted = run_old_script(
+        &server,
+        "gcra-format-2.lua",
+        "tollgate:{roll:bk}:2.g0",
+        &clock,
+        8,
+    )
+    .await;
     assert_eq!(
         admitted, 6,
         "format 2's script sees the 4 this release took"
@@ -314,6 +332,66 @@ async fn the_script_of_format_2_and_this_one_keep_one_limit() {
         !d.is_allowed(),
         "this release sees the 6 format 2's script took"
     );
+}
+
+/// A rolling upgrade from format 1 (`upgrade_from_format_1`): an instance still running format
+/// 1's script (`tests/fixtures/gcra-format-1.lua`) and one running this release keep one limit
+/// on one key, whichever starts; and format 1's fixture state is read (3 left of 10, the block
+/// holding). Without the option, format 1's keys are not read (above).
+#[tokio::test]
+async fn while_upgrading_from_format_1_both_keep_one_limit() {
+    let server = RedisServer::start();
+    let clock = TestClock::new();
+    let upgrading = |clock: &TestClock| {
+        RedisBackend::builder()
+            .url(server.url())
+            .fleet(one())
+            .test_clock(clock.clone())
+            .upgrade_from_format_1(true)
+            .build()
+            .unwrap()
+    };
+    let b = upgrading(&clock);
+    let p = prepare(&b, &Policy::new("roll", support::no_refill(10)));
+    let old_key = format!("tollgate:{{roll:bk}}:0g{}x10", 86_400_000_000_000u64);
+    // This release first, then the old one, then this one again.
+    for _ in 0..4 {
+        assert!(b.decide(&p, &key("k"), cost(1)).await.unwrap().is_allowed());
+    }
+    assert_eq!(
+        run_old_script(&server, "gcra-format-1.lua", &old_key, &clock, 3).await,
+        3
+    );
+    for _ in 0..3 {
+        assert!(b.decide(&p, &key("k"), cost(1)).await.unwrap().is_allowed());
+    }
+    assert!(!b.decide(&p, &key("k"), cost(1)).await.unwrap().is_allowed());
+    assert_eq!(
+        run_old_script(&server, "gcra-format-1.lua", &old_key, &clock, 2).await,
+        0
+    );
+    // The old one first on another key.
+    let old_key = format!("tollgate:{{roll:bj}}:0g{}x10", 86_400_000_000_000u64);
+    assert_eq!(
+        run_old_script(&server, "gcra-format-1.lua", &old_key, &clock, 9).await,
+        9
+    );
+    assert!(b.decide(&p, &key("j"), cost(1)).await.unwrap().is_allowed());
+    assert!(!b.decide(&p, &key("j"), cost(1)).await.unwrap().is_allowed());
+
+    // Format 1's fixture state, read.
+    let server = RedisServer::start();
+    assert_eq!(load_redis_fixture(&server, "redis-format-1.txt").await, 6);
+    let clock = TestClock::new();
+    clock.advance(Duration::from_secs(1));
+    let b = RedisBackend::builder()
+        .url(server.url())
+        .fleet(one())
+        .test_clock(clock.clone())
+        .upgrade_from_format_1(true)
+        .build()
+        .unwrap();
+    check_state(&b, "redis upgrading from format 1").await;
 }
 
 async fn redis_connection(server: &RedisServer) -> redis::aio::MultiplexedConnection {

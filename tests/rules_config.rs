@@ -267,3 +267,39 @@ fn declared_tiers_may_be_empty() {
         "{json}"
     );
 }
+
+/// `on_change` in configuration files: each strategy by name, round-tripped, `keep` left out
+/// when serialized (the default), and a typo refused naming the word and the choices.
+#[test]
+fn on_change_is_read_and_checked() {
+    use tollgate::OnChange;
+    for (word, strategy) in [
+        ("keep", OnChange::Keep),
+        ("reset", OnChange::Reset),
+        ("proportional", OnChange::Proportional),
+        ("additive", OnChange::Additive),
+    ] {
+        let text = format!(
+            "default = \"p\"\n[[policies]]\nname = \"p\"\nquotas = [\"1000/h\"]\non_change = \"{word}\"\n"
+        );
+        let set: RuleSet = toml::from_str(&text).unwrap();
+        assert_eq!(set.policies()[0].change_strategy(), strategy);
+        let back = serde_json::to_string(&set).unwrap();
+        assert_eq!(
+            back.contains("on_change"),
+            strategy != OnChange::Keep,
+            "{back}"
+        );
+        let again: RuleSet = serde_json::from_str(&back).unwrap();
+        assert_eq!(again.policies()[0].change_strategy(), strategy);
+    }
+    let err = toml::from_str::<RuleSet>(
+        "default = \"p\"\n[[policies]]\nname = \"p\"\nquotas = [\"1/s\"]\non_change = \"kept\"\n",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("\"kept\"") && err.contains("proportional"),
+        "{err}"
+    );
+}

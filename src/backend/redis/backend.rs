@@ -42,6 +42,9 @@ pub(crate) struct RedisStore {
     /// Where Redis is, passwords masked: for [`RedisBackend::endpoint`] and `Debug`.
     pub(crate) endpoint: String,
     pub(crate) prefix: String,
+    /// Whether decisions also read and write stored format 1's keys (a rolling upgrade from
+    /// the release before: `RedisBackendBuilder::upgrade_from_format_1`).
+    pub(crate) format_1: bool,
 }
 
 impl RedisBackend {
@@ -91,6 +94,9 @@ pub(crate) struct Prepared {
     /// Whether the policy blocks keys once refused (`block_for`): the block's key and reply
     /// follow the quotas'.
     pub(crate) blocks: bool,
+    /// Stored format 1's suffixes for the same keys, during a rolling upgrade from it
+    /// (`keys::format_1_keys`): each decision reads and writes those keys too.
+    pub(crate) format_1_suffixes: Option<Vec<Box<[u8]>>>,
 }
 
 impl fmt::Debug for RedisPolicy {
@@ -191,6 +197,7 @@ impl Store for RedisStore {
             ),
             reply_len: script::reply_len(params) + if block_us.is_some() { 2 } else { 0 },
             blocks: block_us.is_some(),
+            format_1_suffixes: self.format_1.then(|| keys::format_1_keys(params, block_us)),
         })
     }
 
@@ -351,7 +358,14 @@ fn command(batch: &[Job<RedisStore>], time: Time) -> redis::Cmd {
         };
         of_job.push(i + 1);
     }
-    let nkeys: usize = batch.iter().map(|j| j.prepared().key_suffixes.len()).sum();
+    let mut nkeys: usize = batch.iter().map(|j| j.prepared().key_suffixes.len()).sum();
+    // During a rolling upgrade from format 1, its keys follow, one per key (see `gcra.lua`).
+    let format_1 = batch
+        .iter()
+        .all(|j| j.prepared().format_1_suffixes.is_some());
+    if format_1 {
+        nkeys *= 2;
+    }
     let policy_args: usize = policies.iter().map(|p| p.args.len()).sum();
     let runs = script::runs(
         batch
@@ -359,7 +373,7 @@ fn command(batch: &[Job<RedisStore>], time: Time) -> redis::Cmd {
             .zip(&of_job)
             .map(|(job, p)| (*p, job.cost.get(), job.mode)),
     );
-    let nargs = 6 + nkeys + policy_args + 5 * runs.len();
+    let nargs = 7 + nkeys + policy_args + 5 * runs.len();
     let mut cmd = redis::Cmd::with_capacity(nargs, 64 + nkeys * 96 + nargs * 12);
     cmd.arg("EVALSHA").arg(script::SCRIPT.get_hash()).arg(nkeys);
     let mut base = Vec::with_capacity(128);
@@ -372,6 +386,18 @@ fn command(batch: &[Job<RedisStore>], time: Time) -> redis::Cmd {
             key.extend_from_slice(&base);
             key.extend_from_slice(suffix);
             cmd.arg(&key[..]);
+        }
+    }
+    if format_1 {
+        for job in batch {
+            let p = job.prepared();
+            keys::key_base(&p.key_prefix, &job.key, &mut base);
+            for suffix in p.format_1_suffixes.iter().flatten() {
+                key.clear();
+                key.extend_from_slice(&base);
+                key.extend_from_slice(suffix);
+                cmd.arg(&key[..]);
+            }
         }
     }
     match time {
@@ -388,6 +414,9 @@ fn command(batch: &[Job<RedisStore>], time: Time) -> redis::Cmd {
         for n in run {
             cmd.arg(script::hex(*n).as_bytes());
         }
+    }
+    if format_1 {
+        cmd.arg("L");
     }
     cmd
 }

@@ -38,6 +38,7 @@ pub struct RedisBackendBuilder {
     tls_ca: Option<Vec<u8>>,
     tls_client: Option<(Vec<u8>, Vec<u8>)>,
     clock: RedisClock,
+    format_1: bool,
 }
 
 #[derive(Clone)]
@@ -59,6 +60,7 @@ impl RedisBackend {
             tls_ca: None,
             tls_client: None,
             clock: RedisClock::Auto,
+            format_1: false,
         }
     }
 }
@@ -232,6 +234,20 @@ impl RedisBackendBuilder {
         self
     }
 
+    /// During a rolling upgrade from the release before this one (stored format 1, whose
+    /// keys named a quota's values, `…:0g200000000x10`): every decision also reads the key
+    /// format 1 gives its quota (for the quota's values now), and takes its state when it
+    /// exists, and writes it beside its own; so instances of both releases keep one limit
+    /// while they run side by side. Off by default: it costs one more key per quota in every
+    /// call. Turn it on for the rollout, and off once no instance of the old release runs
+    /// (format 1's keys then expire by themselves). Requests in flight (`Quota::concurrent`)
+    /// are not shared with the old release during the rollout: its slots and this release's
+    /// are counted apart. See `docs/redis.md`, "Upgrading".
+    pub fn upgrade_from_format_1(mut self, on: bool) -> Self {
+        self.format_1 = on;
+        self
+    }
+
     /// **Tests only.** Makes the script use `clock`'s time instead of Redis `TIME`, and the
     /// deny cache use it instead of the monotonic clock, so that a test can script time as
     /// with governor's `FakeRelativeClock`. Keys still expire on Redis's real clock.
@@ -246,6 +262,7 @@ impl RedisBackendBuilder {
     /// first prepared policy (or the first decision) on, inside the Tokio runtime.
     pub fn build(self) -> Result<RedisBackend, ConfigError> {
         let clock = Clock::new(self.clock);
+        let format_1 = self.format_1;
         let c = self.connect()?;
         let store = RedisStore {
             conn: c.conn,
@@ -253,6 +270,7 @@ impl RedisBackendBuilder {
             clock_key: format!("{}:clock", c.prefix),
             endpoint: c.endpoint,
             prefix: c.prefix,
+            format_1,
         };
         Ok(RedisBackend {
             remote: Remote::new(store, c.who, c.secrets, c.opts),

@@ -38,7 +38,10 @@
 --                    after another, D in all, and the keys of each are the next n_p KEYS, in
 --                    order
 -- KEYS               one per quota of every decision, in the order above (on a Redis Cluster a
---                    call holds one decision, whose keys share one {hash tag})
+--                    call holds one decision, whose keys share one {hash tag}); during a
+--                    rolling upgrade from format 1, then as many again: the key format 1
+--                    gives each, in the same order (see `lk`), and the last argument is "L"
+--                    (after the runs)
 --
 -- Time is integer: nanoseconds for GCRA, microseconds since the Unix epoch for windows (exact
 -- in Lua's doubles: both stay below 2^53). No float seconds anywhere.
@@ -245,6 +248,13 @@ for p = 1, tonumber(ARGV[a], 16) do
   a = a + 1 + 4 * n
 end
 
+-- During a rolling upgrade from format 1 (KEYS holds, after every decision's keys, the key
+-- format 1 gives each, in the same order): lk[key] is format 1's key of a decision's key.
+-- Its value, when there is one, is the state (format 1's values are format 2's without their
+-- end, counted under the quota's values now, which named the key), and every write of the
+-- key is made to it too, so that both releases keep one limit.
+local lk
+
 -- Reads a quota's key (once per call): GCRA, the TAT relative to now (ns, 0 when full);
 -- fixed, the count of the current window; sliding, a table c[1..m] of the m = slices + 1
 -- counts moved on to the current sub-window, c[m + 1] the sum of all but the oldest, c[m + 2]
@@ -264,6 +274,22 @@ local function load(key, g)
   local stored = pcall_redis('GET', key)
   if stored and type(stored) == 'table' then
     return false
+  end
+  if lk then
+    local old = pcall_redis('GET', lk[key])
+    if type(old) == 'string' then
+      local len = 8
+      if kind == 1 then
+        len = 12
+      elseif kind == 2 then
+        len = 8 + 4 * (at[8 * g - 4] + 1)
+      end
+      if #old == len and kind == 4 then
+        stored = old .. spack('B', FORMAT)
+      elseif #old == len then
+        stored = old .. spack('<dI4I4B', at[8 * g - 6], at[8 * g - 5], at[8 * g - 4], FORMAT)
+      end
+    end
   end
   if kind == 4 then
     if stored and #stored == 9 then
@@ -424,6 +450,14 @@ local WRONG = {[0] = 2, 3, 4, 2, 2}
 local adds
 
 a = a + 1
+if ARGV[#ARGV] == 'L' then
+  -- The second half of KEYS is format 1's (see `lk`).
+  local nd = #KEYS / 2
+  lk = {}
+  for j = 1, nd do
+    lk[KEYS[j]] = KEYS[nd + j]
+  end
+end
 local k = 0
 for _ = 1, tonumber(ARGV[a], 16) do
   local count, p, cost = tonumber(ARGV[a + 1], 16), tonumber(ARGV[a + 2], 16), tonumber(ARGV[a + 3], 16)
@@ -854,6 +888,14 @@ for key, g in pairs(dq) do
     end
   else
     written = pcall_redis('SET', key, value, px, x)
+    if lk and not (type(written) == 'table' and written.err) then
+      -- Format 1's value: format 2's without its end.
+      local tail = 17
+      if kind == 4 then
+        tail = 1
+      end
+      written = pcall_redis('SET', lk[key], string.sub(value, 1, #value - tail), px, x)
+    end
   end
   -- An error is a table with `err` (a status reply, `OK`, is one with `ok`).
   if type(written) == 'table' and written.err then

@@ -111,6 +111,28 @@ pub(crate) fn quota_keys(policy: &crate::Policy, params: &[QuotaParams]) -> Vec<
     out
 }
 
+/// The key suffixes stored format 1 gave the same quotas (the release before this one):
+/// `<index><algorithm><parameters>`, the values in the name (`0g200000000x10`), then
+/// `b<block µs>` for blocks. Read and written beside format 2's during a rolling upgrade
+/// ([`upgrade_from_format_1`](crate::backend::redis::RedisBackendBuilder::upgrade_from_format_1)).
+#[cfg(feature = "redis")]
+pub(crate) fn format_1_keys(params: &[QuotaParams], block_us: Option<u64>) -> Vec<Box<[u8]>> {
+    let quotas = params.iter().enumerate().map(|(i, p)| {
+        let limit = p.burst;
+        match p.kind {
+            QuotaKind::Gcra => format!("{i}g{}x{limit}", p.emission_ns),
+            QuotaKind::FixedWindow { window_us } => format!("{i}f{window_us}x{limit}"),
+            QuotaKind::SlidingWindow { slice_us, slices } => {
+                format!("{i}s{slice_us}x{slices}x{limit}")
+            }
+            QuotaKind::Concurrent { lease_ms } => format!("{i}c{lease_ms}x{limit}"),
+        }
+    });
+    (quotas.chain(block_us.map(|us| format!("b{us}"))))
+        .map(|k| k.into_bytes().into_boxed_slice())
+        .collect()
+}
+
 /// Whether a key suffix of [`quota_keys`] is a concurrent quota's (its slots in flight):
 /// `reset` leaves those, whose requests still run and give their slots back when they end.
 pub(crate) fn holds_slots(suffix: &[u8]) -> bool {
