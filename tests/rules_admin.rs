@@ -21,6 +21,31 @@ async fn serve(token: Option<&str>) -> String {
     format!("http://{addr}")
 }
 
+/// The admin API's rules, read with the token.
+async fn read_rules(client: &reqwest::Client, base: &str) -> serde_json::Value {
+    client
+        .get(format!("{base}/admin/rules"))
+        .bearer_auth("s3cret")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+/// Writes `rules` back with the token, and checks they were taken.
+async fn write_rules(client: &reqwest::Client, base: &str, rules: &serde_json::Value) {
+    let res = client
+        .put(format!("{base}/admin/rules"))
+        .bearer_auth("s3cret")
+        .json(rules)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 200, "{}", res.text().await.unwrap());
+}
+
 #[tokio::test]
 async fn admin_raises_a_merchants_limit_live() {
     let base = serve(Some("s3cret")).await;
@@ -39,26 +64,10 @@ async fn admin_raises_a_merchants_limit_live() {
     assert_eq!(res.status(), 429);
 
     // Read, change, write back.
-    let rules: serde_json::Value = client
-        .get(format!("{base}/admin/rules"))
-        .bearer_auth("s3cret")
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let mut rules = read_rules(&client, &base).await;
     assert_eq!(rules["default"], "free");
-    let mut rules = rules;
     rules["tiers"]["merchant-9"] = "pro".into();
-    let res = client
-        .put(format!("{base}/admin/rules"))
-        .bearer_auth("s3cret")
-        .json(&rules)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(res.status(), 200, "{}", res.text().await.unwrap());
+    write_rules(&client, &base, &rules).await;
 
     // The very next request is under the pro policy.
     let res = orders().await.unwrap();
@@ -223,28 +232,13 @@ async fn a_changed_quota_keeps_what_keys_used() {
     for _ in 0..5 {
         assert_eq!(orders().await.unwrap().status(), 200);
     }
-    let mut rules: serde_json::Value = client
-        .get(format!("{base}/admin/rules"))
-        .bearer_auth("s3cret")
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let mut rules = read_rules(&client, &base).await;
     let free = (rules["policies"].as_array_mut().unwrap().iter_mut())
         .find(|p| p["name"] == "free")
         .unwrap();
     assert_eq!(free["quotas"][1], "1000/h");
     free["quotas"][1] = "900/h".into();
-    let res = client
-        .put(format!("{base}/admin/rules"))
-        .bearer_auth("s3cret")
-        .json(&rules)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(res.status(), 200, "{}", res.text().await.unwrap());
+    write_rules(&client, &base, &rules).await;
     // A unit of free's burst (2/s) comes back, so that the next request passes and reports
     // both quotas (a 429 reports only the quota that refused).
     tokio::time::sleep(std::time::Duration::from_millis(600)).await;
