@@ -97,6 +97,8 @@ pub mod quota;
 mod report;
 mod request;
 pub mod response;
+#[cfg(feature = "rls")]
+pub mod rls;
 pub mod rules;
 mod service;
 pub mod settle;

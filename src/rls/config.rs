@@ -1,0 +1,362 @@
+//! envoyproxy/ratelimit's configuration format, read as it is, with tollgate's quotas as an
+//! extension: [`RlsConfig`].
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::quota::Algorithm;
+use crate::{ConfigError, Policy, Quota};
+
+/// One domain's rules, as envoyproxy/ratelimit writes them in YAML, each file one domain:
+///
+/// ```yaml
+/// domain: edge
+/// descriptors:
+///   - key: remote_address          # any value: a limit per client address
+///     rate_limit: { unit: second, requests_per_unit: 5 }
+///   - key: generic_key
+///     value: expensive             # this value only
+///     quota: "2/s burst 2"         # tollgate's quota syntax, instead of rate_limit
+///   - key: database
+///     value: users
+///     descriptors:                 # nested: the descriptor's next entry
+///       - key: tenant
+///         rate_limit: { unit: minute, requests_per_unit: 100 }
+///         shadow_mode: true
+/// ```
+///
+/// Read as envoyproxy/ratelimit does: `rate_limit` (`unit`: second, minute, hour, day, or
+/// week, month, year as 7, 30 and 365 days; `requests_per_unit`; `unlimited`; `name`;
+/// `replaces`), `shadow_mode`, `detailed_metric` (accepted; tollgate's metrics are per policy
+/// already) and nested `descriptors`. A `rate_limit` counts in fixed windows, as
+/// envoyproxy/ratelimit does (`5/s fixed`). The extension `quota` takes tollgate's quota
+/// syntax instead (`"5/s burst 10"`, `"100/min sliding 10s"`, `"10/s block 1m"`); a concurrent
+/// quota cannot be served (the protocol has no release) and is refused. Anything else is an
+/// error naming the rule and the word.
+///
+/// ```
+/// use tollgate::rls::RlsConfig;
+///
+/// let config = RlsConfig::from_yaml(
+///     "domain: edge\ndescriptors:\n  - key: remote_address\n    quota: \"5/s burst 10\"\n",
+/// )?;
+/// assert_eq!(config.domain(), "edge");
+/// assert_eq!(config.policies().len(), 1);
+/// assert_eq!(config.policies()[0].name(), "edge.remote_address");
+/// # Ok::<(), tollgate::ConfigError>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct RlsConfig {
+    domain: String,
+    root: Node,
+    policies: Vec<Policy>,
+}
+
+/// A level of the rule tree: the rules of its descriptor entries, by `key=value` (a value
+/// given) and by `key` (any value).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Node {
+    pub(crate) by_value: HashMap<(String, String), Rule>,
+    pub(crate) by_key: HashMap<String, Rule>,
+}
+
+/// A rule of the tree: what a descriptor ending here gets, and the rules of its next entry.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Rule {
+    pub(crate) limit: Option<Limit>,
+    pub(crate) children: Node,
+}
+
+/// What a descriptor ending at a rule gets.
+#[derive(Debug, Clone)]
+pub(crate) enum Limit {
+    /// OK, counted nowhere.
+    Unlimited,
+    /// Decided under policy `policy` (an index into the config's policies).
+    Counted {
+        policy: usize,
+        /// The limit's name, which `replaces` of other limits refer to.
+        name: Option<Arc<str>>,
+        /// The names of the limits this one replaces when both apply to one request.
+        replaces: Vec<String>,
+        /// Decided and counted, always OK.
+        shadow: bool,
+        /// `current_limit`: requests per unit, and the unit's number in the protocol.
+        per_unit: (u32, i32),
+    },
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileSpec {
+    domain: String,
+    #[serde(default)]
+    descriptors: Vec<DescriptorSpec>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DescriptorSpec {
+    key: String,
+    #[serde(default)]
+    value: Option<String>,
+    #[serde(default)]
+    rate_limit: Option<RateLimitSpec>,
+    /// tollgate's extension: a quota in its own syntax.
+    #[serde(default)]
+    quota: Option<String>,
+    #[serde(default)]
+    descriptors: Vec<DescriptorSpec>,
+    #[serde(default)]
+    shadow_mode: bool,
+    #[serde(default)]
+    detailed_metric: bool,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RateLimitSpec {
+    #[serde(default)]
+    unit: Option<String>,
+    #[serde(default)]
+    requests_per_unit: Option<u32>,
+    #[serde(default)]
+    unlimited: bool,
+    #[serde(default)]
+    name: Option<String>,
+    #[serde(default)]
+    replaces: Vec<ReplacesSpec>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ReplacesSpec {
+    name: String,
+}
+
+/// The protocol's units (`RateLimitResponse.RateLimit.Unit`), their lengths, and their
+/// numbers.
+const UNITS: [(&str, u64, i32); 7] = [
+    ("second", 1, 1),
+    ("minute", 60, 2),
+    ("hour", 3_600, 3),
+    ("day", 86_400, 4),
+    ("week", 7 * 86_400, 7),
+    ("month", 30 * 86_400, 5),
+    ("year", 365 * 86_400, 6),
+];
+
+impl RlsConfig {
+    /// Reads one domain's rules in envoyproxy/ratelimit's YAML (see [`RlsConfig`]).
+    pub fn from_yaml(text: &str) -> Result<Self, ConfigError> {
+        let spec: FileSpec = serde_norway::from_str(text).map_err(|e| ConfigError::Invalid {
+            option: "rls config",
+            reason: e.to_string(),
+        })?;
+        if spec.domain.is_empty() {
+            return Err(invalid("the domain is empty"));
+        }
+        let mut policies = Vec::new();
+        let root = compile(&spec.domain, &spec.descriptors, &[], &mut policies)?;
+        Ok(RlsConfig {
+            domain: spec.domain,
+            root,
+            policies,
+        })
+    }
+
+    /// The domain the rules are for.
+    pub fn domain(&self) -> &str {
+        &self.domain
+    }
+
+    /// The policies the rules decide with, one per counted rule: named after the rule's
+    /// path, `<domain>.<key>[=<value>]…` (`edge.remote_address`,
+    /// `edge.generic_key=expensive`), whatever its `name` (which only `replaces` refers to).
+    /// A layer in a service with a policy of the same name, on the same store, counts against
+    /// the same limit (see the [module docs](super) for the keys).
+    pub fn policies(&self) -> &[Policy] {
+        &self.policies
+    }
+
+    pub(crate) fn root(&self) -> &Node {
+        &self.root
+    }
+}
+
+fn invalid(reason: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        option: "rls config",
+        reason: reason.into(),
+    }
+}
+
+/// Compiles one level of descriptors under `path` (the entries above, as `key[=value]`).
+fn compile(
+    domain: &str,
+    specs: &[DescriptorSpec],
+    path: &[String],
+    policies: &mut Vec<Policy>,
+) -> Result<Node, ConfigError> {
+    let mut node = Node::default();
+    for spec in specs {
+        let step = match &spec.value {
+            Some(v) => format!("{}={v}", spec.key),
+            None => spec.key.clone(),
+        };
+        let mut here = path.to_vec();
+        here.push(step);
+        let name = format!("{domain}.{}", here.join("."));
+        let bad = |why: &str| invalid(format!("rule `{name}`: {why}"));
+        if spec.key.is_empty() {
+            return Err(bad("the key is empty"));
+        }
+        let _ = spec.detailed_metric;
+        let limit = match (&spec.rate_limit, &spec.quota) {
+            (Some(_), Some(_)) => {
+                return Err(bad(
+                    "both `rate_limit` and `quota`: give one (`quota` is tollgate's syntax for \
+                     the same thing)",
+                ));
+            }
+            (Some(rl), None) if rl.unlimited => {
+                if rl.unit.is_some() || rl.requests_per_unit.is_some() {
+                    return Err(bad(
+                        "`unlimited` with a unit or a count: give one or the other",
+                    ));
+                }
+                Some(Limit::Unlimited)
+            }
+            (Some(rl), None) => {
+                let unit_word = rl
+                    .unit
+                    .as_deref()
+                    .ok_or_else(|| bad("`rate_limit` without `unit`"))?;
+                let (_, secs, code) = UNITS
+                    .iter()
+                    .find(|(u, _, _)| u.eq_ignore_ascii_case(unit_word))
+                    .copied()
+                    .ok_or_else(|| {
+                        bad(&format!(
+                            "unknown unit {unit_word:?}: use second, minute, hour, day, week, \
+                             month or year"
+                        ))
+                    })?;
+                let count = rl
+                    .requests_per_unit
+                    .ok_or_else(|| bad("`rate_limit` without `requests_per_unit`"))?;
+                let quota = Quota::new(count, Duration::from_secs(secs)).fixed_window();
+                Some(counted(
+                    &name,
+                    quota,
+                    rl,
+                    spec.shadow_mode,
+                    Some((count, code)),
+                    policies,
+                )?)
+            }
+            (None, Some(text)) => {
+                let quota: Quota = text
+                    .parse()
+                    .map_err(|e: ConfigError| bad(&format!("quota {text:?}: {e}")))?;
+                if quota.algorithm() == Algorithm::Concurrent {
+                    return Err(bad(
+                        "a concurrent quota cannot be served over the rate limit service: the \
+                         protocol has no release for a request that ends",
+                    ));
+                }
+                let none = RateLimitSpec {
+                    unit: None,
+                    requests_per_unit: None,
+                    unlimited: false,
+                    name: None,
+                    replaces: Vec::new(),
+                };
+                Some(counted(
+                    &name,
+                    quota,
+                    &none,
+                    spec.shadow_mode,
+                    None,
+                    policies,
+                )?)
+            }
+            (None, None) => None,
+        };
+        if spec.shadow_mode && limit.is_none() {
+            return Err(bad("`shadow_mode` without a limit"));
+        }
+        let rule = Rule {
+            limit,
+            children: compile(domain, &spec.descriptors, &here, policies)?,
+        };
+        let clash = match &spec.value {
+            Some(v) => node
+                .by_value
+                .insert((spec.key.clone(), v.clone()), rule)
+                .is_some(),
+            None => node.by_key.insert(spec.key.clone(), rule).is_some(),
+        };
+        if clash {
+            return Err(bad("given twice at this level"));
+        }
+    }
+    Ok(node)
+}
+
+/// A counted rule's limit: its policy, made and checked here.
+fn counted(
+    name: &str,
+    quota: Quota,
+    rl: &RateLimitSpec,
+    shadow: bool,
+    per_unit: Option<(u32, i32)>,
+    policies: &mut Vec<Policy>,
+) -> Result<Limit, ConfigError> {
+    let policy = Policy::new(name, quota).shadow(shadow);
+    let params = policy
+        .validate()
+        .map_err(|e| invalid(format!("rule `{name}`: {e}")))?;
+    let _ = params;
+    let per_unit = per_unit.unwrap_or_else(|| nearest_unit(&quota));
+    policies.push(policy);
+    Ok(Limit::Counted {
+        policy: policies.len() - 1,
+        name: rl.name.as_deref().map(Arc::from),
+        replaces: rl.replaces.iter().map(|r| r.name.clone()).collect(),
+        shadow,
+        per_unit,
+    })
+}
+
+/// `current_limit` for a quota whose period is not a unit of the protocol (`3/10s`, or any
+/// tollgate quota): its rate (count over period) in the smallest unit at least as long as its
+/// period, rounded.
+fn nearest_unit(quota: &Quota) -> (u32, i32) {
+    let period = quota.period().as_secs_f64().max(1e-9);
+    let (_, secs, code) = (UNITS.iter())
+        .take(4)
+        .find(|(_, secs, _)| *secs as f64 >= period)
+        .copied()
+        .unwrap_or(UNITS[3]);
+    let per = f64::from(quota.count()) * secs as f64 / period;
+    (per.round().clamp(1.0, f64::from(u32::MAX)) as u32, code)
+}
+
+/// The rule a descriptor's entries reach, the most specific at each level (`key=value`
+/// before `key`), if every entry finds one.
+pub(crate) fn find<'a>(mut node: &'a Node, entries: &[(String, String)]) -> Option<&'a Rule> {
+    let mut rule = None;
+    for (k, v) in entries {
+        let found = node
+            .by_value
+            .get(&(k.clone(), v.clone()))
+            .or_else(|| node.by_key.get(k))?;
+        node = &found.children;
+        rule = Some(found);
+    }
+    rule
+}

@@ -1,0 +1,400 @@
+//! Envoy's rate limit service (`envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit`),
+//! deciding with any tollgate [`Backend`]: gateways (Envoy, Istio, Gloo, Emissary) ask it over
+//! gRPC, with the same policies, algorithms and stores as the layers in the services behind
+//! them. Feature `rls`.
+//!
+//! [`RlsService`] serves one domain's rules ([`RlsConfig`], envoyproxy/ratelimit's YAML as it
+//! is, with tollgate's quotas as an extension). Per request, as Envoy and envoyproxy/ratelimit
+//! mean it:
+//!
+//! - each descriptor (its entries in order) is matched against the rule tree, the most
+//!   specific rule at each level (`key` and `value` before `key` alone); a descriptor no rule
+//!   names, or whose rule has no limit, is `OK` and counted nowhere, as is one whose rule is
+//!   `unlimited`, or whose limit another matched limit `replaces`;
+//! - its cost is the descriptor's `hits_addend` when given (0: checked, nothing taken), else
+//!   the request's (0 meaning 1);
+//! - the bucket is the rule's policy (named `<domain>.<key>[=<value>]…`, see
+//!   [`RlsConfig::policies`]) and the descriptor's key: one entry's value as
+//!   [`Key::ip`] when it is an IP address (what [`ClientIp`](crate::key::ClientIp) gives a
+//!   layer), else [`Key::from_bytes`]; several entries' values as a [`Key::composite`] of
+//!   those keys (up to four; more are one key of their values, each length-prefixed). A layer
+//!   with a policy of the same name and such keys, on the same store, shares the limit;
+//! - the descriptors of one request are decided together, all or nothing: when one is over its
+//!   limit, what the others took is given back, and the later ones are only checked;
+//! - one status per descriptor, in order: `code`, `current_limit` (`requests_per_unit` and
+//!   `unit`: a rule's own, or for a quota whose period is not a unit its rate in the smallest
+//!   unit at least as long, rounded), `limit_remaining` and `duration_until_reset`;
+//!   `overall_code` is `OVER_LIMIT` when one is;
+//! - a rule in `shadow_mode` is decided and counted, and always `OK`;
+//! - `response_headers_to_add` carries the IETF `RateLimit` and `RateLimit-Policy` fields of
+//!   the counted descriptors ([`RlsService::headers`] turns them off), and `Retry-After` when
+//!   over the limit, so that Envoy passes them to the client;
+//! - a store that fails answers gRPC `UNAVAILABLE` (so that Envoy's `failure_mode_deny`
+//!   decides), unless the backend's own failure policy (fail open, fail closed, the local
+//!   fallback at the fleet's share) answered first.
+//!
+//! ```
+//! use tollgate::backend::LocalBackend;
+//! use tollgate::rls::{RlsConfig, RlsService};
+//!
+//! let rules = RlsConfig::from_yaml(
+//!     "domain: edge\ndescriptors:\n  - key: remote_address\n    quota: \"5/s burst 10\"\n",
+//! )?;
+//! let service = RlsService::new(LocalBackend::new(), rules)?;
+//! // tonic::transport::Server::builder().add_service(service.into_server()).serve(addr)
+//! let _server = service.into_server();
+//! # Ok::<(), tollgate::ConfigError>(())
+//! ```
+
+mod config;
+
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+pub use envoy_types;
+use envoy_types::pb::envoy::config::core::v3::HeaderValue;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
+    Code, DescriptorStatus, RateLimit,
+};
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::{
+    RateLimitService, RateLimitServiceServer,
+};
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
+
+use config::Limit;
+pub use config::RlsConfig;
+
+use crate::backend::{Backend, Decision, Mode};
+use crate::response::{HeaderStyle, PolicyHeaders, add_headers, ceil_secs, rate_limit_headers};
+use crate::{ConfigError, Key};
+
+/// Envoy's rate limit service on a tollgate [`Backend`] (see the [module docs](self)). Cheap
+/// to clone: clones share the rules and the backend.
+pub struct RlsService<B: Backend> {
+    inner: Arc<Inner<B>>,
+}
+
+impl<B: Backend> Clone for RlsService<B> {
+    fn clone(&self) -> Self {
+        RlsService {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+struct Inner<B: Backend> {
+    backend: B,
+    rules: ArcSwap<Compiled<B>>,
+    headers: AtomicBool,
+}
+
+/// Rules prepared for the backend.
+struct Compiled<B: Backend> {
+    config: RlsConfig,
+    prepared: Vec<B::Policy>,
+    headers: Vec<PolicyHeaders>,
+}
+
+impl<B: Backend> Compiled<B> {
+    fn new(backend: &B, config: RlsConfig) -> Result<Self, ConfigError> {
+        let mut prepared = Vec::with_capacity(config.policies().len());
+        let mut headers = Vec::with_capacity(config.policies().len());
+        for policy in config.policies() {
+            let params = policy.validate()?;
+            prepared.push(backend.prepare(policy, &params)?);
+            headers.push(PolicyHeaders::new(policy, &params));
+        }
+        Ok(Compiled {
+            config,
+            prepared,
+            headers,
+        })
+    }
+}
+
+impl<B: Backend> RlsService<B> {
+    /// Serves `config`'s domain, deciding on `backend`.
+    pub fn new(backend: B, config: RlsConfig) -> Result<Self, ConfigError> {
+        let rules = Compiled::new(&backend, config)?;
+        Ok(RlsService {
+            inner: Arc::new(Inner {
+                backend,
+                rules: ArcSwap::from_pointee(rules),
+                headers: AtomicBool::new(true),
+            }),
+        })
+    }
+
+    /// Whether responses carry the IETF `RateLimit` and `RateLimit-Policy` fields (on by
+    /// default; for this service and its clones); `Retry-After` on `OVER_LIMIT` either way.
+    pub fn headers(self, send: bool) -> Self {
+        self.inner.headers.store(send, Ordering::Relaxed);
+        self
+    }
+
+    /// Replaces the rules, atomically: requests decided from now on use `config`. Checked and
+    /// prepared first (an invalid config changes nothing); live keys keep what they used (see
+    /// [`OnChange`](crate::OnChange)).
+    pub fn replace(&self, config: RlsConfig) -> Result<(), ConfigError> {
+        let rules = Compiled::new(&self.inner.backend, config)?;
+        self.inner.rules.store(Arc::new(rules));
+        Ok(())
+    }
+
+    /// The rules served now.
+    pub fn config(&self) -> RlsConfig {
+        self.inner.rules.load().config.clone()
+    }
+
+    /// The tonic service to add to a server.
+    pub fn into_server(self) -> RateLimitServiceServer<Self> {
+        RateLimitServiceServer::new(self)
+    }
+}
+
+/// The key of a descriptor's entries (see the [module docs](self)).
+fn descriptor_key(values: &[&str]) -> Result<Key, crate::KeyError> {
+    let one = |v: &str| match v.parse::<std::net::IpAddr>() {
+        Ok(ip) => Ok(Key::ip(ip)),
+        Err(_) => Key::from_bytes(v),
+    };
+    match values {
+        [v] => one(v),
+        vs if vs.len() <= Key::MAX_PARTS => {
+            let keys = vs.iter().map(|v| one(v)).collect::<Result<Vec<_>, _>>()?;
+            Key::composite(&keys)
+        }
+        vs => {
+            let mut bytes = Vec::new();
+            for v in vs {
+                bytes.extend_from_slice(&(v.len() as u32).to_be_bytes());
+                bytes.extend_from_slice(v.as_bytes());
+            }
+            Key::from_bytes(bytes)
+        }
+    }
+}
+
+/// A counted descriptor of a request: its place, policy, key, cost, and what was decided.
+struct Counted {
+    at: usize,
+    policy: usize,
+    key: Key,
+    /// `None`: checked only (a `hits_addend` of 0).
+    cost: Option<NonZeroU32>,
+    shadow: bool,
+    name: Arc<str>,
+    per_unit: (u32, i32),
+    decision: Option<Decision>,
+    taken_at: Option<Instant>,
+}
+
+fn status(code: Code) -> DescriptorStatus {
+    DescriptorStatus {
+        code: code as i32,
+        ..Default::default()
+    }
+}
+
+fn proto_duration(d: Duration) -> ProtoDuration {
+    ProtoDuration {
+        seconds: i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
+        nanos: d.subsec_nanos() as i32,
+    }
+}
+
+#[tonic::async_trait]
+impl<B: Backend> RateLimitService for RlsService<B> {
+    async fn should_rate_limit(
+        &self,
+        request: tonic::Request<RateLimitRequest>,
+    ) -> Result<tonic::Response<RateLimitResponse>, tonic::Status> {
+        let req = request.into_inner();
+        let rules = self.inner.rules.load_full();
+        let backend = &self.inner.backend;
+        let mut statuses: Vec<DescriptorStatus> =
+            req.descriptors.iter().map(|_| status(Code::Ok)).collect();
+        let mut counted: Vec<Counted> = Vec::new();
+        if req.domain == rules.config.domain() {
+            let request_cost = req.hits_addend.max(1);
+            for (at, d) in req.descriptors.iter().enumerate() {
+                let entries: Vec<(String, String)> = (d.entries.iter())
+                    .map(|e| (e.key.clone(), e.value.clone()))
+                    .collect();
+                let Some(rule) = config::find(rules.config.root(), &entries) else {
+                    continue;
+                };
+                let Some(Limit::Counted {
+                    policy,
+                    name,
+                    shadow,
+                    per_unit,
+                    ..
+                }) = &rule.limit
+                else {
+                    continue;
+                };
+                let values: Vec<&str> = d.entries.iter().map(|e| e.value.as_str()).collect();
+                let key = descriptor_key(&values).map_err(|e| {
+                    tonic::Status::invalid_argument(format!("descriptor {at}: {e}"))
+                })?;
+                let hits = d
+                    .hits_addend
+                    .as_ref()
+                    .map_or(u64::from(request_cost), |h| h.value);
+                let cost = NonZeroU32::new(u32::try_from(hits).unwrap_or(u32::MAX));
+                let policy_name = rules.config.policies()[*policy].name();
+                counted.push(Counted {
+                    at,
+                    policy: *policy,
+                    key,
+                    cost,
+                    shadow: *shadow,
+                    name: name.clone().unwrap_or_else(|| Arc::from(policy_name)),
+                    per_unit: *per_unit,
+                    decision: None,
+                    taken_at: None,
+                });
+            }
+            // A limit another matched limit replaces is left out.
+            let replaced: Vec<String> = rules_replaced(&rules, &req, &counted);
+            counted.retain(|c| !replaced.iter().any(|r| **r == *c.name));
+        }
+        // All or nothing: once one is over its limit, the rest are only checked, and what the
+        // earlier ones took is given back.
+        let mut over = false;
+        for c in &mut counted {
+            let prepared = &rules.prepared[c.policy];
+            let (cost, mode) = match c.cost {
+                Some(cost) if !over => (cost, Mode::Decide),
+                Some(cost) => (cost, Mode::Peek),
+                None => (NonZeroU32::MIN, Mode::Peek),
+            };
+            let decision = match backend.decide_with(prepared, &c.key, cost, mode).await {
+                Ok(d) => d,
+                Err(e) => {
+                    give_back(backend, &rules, &counted_taken(&counted)).await;
+                    return Err(tonic::Status::unavailable(format!("rate limit store: {e}")));
+                }
+            };
+            if mode == Mode::Decide && decision.is_allowed() {
+                c.taken_at = Some(Instant::now());
+            }
+            if !decision.is_allowed() && !c.shadow && mode == Mode::Decide {
+                over = true;
+            }
+            c.decision = Some(decision);
+        }
+        if over {
+            give_back(backend, &rules, &counted_taken(&counted)).await;
+        }
+        let mut policy_fields = Vec::new();
+        let mut limit_fields = Vec::new();
+        let mut retry = Duration::ZERO;
+        for c in &counted {
+            let Some(d) = &c.decision else { continue };
+            // A check (`hits_addend` 0) counts nothing, and refuses nothing.
+            let refused = !d.is_allowed() && !c.shadow && c.cost.is_some();
+            let s = &mut statuses[c.at];
+            s.code = if refused { Code::OverLimit } else { Code::Ok } as i32;
+            s.current_limit = Some(RateLimit {
+                name: c.name.to_string(),
+                requests_per_unit: c.per_unit.0,
+                unit: c.per_unit.1,
+            });
+            if let Some(q) = d.tightest() {
+                // What is left now: a check (`hits_addend` 0) or a decision given back holds
+                // the units its state counts as taken.
+                let back = match c.cost {
+                    None if d.is_allowed() => 1,
+                    Some(cost) if over && c.taken_at.is_some() => cost.get(),
+                    _ => 0,
+                };
+                s.limit_remaining = q.remaining.saturating_add(back).min(q.limit);
+                s.duration_until_reset = Some(proto_duration(q.reset_after));
+            }
+            if refused {
+                retry = retry.max(d.retry_after().unwrap_or_default());
+            }
+            if self.inner.headers.load(Ordering::Relaxed) && !c.shadow {
+                let adds = rate_limit_headers(HeaderStyle::Ietf, &rules.headers[c.policy], d);
+                let mut map = http::HeaderMap::new();
+                add_headers(&mut map, adds);
+                if let Some(v) = map.get("ratelimit-policy").and_then(|v| v.to_str().ok()) {
+                    policy_fields.push(v.to_owned());
+                }
+                if let Some(v) = map.get("ratelimit").and_then(|v| v.to_str().ok()) {
+                    limit_fields.push(v.to_owned());
+                }
+            }
+        }
+        let mut headers = Vec::new();
+        let header = |key: &str, value: String| HeaderValue {
+            key: key.to_owned(),
+            value,
+            ..Default::default()
+        };
+        if !policy_fields.is_empty() {
+            headers.push(header("ratelimit-policy", policy_fields.join(", ")));
+            headers.push(header("ratelimit", limit_fields.join(", ")));
+        }
+        if over {
+            headers.push(header("retry-after", ceil_secs(retry).max(1).to_string()));
+        }
+        Ok(tonic::Response::new(RateLimitResponse {
+            overall_code: if over { Code::OverLimit } else { Code::Ok } as i32,
+            statuses,
+            response_headers_to_add: headers,
+            ..Default::default()
+        }))
+    }
+}
+
+/// The names the matched limits replace.
+fn rules_replaced<B: Backend>(
+    rules: &Compiled<B>,
+    req: &RateLimitRequest,
+    counted: &[Counted],
+) -> Vec<String> {
+    let mut out = Vec::new();
+    for c in counted {
+        let d = &req.descriptors[c.at];
+        let entries: Vec<(String, String)> = (d.entries.iter())
+            .map(|e| (e.key.clone(), e.value.clone()))
+            .collect();
+        if let Some(rule) = config::find(rules.config.root(), &entries)
+            && let Some(Limit::Counted { replaces, .. }) = &rule.limit
+        {
+            out.extend(replaces.iter().cloned());
+        }
+    }
+    out
+}
+
+/// The descriptors that took units: (policy, key, cost, when).
+fn counted_taken(counted: &[Counted]) -> Vec<(usize, Key, NonZeroU32, Instant)> {
+    (counted.iter())
+        .filter_map(|c| Some((c.policy, c.key.clone(), c.cost?, c.taken_at?)))
+        .collect()
+}
+
+/// Gives back what `taken` took (a request refused as a whole).
+async fn give_back<B: Backend>(
+    backend: &B,
+    rules: &Compiled<B>,
+    taken: &[(usize, Key, NonZeroU32, Instant)],
+) {
+    for (policy, key, cost, at) in taken {
+        let mode = Mode::Refund {
+            admitted_ago: at.elapsed(),
+        };
+        // A refund that fails leaves the units taken: refused requests never admit more.
+        let _ = backend
+            .decide_with(&rules.prepared[*policy], key, *cost, mode)
+            .await;
+    }
+}

@@ -1,0 +1,575 @@
+//! The rate limit service over real gRPC: a tonic server on a TCP port, Envoy's generated
+//! client stubs (`envoy-types`) asking it.
+#![cfg(feature = "rls")]
+
+mod support;
+
+use std::time::Duration;
+
+use governor::clock::FakeRelativeClock;
+use tollgate::backend::LocalBackend;
+use tollgate::rls::envoy_types::pb::envoy::extensions::common::ratelimit::v3::{
+    RateLimitDescriptor, rate_limit_descriptor::Entry,
+};
+use tollgate::rls::envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
+    Code, rate_limit::Unit,
+};
+use tollgate::rls::envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use tollgate::rls::envoy_types::pb::envoy::service::ratelimit::v3::{
+    RateLimitRequest, RateLimitResponse,
+};
+use tollgate::rls::envoy_types::pb::google::protobuf::UInt64Value;
+use tollgate::rls::{RlsConfig, RlsService};
+
+const EXAMPLE_RULES: &str = include_str!("../examples/rls.yaml");
+
+type Client = RateLimitServiceClient<tonic::transport::Channel>;
+
+/// Serves `service` on a free port; a client connected to it.
+async fn serve<B: tollgate::backend::Backend>(service: RlsService<B>) -> Client {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(service.into_server())
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    RateLimitServiceClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap()
+}
+
+/// The example's rules on a local backend whose clock stands still.
+async fn example() -> (Client, FakeRelativeClock) {
+    let clock = FakeRelativeClock::default();
+    let backend = LocalBackend::builder().clock(clock.clone()).build();
+    let config = RlsConfig::from_yaml(EXAMPLE_RULES).unwrap();
+    (
+        serve(RlsService::new(backend, config).unwrap()).await,
+        clock,
+    )
+}
+
+fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        entries: (entries.iter())
+            .map(|(k, v)| Entry {
+                key: (*k).into(),
+                value: (*v).into(),
+            })
+            .collect(),
+        ..Default::default()
+    }
+}
+
+async fn ask(
+    client: &mut Client,
+    descriptors: Vec<RateLimitDescriptor>,
+    hits: u32,
+) -> RateLimitResponse {
+    client
+        .should_rate_limit(RateLimitRequest {
+            domain: "edge".into(),
+            descriptors,
+            hits_addend: hits,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+}
+
+fn header<'a>(r: &'a RateLimitResponse, name: &str) -> Option<&'a str> {
+    (r.response_headers_to_add.iter())
+        .find(|h| h.key == name)
+        .map(|h| h.value.as_str())
+}
+
+/// The done-when of the issue: exactly 10 OK, then OVER_LIMIT, for one `remote_address`, with
+/// the statuses and the fields Envoy passes on.
+#[tokio::test]
+async fn ten_ok_then_over_limit_for_one_address() {
+    let (mut client, clock) = example().await;
+    let addr = || vec![descriptor(&[("remote_address", "10.0.0.1")])];
+    for left in (0..10).rev() {
+        let r = ask(&mut client, addr(), 0).await;
+        assert_eq!(r.overall_code(), Code::Ok);
+        let s = &r.statuses[0];
+        assert_eq!(s.code(), Code::Ok);
+        assert_eq!(s.limit_remaining, left);
+        let limit = s.current_limit.as_ref().unwrap();
+        assert_eq!((limit.requests_per_unit, limit.unit()), (5, Unit::Second));
+        assert_eq!(limit.name, "edge.remote_address");
+        assert_eq!(
+            header(&r, "ratelimit-policy"),
+            Some(r#""edge.remote_address";q=10;w=2"#)
+        );
+        assert!(header(&r, "retry-after").is_none());
+    }
+    let r = ask(&mut client, addr(), 0).await;
+    assert_eq!(r.overall_code(), Code::OverLimit);
+    assert_eq!(r.statuses[0].code(), Code::OverLimit);
+    assert_eq!(r.statuses[0].limit_remaining, 0);
+    let reset = r.statuses[0].duration_until_reset.unwrap();
+    assert_eq!((reset.seconds, reset.nanos), (0, 200_000_000));
+    assert_eq!(header(&r, "retry-after"), Some("1"));
+    assert_eq!(
+        header(&r, "ratelimit"),
+        Some(r#""edge.remote_address";r=0;t=1"#)
+    );
+    // Another address has its own bucket; a unit comes back after 200 ms.
+    let other = ask(
+        &mut client,
+        vec![descriptor(&[("remote_address", "10.0.0.2")])],
+        0,
+    )
+    .await;
+    assert_eq!(other.statuses[0].limit_remaining, 9);
+    clock.advance(Duration::from_millis(200));
+    assert_eq!(ask(&mut client, addr(), 0).await.overall_code(), Code::Ok);
+}
+
+/// `hits_addend` is the cost: the request's (0 meaning 1), a descriptor's own overriding it,
+/// a descriptor's 0 checking without counting.
+#[tokio::test]
+async fn hits_addend_is_the_cost() {
+    let (mut client, _clock) = example().await;
+    let addr = |hits: Option<u64>| {
+        let mut d = descriptor(&[("remote_address", "10.0.0.1")]);
+        d.hits_addend = hits.map(|value| UInt64Value { value });
+        vec![d]
+    };
+    assert_eq!(
+        ask(&mut client, addr(None), 3).await.statuses[0].limit_remaining,
+        7
+    );
+    assert_eq!(
+        ask(&mut client, addr(Some(2)), 3).await.statuses[0].limit_remaining,
+        5
+    );
+    assert_eq!(
+        ask(&mut client, addr(Some(0)), 3).await.statuses[0].limit_remaining,
+        5
+    );
+    assert_eq!(
+        ask(&mut client, addr(None), 0).await.statuses[0].limit_remaining,
+        4
+    );
+    // More than is left: over, nothing taken.
+    let r = ask(&mut client, addr(Some(5)), 0).await;
+    assert_eq!(r.overall_code(), Code::OverLimit);
+    assert_eq!(
+        ask(&mut client, addr(Some(4)), 0).await.statuses[0].limit_remaining,
+        0
+    );
+}
+
+/// Descriptors no rule names are OK and counted nowhere; so is another domain; a rule with a
+/// value matches that value only.
+#[tokio::test]
+async fn unknown_descriptors_are_ok_and_uncounted() {
+    let (mut client, _clock) = example().await;
+    let unknown = vec![
+        descriptor(&[("path", "/api")]),
+        descriptor(&[("generic_key", "cheap")]),
+        descriptor(&[("remote_address", "10.0.0.1"), ("path", "/api")]),
+    ];
+    for _ in 0..20 {
+        let r = ask(&mut client, unknown.clone(), 0).await;
+        assert_eq!(r.overall_code(), Code::Ok);
+        assert_eq!(r.statuses.len(), 3);
+        assert!(
+            r.statuses.iter().all(|s| s.current_limit.is_none()),
+            "{r:?}"
+        );
+        assert!(r.response_headers_to_add.is_empty());
+    }
+    let r = client
+        .should_rate_limit(RateLimitRequest {
+            domain: "other".into(),
+            descriptors: vec![descriptor(&[("remote_address", "10.0.0.1")])],
+            hits_addend: 100,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.overall_code(), Code::Ok);
+    // The address was never counted.
+    let r = ask(
+        &mut client,
+        vec![descriptor(&[("remote_address", "10.0.0.1")])],
+        0,
+    )
+    .await;
+    assert_eq!(r.statuses[0].limit_remaining, 9);
+}
+
+/// The descriptors of one request are decided together: when the expensive route is over its
+/// limit, the address is not charged for the refused request.
+#[tokio::test]
+async fn descriptors_of_one_request_are_all_or_nothing() {
+    let (mut client, _clock) = example().await;
+    let both = || {
+        vec![
+            descriptor(&[("remote_address", "10.0.0.1")]),
+            descriptor(&[("generic_key", "expensive")]),
+        ]
+    };
+    for left in [1, 0] {
+        let r = ask(&mut client, both(), 0).await;
+        assert_eq!(r.overall_code(), Code::Ok);
+        assert_eq!(r.statuses[1].limit_remaining, left);
+    }
+    for _ in 0..3 {
+        let r = ask(&mut client, both(), 0).await;
+        assert_eq!(r.overall_code(), Code::OverLimit);
+        assert_eq!(
+            (r.statuses[0].code(), r.statuses[1].code()),
+            (Code::Ok, Code::OverLimit)
+        );
+        // The two admitted took 2 of the address's 10; the refused ones nothing.
+        assert_eq!(r.statuses[0].limit_remaining, 8, "{r:?}");
+    }
+    let r = ask(
+        &mut client,
+        vec![descriptor(&[("remote_address", "10.0.0.1")])],
+        0,
+    )
+    .await;
+    assert_eq!(r.statuses[0].limit_remaining, 7);
+}
+
+/// Configurations from envoyproxy/ratelimit's README, written here, load unchanged and mean
+/// what they mean there: nested descriptors, `unlimited`, `shadow_mode`, `replaces`.
+#[tokio::test]
+async fn envoyproxy_ratelimit_configs_load_unchanged() {
+    let messaging = r#"
+domain: messaging
+descriptors:
+  # Only allow 5 marketing messages a day
+  - key: message_type
+    value: marketing
+    descriptors:
+      - key: to_number
+        rate_limit:
+          unit: day
+          requests_per_unit: 5
+
+  # Only allow 100 messages a day to any unique phone number
+  - key: to_number
+    rate_limit:
+      unit: day
+      requests_per_unit: 100
+"#;
+    let config = RlsConfig::from_yaml(messaging).unwrap();
+    let names: Vec<&str> = config.policies().iter().map(|p| p.name()).collect();
+    assert_eq!(
+        names,
+        [
+            "messaging.message_type=marketing.to_number",
+            "messaging.to_number"
+        ]
+    );
+    let backend = LocalBackend::builder()
+        .clock(FakeRelativeClock::default())
+        .build();
+    let mut client = serve(RlsService::new(backend, config).unwrap()).await;
+    let marketing = || {
+        vec![descriptor(&[
+            ("message_type", "marketing"),
+            ("to_number", "2061111111"),
+        ])]
+    };
+    for _ in 0..5 {
+        let r = client
+            .should_rate_limit(RateLimitRequest {
+                domain: "messaging".into(),
+                descriptors: marketing(),
+                hits_addend: 0,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(r.overall_code(), Code::Ok);
+        let limit = r.statuses[0].current_limit.as_ref().unwrap();
+        assert_eq!((limit.requests_per_unit, limit.unit()), (5, Unit::Day));
+    }
+    let r = client
+        .should_rate_limit(RateLimitRequest {
+            domain: "messaging".into(),
+            descriptors: marketing(),
+            hits_addend: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.overall_code(), Code::OverLimit);
+
+    let per_ip = r#"
+domain: edge_proxy_per_ip
+descriptors:
+  - key: remote_address
+    rate_limit:
+      unit: second
+      requests_per_unit: 10
+
+  # Black list IP
+  - key: remote_address
+    value: 50.0.0.5
+    rate_limit:
+      unit: second
+      requests_per_unit: 0
+
+  # An unlimited address
+  - key: remote_address
+    value: 50.0.0.6
+    rate_limit:
+      unlimited: true
+"#;
+    // A count of 0 is tollgate's one refusal: it names the rule.
+    let err = RlsConfig::from_yaml(per_ip).unwrap_err().to_string();
+    assert!(
+        err.contains("edge_proxy_per_ip.remote_address=50.0.0.5"),
+        "{err}"
+    );
+    let per_ip = per_ip.replace("requests_per_unit: 0", "requests_per_unit: 1");
+    let config = RlsConfig::from_yaml(&per_ip).unwrap();
+    let backend = LocalBackend::builder()
+        .clock(FakeRelativeClock::default())
+        .build();
+    let mut client = serve(RlsService::new(backend, config).unwrap()).await;
+    let ask_ip = |ip: &'static str| RateLimitRequest {
+        domain: "edge_proxy_per_ip".into(),
+        descriptors: vec![descriptor(&[("remote_address", ip)])],
+        hits_addend: 0,
+    };
+    for _ in 0..20 {
+        let r = client
+            .should_rate_limit(ask_ip("50.0.0.6"))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(r.overall_code(), Code::Ok);
+        assert!(r.statuses[0].current_limit.is_none());
+    }
+    let r = client
+        .should_rate_limit(ask_ip("50.0.0.5"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.overall_code(), Code::Ok);
+    let r = client
+        .should_rate_limit(ask_ip("50.0.0.5"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.overall_code(), Code::OverLimit);
+
+    let shadow_and_replaces = r#"
+domain: example
+descriptors:
+  - key: key1
+    rate_limit:
+      unit: minute
+      requests_per_unit: 1
+      name: one_a_minute
+  - key: key2
+    rate_limit:
+      unit: minute
+      requests_per_unit: 3
+      replaces:
+        - name: one_a_minute
+  - key: key3
+    shadow_mode: true
+    rate_limit:
+      unit: second
+      requests_per_unit: 1
+"#;
+    let config = RlsConfig::from_yaml(shadow_and_replaces).unwrap();
+    let backend = LocalBackend::builder()
+        .clock(FakeRelativeClock::default())
+        .build();
+    let mut client = serve(RlsService::new(backend, config).unwrap()).await;
+    let both = RateLimitRequest {
+        domain: "example".into(),
+        descriptors: vec![descriptor(&[("key1", "a")]), descriptor(&[("key2", "a")])],
+        hits_addend: 0,
+    };
+    // key2's limit replaces key1's: three pass, counted by key2 alone.
+    for _ in 0..3 {
+        let r = client
+            .should_rate_limit(both.clone())
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(r.overall_code(), Code::Ok, "{r:?}");
+        assert!(r.statuses[0].current_limit.is_none());
+    }
+    let r = client.should_rate_limit(both).await.unwrap().into_inner();
+    assert_eq!(r.overall_code(), Code::OverLimit);
+    // Shadow mode: decided, always OK.
+    let shadow = RateLimitRequest {
+        domain: "example".into(),
+        descriptors: vec![descriptor(&[("key3", "x")])],
+        hits_addend: 0,
+    };
+    for left in [0, 0, 0] {
+        let r = client
+            .should_rate_limit(shadow.clone())
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(r.overall_code(), Code::Ok);
+        assert_eq!(r.statuses[0].limit_remaining, left);
+    }
+}
+
+/// Invalid rules are refused naming the rule and the word.
+#[test]
+fn invalid_rules_name_the_rule_and_the_word() {
+    let cases = [
+        (
+            "domain: d\ndescriptors:\n  - key: k\n    rate_limit: { unit: fortnight, requests_per_unit: 1 }\n",
+            "fortnight",
+        ),
+        (
+            "domain: d\ndescriptors:\n  - key: k\n    rate_limit: { unit: second, requests_per_uint: 1 }\n",
+            "requests_per_uint",
+        ),
+        (
+            "domain: d\ndescriptors:\n  - key: k\n    quota: \"5 concurrent\"\n",
+            "concurrent",
+        ),
+        (
+            "domain: d\ndescriptors:\n  - key: k\n    quota: \"5/s bursty 10\"\n",
+            "bursty",
+        ),
+        (
+            "domain: d\ndescriptors:\n  - key: k\n    value: v\n    quota: \"1/s\"\n  - key: k\n    value: v\n    quota: \"2/s\"\n",
+            "twice",
+        ),
+        (
+            "domain: d\ndescriptors:\n  - key: k\n    shadow_mode: true\n",
+            "shadow_mode",
+        ),
+    ];
+    for (yaml, word) in cases {
+        let err = RlsConfig::from_yaml(yaml).unwrap_err().to_string();
+        assert!(err.contains(word), "{word}: {err}");
+        if word != "requests_per_uint" {
+            assert!(err.contains("d.k"), "names the rule: {err}");
+        }
+    }
+}
+
+#[cfg(feature = "redis")]
+mod on_redis {
+    use super::*;
+    use support::RedisServer;
+    use tollgate::backend::redis::{FailurePolicy, RedisBackend};
+
+    fn redis(server: &RedisServer) -> RedisBackend {
+        RedisBackend::builder()
+            .url(server.url())
+            .timeout(Duration::from_secs(2))
+            .build()
+            .unwrap()
+    }
+
+    fn rules() -> RlsConfig {
+        RlsConfig::from_yaml(EXAMPLE_RULES).unwrap()
+    }
+
+    /// Two rate limit services on one Redis share a descriptor's limit: 10 in all, whichever
+    /// is asked.
+    #[tokio::test]
+    async fn two_servers_on_one_redis_share_a_limit() {
+        let server = RedisServer::start();
+        let mut a = serve(RlsService::new(redis(&server), rules()).unwrap()).await;
+        let mut b = serve(RlsService::new(redis(&server), rules()).unwrap()).await;
+        let addr = || vec![descriptor(&[("remote_address", "10.0.0.1")])];
+        let mut ok = 0;
+        for i in 0..20 {
+            let client = if i % 2 == 0 { &mut a } else { &mut b };
+            if ask(client, addr(), 0).await.overall_code() == Code::Ok {
+                ok += 1;
+            }
+        }
+        assert_eq!(ok, 10);
+    }
+
+    /// A layer in a service and the rate limit service, on one Redis, with the policy the
+    /// rules name and the client's address as the key, count against one limit.
+    #[tokio::test]
+    async fn a_layer_and_the_service_share_a_limit() {
+        let server = RedisServer::start();
+        let config = rules();
+        let policy = config.policies()[0].clone();
+        assert_eq!(policy.name(), "edge.remote_address");
+        let layer = tollgate::RateLimitLayer::builder()
+            .backend(redis(&server))
+            .policy(policy)
+            .key(tollgate::key::PeerIp::new())
+            .build()
+            .unwrap();
+        let app = axum::Router::new()
+            .route("/", axum::routing::get(|| async { "ok" }))
+            .layer(layer);
+        let base = support::serve_app(app).await;
+        let mut client = serve(RlsService::new(redis(&server), config).unwrap()).await;
+        // Four through the layer (the service behind the gateway), from 127.0.0.1.
+        for _ in 0..4 {
+            assert_eq!(reqwest::get(&base).await.unwrap().status(), 200);
+        }
+        // The gateway asks for the same address: 6 left, then over.
+        let addr = || vec![descriptor(&[("remote_address", "127.0.0.1")])];
+        let r = ask(&mut client, addr(), 0).await;
+        assert_eq!(r.statuses[0].limit_remaining, 5, "{r:?}");
+        for _ in 0..5 {
+            assert_eq!(ask(&mut client, addr(), 0).await.overall_code(), Code::Ok);
+        }
+        assert_eq!(
+            ask(&mut client, addr(), 0).await.overall_code(),
+            Code::OverLimit
+        );
+        assert_eq!(reqwest::get(&base).await.unwrap().status(), 429);
+    }
+
+    /// A store that cannot be asked: gRPC `UNAVAILABLE` when the failure policy fails closed
+    /// (Envoy's `failure_mode_deny` decides), the failure policy's answer otherwise.
+    #[tokio::test]
+    async fn a_store_outage_answers_unavailable_or_the_failure_policy() {
+        let port = support::closed_port();
+        let down = |on_failure| {
+            RedisBackend::builder()
+                .url(format!("redis://127.0.0.1:{port}"))
+                .timeout(Duration::from_millis(200))
+                .on_failure(on_failure)
+                .build()
+                .unwrap()
+        };
+        let addr = || vec![descriptor(&[("remote_address", "10.0.0.1")])];
+        let mut closed =
+            serve(RlsService::new(down(FailurePolicy::FailClosed), rules()).unwrap()).await;
+        let err = closed
+            .should_rate_limit(RateLimitRequest {
+                domain: "edge".into(),
+                descriptors: addr(),
+                hits_addend: 0,
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::Unavailable, "{err}");
+        let mut open =
+            serve(RlsService::new(down(FailurePolicy::FailOpen), rules()).unwrap()).await;
+        assert_eq!(ask(&mut open, addr(), 0).await.overall_code(), Code::Ok);
+        let mut local =
+            serve(RlsService::new(down(FailurePolicy::FallbackLocal), rules()).unwrap()).await;
+        let mut ok = 0;
+        for _ in 0..12 {
+            if ask(&mut local, addr(), 0).await.overall_code() == Code::Ok {
+                ok += 1;
+            }
+        }
+        assert_eq!(ok, 10, "the local fallback at one instance's share");
+    }
+}
