@@ -8,7 +8,8 @@
 //! bursts of 10, per address; `generic_key` = `expensive`: 2 a second, bursts of 2. Buckets
 //! are in this process (`BACKEND=local`, the default) or in Redis (`BACKEND=redis`,
 //! `REDIS_URL`, default `redis://127.0.0.1:6379`), where several of these servers, and the
-//! layers of the services behind the gateway, share one limit. Ctrl-C stops it gracefully.
+//! layers of the services behind the gateway, share one limit. A changed `RULES_FILE` is read
+//! again within a second (live keys keep what they used). Ctrl-C stops it gracefully.
 //!
 //! Point Envoy at it (see `docs/envoy.md`), or ask it with the bundled client, eleven times
 //! for one address:
@@ -48,8 +49,36 @@ fn port() -> u16 {
         .unwrap_or(8081)
 }
 
+/// With `RULES_FILE`, reads the file again when it changes (checked every second) and swaps
+/// the rules in; a file that does not parse is reported and changes nothing.
+fn watch_rules<B: Backend>(service: RlsService<B>) {
+    let Ok(path) = std::env::var("RULES_FILE") else {
+        return;
+    };
+    tokio::spawn(async move {
+        let modified = || std::fs::metadata(&path).and_then(|m| m.modified()).ok();
+        let mut seen = modified();
+        loop {
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            let now = modified();
+            if now == seen {
+                continue;
+            }
+            seen = now;
+            let read = std::fs::read_to_string(&path).map_err(|e| e.to_string());
+            let config =
+                read.and_then(|text| RlsConfig::from_yaml(&text).map_err(|e| e.to_string()));
+            match config.and_then(|c| service.replace(c).map_err(|e| e.to_string())) {
+                Ok(()) => println!("rules reloaded from {path}"),
+                Err(e) => eprintln!("rules in {path} not loaded (the old ones stay): {e}"),
+            }
+        }
+    });
+}
+
 /// Serves `service` until Ctrl-C, with the health service reporting it serving.
 async fn serve<B: Backend>(service: RlsService<B>) -> Result<(), Box<dyn std::error::Error>> {
+    watch_rules(service.clone());
     let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port()));
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter
