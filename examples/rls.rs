@@ -28,9 +28,15 @@ use tollgate::backend::Backend;
 use tollgate::rls::envoy_types::pb::envoy::extensions::common::ratelimit::v3::{
     RateLimitDescriptor, rate_limit_descriptor::Entry,
 };
-use tollgate::rls::envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+use tollgate::rls::envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
+    Code, DescriptorStatus,
+};
 use tollgate::rls::envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use tollgate::rls::envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
 use tollgate::rls::envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
+use tollgate::rls::envoy_types::pb::envoy::service::ratelimit::v3::{
+    RateLimitRequest, RateLimitResponse,
+};
 use tollgate::rls::{RlsConfig, RlsService};
 
 /// The rules: `RULES_FILE`, or the file shipped beside this example.
@@ -98,6 +104,42 @@ async fn serve<B: Backend>(service: RlsService<B>) -> Result<(), Box<dyn std::er
     Ok(())
 }
 
+/// `BACKEND=none`: a bare rate limit service on the same server, answering every descriptor
+/// OK without deciding (what `scripts/bench-rls.sh` measures tollgate against).
+struct Bare;
+
+#[tonic::async_trait]
+impl RateLimitService for Bare {
+    async fn should_rate_limit(
+        &self,
+        request: tonic::Request<RateLimitRequest>,
+    ) -> Result<tonic::Response<RateLimitResponse>, tonic::Status> {
+        let statuses = (request.into_inner().descriptors.iter())
+            .map(|_| DescriptorStatus {
+                code: Code::Ok as i32,
+                ..Default::default()
+            })
+            .collect();
+        Ok(tonic::Response::new(RateLimitResponse {
+            overall_code: Code::Ok as i32,
+            statuses,
+            ..Default::default()
+        }))
+    }
+}
+
+async fn serve_bare() -> Result<(), Box<dyn std::error::Error>> {
+    let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port()));
+    println!("bare rate limit service on {addr}");
+    tonic::transport::Server::builder()
+        .add_service(RateLimitServiceServer::new(Bare))
+        .serve_with_shutdown(addr, async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await?;
+    Ok(())
+}
+
 /// Asks eleven times for one address, printing each answer.
 async fn client() -> Result<(), Box<dyn std::error::Error>> {
     let mut client =
@@ -138,6 +180,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let config = rules()?;
     match std::env::var("BACKEND").as_deref() {
+        // The floor of `scripts/bench-rls.sh`: the same server answering OK, deciding nothing.
+        Ok("none") => serve_bare().await,
         Err(_) | Ok("local") => {
             serve(RlsService::new(
                 tollgate::backend::LocalBackend::new(),
@@ -155,7 +199,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             serve(RlsService::new(backend, config)?).await
         }
         Ok(other) => Err(format!(
-            "BACKEND={other:?}: use local, or redis (built with the `redis` feature)"
+            "BACKEND={other:?}: use local, redis (built with the `redis` feature), or none"
         )
         .into()),
     }
