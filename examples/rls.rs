@@ -9,7 +9,8 @@
 //! are in this process (`BACKEND=local`, the default) or in Redis (`BACKEND=redis`,
 //! `REDIS_URL`, default `redis://127.0.0.1:6379`), where several of these servers, and the
 //! layers of the services behind the gateway, share one limit. A changed `RULES_FILE` is read
-//! again within a second (live keys keep what they used). Ctrl-C stops it gracefully.
+//! again within a second (live keys keep what they used). `HEADERS=off` leaves the IETF
+//! `RateLimit` fields out of the answers. Ctrl-C stops it gracefully.
 //!
 //! Point Envoy at it (see `docs/envoy.md`), or ask it with the bundled client, eleven times
 //! for one address:
@@ -84,6 +85,7 @@ fn watch_rules<B: Backend>(service: RlsService<B>) {
 
 /// Serves `service` until Ctrl-C, with the health service reporting it serving.
 async fn serve<B: Backend>(service: RlsService<B>) -> Result<(), Box<dyn std::error::Error>> {
+    let service = service.headers(std::env::var("HEADERS").as_deref() != Ok("off"));
     watch_rules(service.clone());
     let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port()));
     let (reporter, health) = tonic_health::server::health_reporter();

@@ -7,7 +7,8 @@
 # the median of each is reported, with its ratio to the floor.
 #
 # Usage: scripts/bench-rls.sh
-# Environment (all optional): MODES="none local redis" ROUNDS=3 DURATION=10s WARMUP=2s
+# Environment (all optional): MODES="none local redis" (and local_noheaders, redis_noheaders:
+#   without the IETF fields in the answers) ROUNDS=3 DURATION=10s WARMUP=2s
 #   KEYS=10000 CONCURRENCY=64 CONNECTIONS=4 PORT=8191 REDIS_PORT=6391 CARGO_TARGET_DIR
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +35,7 @@ taskset -c 0 redis-server --port "$REDIS_PORT" --save "" --appendonly no --dir "
 sleep 0.5
 
 run() { # mode -> calls/s
-  PORT=$PORT BACKEND=$1 RULES_FILE="$dir/rules.yaml" REDIS_URL="redis://127.0.0.1:$REDIS_PORT" \
+  PORT=$PORT BACKEND=${1%_noheaders} HEADERS=$([ "${1%_noheaders}" = "$1" ] && echo on || echo off) RULES_FILE="$dir/rules.yaml" REDIS_URL="redis://127.0.0.1:$REDIS_PORT" \
     taskset -c 0 "$TARGET/release/examples/rls" >/dev/null 2>&1 &
   local server=$!
   for _ in $(seq 1 50); do

@@ -216,6 +216,12 @@ impl HeaderAdds {
     pub(crate) fn new() -> Self {
         Self::default()
     }
+
+    /// The `RateLimit-Policy` and `RateLimit` values, if any.
+    #[cfg(feature = "rls")]
+    pub(crate) fn ietf(&self) -> Option<(&HeaderValue, &HeaderValue)> {
+        self.ietf.as_ref().map(|(policy, limit)| (policy, limit))
+    }
 }
 
 const X_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");

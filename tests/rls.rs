@@ -50,6 +50,11 @@ async fn example() -> (Client, FakeRelativeClock) {
     )
 }
 
+/// One descriptor, `remote_address` = `ip`.
+fn address(ip: &str) -> Vec<RateLimitDescriptor> {
+    vec![descriptor(&[("remote_address", ip)])]
+}
+
 fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
     RateLimitDescriptor {
         entries: (entries.iter())
@@ -67,9 +72,18 @@ async fn ask(
     descriptors: Vec<RateLimitDescriptor>,
     hits: u32,
 ) -> RateLimitResponse {
+    ask_in(client, "edge", descriptors, hits).await
+}
+
+async fn ask_in(
+    client: &mut Client,
+    domain: &str,
+    descriptors: Vec<RateLimitDescriptor>,
+    hits: u32,
+) -> RateLimitResponse {
     client
         .should_rate_limit(RateLimitRequest {
-            domain: "edge".into(),
+            domain: domain.into(),
             descriptors,
             hits_addend: hits,
         })
@@ -89,7 +103,7 @@ fn header<'a>(r: &'a RateLimitResponse, name: &str) -> Option<&'a str> {
 #[tokio::test]
 async fn ten_ok_then_over_limit_for_one_address() {
     let (mut client, clock) = example().await;
-    let addr = || vec![descriptor(&[("remote_address", "10.0.0.1")])];
+    let addr = || address("10.0.0.1");
     for left in (0..10).rev() {
         let r = ask(&mut client, addr(), 0).await;
         assert_eq!(r.overall_code(), Code::Ok);
@@ -117,12 +131,7 @@ async fn ten_ok_then_over_limit_for_one_address() {
         Some(r#""edge.remote_address";r=0;t=1"#)
     );
     // Another address has its own bucket; a unit comes back after 200 ms.
-    let other = ask(
-        &mut client,
-        vec![descriptor(&[("remote_address", "10.0.0.2")])],
-        0,
-    )
-    .await;
+    let other = ask(&mut client, address("10.0.0.2"), 0).await;
     assert_eq!(other.statuses[0].limit_remaining, 9);
     clock.advance(Duration::from_millis(200));
     assert_eq!(ask(&mut client, addr(), 0).await.overall_code(), Code::Ok);
@@ -183,23 +192,10 @@ async fn unknown_descriptors_are_ok_and_uncounted() {
         );
         assert!(r.response_headers_to_add.is_empty());
     }
-    let r = client
-        .should_rate_limit(RateLimitRequest {
-            domain: "other".into(),
-            descriptors: vec![descriptor(&[("remote_address", "10.0.0.1")])],
-            hits_addend: 100,
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let r = ask_in(&mut client, "other", address("10.0.0.1"), 100).await;
     assert_eq!(r.overall_code(), Code::Ok);
     // The address was never counted.
-    let r = ask(
-        &mut client,
-        vec![descriptor(&[("remote_address", "10.0.0.1")])],
-        0,
-    )
-    .await;
+    let r = ask(&mut client, address("10.0.0.1"), 0).await;
     assert_eq!(r.statuses[0].limit_remaining, 9);
 }
 
@@ -229,12 +225,7 @@ async fn descriptors_of_one_request_are_all_or_nothing() {
         // The two admitted took 2 of the address's 10; the refused ones nothing.
         assert_eq!(r.statuses[0].limit_remaining, 8, "{r:?}");
     }
-    let r = ask(
-        &mut client,
-        vec![descriptor(&[("remote_address", "10.0.0.1")])],
-        0,
-    )
-    .await;
+    let r = ask(&mut client, address("10.0.0.1"), 0).await;
     assert_eq!(r.statuses[0].limit_remaining, 7);
 }
 
@@ -280,28 +271,12 @@ descriptors:
         ])]
     };
     for _ in 0..5 {
-        let r = client
-            .should_rate_limit(RateLimitRequest {
-                domain: "messaging".into(),
-                descriptors: marketing(),
-                hits_addend: 0,
-            })
-            .await
-            .unwrap()
-            .into_inner();
+        let r = ask_in(&mut client, "messaging", marketing(), 0).await;
         assert_eq!(r.overall_code(), Code::Ok);
         let limit = r.statuses[0].current_limit.as_ref().unwrap();
         assert_eq!((limit.requests_per_unit, limit.unit()), (5, Unit::Day));
     }
-    let r = client
-        .should_rate_limit(RateLimitRequest {
-            domain: "messaging".into(),
-            descriptors: marketing(),
-            hits_addend: 0,
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let r = ask_in(&mut client, "messaging", marketing(), 0).await;
     assert_eq!(r.overall_code(), Code::OverLimit);
 
     let per_ip = r#"
@@ -486,7 +461,7 @@ mod on_redis {
         let server = RedisServer::start();
         let mut a = serve(RlsService::new(redis(&server), rules()).unwrap()).await;
         let mut b = serve(RlsService::new(redis(&server), rules()).unwrap()).await;
-        let addr = || vec![descriptor(&[("remote_address", "10.0.0.1")])];
+        let addr = || address("10.0.0.1");
         let mut ok = 0;
         for i in 0..20 {
             let client = if i % 2 == 0 { &mut a } else { &mut b };
@@ -521,7 +496,7 @@ mod on_redis {
             assert_eq!(reqwest::get(&base).await.unwrap().status(), 200);
         }
         // The gateway asks for the same address: 6 left, then over.
-        let addr = || vec![descriptor(&[("remote_address", "127.0.0.1")])];
+        let addr = || address("127.0.0.1");
         let r = ask(&mut client, addr(), 0).await;
         assert_eq!(r.statuses[0].limit_remaining, 5, "{r:?}");
         for _ in 0..5 {
@@ -547,7 +522,7 @@ mod on_redis {
                 .build()
                 .unwrap()
         };
-        let addr = || vec![descriptor(&[("remote_address", "10.0.0.1")])];
+        let addr = || address("10.0.0.1");
         let mut closed =
             serve(RlsService::new(down(FailurePolicy::FailClosed), rules()).unwrap()).await;
         let err = closed

@@ -53,13 +53,16 @@ pub struct RlsConfig {
     domain: String,
     root: Node,
     policies: Vec<Policy>,
+    /// Whether a limit `replaces` another (most configs: none, and nothing to look for).
+    replaces: bool,
 }
 
 /// A level of the rule tree: the rules of its descriptor entries, by `key=value` (a value
 /// given) and by `key` (any value).
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Node {
-    pub(crate) by_value: HashMap<(String, String), Rule>,
+    /// By key, then value: looked up with borrowed strings, without allocating.
+    pub(crate) by_value: HashMap<String, HashMap<String, Rule>>,
     pub(crate) by_key: HashMap<String, Rule>,
 }
 
@@ -161,10 +164,12 @@ impl RlsConfig {
         }
         let mut policies = Vec::new();
         let root = compile(&spec.domain, &spec.descriptors, &[], &mut policies)?;
+        let replaces = has_replaces(&root);
         Ok(RlsConfig {
             domain: spec.domain,
             root,
             policies,
+            replaces,
         })
     }
 
@@ -184,6 +189,10 @@ impl RlsConfig {
 
     pub(crate) fn root(&self) -> &Node {
         &self.root
+    }
+
+    pub(crate) fn has_replaces(&self) -> bool {
+        self.replaces
     }
 }
 
@@ -294,9 +303,8 @@ fn compile(
             children: compile(domain, &spec.descriptors, &here, policies)?,
         };
         let clash = match &spec.value {
-            Some(v) => node
-                .by_value
-                .insert((spec.key.clone(), v.clone()), rule)
+            Some(v) => (node.by_value.entry(spec.key.clone()).or_default())
+                .insert(v.clone(), rule)
                 .is_some(),
             None => node.by_key.insert(spec.key.clone(), rule).is_some(),
         };
@@ -348,15 +356,32 @@ fn nearest_unit(quota: &Quota) -> (u32, i32) {
 
 /// The rule a descriptor's entries reach, the most specific at each level (`key=value`
 /// before `key`), if every entry finds one.
-pub(crate) fn find<'a>(mut node: &'a Node, entries: &[(String, String)]) -> Option<&'a Rule> {
+pub(crate) fn find<'a, 'e>(
+    mut node: &'a Node,
+    entries: impl IntoIterator<Item = (&'e str, &'e str)>,
+) -> Option<&'a Rule> {
     let mut rule = None;
     for (k, v) in entries {
-        let found = node
-            .by_value
-            .get(&(k.clone(), v.clone()))
+        let found = (node.by_value.get(k))
+            .and_then(|values| values.get(v))
             .or_else(|| node.by_key.get(k))?;
         node = &found.children;
         rule = Some(found);
     }
     rule
+}
+
+/// Whether a rule under `node` replaces another.
+fn has_replaces(node: &Node) -> bool {
+    let rules = (node.by_value.values())
+        .flat_map(|values| values.values())
+        .chain(node.by_key.values());
+    for rule in rules {
+        if matches!(&rule.limit, Some(Limit::Counted { replaces, .. }) if !replaces.is_empty())
+            || has_replaces(&rule.children)
+        {
+            return true;
+        }
+    }
+    false
 }

@@ -69,7 +69,7 @@ use config::Limit;
 pub use config::RlsConfig;
 
 use crate::backend::{Backend, Decision, Mode};
-use crate::response::{HeaderStyle, PolicyHeaders, add_headers, ceil_secs, rate_limit_headers};
+use crate::response::{HeaderStyle, PolicyHeaders, ceil_secs, rate_limit_headers};
 use crate::{ConfigError, Key};
 
 /// Envoy's rate limit service on a tollgate [`Backend`] (see the [module docs](self)). Cheap
@@ -221,11 +221,10 @@ impl<B: Backend> RateLimitService for RlsService<B> {
         let mut counted: Vec<Counted> = Vec::new();
         if req.domain == rules.config.domain() {
             let request_cost = req.hits_addend.max(1);
+            let mut replaced: Vec<&str> = Vec::new();
             for (at, d) in req.descriptors.iter().enumerate() {
-                let entries: Vec<(String, String)> = (d.entries.iter())
-                    .map(|e| (e.key.clone(), e.value.clone()))
-                    .collect();
-                let Some(rule) = config::find(rules.config.root(), &entries) else {
+                let entries = (d.entries.iter()).map(|e| (e.key.as_str(), e.value.as_str()));
+                let Some(rule) = config::find(rules.config.root(), entries) else {
                     continue;
                 };
                 let Some(Limit::Counted {
@@ -233,11 +232,12 @@ impl<B: Backend> RateLimitService for RlsService<B> {
                     name,
                     shadow,
                     per_unit,
-                    ..
+                    replaces,
                 }) = &rule.limit
                 else {
                     continue;
                 };
+                replaced.extend(replaces.iter().map(String::as_str));
                 let values: Vec<&str> = d.entries.iter().map(|e| e.value.as_str()).collect();
                 let key = descriptor_key(&values).map_err(|e| {
                     tonic::Status::invalid_argument(format!("descriptor {at}: {e}"))
@@ -261,8 +261,9 @@ impl<B: Backend> RateLimitService for RlsService<B> {
                 });
             }
             // A limit another matched limit replaces is left out.
-            let replaced: Vec<String> = rules_replaced(&rules, &req, &counted);
-            counted.retain(|c| !replaced.iter().any(|r| **r == *c.name));
+            if rules.config.has_replaces() {
+                counted.retain(|c| !replaced.contains(&&*c.name));
+            }
         }
         // All or nothing: once one is over its limit, the rest are only checked, and what the
         // earlier ones took is given back.
@@ -292,8 +293,8 @@ impl<B: Backend> RateLimitService for RlsService<B> {
         if over {
             give_back(backend, &rules, &counted_taken(&counted)).await;
         }
-        let mut policy_fields = Vec::new();
-        let mut limit_fields = Vec::new();
+        let mut policy_fields = String::new();
+        let mut limit_fields = String::new();
         let mut retry = Duration::ZERO;
         for c in &counted {
             let Some(d) = &c.decision else { continue };
@@ -322,13 +323,15 @@ impl<B: Backend> RateLimitService for RlsService<B> {
             }
             if self.inner.headers.load(Ordering::Relaxed) && !c.shadow {
                 let adds = rate_limit_headers(HeaderStyle::Ietf, &rules.headers[c.policy], d);
-                let mut map = http::HeaderMap::new();
-                add_headers(&mut map, adds);
-                if let Some(v) = map.get("ratelimit-policy").and_then(|v| v.to_str().ok()) {
-                    policy_fields.push(v.to_owned());
-                }
-                if let Some(v) = map.get("ratelimit").and_then(|v| v.to_str().ok()) {
-                    limit_fields.push(v.to_owned());
+                if let Some((policy, limit)) = adds.ietf()
+                    && let (Ok(policy), Ok(limit)) = (policy.to_str(), limit.to_str())
+                {
+                    for (all, one) in [(&mut policy_fields, policy), (&mut limit_fields, limit)] {
+                        if !all.is_empty() {
+                            all.push_str(", ");
+                        }
+                        all.push_str(one);
+                    }
                 }
             }
         }
@@ -339,8 +342,8 @@ impl<B: Backend> RateLimitService for RlsService<B> {
             ..Default::default()
         };
         if !policy_fields.is_empty() {
-            headers.push(header("ratelimit-policy", policy_fields.join(", ")));
-            headers.push(header("ratelimit", limit_fields.join(", ")));
+            headers.push(header("ratelimit-policy", policy_fields));
+            headers.push(header("ratelimit", limit_fields));
         }
         if over {
             headers.push(header("retry-after", ceil_secs(retry).max(1).to_string()));
@@ -352,27 +355,6 @@ impl<B: Backend> RateLimitService for RlsService<B> {
             ..Default::default()
         }))
     }
-}
-
-/// The names the matched limits replace.
-fn rules_replaced<B: Backend>(
-    rules: &Compiled<B>,
-    req: &RateLimitRequest,
-    counted: &[Counted],
-) -> Vec<String> {
-    let mut out = Vec::new();
-    for c in counted {
-        let d = &req.descriptors[c.at];
-        let entries: Vec<(String, String)> = (d.entries.iter())
-            .map(|e| (e.key.clone(), e.value.clone()))
-            .collect();
-        if let Some(rule) = config::find(rules.config.root(), &entries)
-            && let Some(Limit::Counted { replaces, .. }) = &rule.limit
-        {
-            out.extend(replaces.iter().cloned());
-        }
-    }
-    out
 }
 
 /// The descriptors that took units: (policy, key, cost, when).
