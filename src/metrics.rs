@@ -12,6 +12,7 @@
 //! | `tollgate_backend_latency_seconds` | histogram | `backend` | time from a decision's start to the store's answer, for decisions the store answered |
 //! | `tollgate_circuit_breaker_transitions_total` | counter | `backend`, `state` | the breaker opening (`open`) and closing (`closed`) |
 //! | `tollgate_circuit_breaker_open` | gauge | `backend` | 1 while the breaker is open, else 0 |
+//! | `tollgate_rls_requests_total` | counter | `domain`, `code` | calls to the rate limit service ([`rls`](crate::rls)), by answer: `ok`, `over_limit`, `unavailable`; `domain` is the one served, or `other` (its descriptors' decisions are in `tollgate_decisions_total` under their rules' policies) |
 //! | `tollgate_deny_cache_hits_total` | counter | `policy` | denials answered from the deny cache, without a round trip |
 //! | `tollgate_fleet_size` | gauge | `backend` | instances sharing the store as the last count read ([`Fleet`](crate::backend::remote::Fleet); with the local fallback only) |
 //! | `tollgate_store_time_source` | gauge | `backend`, `source` | 1 for the clock decisions read (`store`: the store's own, in the call; `store_synced`: the store's, read outside its scripts; `instances`: each instance's), set when the backend finds out ([`RedisClock`](crate::backend::redis::RedisClock)) |
@@ -357,6 +358,44 @@ pub(crate) fn backend_error(backend: &'static str, kind: crate::BackendErrorKind
 pub(crate) fn backend_latency(backend: &'static str, seconds: f64) {
     #[cfg(feature = "metrics")]
     metrics::histogram!("tollgate_backend_latency_seconds", "backend" => backend).record(seconds);
+}
+
+/// Counts a call to the rate limit service (`tollgate_rls_requests_total`): `domain` is the
+/// domain it serves, or `other` (a bounded label whatever clients send), `code` the answer's
+/// (`ok`, `over_limit`, `unavailable`).
+#[cfg_attr(
+    not(all(feature = "metrics", feature = "rls")),
+    allow(unused_variables, dead_code)
+)]
+pub(crate) fn rls_request(domain: &metrics_str::Label, code: &'static str) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!(
+        "tollgate_rls_requests_total",
+        "domain" => domain.0.clone(),
+        "code" => code
+    )
+    .increment(1);
+}
+
+/// A label value made once (the service's domain).
+pub(crate) mod metrics_str {
+    #![cfg_attr(not(feature = "rls"), allow(dead_code))]
+    /// A label value, shared.
+    #[derive(Clone, Debug)]
+    pub(crate) struct Label(
+        #[cfg(feature = "metrics")] pub(crate) metrics::SharedString,
+        #[cfg(not(feature = "metrics"))] pub(crate) (),
+    );
+
+    impl Label {
+        #[cfg_attr(not(feature = "metrics"), allow(unused_variables, dead_code))]
+        pub(crate) fn new(value: &str) -> Self {
+            #[cfg(feature = "metrics")]
+            return Label(metrics::SharedString::from(value.to_owned()));
+            #[cfg(not(feature = "metrics"))]
+            Label(())
+        }
+    }
 }
 
 /// Records a circuit breaker opening (`open`) or closing.

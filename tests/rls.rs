@@ -548,3 +548,53 @@ mod on_redis {
         assert_eq!(ok, 10, "the local fallback at one instance's share");
     }
 }
+
+/// The service's metrics: `tollgate_rls_requests_total` by domain (the one served, or
+/// `other`) and code, and each descriptor's decision in `tollgate_decisions_total` under its
+/// rule's policy.
+#[cfg(feature = "metrics")]
+#[test]
+fn calls_and_decisions_are_counted() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    metrics::with_local_recorder(&recorder, || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(async {
+                let (mut client, _clock) = example().await;
+                for _ in 0..11 {
+                    ask(&mut client, address("10.0.0.1"), 0).await;
+                }
+                ask_in(&mut client, "elsewhere", address("10.0.0.1"), 0).await;
+            })
+    });
+    let snapshot = snapshotter.snapshot().into_vec();
+    let count = |name: &str, labels: &[(&str, &str)]| -> u64 {
+        (snapshot.iter())
+            .filter(|(key, _, _, _)| {
+                let key = key.key();
+                key.name() == name
+                    && (labels.iter())
+                        .all(|(k, v)| key.labels().any(|l| l.key() == *k && l.value() == *v))
+            })
+            .map(|(_, _, _, v)| match v {
+                DebugValue::Counter(n) => *n,
+                _ => 0,
+            })
+            .sum()
+    };
+    let calls = "tollgate_rls_requests_total";
+    assert_eq!(count(calls, &[("domain", "edge"), ("code", "ok")]), 10);
+    assert_eq!(
+        count(calls, &[("domain", "edge"), ("code", "over_limit")]),
+        1
+    );
+    assert_eq!(count(calls, &[("domain", "other"), ("code", "ok")]), 1);
+    let decisions = "tollgate_decisions_total";
+    let policy = ("policy", "edge.remote_address");
+    assert_eq!(count(decisions, &[policy, ("outcome", "allowed")]), 10);
+    assert_eq!(count(decisions, &[policy, ("outcome", "denied")]), 1);
+}

@@ -69,6 +69,7 @@ use config::Limit;
 pub use config::RlsConfig;
 
 use crate::backend::{Backend, Decision, Mode};
+use crate::metrics::{self, Outcome, PolicyMetrics, metrics_str::Label};
 use crate::response::{HeaderStyle, PolicyHeaders, ceil_secs, rate_limit_headers};
 use crate::{ConfigError, Key};
 
@@ -97,21 +98,30 @@ struct Compiled<B: Backend> {
     config: RlsConfig,
     prepared: Vec<B::Policy>,
     headers: Vec<PolicyHeaders>,
+    /// Per policy: `tollgate_decisions_total` and the decision's debug event.
+    metrics: Vec<PolicyMetrics>,
+    /// The `domain` label: the domain served.
+    domain: Label,
 }
 
 impl<B: Backend> Compiled<B> {
     fn new(backend: &B, config: RlsConfig) -> Result<Self, ConfigError> {
         let mut prepared = Vec::with_capacity(config.policies().len());
         let mut headers = Vec::with_capacity(config.policies().len());
+        let mut metrics = Vec::with_capacity(config.policies().len());
         for policy in config.policies() {
             let params = policy.validate()?;
             prepared.push(backend.prepare(policy, &params)?);
-            headers.push(PolicyHeaders::new(policy, &params));
+            let h = PolicyHeaders::new(policy, &params);
+            metrics.push(PolicyMetrics::new(policy, &h.labels));
+            headers.push(h);
         }
         Ok(Compiled {
+            domain: Label::new(config.domain()),
             config,
             prepared,
             headers,
+            metrics,
         })
     }
 }
@@ -278,6 +288,8 @@ impl<B: Backend> RateLimitService for RlsService<B> {
             let decision = match backend.decide_with(prepared, &c.key, cost, mode).await {
                 Ok(d) => d,
                 Err(e) => {
+                    rules.metrics[c.policy].record(Outcome::FailClosed, None);
+                    metrics::rls_request(&rules.domain, "unavailable");
                     give_back(backend, &rules, &counted_taken(&counted)).await;
                     return Err(tonic::Status::unavailable(format!("rate limit store: {e}")));
                 }
@@ -285,8 +297,16 @@ impl<B: Backend> RateLimitService for RlsService<B> {
             if mode == Mode::Decide && decision.is_allowed() {
                 c.taken_at = Some(Instant::now());
             }
-            if !decision.is_allowed() && !c.shadow && mode == Mode::Decide {
-                over = true;
+            if mode == Mode::Decide {
+                let outcome = match (decision.is_allowed(), c.shadow, decision.never_fits()) {
+                    (true, _, _) => Outcome::Allowed,
+                    (false, true, _) => Outcome::ShadowDenied,
+                    (false, false, true) => Outcome::NeverFits,
+                    (false, false, false) => Outcome::Denied,
+                };
+                let refused = (!decision.is_allowed()).then_some(0);
+                rules.metrics[c.policy].record(outcome, refused);
+                over |= !decision.is_allowed() && !c.shadow;
             }
             c.decision = Some(decision);
         }
@@ -348,6 +368,12 @@ impl<B: Backend> RateLimitService for RlsService<B> {
         if over {
             headers.push(header("retry-after", ceil_secs(retry).max(1).to_string()));
         }
+        let domain = if req.domain == rules.config.domain() {
+            rules.domain.clone()
+        } else {
+            Label::new("other")
+        };
+        metrics::rls_request(&domain, if over { "over_limit" } else { "ok" });
         Ok(tonic::Response::new(RateLimitResponse {
             overall_code: if over { Code::OverLimit } else { Code::Ok } as i32,
             statuses,
