@@ -4,10 +4,11 @@
 
 mod support;
 
+use std::num::NonZeroU32;
 use std::time::Duration;
 
 use governor::clock::FakeRelativeClock;
-use tollgate::backend::LocalBackend;
+use tollgate::backend::{Decision, LocalBackend, Mode};
 use tollgate::rls::envoy_types::pb::envoy::extensions::common::ratelimit::v3::{
     RateLimitDescriptor, rate_limit_descriptor::Entry,
 };
@@ -15,6 +16,7 @@ use tollgate::rls::envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_re
     Code, rate_limit::Unit,
 };
 use tollgate::rls::envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use tollgate::rls::envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
 use tollgate::rls::envoy_types::pb::envoy::service::ratelimit::v3::{
     RateLimitRequest, RateLimitResponse,
 };
@@ -227,6 +229,112 @@ async fn descriptors_of_one_request_are_all_or_nothing() {
     }
     let r = ask(&mut client, address("10.0.0.1"), 0).await;
     assert_eq!(r.statuses[0].limit_remaining, 7);
+}
+
+/// A local backend whose answers for one key come only once `gate` opens, as a remote store's
+/// late reply: the units are taken when asked, the answer is what waits.
+#[derive(Clone)]
+struct LateFor {
+    local: LocalBackend<FakeRelativeClock>,
+    late: tollgate::Key,
+    gate: std::sync::Arc<tokio::sync::Semaphore>,
+}
+
+impl tollgate::backend::Backend for LateFor {
+    type Policy = <LocalBackend<FakeRelativeClock> as tollgate::backend::Backend>::Policy;
+    type Future = std::pin::Pin<
+        Box<
+            dyn std::future::Future<Output = Result<Decision, tollgate::BackendError>>
+                + Send
+                + 'static,
+        >,
+    >;
+
+    fn prepare(
+        &self,
+        policy: &tollgate::Policy,
+        params: &[tollgate::quota::QuotaParams],
+    ) -> Result<Self::Policy, tollgate::ConfigError> {
+        self.local.prepare(policy, params)
+    }
+
+    fn decide(&self, policy: &Self::Policy, key: &tollgate::Key, cost: NonZeroU32) -> Self::Future {
+        self.decide_with(policy, key, cost, Mode::Decide)
+    }
+
+    fn decide_with(
+        &self,
+        policy: &Self::Policy,
+        key: &tollgate::Key,
+        cost: NonZeroU32,
+        mode: Mode,
+    ) -> Self::Future {
+        let decision = self.local.decide_with(policy, key, cost, mode);
+        let gate = (*key == self.late).then(|| self.gate.clone());
+        Box::pin(async move {
+            if let Some(gate) = gate {
+                drop(gate.acquire().await);
+            }
+            decision.await
+        })
+    }
+
+    fn now_ns(&self) -> u64 {
+        self.local.now_ns()
+    }
+}
+
+/// A call dropped while its decisions are in flight (Envoy's timeout) takes nothing: the
+/// descriptor whose answer landed gives its units back at once, the one whose answer is late
+/// once it lands.
+#[tokio::test]
+async fn a_call_dropped_mid_decision_gives_back_what_it_took() {
+    let clock = FakeRelativeClock::default();
+    let backend = LateFor {
+        local: LocalBackend::builder().clock(clock).build(),
+        late: tollgate::Key::from_bytes("expensive").unwrap(),
+        gate: std::sync::Arc::new(tokio::sync::Semaphore::new(0)),
+    };
+    let config = RlsConfig::from_yaml(EXAMPLE_RULES).unwrap();
+    let service = RlsService::new(backend.clone(), config).unwrap();
+    let both = RateLimitRequest {
+        domain: "edge".into(),
+        descriptors: vec![
+            descriptor(&[("remote_address", "10.0.0.1")]),
+            descriptor(&[("generic_key", "expensive")]),
+        ],
+        hits_addend: 1,
+    };
+    let call = service.should_rate_limit(tonic::Request::new(both));
+    let timed_out = tokio::time::timeout(Duration::from_millis(20), call).await;
+    assert!(timed_out.is_err(), "the expensive route's answer is late");
+    // What is left, checked only (a `hits_addend` of 0 takes nothing).
+    let left = |entries: &[(&str, &str)]| {
+        let service = service.clone();
+        let mut d = descriptor(entries);
+        d.hits_addend = Some(UInt64Value { value: 0 });
+        async move {
+            let request = RateLimitRequest {
+                domain: "edge".into(),
+                descriptors: vec![d],
+                hits_addend: 1,
+            };
+            let r = service.should_rate_limit(tonic::Request::new(request));
+            r.await.unwrap().into_inner().statuses[0].limit_remaining
+        }
+    };
+    assert_eq!(left(&[("remote_address", "10.0.0.1")]).await, 10);
+    // The late answer lands: the gate opens (for it, and for the checks after it).
+    backend.gate.add_permits(1000);
+    let mut expensive = 0;
+    for _ in 0..100 {
+        expensive = left(&[("generic_key", "expensive")]).await;
+        if expensive == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(expensive, 2, "the late decision's unit was given back");
 }
 
 /// Configurations from envoyproxy/ratelimit's README, written here, load unchanged and mean
@@ -507,6 +615,61 @@ mod on_redis {
             Code::OverLimit
         );
         assert_eq!(reqwest::get(&base).await.unwrap().status(), 429);
+    }
+
+    /// Envoy's timeout over real gRPC on a real Redis: a call whose store answers late is
+    /// dropped by the server at its `grpc-timeout`, and what its decisions take when they land
+    /// is given back.
+    #[tokio::test]
+    async fn a_call_that_times_out_takes_nothing() {
+        use support::proxy::{Fault, FaultProxy};
+        let server = RedisServer::start();
+        let proxy = FaultProxy::start(server.port).await;
+        let backend = RedisBackend::builder()
+            .url(proxy.url())
+            .timeout(Duration::from_secs(5))
+            .build()
+            .unwrap();
+        // Hourly limits: nothing comes back by the time the test looks.
+        let config = RlsConfig::from_yaml(
+            "domain: edge\ndescriptors:\n  - key: remote_address\n    quota: \"10/h\"\n  \
+             - key: generic_key\n    value: expensive\n    quota: \"2/h\"\n",
+        )
+        .unwrap();
+        let mut client = serve(RlsService::new(backend, config).unwrap()).await;
+        // Connected (the first call also loads the script) before the store slows down.
+        let peek = |entries: &[(&str, &str)]| {
+            let mut d = descriptor(entries);
+            d.hits_addend = Some(UInt64Value { value: 0 });
+            vec![d]
+        };
+        let r = ask(&mut client, peek(&[("remote_address", "10.0.0.1")]), 1).await;
+        assert_eq!(r.statuses[0].limit_remaining, 10);
+        proxy.set(Fault::Delay(Duration::from_millis(300)));
+        let mut request = tonic::Request::new(RateLimitRequest {
+            domain: "edge".into(),
+            descriptors: vec![
+                descriptor(&[("remote_address", "10.0.0.1")]),
+                descriptor(&[("generic_key", "expensive")]),
+            ],
+            hits_addend: 1,
+        });
+        request.set_timeout(Duration::from_millis(50));
+        let err = client.should_rate_limit(request).await.unwrap_err();
+        assert_eq!(err.code(), tonic::Code::Cancelled, "{err}");
+        proxy.set(Fault::Pass);
+        // The decisions land at the store 300 ms late, and are given back after.
+        let mut left = (0, 0);
+        for _ in 0..100 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            let a = ask(&mut client, peek(&[("remote_address", "10.0.0.1")]), 1).await;
+            let e = ask(&mut client, peek(&[("generic_key", "expensive")]), 1).await;
+            left = (a.statuses[0].limit_remaining, e.statuses[0].limit_remaining);
+            if left == (10, 2) {
+                break;
+            }
+        }
+        assert_eq!(left, (10, 2), "what the dropped call took was given back");
     }
 
     /// A store that cannot be asked: gRPC `UNAVAILABLE` when the failure policy fails closed

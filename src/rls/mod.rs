@@ -19,8 +19,11 @@
 //!   layer), else [`Key::from_bytes`]; several entries' values as a [`Key::composite`] of
 //!   those keys (up to four; more are one key of their values, each length-prefixed). A layer
 //!   with a policy of the same name and such keys, on the same store, shares the limit;
-//! - the descriptors of one request are decided together, all or nothing: when one is over its
-//!   limit, what the others took is given back, and the later ones are only checked;
+//! - the descriptors of one request are decided together, all or nothing: their decisions are
+//!   asked for at once (a shared store's batching sends them in one round trip), and when one
+//!   is over its limit, or the store fails, what the others took is given back; a call dropped
+//!   before its answer (Envoy's timeout, a `grpc-timeout`) takes nothing either: what its
+//!   decisions took is given back, those still in flight once they land;
 //! - one status per descriptor, in order: `code`, `current_limit` (`requests_per_unit` and
 //!   `unit`: a rule's own, or for a quota whose period is not a unit its rate in the smallest
 //!   unit at least as long, rounded), `limit_remaining` and `duration_until_reset`;
@@ -51,7 +54,7 @@ mod config;
 use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use arc_swap::ArcSwap;
 pub use envoy_types;
@@ -71,6 +74,7 @@ pub use config::RlsConfig;
 use crate::backend::{Backend, Decision, Mode};
 use crate::metrics::{self, Outcome, PolicyMetrics, metrics_str::Label};
 use crate::response::{HeaderStyle, PolicyHeaders, ceil_secs, rate_limit_headers};
+use crate::settle::{refund_at, see_through, send, took};
 use crate::{ConfigError, Key};
 
 /// Envoy's rate limit service on a tollgate [`Backend`] (see the [module docs](self)). Cheap
@@ -200,7 +204,20 @@ struct Counted {
     name: Arc<str>,
     per_unit: (u32, i32),
     decision: Option<Decision>,
-    taken_at: Option<Instant>,
+    /// When its units were taken ([`Backend::now_ns`]), until they are given back or kept.
+    taken_at: Option<u64>,
+    /// Given back: the request was refused as a whole.
+    given_back: bool,
+}
+
+impl Counted {
+    /// What is asked of the store: the units taken, or only checked.
+    fn ask(&self) -> (NonZeroU32, Mode) {
+        match self.cost {
+            Some(cost) => (cost, Mode::Decide),
+            None => (NonZeroU32::MIN, Mode::Peek),
+        }
+    }
 }
 
 fn status(code: Code) -> DescriptorStatus {
@@ -268,6 +285,7 @@ impl<B: Backend> RateLimitService for RlsService<B> {
                     per_unit: *per_unit,
                     decision: None,
                     taken_at: None,
+                    given_back: false,
                 });
             }
             // A limit another matched limit replaces is left out.
@@ -275,44 +293,49 @@ impl<B: Backend> RateLimitService for RlsService<B> {
                 counted.retain(|c| !replaced.contains(&&*c.name));
             }
         }
-        // All or nothing: once one is over its limit, the rest are only checked, and what the
-        // earlier ones took is given back.
+        // All together: every descriptor's decision is asked for at once (a shared store's
+        // batching sends them in one round trip), and all or nothing: when one is over its
+        // limit, or the store fails, what the others took is given back. A call dropped
+        // before its answer (Envoy's timeout) gives back what it took too.
+        let mut asking = Asking {
+            inner: &self.inner,
+            rules: &rules,
+            in_flight: (counted.iter())
+                .map(|c| {
+                    let (cost, mode) = c.ask();
+                    Some(backend.decide_with(&rules.prepared[c.policy], &c.key, cost, mode))
+                })
+                .collect(),
+            counted,
+        };
+        let mut failed = None;
+        std::future::poll_fn(|cx| asking.poll_landed(cx, &mut failed)).await;
         let mut over = false;
-        for c in &mut counted {
-            let prepared = &rules.prepared[c.policy];
-            let (cost, mode) = match c.cost {
-                Some(cost) if !over => (cost, Mode::Decide),
-                Some(cost) => (cost, Mode::Peek),
-                None => (NonZeroU32::MIN, Mode::Peek),
-            };
-            let decision = match backend.decide_with(prepared, &c.key, cost, mode).await {
-                Ok(d) => d,
-                Err(e) => {
-                    rules.metrics[c.policy].record(Outcome::FailClosed, None);
-                    metrics::rls_request(&rules.domain, "unavailable");
-                    give_back(backend, &rules, &counted_taken(&counted)).await;
-                    return Err(tonic::Status::unavailable(format!("rate limit store: {e}")));
+        for c in &asking.counted {
+            match &c.decision {
+                Some(d) if c.cost.is_some() => {
+                    let outcome = match (d.is_allowed(), c.shadow, d.never_fits()) {
+                        (true, _, _) => Outcome::Allowed,
+                        (false, true, _) => Outcome::ShadowDenied,
+                        (false, false, true) => Outcome::NeverFits,
+                        (false, false, false) => Outcome::Denied,
+                    };
+                    rules.metrics[c.policy].record(outcome, (!d.is_allowed()).then_some(0));
+                    over |= !d.is_allowed() && !c.shadow;
                 }
-            };
-            if mode == Mode::Decide && decision.is_allowed() {
-                c.taken_at = Some(Instant::now());
+                Some(_) => {}
+                None => rules.metrics[c.policy].record(Outcome::FailClosed, None),
             }
-            if mode == Mode::Decide {
-                let outcome = match (decision.is_allowed(), c.shadow, decision.never_fits()) {
-                    (true, _, _) => Outcome::Allowed,
-                    (false, true, _) => Outcome::ShadowDenied,
-                    (false, false, true) => Outcome::NeverFits,
-                    (false, false, false) => Outcome::Denied,
-                };
-                let refused = (!decision.is_allowed()).then_some(0);
-                rules.metrics[c.policy].record(outcome, refused);
-                over |= !decision.is_allowed() && !c.shadow;
-            }
-            c.decision = Some(decision);
+        }
+        if let Some(e) = failed {
+            asking.give_back();
+            metrics::rls_request(&rules.domain, "unavailable");
+            return Err(tonic::Status::unavailable(format!("rate limit store: {e}")));
         }
         if over {
-            give_back(backend, &rules, &counted_taken(&counted)).await;
+            asking.give_back();
         }
+        let counted = asking.done();
         let mut policy_fields = String::new();
         let mut limit_fields = String::new();
         let mut retry = Duration::ZERO;
@@ -332,7 +355,7 @@ impl<B: Backend> RateLimitService for RlsService<B> {
                 // the units its state counts as taken.
                 let back = match c.cost {
                     None if d.is_allowed() => 1,
-                    Some(cost) if over && c.taken_at.is_some() => cost.get(),
+                    Some(cost) if c.given_back => cost.get(),
                     _ => 0,
                 };
                 s.limit_remaining = q.remaining.saturating_add(back).min(q.limit);
@@ -383,26 +406,99 @@ impl<B: Backend> RateLimitService for RlsService<B> {
     }
 }
 
-/// The descriptors that took units: (policy, key, cost, when).
-fn counted_taken(counted: &[Counted]) -> Vec<(usize, Key, NonZeroU32, Instant)> {
-    (counted.iter())
-        .filter_map(|c| Some((c.policy, c.key.clone(), c.cost?, c.taken_at?)))
-        .collect()
+/// The decisions of one request's descriptors, asked for at once. Dropped before it is done
+/// (the call went away), it gives back what its decisions took, including those still in
+/// flight once they land.
+struct Asking<'a, B: Backend> {
+    inner: &'a Arc<Inner<B>>,
+    rules: &'a Arc<Compiled<B>>,
+    counted: Vec<Counted>,
+    /// Per counted descriptor: its decision until it lands.
+    in_flight: Vec<Option<B::Future>>,
 }
 
-/// Gives back what `taken` took (a request refused as a whole).
-async fn give_back<B: Backend>(
-    backend: &B,
-    rules: &Compiled<B>,
-    taken: &[(usize, Key, NonZeroU32, Instant)],
-) {
-    for (policy, key, cost, at) in taken {
-        let mode = Mode::Refund {
-            admitted_ago: at.elapsed(),
-        };
-        // A refund that fails leaves the units taken: refused requests never admit more.
-        let _ = backend
-            .decide_with(&rules.prepared[*policy], key, *cost, mode)
-            .await;
+impl<B: Backend> Asking<'_, B> {
+    /// Polls the decisions in flight; ready once every one has landed. The first store error
+    /// is put in `failed`.
+    fn poll_landed(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+        failed: &mut Option<crate::BackendError>,
+    ) -> std::task::Poll<()> {
+        let mut landed = true;
+        for (c, slot) in self.counted.iter_mut().zip(&mut self.in_flight) {
+            let Some(fut) = slot else { continue };
+            let std::task::Poll::Ready(result) = std::pin::Pin::new(fut).poll(cx) else {
+                landed = false;
+                continue;
+            };
+            *slot = None;
+            if c.ask().1 == Mode::Decide && took(&result) {
+                c.taken_at = Some(self.inner.backend.now_ns());
+            }
+            match result {
+                Ok(d) => c.decision = Some(d),
+                Err(e) => {
+                    failed.get_or_insert(e);
+                }
+            }
+        }
+        if landed {
+            std::task::Poll::Ready(())
+        } else {
+            std::task::Poll::Pending
+        }
+    }
+
+    /// Gives back what the decisions took (the request refused as a whole); the answer's
+    /// `limit_remaining` counts it back. Made at once on an in-memory store, else in a task of
+    /// its own: the answer does not wait for it. A refund that fails leaves the units taken:
+    /// refused requests never admit more.
+    fn give_back(&mut self) {
+        let backend = &self.inner.backend;
+        for c in &mut self.counted {
+            if let (Some(cost), Some(at)) = (c.cost, c.taken_at.take()) {
+                let name = self.rules.config.policies()[c.policy].name();
+                let refund = refund_at(backend, at);
+                send(
+                    backend,
+                    &self.rules.prepared[c.policy],
+                    name,
+                    &c.key,
+                    cost,
+                    refund,
+                );
+                c.given_back = true;
+            }
+        }
+    }
+
+    /// Every decision landed and the answer is being made: nothing left to give back.
+    fn done(mut self) -> Vec<Counted> {
+        for c in &mut self.counted {
+            c.taken_at = None;
+        }
+        std::mem::take(&mut self.counted)
+    }
+}
+
+impl<B: Backend> Drop for Asking<'_, B> {
+    fn drop(&mut self) {
+        self.give_back();
+        let decisions = self.in_flight.iter_mut().zip(&self.counted);
+        for (fut, c) in decisions.filter(|(_, c)| c.ask().1 == Mode::Decide) {
+            let (Some(fut), Some(cost)) = (fut.take(), c.cost) else {
+                continue;
+            };
+            let (inner, rules) = (self.inner.clone(), self.rules.clone());
+            let (policy, key) = (c.policy, c.key.clone());
+            see_through(fut, move |result| {
+                if took(&result) {
+                    let (backend, name) = (&inner.backend, rules.config.policies()[policy].name());
+                    let refund = refund_at(backend, backend.now_ns());
+                    send(backend, &rules.prepared[policy], name, &key, cost, refund);
+                }
+            });
+        }
     }
 }
