@@ -159,8 +159,11 @@ pub(crate) struct PolicyHeaders {
     id: u64,
     /// `"name";q=..;w=..` items, comma-separated.
     policy: HeaderValue,
+    /// The same, as text (the rate limit service writes it into a string).
+    #[cfg(feature = "rls")]
+    policy_text: Box<str>,
     /// `"label";r=` per quota.
-    prefixes: Vec<Box<[u8]>>,
+    prefixes: Vec<Box<str>>,
     /// The quota labels.
     pub(crate) labels: Vec<Box<str>>,
 }
@@ -187,7 +190,7 @@ impl PolicyHeaders {
                 let unit = if bytes { ";qu=\"content-bytes\"" } else { "" };
                 value.push_str(&format!("\"{label}\";q={}{unit};w={w}", p.burst));
             }
-            prefixes.push(format!("\"{label}\";r=").into_bytes().into_boxed_slice());
+            prefixes.push(format!("\"{label}\";r=").into_boxed_str());
             labels.push(label.into_boxed_str());
         }
         static NEXT_ID: AtomicU64 = AtomicU64::new(0);
@@ -196,6 +199,8 @@ impl PolicyHeaders {
             // Labels are visible ASCII without quotes or backslashes (checked by
             // `Policy::validate`), so the value is always valid.
             policy: HeaderValue::from_str(&value).unwrap_or(HeaderValue::from_static("")),
+            #[cfg(feature = "rls")]
+            policy_text: value.into_boxed_str(),
             prefixes,
             labels,
         }
@@ -215,12 +220,6 @@ pub(crate) struct HeaderAdds {
 impl HeaderAdds {
     pub(crate) fn new() -> Self {
         Self::default()
-    }
-
-    /// The `RateLimit-Policy` and `RateLimit` values, if any.
-    #[cfg(feature = "rls")]
-    pub(crate) fn ietf(&self) -> Option<(&HeaderValue, &HeaderValue)> {
-        self.ietf.as_ref().map(|(policy, limit)| (policy, limit))
     }
 }
 
@@ -259,25 +258,15 @@ fn fields(style: HeaderStyle, headers: &PolicyHeaders, decision: &Decision) -> H
         return out;
     }
     if style.ietf() {
-        // A denial reports the quotas that refused: their `t` is never later than the
-        // request's `Retry-After`, which an allowing quota's `t` could be.
-        let refusing: SmallVec<[QuotaState; 2]>;
-        let quotas = if decision.is_allowed() {
-            decision.quotas()
-        } else {
-            refusing = (decision.quotas().iter())
-                .filter(|q| q.outcome != Outcome::Allowed)
-                .copied()
-                .collect();
-            &refusing[..]
-        };
-        let items = quotas
-            .iter()
-            .map(|q| (q.index, q.remaining, ceil_secs(q.reset_after)));
-        let value = match cache::ValueKey::new(headers.id, items) {
-            Some(key) => cache::value(key, || ietf_value(headers, quotas)),
-            None => ietf_value(headers, quotas),
-        };
+        let value = reported(decision, |quotas| {
+            let items = quotas
+                .iter()
+                .map(|q| (q.index, q.remaining, ceil_secs(q.reset_after)));
+            match cache::ValueKey::new(headers.id, items) {
+                Some(key) => cache::value(key, || ietf_value(headers, quotas)),
+                None => ietf_value(headers, quotas),
+            }
+        });
         if let Some(value) = value {
             out.ietf = Some((cache::policy(headers.id, &headers.policy), value));
         }
@@ -292,6 +281,67 @@ fn fields(style: HeaderStyle, headers: &PolicyHeaders, decision: &Decision) -> H
         ]));
     }
     out
+}
+
+/// Calls `f` with the quotas a decision's `RateLimit` field reports: every quota of an allowed
+/// decision; the quotas that refused of a denial (their `t` is never later than the request's
+/// `Retry-After`, which an allowing quota's `t` could be).
+fn reported<R>(decision: &Decision, f: impl FnOnce(&[QuotaState]) -> R) -> R {
+    if decision.is_allowed() {
+        f(decision.quotas())
+    } else {
+        let refusing: SmallVec<[QuotaState; 2]> = (decision.quotas().iter())
+            .filter(|q| q.outcome != Outcome::Allowed)
+            .copied()
+            .collect();
+        f(&refusing)
+    }
+}
+
+/// Appends a decision's `RateLimit-Policy` and `RateLimit` items to `policy` and `limit`
+/// (comma-separated after what they hold), as [`rate_limit_headers`] makes them for
+/// [`HeaderStyle::Ietf`], without header values in between: what the rate limit service
+/// sends as text. Nothing for a decision without quota states.
+#[cfg(feature = "rls")]
+pub(crate) fn write_ietf(
+    headers: &PolicyHeaders,
+    decision: &Decision,
+    policy: &mut String,
+    limit: &mut String,
+) {
+    if decision.quotas().is_empty() {
+        return;
+    }
+    let sep = |s: &mut String| {
+        if !s.is_empty() {
+            s.push_str(", ");
+        }
+    };
+    sep(policy);
+    policy.push_str(&headers.policy_text);
+    reported(decision, |quotas| {
+        // Per item at most: ", " + prefix + u32 digits (10) + ";t=" + u64 digits (20).
+        let bound: usize = (quotas.iter())
+            .map(|q| headers.prefixes.get(q.index).map_or(0, |p| p.len() + 35))
+            .sum();
+        limit.reserve(bound + 2);
+        sep(limit);
+        let mut num = itoa::Buffer::new();
+        let mut first = true;
+        for q in quotas {
+            let Some(prefix) = headers.prefixes.get(q.index) else {
+                continue;
+            };
+            if !first {
+                limit.push_str(", ");
+            }
+            first = false;
+            limit.push_str(prefix);
+            limit.push_str(num.format(q.remaining));
+            limit.push_str(";t=");
+            limit.push_str(num.format(ceil_secs(q.reset_after)));
+        }
+    });
 }
 
 /// The `RateLimit` value, `"label";r=<remaining>;t=<seconds>` per quota, formatted on the
@@ -333,7 +383,7 @@ fn write_items(buf: &mut [u8], headers: &PolicyHeaders, quotas: &[QuotaState]) -
         if i > 0 {
             put(b", ");
         }
-        put(prefix);
+        put(prefix.as_bytes());
         put(num.format(q.remaining).as_bytes());
         put(b";t=");
         put(num.format(ceil_secs(q.reset_after)).as_bytes());

@@ -57,13 +57,16 @@ pub struct RlsConfig {
     replaces: bool,
 }
 
+type Hasher = foldhash::fast::RandomState;
+
 /// A level of the rule tree: the rules of its descriptor entries, by `key=value` (a value
 /// given) and by `key` (any value).
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Node {
-    /// By key, then value: looked up with borrowed strings, without allocating.
-    pub(crate) by_value: HashMap<String, HashMap<String, Rule>>,
-    pub(crate) by_key: HashMap<String, Rule>,
+    /// By key, then value: looked up with borrowed strings, without allocating. Hashed with
+    /// foldhash (lookups of what clients send never insert: nothing to flood).
+    pub(crate) by_value: HashMap<String, HashMap<String, Rule, Hasher>, Hasher>,
+    pub(crate) by_key: HashMap<String, Rule, Hasher>,
 }
 
 /// A rule of the tree: what a descriptor ending here gets, and the rules of its next entry.

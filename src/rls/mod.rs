@@ -59,6 +59,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 pub use envoy_types;
 use envoy_types::pb::envoy::config::core::v3::HeaderValue;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
     Code, DescriptorStatus, RateLimit,
 };
@@ -73,7 +74,7 @@ pub use config::RlsConfig;
 
 use crate::backend::{Backend, Decision, Mode};
 use crate::metrics::{self, Outcome, PolicyMetrics, metrics_str::Label};
-use crate::response::{HeaderStyle, PolicyHeaders, ceil_secs, rate_limit_headers};
+use crate::response::{PolicyHeaders, ceil_secs, write_ietf};
 use crate::settle::{refund_at, see_through, send, took};
 use crate::{ConfigError, Key};
 
@@ -106,6 +107,8 @@ struct Compiled<B: Backend> {
     metrics: Vec<PolicyMetrics>,
     /// The `domain` label: the domain served.
     domain: Label,
+    /// The `domain` label of every other domain.
+    other: Label,
 }
 
 impl<B: Backend> Compiled<B> {
@@ -122,6 +125,7 @@ impl<B: Backend> Compiled<B> {
         }
         Ok(Compiled {
             domain: Label::new(config.domain()),
+            other: Label::new("other"),
             config,
             prepared,
             headers,
@@ -171,22 +175,22 @@ impl<B: Backend> RlsService<B> {
 }
 
 /// The key of a descriptor's entries (see the [module docs](self)).
-fn descriptor_key(values: &[&str]) -> Result<Key, crate::KeyError> {
+fn descriptor_key(entries: &[Entry]) -> Result<Key, crate::KeyError> {
     let one = |v: &str| match v.parse::<std::net::IpAddr>() {
         Ok(ip) => Ok(Key::ip(ip)),
         Err(_) => Key::from_bytes(v),
     };
-    match values {
-        [v] => one(v),
-        vs if vs.len() <= Key::MAX_PARTS => {
-            let keys = vs.iter().map(|v| one(v)).collect::<Result<Vec<_>, _>>()?;
+    match entries {
+        [e] => one(&e.value),
+        es if es.len() <= Key::MAX_PARTS => {
+            let keys = es.iter().map(|e| one(&e.value)).collect::<Result<Vec<_>, _>>()?;
             Key::composite(&keys)
         }
-        vs => {
+        es => {
             let mut bytes = Vec::new();
-            for v in vs {
-                bytes.extend_from_slice(&(v.len() as u32).to_be_bytes());
-                bytes.extend_from_slice(v.as_bytes());
+            for e in es {
+                bytes.extend_from_slice(&(e.value.len() as u32).to_be_bytes());
+                bytes.extend_from_slice(e.value.as_bytes());
             }
             Key::from_bytes(bytes)
         }
@@ -265,8 +269,7 @@ impl<B: Backend> RateLimitService for RlsService<B> {
                     continue;
                 };
                 replaced.extend(replaces.iter().map(String::as_str));
-                let values: Vec<&str> = d.entries.iter().map(|e| e.value.as_str()).collect();
-                let key = descriptor_key(&values).map_err(|e| {
+                let key = descriptor_key(&d.entries).map_err(|e| {
                     tonic::Status::invalid_argument(format!("descriptor {at}: {e}"))
                 })?;
                 let hits = d
@@ -365,20 +368,10 @@ impl<B: Backend> RateLimitService for RlsService<B> {
                 retry = retry.max(d.retry_after().unwrap_or_default());
             }
             if self.inner.headers.load(Ordering::Relaxed) && !c.shadow {
-                let adds = rate_limit_headers(HeaderStyle::Ietf, &rules.headers[c.policy], d);
-                if let Some((policy, limit)) = adds.ietf()
-                    && let (Ok(policy), Ok(limit)) = (policy.to_str(), limit.to_str())
-                {
-                    for (all, one) in [(&mut policy_fields, policy), (&mut limit_fields, limit)] {
-                        if !all.is_empty() {
-                            all.push_str(", ");
-                        }
-                        all.push_str(one);
-                    }
-                }
+                write_ietf(&rules.headers[c.policy], d, &mut policy_fields, &mut limit_fields);
             }
         }
-        let mut headers = Vec::new();
+        let mut headers = Vec::with_capacity(3);
         let header = |key: &str, value: String| HeaderValue {
             key: key.to_owned(),
             value,
@@ -394,7 +387,7 @@ impl<B: Backend> RateLimitService for RlsService<B> {
         let domain = if req.domain == rules.config.domain() {
             rules.domain.clone()
         } else {
-            Label::new("other")
+            rules.other.clone()
         };
         metrics::rls_request(&domain, if over { "over_limit" } else { "ok" });
         Ok(tonic::Response::new(RateLimitResponse {
