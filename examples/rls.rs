@@ -1,16 +1,27 @@
-//! Run with: `cargo run --example rls --features rls` (add `redis` to the features for
-//! `BACKEND=redis`).
+//! Run with: `cargo run --example rls --features rls` (add `redis`, `postgres` or `mysql` to
+//! the features for the shared stores).
 //!
 //! Envoy's rate limit service (`envoy.service.ratelimit.v3.RateLimitService`) on
 //! `127.0.0.1:8081` (`PORT` picks another), with the gRPC health service
 //! (`grpc.health.v1`). Its rules are `examples/rls.yaml` (`RULES_FILE` reads others, in
 //! envoyproxy/ratelimit's format): domain `edge`; `remote_address`, any value: 5 a second,
 //! bursts of 10, per address; `generic_key` = `expensive`: 2 a second, bursts of 2. Buckets
-//! are in this process (`BACKEND=local`, the default) or in Redis (`BACKEND=redis`,
-//! `REDIS_URL`, default `redis://127.0.0.1:6379`), where several of these servers, and the
-//! layers of the services behind the gateway, share one limit. A changed `RULES_FILE` is read
-//! again within a second (live keys keep what they used). `HEADERS=off` leaves the IETF
-//! `RateLimit` fields out of the answers. Ctrl-C stops it gracefully.
+//! are in this process (`BACKEND=local`, the default) or in a shared store, where several of
+//! these servers, and the layers of the services behind the gateway, share one limit:
+//!
+//! - `BACKEND=redis`: `REDIS_URL` (default `redis://127.0.0.1:6379`), or a Redis Cluster's
+//!   nodes in `REDIS_CLUSTER_NODES` (comma-separated URLs); the deny cache is on;
+//! - `BACKEND=redis_approx`: the approximate mode on the same (`APPROX=async`, the default, or
+//!   `sync`); window quotas only (`rate_limit` rules are fixed windows);
+//! - `BACKEND=postgres` or `mysql`: `DATABASE_URL` (default
+//!   `postgres://postgres@127.0.0.1:5432/test`, `mysql://root@127.0.0.1:3306/test`), the
+//!   table made if missing.
+//!
+//! `ON_FAILURE` is what a call gets while the store cannot decide: `fallback` (the default,
+//! this instance at its share), `open`, or `closed` (`UNAVAILABLE`: Envoy's
+//! `failure_mode_deny` decides). A changed `RULES_FILE` is read again within a second (live
+//! keys keep what they used). `HEADERS=off` leaves the IETF `RateLimit` fields out of the
+//! answers. Ctrl-C or SIGTERM stops it gracefully (calls in flight are answered).
 //!
 //! Point Envoy at it (see `docs/envoy.md`), or ask it with the bundled client, eleven times
 //! for one address:
@@ -99,11 +110,25 @@ async fn serve<B: Backend>(service: RlsService<B>) -> Result<(), Box<dyn std::er
     tonic::transport::Server::builder()
         .add_service(health)
         .add_service(service.into_server())
-        .serve_with_shutdown(addr, async {
-            let _ = tokio::signal::ctrl_c().await;
-        })
+        .serve_with_shutdown(addr, stopped())
         .await?;
     Ok(())
+}
+
+/// Ctrl-C, or SIGTERM (what Kubernetes and systemd send).
+async fn stopped() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        if let Ok(mut term) = signal(SignalKind::terminate()) {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            return;
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
 }
 
 /// `BACKEND=none`: a bare rate limit service on the same server, answering every descriptor
@@ -135,9 +160,7 @@ async fn serve_bare() -> Result<(), Box<dyn std::error::Error>> {
     println!("bare rate limit service on {addr}");
     tonic::transport::Server::builder()
         .add_service(RateLimitServiceServer::new(Bare))
-        .serve_with_shutdown(addr, async {
-            let _ = tokio::signal::ctrl_c().await;
-        })
+        .serve_with_shutdown(addr, stopped())
         .await?;
     Ok(())
 }
@@ -175,6 +198,42 @@ async fn client() -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
+/// `ON_FAILURE`: `open`, `closed` (the call fails with `UNAVAILABLE`, and Envoy's
+/// `failure_mode_deny` decides) or `fallback` (the default: this instance at its share).
+#[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
+fn failure_policy() -> Result<tollgate::backend::remote::FailurePolicy, Box<dyn std::error::Error>>
+{
+    use tollgate::backend::remote::FailurePolicy;
+    Ok(match std::env::var("ON_FAILURE").as_deref() {
+        Ok("open") => FailurePolicy::FailOpen,
+        Ok("closed") => FailurePolicy::FailClosed,
+        Ok("fallback") | Ok("local") | Err(_) => FailurePolicy::FallbackLocal,
+        Ok(other) => {
+            return Err(
+                format!("unknown ON_FAILURE={other:?}: use open, closed or fallback").into(),
+            );
+        }
+    })
+}
+
+/// `BACKEND=redis` or `redis_approx`: the nodes of `REDIS_CLUSTER_NODES` (comma-separated
+/// URLs) when set, else `REDIS_URL`.
+#[cfg(feature = "redis")]
+fn redis() -> Result<tollgate::backend::redis::RedisBackendBuilder, Box<dyn std::error::Error>> {
+    use tollgate::backend::redis::RedisBackend;
+    let builder = match std::env::var("REDIS_CLUSTER_NODES") {
+        Ok(nodes) if !nodes.trim().is_empty() => RedisBackend::builder().cluster_nodes(
+            (nodes.split(','))
+                .map(|n| n.trim().to_owned())
+                .filter(|n| !n.is_empty())
+                .collect::<Vec<_>>(),
+        ),
+        _ => RedisBackend::builder()
+            .url(std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())),
+    };
+    Ok(builder.on_failure(failure_policy()?))
+}
+
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     if std::env::args().nth(1).as_deref() == Some("client") {
@@ -192,16 +251,42 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .await
         }
         #[cfg(feature = "redis")]
-        Ok("redis") => {
-            let url =
-                std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
-            let backend = tollgate::backend::redis::RedisBackend::builder()
+        Ok("redis") => serve(RlsService::new(redis()?.build()?, config)?).await,
+        #[cfg(feature = "redis")]
+        Ok("redis_approx") => {
+            use tollgate::backend::redis::Approximate;
+            let mode = match std::env::var("APPROX").as_deref() {
+                Ok("sync") => Approximate::synchronous(),
+                Ok("async") | Err(_) => Approximate::asynchronous(),
+                Ok(other) => return Err(format!("unknown APPROX={other:?}: async or sync").into()),
+            };
+            serve(RlsService::new(redis()?.build_approximate(mode)?, config)?).await
+        }
+        #[cfg(feature = "postgres")]
+        Ok("postgres") => {
+            let url = std::env::var("DATABASE_URL")
+                .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+            let backend = tollgate::backend::postgres::PostgresBackend::builder()
                 .url(url)
+                .on_failure(failure_policy()?)
                 .build()?;
+            backend.migrate().await?;
+            serve(RlsService::new(backend, config)?).await
+        }
+        #[cfg(feature = "mysql")]
+        Ok("mysql") => {
+            let url = std::env::var("DATABASE_URL")
+                .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
+            let backend = tollgate::backend::mysql::MysqlBackend::builder()
+                .url(url)
+                .on_failure(failure_policy()?)
+                .build()?;
+            backend.migrate().await?;
             serve(RlsService::new(backend, config)?).await
         }
         Ok(other) => Err(format!(
-            "BACKEND={other:?}: use local, redis (built with the `redis` feature), or none"
+            "BACKEND={other:?}: use local, redis or redis_approx (built with the `redis` \
+             feature), postgres, mysql (with theirs), or none"
         )
         .into()),
     }

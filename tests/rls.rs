@@ -544,6 +544,91 @@ fn invalid_rules_name_the_rule_and_the_word() {
     }
 }
 
+/// Hourly limits: nothing comes back while a test against a real store runs.
+#[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
+const HOURLY: &str = "domain: edge\ndescriptors:\n  - key: remote_address\n    quota: \"10/h\"\n  \
+                      - key: generic_key\n    value: expensive\n    quota: \"2/h\"\n";
+
+/// Two rate limit services on one shared store count one limit: 10 for an address in all,
+/// whichever is asked; and a request refused as a whole takes nothing on the store.
+#[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
+async fn two_services_share_one_limit<A, B>(a: A, b: B)
+where
+    A: tollgate::backend::Backend,
+    B: tollgate::backend::Backend,
+{
+    let config = || RlsConfig::from_yaml(HOURLY).unwrap();
+    let mut a = serve(RlsService::new(a, config()).unwrap()).await;
+    let mut b = serve(RlsService::new(b, config()).unwrap()).await;
+    let mut ok = 0;
+    for i in 0..14 {
+        let client = if i % 2 == 0 { &mut a } else { &mut b };
+        if ask(client, address("10.0.0.1"), 0).await.overall_code() == Code::Ok {
+            ok += 1;
+        }
+    }
+    assert_eq!(ok, 10);
+    let both = || {
+        vec![
+            descriptor(&[("remote_address", "10.0.0.2")]),
+            descriptor(&[("generic_key", "expensive")]),
+        ]
+    };
+    let codes: Vec<Code> = [
+        ask(&mut a, both(), 0).await,
+        ask(&mut b, both(), 0).await,
+        ask(&mut a, both(), 0).await,
+        ask(&mut b, both(), 0).await,
+    ]
+    .iter()
+    .map(|r| r.overall_code())
+    .collect();
+    assert_eq!(
+        codes,
+        [Code::Ok, Code::Ok, Code::OverLimit, Code::OverLimit]
+    );
+    // Two of the address's 10 taken, by the two admitted; the refused took nothing.
+    let mut check = descriptor(&[("remote_address", "10.0.0.2")]);
+    check.hits_addend = Some(UInt64Value { value: 0 });
+    let left = |r: RateLimitResponse| r.statuses[0].limit_remaining;
+    assert_eq!(left(ask(&mut b, vec![check.clone()], 0).await), 8);
+    assert_eq!(left(ask(&mut a, vec![check], 0).await), 8);
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test]
+async fn two_services_on_one_postgres_share_a_limit() {
+    use tollgate::backend::postgres::PostgresBackend;
+    let server = support::sql::PgServer::start();
+    let backend = || {
+        PostgresBackend::builder()
+            .url(server.url())
+            .timeout(Duration::from_secs(5))
+            .build()
+            .unwrap()
+    };
+    let a = backend();
+    a.migrate().await.unwrap();
+    two_services_share_one_limit(a, backend()).await;
+}
+
+#[cfg(feature = "mysql")]
+#[tokio::test]
+async fn two_services_on_one_mysql_share_a_limit() {
+    use tollgate::backend::mysql::MysqlBackend;
+    let server = support::sql::MariaDbServer::start();
+    let backend = || {
+        MysqlBackend::builder()
+            .url(server.url())
+            .timeout(Duration::from_secs(5))
+            .build()
+            .unwrap()
+    };
+    let a = backend();
+    a.migrate().await.unwrap();
+    two_services_share_one_limit(a, backend()).await;
+}
+
 #[cfg(feature = "redis")]
 mod on_redis {
     use super::*;
@@ -567,17 +652,60 @@ mod on_redis {
     #[tokio::test]
     async fn two_servers_on_one_redis_share_a_limit() {
         let server = RedisServer::start();
-        let mut a = serve(RlsService::new(redis(&server), rules()).unwrap()).await;
-        let mut b = serve(RlsService::new(redis(&server), rules()).unwrap()).await;
-        let addr = || address("10.0.0.1");
-        let mut ok = 0;
-        for i in 0..20 {
-            let client = if i % 2 == 0 { &mut a } else { &mut b };
-            if ask(client, addr(), 0).await.overall_code() == Code::Ok {
-                ok += 1;
+        two_services_share_one_limit(redis(&server), redis(&server)).await;
+    }
+
+    /// The same on a Redis Cluster (the two descriptors' keys on different nodes).
+    #[tokio::test]
+    async fn two_servers_on_one_redis_cluster_share_a_limit() {
+        let cluster = support::RedisCluster::start();
+        let backend = || {
+            RedisBackend::builder()
+                .cluster_nodes(cluster.urls())
+                .timeout(Duration::from_secs(2))
+                .build()
+                .unwrap()
+        };
+        two_services_share_one_limit(backend(), backend()).await;
+    }
+
+    /// envoyproxy/ratelimit's own rules (fixed windows) on the approximate mode: decided in
+    /// this process at its share of the fleet's count, which is all of it for one instance.
+    #[tokio::test]
+    async fn the_approximate_mode_serves_window_rules() {
+        use tollgate::backend::redis::Approximate;
+        let server = RedisServer::start();
+        let config = RlsConfig::from_yaml(
+            "domain: edge\ndescriptors:\n  - key: remote_address\n    rate_limit:\n      \
+             unit: hour\n      requests_per_unit: 10\n",
+        )
+        .unwrap();
+        for mode in [Approximate::synchronous(), Approximate::asynchronous()] {
+            let backend = RedisBackend::builder()
+                .url(server.url())
+                .build_approximate(mode)
+                .unwrap();
+            let mut client = serve(RlsService::new(backend, config.clone()).unwrap()).await;
+            let ip = if mode == Approximate::synchronous() {
+                "10.0.0.1"
+            } else {
+                "10.0.0.2"
+            };
+            let mut codes = Vec::new();
+            for _ in 0..12 {
+                codes.push(ask(&mut client, address(ip), 0).await.overall_code());
             }
+            let ok = codes.iter().filter(|c| **c == Code::Ok).count();
+            assert_eq!(ok, 10, "{codes:?}");
+            assert_eq!(codes[10..], [Code::OverLimit, Code::OverLimit]);
         }
-        assert_eq!(ok, 10);
+        // The GCRA quotas of the example cannot be served approximately: said when loaded.
+        let backend = RedisBackend::builder()
+            .url(server.url())
+            .build_approximate(Approximate::asynchronous())
+            .unwrap();
+        let err = RlsService::new(backend, rules()).err().unwrap().to_string();
+        assert!(err.contains("sliding"), "{err}");
     }
 
     /// A layer in a service and the rate limit service, on one Redis, with the policy the

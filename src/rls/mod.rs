@@ -183,7 +183,10 @@ fn descriptor_key(entries: &[Entry]) -> Result<Key, crate::KeyError> {
     match entries {
         [e] => one(&e.value),
         es if es.len() <= Key::MAX_PARTS => {
-            let keys = es.iter().map(|e| one(&e.value)).collect::<Result<Vec<_>, _>>()?;
+            let keys = es
+                .iter()
+                .map(|e| one(&e.value))
+                .collect::<Result<Vec<_>, _>>()?;
             Key::composite(&keys)
         }
         es => {
@@ -331,12 +334,16 @@ impl<B: Backend> RateLimitService for RlsService<B> {
             }
         }
         if let Some(e) = failed {
-            asking.give_back();
+            for refund in asking.give_back() {
+                let _ = refund.await;
+            }
             metrics::rls_request(&rules.domain, "unavailable");
             return Err(tonic::Status::unavailable(format!("rate limit store: {e}")));
         }
         if over {
-            asking.give_back();
+            for refund in asking.give_back() {
+                let _ = refund.await;
+            }
         }
         let counted = asking.done();
         let mut policy_fields = String::new();
@@ -368,7 +375,12 @@ impl<B: Backend> RateLimitService for RlsService<B> {
                 retry = retry.max(d.retry_after().unwrap_or_default());
             }
             if self.inner.headers.load(Ordering::Relaxed) && !c.shadow {
-                write_ietf(&rules.headers[c.policy], d, &mut policy_fields, &mut limit_fields);
+                write_ietf(
+                    &rules.headers[c.policy],
+                    d,
+                    &mut policy_fields,
+                    &mut limit_fields,
+                );
             }
         }
         let mut headers = Vec::with_capacity(3);
@@ -444,26 +456,41 @@ impl<B: Backend> Asking<'_, B> {
     }
 
     /// Gives back what the decisions took (the request refused as a whole); the answer's
-    /// `limit_remaining` counts it back. Made at once on an in-memory store, else in a task of
-    /// its own: the answer does not wait for it. A refund that fails leaves the units taken:
-    /// refused requests never admit more.
-    fn give_back(&mut self) {
+    /// `limit_remaining` counts it back. Made at once on an in-memory store, else in tasks of
+    /// their own, returned: the answer waits for them (the next call sees the units back),
+    /// while a call dropped meanwhile leaves them running. A refund that fails leaves the
+    /// units taken: refused requests never admit more.
+    fn give_back(&mut self) -> Vec<tokio::task::JoinHandle<()>> {
         let backend = &self.inner.backend;
+        let mut running = Vec::new();
         for c in &mut self.counted {
-            if let (Some(cost), Some(at)) = (c.cost, c.taken_at.take()) {
-                let name = self.rules.config.policies()[c.policy].name();
-                let refund = refund_at(backend, at);
-                send(
-                    backend,
-                    &self.rules.prepared[c.policy],
-                    name,
-                    &c.key,
-                    cost,
-                    refund,
-                );
-                c.given_back = true;
+            let (Some(cost), Some(at)) = (c.cost, c.taken_at.take()) else {
+                continue;
+            };
+            c.given_back = true;
+            let refund = refund_at(backend, at);
+            let mut fut = backend.decide_with(&self.rules.prepared[c.policy], &c.key, cost, refund);
+            let name = || self.rules.config.policies()[c.policy].name();
+            let waker = std::task::Waker::noop();
+            match std::pin::Pin::new(&mut fut).poll(&mut std::task::Context::from_waker(waker)) {
+                std::task::Poll::Ready(Ok(_)) => {}
+                std::task::Poll::Ready(Err(error)) => {
+                    tracing::debug!(policy = name(), %error, "refund failed");
+                }
+                std::task::Poll::Pending => match tokio::runtime::Handle::try_current() {
+                    Ok(runtime) => {
+                        let name = name().to_owned();
+                        running.push(runtime.spawn(async move {
+                            if let Err(error) = fut.await {
+                                tracing::debug!(policy = name, %error, "refund failed");
+                            }
+                        }));
+                    }
+                    Err(_) => tracing::debug!(policy = name(), "refund dropped: no runtime"),
+                },
             }
         }
+        running
     }
 
     /// Every decision landed and the answer is being made: nothing left to give back.
