@@ -52,7 +52,7 @@ use tollgate::rls::envoy_types::pb::envoy::service::ratelimit::v3::{
 use tollgate::rls::{RlsConfig, RlsService};
 
 /// The rules: `RULES_FILE`, or the file shipped beside this example.
-fn rules() -> Result<RlsConfig, Box<dyn std::error::Error>> {
+pub(crate) fn rules() -> Result<RlsConfig, Box<dyn std::error::Error>> {
     let text = match std::env::var("RULES_FILE") {
         Ok(path) => std::fs::read_to_string(path)?,
         Err(_) => include_str!("rls.yaml").to_owned(),
@@ -94,25 +94,39 @@ fn watch_rules<B: Backend>(service: RlsService<B>) {
     });
 }
 
-/// Serves `service` until Ctrl-C, with the health service reporting it serving.
+/// Serves `service` on `PORT` until Ctrl-C or SIGTERM.
 async fn serve<B: Backend>(service: RlsService<B>) -> Result<(), Box<dyn std::error::Error>> {
     let service = service.headers(std::env::var("HEADERS").as_deref() != Ok("off"));
     watch_rules(service.clone());
     let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port()));
-    let (reporter, health) = tonic_health::server::health_reporter();
-    reporter
-        .set_serving::<RateLimitServiceServer<RlsService<B>>>()
-        .await;
+    let listener = tokio::net::TcpListener::bind(addr).await?;
     println!(
         "rate limit service on {addr} (domain {:?})",
         service.config().domain()
     );
+    serve_on(service, listener, stopped()).await?;
+    Ok(())
+}
+
+/// The server: `service` and the gRPC health service reporting it serving, on `listener`,
+/// until `stop` (calls in flight are answered first).
+pub(crate) async fn serve_on<B: Backend>(
+    service: RlsService<B>,
+    listener: tokio::net::TcpListener,
+    stop: impl std::future::Future<Output = ()>,
+) -> Result<(), tonic::transport::Error> {
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter
+        .set_serving::<RateLimitServiceServer<RlsService<B>>>()
+        .await;
     tonic::transport::Server::builder()
         .add_service(health)
         .add_service(service.into_server())
-        .serve_with_shutdown(addr, stopped())
-        .await?;
-    Ok(())
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            stop,
+        )
+        .await
 }
 
 /// Ctrl-C, or SIGTERM (what Kubernetes and systemd send).

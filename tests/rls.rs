@@ -4,6 +4,10 @@
 
 mod support;
 
+#[allow(dead_code)]
+#[path = "../examples/rls.rs"]
+mod example;
+
 use std::num::NonZeroU32;
 use std::time::Duration;
 
@@ -141,6 +145,53 @@ async fn ten_ok_then_over_limit_for_one_address() {
 
 /// `hits_addend` is the cost: the request's (0 meaning 1), a descriptor's own overriding it,
 /// a descriptor's 0 checking without counting.
+/// The example's server as it runs: its rules, the gRPC health service reporting the rate
+/// limit service serving, and the done-when over it: 10 OK then OVER_LIMIT for one address.
+#[tokio::test]
+async fn the_example_serves_its_rules_and_its_health() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let backend = LocalBackend::builder()
+        .clock(FakeRelativeClock::default())
+        .build();
+    let service = RlsService::new(backend, example::rules().unwrap()).unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(example::serve_on(service, listener, async {
+        let _ = stopped.await;
+    }));
+    let channel = tonic::transport::Endpoint::from_shared(url.clone())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = HealthClient::new(channel);
+    let status = health
+        .check(HealthCheckRequest {
+            service: "envoy.service.ratelimit.v3.RateLimitService".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .status();
+    assert_eq!(status, ServingStatus::Serving);
+    let mut client = RateLimitServiceClient::connect(url).await.unwrap();
+    let mut codes = Vec::new();
+    for _ in 0..11 {
+        let r = ask(&mut client, address("10.0.0.1"), 0).await;
+        codes.push(r.overall_code());
+        if r.overall_code() == Code::OverLimit {
+            assert_eq!(header(&r, "retry-after"), Some("1"));
+        }
+    }
+    assert_eq!(codes[..10], [Code::Ok; 10]);
+    assert_eq!(codes[10], Code::OverLimit);
+    // Stopped, it ends (gracefully: no call was in flight).
+    stop.send(()).unwrap();
+    server.await.unwrap().unwrap();
+}
+
 #[tokio::test]
 async fn hits_addend_is_the_cost() {
     let (mut client, _clock) = example().await;
