@@ -192,6 +192,28 @@ async fn the_example_serves_its_rules_and_its_health() {
     server.await.unwrap().unwrap();
 }
 
+/// A client's long value (a header Envoy puts in a descriptor) is counted like any other,
+/// by its hash: never a failed call, which Envoy would let through unlimited.
+#[tokio::test]
+async fn long_values_are_counted_not_refused() {
+    let rules = "domain: edge\ndescriptors:\n  - key: api_key\n    quota: \"3/h\"\n";
+    let config = RlsConfig::from_yaml(rules).unwrap();
+    let mut client = serve(RlsService::new(LocalBackend::new(), config).unwrap()).await;
+    for long in ["k".repeat(300), "k".repeat(299) + "j", "x".repeat(100_000)] {
+        let mut codes = Vec::new();
+        for _ in 0..4 {
+            let r = ask(&mut client, vec![descriptor(&[("api_key", &long)])], 0).await;
+            codes.push(r.overall_code());
+        }
+        assert_eq!(
+            codes,
+            [Code::Ok, Code::Ok, Code::Ok, Code::OverLimit],
+            "{}",
+            long.len()
+        );
+    }
+}
+
 #[tokio::test]
 async fn hits_addend_is_the_cost() {
     let (mut client, _clock) = example().await;

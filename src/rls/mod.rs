@@ -17,8 +17,10 @@
 //!   [`RlsConfig::policies`]) and the descriptor's key: one entry's value as
 //!   [`Key::ip`] when it is an IP address (what [`ClientIp`](crate::key::ClientIp) gives a
 //!   layer), else [`Key::from_bytes`]; several entries' values as a [`Key::composite`] of
-//!   those keys (up to four; more are one key of their values, each length-prefixed). A layer
-//!   with a policy of the same name and such keys, on the same store, shares the limit;
+//!   those keys (up to four; more are one key of their values, each length-prefixed); bytes
+//!   longer than [`Key::MAX_LEN`] are counted by their SHA-256 (never a failed call, which
+//!   Envoy would let through unlimited). A layer with a policy of the same name and such keys,
+//!   on the same store, shares the limit;
 //! - the descriptors of one request are decided together, all or nothing: their decisions are
 //!   asked for at once (a shared store's batching sends them in one round trip), and when one
 //!   is over its limit, or the store fails, what the others took is given back; a call dropped
@@ -174,28 +176,40 @@ impl<B: Backend> RlsService<B> {
     }
 }
 
-/// The key of a descriptor's entries (see the [module docs](self)).
-fn descriptor_key(entries: &[Entry]) -> Result<Key, crate::KeyError> {
+/// The key of a descriptor's entries (see the [module docs](self)). Never fails: bytes longer
+/// than [`Key::MAX_LEN`] are counted by their SHA-256 instead (a client's long header value
+/// must not fail the call, which Envoy would then let through unlimited).
+fn descriptor_key(entries: &[Entry]) -> Key {
+    fn bytes(b: &[u8]) -> Key {
+        match Key::from_bytes(b) {
+            Ok(key) => key,
+            Err(_) => {
+                use sha2::{Digest, Sha256};
+                let mut hashed = [0u8; 34];
+                hashed[..2].copy_from_slice(b"#\0");
+                hashed[2..].copy_from_slice(&Sha256::digest(b));
+                Key::from_bytes(hashed).unwrap_or_else(|_| Key::global())
+            }
+        }
+    }
     let one = |v: &str| match v.parse::<std::net::IpAddr>() {
-        Ok(ip) => Ok(Key::ip(ip)),
-        Err(_) => Key::from_bytes(v),
+        Ok(ip) => Key::ip(ip),
+        Err(_) => bytes(v.as_bytes()),
     };
     match entries {
         [e] => one(&e.value),
         es if es.len() <= Key::MAX_PARTS => {
-            let keys = es
-                .iter()
-                .map(|e| one(&e.value))
-                .collect::<Result<Vec<_>, _>>()?;
-            Key::composite(&keys)
+            let keys: Vec<Key> = es.iter().map(|e| one(&e.value)).collect();
+            // At most `MAX_PARTS` valid keys: a valid composite.
+            Key::composite(&keys).unwrap_or_else(|_| Key::global())
         }
         es => {
-            let mut bytes = Vec::new();
+            let mut all = Vec::new();
             for e in es {
-                bytes.extend_from_slice(&(e.value.len() as u32).to_be_bytes());
-                bytes.extend_from_slice(e.value.as_bytes());
+                all.extend_from_slice(&(e.value.len() as u64).to_be_bytes());
+                all.extend_from_slice(e.value.as_bytes());
             }
-            Key::from_bytes(bytes)
+            bytes(&all)
         }
     }
 }
@@ -272,9 +286,7 @@ impl<B: Backend> RateLimitService for RlsService<B> {
                     continue;
                 };
                 replaced.extend(replaces.iter().map(String::as_str));
-                let key = descriptor_key(&d.entries).map_err(|e| {
-                    tonic::Status::invalid_argument(format!("descriptor {at}: {e}"))
-                })?;
+                let key = descriptor_key(&d.entries);
                 let hits = d
                     .hits_addend
                     .as_ref()
