@@ -440,7 +440,13 @@ fn later<Bk: Backend>(
 /// [`Shared::shadow`]).
 #[inline]
 fn count<P>(prepared: &Prepared<P>, result: &Result<Decision, BackendError>) {
-    let m = &prepared.metrics;
+    count_in(&prepared.metrics, result);
+}
+
+/// Counts an enforced policy's answer in `m`: allowed, near the limit, denied, never fits,
+/// or how the failure policy answered.
+#[inline]
+pub(crate) fn count_in(m: &PolicyMetrics, result: &Result<Decision, BackendError>) {
     let decision = match result {
         Ok(decision) if decision.is_allowed() => return count_allowed(m, decision),
         Ok(decision) => decision,
@@ -454,6 +460,17 @@ fn count<P>(prepared: &Prepared<P>, result: &Result<Decision, BackendError>) {
         Counted::Denied
     };
     m.record(outcome, decision.tightest().map(|q| q.index));
+}
+
+/// Counts a shadow policy's answer in `m`: allowed, or what it would have refused, or a store
+/// that failed.
+#[cfg(feature = "rls")]
+pub(crate) fn count_shadow(m: &PolicyMetrics, result: &Result<Decision, BackendError>) {
+    match result {
+        Ok(decision) if decision.is_allowed() => count_allowed(m, decision),
+        Ok(decision) => m.record(Counted::ShadowDenied, decision.tightest().map(|q| q.index)),
+        Err(_) => m.record(Counted::ShadowError, None),
+    }
 }
 
 /// Counts an allowed decision, and whether it came near the limit.

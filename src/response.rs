@@ -301,11 +301,14 @@ fn reported<R>(decision: &Decision, f: impl FnOnce(&[QuotaState]) -> R) -> R {
 /// Appends a decision's `RateLimit-Policy` and `RateLimit` items to `policy` and `limit`
 /// (comma-separated after what they hold), as [`rate_limit_headers`] makes them for
 /// [`HeaderStyle::Ietf`], without header values in between: what the rate limit service
-/// sends as text. Nothing for a decision without quota states.
+/// sends as text. `back` units are added to each quota's remaining units, up to its limit
+/// (a check's unit, or units given back after the decision). Nothing for a decision without
+/// quota states.
 #[cfg(feature = "rls")]
 pub(crate) fn write_ietf(
     headers: &PolicyHeaders,
     decision: &Decision,
+    back: u32,
     policy: &mut String,
     limit: &mut String,
 ) {
@@ -337,7 +340,7 @@ pub(crate) fn write_ietf(
             }
             first = false;
             limit.push_str(prefix);
-            limit.push_str(num.format(q.remaining));
+            limit.push_str(num.format(q.remaining.saturating_add(back).min(q.limit)));
             limit.push_str(";t=");
             limit.push_str(num.format(ceil_secs(q.reset_after)));
         }

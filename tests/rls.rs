@@ -214,6 +214,228 @@ async fn long_values_are_counted_not_refused() {
     }
 }
 
+/// A check (`hits_addend` 0) takes nothing and refuses when not one unit is left, the whole
+/// request with it; its `limit_remaining` and its `RateLimit` field agree.
+#[tokio::test]
+async fn a_check_refuses_a_spent_key() {
+    let (mut client, _clock) = example().await;
+    let check = |ip: &str| {
+        let mut d = descriptor(&[("remote_address", ip)]);
+        d.hits_addend = Some(UInt64Value { value: 0 });
+        d
+    };
+    let r = ask(&mut client, vec![check("10.0.0.1")], 0).await;
+    assert_eq!(r.overall_code(), Code::Ok);
+    assert_eq!(r.statuses[0].limit_remaining, 10);
+    assert_eq!(
+        header(&r, "ratelimit"),
+        Some("\"edge.remote_address\";r=10;t=1")
+    );
+    let r = ask(&mut client, address("10.0.0.1"), 10).await;
+    assert_eq!(r.overall_code(), Code::Ok);
+    // Spent: the check refuses, and the request's other descriptor gives back its unit.
+    let both = vec![
+        check("10.0.0.1"),
+        descriptor(&[("generic_key", "expensive")]),
+    ];
+    let r = ask(&mut client, both, 0).await;
+    assert_eq!(r.overall_code(), Code::OverLimit);
+    assert_eq!(
+        (r.statuses[0].code(), r.statuses[1].code()),
+        (Code::OverLimit, Code::Ok)
+    );
+    assert_eq!(r.statuses[1].limit_remaining, 2, "given back");
+    assert_eq!(
+        header(&r, "ratelimit"),
+        Some("\"edge.remote_address\";r=0;t=1, \"edge.generic_key=expensive\";r=2;t=1"),
+    );
+}
+
+/// Charging what the upstream reports, as Envoy does it: a check on the request path, the
+/// charge when the stream ends. A `debit` rule takes a charge whatever is left, so that a
+/// key that spent more than it had is refused by the next check; without it, a charge that
+/// does not fit takes nothing.
+#[tokio::test]
+async fn a_debit_rule_takes_the_charge_after_the_response() {
+    let rules = "domain: llm\ndescriptors:\n  - key: user\n    quota: \"10/h\"\n    \
+                 debit: true\n  - key: team\n    quota: \"10/h\"\n";
+    let backend = LocalBackend::builder()
+        .clock(FakeRelativeClock::default())
+        .build();
+    let config = RlsConfig::from_yaml(rules).unwrap();
+    let mut client = serve(RlsService::new(backend, config).unwrap()).await;
+    let call = |key: &str, hits: u64| {
+        let mut d = descriptor(&[(key, "a")]);
+        d.hits_addend = Some(UInt64Value { value: hits });
+        vec![d]
+    };
+    for key in ["user", "team"] {
+        let c = &mut client;
+        assert_eq!(
+            ask_in(c, "llm", call(key, 0), 1).await.overall_code(),
+            Code::Ok
+        );
+        let r = ask_in(c, "llm", call(key, 8), 1).await;
+        assert_eq!(r.statuses[0].limit_remaining, 2);
+        assert_eq!(
+            ask_in(c, "llm", call(key, 0), 1).await.overall_code(),
+            Code::Ok
+        );
+        // 5 more than the 2 left: refused either way (the answer Envoy ignores at the end of
+        // a stream), and taken by the debit rule only.
+        let r = ask_in(c, "llm", call(key, 5), 1).await;
+        assert_eq!(r.overall_code(), Code::OverLimit);
+        let next = ask_in(c, "llm", call(key, 0), 1).await;
+        if key == "user" {
+            assert_eq!(next.overall_code(), Code::OverLimit, "in debt");
+            assert_eq!(next.statuses[0].limit_remaining, 0);
+        } else {
+            assert_eq!(next.overall_code(), Code::Ok, "nothing taken");
+            assert_eq!(next.statuses[0].limit_remaining, 2);
+        }
+    }
+    // A debit is never given back: in a call another descriptor refuses, it keeps its units.
+    let both = vec![call("user", 1).remove(0), call("team", 3).remove(0)];
+    let r = ask_in(&mut client, "llm", both, 1).await;
+    assert_eq!(r.overall_code(), Code::OverLimit);
+    let err = RlsConfig::from_yaml("domain: d\ndescriptors:\n  - key: k\n    debit: true\n")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("debit") && err.contains("d.k"), "{err}");
+}
+
+/// envoyproxy/ratelimit's matching: an empty `value` is any value, a `value` ending in `*`
+/// any value with that prefix (the longest prefix first), an exact value before both.
+#[tokio::test]
+async fn values_match_as_envoyproxy_ratelimit_matches_them() {
+    let rules = r#"
+domain: edge
+descriptors:
+  - key: path
+    value: ""
+    rate_limit: { unit: hour, requests_per_unit: 5 }
+  - key: path
+    value: "/api/*"
+    rate_limit: { unit: hour, requests_per_unit: 3 }
+  - key: path
+    value: "/api/admin/*"
+    rate_limit: { unit: hour, requests_per_unit: 1 }
+  - key: path
+    value: "/api/health"
+    rate_limit: { unlimited: true }
+"#;
+    let config = RlsConfig::from_yaml(rules).unwrap();
+    let names: Vec<&str> = config.policies().iter().map(|p| p.name()).collect();
+    assert_eq!(
+        names,
+        ["edge.path", "edge.path=/api/*", "edge.path=/api/admin/*"]
+    );
+    let mut client = serve(RlsService::new(LocalBackend::new(), config).unwrap()).await;
+    for (path, limit) in [
+        ("/static/a.css", Some(5)),
+        ("/api/users", Some(3)),
+        ("/api/admin/users", Some(1)),
+        ("/api/health", None),
+    ] {
+        let r = ask(&mut client, vec![descriptor(&[("path", path)])], 1).await;
+        let got = r.statuses[0]
+            .current_limit
+            .as_ref()
+            .map(|l| l.requests_per_unit);
+        assert_eq!(got, limit, "{path}");
+    }
+    let twice = "domain: d\ndescriptors:\n  - key: k\n    value: \"a*\"\n    quota: \"1/s\"\n  \
+                 - key: k\n    value: \"a*\"\n    quota: \"2/s\"\n";
+    let err = RlsConfig::from_yaml(twice).unwrap_err().to_string();
+    assert!(err.contains("twice"), "{err}");
+}
+
+/// `replaces` as envoyproxy/ratelimit reads it: only a named limit is replaced, an
+/// `unlimited` rule's `replaces` counts too, and an empty name or a limit replacing itself is
+/// refused when loaded. Rules whose paths read the same are refused too.
+#[tokio::test]
+async fn replaces_only_named_limits_and_unlimited_rules_replace_too() {
+    let rules = r#"
+domain: api
+descriptors:
+  - key: user
+    rate_limit: { unit: hour, requests_per_unit: 1, name: per_user }
+  - key: plan
+    value: premium
+    rate_limit: { unlimited: true, replaces: [{ name: per_user }] }
+  - key: tenant
+    rate_limit: { unit: hour, requests_per_unit: 1 }
+  - key: region
+    rate_limit: { unit: hour, requests_per_unit: 5, replaces: [{ name: api.tenant }] }
+"#;
+    let config = RlsConfig::from_yaml(rules).unwrap();
+    let mut client = serve(RlsService::new(LocalBackend::new(), config).unwrap()).await;
+    let premium = || {
+        vec![
+            descriptor(&[("user", "u1")]),
+            descriptor(&[("plan", "premium")]),
+        ]
+    };
+    for _ in 0..3 {
+        let r = ask_in(&mut client, "api", premium(), 1).await;
+        assert_eq!(r.overall_code(), Code::Ok, "per_user is replaced: {r:?}");
+    }
+    // The unnamed tenant limit is not replaced by a name that reads like its policy's.
+    let both = || {
+        vec![
+            descriptor(&[("tenant", "t1")]),
+            descriptor(&[("region", "eu")]),
+        ]
+    };
+    assert_eq!(
+        ask_in(&mut client, "api", both(), 1).await.overall_code(),
+        Code::Ok
+    );
+    assert_eq!(
+        ask_in(&mut client, "api", both(), 1).await.overall_code(),
+        Code::OverLimit
+    );
+    for (yaml, word) in [
+        (
+            "domain: d\ndescriptors:\n  - key: k\n    rate_limit: { unit: hour, \
+             requests_per_unit: 1, name: a, replaces: [{ name: a }] }\n",
+            "itself",
+        ),
+        (
+            "domain: d\ndescriptors:\n  - key: k\n    rate_limit: { unit: hour, \
+             requests_per_unit: 1, replaces: [{ name: \"\" }] }\n",
+            "empty name",
+        ),
+        (
+            "domain: d\ndescriptors:\n  - key: a.b\n    quota: \"1/s\"\n  - key: a\n    \
+             descriptors:\n      - key: b\n        quota: \"1/s\"\n",
+            "reads the same",
+        ),
+    ] {
+        let err = RlsConfig::from_yaml(yaml).unwrap_err().to_string();
+        assert!(err.contains(word), "{word}: {err}");
+    }
+}
+
+/// `current_limit` of a tollgate quota whose period is not a unit: its rate in the smallest
+/// unit at least as long, up to a year.
+#[tokio::test]
+async fn current_limit_uses_the_nearest_unit() {
+    let rules = "domain: d\ndescriptors:\n  - key: a\n    quota: \"100/7d\"\n  \
+                 - key: b\n    quota: \"3/10s\"\n  - key: c\n    quota: \"1000/40d\"\n";
+    let config = RlsConfig::from_yaml(rules).unwrap();
+    let mut client = serve(RlsService::new(LocalBackend::new(), config).unwrap()).await;
+    for (key, want) in [
+        ("a", (100, Unit::Week)),
+        ("b", (18, Unit::Minute)),
+        ("c", (9125, Unit::Year)),
+    ] {
+        let r = ask_in(&mut client, "d", vec![descriptor(&[(key, "x")])], 1).await;
+        let l = r.statuses[0].current_limit.as_ref().unwrap();
+        assert_eq!((l.requests_per_unit, l.unit()), want, "{key}");
+    }
+}
+
 #[tokio::test]
 async fn hits_addend_is_the_cost() {
     let (mut client, _clock) = example().await;
@@ -481,14 +703,9 @@ descriptors:
     rate_limit:
       unlimited: true
 "#;
-    // A count of 0 is tollgate's one refusal: it names the rule.
-    let err = RlsConfig::from_yaml(per_ip).unwrap_err().to_string();
-    assert!(
-        err.contains("edge_proxy_per_ip.remote_address=50.0.0.5"),
-        "{err}"
-    );
-    let per_ip = per_ip.replace("requests_per_unit: 0", "requests_per_unit: 1");
-    let config = RlsConfig::from_yaml(&per_ip).unwrap();
+    // The block list (a count of 0) refuses every request for its address, counting nothing;
+    // the unlimited address is never counted; any other gets 10 a second.
+    let config = RlsConfig::from_yaml(per_ip).unwrap();
     let backend = LocalBackend::builder()
         .clock(FakeRelativeClock::default())
         .build();
@@ -507,18 +724,24 @@ descriptors:
         assert_eq!(r.overall_code(), Code::Ok);
         assert!(r.statuses[0].current_limit.is_none());
     }
-    let r = client
-        .should_rate_limit(ask_ip("50.0.0.5"))
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(r.overall_code(), Code::Ok);
-    let r = client
-        .should_rate_limit(ask_ip("50.0.0.5"))
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(r.overall_code(), Code::OverLimit);
+    for _ in 0..3 {
+        let r = client
+            .should_rate_limit(ask_ip("50.0.0.5"))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(r.overall_code(), Code::OverLimit);
+        let limit = r.statuses[0].current_limit.as_ref().unwrap();
+        assert_eq!((limit.requests_per_unit, limit.unit()), (0, Unit::Second));
+        assert_eq!(header(&r, "retry-after"), Some("1"));
+    }
+    let mut codes = Vec::new();
+    for _ in 0..11 {
+        let r = client.should_rate_limit(ask_ip("50.0.0.7")).await.unwrap();
+        codes.push(r.into_inner().overall_code());
+    }
+    assert_eq!(codes[..10], [Code::Ok; 10]);
+    assert_eq!(codes[10], Code::OverLimit);
 
     let shadow_and_replaces = r#"
 domain: example

@@ -28,14 +28,20 @@ use crate::{ConfigError, Policy, Quota};
 ///         shadow_mode: true
 /// ```
 ///
-/// Read as envoyproxy/ratelimit does: `rate_limit` (`unit`: second, minute, hour, day, or
-/// week, month, year as 7, 30 and 365 days; `requests_per_unit`; `unlimited`; `name`;
-/// `replaces`), `shadow_mode`, `detailed_metric` (accepted; tollgate's metrics are per policy
-/// already) and nested `descriptors`. A `rate_limit` counts in fixed windows, as
-/// envoyproxy/ratelimit does (`5/s fixed`). The extension `quota` takes tollgate's quota
-/// syntax instead (`"5/s burst 10"`, `"100/min sliding 10s"`, `"10/s block 1m"`); a concurrent
-/// quota cannot be served (the protocol has no release) and is refused. Anything else is an
-/// error naming the rule and the word.
+/// Read as envoyproxy/ratelimit does: `key`, `value` (none or empty: any value; ending in
+/// `*`: any value starting with what comes before it), `rate_limit` (`unit`: second, minute,
+/// hour, day, or week, month, year as 7, 30 and 365 days; `requests_per_unit`, 0 refusing
+/// every request; `unlimited`; `name`; `replaces`: the named limits left out when both apply
+/// to one request, an `unlimited` rule's too), `shadow_mode`, `detailed_metric` (accepted;
+/// tollgate's metrics are per policy already) and nested `descriptors`. A `rate_limit` counts
+/// in fixed windows, as envoyproxy/ratelimit does (`5/s fixed`).
+///
+/// tollgate's extensions: `quota` takes tollgate's quota syntax instead of `rate_limit`
+/// (`"5/s burst 10"`, `"100/min sliding 10s"`, `"10/s block 1m"`); a concurrent quota cannot be
+/// served (the protocol has no release) and is refused. `debit: true` takes every hit, past
+/// the limit too (the key is then in debt, refused until it is paid back), and never gives it
+/// back: envoyproxy/ratelimit's counting, which a charge sent after the response
+/// (`apply_on_stream_done`) needs. Anything else is an error naming the rule and the word.
 ///
 /// ```
 /// use tollgate::rls::RlsConfig;
@@ -66,6 +72,9 @@ pub(crate) struct Node {
     /// By key, then value: looked up with borrowed strings, without allocating. Hashed with
     /// foldhash (lookups of what clients send never insert: nothing to flood).
     pub(crate) by_value: HashMap<String, HashMap<String, Rule, Hasher>, Hasher>,
+    /// By key, then values ending in `*` (matching every value that starts with what comes
+    /// before the `*`), the longest first.
+    pub(crate) by_prefix: HashMap<String, Vec<(String, Rule)>, Hasher>,
     pub(crate) by_key: HashMap<String, Rule, Hasher>,
 }
 
@@ -79,20 +88,44 @@ pub(crate) struct Rule {
 /// What a descriptor ending at a rule gets.
 #[derive(Debug, Clone)]
 pub(crate) enum Limit {
-    /// OK, counted nowhere.
-    Unlimited,
+    /// OK, counted nowhere; the limits it `replaces` are left out too.
+    Unlimited { replaces: Vec<String> },
+    /// `OVER_LIMIT`, counted nowhere: a `requests_per_unit` of 0 (a block list).
+    Refused(Named),
     /// Decided under policy `policy` (an index into the config's policies).
     Counted {
         policy: usize,
-        /// The limit's name, which `replaces` of other limits refer to.
-        name: Option<Arc<str>>,
-        /// The names of the limits this one replaces when both apply to one request.
-        replaces: Vec<String>,
-        /// Decided and counted, always OK.
-        shadow: bool,
-        /// `current_limit`: requests per unit, and the unit's number in the protocol.
-        per_unit: (u32, i32),
+        named: Named,
+        /// Every hit is taken, past the limit too (the key is then in debt), and never given
+        /// back: envoyproxy/ratelimit's counting, which a charge after the response needs.
+        debit: bool,
     },
+}
+
+/// What a limit is called and answers with, and what it replaces.
+#[derive(Debug, Clone)]
+pub(crate) struct Named {
+    /// The limit's `name`, which `replaces` of other limits refer to (a limit without one is
+    /// never replaced).
+    pub(crate) name: Option<Arc<str>>,
+    /// The names of the limits this one replaces when both apply to one request.
+    pub(crate) replaces: Vec<String>,
+    /// Decided and counted, always OK.
+    pub(crate) shadow: bool,
+    /// `current_limit`: requests per unit, and the unit's number in the protocol.
+    pub(crate) per_unit: (u32, i32),
+    /// The unit's length (a refused limit's `Retry-After`).
+    pub(crate) unit: Duration,
+}
+
+impl Limit {
+    /// The names of the limits this one replaces.
+    pub(crate) fn replaces(&self) -> &[String] {
+        match self {
+            Limit::Unlimited { replaces } => replaces,
+            Limit::Refused(named) | Limit::Counted { named, .. } => &named.replaces,
+        }
+    }
 }
 
 #[derive(Deserialize)]
@@ -120,6 +153,9 @@ struct DescriptorSpec {
     shadow_mode: bool,
     #[serde(default)]
     detailed_metric: bool,
+    /// tollgate's extension: every hit is taken, past the limit too.
+    #[serde(default)]
+    debit: bool,
 }
 
 #[derive(Deserialize)]
@@ -215,7 +251,9 @@ fn compile(
 ) -> Result<Node, ConfigError> {
     let mut node = Node::default();
     for spec in specs {
-        let step = match &spec.value {
+        // An empty value is no value, as in envoyproxy/ratelimit: any value.
+        let value = spec.value.as_deref().filter(|v| !v.is_empty());
+        let step = match value {
             Some(v) => format!("{}={v}", spec.key),
             None => spec.key.clone(),
         };
@@ -227,77 +265,112 @@ fn compile(
             return Err(bad("the key is empty"));
         }
         let _ = spec.detailed_metric;
-        let limit = match (&spec.rate_limit, &spec.quota) {
-            (Some(_), Some(_)) => {
-                return Err(bad(
-                    "both `rate_limit` and `quota`: give one (`quota` is tollgate's syntax for \
-                     the same thing)",
-                ));
-            }
-            (Some(rl), None) if rl.unlimited => {
-                if rl.unit.is_some() || rl.requests_per_unit.is_some() {
-                    return Err(bad(
-                        "`unlimited` with a unit or a count: give one or the other",
-                    ));
-                }
-                Some(Limit::Unlimited)
-            }
-            (Some(rl), None) => {
-                let unit_word = rl
-                    .unit
-                    .as_deref()
-                    .ok_or_else(|| bad("`rate_limit` without `unit`"))?;
-                let (_, secs, code) = UNITS
-                    .iter()
-                    .find(|(u, _, _)| u.eq_ignore_ascii_case(unit_word))
-                    .copied()
-                    .ok_or_else(|| {
-                        bad(&format!(
-                            "unknown unit {unit_word:?}: use second, minute, hour, day, week, \
-                             month or year"
-                        ))
-                    })?;
-                let count = rl
-                    .requests_per_unit
-                    .ok_or_else(|| bad("`rate_limit` without `requests_per_unit`"))?;
-                let quota = Quota::new(count, Duration::from_secs(secs)).fixed_window();
-                Some(counted(
-                    &name,
-                    quota,
-                    rl,
-                    spec.shadow_mode,
-                    Some((count, code)),
-                    policies,
-                )?)
-            }
-            (None, Some(text)) => {
-                let quota: Quota = text
-                    .parse()
-                    .map_err(|e: ConfigError| bad(&format!("quota {text:?}: {e}")))?;
-                if quota.algorithm() == Algorithm::Concurrent {
-                    return Err(bad(
-                        "a concurrent quota cannot be served over the rate limit service: the \
-                         protocol has no release for a request that ends",
-                    ));
-                }
-                let none = RateLimitSpec {
-                    unit: None,
-                    requests_per_unit: None,
-                    unlimited: false,
-                    name: None,
-                    replaces: Vec::new(),
-                };
-                Some(counted(
-                    &name,
-                    quota,
-                    &none,
-                    spec.shadow_mode,
-                    None,
-                    policies,
-                )?)
-            }
-            (None, None) => None,
+        let twice = match value {
+            Some(v) if v.ends_with('*') => (node.by_prefix.get(&spec.key))
+                .is_some_and(|ps| ps.iter().any(|(p, _)| p == v.trim_end_matches('*'))),
+            Some(v) => (node.by_value.get(&spec.key)).is_some_and(|vs| vs.contains_key(v)),
+            None => node.by_key.contains_key(&spec.key),
         };
+        if twice {
+            return Err(bad("given twice at this level"));
+        }
+        let (quota, rl, per_unit): (Option<Quota>, Option<&RateLimitSpec>, _) =
+            match (&spec.rate_limit, &spec.quota) {
+                (Some(_), Some(_)) => {
+                    return Err(bad(
+                        "both `rate_limit` and `quota`: give one (`quota` is tollgate's syntax \
+                         for the same thing)",
+                    ));
+                }
+                (Some(rl), None) if rl.unlimited => {
+                    if rl.unit.is_some() || rl.requests_per_unit.is_some() {
+                        return Err(bad(
+                            "`unlimited` with a unit or a count: give one or the other",
+                        ));
+                    }
+                    (None, Some(rl), None)
+                }
+                (Some(rl), None) => {
+                    let unit_word = rl
+                        .unit
+                        .as_deref()
+                        .ok_or_else(|| bad("`rate_limit` without `unit`"))?;
+                    let (_, secs, code) = UNITS
+                        .iter()
+                        .find(|(u, _, _)| u.eq_ignore_ascii_case(unit_word))
+                        .copied()
+                        .ok_or_else(|| {
+                            bad(&format!(
+                                "unknown unit {unit_word:?}: use second, minute, hour, day, \
+                                 week, month or year"
+                            ))
+                        })?;
+                    let count = rl
+                        .requests_per_unit
+                        .ok_or_else(|| bad("`rate_limit` without `requests_per_unit`"))?;
+                    let unit = Duration::from_secs(secs);
+                    // A count of 0 refuses every request (envoyproxy/ratelimit's block list).
+                    let quota = (count > 0).then(|| Quota::new(count, unit).fixed_window());
+                    (quota, Some(rl), Some(((count, code), unit)))
+                }
+                (None, Some(text)) => {
+                    let quota: Quota = text
+                        .parse()
+                        .map_err(|e: ConfigError| bad(&format!("quota {text:?}: {e}")))?;
+                    if quota.algorithm() == Algorithm::Concurrent {
+                        return Err(bad(
+                            "a concurrent quota cannot be served over the rate limit service: \
+                             the protocol has no release for a request that ends",
+                        ));
+                    }
+                    (
+                        Some(quota),
+                        None,
+                        Some((nearest_unit(&quota), quota.period())),
+                    )
+                }
+                (None, None) => (None, None, None),
+            };
+        let limit = match (rl, quota, per_unit) {
+            (Some(rl), _, None) => Some(Limit::Unlimited {
+                replaces: replaces(rl, &bad)?,
+            }),
+            (rl, quota, Some((per_unit, unit))) => {
+                let named = Named {
+                    name: rl.and_then(|rl| rl.name.as_deref()).map(Arc::from),
+                    replaces: rl
+                        .map(|rl| replaces(rl, &bad))
+                        .transpose()?
+                        .unwrap_or_default(),
+                    shadow: spec.shadow_mode,
+                    per_unit,
+                    unit,
+                };
+                Some(match quota {
+                    None => Limit::Refused(named),
+                    Some(quota) => {
+                        if policies.iter().any(|p| p.name() == name) {
+                            return Err(bad(
+                                "another rule's path reads the same (a key or value with `.` \
+                                 or `=` in it): rename one",
+                            ));
+                        }
+                        let policy = Policy::new(name.as_str(), quota).shadow(spec.shadow_mode);
+                        policy.validate().map_err(|e| bad(&e.to_string()))?;
+                        policies.push(policy);
+                        Limit::Counted {
+                            policy: policies.len() - 1,
+                            named,
+                            debit: spec.debit,
+                        }
+                    }
+                })
+            }
+            (None, _, None) => None,
+        };
+        if spec.debit && !matches!(limit, Some(Limit::Counted { .. })) {
+            return Err(bad("`debit` without a limit that counts"));
+        }
         if spec.shadow_mode && limit.is_none() {
             return Err(bad("`shadow_mode` without a limit"));
         }
@@ -305,42 +378,39 @@ fn compile(
             limit,
             children: compile(domain, &spec.descriptors, &here, policies)?,
         };
-        let clash = match &spec.value {
-            Some(v) => (node.by_value.entry(spec.key.clone()).or_default())
-                .insert(v.clone(), rule)
-                .is_some(),
-            None => node.by_key.insert(spec.key.clone(), rule).is_some(),
-        };
-        if clash {
-            return Err(bad("given twice at this level"));
+        match value {
+            Some(v) if v.ends_with('*') => {
+                let prefixes = node.by_prefix.entry(spec.key.clone()).or_default();
+                prefixes.push((v.trim_end_matches('*').to_owned(), rule));
+                // The longest first: the most specific.
+                prefixes.sort_by_key(|(p, _)| std::cmp::Reverse(p.len()));
+            }
+            Some(v) => {
+                (node.by_value.entry(spec.key.clone()).or_default()).insert(v.to_owned(), rule);
+            }
+            None => {
+                node.by_key.insert(spec.key.clone(), rule);
+            }
         }
     }
     Ok(node)
 }
 
-/// A counted rule's limit: its policy, made and checked here.
-fn counted(
-    name: &str,
-    quota: Quota,
+/// A limit's `replaces`, checked as envoyproxy/ratelimit does: no empty name, not its own.
+fn replaces(
     rl: &RateLimitSpec,
-    shadow: bool,
-    per_unit: Option<(u32, i32)>,
-    policies: &mut Vec<Policy>,
-) -> Result<Limit, ConfigError> {
-    let policy = Policy::new(name, quota).shadow(shadow);
-    let params = policy
-        .validate()
-        .map_err(|e| invalid(format!("rule `{name}`: {e}")))?;
-    let _ = params;
-    let per_unit = per_unit.unwrap_or_else(|| nearest_unit(&quota));
-    policies.push(policy);
-    Ok(Limit::Counted {
-        policy: policies.len() - 1,
-        name: rl.name.as_deref().map(Arc::from),
-        replaces: rl.replaces.iter().map(|r| r.name.clone()).collect(),
-        shadow,
-        per_unit,
-    })
+    bad: &impl Fn(&str) -> ConfigError,
+) -> Result<Vec<String>, ConfigError> {
+    let names: Vec<String> = rl.replaces.iter().map(|r| r.name.clone()).collect();
+    if names.iter().any(String::is_empty) {
+        return Err(bad("an empty name in `replaces`"));
+    }
+    if let Some(own) = &rl.name
+        && names.contains(own)
+    {
+        return Err(bad(&format!("`replaces` names the limit itself ({own:?})")));
+    }
+    Ok(names)
 }
 
 /// `current_limit` for a quota whose period is not a unit of the protocol (`3/10s`, or any
@@ -349,16 +419,15 @@ fn counted(
 fn nearest_unit(quota: &Quota) -> (u32, i32) {
     let period = quota.period().as_secs_f64().max(1e-9);
     let (_, secs, code) = (UNITS.iter())
-        .take(4)
         .find(|(_, secs, _)| *secs as f64 >= period)
         .copied()
-        .unwrap_or(UNITS[3]);
+        .unwrap_or(UNITS[UNITS.len() - 1]);
     let per = f64::from(quota.count()) * secs as f64 / period;
     (per.round().clamp(1.0, f64::from(u32::MAX)) as u32, code)
 }
 
-/// The rule a descriptor's entries reach, the most specific at each level (`key=value`
-/// before `key`), if every entry finds one.
+/// The rule a descriptor's entries reach, the most specific at each level (`key=value`, then
+/// the longest `key=prefix*`, then `key`), if every entry finds one.
 pub(crate) fn find<'a, 'e>(
     mut node: &'a Node,
     entries: impl IntoIterator<Item = (&'e str, &'e str)>,
@@ -367,6 +436,11 @@ pub(crate) fn find<'a, 'e>(
     for (k, v) in entries {
         let found = (node.by_value.get(k))
             .and_then(|values| values.get(v))
+            .or_else(|| {
+                let prefixes = node.by_prefix.get(k)?;
+                let found = prefixes.iter().find(|(p, _)| v.starts_with(p.as_str()));
+                found.map(|(_, rule)| rule)
+            })
             .or_else(|| node.by_key.get(k))?;
         node = &found.children;
         rule = Some(found);
@@ -378,9 +452,13 @@ pub(crate) fn find<'a, 'e>(
 fn has_replaces(node: &Node) -> bool {
     let rules = (node.by_value.values())
         .flat_map(|values| values.values())
+        .chain(node.by_prefix.values().flatten().map(|(_, rule)| rule))
         .chain(node.by_key.values());
     for rule in rules {
-        if matches!(&rule.limit, Some(Limit::Counted { replaces, .. }) if !replaces.is_empty())
+        if rule
+            .limit
+            .as_ref()
+            .is_some_and(|l| !l.replaces().is_empty())
             || has_replaces(&rule.children)
         {
             return true;

@@ -8,11 +8,16 @@
 //! mean it:
 //!
 //! - each descriptor (its entries in order) is matched against the rule tree, the most
-//!   specific rule at each level (`key` and `value` before `key` alone); a descriptor no rule
-//!   names, or whose rule has no limit, is `OK` and counted nowhere, as is one whose rule is
-//!   `unlimited`, or whose limit another matched limit `replaces`;
-//! - its cost is the descriptor's `hits_addend` when given (0: checked, nothing taken), else
-//!   the request's (0 meaning 1);
+//!   specific rule at each level (`key` and `value`, then `key` and the longest `value`
+//!   prefix ending in `*`, then `key` alone); a descriptor no rule names, or whose rule has no
+//!   limit, is `OK` and counted nowhere, as is one whose rule is `unlimited`, or whose named
+//!   limit another matched rule `replaces`; a rule of 0 requests per unit refuses, counting
+//!   nothing;
+//! - its cost is the descriptor's `hits_addend` when given, else the request's (0 meaning 1);
+//!   a `hits_addend` of 0 checks: nothing is taken, and it is `OVER_LIMIT` when not one unit
+//!   is left; a rule with `debit` takes its cost whatever is left (past the limit the key is
+//!   in debt, refused until it is paid back) and never gives it back, which a charge sent
+//!   after the response needs;
 //! - the bucket is the rule's policy (named `<domain>.<key>[=<value>]…`, see
 //!   [`RlsConfig::policies`]) and the descriptor's key: one entry's value as
 //!   [`Key::ip`] when it is an IP address (what [`ClientIp`](crate::key::ClientIp) gives a
@@ -23,14 +28,15 @@
 //!   on the same store, shares the limit;
 //! - the descriptors of one request are decided together, all or nothing: their decisions are
 //!   asked for at once (a shared store's batching sends them in one round trip), and when one
-//!   is over its limit, or the store fails, what the others took is given back; a call dropped
+//!   is over its limit, or the store fails, what the others took (but a `debit`) is given
+//!   back, before the answer; a call dropped
 //!   before its answer (Envoy's timeout, a `grpc-timeout`) takes nothing either: what its
 //!   decisions took is given back, those still in flight once they land;
 //! - one status per descriptor, in order: `code`, `current_limit` (`requests_per_unit` and
 //!   `unit`: a rule's own, or for a quota whose period is not a unit its rate in the smallest
 //!   unit at least as long, rounded), `limit_remaining` and `duration_until_reset`;
 //!   `overall_code` is `OVER_LIMIT` when one is;
-//! - a rule in `shadow_mode` is decided and counted, and always `OK`;
+//! - a rule in `shadow_mode` is decided and counted, and always `OK` (its store failing too);
 //! - `response_headers_to_add` carries the IETF `RateLimit` and `RateLimit-Policy` fields of
 //!   the counted descriptors ([`RlsService::headers`] turns them off), and `Retry-After` when
 //!   over the limit, so that Envoy passes them to the client;
@@ -74,8 +80,9 @@ use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
 use config::Limit;
 pub use config::RlsConfig;
 
+use crate::admit::{count_in, count_shadow};
 use crate::backend::{Backend, Decision, Mode};
-use crate::metrics::{self, Outcome, PolicyMetrics, metrics_str::Label};
+use crate::metrics::{self, PolicyMetrics, metrics_str::Label};
 use crate::response::{PolicyHeaders, ceil_secs, write_ietf};
 use crate::settle::{refund_at, see_through, send, took};
 use crate::{ConfigError, Key};
@@ -222,7 +229,10 @@ struct Counted {
     /// `None`: checked only (a `hits_addend` of 0).
     cost: Option<NonZeroU32>,
     shadow: bool,
-    name: Arc<str>,
+    /// Taken whatever is left, and never given back (the rule's `debit`).
+    debit: bool,
+    /// The rule's `name`, if it has one (what `replaces` refers to).
+    named: Option<Arc<str>>,
     per_unit: (u32, i32),
     decision: Option<Decision>,
     /// When its units were taken ([`Backend::now_ns`]), until they are given back or kept.
@@ -239,6 +249,20 @@ impl Counted {
             None => (NonZeroU32::MIN, Mode::Peek),
         }
     }
+
+    /// Whether what it took goes back when the request is refused as a whole, or dropped.
+    fn gives_back(&self) -> bool {
+        !self.debit && self.ask().1 == Mode::Decide
+    }
+}
+
+/// A descriptor whose rule refuses every request (`requests_per_unit: 0`).
+struct Refused {
+    at: usize,
+    named: Option<Arc<str>>,
+    shadow: bool,
+    per_unit: (u32, i32),
+    unit: Duration,
 }
 
 fn status(code: Code) -> DescriptorStatus {
@@ -267,6 +291,7 @@ impl<B: Backend> RateLimitService for RlsService<B> {
         let mut statuses: Vec<DescriptorStatus> =
             req.descriptors.iter().map(|_| status(Code::Ok)).collect();
         let mut counted: Vec<Counted> = Vec::new();
+        let mut refused: Vec<Refused> = Vec::new();
         if req.domain == rules.config.domain() {
             let request_cost = req.hits_addend.max(1);
             let mut replaced: Vec<&str> = Vec::new();
@@ -275,40 +300,47 @@ impl<B: Backend> RateLimitService for RlsService<B> {
                 let Some(rule) = config::find(rules.config.root(), entries) else {
                     continue;
                 };
-                let Some(Limit::Counted {
-                    policy,
-                    name,
-                    shadow,
-                    per_unit,
-                    replaces,
-                }) = &rule.limit
-                else {
-                    continue;
-                };
-                replaced.extend(replaces.iter().map(String::as_str));
-                let key = descriptor_key(&d.entries);
-                let hits = d
-                    .hits_addend
-                    .as_ref()
-                    .map_or(u64::from(request_cost), |h| h.value);
-                let cost = NonZeroU32::new(u32::try_from(hits).unwrap_or(u32::MAX));
-                let policy_name = rules.config.policies()[*policy].name();
-                counted.push(Counted {
-                    at,
-                    policy: *policy,
-                    key,
-                    cost,
-                    shadow: *shadow,
-                    name: name.clone().unwrap_or_else(|| Arc::from(policy_name)),
-                    per_unit: *per_unit,
-                    decision: None,
-                    taken_at: None,
-                    given_back: false,
-                });
+                let Some(limit) = &rule.limit else { continue };
+                replaced.extend(limit.replaces().iter().map(String::as_str));
+                match limit {
+                    Limit::Unlimited { .. } => {}
+                    Limit::Refused(named) => refused.push(Refused {
+                        at,
+                        named: named.name.clone(),
+                        shadow: named.shadow,
+                        per_unit: named.per_unit,
+                        unit: named.unit,
+                    }),
+                    Limit::Counted {
+                        policy,
+                        named,
+                        debit,
+                    } => {
+                        let hits =
+                            (d.hits_addend.as_ref()).map_or(u64::from(request_cost), |h| h.value);
+                        counted.push(Counted {
+                            at,
+                            policy: *policy,
+                            key: descriptor_key(&d.entries),
+                            cost: NonZeroU32::new(u32::try_from(hits).unwrap_or(u32::MAX)),
+                            shadow: named.shadow,
+                            debit: *debit,
+                            named: named.name.clone(),
+                            per_unit: named.per_unit,
+                            decision: None,
+                            taken_at: None,
+                            given_back: false,
+                        });
+                    }
+                }
             }
-            // A limit another matched limit replaces is left out.
+            // A named limit another matched limit replaces is left out.
             if rules.config.has_replaces() {
-                counted.retain(|c| !replaced.contains(&&*c.name));
+                let kept = |named: &Option<Arc<str>>| {
+                    named.as_deref().is_none_or(|n| !replaced.contains(&n))
+                };
+                counted.retain(|c| kept(&c.named));
+                refused.retain(|r| kept(&r.named));
             }
         }
         // All together: every descriptor's decision is asked for at once (a shared store's
@@ -328,29 +360,21 @@ impl<B: Backend> RateLimitService for RlsService<B> {
         };
         let mut failed = None;
         std::future::poll_fn(|cx| asking.poll_landed(cx, &mut failed)).await;
-        let mut over = false;
-        for c in &asking.counted {
-            match &c.decision {
-                Some(d) if c.cost.is_some() => {
-                    let outcome = match (d.is_allowed(), c.shadow, d.never_fits()) {
-                        (true, _, _) => Outcome::Allowed,
-                        (false, true, _) => Outcome::ShadowDenied,
-                        (false, false, true) => Outcome::NeverFits,
-                        (false, false, false) => Outcome::Denied,
-                    };
-                    rules.metrics[c.policy].record(outcome, (!d.is_allowed()).then_some(0));
-                    over |= !d.is_allowed() && !c.shadow;
-                }
-                Some(_) => {}
-                None => rules.metrics[c.policy].record(Outcome::FailClosed, None),
-            }
-        }
         if let Some(e) = failed {
             for refund in asking.give_back() {
                 let _ = refund.await;
             }
             metrics::rls_request(&rules.domain, "unavailable");
             return Err(tonic::Status::unavailable(format!("rate limit store: {e}")));
+        }
+        // A check refuses when not one unit is left; a rule's refusal, unless in shadow mode.
+        let over = refused.iter().any(|r| !r.shadow)
+            || (asking.counted.iter())
+                .any(|c| !c.shadow && c.decision.as_ref().is_some_and(|d| !d.is_allowed()));
+        // A `debit` rule takes what it refused too (in tasks of their own: a call dropped
+        // meanwhile still makes them).
+        for debit in asking.debit_refused() {
+            let _ = debit.await;
         }
         if over {
             for refund in asking.give_back() {
@@ -361,38 +385,46 @@ impl<B: Backend> RateLimitService for RlsService<B> {
         let mut policy_fields = String::new();
         let mut limit_fields = String::new();
         let mut retry = Duration::ZERO;
+        let headers_on = self.inner.headers.load(Ordering::Relaxed);
         for c in &counted {
             let Some(d) = &c.decision else { continue };
-            // A check (`hits_addend` 0) counts nothing, and refuses nothing.
-            let refused = !d.is_allowed() && !c.shadow && c.cost.is_some();
+            let refused = !d.is_allowed() && !c.shadow;
             let s = &mut statuses[c.at];
             s.code = if refused { Code::OverLimit } else { Code::Ok } as i32;
             s.current_limit = Some(RateLimit {
-                name: c.name.to_string(),
+                name: current_name(&c.named, &rules.config.policies()[c.policy]),
                 requests_per_unit: c.per_unit.0,
                 unit: c.per_unit.1,
             });
+            // What is left now: a check (`hits_addend` 0) or a decision given back holds the
+            // units its state counts as taken.
+            let back = match c.cost {
+                None if d.is_allowed() => 1,
+                Some(cost) if c.given_back => cost.get(),
+                _ => 0,
+            };
             if let Some(q) = d.tightest() {
-                // What is left now: a check (`hits_addend` 0) or a decision given back holds
-                // the units its state counts as taken.
-                let back = match c.cost {
-                    None if d.is_allowed() => 1,
-                    Some(cost) if c.given_back => cost.get(),
-                    _ => 0,
-                };
                 s.limit_remaining = q.remaining.saturating_add(back).min(q.limit);
                 s.duration_until_reset = Some(proto_duration(q.reset_after));
             }
             if refused {
                 retry = retry.max(d.retry_after().unwrap_or_default());
             }
-            if self.inner.headers.load(Ordering::Relaxed) && !c.shadow {
-                write_ietf(
-                    &rules.headers[c.policy],
-                    d,
-                    &mut policy_fields,
-                    &mut limit_fields,
-                );
+            if headers_on && !c.shadow {
+                let fields = (&mut policy_fields, &mut limit_fields);
+                write_ietf(&rules.headers[c.policy], d, back, fields.0, fields.1);
+            }
+        }
+        for r in &refused {
+            let s = &mut statuses[r.at];
+            s.code = if r.shadow { Code::Ok } else { Code::OverLimit } as i32;
+            s.current_limit = Some(RateLimit {
+                name: r.named.as_deref().unwrap_or_default().to_owned(),
+                requests_per_unit: r.per_unit.0,
+                unit: r.per_unit.1,
+            });
+            if !r.shadow {
+                retry = retry.max(r.unit);
             }
         }
         let mut headers = Vec::with_capacity(3);
@@ -453,6 +485,14 @@ impl<B: Backend> Asking<'_, B> {
             if c.ask().1 == Mode::Decide && took(&result) {
                 c.taken_at = Some(self.inner.backend.now_ns());
             }
+            let metrics = &self.rules.metrics[c.policy];
+            if c.shadow {
+                // A shadow rule's failure fails nothing: OK, as its refusals are.
+                count_shadow(metrics, &result);
+                c.decision = result.ok();
+                continue;
+            }
+            count_in(metrics, &result);
             match result {
                 Ok(d) => c.decision = Some(d),
                 Err(e) => {
@@ -475,32 +515,32 @@ impl<B: Backend> Asking<'_, B> {
     fn give_back(&mut self) -> Vec<tokio::task::JoinHandle<()>> {
         let backend = &self.inner.backend;
         let mut running = Vec::new();
-        for c in &mut self.counted {
+        for c in self.counted.iter_mut().filter(|c| !c.debit) {
             let (Some(cost), Some(at)) = (c.cost, c.taken_at.take()) else {
                 continue;
             };
             c.given_back = true;
-            let refund = refund_at(backend, at);
-            let mut fut = backend.decide_with(&self.rules.prepared[c.policy], &c.key, cost, refund);
-            let name = || self.rules.config.policies()[c.policy].name();
-            let waker = std::task::Waker::noop();
-            match std::pin::Pin::new(&mut fut).poll(&mut std::task::Context::from_waker(waker)) {
-                std::task::Poll::Ready(Ok(_)) => {}
-                std::task::Poll::Ready(Err(error)) => {
-                    tracing::debug!(policy = name(), %error, "refund failed");
-                }
-                std::task::Poll::Pending => match tokio::runtime::Handle::try_current() {
-                    Ok(runtime) => {
-                        let name = name().to_owned();
-                        running.push(runtime.spawn(async move {
-                            if let Err(error) = fut.await {
-                                tracing::debug!(policy = name, %error, "refund failed");
-                            }
-                        }));
-                    }
-                    Err(_) => tracing::debug!(policy = name(), "refund dropped: no runtime"),
-                },
-            }
+            let prepared = &self.rules.prepared[c.policy];
+            let fut = backend.decide_with(prepared, &c.key, cost, refund_at(backend, at));
+            let name = self.rules.config.policies()[c.policy].name();
+            running.extend(settle(fut, name, "refund"));
+        }
+        running
+    }
+
+    /// Takes what the `debit` rules' decisions refused (a debit: past the limit), each in a
+    /// task of its own when the store is remote, returned for the answer to wait for.
+    fn debit_refused(&mut self) -> Vec<tokio::task::JoinHandle<()>> {
+        let backend = &self.inner.backend;
+        let mut running = Vec::new();
+        let refused = (self.counted.iter())
+            .filter(|c| c.debit && c.decision.as_ref().is_some_and(|d| !d.is_allowed()));
+        for c in refused {
+            let Some(cost) = c.cost else { continue };
+            let prepared = &self.rules.prepared[c.policy];
+            let fut = backend.decide_with(prepared, &c.key, cost, Mode::Debit);
+            let name = self.rules.config.policies()[c.policy].name();
+            running.extend(settle(fut, name, "debit"));
         }
         running
     }
@@ -518,7 +558,7 @@ impl<B: Backend> Drop for Asking<'_, B> {
     fn drop(&mut self) {
         self.give_back();
         let decisions = self.in_flight.iter_mut().zip(&self.counted);
-        for (fut, c) in decisions.filter(|(_, c)| c.ask().1 == Mode::Decide) {
+        for (fut, c) in decisions.filter(|(_, c)| c.gives_back()) {
             let (Some(fut), Some(cost)) = (fut.take(), c.cost) else {
                 continue;
             };
@@ -533,4 +573,40 @@ impl<B: Backend> Drop for Asking<'_, B> {
             });
         }
     }
+}
+
+/// Makes a settlement of a call (a refund, a debit): at once on an in-memory store, else in a
+/// task of its own, returned for the answer to wait for (a call dropped meanwhile leaves it
+/// running). One that fails leaves the bucket as it was, with a debug line.
+fn settle<F>(mut fut: F, policy: &str, what: &'static str) -> Option<tokio::task::JoinHandle<()>>
+where
+    F: Future<Output = Result<Decision, crate::BackendError>> + Send + Unpin + 'static,
+{
+    let waker = std::task::Waker::noop();
+    match std::pin::Pin::new(&mut fut).poll(&mut std::task::Context::from_waker(waker)) {
+        std::task::Poll::Ready(Ok(_)) => None,
+        std::task::Poll::Ready(Err(error)) => {
+            tracing::debug!(policy, %error, "rate limit service: {what} failed");
+            None
+        }
+        std::task::Poll::Pending => match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                let policy = policy.to_owned();
+                Some(runtime.spawn(async move {
+                    if let Err(error) = fut.await {
+                        tracing::debug!(policy, %error, "rate limit service: {what} failed");
+                    }
+                }))
+            }
+            Err(_) => {
+                tracing::debug!(policy, "rate limit service: {what} dropped: no runtime");
+                None
+            }
+        },
+    }
+}
+
+/// `current_limit.name`: the rule's `name`, else its policy's.
+fn current_name(named: &Option<Arc<str>>, policy: &crate::Policy) -> String {
+    named.as_deref().unwrap_or(policy.name()).to_owned()
 }
