@@ -1156,6 +1156,21 @@ fn calls_and_decisions_are_counted() {
                     ask(&mut client, address("10.0.0.1"), 0).await;
                 }
                 ask_in(&mut client, "elsewhere", address("10.0.0.1"), 0).await;
+                // A store that cannot be asked, failing open: counted as the layer counts it.
+                #[cfg(feature = "redis")]
+                {
+                    use tollgate::backend::redis::{FailurePolicy, RedisBackend};
+                    let backend = RedisBackend::builder()
+                        .url(format!("redis://127.0.0.1:{}", support::closed_port()))
+                        .timeout(Duration::from_millis(200))
+                        .on_failure(FailurePolicy::FailOpen)
+                        .build()
+                        .unwrap();
+                    let config = RlsConfig::from_yaml(EXAMPLE_RULES).unwrap();
+                    let mut open = serve(RlsService::new(backend, config).unwrap()).await;
+                    let r = ask(&mut open, address("10.0.0.9"), 0).await;
+                    assert_eq!(r.overall_code(), Code::Ok);
+                }
             })
     });
     let snapshot = snapshotter.snapshot().into_vec();
@@ -1174,7 +1189,9 @@ fn calls_and_decisions_are_counted() {
             .sum()
     };
     let calls = "tollgate_rls_requests_total";
-    assert_eq!(count(calls, &[("domain", "edge"), ("code", "ok")]), 10);
+    // The ten allowed, and the one failing open on Redis.
+    let ok = if cfg!(feature = "redis") { 11 } else { 10 };
+    assert_eq!(count(calls, &[("domain", "edge"), ("code", "ok")]), ok);
     assert_eq!(
         count(calls, &[("domain", "edge"), ("code", "over_limit")]),
         1
@@ -1184,4 +1201,6 @@ fn calls_and_decisions_are_counted() {
     let policy = ("policy", "edge.remote_address");
     assert_eq!(count(decisions, &[policy, ("outcome", "allowed")]), 10);
     assert_eq!(count(decisions, &[policy, ("outcome", "denied")]), 1);
+    #[cfg(feature = "redis")]
+    assert_eq!(count(decisions, &[policy, ("outcome", "fail_open")]), 1);
 }
