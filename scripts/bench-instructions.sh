@@ -37,11 +37,8 @@ DURATION=${DURATION:-8s}
 PORT=${PORT:-3911}
 TARGET=${CARGO_TARGET_DIR:-target}
 
-need() { command -v "$1" >/dev/null || {
-    SUDO=""
-    [ "$(id -u)" -ne 0 ] && SUDO=sudo
-    $SUDO apt-get install -y -qq "$2" >/dev/null
-}; }
+# shellcheck source=lib/callgrind.sh
+. scripts/lib/callgrind.sh
 need valgrind valgrind
 need wrk wrk
 need redis-server redis-server
@@ -72,7 +69,6 @@ if ! kill -0 "$REDIS_PID" 2>/dev/null; then
     exit 1
 fi
 
-total() { callgrind_annotate "$1" 2>/dev/null | awk '/PROGRAM TOTALS/ { gsub(",", "", $1); print $1 }'; }
 
 # Instructions of one server run, with `wrk` for $DURATION when $2 is 1; prints "Ir requests".
 run() { # mode load
@@ -109,7 +105,7 @@ run() { # mode load
     # SIGTERM: background jobs of a non-interactive shell ignore SIGINT.
     kill "$pid"
     wait "$pid" 2>/dev/null || true
-    echo "$(total "$WORK/cg.out") $requests"
+    echo "$(callgrind_total "$WORK/cg.out") $requests"
 }
 
 echo "keys: $KEYS, tollgate headers: ${HEADERS:-ietf}" >&2

@@ -15,11 +15,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-need() { command -v "$1" >/dev/null || {
-    SUDO=""
-    [ "$(id -u)" -ne 0 ] && SUDO=sudo
-    $SUDO apt-get install -y -qq "$2" >/dev/null
-}; }
+# shellcheck source=lib/callgrind.sh
+. scripts/lib/callgrind.sh
 need valgrind valgrind
 need redis-server redis-server
 need redis-benchmark redis-tools
@@ -62,7 +59,7 @@ instructions() { # script calls
     redis-benchmark -p "$port" -n "$2" -c 1 -q evalsha "$sha" 16 "${keys[@]}" >/dev/null 2>&1
     redis-cli -p "$port" shutdown nosave >/dev/null 2>&1 || true
     wait "$pid" 2>/dev/null || true
-    callgrind_annotate "$out" 2>/dev/null | awk '/PROGRAM TOTALS/ { gsub(",", "", $1); print $1 }'
+    callgrind_total "$out"
     rm -f "$out"
 }
 

@@ -37,11 +37,8 @@ SCRIPT=${SCRIPT:-src/backend/redis/gcra.lua}
 PORT=${PORT:-$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')}
 REDIS_SERVER=${REDIS_SERVER:-redis-server}
 
-need() { command -v "$1" >/dev/null || {
-    SUDO=""
-    [ "$(id -u)" -ne 0 ] && SUDO=sudo
-    $SUDO apt-get install -y -qq "$2" >/dev/null
-}; }
+# shellcheck source=lib/callgrind.sh
+. scripts/lib/callgrind.sh
 need valgrind valgrind
 need redis-server redis-server
 need redis-benchmark redis-tools
@@ -49,7 +46,6 @@ need redis-benchmark redis-tools
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 
-total() { callgrind_annotate "$1" 2>/dev/null | awk '/PROGRAM TOTALS/ { gsub(",", "", $1); print $1 }'; }
 
 # The quota's four script arguments (hexadecimal, see gcra.lua) and its key suffix (as
 # src/backend/remote/keys.rs names them), by algorithm: huge limits, so that every decision is
@@ -127,7 +123,7 @@ redis_run() { # calls decisions keys algo
     if [ -n "${PROFILE_DIR:-}" ]; then
         cp "$WORK/r.out" "$PROFILE_DIR/$4-$2-$3-$1.out"
     fi
-    total "$WORK/r.out"
+    callgrind_total "$WORK/r.out"
 }
 
 printf '%-8s %-34s %14s\n' algo "redis-server, one call of" instr/decision

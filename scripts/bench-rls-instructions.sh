@@ -25,20 +25,16 @@ REDIS_PORT=${REDIS_PORT:-6491}
 export KEYS=${KEYS:-10000} CONCURRENCY=${CONCURRENCY:-16} CONNECTIONS=${CONNECTIONS:-4}
 TARGET=${CARGO_TARGET_DIR:-target}
 
-need() { command -v "$1" >/dev/null || {
-    SUDO=""
-    [ "$(id -u)" -ne 0 ] && SUDO=sudo
-    $SUDO apt-get install -y -qq "$2" >/dev/null
-}; }
+# shellcheck source=lib/callgrind.sh
+. scripts/lib/callgrind.sh
 need valgrind valgrind
-need redis-server redis-server
 cargo build -q --release --features rls,redis --example rls --example rls_load
 
 WORK=$(mktemp -d)
-redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no --dir "$WORK" \
-    >/dev/null &
-REDIS_PID=$!
-trap 'kill "$REDIS_PID" 2>/dev/null || true; wait "$REDIS_PID" 2>/dev/null || true; rm -rf "$WORK"' EXIT
+# shellcheck source=lib/bench-redis.sh
+. scripts/lib/bench-redis.sh
+bench_redis_start "$REDIS_PORT"
+trap 'kill "$REDIS_PID" 2>/dev/null || true; wait "$REDIS_PID" 2>/dev/null || true; rm -rf "$WORK" "$REDIS_DIR"' EXIT
 cat >"$WORK/rules.yaml" <<'YAML'
 domain: edge
 descriptors:
@@ -46,7 +42,6 @@ descriptors:
     quota: "1000000/s"
 YAML
 
-total() { callgrind_annotate "$1" 2>/dev/null | awk '/PROGRAM TOTALS/ { gsub(",", "", $1); print $1 }'; }
 
 # Instructions of one server run, loaded for $DURATION when $2 is 1; prints "Ir calls".
 run() { # mode load
@@ -56,7 +51,7 @@ run() { # mode load
         headers=off
     fi
     TOKIO_WORKER_THREADS=1 PORT=$PORT BACKEND=$backend HEADERS=$headers \
-        RULES_FILE="$WORK/rules.yaml" REDIS_URL="redis://127.0.0.1:$REDIS_PORT" \
+        RULES_FILE="$WORK/rules.yaml" REDIS_URL="$REDIS_URL" \
         valgrind --tool=callgrind --callgrind-out-file="$WORK/cg.out" \
         "$TARGET/release/examples/rls" >/dev/null 2>&1 &
     local pid=$!
@@ -74,7 +69,7 @@ run() { # mode load
         mkdir -p "$KEEP"
         cp "$WORK/cg.out" "$KEEP/$mode.out"
     fi
-    echo "$(total "$WORK/cg.out") $calls"
+    echo "$(callgrind_total "$WORK/cg.out") $calls"
 }
 
 printf '%-18s %14s %12s\n' mode instr/call vs_bare

@@ -891,39 +891,39 @@ where
     assert_eq!(left(ask(&mut a, vec![check], 0).await), 8);
 }
 
-#[cfg(feature = "postgres")]
-#[tokio::test]
-async fn two_services_on_one_postgres_share_a_limit() {
-    use tollgate::backend::postgres::PostgresBackend;
-    let server = support::sql::PgServer::start();
-    let backend = || {
-        PostgresBackend::builder()
-            .url(server.url())
-            .timeout(Duration::from_secs(5))
-            .build()
-            .unwrap()
+/// Two services on one SQL database of `$server`, through `$backend`'s builder.
+macro_rules! two_services_on_sql {
+    ($feature:literal, $name:ident, $backend:path, $server:path) => {
+        #[cfg(feature = $feature)]
+        #[tokio::test]
+        async fn $name() {
+            let server = <$server>::start();
+            let backend = || {
+                <$backend>::builder()
+                    .url(server.url())
+                    .timeout(Duration::from_secs(5))
+                    .build()
+                    .unwrap()
+            };
+            let a = backend();
+            a.migrate().await.unwrap();
+            two_services_share_one_limit(a, backend()).await;
+        }
     };
-    let a = backend();
-    a.migrate().await.unwrap();
-    two_services_share_one_limit(a, backend()).await;
 }
 
-#[cfg(feature = "mysql")]
-#[tokio::test]
-async fn two_services_on_one_mysql_share_a_limit() {
-    use tollgate::backend::mysql::MysqlBackend;
-    let server = support::sql::MariaDbServer::start();
-    let backend = || {
-        MysqlBackend::builder()
-            .url(server.url())
-            .timeout(Duration::from_secs(5))
-            .build()
-            .unwrap()
-    };
-    let a = backend();
-    a.migrate().await.unwrap();
-    two_services_share_one_limit(a, backend()).await;
-}
+two_services_on_sql!(
+    "postgres",
+    two_services_on_one_postgres_share_a_limit,
+    tollgate::backend::postgres::PostgresBackend,
+    support::sql::PgServer
+);
+two_services_on_sql!(
+    "mysql",
+    two_services_on_one_mysql_share_a_limit,
+    tollgate::backend::mysql::MysqlBackend,
+    support::sql::MariaDbServer
+);
 
 #[cfg(feature = "redis")]
 mod on_redis {
