@@ -19,8 +19,9 @@
 //!
 //! `ON_FAILURE` is what a call gets while the store cannot decide: `fallback` (the default,
 //! this instance at its share), `open`, or `closed` (`UNAVAILABLE`: Envoy's
-//! `failure_mode_deny` decides). A changed `RULES_FILE` is read again within a second (live
-//! keys keep what they used). `HEADERS=off` leaves the IETF `RateLimit` fields out of the
+//! `failure_mode_deny` decides). `RULES_DIR` serves every `.yaml` file of a directory, one
+//! domain each (envoyproxy/ratelimit's layout), instead of one `RULES_FILE`. Changed rules
+//! are read again within a second (live keys keep what they used). `HEADERS=off` leaves the IETF `RateLimit` fields out of the
 //! answers. Ctrl-C or SIGTERM stops it gracefully (calls in flight are answered).
 //!
 //! Point Envoy at it (see `docs/envoy.md`), or ask it with the bundled client, eleven times
@@ -51,13 +52,41 @@ use tollgate::rls::envoy_types::pb::envoy::service::ratelimit::v3::{
 };
 use tollgate::rls::{RlsConfig, RlsService};
 
-/// The rules: `RULES_FILE`, or the file shipped beside this example.
-pub(crate) fn rules() -> Result<RlsConfig, Box<dyn std::error::Error>> {
-    let text = match std::env::var("RULES_FILE") {
-        Ok(path) => std::fs::read_to_string(path)?,
-        Err(_) => include_str!("rls.yaml").to_owned(),
-    };
-    Ok(RlsConfig::from_yaml(&text)?)
+/// Where the rules come from: `RULES_DIR` (every `.yaml` or `.yml` file in it, one domain
+/// each, as envoyproxy/ratelimit reads its directory), `RULES_FILE` (one file), or the file
+/// shipped beside this example.
+fn rule_files() -> Result<Vec<std::path::PathBuf>, Box<dyn std::error::Error>> {
+    if let Ok(dir) = std::env::var("RULES_DIR") {
+        let mut files = Vec::new();
+        for entry in std::fs::read_dir(&dir).map_err(|e| format!("RULES_DIR {dir}: {e}"))? {
+            let path = entry?.path();
+            let yaml = path.extension().is_some_and(|e| e == "yaml" || e == "yml");
+            if yaml && path.is_file() {
+                files.push(path);
+            }
+        }
+        files.sort();
+        return Ok(files);
+    }
+    Ok(std::env::var("RULES_FILE")
+        .map(Into::into)
+        .into_iter()
+        .collect())
+}
+
+/// The rules, one per domain (see [`rule_files`]).
+pub(crate) fn rules() -> Result<Vec<RlsConfig>, Box<dyn std::error::Error>> {
+    let files = rule_files()?;
+    if files.is_empty() && std::env::var("RULES_DIR").is_err() {
+        return Ok(vec![RlsConfig::from_yaml(include_str!("rls.yaml"))?]);
+    }
+    let mut configs = Vec::with_capacity(files.len());
+    for path in files {
+        let text = std::fs::read_to_string(&path)?;
+        let config = RlsConfig::from_yaml(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        configs.push(config);
+    }
+    Ok(configs)
 }
 
 fn port() -> u16 {
@@ -67,28 +96,38 @@ fn port() -> u16 {
         .unwrap_or(8081)
 }
 
-/// With `RULES_FILE`, reads the file again when it changes (checked every second) and swaps
-/// the rules in; a file that does not parse is reported and changes nothing.
+/// With `RULES_FILE` or `RULES_DIR`, reads the rules again when a file changes, comes or
+/// goes (checked every second) and swaps them all in at once; rules that do not load are
+/// reported and change nothing.
 fn watch_rules<B: Backend>(service: RlsService<B>) {
-    let Ok(path) = std::env::var("RULES_FILE") else {
+    if std::env::var("RULES_FILE").is_err() && std::env::var("RULES_DIR").is_err() {
         return;
-    };
+    }
     tokio::spawn(async move {
-        let modified = || std::fs::metadata(&path).and_then(|m| m.modified()).ok();
-        let mut seen = modified();
+        let seen = || {
+            let files = rule_files().unwrap_or_default();
+            (files.into_iter())
+                .map(|f| {
+                    let modified = std::fs::metadata(&f).and_then(|m| m.modified()).ok();
+                    (f, modified)
+                })
+                .collect::<Vec<_>>()
+        };
+        let mut last = seen();
         loop {
             tokio::time::sleep(std::time::Duration::from_secs(1)).await;
-            let now = modified();
-            if now == seen {
+            let now = seen();
+            if now == last {
                 continue;
             }
-            seen = now;
-            let read = std::fs::read_to_string(&path).map_err(|e| e.to_string());
-            let config =
-                read.and_then(|text| RlsConfig::from_yaml(&text).map_err(|e| e.to_string()));
-            match config.and_then(|c| service.replace(c).map_err(|e| e.to_string())) {
-                Ok(()) => println!("rules reloaded from {path}"),
-                Err(e) => eprintln!("rules in {path} not loaded (the old ones stay): {e}"),
+            last = now;
+            let loaded = rules().map_err(|e| e.to_string()).and_then(|configs| {
+                let domains: Vec<String> = configs.iter().map(|c| c.domain().into()).collect();
+                (service.replace_all(configs).map_err(|e| e.to_string())).map(|()| domains)
+            });
+            match loaded {
+                Ok(domains) => println!("rules reloaded: domains {domains:?}"),
+                Err(e) => eprintln!("rules not reloaded (the old ones stay): {e}"),
             }
         }
     });
@@ -100,10 +139,10 @@ async fn serve<B: Backend>(service: RlsService<B>) -> Result<(), Box<dyn std::er
     watch_rules(service.clone());
     let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port()));
     let listener = tokio::net::TcpListener::bind(addr).await?;
-    println!(
-        "rate limit service on {addr} (domain {:?})",
-        service.config().domain()
-    );
+    let domains: Vec<String> = (service.configs().iter())
+        .map(|c| c.domain().to_owned())
+        .collect();
+    println!("rate limit service on {addr} (domains {domains:?})");
     serve_on(service, listener, stopped()).await?;
     Ok(())
 }
@@ -258,14 +297,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         // The floor of `scripts/bench-rls.sh`: the same server answering OK, deciding nothing.
         Ok("none") => serve_bare().await,
         Err(_) | Ok("local") => {
-            serve(RlsService::new(
+            serve(RlsService::with_domains(
                 tollgate::backend::LocalBackend::new(),
                 config,
             )?)
             .await
         }
         #[cfg(feature = "redis")]
-        Ok("redis") => serve(RlsService::new(redis()?.build()?, config)?).await,
+        Ok("redis") => serve(RlsService::with_domains(redis()?.build()?, config)?).await,
         #[cfg(feature = "redis")]
         Ok("redis_approx") => {
             use tollgate::backend::redis::Approximate;
@@ -274,7 +313,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 Ok("async") | Err(_) => Approximate::asynchronous(),
                 Ok(other) => return Err(format!("unknown APPROX={other:?}: async or sync").into()),
             };
-            serve(RlsService::new(redis()?.build_approximate(mode)?, config)?).await
+            serve(RlsService::with_domains(
+                redis()?.build_approximate(mode)?,
+                config,
+            )?)
+            .await
         }
         #[cfg(feature = "postgres")]
         Ok("postgres") => {
@@ -285,7 +328,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .on_failure(failure_policy()?)
                 .build()?;
             backend.migrate().await?;
-            serve(RlsService::new(backend, config)?).await
+            serve(RlsService::with_domains(backend, config)?).await
         }
         #[cfg(feature = "mysql")]
         Ok("mysql") => {
@@ -296,7 +339,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .on_failure(failure_policy()?)
                 .build()?;
             backend.migrate().await?;
-            serve(RlsService::new(backend, config)?).await
+            serve(RlsService::with_domains(backend, config)?).await
         }
         Ok(other) => Err(format!(
             "BACKEND={other:?}: use local, redis or redis_approx (built with the `redis` \

@@ -156,7 +156,7 @@ async fn the_example_serves_its_rules_and_its_health() {
     let backend = LocalBackend::builder()
         .clock(FakeRelativeClock::default())
         .build();
-    let service = RlsService::new(backend, example::rules().unwrap()).unwrap();
+    let service = RlsService::with_domains(backend, example::rules().unwrap()).unwrap();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(example::serve_on(service, listener, async {
         let _ = stopped.await;
@@ -434,6 +434,61 @@ async fn current_limit_uses_the_nearest_unit() {
         let l = r.statuses[0].current_limit.as_ref().unwrap();
         assert_eq!((l.requests_per_unit, l.unit()), want, "{key}");
     }
+}
+
+/// Several domains on one service (envoyproxy/ratelimit's directory of files, one domain
+/// each): each request is decided by its domain's rules; another domain is OK and uncounted;
+/// one domain's rules are replaced without touching the others, and all at once.
+#[tokio::test]
+async fn one_service_serves_several_domains() {
+    let edge = RlsConfig::from_yaml(EXAMPLE_RULES).unwrap();
+    let api = |n: u32| {
+        let yaml = format!(
+            "domain: api\ndescriptors:\n  - key: user\n    rate_limit: {{ unit: hour, \
+             requests_per_unit: {n} }}\n"
+        );
+        RlsConfig::from_yaml(&yaml).unwrap()
+    };
+    let backend = LocalBackend::builder()
+        .clock(FakeRelativeClock::default())
+        .build();
+    let service = RlsService::with_domains(backend, [edge.clone(), api(2)]).unwrap();
+    let mut client = serve(service.clone()).await;
+    let user = || vec![descriptor(&[("user", "u1")])];
+    let codes = |rs: Vec<RateLimitResponse>| -> Vec<Code> {
+        rs.iter().map(RateLimitResponse::overall_code).collect()
+    };
+    let mut answers = Vec::new();
+    for _ in 0..3 {
+        answers.push(ask_in(&mut client, "api", user(), 1).await);
+    }
+    assert_eq!(codes(answers), [Code::Ok, Code::Ok, Code::OverLimit]);
+    let r = ask(&mut client, address("10.0.0.1"), 1).await;
+    assert_eq!(r.statuses[0].limit_remaining, 9, "edge's own rules");
+    let r = ask_in(&mut client, "elsewhere", user(), 1).await;
+    assert_eq!(r.overall_code(), Code::Ok);
+    assert!(r.statuses[0].current_limit.is_none());
+    // api raised to 3: one more for u1 (it keeps the 2 it used); edge untouched.
+    service.replace(api(3)).unwrap();
+    assert_eq!(
+        ask_in(&mut client, "api", user(), 1).await.overall_code(),
+        Code::Ok
+    );
+    let r = ask(&mut client, address("10.0.0.1"), 1).await;
+    assert_eq!(r.statuses[0].limit_remaining, 8);
+    // All at once: api alone from now on.
+    service.replace_all([api(3)]).unwrap();
+    let domains: Vec<String> = (service.configs().iter())
+        .map(|c| c.domain().to_owned())
+        .collect();
+    assert_eq!(domains, ["api"]);
+    let r = ask(&mut client, address("10.0.0.1"), 1).await;
+    assert!(r.statuses[0].current_limit.is_none(), "edge is not served");
+    let err = RlsService::with_domains(LocalBackend::new(), [edge.clone(), edge])
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("\"edge\" given twice"), "{err}");
 }
 
 #[tokio::test]

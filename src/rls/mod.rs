@@ -4,7 +4,9 @@
 //! them. Feature `rls`.
 //!
 //! [`RlsService`] serves one domain's rules ([`RlsConfig`], envoyproxy/ratelimit's YAML as it
-//! is, with tollgate's quotas as an extension). Per request, as Envoy and envoyproxy/ratelimit
+//! is, with tollgate's quotas as an extension), or several ([`RlsService::with_domains`]: one
+//! file per domain, as envoyproxy/ratelimit's directory of them); a request for a domain not
+//! served is `OK`, counted nowhere. Per request, as Envoy and envoyproxy/ratelimit
 //! mean it:
 //!
 //! - each descriptor (its entries in order) is matched against the rule tree, the most
@@ -59,6 +61,7 @@
 
 mod config;
 
+use std::collections::HashMap;
 use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -103,8 +106,34 @@ impl<B: Backend> Clone for RlsService<B> {
 
 struct Inner<B: Backend> {
     backend: B,
-    rules: ArcSwap<Compiled<B>>,
+    domains: ArcSwap<Domains<B>>,
     headers: AtomicBool,
+}
+
+/// The domains served, each with its rules.
+struct Domains<B: Backend> {
+    by_name: HashMap<String, Arc<Compiled<B>>, foldhash::fast::RandomState>,
+    /// The `domain` label of every other domain.
+    other: Label,
+}
+
+impl<B: Backend> Domains<B> {
+    fn new(compiled: impl IntoIterator<Item = Compiled<B>>) -> Result<Self, ConfigError> {
+        let mut by_name = HashMap::default();
+        for c in compiled {
+            let domain = c.config.domain().to_owned();
+            if by_name.insert(domain.clone(), Arc::new(c)).is_some() {
+                return Err(ConfigError::Invalid {
+                    option: "rls config",
+                    reason: format!("domain {domain:?} given twice: one set of rules per domain"),
+                });
+            }
+        }
+        Ok(Domains {
+            by_name,
+            other: Label::new("other"),
+        })
+    }
 }
 
 /// Rules prepared for the backend.
@@ -116,8 +145,6 @@ struct Compiled<B: Backend> {
     metrics: Vec<PolicyMetrics>,
     /// The `domain` label: the domain served.
     domain: Label,
-    /// The `domain` label of every other domain.
-    other: Label,
 }
 
 impl<B: Backend> Compiled<B> {
@@ -134,7 +161,6 @@ impl<B: Backend> Compiled<B> {
         }
         Ok(Compiled {
             domain: Label::new(config.domain()),
-            other: Label::new("other"),
             config,
             prepared,
             headers,
@@ -146,11 +172,23 @@ impl<B: Backend> Compiled<B> {
 impl<B: Backend> RlsService<B> {
     /// Serves `config`'s domain, deciding on `backend`.
     pub fn new(backend: B, config: RlsConfig) -> Result<Self, ConfigError> {
-        let rules = Compiled::new(&backend, config)?;
+        Self::with_domains(backend, [config])
+    }
+
+    /// Serves several domains, each with its rules (envoyproxy/ratelimit's directory of
+    /// files, one domain each), deciding on `backend`. A domain given twice is an error.
+    pub fn with_domains(
+        backend: B,
+        configs: impl IntoIterator<Item = RlsConfig>,
+    ) -> Result<Self, ConfigError> {
+        let compiled = (configs.into_iter())
+            .map(|c| Compiled::new(&backend, c))
+            .collect::<Result<Vec<_>, _>>()?;
+        let domains = Domains::new(compiled)?;
         Ok(RlsService {
             inner: Arc::new(Inner {
                 backend,
-                rules: ArcSwap::from_pointee(rules),
+                domains: ArcSwap::from_pointee(domains),
                 headers: AtomicBool::new(true),
             }),
         })
@@ -163,18 +201,45 @@ impl<B: Backend> RlsService<B> {
         self
     }
 
-    /// Replaces the rules, atomically: requests decided from now on use `config`. Checked and
-    /// prepared first (an invalid config changes nothing); live keys keep what they used (see
-    /// [`OnChange`](crate::OnChange)).
+    /// Replaces the rules of `config`'s domain (adding the domain if it is not served),
+    /// atomically: requests decided from now on use `config`; the other domains are
+    /// untouched. Checked and prepared first (an invalid config changes nothing); live keys
+    /// keep what they used (see [`OnChange`](crate::OnChange)).
     pub fn replace(&self, config: RlsConfig) -> Result<(), ConfigError> {
-        let rules = Compiled::new(&self.inner.backend, config)?;
-        self.inner.rules.store(Arc::new(rules));
+        let compiled = Arc::new(Compiled::new(&self.inner.backend, config)?);
+        let domain = compiled.config.domain().to_owned();
+        self.inner.domains.rcu(|now| {
+            let mut by_name = now.by_name.clone();
+            by_name.insert(domain.clone(), compiled.clone());
+            Domains {
+                by_name,
+                other: now.other.clone(),
+            }
+        });
         Ok(())
     }
 
-    /// The rules served now.
-    pub fn config(&self) -> RlsConfig {
-        self.inner.rules.load().config.clone()
+    /// Replaces every domain's rules at once, atomically: the domains served from now on are
+    /// those of `configs` (checked and prepared first: an invalid one changes nothing).
+    pub fn replace_all(
+        &self,
+        configs: impl IntoIterator<Item = RlsConfig>,
+    ) -> Result<(), ConfigError> {
+        let compiled = (configs.into_iter())
+            .map(|c| Compiled::new(&self.inner.backend, c))
+            .collect::<Result<Vec<_>, _>>()?;
+        self.inner.domains.store(Arc::new(Domains::new(compiled)?));
+        Ok(())
+    }
+
+    /// The rules served now, one per domain, in the order of their domains' names.
+    pub fn configs(&self) -> Vec<RlsConfig> {
+        let domains = self.inner.domains.load();
+        let mut configs: Vec<RlsConfig> = (domains.by_name.values())
+            .map(|c| c.config.clone())
+            .collect();
+        configs.sort_by(|a, b| a.domain().cmp(b.domain()));
+        configs
     }
 
     /// The tonic service to add to a server.
@@ -286,13 +351,27 @@ impl<B: Backend> RateLimitService for RlsService<B> {
         request: tonic::Request<RateLimitRequest>,
     ) -> Result<tonic::Response<RateLimitResponse>, tonic::Status> {
         let req = request.into_inner();
-        let rules = self.inner.rules.load_full();
         let backend = &self.inner.backend;
         let mut statuses: Vec<DescriptorStatus> =
             req.descriptors.iter().map(|_| status(Code::Ok)).collect();
+        // Another domain: every descriptor OK, counted nowhere.
+        let rules = {
+            let domains = self.inner.domains.load();
+            match domains.by_name.get(&req.domain) {
+                Some(rules) => rules.clone(),
+                None => {
+                    metrics::rls_request(&domains.other, "ok");
+                    return Ok(tonic::Response::new(RateLimitResponse {
+                        overall_code: Code::Ok as i32,
+                        statuses,
+                        ..Default::default()
+                    }));
+                }
+            }
+        };
         let mut counted: Vec<Counted> = Vec::new();
         let mut refused: Vec<Refused> = Vec::new();
-        if req.domain == rules.config.domain() {
+        {
             let request_cost = req.hits_addend.max(1);
             let mut replaced: Vec<&str> = Vec::new();
             for (at, d) in req.descriptors.iter().enumerate() {
@@ -440,12 +519,7 @@ impl<B: Backend> RateLimitService for RlsService<B> {
         if over {
             headers.push(header("retry-after", ceil_secs(retry).max(1).to_string()));
         }
-        let domain = if req.domain == rules.config.domain() {
-            rules.domain.clone()
-        } else {
-            rules.other.clone()
-        };
-        metrics::rls_request(&domain, if over { "over_limit" } else { "ok" });
+        metrics::rls_request(&rules.domain, if over { "over_limit" } else { "ok" });
         Ok(tonic::Response::new(RateLimitResponse {
             overall_code: if over { Code::OverLimit } else { Code::Ok } as i32,
             statuses,
