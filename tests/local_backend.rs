@@ -850,3 +850,137 @@ async fn quota_changes_keep_what_keys_used() {
         .build();
     support::conformance::changes(&backend, |by| clock.advance(by), "local").await;
 }
+
+/// A backend with a stopped clock and room for `max_keys`.
+fn capped(max_keys: usize) -> LocalBackend<FakeRelativeClock> {
+    LocalBackend::builder()
+        .clock(FakeRelativeClock::default())
+        .max_keys(max_keys)
+        .build()
+}
+
+/// The same quota in each algorithm, `n` an hour.
+fn hourly(n: u32) -> [Quota; 3] {
+    let hour = Duration::from_secs(3600);
+    [
+        Quota::per_hour(n),
+        Quota::new(n, hour).fixed_window(),
+        Quota::new(n, hour)
+            .sliding_window()
+            .resolution(Duration::from_secs(60)),
+    ]
+}
+
+/// A rule swapped back (X, then Y, then X again, each prepared before the one it replaces is
+/// dropped) keeps what the key used under Y: X's old store is not reused as it was.
+#[tokio::test]
+async fn a_change_back_to_earlier_values_keeps_what_keys_used() {
+    for (x, y) in hourly(100).into_iter().zip(hourly(200)) {
+        let b = capped(1000);
+        let k = key("k");
+        let px = prepare(&b, &Policy::new("p", x));
+        assert!(b.decide(&px, &k, cost(90)).await.unwrap().is_allowed());
+        let py = prepare(&b, &Policy::new("p", y));
+        drop(px);
+        assert!(b.decide(&py, &k, cost(100)).await.unwrap().is_allowed());
+        let px = prepare(&b, &Policy::new("p", x));
+        drop(py);
+        // 190 used, kept under 100: nothing left.
+        let d = b.decide(&px, &k, cost(50)).await.unwrap();
+        assert!(!d.is_allowed(), "{x:?}: {d:?}");
+        assert_eq!(d.quotas()[0].remaining, 0, "{x:?}");
+    }
+}
+
+/// A full table across a quota change: the buckets still held under the old values count
+/// against the cap, and are evicted like any other, so that keys old and new are served.
+#[tokio::test]
+async fn a_full_table_across_a_change_serves_old_and_new_keys() {
+    let day = Duration::from_secs(86_400);
+    for (x, y) in [
+        (Quota::per_day(100), Quota::per_day(200)),
+        (
+            Quota::new(100, day).fixed_window(),
+            Quota::new(200, day).fixed_window(),
+        ),
+    ] {
+        let b = capped(100);
+        let px = prepare(&b, &Policy::new("p", x));
+        for i in 0..100 {
+            let d = b
+                .decide(&px, &key(&format!("k{i}")), cost(1))
+                .await
+                .unwrap();
+            assert!(d.is_allowed());
+        }
+        let py = prepare(&b, &Policy::new("p", y));
+        drop(px);
+        b.sweep();
+        let d = b.decide(&py, &key("k50"), cost(1)).await.unwrap();
+        assert!(d.is_allowed(), "{x:?}: an old key moving over");
+        assert_eq!(d.quotas()[0].remaining, 198, "{x:?}: it keeps its unit");
+        let d = b.decide(&py, &key("new"), cost(1)).await.unwrap();
+        assert!(d.is_allowed(), "{x:?}: a new key");
+        assert_eq!(b.full_table_refusals(), 0, "{x:?}");
+        assert!(b.tracked_keys() <= 100, "{x:?}: {}", b.tracked_keys());
+    }
+}
+
+/// `reset` right after a change forgets what the key used under the old values too.
+#[tokio::test]
+async fn reset_after_a_change_forgets_the_old_values_too() {
+    for (x, y) in hourly(10).into_iter().zip(hourly(20)) {
+        let b = capped(1000);
+        let k = key("k");
+        let px = prepare(&b, &Policy::new("p", x));
+        assert!(b.decide(&px, &k, cost(10)).await.unwrap().is_allowed());
+        let py = prepare(&b, &Policy::new("p", y));
+        drop(px);
+        b.reset(&py, &k).await.unwrap();
+        let d = b.decide(&py, &k, cost(1)).await.unwrap();
+        assert_eq!(d.quotas()[0].remaining, 19, "{x:?}");
+    }
+}
+
+/// A concurrent quota's slots are shared by every live version of it, also when the latest
+/// version goes before an older one: three in flight never pass a limit of two.
+#[tokio::test]
+async fn slots_stay_shared_when_the_latest_version_goes_first() {
+    let b = capped(1000);
+    let k = key("k");
+    let hold = |lease| Mode::Hold { lease };
+    let px = prepare(&b, &Policy::new("c", Quota::concurrent(2)));
+    for lease in 0..2 {
+        let d = b.decide_with(&px, &k, cost(1), hold(lease)).await.unwrap();
+        assert!(d.is_allowed());
+    }
+    let py = prepare(&b, &Policy::new("c", Quota::concurrent(3)));
+    drop(py);
+    let again = prepare(&b, &Policy::new("c", Quota::concurrent(2)));
+    let d = b.decide_with(&again, &k, cost(1), hold(9)).await.unwrap();
+    assert!(!d.is_allowed(), "two held under the older version: {d:?}");
+}
+
+/// The slot entries two versions of a concurrent quota share are given back to the key cap
+/// once, when the last version goes, whichever goes first (the shared map accounts for
+/// itself: two versions dropped at once on two threads cannot both leave it counted).
+#[tokio::test]
+async fn slots_shared_by_versions_leave_nothing_counted_when_they_go() {
+    for older_first in [true, false] {
+        let b = capped(1000);
+        let px = prepare(&b, &Policy::new("c", Quota::concurrent(2)));
+        let py = prepare(&b, &Policy::new("c", Quota::concurrent(3)));
+        let held = b.decide_with(&px, &key("k"), cost(1), Mode::Hold { lease: 1 });
+        assert!(held.await.unwrap().is_allowed());
+        assert_eq!(b.tracked_keys(), 1);
+        let (first, last) = if older_first { (px, py) } else { (py, px) };
+        drop(first);
+        assert_eq!(
+            b.tracked_keys(),
+            1,
+            "the slot is still held by the other version"
+        );
+        drop(last);
+        assert_eq!(b.tracked_keys(), 0);
+    }
+}

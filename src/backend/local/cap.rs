@@ -30,24 +30,20 @@ impl<C: Clock> Inner<C> {
     /// Slots in flight and blocks are never evicted. Returns whether it evicted anything.
     #[cold]
     pub(super) fn evict(&self, needed: usize) -> bool {
-        let counters: Vec<Counter<C>> = {
-            let map = self.limiters.lock().unwrap_or_else(|p| p.into_inner());
-            map.values().filter_map(Registered::upgrade).collect()
-        };
-        let mut by_size: Vec<(usize, &Counter<C>)> =
-            counters.iter().map(|c| (c.evictable(), c)).collect();
-        by_size.sort_unstable_by_key(|(len, _)| std::cmp::Reverse(*len));
+        let mut stores = self.stores();
+        stores.sort_unstable_by_key(|s| std::cmp::Reverse(s.evictable()));
         let mut evicted = 0;
-        for (len, counter) in by_size {
-            if evicted >= needed || len == 0 {
+        for store in stores {
+            if evicted >= needed || store.evictable() == 0 {
                 break;
             }
-            evicted += match counter {
-                Counter::Gcra { store, start, .. } => {
-                    let now = self.elapsed_ns().saturating_sub(start.as_u64());
-                    store.evict(needed - evicted.min(needed), now)
+            let want = needed - evicted.min(needed);
+            evicted += match store {
+                Evictable::Gcra(store) => {
+                    let now = self.elapsed_ns().saturating_sub(store.start());
+                    store.evict(want, now)
                 }
-                Counter::Window(store) => store.evict(needed - evicted.min(needed), self.now_us()),
+                Evictable::Window(store) => store.evict(want, self.now_us()),
             };
         }
         if evicted > 0 {
@@ -58,10 +54,37 @@ impl<C: Clock> Inner<C> {
 
     /// How many buckets could be evicted now (all but slots in flight and blocks).
     pub(super) fn evictable(&self) -> usize {
-        let map = self.limiters.lock().unwrap_or_else(|p| p.into_inner());
-        (map.values().filter_map(Registered::upgrade))
-            .map(|c| c.evictable())
-            .sum()
+        self.stores().iter().map(Evictable::evictable).sum()
+    }
+
+    /// Every store holding buckets: the registered ones, and the stores of earlier values
+    /// their keys have not all left yet (still counted against the cap), each once.
+    fn stores(&self) -> Vec<Evictable> {
+        let counters: Vec<Counter<C>> = {
+            let map = self.limiters.lock().unwrap_or_else(|p| p.into_inner());
+            map.values().filter_map(Registered::upgrade).collect()
+        };
+        let mut seen = std::collections::HashSet::new();
+        let mut stores = Vec::new();
+        for counter in counters {
+            match counter {
+                Counter::Gcra { store, .. } => {
+                    for s in std::iter::once(store.clone()).chain(store.earlier_stores()) {
+                        if seen.insert(Arc::as_ptr(&s) as usize) {
+                            stores.push(Evictable::Gcra(s));
+                        }
+                    }
+                }
+                Counter::Window(store) => {
+                    for s in std::iter::once(store.clone()).chain(store.earlier_stores()) {
+                        if seen.insert(Arc::as_ptr(&s) as usize) {
+                            stores.push(Evictable::Window(s));
+                        }
+                    }
+                }
+            }
+        }
+        stores
     }
 
     /// When `throttle` lets a warning through now: how much of the `total` counted came since
@@ -115,21 +138,30 @@ impl<C: Clock> Inner<C> {
     }
 }
 
-impl<C: Clock> Counter<C> {
+/// A store whose buckets the key cap can evict.
+enum Evictable {
+    Gcra(Arc<StoreMap>),
+    Window(Arc<WindowStore>),
+}
+
+impl Evictable {
     /// How many of its buckets could be evicted (a concurrent quota's: none).
-    pub(super) fn evictable(&self) -> usize {
+    fn evictable(&self) -> usize {
         match self {
-            Counter::Gcra { store, .. } => store.map.len(),
-            Counter::Window(store) if store.holds_slots() => 0,
-            Counter::Window(store) => store.len(),
+            Evictable::Gcra(store) => store.map.len(),
+            Evictable::Window(store) if store.holds_slots() => 0,
+            Evictable::Window(store) => store.len(),
         }
     }
+}
 
-    /// Whether `key` has a bucket or counter here.
+impl<C: Clock> Counter<C> {
+    /// Whether `key` has a bucket or counter here, or under the quota's earlier values (a key
+    /// moving here takes no more of the key cap).
     pub(super) fn contains(&self, key: &Key) -> bool {
         match self {
-            Counter::Gcra { store, .. } => store.map.contains_key(key),
-            Counter::Window(store) => store.contains(key),
+            Counter::Gcra { store, .. } => store.map.contains_key(key) || store.earlier_holds(key),
+            Counter::Window(store) => store.contains(key) || store.earlier_holds(key),
         }
     }
 }

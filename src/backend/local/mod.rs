@@ -217,6 +217,9 @@ struct Inner<C: Clock> {
 enum Registered<C: Clock> {
     Gcra(Weak<Limiter<C>>, Weak<StoreMap>, Nanos),
     Window(Weak<WindowStore>),
+    /// A concurrent quota's stores, one per version of its values, sharing one slot map:
+    /// while any lives, a new version shares its slots.
+    Slots(Vec<Weak<WindowStore>>),
     /// A policy's blocks (`block_for`), under the policy's name and `BLOCKS`.
     Blocks(Weak<Blocks>),
 }
@@ -226,6 +229,7 @@ impl<C: Clock> Registered<C> {
         match self {
             Registered::Gcra(l, _, _) => l.strong_count() > 0,
             Registered::Window(w) => w.strong_count() > 0,
+            Registered::Slots(versions) => versions.iter().any(|w| w.strong_count() > 0),
             Registered::Blocks(b) => b.strong_count() > 0,
         }
     }
@@ -238,6 +242,9 @@ impl<C: Clock> Registered<C> {
                 start: *start,
             },
             Registered::Window(w) => Counter::Window(w.upgrade()?),
+            Registered::Slots(versions) => {
+                Counter::Window((versions.iter().filter_map(Weak::upgrade)).max_by_key(|s| s.seq)?)
+            }
             Registered::Blocks(_) => return None,
         })
     }
@@ -604,30 +611,48 @@ where
                 }
                 _ => Arc::new(unreachable_slots(*p, self.inner.tracked.clone(), seq)),
             };
-            map.insert(id, Registered::Window(Arc::downgrade(&store)));
+            let mut versions = match map.remove(&id) {
+                Some(Registered::Slots(versions)) => versions,
+                _ => Vec::new(),
+            };
+            versions.retain(|w| w.strong_count() > 0);
+            if !versions
+                .iter()
+                .any(|w| std::ptr::eq(w.as_ptr(), Arc::as_ptr(&store)))
+            {
+                versions.push(Arc::downgrade(&store));
+            }
+            map.insert(id, Registered::Slots(versions));
             return Ok(PreparedQuota {
                 params: *p,
                 counter: Counter::Window(store),
             });
         }
-        if let Some(counter) = registered {
-            return Ok(PreparedQuota {
-                params: *p,
-                counter,
-            });
-        }
-        // The latest store of this quota under other values of the same algorithm.
+        // The latest store of this quota under any values of the same algorithm.
         let same_kind = |other: &QuotaParams| {
             std::mem::discriminant(&other.kind) == std::mem::discriminant(&p.kind)
+        };
+        let seq_of = |c: &Counter<C>| match c {
+            Counter::Gcra { store, .. } => store.seq,
+            Counter::Window(store) => store.seq,
         };
         let latest = (map.iter())
             .filter(|(k, _)| k.policy == id.policy && k.quota == quota)
             .filter(|(k, _)| k.params.as_ref().is_some_and(same_kind))
             .filter_map(|(_, r)| r.upgrade())
-            .max_by_key(|c| match c {
-                Counter::Gcra { store, .. } => store.seq,
-                Counter::Window(store) => store.seq,
+            .max_by_key(seq_of);
+        // The registered store of these values, unless a later one holds the keys (a change
+        // back to earlier values starts a new store that inherits from the latest).
+        if let Some(counter) = registered
+            && latest
+                .as_ref()
+                .is_none_or(|l| seq_of(l) <= seq_of(&counter))
+        {
+            return Ok(PreparedQuota {
+                params: *p,
+                counter,
             });
+        }
         let on_change = policy.change_strategy();
         if let Some(store) = WindowStore::new(*p, self.inner.tracked.clone(), seq) {
             if let Some(Counter::Window(from)) = latest {
@@ -810,12 +835,10 @@ where
 
     fn reset(&self, policy: &LocalPolicy<C>, key: &Key) -> ResetFuture {
         for quota in &policy.limiters {
+            // Here and under the quota's earlier values: a key reset right after a change
+            // must not inherit what it used before.
             match &quota.counter {
-                Counter::Gcra { store, .. } => {
-                    if store.map.remove(key).is_some() {
-                        track_sub(&store.tracked, 1);
-                    }
-                }
+                Counter::Gcra { store, .. } => store.remove(key),
                 Counter::Window(store) => store.remove(key),
             }
         }

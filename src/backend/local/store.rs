@@ -51,8 +51,33 @@ impl StoreMap {
         }
     }
 
-    fn start(&self) -> u64 {
+    /// The instant (ns since the backend's origin) its stored times count from.
+    pub(super) fn start(&self) -> u64 {
         self.start.load(Ordering::Relaxed)
+    }
+
+    /// The stores of the quota's earlier values, latest first.
+    pub(super) fn earlier_stores(&self) -> Vec<Arc<StoreMap>> {
+        let mut chain = Vec::new();
+        let mut next = self.earlier.load_full();
+        while let Some(e) = next {
+            next = e.from.earlier.load_full();
+            chain.push(e.from.clone());
+        }
+        chain
+    }
+
+    /// Forgets `key`'s bucket, here and under the quota's earlier values.
+    pub(super) fn remove(&self, key: &Key) {
+        let forget = |store: &StoreMap| {
+            if store.map.remove(key).is_some() {
+                track_sub(&store.tracked, 1);
+            }
+        };
+        forget(self);
+        for store in self.earlier_stores() {
+            forget(&store);
+        }
     }
 
     /// `key`'s arrival time at `now` (ns since the backend's origin), 0 (full) without a
@@ -89,7 +114,8 @@ impl StoreMap {
         })
     }
 
-    fn earlier_holds(&self, key: &Key) -> bool {
+    /// Whether a store of the quota's earlier values holds a bucket of `key`.
+    pub(super) fn earlier_holds(&self, key: &Key) -> bool {
         let earlier = self.earlier.load();
         earlier
             .as_ref()
@@ -147,6 +173,7 @@ impl StoreMap {
             removed += usize::from(!keep);
             keep
         });
+        from.map.shrink_to_fit();
         track_sub(&from.tracked, removed);
         from.sweep_earlier(now);
         if from.map.is_empty() && from.earlier.load().is_none() {

@@ -51,9 +51,28 @@ enum Counters {
     },
     /// A concurrent quota's requests in flight per key: a count, up by one at admission and
     /// down by one at release. A count back at zero is swept like a passed window.
-    InFlight {
-        map: Arc<DashMap<Key, AtomicU64, RandomState>>,
-    },
+    InFlight { map: Arc<SlotMap> },
+}
+
+/// A concurrent quota's requests in flight per key, shared by the stores of every version of
+/// its values; it gives its entries back to the key cap when the last of them is dropped.
+pub(super) struct SlotMap {
+    map: DashMap<Key, AtomicU64, RandomState>,
+    tracked: Arc<AtomicUsize>,
+}
+
+impl std::ops::Deref for SlotMap {
+    type Target = DashMap<Key, AtomicU64, RandomState>;
+
+    fn deref(&self) -> &Self::Target {
+        &self.map
+    }
+}
+
+impl Drop for SlotMap {
+    fn drop(&mut self) {
+        super::track_sub(&self.tracked, self.map.len());
+    }
 }
 
 /// The fixed-window state packed in a counter, read at window `now_window`: a counter of
@@ -97,7 +116,10 @@ impl WindowStore {
                 map: DashMap::with_hasher(RandomState::default()),
             },
             QuotaKind::Concurrent { .. } => Counters::InFlight {
-                map: Arc::new(DashMap::with_hasher(RandomState::default())),
+                map: Arc::new(SlotMap {
+                    map: DashMap::with_hasher(RandomState::default()),
+                    tracked: tracked.clone(),
+                }),
             },
             QuotaKind::Gcra => return None,
         };
@@ -130,8 +152,19 @@ impl WindowStore {
         &self.params
     }
 
+    /// The stores of the quota's earlier values, latest first.
+    pub(super) fn earlier_stores(&self) -> Vec<Arc<WindowStore>> {
+        let mut chain = Vec::new();
+        let mut next = self.earlier.load_full();
+        while let Some(e) = next {
+            next = e.from.earlier.load_full();
+            chain.push(e.from.clone());
+        }
+        chain
+    }
+
     /// Whether a store of the quota's earlier values holds a counter of `key`.
-    fn earlier_holds(&self, key: &Key) -> bool {
+    pub(super) fn earlier_holds(&self, key: &Key) -> bool {
         let earlier = self.earlier.load();
         earlier
             .as_ref()
@@ -463,15 +496,21 @@ impl WindowStore {
         }
     }
 
-    /// Forgets `key`'s counters. Requests in flight are not forgotten: they still run, and
-    /// give their slots back when they end.
+    /// Forgets `key`'s counters, here and under the quota's earlier values. Requests in
+    /// flight are not forgotten: they still run, and give their slots back when they end.
     pub(super) fn remove(&self, key: &Key) {
-        let removed = match &self.counters {
-            Counters::Fixed { map, .. } => map.remove(key).map(|_| 1),
-            Counters::InFlight { .. } => None,
-            Counters::Sliding { map, .. } => map.remove(key).map(|(_, s)| sliding_units(&s)),
+        let forget = |store: &WindowStore| {
+            let removed = match &store.counters {
+                Counters::Fixed { map, .. } => map.remove(key).map(|_| 1),
+                Counters::InFlight { .. } => None,
+                Counters::Sliding { map, .. } => map.remove(key).map(|(_, s)| sliding_units(&s)),
+            };
+            super::track_sub(&store.tracked, removed.unwrap_or(0));
         };
-        super::track_sub(&self.tracked, removed.unwrap_or(0));
+        forget(self);
+        for store in self.earlier_stores() {
+            forget(&store);
+        }
     }
 
     /// Evicts about an eighth of the counters (`needed` at least), the least used (see
@@ -576,8 +615,8 @@ impl Drop for WindowStore {
     fn drop(&mut self) {
         let units = match &mut self.counters {
             Counters::Sliding { map, .. } => map.iter().map(|e| sliding_units(e.value())).sum(),
-            // Slots shared with a store of the quota's other values are counted there.
-            Counters::InFlight { map } if Arc::strong_count(map) > 1 => 0,
+            // Counted by the slot map, shared by the quota's versions, when it goes.
+            Counters::InFlight { .. } => 0,
             _ => self.len(),
         };
         super::track_sub(&self.tracked, units);
