@@ -39,6 +39,28 @@ pub(super) struct Earlier<S> {
     pub(super) on_change: crate::quota::OnChange,
 }
 
+/// A store that may have a store of its quota's earlier values.
+pub(super) trait Versioned: Sized {
+    fn earlier(&self) -> &arc_swap::ArcSwapOption<Earlier<Self>>;
+}
+
+impl Versioned for StoreMap {
+    fn earlier(&self) -> &arc_swap::ArcSwapOption<Earlier<Self>> {
+        &self.earlier
+    }
+}
+
+/// The stores of `store`'s quota's earlier values, latest first.
+pub(super) fn earlier_stores<S: Versioned>(store: &S) -> Vec<Arc<S>> {
+    let mut chain = Vec::new();
+    let mut next = store.earlier().load_full();
+    while let Some(e) = next {
+        next = e.from.earlier().load_full();
+        chain.push(e.from.clone());
+    }
+    chain
+}
+
 impl StoreMap {
     pub(super) fn new(tracked: Arc<AtomicUsize>, values: (u64, u32), seq: u64) -> Self {
         StoreMap {
@@ -58,13 +80,7 @@ impl StoreMap {
 
     /// The stores of the quota's earlier values, latest first.
     pub(super) fn earlier_stores(&self) -> Vec<Arc<StoreMap>> {
-        let mut chain = Vec::new();
-        let mut next = self.earlier.load_full();
-        while let Some(e) = next {
-            next = e.from.earlier.load_full();
-            chain.push(e.from.clone());
-        }
-        chain
+        earlier_stores(self)
     }
 
     /// Forgets `key`'s bucket, here and under the quota's earlier values.

@@ -35,6 +35,12 @@ pub(super) struct WindowStore {
     pub(super) earlier: arc_swap::ArcSwapOption<Earlier<WindowStore>>,
 }
 
+impl super::store::Versioned for WindowStore {
+    fn earlier(&self) -> &arc_swap::ArcSwapOption<Earlier<Self>> {
+        &self.earlier
+    }
+}
+
 /// A fixed window's counter is one `AtomicU64` updated by compare-and-swap (as small as a GCRA
 /// bucket): the window's index in the high 32 bits (modulo 2^32: a counter is swept long
 /// before its window comes round again, 2^32 windows later), its count in the low 32. A
@@ -154,13 +160,7 @@ impl WindowStore {
 
     /// The stores of the quota's earlier values, latest first.
     pub(super) fn earlier_stores(&self) -> Vec<Arc<WindowStore>> {
-        let mut chain = Vec::new();
-        let mut next = self.earlier.load_full();
-        while let Some(e) = next {
-            next = e.from.earlier.load_full();
-            chain.push(e.from.clone());
-        }
-        chain
+        super::store::earlier_stores(self)
     }
 
     /// Whether a store of the quota's earlier values holds a counter of `key`.
