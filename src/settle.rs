@@ -274,8 +274,9 @@ impl<Bk: Backend> Charging<Bk> {
     }
 }
 
-/// Makes a settlement on the store: at once for an in-memory store, else in a task of its own
-/// (the response does not wait for it; the store's timeout bounds it).
+/// Makes a settlement on the store: at once for an in-memory store, else in a task of its own,
+/// returned (the layer's response does not wait for it; the store's timeout bounds it; a
+/// caller that must see it made awaits the task, and one dropped meanwhile leaves it running).
 pub(crate) fn send<Bk: Backend>(
     backend: &Bk,
     policy: &Bk::Policy,
@@ -283,24 +284,26 @@ pub(crate) fn send<Bk: Backend>(
     key: &Key,
     units: NonZeroU32,
     mode: Mode,
-) {
+) -> Option<tokio::task::JoinHandle<()>> {
     let mut settled = backend.decide_with(policy, key, units, mode);
     match Pin::new(&mut settled).poll(&mut Context::from_waker(Waker::noop())) {
-        Poll::Ready(Ok(_)) => {}
+        Poll::Ready(Ok(_)) => None,
         Poll::Ready(Err(error)) => {
             tracing::debug!(policy = name, %error, ?mode, "settlement failed");
+            None
         }
         Poll::Pending => match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
                 let name = name.to_owned();
-                runtime.spawn(async move {
+                Some(runtime.spawn(async move {
                     if let Err(error) = settled.await {
                         tracing::debug!(policy = name, %error, ?mode, "settlement failed");
                     }
-                });
+                }))
             }
             Err(_) => {
                 tracing::debug!(policy = name, ?mode, "settlement dropped: no runtime");
+                None
             }
         },
     }

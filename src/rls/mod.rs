@@ -595,9 +595,15 @@ impl<B: Backend> Asking<'_, B> {
             };
             c.given_back = true;
             let prepared = &self.rules.prepared[c.policy];
-            let fut = backend.decide_with(prepared, &c.key, cost, refund_at(backend, at));
             let name = self.rules.config.policies()[c.policy].name();
-            running.extend(settle(fut, name, "refund"));
+            running.extend(send(
+                backend,
+                prepared,
+                name,
+                &c.key,
+                cost,
+                refund_at(backend, at),
+            ));
         }
         running
     }
@@ -612,9 +618,8 @@ impl<B: Backend> Asking<'_, B> {
         for c in refused {
             let Some(cost) = c.cost else { continue };
             let prepared = &self.rules.prepared[c.policy];
-            let fut = backend.decide_with(prepared, &c.key, cost, Mode::Debit);
             let name = self.rules.config.policies()[c.policy].name();
-            running.extend(settle(fut, name, "debit"));
+            running.extend(send(backend, prepared, name, &c.key, cost, Mode::Debit));
         }
         running
     }
@@ -642,41 +647,10 @@ impl<B: Backend> Drop for Asking<'_, B> {
                 if took(&result) {
                     let (backend, name) = (&inner.backend, rules.config.policies()[policy].name());
                     let refund = refund_at(backend, backend.now_ns());
-                    send(backend, &rules.prepared[policy], name, &key, cost, refund);
+                    let _ = send(backend, &rules.prepared[policy], name, &key, cost, refund);
                 }
             });
         }
-    }
-}
-
-/// Makes a settlement of a call (a refund, a debit): at once on an in-memory store, else in a
-/// task of its own, returned for the answer to wait for (a call dropped meanwhile leaves it
-/// running). One that fails leaves the bucket as it was, with a debug line.
-fn settle<F>(mut fut: F, policy: &str, what: &'static str) -> Option<tokio::task::JoinHandle<()>>
-where
-    F: Future<Output = Result<Decision, crate::BackendError>> + Send + Unpin + 'static,
-{
-    let waker = std::task::Waker::noop();
-    match std::pin::Pin::new(&mut fut).poll(&mut std::task::Context::from_waker(waker)) {
-        std::task::Poll::Ready(Ok(_)) => None,
-        std::task::Poll::Ready(Err(error)) => {
-            tracing::debug!(policy, %error, "rate limit service: {what} failed");
-            None
-        }
-        std::task::Poll::Pending => match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => {
-                let policy = policy.to_owned();
-                Some(runtime.spawn(async move {
-                    if let Err(error) = fut.await {
-                        tracing::debug!(policy, %error, "rate limit service: {what} failed");
-                    }
-                }))
-            }
-            Err(_) => {
-                tracing::debug!(policy, "rate limit service: {what} dropped: no runtime");
-                None
-            }
-        },
     }
 }
 
