@@ -80,8 +80,8 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::{
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
 
-use config::Limit;
 pub use config::RlsConfig;
+use config::{Limit, Named};
 
 use crate::admit::{count_in, count_shadow};
 use crate::backend::{Backend, Decision, Mode};
@@ -321,15 +321,6 @@ impl Counted {
     }
 }
 
-/// A descriptor whose rule refuses every request (`requests_per_unit: 0`).
-struct Refused {
-    at: usize,
-    named: Option<Arc<str>>,
-    shadow: bool,
-    per_unit: (u32, i32),
-    unit: Duration,
-}
-
 fn status(code: Code) -> DescriptorStatus {
     DescriptorStatus {
         code: code as i32,
@@ -370,7 +361,8 @@ impl<B: Backend> RateLimitService for RlsService<B> {
             }
         };
         let mut counted: Vec<Counted> = Vec::new();
-        let mut refused: Vec<Refused> = Vec::new();
+        // Descriptors whose rule refuses every request (`requests_per_unit: 0`), by place.
+        let mut refused: Vec<(usize, &Named)> = Vec::new();
         {
             let request_cost = req.hits_addend.max(1);
             let mut replaced: Vec<&str> = Vec::new();
@@ -383,13 +375,7 @@ impl<B: Backend> RateLimitService for RlsService<B> {
                 replaced.extend(limit.replaces().iter().map(String::as_str));
                 match limit {
                     Limit::Unlimited { .. } => {}
-                    Limit::Refused(named) => refused.push(Refused {
-                        at,
-                        named: named.name.clone(),
-                        shadow: named.shadow,
-                        per_unit: named.per_unit,
-                        unit: named.unit,
-                    }),
+                    Limit::Refused(named) => refused.push((at, named)),
                     Limit::Counted {
                         policy,
                         named,
@@ -419,7 +405,7 @@ impl<B: Backend> RateLimitService for RlsService<B> {
                     named.as_deref().is_none_or(|n| !replaced.contains(&n))
                 };
                 counted.retain(|c| kept(&c.named));
-                refused.retain(|r| kept(&r.named));
+                refused.retain(|(_, r)| kept(&r.name));
             }
         }
         // All together: every descriptor's decision is asked for at once (a shared store's
@@ -447,7 +433,7 @@ impl<B: Backend> RateLimitService for RlsService<B> {
             return Err(tonic::Status::unavailable(format!("rate limit store: {e}")));
         }
         // A check refuses when not one unit is left; a rule's refusal, unless in shadow mode.
-        let over = refused.iter().any(|r| !r.shadow)
+        let over = refused.iter().any(|(_, r)| !r.shadow)
             || (asking.counted.iter())
                 .any(|c| !c.shadow && c.decision.as_ref().is_some_and(|d| !d.is_allowed()));
         // A `debit` rule takes what it refused too (in tasks of their own: a call dropped
@@ -494,11 +480,11 @@ impl<B: Backend> RateLimitService for RlsService<B> {
                 write_ietf(&rules.headers[c.policy], d, back, fields.0, fields.1);
             }
         }
-        for r in &refused {
-            let s = &mut statuses[r.at];
+        for &(at, r) in &refused {
+            let s = &mut statuses[at];
             s.code = if r.shadow { Code::Ok } else { Code::OverLimit } as i32;
             s.current_limit = Some(RateLimit {
-                name: r.named.as_deref().unwrap_or_default().to_owned(),
+                name: r.name.as_deref().unwrap_or_default().to_owned(),
                 requests_per_unit: r.per_unit.0,
                 unit: r.per_unit.1,
             });
