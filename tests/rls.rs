@@ -687,6 +687,40 @@ async fn a_call_dropped_mid_decision_gives_back_what_it_took() {
     assert_eq!(expensive, 2, "the late decision's unit was given back");
 }
 
+/// All or nothing under concurrency: 40 calls at once, each for a shared address and the
+/// expensive route (5 an hour): exactly 5 are admitted, and the address keeps exactly their 5
+/// units, the 35 refused calls' given back whatever order they landed in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_calls_are_all_or_nothing() {
+    let rules = "domain: edge\ndescriptors:\n  - key: remote_address\n    quota: \"100/h\"\n  \
+                 - key: generic_key\n    value: expensive\n    quota: \"5/h\"\n";
+    let config = RlsConfig::from_yaml(rules).unwrap();
+    let client = serve(RlsService::new(LocalBackend::new(), config).unwrap()).await;
+    let both = || {
+        vec![
+            descriptor(&[("remote_address", "10.0.0.1")]),
+            descriptor(&[("generic_key", "expensive")]),
+        ]
+    };
+    let calls: Vec<_> = (0..40)
+        .map(|_| {
+            let mut client = client.clone();
+            let descriptors = both();
+            tokio::spawn(async move { ask(&mut client, descriptors, 1).await.overall_code() })
+        })
+        .collect();
+    let mut ok = 0;
+    for call in calls {
+        ok += usize::from(call.await.unwrap() == Code::Ok);
+    }
+    assert_eq!(ok, 5);
+    let mut check = descriptor(&[("remote_address", "10.0.0.1")]);
+    check.hits_addend = Some(UInt64Value { value: 0 });
+    let mut client = client;
+    let r = ask(&mut client, vec![check], 1).await;
+    assert_eq!(r.statuses[0].limit_remaining, 95);
+}
+
 /// Configurations from envoyproxy/ratelimit's README, written here, load unchanged and mean
 /// what they mean there: nested descriptors, `unlimited`, `shadow_mode`, `replaces`.
 #[tokio::test]
