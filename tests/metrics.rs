@@ -8,61 +8,18 @@
 mod support;
 
 use std::convert::Infallible;
-use std::future::Future;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response};
 use http_body_util::Full;
-use metrics_util::CompositeKey;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+use support::recorded::{Recorded, count, recorded, value};
 use tollgate::backend::redis::{FailurePolicy, RedisBackend};
 use tollgate::backend::{Backend, LocalBackend};
 use tollgate::key::{Global, Header};
 use tollgate::{KeyExtractor, OnMissingKey, Policy, Quota, RateLimitLayer};
 use tower::{Layer, Service, ServiceExt};
-
-/// Everything a recorder recorded: a snapshot drains the recorder, so it is taken once.
-struct Recorded(Vec<(CompositeKey, DebugValue)>);
-
-/// Runs `f` with a fresh recorder on this thread; returns what was recorded.
-fn recorded<F: Future<Output = ()>>(f: impl FnOnce() -> F) -> Recorded {
-    let recorder = DebuggingRecorder::new();
-    let snapshotter = recorder.snapshotter();
-    metrics::with_local_recorder(&recorder, || {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap()
-            .block_on(f())
-    });
-    Recorded(
-        (snapshotter.snapshot().into_vec().into_iter())
-            .map(|(key, _, _, value)| (key, value))
-            .collect(),
-    )
-}
-
-/// The value of metric `name` whose labels include all of `labels`, if it was recorded.
-fn value<'a>(s: &'a Recorded, name: &str, labels: &[(&str, &str)]) -> Option<&'a DebugValue> {
-    s.0.iter()
-        .find(|(key, _)| {
-            let key = key.key();
-            key.name() == name
-                && labels
-                    .iter()
-                    .all(|(k, v)| key.labels().any(|l| l.key() == *k && l.value() == *v))
-        })
-        .map(|(_, v)| v)
-}
-
-fn count(s: &Recorded, name: &str, labels: &[(&str, &str)]) -> u64 {
-    match value(s, name, labels) {
-        Some(DebugValue::Counter(n)) => *n,
-        None => 0,
-        other => panic!("{name}: {other:?}"),
-    }
-}
 
 fn decisions(s: &Recorded, policy: &str, outcome: &str, quota: &str) -> u64 {
     count(

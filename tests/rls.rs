@@ -1231,52 +1231,30 @@ mod on_redis {
 #[cfg(feature = "metrics")]
 #[test]
 fn calls_and_decisions_are_counted() {
-    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
-    let recorder = DebuggingRecorder::new();
-    let snapshotter = recorder.snapshotter();
-    metrics::with_local_recorder(&recorder, || {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap()
-            .block_on(async {
-                let (mut client, _clock) = example().await;
-                for _ in 0..11 {
-                    ask(&mut client, address("10.0.0.1"), 0).await;
-                }
-                ask_in(&mut client, "elsewhere", address("10.0.0.1"), 0).await;
-                // A store that cannot be asked, failing open: counted as the layer counts it.
-                #[cfg(feature = "redis")]
-                {
-                    use tollgate::backend::redis::{FailurePolicy, RedisBackend};
-                    let backend = RedisBackend::builder()
-                        .url(format!("redis://127.0.0.1:{}", support::closed_port()))
-                        .timeout(Duration::from_millis(200))
-                        .on_failure(FailurePolicy::FailOpen)
-                        .build()
-                        .unwrap();
-                    let config = RlsConfig::from_yaml(EXAMPLE_RULES).unwrap();
-                    let mut open = serve(RlsService::new(backend, config).unwrap()).await;
-                    let r = ask(&mut open, address("10.0.0.9"), 0).await;
-                    assert_eq!(r.overall_code(), Code::Ok);
-                }
-            })
+    use support::recorded::{count, recorded};
+    let snapshot = recorded(|| async {
+        let (mut client, _clock) = example().await;
+        for _ in 0..11 {
+            ask(&mut client, address("10.0.0.1"), 0).await;
+        }
+        ask_in(&mut client, "elsewhere", address("10.0.0.1"), 0).await;
+        // A store that cannot be asked, failing open: counted as the layer counts it.
+        #[cfg(feature = "redis")]
+        {
+            use tollgate::backend::redis::{FailurePolicy, RedisBackend};
+            let backend = RedisBackend::builder()
+                .url(format!("redis://127.0.0.1:{}", support::closed_port()))
+                .timeout(Duration::from_millis(200))
+                .on_failure(FailurePolicy::FailOpen)
+                .build()
+                .unwrap();
+            let config = RlsConfig::from_yaml(EXAMPLE_RULES).unwrap();
+            let mut open = serve(RlsService::new(backend, config).unwrap()).await;
+            let r = ask(&mut open, address("10.0.0.9"), 0).await;
+            assert_eq!(r.overall_code(), Code::Ok);
+        }
     });
-    let snapshot = snapshotter.snapshot().into_vec();
-    let count = |name: &str, labels: &[(&str, &str)]| -> u64 {
-        (snapshot.iter())
-            .filter(|(key, _, _, _)| {
-                let key = key.key();
-                key.name() == name
-                    && (labels.iter())
-                        .all(|(k, v)| key.labels().any(|l| l.key() == *k && l.value() == *v))
-            })
-            .map(|(_, _, _, v)| match v {
-                DebugValue::Counter(n) => *n,
-                _ => 0,
-            })
-            .sum()
-    };
+    let count = |name: &str, labels: &[(&str, &str)]| count(&snapshot, name, labels);
     let calls = "tollgate_rls_requests_total";
     // The ten allowed, and the one failing open on Redis.
     let ok = if cfg!(feature = "redis") { 11 } else { 10 };

@@ -20,6 +20,8 @@ pub mod conformance;
 #[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
 pub mod outage;
 pub mod proxy;
+#[cfg(feature = "metrics")]
+pub mod recorded;
 pub mod sql;
 
 /// [`serve`]s `app`, answering its base URL (`http://127.0.0.1:<port>`).
