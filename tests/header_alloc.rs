@@ -4,7 +4,12 @@
 //! changed format and allocate a new one, as they would without the cache (a value is kept
 //! only once it repeats, so that new values are not shared, which would allocate again).
 //!
-//! One test in its own file: it counts the allocations of the whole process.
+//! One test in its own file: it counts the allocations of the whole process. Other threads
+//! allocate now and then too (the test harness's own thread, which on a busy machine records
+//! the running test after the test has started: 4 allocations at a random request, seen in 2
+//! runs of 20 with both cores loaded), so the requests are counted in rounds and the least of
+//! each kind is compared: a one-off of another thread spoils one round, while a value rebuilt
+//! on every request shows in every round.
 
 use std::alloc::System;
 use std::net::SocketAddr;
@@ -30,9 +35,13 @@ fn request() -> Request<()> {
     r
 }
 
-/// Allocations of 99 requests after a warm-up, with the clock moved by `step` before each
-/// (the values are checked to repeat, or not, as `repeat` says).
-fn allocations(step: Duration, repeat: bool) -> usize {
+/// Requests per round.
+const ROUND: usize = 33;
+
+/// The allocations of each of three rounds of 33 requests after a warm-up, with the clock
+/// moved by `step` before each request (the values are checked to repeat, or not, as `repeat`
+/// says).
+fn allocations(step: Duration, repeat: bool) -> Vec<usize> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -66,15 +75,19 @@ fn allocations(step: Duration, repeat: bool) -> usize {
             remember(&res);
         }
 
-        let region = Region::new(GLOBAL);
-        for _ in 0..99 {
-            clock.advance(step);
-            let res = svc.ready().await.unwrap().call(request()).await.unwrap();
-            assert_eq!(res.status(), 200);
-            assert_eq!(remember(&res), repeat, "{:?}", res.headers()["ratelimit"]);
-            drop(res);
+        let mut rounds = Vec::new();
+        for _ in 0..3 {
+            let region = Region::new(GLOBAL);
+            for _ in 0..ROUND {
+                clock.advance(step);
+                let res = svc.ready().await.unwrap().call(request()).await.unwrap();
+                assert_eq!(res.status(), 200);
+                assert_eq!(remember(&res), repeat, "{:?}", res.headers()["ratelimit"]);
+                drop(res);
+            }
+            rounds.push(region.change().allocations);
         }
-        region.change().allocations
+        rounds
     })
 }
 
@@ -85,10 +98,11 @@ fn a_repeated_ratelimit_value_is_not_rebuilt() {
     // A frozen clock: each request leaves one unit fewer, so every value is new.
     let changing = allocations(Duration::ZERO, false);
     // The header maps of the responses allocate alike in both runs. A new value costs one
-    // allocation, a repeated one none (measured: 6 and 5 allocations per request; 6 with the
-    // cache bypassed, whatever the numbers).
+    // allocation, a repeated one none (measured: 6 and 5 allocations per request, 198 and 165
+    // a round; 6 with the cache bypassed, whatever the numbers).
+    let least = |rounds: &[usize]| rounds.iter().min().copied().unwrap_or_default();
     assert!(
-        changing >= repeating + 99,
-        "repeating: {repeating}, changing: {changing} allocations for 99 requests"
+        least(&changing) >= least(&repeating) + ROUND,
+        "allocations per round of {ROUND} requests: repeating {repeating:?}, changing {changing:?}"
     );
 }
