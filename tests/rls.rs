@@ -118,7 +118,7 @@ async fn ten_ok_then_over_limit_for_one_address() {
         assert_eq!(s.limit_remaining, left);
         let limit = s.current_limit.as_ref().unwrap();
         assert_eq!((limit.requests_per_unit, limit.unit()), (5, Unit::Second));
-        assert_eq!(limit.name, "edge.remote_address");
+        assert_eq!(limit.name, "", "unnamed, as envoyproxy/ratelimit answers");
         assert_eq!(
             header(&r, "ratelimit-policy"),
             Some(r#""edge.remote_address";q=10;w=2"#)
@@ -932,7 +932,8 @@ fn invalid_rules_name_the_rule_and_the_word() {
 /// Hourly limits: nothing comes back while a test against a real store runs.
 #[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
 const HOURLY: &str = "domain: edge\ndescriptors:\n  - key: remote_address\n    quota: \"10/h\"\n  \
-                      - key: generic_key\n    value: expensive\n    quota: \"2/h\"\n";
+                      - key: generic_key\n    value: expensive\n    quota: \"2/h\"\n  \
+                      - key: user\n    rate_limit: { unit: hour, requests_per_unit: 5 }\n";
 
 /// Two rate limit services on one shared store count one limit: 10 for an address in all,
 /// whichever is asked; and a request refused as a whole takes nothing on the store.
@@ -977,7 +978,24 @@ where
     check.hits_addend = Some(UInt64Value { value: 0 });
     let left = |r: RateLimitResponse| r.statuses[0].limit_remaining;
     assert_eq!(left(ask(&mut b, vec![check.clone()], 0).await), 8);
-    assert_eq!(left(ask(&mut a, vec![check], 0).await), 8);
+    assert_eq!(left(ask(&mut a, vec![check.clone()], 0).await), 8);
+    // Negative hits give units back on the store, whichever service is asked: a bucket
+    // (GCRA) and a fixed window.
+    let mut give_back = descriptor(&[("remote_address", "10.0.0.2")]);
+    give_back.hits_addend = Some(UInt64Value { value: 2 });
+    give_back.is_negative_hits = true;
+    assert_eq!(left(ask(&mut a, vec![give_back], 0).await), 10);
+    assert_eq!(left(ask(&mut b, vec![check], 0).await), 10);
+    let user = || vec![descriptor(&[("user", "u1")])];
+    ask(&mut a, user(), 1).await;
+    ask(&mut b, user(), 1).await;
+    let mut give_back = user();
+    give_back[0].is_negative_hits = true;
+    ask(&mut b, give_back, 2).await;
+    // 5 left (also when an hour began meanwhile: the new window has all 5).
+    let mut check = user();
+    check[0].hits_addend = Some(UInt64Value { value: 0 });
+    assert_eq!(left(ask(&mut a, check, 0).await), 5);
 }
 
 /// Two services on one SQL database of `$server`, through `$backend`'s builder.
@@ -1083,6 +1101,30 @@ mod on_redis {
             let ok = codes.iter().filter(|c| **c == Code::Ok).count();
             assert_eq!(ok, 10, "{codes:?}");
             assert_eq!(codes[10..], [Code::OverLimit, Code::OverLimit]);
+            // Negative hits give 3 back: 3 more, then over again.
+            let mut give_back = address(ip);
+            give_back[0].is_negative_hits = true;
+            ask(&mut client, give_back, 3).await;
+            // In the asynchronous mode the refund of units already sent reaches this
+            // instance's view with the next flush (every 5 ms): wait for it, 5 s at most.
+            let mut check = address(ip);
+            check[0].hits_addend = Some(UInt64Value { value: 0 });
+            for _ in 0..500 {
+                let r = ask(&mut client, check.clone(), 0).await;
+                if r.statuses[0].limit_remaining == 3 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            let mut codes = Vec::new();
+            for _ in 0..4 {
+                codes.push(ask(&mut client, address(ip), 0).await.overall_code());
+            }
+            assert_eq!(
+                codes,
+                [Code::Ok, Code::Ok, Code::Ok, Code::OverLimit],
+                "{mode:?}"
+            );
         }
         // The GCRA quotas of the example cannot be served approximately: said when loaded.
         let backend = RedisBackend::builder()
@@ -1270,4 +1312,243 @@ fn calls_and_decisions_are_counted() {
     assert_eq!(count(decisions, &[policy, ("outcome", "denied")]), 1);
     #[cfg(feature = "redis")]
     assert_eq!(count(decisions, &[policy, ("outcome", "fail_open")]), 1);
+}
+
+/// Rules envoyproxy/ratelimit loads load here: descriptor values are what Envoy sends, so a
+/// path longer than a policy name, a value with a space and one that is not ASCII are all
+/// served, under names that stay readable, bounded, and the same on every server.
+#[tokio::test]
+async fn rules_with_any_values_load_under_bounded_names() {
+    let rules = r#"
+domain: istio-ingressgateway-ratelimit
+descriptors:
+  - key: header_match
+    value: tenant-gold
+    descriptors:
+      - key: path
+        value: /api/v1/organizations/projects/exports
+        rate_limit: { unit: minute, requests_per_unit: 1 }
+  - key: lane
+    value: slow lane
+    rate_limit: { unit: minute, requests_per_unit: 1 }
+  - key: city
+    value: Zürich
+    rate_limit: { unit: minute, requests_per_unit: 1 }
+  - key: city
+    value: Zurich
+    rate_limit: { unit: minute, requests_per_unit: 2 }
+"#;
+    let config = RlsConfig::from_yaml(rules).unwrap();
+    let names: Vec<&str> = config.policies().iter().map(|p| p.name()).collect();
+    assert_eq!(
+        names,
+        [
+            "istio-ingressgateway-ratelimit.header_match=tenant-~1b7a7463e0bb",
+            "istio-ingressgateway-ratelimit.lane=slow_lane~9a7e499a5135",
+            "istio-ingressgateway-ratelimit.city=Z_rich~9929a371615b",
+            "istio-ingressgateway-ratelimit.city=Zurich",
+        ]
+    );
+    let mut client = serve(RlsService::new(LocalBackend::new(), config).unwrap()).await;
+    let domain = "istio-ingressgateway-ratelimit";
+    let nested = || {
+        vec![descriptor(&[
+            ("header_match", "tenant-gold"),
+            ("path", "/api/v1/organizations/projects/exports"),
+        ])]
+    };
+    for d in [
+        nested(),
+        vec![descriptor(&[("lane", "slow lane")])],
+        vec![descriptor(&[("city", "Zürich")])],
+    ] {
+        let first = ask_in(&mut client, domain, d.clone(), 0).await;
+        assert_eq!(first.overall_code(), Code::Ok, "{d:?}");
+        let policy = header(&first, "ratelimit-policy").unwrap();
+        assert!(policy.ends_with(";q=1;w=60"), "{policy}");
+        let second = ask_in(&mut client, domain, d.clone(), 0).await;
+        assert_eq!(second.overall_code(), Code::OverLimit, "{d:?}");
+    }
+    // `Zürich` and `Zurich` are two rules, each with its own limit.
+    let r = ask_in(
+        &mut client,
+        domain,
+        vec![descriptor(&[("city", "Zurich")])],
+        0,
+    )
+    .await;
+    assert_eq!(r.statuses[0].limit_remaining, 1);
+}
+
+/// IPv6 addresses are grouped by /64, as `ClientIp` and `PeerIp` group them: a client rotating
+/// addresses inside its /64 keeps one bucket, and a layer keying by the client's address
+/// counts against the service's bucket. `ipv6_prefix` changes it, and refuses what is not a
+/// prefix length.
+#[tokio::test]
+async fn ipv6_addresses_are_grouped_as_the_layers_group_them() {
+    let clock = FakeRelativeClock::default();
+    let backend = LocalBackend::builder().clock(clock.clone()).build();
+    let config = RlsConfig::from_yaml(EXAMPLE_RULES).unwrap();
+    let service = RlsService::new(backend.clone(), config.clone()).unwrap();
+    let mut client = serve(service).await;
+    // The layer of a service behind the gateway, on the same buckets: 4 requests.
+    let layer = tollgate::RateLimitLayer::builder()
+        .backend(backend)
+        .policy(config.policies()[0].clone())
+        .key(tollgate::key::PeerIp::new())
+        .build()
+        .unwrap();
+    let inner = tower::service_fn(|_req: http::Request<()>| async {
+        let body = http_body_util::Full::new(bytes::Bytes::from_static(b"ok"));
+        Ok::<_, std::convert::Infallible>(http::Response::new(body))
+    });
+    let mut svc = tower::Layer::layer(&layer, inner);
+    for _ in 0..4 {
+        let mut req = http::Request::new(());
+        req.extensions_mut()
+            .insert("[2001:db8::1]:443".parse::<std::net::SocketAddr>().unwrap());
+        let res = tower::ServiceExt::oneshot(&mut svc, req).await.unwrap();
+        assert_eq!(res.status(), 200);
+    }
+    // Another address of the same /64 at the gateway: 6 left, 5 after it.
+    let r = ask(&mut client, address("2001:db8::ffff:1"), 0).await;
+    assert_eq!(r.statuses[0].limit_remaining, 5, "{r:?}");
+    for _ in 0..5 {
+        let r = ask(&mut client, address("2001:db8::2"), 0).await;
+        assert_eq!(r.overall_code(), Code::Ok);
+    }
+    let r = ask(&mut client, address("2001:db8::3"), 0).await;
+    assert_eq!(r.overall_code(), Code::OverLimit);
+    // Another /64 has its own bucket.
+    let r = ask(&mut client, address("2001:db8:0:1::1"), 0).await;
+    assert_eq!(r.statuses[0].limit_remaining, 9);
+
+    // Each address alone.
+    let config = RlsConfig::from_yaml(EXAMPLE_RULES).unwrap();
+    let service = RlsService::new(LocalBackend::new(), config).unwrap();
+    let mut client = serve(service.ipv6_prefix(128).unwrap()).await;
+    assert_eq!(
+        ask(&mut client, address("2001:db8::1"), 9).await.statuses[0].limit_remaining,
+        1
+    );
+    assert_eq!(
+        ask(&mut client, address("2001:db8::2"), 0).await.statuses[0].limit_remaining,
+        9
+    );
+    let config = RlsConfig::from_yaml(EXAMPLE_RULES).unwrap();
+    for bad in [0, 129] {
+        let service = RlsService::new(LocalBackend::new(), config.clone()).unwrap();
+        let err = service.ipv6_prefix(bad).err().unwrap().to_string();
+        assert!(err.contains("ipv6_prefix"), "{err}");
+    }
+}
+
+/// Envoy's `is_negative_hits` gives units back: with 10 and 4 taken, 3 negative hits leave 9;
+/// a refund never fills past full, is never refused, and a negative check takes nothing.
+#[tokio::test]
+async fn negative_hits_give_units_back() {
+    let (mut client, _clock) = example().await;
+    let addr = |hits: Option<u64>, negative: bool| {
+        let mut d = descriptor(&[("remote_address", "10.0.0.1")]);
+        d.hits_addend = hits.map(|value| UInt64Value { value });
+        d.is_negative_hits = negative;
+        vec![d]
+    };
+    let r = ask(&mut client, addr(Some(4), false), 0).await;
+    assert_eq!(r.statuses[0].limit_remaining, 6);
+    let r = ask(&mut client, addr(Some(3), true), 0).await;
+    assert_eq!(r.overall_code(), Code::Ok);
+    assert_eq!(r.statuses[0].limit_remaining, 9);
+    // The request's `hits_addend` when the descriptor has none; past full is full.
+    let r = ask(&mut client, addr(None, true), 5).await;
+    assert_eq!(r.statuses[0].limit_remaining, 10);
+    let r = ask(&mut client, addr(Some(0), true), 0).await;
+    assert_eq!(r.statuses[0].limit_remaining, 10);
+    // Spent, then given back: admitted again.
+    assert_eq!(
+        ask(&mut client, addr(Some(10), false), 0)
+            .await
+            .overall_code(),
+        Code::Ok
+    );
+    assert_eq!(
+        ask(&mut client, addr(None, false), 0).await.overall_code(),
+        Code::OverLimit
+    );
+    ask(&mut client, addr(Some(2), true), 0).await;
+    let r = ask(&mut client, addr(Some(2), false), 0).await;
+    assert_eq!(r.overall_code(), Code::Ok);
+    assert_eq!(r.statuses[0].limit_remaining, 0);
+}
+
+/// What envoyproxy/ratelimit answers, where tollgate used to answer otherwise: an `unlimited`
+/// descriptor has `u32::MAX` left; a block-list rule (`requests_per_unit: 0`) resets at its
+/// window's end, and `Retry-After` says so; an unnamed rule's `current_limit.name` is empty
+/// (its policy is in `RateLimit-Policy`); an empty domain or descriptor list is an error.
+#[tokio::test]
+async fn answers_match_envoyproxy_ratelimit() {
+    let rules = r#"
+domain: edge
+descriptors:
+  - key: remote_address
+    value: 50.0.0.5
+    rate_limit: { unit: hour, requests_per_unit: 0 }
+  - key: remote_address
+    value: 50.0.0.6
+    rate_limit: { unlimited: true }
+  - key: remote_address
+    rate_limit: { unit: second, requests_per_unit: 10 }
+  - key: user
+    rate_limit: { unit: minute, requests_per_unit: 3, name: per_user }
+"#;
+    let config = RlsConfig::from_yaml(rules).unwrap();
+    let mut client = serve(RlsService::new(LocalBackend::new(), config).unwrap()).await;
+    let r = ask(&mut client, address("50.0.0.6"), 0).await;
+    assert_eq!(r.statuses[0].limit_remaining, u32::MAX);
+    assert!(r.statuses[0].current_limit.is_none());
+
+    let hour_left = || {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs();
+        3600 - now % 3600
+    };
+    let before = hour_left();
+    let r = ask(&mut client, address("50.0.0.5"), 0).await;
+    let after = hour_left();
+    assert_eq!(r.overall_code(), Code::OverLimit);
+    let reset = r.statuses[0].duration_until_reset.unwrap();
+    // Seconds left in this hour (a new hour may begin between the two readings).
+    let secs = reset.seconds as u64 + u64::from(reset.nanos > 0);
+    assert!(
+        secs == before || secs == after || secs == 3600,
+        "{reset:?}, {before}, {after}"
+    );
+    let retry: u64 = header(&r, "retry-after").unwrap().parse().unwrap();
+    assert_eq!(retry, secs);
+
+    let r = ask(&mut client, address("10.0.0.1"), 0).await;
+    assert_eq!(r.statuses[0].current_limit.as_ref().unwrap().name, "");
+    let r = ask(&mut client, vec![descriptor(&[("user", "u1")])], 0).await;
+    assert_eq!(
+        r.statuses[0].current_limit.as_ref().unwrap().name,
+        "per_user"
+    );
+
+    for (domain, descriptors, message) in [
+        ("", address("10.0.0.1"), "domain must not be empty"),
+        ("edge", vec![], "descriptor list must not be empty"),
+    ] {
+        let err = client
+            .should_rate_limit(RateLimitRequest {
+                domain: domain.into(),
+                descriptors,
+                hits_addend: 0,
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument);
+        assert!(err.message().contains(message), "{err:?}");
+    }
 }

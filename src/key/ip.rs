@@ -45,7 +45,7 @@ pub(crate) fn group(ip: IpAddr, v6_prefix: u8) -> Key {
     }
 }
 
-fn check_prefix(prefix: u8) -> Result<(), ConfigError> {
+pub(crate) fn check_prefix(prefix: u8) -> Result<(), ConfigError> {
     if prefix == 0 || prefix > 128 {
         return Err(ConfigError::Invalid {
             option: "ipv6_prefix",

@@ -37,7 +37,7 @@
 //! ```
 
 mod header;
-mod ip;
+pub(crate) mod ip;
 
 use std::fmt;
 use std::net::IpAddr;

@@ -219,7 +219,13 @@ impl RlsConfig {
 
     /// The policies the rules decide with, one per counted rule: named after the rule's
     /// path, `<domain>.<key>[=<value>]…` (`edge.remote_address`,
-    /// `edge.generic_key=expensive`), whatever its `name` (which only `replaces` refers to).
+    /// `edge.generic_key=expensive`), whatever its `name` (which only `replaces` and
+    /// `current_limit` refer to). A path that is not a policy name (longer than 64
+    /// characters, or with a space, a quote or a character that is not ASCII: descriptor
+    /// values are whatever Envoy sends) is named by its first 51 characters, each one a name
+    /// cannot hold written `_`, then `~` and the first 12 hex digits of the path's SHA-256
+    /// (`edge.city=Z_rich~5e320e01f186`): readable in metrics, at most 64 characters, and the
+    /// same on every server.
     /// A layer in a service with a policy of the same name, on the same store, counts against
     /// the same limit (see the [module docs](super) for the keys).
     pub fn policies(&self) -> &[Policy] {
@@ -259,8 +265,9 @@ fn compile(
         };
         let mut here = path.to_vec();
         here.push(step);
-        let name = format!("{domain}.{}", here.join("."));
-        let bad = |why: &str| invalid(format!("rule `{name}`: {why}"));
+        let rule_path = format!("{domain}.{}", here.join("."));
+        let name = policy_name(&rule_path);
+        let bad = |why: &str| invalid(format!("rule `{rule_path}`: {why}"));
         if spec.key.is_empty() {
             return Err(bad("the key is empty"));
         }
@@ -355,7 +362,11 @@ fn compile(
                                  or `=` in it): rename one",
                             ));
                         }
-                        let policy = Policy::new(name.as_str(), quota).shadow(spec.shadow_mode);
+                        // Given units back: refunds of calls refused as a whole, and Envoy's
+                        // negative hits (a shared store's deny cache then holds blocks only).
+                        let policy = Policy::new(name.as_str(), quota)
+                            .shadow(spec.shadow_mode)
+                            .given_back();
                         policy.validate().map_err(|e| bad(&e.to_string()))?;
                         policies.push(policy);
                         Limit::Counted {
@@ -394,6 +405,33 @@ fn compile(
         }
     }
     Ok(node)
+}
+
+/// The longest policy name ([`Policy::new`]'s rule: visible ASCII without `"` or `\`).
+const MAX_NAME: usize = 64;
+
+/// The policy name of a rule's path (`<domain>.<key>[=<value>]…`): the path itself when it is
+/// a policy name (at most 64 visible ASCII characters, without `"` or `\`), else its first
+/// 51 characters, each one a name cannot hold written `_`, then `~` and the first 12 hex
+/// digits of the path's SHA-256: readable in metrics, bounded, and the same on every server
+/// (a path that reads the same twice is refused when loaded).
+pub(crate) fn policy_name(path: &str) -> String {
+    use sha2::{Digest, Sha256};
+    use std::fmt::Write;
+    let fits = |c: char| c.is_ascii_graphic() && c != '"' && c != '\\';
+    if path.len() <= MAX_NAME && path.chars().all(fits) {
+        return path.to_owned();
+    }
+    let digest = Sha256::digest(path.as_bytes());
+    let mut name: String = (path.chars())
+        .map(|c| if fits(c) { c } else { '_' })
+        .take(MAX_NAME - 13)
+        .collect();
+    name.push('~');
+    for b in &digest[..6] {
+        let _ = write!(name, "{b:02x}");
+    }
+    name
 }
 
 /// A limit's `replaces`, checked as envoyproxy/ratelimit does: no empty name, not its own.

@@ -19,11 +19,13 @@
 //!   a `hits_addend` of 0 checks: nothing is taken, and it is `OVER_LIMIT` when not one unit
 //!   is left; a rule with `debit` takes its cost whatever is left (past the limit the key is
 //!   in debt, refused until it is paid back) and never gives it back, which a charge sent
-//!   after the response needs;
-//! - the bucket is the rule's policy (named `<domain>.<key>[=<value>]…`, see
+//!   after the response needs; a descriptor with `is_negative_hits` gives its cost back
+//!   instead (a refund of units taken now, never refused, never past full);
+//! - the bucket is the rule's policy (named after its path `<domain>.<key>[=<value>]…`, see
 //!   [`RlsConfig::policies`]) and the descriptor's key: one entry's value as
-//!   [`Key::ip`] when it is an IP address (what [`ClientIp`](crate::key::ClientIp) gives a
-//!   layer), else [`Key::from_bytes`]; several entries' values as a [`Key::composite`] of
+//!   [`Key::ip`] when it is an IP address, IPv6 grouped by /64 as
+//!   [`ClientIp`](crate::key::ClientIp) groups it for a layer ([`RlsService::ipv6_prefix`]
+//!   changes it), else [`Key::from_bytes`]; several entries' values as a [`Key::composite`] of
 //!   those keys (up to four; more are one key of their values, each length-prefixed); bytes
 //!   longer than [`Key::MAX_LEN`] are counted by their SHA-256 (never a failed call, which
 //!   Envoy would let through unlimited). A layer with a policy of the same name and such keys,
@@ -34,10 +36,14 @@
 //!   back, before the answer; a call dropped
 //!   before its answer (Envoy's timeout, a `grpc-timeout`) takes nothing either: what its
 //!   decisions took is given back, those still in flight once they land;
-//! - one status per descriptor, in order: `code`, `current_limit` (`requests_per_unit` and
-//!   `unit`: a rule's own, or for a quota whose period is not a unit its rate in the smallest
-//!   unit at least as long, rounded), `limit_remaining` and `duration_until_reset`;
-//!   `overall_code` is `OVER_LIMIT` when one is;
+//! - one status per descriptor, in order: `code`, `current_limit` (`name`: the rule's `name`,
+//!   empty without one; `requests_per_unit` and `unit`: a rule's own, or for a quota whose
+//!   period is not a unit its rate in the smallest unit at least as long, rounded),
+//!   `limit_remaining` (`u32::MAX` for an `unlimited` rule, as envoyproxy/ratelimit answers)
+//!   and `duration_until_reset` (for a rule of 0 requests, the end of its unit's window
+//!   counted from the Unix epoch); `overall_code` is `OVER_LIMIT` when one is;
+//! - an empty `domain` or descriptor list is refused with `INVALID_ARGUMENT`, as
+//!   envoyproxy/ratelimit refuses it (Envoy's failure mode then decides);
 //! - a rule in `shadow_mode` is decided and counted, and always `OK` (its store failing too);
 //! - `response_headers_to_add` carries the IETF `RateLimit` and `RateLimit-Policy` fields of
 //!   the counted descriptors ([`RlsService::headers`] turns them off), and `Retry-After` when
@@ -64,7 +70,7 @@ mod config;
 use std::collections::HashMap;
 use std::num::NonZeroU32;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -108,6 +114,8 @@ struct Inner<B: Backend> {
     backend: B,
     domains: ArcSwap<Domains<B>>,
     headers: AtomicBool,
+    /// The prefix length IPv6 values are grouped by (as `ClientIp` groups them).
+    v6_prefix: AtomicU8,
 }
 
 /// The domains served, each with its rules.
@@ -190,6 +198,7 @@ impl<B: Backend> RlsService<B> {
                 backend,
                 domains: ArcSwap::from_pointee(domains),
                 headers: AtomicBool::new(true),
+                v6_prefix: AtomicU8::new(crate::key::ip::DEFAULT_V6_PREFIX),
             }),
         })
     }
@@ -199,6 +208,18 @@ impl<B: Backend> RlsService<B> {
     pub fn headers(self, send: bool) -> Self {
         self.inner.headers.store(send, Ordering::Relaxed);
         self
+    }
+
+    /// Groups IPv6 addresses by this prefix length (1 to 128; 64 by default) when a
+    /// descriptor's value is one, as [`ClientIp`](crate::key::ClientIp) and
+    /// [`PeerIp`](crate::key::PeerIp) do (their default is the same /64): a layer keying by
+    /// the client's address then counts against the same bucket as the service, and a client
+    /// rotating addresses inside its /64 keeps one bucket. 128 keys each address alone (for
+    /// this service and its clones).
+    pub fn ipv6_prefix(self, prefix: u8) -> Result<Self, ConfigError> {
+        crate::key::ip::check_prefix(prefix)?;
+        self.inner.v6_prefix.store(prefix, Ordering::Relaxed);
+        Ok(self)
     }
 
     /// Replaces the rules of `config`'s domain (adding the domain if it is not served),
@@ -251,7 +272,7 @@ impl<B: Backend> RlsService<B> {
 /// The key of a descriptor's entries (see the [module docs](self)). Never fails: bytes longer
 /// than [`Key::MAX_LEN`] are counted by their SHA-256 instead (a client's long header value
 /// must not fail the call, which Envoy would then let through unlimited).
-fn descriptor_key(entries: &[Entry]) -> Key {
+fn descriptor_key(entries: &[Entry], v6_prefix: u8) -> Key {
     fn bytes(b: &[u8]) -> Key {
         match Key::from_bytes(b) {
             Ok(key) => key,
@@ -265,7 +286,7 @@ fn descriptor_key(entries: &[Entry]) -> Key {
         }
     }
     let one = |v: &str| match v.parse::<std::net::IpAddr>() {
-        Ok(ip) => Key::ip(ip),
+        Ok(ip) => crate::key::ip::group(ip, v6_prefix),
         Err(_) => bytes(v.as_bytes()),
     };
     match entries {
@@ -293,6 +314,8 @@ struct Counted {
     key: Key,
     /// `None`: checked only (a `hits_addend` of 0).
     cost: Option<NonZeroU32>,
+    /// `is_negative_hits`: the cost is given back, not taken.
+    negative: bool,
     shadow: bool,
     /// Taken whatever is left, and never given back (the rule's `debit`).
     debit: bool,
@@ -310,9 +333,22 @@ impl Counted {
     /// What is asked of the store: the units taken, or only checked.
     fn ask(&self) -> (NonZeroU32, Mode) {
         match self.cost {
+            // Negative hits give back units taken by earlier calls (Envoy's `is_negative_hits`):
+            // a refund of units taken now, which the current window holds.
+            Some(cost) if self.negative => (
+                cost,
+                Mode::Refund {
+                    admitted_ago: Duration::ZERO,
+                },
+            ),
             Some(cost) => (cost, Mode::Decide),
             None => (NonZeroU32::MIN, Mode::Peek),
         }
+    }
+
+    /// Whether it gives units back (negative hits) rather than asking for them.
+    fn refunds(&self) -> bool {
+        self.negative && self.cost.is_some()
     }
 
     /// Whether what it took goes back when the request is refused as a whole, or dropped.
@@ -326,6 +362,17 @@ fn status(code: Code) -> DescriptorStatus {
         code: code as i32,
         ..Default::default()
     }
+}
+
+/// What is left of the current window of length `unit`, windows counted from the Unix epoch
+/// on the system's clock (a whole unit at a window's first instant).
+fn window_left(unit: Duration) -> Duration {
+    let now = (std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH))
+        .unwrap_or_default()
+        .as_nanos();
+    let unit_ns = unit.as_nanos().max(1);
+    let left = unit_ns - now % unit_ns;
+    Duration::from_nanos(u64::try_from(left).unwrap_or(u64::MAX))
 }
 
 fn proto_duration(d: Duration) -> ProtoDuration {
@@ -343,6 +390,18 @@ impl<B: Backend> RateLimitService for RlsService<B> {
     ) -> Result<tonic::Response<RateLimitResponse>, tonic::Status> {
         let req = request.into_inner();
         let backend = &self.inner.backend;
+        // Refused as envoyproxy/ratelimit refuses them (an error: Envoy's failure mode decides).
+        if req.domain.is_empty() || req.descriptors.is_empty() {
+            let domains = self.inner.domains.load();
+            let label = (domains.by_name.get(&req.domain)).map_or(&domains.other, |c| &c.domain);
+            metrics::rls_request(label, "invalid_argument");
+            return Err(tonic::Status::invalid_argument(if req.domain.is_empty() {
+                "rate limit domain must not be empty"
+            } else {
+                "rate limit descriptor list must not be empty"
+            }));
+        }
+        let v6_prefix = self.inner.v6_prefix.load(Ordering::Relaxed);
         let mut statuses: Vec<DescriptorStatus> =
             req.descriptors.iter().map(|_| status(Code::Ok)).collect();
         // Another domain: every descriptor OK, counted nowhere.
@@ -374,7 +433,8 @@ impl<B: Backend> RateLimitService for RlsService<B> {
                 let Some(limit) = &rule.limit else { continue };
                 replaced.extend(limit.replaces().iter().map(String::as_str));
                 match limit {
-                    Limit::Unlimited { .. } => {}
+                    // As envoyproxy/ratelimit answers: no limit, everything left.
+                    Limit::Unlimited { .. } => statuses[at].limit_remaining = u32::MAX,
                     Limit::Refused(named) => refused.push((at, named)),
                     Limit::Counted {
                         policy,
@@ -386,8 +446,9 @@ impl<B: Backend> RateLimitService for RlsService<B> {
                         counted.push(Counted {
                             at,
                             policy: *policy,
-                            key: descriptor_key(&d.entries),
+                            key: descriptor_key(&d.entries, v6_prefix),
                             cost: NonZeroU32::new(u32::try_from(hits).unwrap_or(u32::MAX)),
+                            negative: d.is_negative_hits,
                             shadow: named.shadow,
                             debit: *debit,
                             named: named.name.clone(),
@@ -457,7 +518,7 @@ impl<B: Backend> RateLimitService for RlsService<B> {
             let s = &mut statuses[c.at];
             s.code = if refused { Code::OverLimit } else { Code::Ok } as i32;
             s.current_limit = Some(RateLimit {
-                name: current_name(&c.named, &rules.config.policies()[c.policy]),
+                name: c.named.as_deref().unwrap_or_default().to_owned(),
                 requests_per_unit: c.per_unit.0,
                 unit: c.per_unit.1,
             });
@@ -483,13 +544,17 @@ impl<B: Backend> RateLimitService for RlsService<B> {
         for &(at, r) in &refused {
             let s = &mut statuses[at];
             s.code = if r.shadow { Code::Ok } else { Code::OverLimit } as i32;
+            // The end of the unit's window, aligned to the Unix epoch as envoyproxy/ratelimit
+            // aligns it.
+            let until_reset = window_left(r.unit);
+            s.duration_until_reset = Some(proto_duration(until_reset));
             s.current_limit = Some(RateLimit {
                 name: r.name.as_deref().unwrap_or_default().to_owned(),
                 requests_per_unit: r.per_unit.0,
                 unit: r.per_unit.1,
             });
             if !r.shadow {
-                retry = retry.max(r.unit);
+                retry = retry.max(until_reset);
             }
         }
         let mut headers = Vec::with_capacity(3);
@@ -542,6 +607,15 @@ impl<B: Backend> Asking<'_, B> {
                 continue;
             };
             *slot = None;
+            if c.refunds() {
+                // Negative hits are no decision: not counted. A refund that fails leaves the
+                // units taken, and fails nothing.
+                match result {
+                    Ok(d) => c.decision = Some(d),
+                    Err(error) => tracing::debug!(%error, "negative hits not given back"),
+                }
+                continue;
+            }
             if c.ask().1 == Mode::Decide && took(&result) {
                 c.taken_at = Some(self.inner.backend.now_ns());
             }
@@ -638,9 +712,4 @@ impl<B: Backend> Drop for Asking<'_, B> {
             });
         }
     }
-}
-
-/// `current_limit.name`: the rule's `name`, else its policy's.
-fn current_name(named: &Option<Arc<str>>, policy: &crate::Policy) -> String {
-    named.as_deref().unwrap_or(policy.name()).to_owned()
 }
