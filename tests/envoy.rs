@@ -363,12 +363,107 @@ mod on_redis {
     }
 }
 
+/// The docs' charge-after-the-response recipe through a real Envoy: the request path checks
+/// (0 hits, taking nothing), the response's `x-tokens` is charged when it ends, past the limit
+/// into debt, and the next check refuses a user who spent their tokens.
+#[tokio::test]
+async fn the_charge_after_the_response_is_enforced() {
+    let rules = r#"
+domain: llm
+descriptors:
+  - key: user
+    quota: "1000/h"
+    debit: true
+"#;
+    let service =
+        RlsService::new(tollgate::backend::LocalBackend::new(), self::rules(rules)).unwrap();
+    let ports = Ports {
+        listener: free_port(),
+        rls: serve_rls(service.clone()).await,
+        backend: upstream().await,
+    };
+    let envoy = Envoy::start(with_ports(&docs_block("charge"), ports), ports.listener).await;
+    let client = reqwest::Client::new();
+    let call = |user: &'static str, tokens: u32| {
+        let (client, url) = (
+            client.clone(),
+            format!("{}/v1/chat?tokens={tokens}", envoy.url),
+        );
+        async move {
+            let res = client.get(url).header("x-user", user).send().await.unwrap();
+            (
+                res.status().as_u16(),
+                res.headers().get("ratelimit").cloned(),
+            )
+        }
+    };
+    // What the service holds for `user`: its units left, by a check of its own.
+    let left = |user: &'static str| {
+        let service = service.clone();
+        async move {
+            use tollgate::rls::envoy_types::pb::envoy::extensions::common::ratelimit::v3::{
+                RateLimitDescriptor, rate_limit_descriptor::Entry,
+            };
+            use tollgate::rls::envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+            use tollgate::rls::envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
+            use tollgate::rls::envoy_types::pb::google::protobuf::UInt64Value;
+            let request = RateLimitRequest {
+                domain: "llm".into(),
+                descriptors: vec![RateLimitDescriptor {
+                    entries: vec![Entry {
+                        key: "user".into(),
+                        value: user.into(),
+                    }],
+                    hits_addend: Some(UInt64Value { value: 0 }),
+                    ..Default::default()
+                }],
+                hits_addend: 0,
+            };
+            let r = service
+                .should_rate_limit(tonic::Request::new(request))
+                .await
+                .unwrap()
+                .into_inner();
+            r.statuses[0].limit_remaining
+        }
+    };
+    // The charge is sent when the response ends, after the client has it: wait for it (5 s
+    // at most).
+    let settled = |user: &'static str, expect: u32| {
+        let left = &left;
+        async move {
+            for _ in 0..500 {
+                if left(user).await == expect {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            panic!("{user}: {} left, not {expect}", left(user).await);
+        }
+    };
+    let (status, field) = call("alice", 600).await;
+    assert_eq!(status, 200);
+    // The check took nothing: the field shows all 1000 there before the call.
+    let field = field.unwrap();
+    assert!(field.to_str().unwrap().contains(";r=1000;"), "{field:?}");
+    settled("alice", 400).await;
+    // 400 left: the check passes, the charge of 600 puts alice 200 in debt.
+    assert_eq!(call("alice", 600).await.0, 200);
+    settled("alice", 0).await;
+    // Spent: refused at the check, and charged nothing more.
+    let (status, _) = call("alice", 600).await;
+    assert_eq!(status, 429);
+    // Another user is untouched.
+    assert_eq!(call("bob", 1).await.0, 200);
+    settled("bob", 999).await;
+}
+
 /// Every Envoy configuration of the docs is accepted by `envoy --mode validate` (with the
 /// routes' clusters defined: Envoy checks them).
 #[test]
 fn every_docs_configuration_validates() {
     let configs = docs_configs();
-    assert!(!configs.is_empty());
+    assert_eq!(configs.len(), 2, "the gateway and the charge");
     for config in configs {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("envoy.yaml");
