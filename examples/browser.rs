@@ -63,6 +63,14 @@ fn env_port(name: &str, default: u16) -> Result<u16, String> {
 /// The API: `GET /api/hello`, limited, inside a CORS layer that allows `allow_origin` (`*`, one
 /// origin, or several separated by commas).
 pub(crate) fn api(allow_origin: &str) -> Result<Router, Box<dyn std::error::Error>> {
+    api_on(allow_origin, tollgate::backend::LocalBackend::new())
+}
+
+/// The API on `backend` (the tests give it one whose clock stands still).
+pub(crate) fn api_on<B: tollgate::backend::Backend>(
+    allow_origin: &str,
+    backend: B,
+) -> Result<Router, Box<dyn std::error::Error>> {
     let origins = if allow_origin.trim() == "*" {
         AllowOrigin::any()
     } else {
@@ -78,6 +86,7 @@ pub(crate) fn api(allow_origin: &str) -> Result<Router, Box<dyn std::error::Erro
         .allow_methods([Method::GET])
         .expose_headers(tollgate::cors::EXPOSE_HEADERS);
     let limit = RateLimitLayer::builder()
+        .backend(backend)
         .policy(Policy::new("api", Quota::per_second(5).burst(10)))
         .key(ClientIp::new())
         .build()?;
