@@ -21,8 +21,10 @@
 //! this instance at its share), `open`, or `closed` (`UNAVAILABLE`: Envoy's
 //! `failure_mode_deny` decides). `RULES_DIR` serves every `.yaml` file of a directory, one
 //! domain each (envoyproxy/ratelimit's layout), instead of one `RULES_FILE`. Changed rules
-//! are read again within a second (live keys keep what they used). `HEADERS=off` leaves the IETF `RateLimit` fields out of the
-//! answers. Ctrl-C or SIGTERM stops it gracefully (calls in flight are answered).
+//! are read again within a second (live keys keep what they used).
+//! `RESPONSE_DYNAMIC_METADATA=true` (envoyproxy/ratelimit's name) sends the rules' `metadata`
+//! back as the answer's dynamic metadata. `HEADERS=off` leaves the IETF `RateLimit` fields out
+//! of the answers. Ctrl-C or SIGTERM stops it gracefully (calls in flight are answered).
 //!
 //! Point Envoy at it (see `docs/envoy.md`), or ask it with the bundled client, eleven times
 //! for one address:
@@ -135,7 +137,8 @@ fn watch_rules<B: Backend>(service: RlsService<B>) {
 
 /// Serves `service` on `PORT` until Ctrl-C or SIGTERM.
 async fn serve<B: Backend>(service: RlsService<B>) -> Result<(), Box<dyn std::error::Error>> {
-    let service = service.headers(std::env::var("HEADERS").as_deref() != Ok("off"));
+    let service = (service.headers(std::env::var("HEADERS").as_deref() != Ok("off")))
+        .dynamic_metadata(std::env::var("RESPONSE_DYNAMIC_METADATA").as_deref() == Ok("true"));
     watch_rules(service.clone());
     let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port()));
     let listener = tokio::net::TcpListener::bind(addr).await?;

@@ -304,8 +304,9 @@ async fn a_debit_rule_takes_the_charge_after_the_response() {
     assert!(err.contains("debit") && err.contains("d.k"), "{err}");
 }
 
-/// envoyproxy/ratelimit's matching: an empty `value` is any value, a `value` ending in `*`
-/// any value with that prefix (the longest prefix first), an exact value before both.
+/// envoyproxy/ratelimit's matching: an empty `value` is any value, a `value` with a `*` any
+/// value the pattern matches (a `*` anywhere, each standing for any characters), the first such
+/// in the rules' order; an exact value before both.
 #[tokio::test]
 async fn values_match_as_envoyproxy_ratelimit_matches_them() {
     let rules = r#"
@@ -315,20 +316,28 @@ descriptors:
     value: ""
     rate_limit: { unit: hour, requests_per_unit: 5 }
   - key: path
-    value: "/api/*"
-    rate_limit: { unit: hour, requests_per_unit: 3 }
-  - key: path
     value: "/api/admin/*"
     rate_limit: { unit: hour, requests_per_unit: 1 }
   - key: path
+    value: "/api/*"
+    rate_limit: { unit: hour, requests_per_unit: 3 }
+  - key: path
     value: "/api/health"
     rate_limit: { unlimited: true }
+  - key: path
+    value: "/v*/*/action"
+    rate_limit: { unit: hour, requests_per_unit: 2 }
 "#;
     let config = RlsConfig::from_yaml(rules).unwrap();
     let names: Vec<&str> = config.policies().iter().map(|p| p.name()).collect();
     assert_eq!(
         names,
-        ["edge.path", "edge.path=/api/*", "edge.path=/api/admin/*"]
+        [
+            "edge.path",
+            "edge.path=/api/admin/*",
+            "edge.path=/api/*",
+            "edge.path=/v*/*/action"
+        ]
     );
     let mut client = serve(RlsService::new(LocalBackend::new(), config).unwrap()).await;
     for (path, limit) in [
@@ -336,6 +345,10 @@ descriptors:
         ("/api/users", Some(3)),
         ("/api/admin/users", Some(1)),
         ("/api/health", None),
+        ("/v1/orders/action", Some(2)),
+        ("/v2/a/b/action", Some(2)),
+        ("/v1/orders/other", Some(5)),
+        ("/v/action", Some(5)),
     ] {
         let r = ask(&mut client, vec![descriptor(&[("path", path)])], 1).await;
         let got = r.statuses[0]
@@ -348,6 +361,271 @@ descriptors:
                  - key: k\n    value: \"a*\"\n    quota: \"2/s\"\n";
     let err = RlsConfig::from_yaml(twice).unwrap_err().to_string();
     assert!(err.contains("twice"), "{err}");
+
+    // The first pattern in the rules' order is taken, not the longest (as upstream).
+    let in_order = rules.replace(
+        "    value: \"/api/admin/*\"\n    rate_limit: { unit: hour, requests_per_unit: 1 }\n  - key: path\n    value: \"/api/*\"\n    rate_limit: { unit: hour, requests_per_unit: 3 }",
+        "    value: \"/api/*\"\n    rate_limit: { unit: hour, requests_per_unit: 3 }\n  - key: path\n    value: \"/api/admin/*\"\n    rate_limit: { unit: hour, requests_per_unit: 1 }",
+    );
+    assert_ne!(in_order, rules);
+    let config = RlsConfig::from_yaml(&in_order).unwrap();
+    let mut client = serve(RlsService::new(LocalBackend::new(), config).unwrap()).await;
+    let r = ask(
+        &mut client,
+        vec![descriptor(&[("path", "/api/admin/users")])],
+        1,
+    )
+    .await;
+    assert_eq!(
+        r.statuses[0]
+            .current_limit
+            .as_ref()
+            .unwrap()
+            .requests_per_unit,
+        3
+    );
+}
+
+/// A `*` inside a value limits the values it matches (upstream's README, example 9): 1 a
+/// minute for `/api/123/action`, the route no longer unlimited.
+#[tokio::test]
+async fn a_wildcard_inside_a_value_limits_what_it_matches() {
+    let rules = "domain: edge\ndescriptors:\n  - key: path\n    value: /api/*/action\n    \
+                 rate_limit: { unit: minute, requests_per_unit: 1 }\n";
+    let config = RlsConfig::from_yaml(rules).unwrap();
+    let mut client = serve(RlsService::new(LocalBackend::new(), config).unwrap()).await;
+    let path = |p: &str| vec![descriptor(&[("path", p)])];
+    let codes = [
+        ask(&mut client, path("/api/123/action"), 0)
+            .await
+            .overall_code(),
+        ask(&mut client, path("/api/123/action"), 0)
+            .await
+            .overall_code(),
+        ask(&mut client, path("/api/456/action"), 0)
+            .await
+            .overall_code(),
+        ask(&mut client, path("/api/456/action"), 0)
+            .await
+            .overall_code(),
+    ];
+    assert_eq!(
+        codes,
+        [Code::Ok, Code::OverLimit, Code::Ok, Code::OverLimit]
+    );
+    // Not matched: counted nowhere.
+    let r = ask(&mut client, path("/api/123/other"), 0).await;
+    assert!(r.statuses[0].current_limit.is_none());
+}
+
+/// `share_threshold`: the values a wildcard matches share one bucket (upstream's example 11);
+/// without it each value has its own. Refused without a `*` in the value.
+#[tokio::test]
+async fn share_threshold_puts_the_values_a_wildcard_matches_in_one_bucket() {
+    let rules = r#"
+domain: edge
+descriptors:
+  - key: files
+    value: files/*
+    share_threshold: true
+    rate_limit: { unit: minute, requests_per_unit: 2 }
+  - key: path
+    value: /own/*
+    rate_limit: { unit: minute, requests_per_unit: 2 }
+  - key: tenant
+    value: t-*
+    share_threshold: true
+    descriptors:
+      - key: method
+        rate_limit: { unit: minute, requests_per_unit: 1 }
+"#;
+    let config = RlsConfig::from_yaml(rules).unwrap();
+    let mut client = serve(RlsService::new(LocalBackend::new(), config).unwrap()).await;
+    let one = |k: &str, v: &str| vec![descriptor(&[(k, v)])];
+    let mut codes = Vec::new();
+    for f in ["files/a", "files/b", "files/c"] {
+        codes.push(ask(&mut client, one("files", f), 0).await.overall_code());
+    }
+    assert_eq!(codes, [Code::Ok, Code::Ok, Code::OverLimit]);
+    let mut codes = Vec::new();
+    for p in ["/own/a", "/own/b", "/own/c"] {
+        codes.push(ask(&mut client, one("path", p), 0).await.overall_code());
+    }
+    assert_eq!(codes, [Code::Ok; 3]);
+    // Shared at a level above the limit: every tenant's GETs count together.
+    let nested = |t: &str| vec![descriptor(&[("tenant", t), ("method", "GET")])];
+    assert_eq!(
+        ask(&mut client, nested("t-1"), 0).await.overall_code(),
+        Code::Ok
+    );
+    assert_eq!(
+        ask(&mut client, nested("t-2"), 0).await.overall_code(),
+        Code::OverLimit
+    );
+    let bad = "domain: d\ndescriptors:\n  - key: k\n    value: v\n    share_threshold: true\n    \
+               quota: \"1/s\"\n";
+    let err = RlsConfig::from_yaml(bad).unwrap_err().to_string();
+    assert!(
+        err.contains("share_threshold") && err.contains("d.k=v"),
+        "{err}"
+    );
+}
+
+/// `quota_mode` (envoyproxy/ratelimit's soft limit): a quota-mode descriptor over its limit is
+/// `OVER_LIMIT`, but the request is refused only when every quota-mode descriptor of it is,
+/// or another descriptor is.
+#[tokio::test]
+async fn quota_mode_refuses_only_when_every_quota_is_spent() {
+    let rules = r#"
+domain: edge
+descriptors:
+  - key: plan
+    value: monthly
+    quota_mode: true
+    rate_limit: { unit: hour, requests_per_unit: 1 }
+  - key: plan
+    value: daily
+    quota_mode: true
+    rate_limit: { unit: hour, requests_per_unit: 2 }
+  - key: user
+    rate_limit: { unit: hour, requests_per_unit: 10 }
+  - key: strict
+    rate_limit: { unit: hour, requests_per_unit: 0 }
+"#;
+    let config = RlsConfig::from_yaml(rules).unwrap();
+    let mut client = serve(RlsService::new(LocalBackend::new(), config).unwrap()).await;
+    let call = || {
+        vec![
+            descriptor(&[("plan", "monthly")]),
+            descriptor(&[("plan", "daily")]),
+            descriptor(&[("user", "u1")]),
+        ]
+    };
+    let codes = |r: &RateLimitResponse| {
+        (
+            r.overall_code(),
+            r.statuses.iter().map(|s| s.code()).collect::<Vec<_>>(),
+        )
+    };
+    let r = ask(&mut client, call(), 0).await;
+    assert_eq!(codes(&r), (Code::Ok, vec![Code::Ok; 3]));
+    // `monthly` spent, `daily` not: soft, OK.
+    let r = ask(&mut client, call(), 0).await;
+    assert_eq!(
+        codes(&r),
+        (Code::Ok, vec![Code::OverLimit, Code::Ok, Code::Ok])
+    );
+    assert!(header(&r, "retry-after").is_none());
+    // Both spent: refused.
+    let r = ask(&mut client, call(), 0).await;
+    assert_eq!(
+        codes(&r),
+        (
+            Code::OverLimit,
+            vec![Code::OverLimit, Code::OverLimit, Code::Ok]
+        )
+    );
+    // The user's limit took 2 (the refused call gave its unit back).
+    let mut check = descriptor(&[("user", "u1")]);
+    check.hits_addend = Some(UInt64Value { value: 0 });
+    assert_eq!(
+        ask(&mut client, vec![check], 0).await.statuses[0].limit_remaining,
+        8
+    );
+    // A descriptor not in quota mode over its limit refuses, whatever the quotas say.
+    let r = ask(
+        &mut client,
+        vec![
+            descriptor(&[("plan", "daily")]),
+            descriptor(&[("strict", "x")]),
+        ],
+        0,
+    )
+    .await;
+    assert_eq!(r.overall_code(), Code::OverLimit);
+}
+
+/// A rule's `metadata` comes back in the answer's dynamic metadata (with
+/// `RlsService::dynamic_metadata`, off by default as upstream's `RESPONSE_DYNAMIC_METADATA`),
+/// merged from the descriptors that passed; `value_to_metric` is accepted.
+#[tokio::test]
+async fn metadata_comes_back_for_the_descriptors_that_passed() {
+    use tollgate::rls::envoy_types::pb::google::protobuf::{Value, value::Kind};
+    let rules = r#"
+domain: edge
+descriptors:
+  - key: service
+    value: llm
+    value_to_metric: true
+    metadata: { name: llm, tier: { gold: true } }
+    rate_limit: { unit: hour, requests_per_unit: 3 }
+  - key: user
+    metadata: { name: per-user, tier: { limit: 5 } }
+    rate_limit: { unit: hour, requests_per_unit: 5 }
+"#;
+    let config = RlsConfig::from_yaml(rules).unwrap();
+    let off = RlsService::new(LocalBackend::new(), config.clone()).unwrap();
+    let mut off = serve(off).await;
+    let call = || {
+        vec![
+            descriptor(&[("service", "llm")]),
+            descriptor(&[("user", "u1")]),
+        ]
+    };
+    assert!(ask(&mut off, call(), 0).await.dynamic_metadata.is_none());
+
+    let on = RlsService::new(LocalBackend::new(), config).unwrap();
+    let mut on = serve(on.dynamic_metadata(true)).await;
+    let field = |s: &tollgate::rls::envoy_types::pb::google::protobuf::Struct, k: &str| {
+        s.fields.get(k).and_then(|v| v.kind.clone())
+    };
+    let text = |v: Option<Kind>| match v {
+        Some(Kind::StringValue(t)) => t,
+        other => panic!("{other:?}"),
+    };
+    let inner = |v: Option<Kind>| match v {
+        Some(Kind::StructValue(s)) => s,
+        other => panic!("{other:?}"),
+    };
+    let m = ask(&mut on, call(), 3).await.dynamic_metadata.unwrap();
+    assert_eq!(text(field(&m, "domain")), "edge");
+    assert_eq!(field(&m, "hitsAddend"), Some(Kind::NumberValue(3.0)));
+    let Some(Kind::ListValue(list)) = field(&m, "descriptors") else {
+        panic!("{m:?}")
+    };
+    let first = inner(list.values[0].kind.clone());
+    let Some(Kind::ListValue(entries)) = field(&first, "entries") else {
+        panic!("{first:?}")
+    };
+    assert_eq!(
+        entries.values,
+        [Value {
+            kind: Some(Kind::StringValue("service=llm".into()))
+        }]
+    );
+    // Both passed: merged in order, the first value kept, maps merged.
+    let merged = inner(field(&m, "metadata"));
+    assert_eq!(text(field(&merged, "name")), "llm");
+    let tier = inner(field(&merged, "tier"));
+    assert_eq!(field(&tier, "gold"), Some(Kind::BoolValue(true)));
+    assert_eq!(field(&tier, "limit"), Some(Kind::NumberValue(5.0)));
+    // The service is over its limit now: its status is OVER_LIMIT, the user's OK (given back,
+    // as the call is refused): the user's metadata only, as upstream merges the descriptors
+    // that are not over.
+    let m = ask(
+        &mut on,
+        vec![
+            descriptor(&[("service", "llm")]),
+            descriptor(&[("user", "u2")]),
+        ],
+        0,
+    )
+    .await
+    .dynamic_metadata
+    .unwrap();
+    let merged = inner(field(&m, "metadata"));
+    assert_eq!(text(field(&merged, "name")), "per-user");
+    assert!(field(&inner(field(&merged, "tier")), "gold").is_none());
 }
 
 /// `replaces` as envoyproxy/ratelimit reads it: only a named limit is replaced, an

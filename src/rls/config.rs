@@ -5,6 +5,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use envoy_types::pb::google::protobuf::{
+    ListValue, Struct as ProtoStruct, Value as ProtoValue, value::Kind,
+};
 use serde::Deserialize;
 
 use crate::quota::Algorithm;
@@ -28,13 +31,17 @@ use crate::{ConfigError, Policy, Quota};
 ///         shadow_mode: true
 /// ```
 ///
-/// Read as envoyproxy/ratelimit does: `key`, `value` (none or empty: any value; ending in
-/// `*`: any value starting with what comes before it), `rate_limit` (`unit`: second, minute,
-/// hour, day, or week, month, year as 7, 30 and 365 days; `requests_per_unit`, 0 refusing
-/// every request; `unlimited`; `name`; `replaces`: the named limits left out when both apply
-/// to one request, an `unlimited` rule's too), `shadow_mode`, `detailed_metric` (accepted;
-/// tollgate's metrics are per policy already) and nested `descriptors`. A `rate_limit` counts
-/// in fixed windows, as envoyproxy/ratelimit does (`5/s fixed`).
+/// Read as envoyproxy/ratelimit does: `key`, `value` (none or empty: any value; with a `*`: a
+/// pattern, each `*` any characters, the first that matches in the rules' order taken after an
+/// exact value and before the key alone), `share_threshold` (the values a pattern matches share one
+/// bucket), `quota_mode` (a soft limit: the request is refused only when every quota-mode
+/// descriptor of it is over, or another descriptor is), `metadata` (returned as the answer's
+/// dynamic metadata, see `RlsService::dynamic_metadata`), `value_to_metric` and `detailed_metric`
+/// (accepted; tollgate's metrics are per policy), `rate_limit` (`unit`: second, minute, hour, day,
+/// or week, month, year as 7, 30 and 365 days; `requests_per_unit`, 0 refusing every request;
+/// `unlimited`; `name`; `replaces`: the named limits left out when both apply to one request, an
+/// `unlimited` rule's too), `shadow_mode` and nested `descriptors`. A `rate_limit` counts in fixed
+/// windows, as envoyproxy/ratelimit does (`5/s fixed`).
 ///
 /// tollgate's extensions: `quota` takes tollgate's quota syntax instead of `rate_limit`
 /// (`"5/s burst 10"`, `"100/min sliding 10s"`, `"10/s block 1m"`); a concurrent quota cannot be
@@ -72,9 +79,10 @@ pub(crate) struct Node {
     /// By key, then value: looked up with borrowed strings, without allocating. Hashed with
     /// foldhash (lookups of what clients send never insert: nothing to flood).
     pub(crate) by_value: HashMap<String, HashMap<String, Rule, Hasher>, Hasher>,
-    /// By key, then values ending in `*` (matching every value that starts with what comes
-    /// before the `*`), the longest first.
-    pub(crate) by_prefix: HashMap<String, Vec<(String, Rule)>, Hasher>,
+    /// By key, then values with a `*` (each matching any run of characters, none included), in
+    /// the order the rules give them: the first that matches is taken, as in
+    /// envoyproxy/ratelimit.
+    pub(crate) by_pattern: HashMap<String, Vec<Pattern>, Hasher>,
     pub(crate) by_key: HashMap<String, Rule, Hasher>,
 }
 
@@ -83,6 +91,54 @@ pub(crate) struct Node {
 pub(crate) struct Rule {
     pub(crate) limit: Option<Limit>,
     pub(crate) children: Node,
+    /// `share_threshold` (a value with a `*`): every value the pattern matches counts in one
+    /// bucket, keyed by the pattern.
+    pub(crate) share: bool,
+}
+
+/// A value with `*` in it, and its rule.
+#[derive(Debug, Clone)]
+pub(crate) struct Pattern {
+    /// As written (the bucket's key under `share_threshold`).
+    pub(crate) value: String,
+    /// The literal runs between the `*`s.
+    parts: Vec<String>,
+    pub(crate) rule: Rule,
+}
+
+impl Pattern {
+    fn new(value: &str, rule: Rule) -> Self {
+        Pattern {
+            value: value.to_owned(),
+            parts: value.split('*').map(str::to_owned).collect(),
+            rule,
+        }
+    }
+
+    /// Whether `v` matches: it starts with the first run and ends with the last, and the runs
+    /// between are found in order between those two, each `*` standing for any characters
+    /// (none included).
+    fn matches(&self, v: &str) -> bool {
+        let (first, rest) = match self.parts.split_first() {
+            Some(split) => split,
+            None => return v.is_empty(),
+        };
+        let Some((last, middle)) = rest.split_last() else {
+            return v == first;
+        };
+        let fixed: usize = self.parts.iter().map(String::len).sum();
+        if v.len() < fixed || !v.starts_with(first.as_str()) || !v.ends_with(last.as_str()) {
+            return false;
+        }
+        let mut between = &v[first.len()..v.len() - last.len()];
+        for part in middle {
+            match between.find(part.as_str()) {
+                Some(at) => between = &between[at + part.len()..],
+                None => return false,
+            }
+        }
+        true
+    }
 }
 
 /// What a descriptor ending at a rule gets.
@@ -116,6 +172,12 @@ pub(crate) struct Named {
     pub(crate) per_unit: (u32, i32),
     /// The unit's length (a refused limit's `Retry-After`).
     pub(crate) unit: Duration,
+    /// `quota_mode`: over its limit the descriptor is `OVER_LIMIT`, but the request is only
+    /// refused when every quota-mode descriptor of it is (or another descriptor is).
+    pub(crate) quota_mode: bool,
+    /// `metadata`, returned in the answer's dynamic metadata when the descriptor passes (see
+    /// `RlsService::dynamic_metadata`).
+    pub(crate) metadata: Option<Arc<ProtoStruct>>,
 }
 
 impl Limit {
@@ -156,6 +218,15 @@ struct DescriptorSpec {
     /// tollgate's extension: every hit is taken, past the limit too.
     #[serde(default)]
     debit: bool,
+    #[serde(default)]
+    quota_mode: bool,
+    /// Accepted: it names envoyproxy/ratelimit's metrics (see [`RlsConfig`]).
+    #[serde(default)]
+    value_to_metric: bool,
+    #[serde(default)]
+    share_threshold: bool,
+    #[serde(default)]
+    metadata: Option<serde_norway::Value>,
 }
 
 #[derive(Deserialize)]
@@ -271,10 +342,18 @@ fn compile(
         if spec.key.is_empty() {
             return Err(bad("the key is empty"));
         }
-        let _ = spec.detailed_metric;
+        let _ = (spec.detailed_metric, spec.value_to_metric);
+        let pattern = value.filter(|v| v.contains('*'));
+        if spec.share_threshold && pattern.is_none() {
+            return Err(bad(
+                "`share_threshold` without a `*` in the value: only the values a wildcard \
+                 matches can share a bucket",
+            ));
+        }
         let twice = match value {
-            Some(v) if v.ends_with('*') => (node.by_prefix.get(&spec.key))
-                .is_some_and(|ps| ps.iter().any(|(p, _)| p == v.trim_end_matches('*'))),
+            Some(v) if v.contains('*') => {
+                (node.by_pattern.get(&spec.key)).is_some_and(|ps| ps.iter().any(|p| p.value == v))
+            }
             Some(v) => (node.by_value.get(&spec.key)).is_some_and(|vs| vs.contains_key(v)),
             None => node.by_key.contains_key(&spec.key),
         };
@@ -352,6 +431,11 @@ fn compile(
                     shadow: spec.shadow_mode,
                     per_unit,
                     unit,
+                    quota_mode: spec.quota_mode,
+                    metadata: (spec.metadata.as_ref())
+                        .map(|m| to_struct(m).map(Arc::new))
+                        .transpose()
+                        .map_err(|e| bad(&format!("`metadata`: {e}")))?,
                 };
                 Some(match quota {
                     None => Limit::Refused(named),
@@ -385,16 +469,26 @@ fn compile(
         if spec.shadow_mode && limit.is_none() {
             return Err(bad("`shadow_mode` without a limit"));
         }
+        let counts = matches!(limit, Some(Limit::Counted { .. } | Limit::Refused(_)));
+        if spec.quota_mode && !counts {
+            return Err(bad("`quota_mode` without a limit that counts"));
+        }
+        if spec.metadata.is_some() && !counts {
+            return Err(bad(
+                "`metadata` without a limit that counts (it is returned for the limit a \
+                 descriptor passed)",
+            ));
+        }
         let rule = Rule {
             limit,
             children: compile(domain, &spec.descriptors, &here, policies)?,
+            share: spec.share_threshold,
         };
         match value {
-            Some(v) if v.ends_with('*') => {
-                let prefixes = node.by_prefix.entry(spec.key.clone()).or_default();
-                prefixes.push((v.trim_end_matches('*').to_owned(), rule));
-                // The longest first: the most specific.
-                prefixes.sort_by_key(|(p, _)| std::cmp::Reverse(p.len()));
+            Some(v) if v.contains('*') => {
+                // In the order given: the first that matches is taken.
+                let patterns = node.by_pattern.entry(spec.key.clone()).or_default();
+                patterns.push(Pattern::new(v, rule));
             }
             Some(v) => {
                 (node.by_value.entry(spec.key.clone()).or_default()).insert(v.to_owned(), rule);
@@ -464,20 +558,26 @@ fn nearest_unit(quota: &Quota) -> (u32, i32) {
     (per.round().clamp(1.0, f64::from(u32::MAX)) as u32, code)
 }
 
-/// The rule a descriptor's entries reach, the most specific at each level (`key=value`, then
-/// the longest `key=prefix*`, then `key`), if every entry finds one.
+/// The rule a descriptor's entries reach, at each level `key=value`, then the first value
+/// with a `*` that matches (in the rules' order), then `key`, if every entry finds one.
+/// `shared` is told each entry (by place) matched by a `share_threshold` pattern, and the
+/// pattern.
 pub(crate) fn find<'a, 'e>(
     mut node: &'a Node,
     entries: impl IntoIterator<Item = (&'e str, &'e str)>,
+    mut shared: impl FnMut(usize, &'a str),
 ) -> Option<&'a Rule> {
     let mut rule = None;
-    for (k, v) in entries {
+    for (at, (k, v)) in entries.into_iter().enumerate() {
         let found = (node.by_value.get(k))
             .and_then(|values| values.get(v))
             .or_else(|| {
-                let prefixes = node.by_prefix.get(k)?;
-                let found = prefixes.iter().find(|(p, _)| v.starts_with(p.as_str()));
-                found.map(|(_, rule)| rule)
+                let patterns = node.by_pattern.get(k)?;
+                let found = patterns.iter().find(|p| p.matches(v))?;
+                if found.rule.share {
+                    shared(at, &found.value);
+                }
+                Some(&found.rule)
             })
             .or_else(|| node.by_key.get(k))?;
         node = &found.children;
@@ -486,11 +586,42 @@ pub(crate) fn find<'a, 'e>(
     rule
 }
 
+/// A `metadata` map as a protobuf `Struct` (what the answer's dynamic metadata carries).
+fn to_struct(value: &serde_norway::Value) -> Result<ProtoStruct, String> {
+    let serde_norway::Value::Mapping(map) = value else {
+        return Err("not a map".into());
+    };
+    let mut fields = std::collections::HashMap::new();
+    for (k, v) in map {
+        let serde_norway::Value::String(k) = k else {
+            return Err(format!("the key {k:?} is not a string"));
+        };
+        fields.insert(k.clone(), to_value(v)?);
+    }
+    Ok(ProtoStruct { fields })
+}
+
+fn to_value(value: &serde_norway::Value) -> Result<ProtoValue, String> {
+    use serde_norway::Value as Y;
+    let kind = match value {
+        Y::Null => Kind::NullValue(0),
+        Y::Bool(b) => Kind::BoolValue(*b),
+        Y::Number(n) => Kind::NumberValue(n.as_f64().unwrap_or_default()),
+        Y::String(t) => Kind::StringValue(t.clone()),
+        Y::Sequence(items) => Kind::ListValue(ListValue {
+            values: items.iter().map(to_value).collect::<Result<_, _>>()?,
+        }),
+        Y::Mapping(_) => Kind::StructValue(to_struct(value)?),
+        Y::Tagged(tagged) => return to_value(&tagged.value),
+    };
+    Ok(ProtoValue { kind: Some(kind) })
+}
+
 /// Whether a rule under `node` replaces another.
 fn has_replaces(node: &Node) -> bool {
     let rules = (node.by_value.values())
         .flat_map(|values| values.values())
-        .chain(node.by_prefix.values().flatten().map(|(_, rule)| rule))
+        .chain(node.by_pattern.values().flatten().map(|p| &p.rule))
         .chain(node.by_key.values());
     for rule in rules {
         if rule

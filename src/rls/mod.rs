@@ -9,9 +9,9 @@
 //! served is `OK`, counted nowhere. Per request, as Envoy and envoyproxy/ratelimit
 //! mean it:
 //!
-//! - each descriptor (its entries in order) is matched against the rule tree, the most
-//!   specific rule at each level (`key` and `value`, then `key` and the longest `value`
-//!   prefix ending in `*`, then `key` alone); a descriptor no rule names, or whose rule has no
+//! - each descriptor (its entries in order) is matched against the rule tree, at each level
+//!   `key` and `value`, then the first `value` with a `*` that matches (in the rules' order,
+//!   each `*` any characters), then `key` alone; a descriptor no rule names, or whose rule has no
 //!   limit, is `OK` and counted nowhere, as is one whose rule is `unlimited`, or whose named
 //!   limit another matched rule `replaces`; a rule of 0 requests per unit refuses, counting
 //!   nothing;
@@ -84,7 +84,10 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::{
     RateLimitService, RateLimitServiceServer,
 };
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
-use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
+use envoy_types::pb::google::protobuf::{
+    Duration as ProtoDuration, ListValue, Struct as ProtoStruct, Value as ProtoValue, value::Kind,
+};
+use smallvec::SmallVec;
 
 pub use config::RlsConfig;
 use config::{Limit, Named};
@@ -116,6 +119,8 @@ struct Inner<B: Backend> {
     headers: AtomicBool,
     /// The prefix length IPv6 values are grouped by (as `ClientIp` groups them).
     v6_prefix: AtomicU8,
+    /// Whether answers carry `dynamic_metadata`.
+    dynamic_metadata: AtomicBool,
 }
 
 /// The domains served, each with its rules.
@@ -199,6 +204,7 @@ impl<B: Backend> RlsService<B> {
                 domains: ArcSwap::from_pointee(domains),
                 headers: AtomicBool::new(true),
                 v6_prefix: AtomicU8::new(crate::key::ip::DEFAULT_V6_PREFIX),
+                dynamic_metadata: AtomicBool::new(false),
             }),
         })
     }
@@ -220,6 +226,19 @@ impl<B: Backend> RlsService<B> {
         crate::key::ip::check_prefix(prefix)?;
         self.inner.v6_prefix.store(prefix, Ordering::Relaxed);
         Ok(self)
+    }
+
+    /// Whether answers carry `dynamic_metadata` (off by default, as envoyproxy/ratelimit's
+    /// `RESPONSE_DYNAMIC_METADATA`; for this service and its clones): a `Struct` with the
+    /// request's `domain`, its `descriptors` (each `entries` as `"key=value"` strings, and its
+    /// `hitsAddend` and `limit` when given), the request's `hitsAddend` when not 0, and
+    /// `metadata`: the rules' `metadata` of the descriptors that passed (neither over the limit
+    /// nor unlimited), merged in order (maps merged key by key, the first value kept). Envoy
+    /// stores it as the filter's dynamic metadata (`envoy.filters.http.ratelimit`), for the
+    /// filters after it and the access log.
+    pub fn dynamic_metadata(self, send: bool) -> Self {
+        self.inner.dynamic_metadata.store(send, Ordering::Relaxed);
+        self
     }
 
     /// Replaces the rules of `config`'s domain (adding the domain if it is not served),
@@ -272,7 +291,7 @@ impl<B: Backend> RlsService<B> {
 /// The key of a descriptor's entries (see the [module docs](self)). Never fails: bytes longer
 /// than [`Key::MAX_LEN`] are counted by their SHA-256 instead (a client's long header value
 /// must not fail the call, which Envoy would then let through unlimited).
-fn descriptor_key(entries: &[Entry], v6_prefix: u8) -> Key {
+fn descriptor_key(entries: &[Entry], v6_prefix: u8, shared: &[(usize, &str)]) -> Key {
     fn bytes(b: &[u8]) -> Key {
         match Key::from_bytes(b) {
             Ok(key) => key,
@@ -289,18 +308,25 @@ fn descriptor_key(entries: &[Entry], v6_prefix: u8) -> Key {
         Ok(ip) => crate::key::ip::group(ip, v6_prefix),
         Err(_) => bytes(v.as_bytes()),
     };
+    // An entry a `share_threshold` pattern matched counts as the pattern.
+    fn value_at<'a>(at: usize, e: &'a Entry, shared: &[(usize, &'a str)]) -> &'a str {
+        (shared.iter().find(|(i, _)| *i == at)).map_or(e.value.as_str(), |(_, p)| p)
+    }
     match entries {
-        [e] => one(&e.value),
+        [e] => one(value_at(0, e, shared)),
         es if es.len() <= Key::MAX_PARTS => {
-            let keys: Vec<Key> = es.iter().map(|e| one(&e.value)).collect();
+            let keys: Vec<Key> = (es.iter().enumerate())
+                .map(|(i, e)| one(value_at(i, e, shared)))
+                .collect();
             // At most `MAX_PARTS` valid keys: a valid composite.
             Key::composite(&keys).unwrap_or_else(|_| Key::global())
         }
         es => {
             let mut all = Vec::new();
-            for e in es {
-                all.extend_from_slice(&(e.value.len() as u64).to_be_bytes());
-                all.extend_from_slice(e.value.as_bytes());
+            for (i, e) in es.iter().enumerate() {
+                let v = value_at(i, e, shared);
+                all.extend_from_slice(&(v.len() as u64).to_be_bytes());
+                all.extend_from_slice(v.as_bytes());
             }
             bytes(&all)
         }
@@ -316,6 +342,10 @@ struct Counted {
     cost: Option<NonZeroU32>,
     /// `is_negative_hits`: the cost is given back, not taken.
     negative: bool,
+    /// The rule's `quota_mode`.
+    quota_mode: bool,
+    /// The rule's `metadata`.
+    metadata: Option<Arc<ProtoStruct>>,
     shadow: bool,
     /// Taken whatever is left, and never given back (the rule's `debit`).
     debit: bool,
@@ -361,6 +391,87 @@ fn status(code: Code) -> DescriptorStatus {
     DescriptorStatus {
         code: code as i32,
         ..Default::default()
+    }
+}
+
+/// The answer's `dynamic_metadata` (see [`RlsService::dynamic_metadata`]), with the rules'
+/// `metadata` of the descriptors that passed, in order.
+fn answer_metadata<'a>(
+    req: &RateLimitRequest,
+    passed: impl Iterator<Item = &'a ProtoStruct>,
+) -> ProtoStruct {
+    fn value(kind: Kind) -> ProtoValue {
+        ProtoValue { kind: Some(kind) }
+    }
+    let mut fields = HashMap::new();
+    fields.insert(
+        "domain".to_owned(),
+        value(Kind::StringValue(req.domain.clone())),
+    );
+    let descriptors = (req.descriptors.iter()).map(|d| {
+        let mut f = HashMap::new();
+        let entries = (d.entries.iter())
+            .map(|e| value(Kind::StringValue(format!("{}={}", e.key, e.value))))
+            .collect();
+        f.insert(
+            "entries".to_owned(),
+            value(Kind::ListValue(ListValue { values: entries })),
+        );
+        if let Some(limit) = &d.limit {
+            let text = format!(
+                "requests_per_unit:{} unit:{}",
+                limit.requests_per_unit,
+                limit.unit().as_str_name()
+            );
+            f.insert("limit".to_owned(), value(Kind::StringValue(text)));
+        }
+        if let Some(hits) = &d.hits_addend {
+            f.insert(
+                "hitsAddend".to_owned(),
+                value(Kind::NumberValue(hits.value as f64)),
+            );
+        }
+        value(Kind::StructValue(ProtoStruct { fields: f }))
+    });
+    let descriptors = ListValue {
+        values: descriptors.collect(),
+    };
+    fields.insert(
+        "descriptors".to_owned(),
+        value(Kind::ListValue(descriptors)),
+    );
+    if req.hits_addend != 0 {
+        fields.insert(
+            "hitsAddend".to_owned(),
+            value(Kind::NumberValue(f64::from(req.hits_addend))),
+        );
+    }
+    let mut merged = ProtoStruct::default();
+    for m in passed {
+        merge(&mut merged, m);
+    }
+    if !merged.fields.is_empty() {
+        fields.insert("metadata".to_owned(), value(Kind::StructValue(merged)));
+    }
+    ProtoStruct { fields }
+}
+
+/// Merges `from` into `into`: a key already there keeps its value, but two maps are merged.
+fn merge(into: &mut ProtoStruct, from: &ProtoStruct) {
+    for (k, v) in &from.fields {
+        match into.fields.get_mut(k) {
+            None => {
+                into.fields.insert(k.clone(), v.clone());
+            }
+            Some(ProtoValue {
+                kind: Some(Kind::StructValue(mine)),
+            }) => {
+                if let Some(Kind::StructValue(theirs)) = &v.kind {
+                    merge(mine, theirs);
+                }
+            }
+            Some(_) => {}
+        }
     }
 }
 
@@ -427,7 +538,11 @@ impl<B: Backend> RateLimitService for RlsService<B> {
             let mut replaced: Vec<&str> = Vec::new();
             for (at, d) in req.descriptors.iter().enumerate() {
                 let entries = (d.entries.iter()).map(|e| (e.key.as_str(), e.value.as_str()));
-                let Some(rule) = config::find(rules.config.root(), entries) else {
+                let mut shared: SmallVec<[(usize, &str); 2]> = SmallVec::new();
+                let found = config::find(rules.config.root(), entries, |at, pattern| {
+                    shared.push((at, pattern));
+                });
+                let Some(rule) = found else {
                     continue;
                 };
                 let Some(limit) = &rule.limit else { continue };
@@ -446,7 +561,9 @@ impl<B: Backend> RateLimitService for RlsService<B> {
                         counted.push(Counted {
                             at,
                             policy: *policy,
-                            key: descriptor_key(&d.entries, v6_prefix),
+                            key: descriptor_key(&d.entries, v6_prefix, &shared),
+                            quota_mode: named.quota_mode,
+                            metadata: named.metadata.clone(),
                             cost: NonZeroU32::new(u32::try_from(hits).unwrap_or(u32::MAX)),
                             negative: d.is_negative_hits,
                             shadow: named.shadow,
@@ -494,9 +611,26 @@ impl<B: Backend> RateLimitService for RlsService<B> {
             return Err(tonic::Status::unavailable(format!("rate limit store: {e}")));
         }
         // A check refuses when not one unit is left; a rule's refusal, unless in shadow mode.
-        let over = refused.iter().any(|(_, r)| !r.shadow)
-            || (asking.counted.iter())
-                .any(|c| !c.shadow && c.decision.as_ref().is_some_and(|d| !d.is_allowed()));
+        // The request is over when a descriptor that is not in `quota_mode` is, or when every
+        // one in `quota_mode` is (envoyproxy/ratelimit's soft limit).
+        let (mut hard, mut quota, mut quota_over) = (false, 0usize, 0usize);
+        let mut tally = |shadow: bool, quota_mode: bool, refused: bool| {
+            let refused = refused && !shadow;
+            if quota_mode {
+                quota += 1;
+                quota_over += usize::from(refused);
+            } else {
+                hard |= refused;
+            }
+        };
+        for (_, r) in &refused {
+            tally(r.shadow, r.quota_mode, true);
+        }
+        for c in asking.counted.iter().filter(|c| !c.refunds()) {
+            let refused = c.decision.as_ref().is_some_and(|d| !d.is_allowed());
+            tally(c.shadow, c.quota_mode, refused);
+        }
+        let over = hard || (quota > 0 && quota == quota_over);
         // A `debit` rule takes what it refused too (in tasks of their own: a call dropped
         // meanwhile still makes them).
         for debit in asking.debit_refused() {
@@ -571,10 +705,27 @@ impl<B: Backend> RateLimitService for RlsService<B> {
             headers.push(header("retry-after", ceil_secs(retry).max(1).to_string()));
         }
         metrics::rls_request(&rules.domain, if over { "over_limit" } else { "ok" });
+        let dynamic_metadata = self
+            .inner
+            .dynamic_metadata
+            .load(Ordering::Relaxed)
+            .then(|| {
+                // The rules' metadata of the descriptors that passed, in their order.
+                let mut passed: Vec<(usize, &ProtoStruct)> = (counted.iter())
+                    .filter_map(|c| Some((c.at, c.metadata.as_deref()?)))
+                    .chain(
+                        (refused.iter()).filter_map(|(at, r)| Some((*at, r.metadata.as_deref()?))),
+                    )
+                    .filter(|(at, _)| statuses[*at].code == Code::Ok as i32)
+                    .collect();
+                passed.sort_by_key(|(at, _)| *at);
+                answer_metadata(&req, passed.into_iter().map(|(_, m)| m))
+            });
         Ok(tonic::Response::new(RateLimitResponse {
             overall_code: if over { Code::OverLimit } else { Code::Ok } as i32,
             statuses,
             response_headers_to_add: headers,
+            dynamic_metadata,
             ..Default::default()
         }))
     }
