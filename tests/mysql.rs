@@ -587,3 +587,13 @@ async fn quota_changes_mysql() {
     let b = builder(&server).test_clock(clock.clone()).build().unwrap();
     support::conformance::changes(&b, |by| clock.advance(by), "mysql").await;
 }
+
+/// A fleet's rolling change of a quota: two instances, one limit each, one store (issue 45).
+#[tokio::test]
+async fn a_rolling_change_keeps_the_higher_limit_mysql() {
+    let server = MariaDbServer::start();
+    migrated(builder(&server)).await;
+    let clock = TestClock::new();
+    let b = || builder(&server).test_clock(clock.clone()).build().unwrap();
+    support::conformance::rolling_change(&b(), &b(), "mysql").await;
+}

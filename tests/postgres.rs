@@ -549,3 +549,13 @@ async fn quota_changes_postgres() {
     let b = builder(&server).test_clock(clock.clone()).build().unwrap();
     support::conformance::changes(&b, |by| clock.advance(by), "postgres").await;
 }
+
+/// A fleet's rolling change of a quota: two instances, one limit each, one store (issue 45).
+#[tokio::test]
+async fn a_rolling_change_keeps_the_higher_limit_postgres() {
+    let server = PgServer::start();
+    migrated(builder(&server)).await;
+    let clock = TestClock::new();
+    let b = || builder(&server).test_clock(clock.clone()).build().unwrap();
+    support::conformance::rolling_change(&b(), &b(), "postgres").await;
+}

@@ -1492,3 +1492,16 @@ async fn quota_changes_redis() {
         .unwrap();
     support::conformance::changes(&cached, |by| clock.advance(by), "redis-cached").await;
 }
+
+/// A fleet's rolling change of a quota: two instances, one limit each, one store (issue 45).
+#[tokio::test]
+async fn a_rolling_change_keeps_the_higher_limit_redis() {
+    let server = RedisServer::start();
+    let clock = TestClock::new();
+    support::conformance::rolling_change(
+        &at_time(&server, &clock),
+        &at_time(&server, &clock),
+        "redis",
+    )
+    .await;
+}

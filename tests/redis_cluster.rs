@@ -347,3 +347,20 @@ async fn cluster_quota_changes() {
         .unwrap();
     support::conformance::changes(&b, |by| clock.advance(by), "redis cluster").await;
 }
+
+/// A fleet's rolling change of a quota: two instances, one limit each, one cluster (issue 45).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_rolling_change_keeps_the_higher_limit() {
+    let cluster = RedisCluster::start();
+    let clock = TestClock::new();
+    let b = || {
+        RedisBackend::builder()
+            .cluster_nodes(cluster.urls())
+            .timeout(Duration::from_secs(2))
+            .deny_cache_capacity(0)
+            .test_clock(clock.clone())
+            .build()
+            .unwrap()
+    };
+    support::conformance::rolling_change(&b(), &b(), "redis cluster").await;
+}

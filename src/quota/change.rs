@@ -25,6 +25,17 @@
 /// assert_eq!(free.change_strategy(), OnChange::Proportional);
 /// assert_eq!("additive".parse::<OnChange>(), Ok(OnChange::Additive));
 /// ```
+///
+/// **A rolling change over a fleet** (instances on one shared store running two versions of a
+/// quota for minutes) converts a key's state at every call that alternates between them. With
+/// `Keep` (the default) the two versions admit at most the higher of their limits: 12 of 10
+/// and 12 a minute, asked in turn, and 2 more once the lower has spent its 10 (every shared
+/// store, GCRA and windows, tested with two instances). `Proportional` rounds towards refusing
+/// (8 to 12 there). `Reset` and `Additive` forgive units at each conversion, so two versions in
+/// turn admit without bound (measured: 30 of 30 at 10 and 12 a minute, on Redis): use `Keep`
+/// while a fleet rolls out a change, and the other strategies where a change is swapped at
+/// once (the local backend, one instance). The local backend swaps atomically: each key is
+/// converted once.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum OnChange {

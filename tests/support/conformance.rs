@@ -1349,3 +1349,61 @@ pub async fn changes<B: Backend>(backend: &B, advance: impl Fn(Duration), who: &
     assert_eq!(d.retry_after(), Some(ms(500)), "{who}: {d:?}");
     drop(old);
 }
+
+/// A fleet's rolling change of a quota (issue 45): two instances on one store (`a` serving
+/// 10 a minute, `b` 12), asked in turn for one key while time stands still. With the default
+/// strategy (`Keep`) they admit 12 in all, the higher of the two limits, and 2 more once `a`
+/// has spent 10; `Proportional` converts with rounding that only refuses sooner (at most 12).
+/// GCRA, fixed and sliding windows.
+pub async fn rolling_change<B: Backend>(a: &B, b: &B, who: &str) {
+    use tollgate::Key;
+    use tollgate::OnChange::{self, *};
+    let per_minute = |n: u32, window: u8| {
+        let q = Quota::per_minute(n);
+        match window {
+            0 => q,
+            1 => q.fixed_window(),
+            _ => q.sliding_window(),
+        }
+    };
+    let strategies: [(OnChange, std::ops::RangeInclusive<usize>, usize); 2] =
+        [(Keep, 12..=12, 2), (Proportional, 8..=12, 0)];
+    for window in 0..3 {
+        for (strategy, fresh, after) in strategies.clone() {
+            let name = format!("rolling-{window}-{strategy:?}");
+            let low = Policy::new(name.as_str(), per_minute(10, window)).on_change(strategy);
+            let high = Policy::new(name.as_str(), per_minute(12, window)).on_change(strategy);
+            let (pa, pb) = (prepare(a, &low), prepare(b, &high));
+            let alternate = |k: Key, from: usize| {
+                let (pa, pb) = (&pa, &pb);
+                async move {
+                    let mut admitted = 0;
+                    for i in from..from + 30 {
+                        let d = if i % 2 == 0 {
+                            a.decide(pa, &k, cost(1)).await.unwrap()
+                        } else {
+                            b.decide(pb, &k, cost(1)).await.unwrap()
+                        };
+                        admitted += usize::from(d.is_allowed());
+                    }
+                    admitted
+                }
+            };
+            let got = alternate(key("fresh"), 0).await;
+            assert!(
+                fresh.contains(&got),
+                "{who} {name}: {got} admitted on a fresh key, not {fresh:?}"
+            );
+            // `a` spends its 10 first, then `b` asks first.
+            let spent = key("spent");
+            for _ in 0..10 {
+                assert!(a.decide(&pa, &spent, cost(1)).await.unwrap().is_allowed());
+            }
+            let got = alternate(spent, 1).await;
+            assert!(
+                got <= after && (strategy != Keep || got == after),
+                "{who} {name}: {got} more after 10 spent, not {after}"
+            );
+        }
+    }
+}
