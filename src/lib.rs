@@ -72,6 +72,7 @@
 //! [governor]: https://docs.rs/governor
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+pub mod adaptive;
 mod admit;
 pub mod backend;
 pub mod body;

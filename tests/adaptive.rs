@@ -1,0 +1,537 @@
+//! Adaptive concurrency limits in a deterministic simulation: tokio's paused clock, a simulated
+//! upstream (workers, a service time with spread, an unbounded queue in front of them, as a
+//! real backend's), and open-loop arrivals at a fixed rate. Each scenario asserts ranges, per
+//! phase, on what the limit lets through.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::Semaphore;
+use tokio::time::Instant;
+use tollgate::adaptive::{AdaptiveLimit, Aimd, Algorithm, Gradient, Window};
+
+/// xorshift64*: the simulation's spread, the same on every run.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> f64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        (self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// A simulated upstream: `workers` requests served at once, each taking the service time
+/// (`service_ms` ± 50 %, uniformly), the rest waiting in line. With `fail_over`, a request
+/// that finds more than that many in the upstream fails at once instead (an upstream that
+/// answers 503 when overloaded).
+struct Upstream {
+    workers: Arc<Semaphore>,
+    service_us: AtomicU64,
+    rng: Mutex<Rng>,
+    inside: AtomicU32,
+    fail_over: Option<u32>,
+    /// One in this many requests is answered in 1 ms (a cache hit: a lucky fast sample).
+    lucky_every: u32,
+    count: AtomicU32,
+}
+
+impl Upstream {
+    fn new(workers: u32, service_ms: u64) -> Arc<Self> {
+        Arc::new(Upstream {
+            workers: Arc::new(Semaphore::new(workers as usize)),
+            service_us: AtomicU64::new(service_ms * 1000),
+            rng: Mutex::new(Rng(0x9E37_79B9_7F4A_7C15)),
+            inside: AtomicU32::new(0),
+            fail_over: None,
+            lucky_every: 0,
+            count: AtomicU32::new(0),
+        })
+    }
+
+    /// Serves one request: `Err` for an overload failure.
+    async fn call(&self) -> Result<(), ()> {
+        let inside = self.inside.fetch_add(1, Ordering::Relaxed) + 1;
+        struct Out<'a>(&'a AtomicU32);
+        impl Drop for Out<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+        let _out = Out(&self.inside);
+        if self.fail_over.is_some_and(|c| inside > c) {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            return Err(());
+        }
+        let n = self.count.fetch_add(1, Ordering::Relaxed);
+        if self.lucky_every > 0 && n.is_multiple_of(self.lucky_every) {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            return Ok(());
+        }
+        let _worker = self.workers.acquire().await.unwrap();
+        let spread = 0.5 + self.rng.lock().unwrap().next();
+        let us = self.service_us.load(Ordering::Relaxed) as f64 * spread;
+        tokio::time::sleep(Duration::from_micros(us as u64)).await;
+        Ok(())
+    }
+
+    /// Takes `n` workers away (they leave once free).
+    fn remove_workers(self: &Arc<Self>, n: u32) {
+        let workers = self.workers.clone();
+        tokio::spawn(async move { workers.acquire_many(n).await.unwrap().forget() });
+    }
+
+    fn add_workers(&self, n: u32) {
+        self.workers.add_permits(n as usize);
+    }
+}
+
+/// One second of the run.
+#[derive(Debug, Default, Clone)]
+struct Second {
+    /// Answered 2xx within the SLO.
+    good: u32,
+    rejected: u32,
+    failed: u32,
+    latencies_us: Vec<u64>,
+    limit: u32,
+}
+
+impl Second {
+    fn p99_ms(&self) -> f64 {
+        let mut l = self.latencies_us.clone();
+        if l.is_empty() {
+            return 0.0;
+        }
+        l.sort_unstable();
+        l[(l.len() * 99 / 100).min(l.len() - 1)] as f64 / 1000.0
+    }
+}
+
+/// What a phase does to the upstream when it starts.
+type Change = Box<dyn Fn(&Arc<Upstream>)>;
+
+/// A phase: from `at` seconds, `rate` arrivals a second, and what to do to the upstream then.
+struct Phase {
+    at: u64,
+    rate: u32,
+    change: Option<Change>,
+}
+
+fn phase(at: u64, rate: u32) -> Phase {
+    Phase {
+        at,
+        rate,
+        change: None,
+    }
+}
+
+/// Runs `phases` for `secs` seconds of simulated time with `limit` (`None`: no limit) in front
+/// of `upstream`, a client timeout of 1 s, an SLO of `slo_ms`; per second's numbers.
+async fn run(
+    limit: Option<AdaptiveLimit>,
+    upstream: Arc<Upstream>,
+    phases: Vec<Phase>,
+    secs: u64,
+    slo_ms: u64,
+) -> Vec<Second> {
+    let stats = Arc::new(Mutex::new(vec![Second::default(); secs as usize]));
+    let start = Instant::now();
+    let end = start + Duration::from_secs(secs);
+    let mut next = start;
+    let mut phases = phases.into_iter().peekable();
+    let mut rate = 1;
+    while next < end {
+        let elapsed = next - start;
+        while phases
+            .peek()
+            .is_some_and(|p| Duration::from_secs(p.at) <= elapsed)
+        {
+            let p = phases.next().unwrap();
+            rate = p.rate;
+            if let Some(change) = &p.change {
+                change(&upstream);
+            }
+        }
+        tokio::time::sleep_until(next).await;
+        let second = (elapsed.as_secs() as usize).min(secs as usize - 1);
+        if let Some(limit) = &limit {
+            stats.lock().unwrap()[second].limit = limit.limit();
+        }
+        let (limit, upstream, stats) = (limit.clone(), upstream.clone(), stats.clone());
+        tokio::spawn(async move {
+            let permit = match &limit {
+                Some(l) => match l.try_acquire() {
+                    Some(p) => Some(p),
+                    None => {
+                        stats.lock().unwrap()[second].rejected += 1;
+                        return;
+                    }
+                },
+                None => None,
+            };
+            let t0 = Instant::now();
+            let answer = tokio::time::timeout(Duration::from_secs(1), upstream.call()).await;
+            let took = t0.elapsed();
+            let done = ((start.elapsed().as_secs()) as usize).min(stats.lock().unwrap().len() - 1);
+            match answer {
+                Ok(Ok(())) => {
+                    if let Some(p) = permit {
+                        p.success();
+                    }
+                    let mut s = stats.lock().unwrap();
+                    s[done].latencies_us.push(took.as_micros() as u64);
+                    if took <= Duration::from_millis(slo_ms) {
+                        s[done].good += 1;
+                    }
+                }
+                _ => {
+                    if let Some(p) = permit {
+                        p.dropped();
+                    }
+                    stats.lock().unwrap()[done].failed += 1;
+                }
+            }
+        });
+        next += Duration::from_secs_f64(1.0 / f64::from(rate));
+    }
+    // Let the last requests end.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    Arc::try_unwrap(stats)
+        .map(|m| m.into_inner().unwrap())
+        .unwrap_or_else(|a| a.lock().unwrap().clone())
+}
+
+fn gradient_limit() -> AdaptiveLimit {
+    AdaptiveLimit::builder()
+        .initial(10)
+        .range(2, 500)
+        .build()
+        .unwrap()
+}
+
+/// The worst of seconds `from..to`: least goodput, highest p99, most rejections.
+fn worst(s: &[Second], from: usize, to: usize) -> (u32, f64, u32) {
+    let part = &s[from..to];
+    (
+        part.iter().map(|x| x.good).min().unwrap(),
+        part.iter().map(Second::p99_ms).fold(0.0, f64::max),
+        part.iter().map(|x| x.rejected).max().unwrap(),
+    )
+}
+
+fn show(s: &[Second]) -> String {
+    s.iter()
+        .enumerate()
+        .map(|(i, x)| {
+            format!(
+                "{i}s good {} rej {} fail {} p99 {:.0} ms limit {}\n",
+                x.good,
+                x.rejected,
+                x.failed,
+                x.p99_ms(),
+                x.limit
+            )
+        })
+        .collect()
+}
+
+/// Steady overload, 1.5× capacity (16 workers of 20 ms: 800 a second): the limit holds the
+/// goodput near capacity and the latency near the no-load one, where no limit lets the queue
+/// grow until every request times out.
+#[tokio::test(start_paused = true)]
+async fn steady_overload_keeps_goodput_and_latency() {
+    let s = run(
+        Some(gradient_limit()),
+        Upstream::new(16, 20),
+        vec![phase(0, 1200)],
+        30,
+        80,
+    )
+    .await;
+    let (good, p99, _) = worst(&s, 10, 30);
+    assert!(good >= 720, "goodput {good} of 800\n{}", show(&s));
+    assert!(
+        p99 <= 60.0,
+        "p99 {p99} ms (no-load p99 30 ms)\n{}",
+        show(&s)
+    );
+    // Without a limit the queue grows without end.
+    let none = run(None, Upstream::new(16, 20), vec![phase(0, 1200)], 30, 80).await;
+    let (good, _, _) = worst(&none, 20, 30);
+    assert!(good < 100, "no limit: goodput {good}\n{}", show(&none));
+}
+
+/// The capacity halved for 20 s, then restored: goodput near each phase's capacity from 10 s
+/// after each change, and latency near the no-load one.
+#[tokio::test(start_paused = true)]
+async fn capacity_halved_then_restored() {
+    let mut halve = phase(20, 1200);
+    halve.change = Some(Box::new(|u| u.remove_workers(8)));
+    let mut restore = phase(40, 1200);
+    restore.change = Some(Box::new(|u| u.add_workers(8)));
+    let s = run(
+        Some(gradient_limit()),
+        Upstream::new(16, 20),
+        vec![phase(0, 1200), halve, restore],
+        60,
+        80,
+    )
+    .await;
+    let text = show(&s);
+    let (good, p99, _) = worst(&s, 10, 20);
+    assert!(
+        good >= 720 && p99 <= 60.0,
+        "before: {good}, {p99} ms\n{text}"
+    );
+    let (good, p99, _) = worst(&s, 30, 40);
+    assert!(
+        good >= 360 && p99 <= 60.0,
+        "halved: {good} of 400, {p99} ms\n{text}"
+    );
+    let (good, p99, _) = worst(&s, 50, 60);
+    assert!(
+        good >= 720 && p99 <= 60.0,
+        "restored: {good}, {p99} ms\n{text}"
+    );
+}
+
+/// Low load (0.3× capacity): nothing refused, and the limit does not run away while the
+/// service is app-limited.
+#[tokio::test(start_paused = true)]
+async fn low_load_refuses_nothing_and_the_limit_stays_put() {
+    let limit = gradient_limit();
+    let s = run(
+        Some(limit.clone()),
+        Upstream::new(16, 20),
+        vec![phase(0, 240)],
+        30,
+        80,
+    )
+    .await;
+    let rejected: u32 = s.iter().map(|x| x.rejected).sum();
+    assert_eq!(rejected, 0, "{}", show(&s));
+    assert!(
+        limit.limit() <= 20,
+        "limit {} at low load\n{}",
+        limit.limit(),
+        show(&s)
+    );
+}
+
+/// A latency spike without a capacity change: the service takes twice as long per request
+/// from 20 s. The limit finds the new baseline instead of shrinking to its floor for good:
+/// goodput back near the new capacity (400 a second).
+#[tokio::test(start_paused = true)]
+async fn a_latency_spike_finds_a_new_baseline() {
+    let mut slower = phase(20, 1200);
+    slower.change = Some(Box::new(|u| u.service_us.store(40_000, Ordering::Relaxed)));
+    let s = run(
+        Some(gradient_limit()),
+        Upstream::new(16, 20),
+        vec![phase(0, 1200), slower],
+        60,
+        160,
+    )
+    .await;
+    let (good, _, _) = worst(&s, 40, 60);
+    assert!(good >= 340, "goodput {good} of 400\n{}", show(&s));
+}
+
+/// One request in 100 answered in 1 ms (a cache hit): the baseline is a window's mean, not
+/// one lucky sample, so the limit does not collapse.
+#[tokio::test(start_paused = true)]
+async fn a_lucky_fast_sample_does_not_poison_the_baseline() {
+    let mut upstream = Upstream::new(16, 20);
+    Arc::get_mut(&mut upstream).unwrap().lucky_every = 100;
+    let s = run(
+        Some(gradient_limit()),
+        upstream,
+        vec![phase(0, 1200)],
+        30,
+        80,
+    )
+    .await;
+    let (good, _, _) = worst(&s, 10, 30);
+    assert!(good >= 720, "goodput {good}\n{}", show(&s));
+}
+
+/// Errors as drops: an upstream that fails at once what it cannot serve (16 at a time, no
+/// queue). AIMD finds the capacity from the failures: most requests admitted succeed.
+#[tokio::test(start_paused = true)]
+async fn errors_are_drops_for_aimd() {
+    let mut upstream = Upstream::new(16, 20);
+    Arc::get_mut(&mut upstream).unwrap().fail_over = Some(16);
+    let limit = AdaptiveLimit::builder()
+        .initial(10)
+        .range(2, 500)
+        .algorithm(Aimd::new())
+        .build()
+        .unwrap();
+    let s = run(Some(limit.clone()), upstream, vec![phase(0, 1200)], 30, 80).await;
+    let text = show(&s);
+    let (good, _, _) = worst(&s, 10, 30);
+    assert!(good >= 680, "goodput {good} of 800\n{text}");
+    let failed: u32 = s[10..].iter().map(|x| x.failed).sum();
+    let good_total: u32 = s[10..].iter().map(|x| x.good).sum();
+    // AIMD probes past the capacity by one slot a window, and backs off: some fail.
+    assert!(
+        failed * 5 < good_total,
+        "{failed} failed, {good_total} good\n{text}"
+    );
+    assert!(
+        (12..=24).contains(&limit.limit()),
+        "limit {}\n{text}",
+        limit.limit()
+    );
+}
+
+/// The limit stays in its range, a finite number, whatever the samples (an algorithm that
+/// returns NaN or infinities included).
+#[test]
+fn the_limit_stays_in_range_whatever_the_algorithm_says() {
+    struct Wild(u32);
+    impl Algorithm for Wild {
+        fn update(&mut self, _limit: f64, _w: &Window) -> f64 {
+            self.0 += 1;
+            [f64::NAN, f64::INFINITY, -1e300, 1e300, -5.0, 0.0][self.0 as usize % 6]
+        }
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let limit = AdaptiveLimit::builder()
+            .initial(10)
+            .range(3, 50)
+            .min_samples(1)
+            .algorithm(Wild(0))
+            .build()
+            .unwrap();
+        for _ in 0..60 {
+            let p = limit.try_acquire().unwrap();
+            tokio::time::advance(Duration::from_millis(150)).await;
+            p.success();
+            assert!((3..=50).contains(&limit.limit()), "{}", limit.limit());
+        }
+    });
+}
+
+/// A cancelled request (its permit dropped) gives its slot back and is no sample; the limit
+/// admits exactly its limit at once, and configuration errors are errors.
+#[test]
+fn slots_are_given_back_and_bad_settings_refused() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let limit = AdaptiveLimit::builder()
+            .initial(3)
+            .min_samples(1)
+            .build()
+            .unwrap();
+        let held: Vec<_> = (0..3).map(|_| limit.try_acquire().unwrap()).collect();
+        assert!(limit.try_acquire().is_none());
+        assert_eq!(limit.in_flight(), 3);
+        drop(held);
+        assert_eq!(limit.in_flight(), 0);
+        // No sample was taken: the limit did not move.
+        tokio::time::advance(Duration::from_secs(2)).await;
+        assert_eq!(limit.limit(), 3);
+    });
+    for (builder, word) in [
+        (AdaptiveLimit::builder().range(0, 10), "range"),
+        (AdaptiveLimit::builder().range(10, 5), "range"),
+        (AdaptiveLimit::builder().min_samples(0), "min_samples"),
+        (
+            AdaptiveLimit::builder().window(Duration::ZERO, Duration::from_secs(1)),
+            "window",
+        ),
+    ] {
+        let err = builder.build().unwrap_err().to_string();
+        assert!(err.contains(word), "{err}");
+    }
+}
+
+/// Real concurrency: threads at once acquiring and ending permits never let more than the
+/// limit in, and every slot comes back.
+#[test]
+fn threads_at_once_never_exceed_the_limit() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    let _guard = rt.enter();
+    let limit = AdaptiveLimit::builder()
+        .initial(8)
+        .range(8, 8)
+        .min_samples(1)
+        .build()
+        .unwrap();
+    let peak = Arc::new(AtomicU32::new(0));
+    std::thread::scope(|s| {
+        for _ in 0..8 {
+            let (limit, peak) = (limit.clone(), peak.clone());
+            s.spawn(move || {
+                for i in 0..20_000u32 {
+                    if let Some(p) = limit.try_acquire() {
+                        peak.fetch_max(limit.in_flight(), Ordering::Relaxed);
+                        if i % 3 == 0 {
+                            p.dropped();
+                        } else if i % 3 == 1 {
+                            p.success();
+                        }
+                    }
+                }
+            });
+        }
+    });
+    assert!(peak.load(Ordering::Relaxed) <= 8);
+    assert_eq!(limit.in_flight(), 0);
+    let _ = Gradient::new();
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+
+    /// Whatever the samples (RTTs from 0 to an hour, drops, in flight), the built-in
+    /// algorithms keep the limit a whole number within `[min, max]`, and every slot comes back.
+    #[test]
+    fn the_limit_stays_in_its_range(
+        min in 1u32..20,
+        span in 0u32..200,
+        aimd in proptest::bool::ANY,
+        samples in proptest::collection::vec((0u64..3_600_000_000, proptest::bool::ANY, 1u32..40), 1..300),
+    ) {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .start_paused(true)
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let max = min + span;
+            let builder = AdaptiveLimit::builder().initial(min).range(min, max).min_samples(1);
+            let limit = if aimd {
+                builder.algorithm(Aimd::new()).build().unwrap()
+            } else {
+                builder.gradient(Gradient::new()).build().unwrap()
+            };
+            for (us, dropped, held) in samples {
+                let permits: Vec<_> = (0..held).filter_map(|_| limit.try_acquire()).collect();
+                tokio::time::advance(Duration::from_micros(us)).await;
+                for (i, p) in permits.into_iter().enumerate() {
+                    if dropped && i == 0 { p.dropped() } else { p.success() }
+                }
+                let l = limit.limit();
+                assert!((min..=max).contains(&l), "{l} not in {min}..={max}");
+                assert_eq!(limit.in_flight(), 0);
+            }
+        });
+    }
+}
