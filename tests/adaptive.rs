@@ -535,3 +535,152 @@ proptest::proptest! {
         });
     }
 }
+
+mod support;
+
+mod over_http {
+    use super::*;
+    use axum::Router;
+    use axum::routing::get;
+    use tollgate::adaptive::AdaptiveLayer;
+
+    /// A service that holds each request until `release` gives it a permit (or 10 s pass).
+    fn held(release: Arc<Semaphore>) -> Router {
+        Router::new().route(
+            "/",
+            get(move || {
+                let release = release.clone();
+                async move {
+                    let wait = tokio::time::timeout(Duration::from_secs(10), release.acquire());
+                    if let Ok(Ok(permit)) = wait.await {
+                        permit.forget();
+                    }
+                    "ok"
+                }
+            }),
+        )
+    }
+
+    fn fixed(n: u32) -> AdaptiveLimit {
+        AdaptiveLimit::builder()
+            .initial(n)
+            .range(n, n)
+            .build()
+            .unwrap()
+    }
+
+    async fn wait_for(what: impl Fn() -> bool) {
+        for _ in 0..500 {
+            if what() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("not within 5 s");
+    }
+
+    /// Over real HTTP: two requests held, a third answered 503 at once with `Retry-After`, a
+    /// gRPC one `UNAVAILABLE`; once they end, every slot is back and requests pass again.
+    #[tokio::test]
+    async fn over_the_limit_answers_503_with_retry_after_or_grpc_unavailable() {
+        let release = Arc::new(Semaphore::new(0));
+        let limit = fixed(2);
+        let app = held(release.clone()).layer(AdaptiveLayer::new(limit.clone()));
+        let base = support::serve_app(app).await;
+        let client = reqwest::Client::new();
+        let held: Vec<_> = (0..2)
+            .map(|_| tokio::spawn(client.get(&base).send()))
+            .collect();
+        wait_for(|| limit.in_flight() == 2).await;
+        let res = client.get(&base).send().await.unwrap();
+        assert_eq!(res.status(), 503);
+        assert_eq!(res.headers()["retry-after"], "1");
+        let res = client
+            .get(&base)
+            .header("content-type", "application/grpc")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 200);
+        assert_eq!(res.headers()["grpc-status"], "14");
+        assert_eq!(res.headers()["grpc-retry-pushback-ms"], "1000");
+        release.add_permits(2);
+        for h in held {
+            assert_eq!(h.await.unwrap().unwrap().status(), 200);
+        }
+        assert_eq!(limit.in_flight(), 0);
+        let ok = tokio::spawn(client.get(&base).send());
+        wait_for(|| limit.in_flight() == 1).await;
+        release.add_permits(1);
+        assert_eq!(ok.await.unwrap().unwrap().status(), 200);
+    }
+
+    /// A request the client gives up on (its connection closed mid-call) gives its slot back,
+    /// and is no sample.
+    #[tokio::test]
+    async fn a_cancelled_request_gives_its_slot_back() {
+        let release = Arc::new(Semaphore::new(0));
+        let limit = fixed(1);
+        let app = held(release).layer(AdaptiveLayer::new(limit.clone()));
+        let base = support::serve_app(app).await;
+        let client = reqwest::Client::builder()
+            .timeout(Duration::from_millis(200))
+            .build()
+            .unwrap();
+        assert!(client.get(&base).send().await.is_err());
+        // The server drops the call when the connection closes.
+        wait_for(|| limit.in_flight() == 0).await;
+    }
+
+    /// Inside a rate limit, a request the quota refuses never takes a slot: the one slot is
+    /// held, and the next request is a 429 from the quota, not a 503.
+    #[tokio::test]
+    async fn a_request_refused_by_a_quota_takes_no_slot() {
+        let release = Arc::new(Semaphore::new(0));
+        let limit = fixed(1);
+        let quota = tollgate::RateLimitLayer::builder()
+            .policy(tollgate::Policy::new("api", support::no_refill(1)))
+            .key(tollgate::key::Global)
+            .build()
+            .unwrap();
+        let app = held(release.clone())
+            .layer(AdaptiveLayer::new(limit.clone()))
+            .layer(quota);
+        let base = support::serve_app(app).await;
+        let client = reqwest::Client::new();
+        let first = tokio::spawn(client.get(&base).send());
+        wait_for(|| limit.in_flight() == 1).await;
+        let res = client.get(&base).send().await.unwrap();
+        assert_eq!(res.status(), 429);
+        assert_eq!(limit.in_flight(), 1);
+        release.add_permits(1);
+        assert_eq!(first.await.unwrap().unwrap().status(), 200);
+        assert_eq!(limit.in_flight(), 0);
+    }
+
+    /// A service answering 503 (overloaded) is sampled as drops: AIMD backs off.
+    #[tokio::test]
+    async fn a_503_from_the_service_is_a_drop() {
+        let limit = AdaptiveLimit::builder()
+            .initial(10)
+            .range(1, 10)
+            .min_samples(1)
+            .window(Duration::from_millis(1), Duration::from_millis(2))
+            .algorithm(Aimd::new())
+            .build()
+            .unwrap();
+        let app = Router::new()
+            .route(
+                "/",
+                get(|| async { (axum::http::StatusCode::SERVICE_UNAVAILABLE, "busy") }),
+            )
+            .layer(AdaptiveLayer::new(limit.clone()));
+        let base = support::serve_app(app).await;
+        let client = reqwest::Client::new();
+        for _ in 0..20 {
+            assert_eq!(client.get(&base).send().await.unwrap().status(), 503);
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(limit.limit() < 10, "{}", limit.limit());
+    }
+}

@@ -1,6 +1,6 @@
 //! Concurrency limits that adapt to latency and drops: they protect the service, where a rate
-//! limit shares it (issue 46, first slice: the limit and its algorithms; the layer,
-//! priorities and outbound use come next).
+//! limit shares it. [`AdaptiveLayer`] puts one in front of a service (issue 46; priorities and
+//! outbound use come next).
 //!
 //! An [`AdaptiveLimit`] admits a request when fewer than its limit are in flight
 //! ([`try_acquire`](AdaptiveLimit::try_acquire)), and learns from how each one ended: its
@@ -39,12 +39,14 @@
 //! ```
 
 mod algorithm;
+mod layer;
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 pub use algorithm::{Aimd, Algorithm, Gradient, Window};
+pub use layer::{Adaptive, AdaptiveFuture, AdaptiveLayer, Overload};
 use tokio::time::Instant;
 
 use crate::ConfigError;

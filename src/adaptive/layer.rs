@@ -1,0 +1,306 @@
+//! The inbound layer: [`AdaptiveLayer`] caps the requests in flight in the service it wraps at
+//! an [`AdaptiveLimit`], and answers the rest at once.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderValue, Request, Response, StatusCode};
+use pin_project_lite::pin_project;
+
+use super::{AdaptiveLimit, Permit};
+use crate::body::{BodyGuard, RateLimitBody};
+
+/// What of a response counts as a sign of overload (a drop): by default a 503 or a 429 from the
+/// service, or a gRPC `UNAVAILABLE` or `RESOURCE_EXHAUSTED` in the response's head.
+pub type Overload = Arc<dyn Fn(&http::response::Parts) -> bool + Send + Sync>;
+
+/// Caps the wrapped service's requests in flight at an [`AdaptiveLimit`], a sibling of
+/// [`RateLimitLayer`](crate::RateLimitLayer): a rate limit shares the service between clients,
+/// this protects the service itself. Put it inside the rate limit
+/// (`.layer(adaptive).layer(rate_limit)` in axum, outermost last), so that a request a quota
+/// refuses never takes a slot.
+///
+/// Over the limit a request is answered at once: `503 Service Unavailable` with `Retry-After`
+/// (1 s by default), or for gRPC a trailers-only `UNAVAILABLE` with `grpc-retry-pushback-ms`:
+/// the status the service itself gives when it cannot serve, which clients retry, and which a
+/// load balancer may send to another replica (a 429 would tell the client it exceeded a quota,
+/// which it did not). A sample is the service's time from the call to the response's head
+/// ([`sample_at_body_end`](Self::sample_at_body_end) waits for the body's end); a response
+/// that shows overload (see [`Overload`]) or an error of the service is a drop; a request
+/// cancelled before its answer (its future dropped, its body dropped unfinished) gives its
+/// slot back and is no sample.
+///
+/// ```
+/// use axum::{Router, routing::get};
+/// use tollgate::adaptive::{AdaptiveLayer, AdaptiveLimit};
+///
+/// # fn main() -> Result<(), tollgate::ConfigError> {
+/// let limit = AdaptiveLimit::builder().initial(20).range(4, 500).build()?;
+/// let app: Router = Router::new()
+///     .route("/", get(|| async { "ok" }))
+///     .layer(AdaptiveLayer::new(limit));
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct AdaptiveLayer {
+    limit: AdaptiveLimit,
+    retry_after: Duration,
+    body_end: bool,
+    dry_run: bool,
+    overload: Overload,
+}
+
+impl std::fmt::Debug for AdaptiveLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AdaptiveLayer")
+            .field("limit", &self.limit)
+            .field("retry_after", &self.retry_after)
+            .field("body_end", &self.body_end)
+            .field("dry_run", &self.dry_run)
+            .finish_non_exhaustive()
+    }
+}
+
+impl AdaptiveLayer {
+    /// A layer admitting up to `limit`'s limit at once.
+    pub fn new(limit: AdaptiveLimit) -> Self {
+        AdaptiveLayer {
+            limit,
+            retry_after: Duration::from_secs(1),
+            body_end: false,
+            dry_run: false,
+            overload: Arc::new(default_overload),
+        }
+    }
+
+    /// The `Retry-After` of a refused request (rounded up to whole seconds, at least 1).
+    pub fn retry_after(mut self, after: Duration) -> Self {
+        self.retry_after = after;
+        self
+    }
+
+    /// A sample ends with the response body's end, not its head (for streamed responses whose
+    /// cost is in the body). A body dropped unfinished is no sample.
+    pub fn sample_at_body_end(mut self, on: bool) -> Self {
+        self.body_end = on;
+        self
+    }
+
+    /// Computes and samples without refusing: a request over the limit goes through, untracked
+    /// (no slot, no sample), and the limit moves as it would. To watch what the limit would do
+    /// before turning it on.
+    pub fn dry_run(mut self, on: bool) -> Self {
+        self.dry_run = on;
+        self
+    }
+
+    /// What of a response is a sign of overload (a drop).
+    pub fn overload(
+        mut self,
+        is_overload: impl Fn(&http::response::Parts) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        self.overload = Arc::new(is_overload);
+        self
+    }
+
+    /// The limit this layer admits against.
+    pub fn limit(&self) -> &AdaptiveLimit {
+        &self.limit
+    }
+}
+
+fn default_overload(head: &http::response::Parts) -> bool {
+    if matches!(
+        head.status,
+        StatusCode::SERVICE_UNAVAILABLE | StatusCode::TOO_MANY_REQUESTS
+    ) {
+        return true;
+    }
+    // gRPC: UNAVAILABLE (14) or RESOURCE_EXHAUSTED (8) in a trailers-only answer.
+    matches!(
+        head.headers.get("grpc-status").map(HeaderValue::as_bytes),
+        Some(b"14" | b"8")
+    )
+}
+
+impl<S> tower_layer::Layer<S> for AdaptiveLayer {
+    type Service = Adaptive<S>;
+
+    fn layer(&self, inner: S) -> Adaptive<S> {
+        Adaptive {
+            inner,
+            layer: self.clone(),
+        }
+    }
+}
+
+/// The service [`AdaptiveLayer`] makes.
+#[derive(Clone, Debug)]
+pub struct Adaptive<S> {
+    inner: S,
+    layer: AdaptiveLayer,
+}
+
+impl<S, ReqB, ResB> tower_service::Service<Request<ReqB>> for Adaptive<S>
+where
+    S: tower_service::Service<Request<ReqB>, Response = Response<ResB>>,
+    ResB: RateLimitBody + Send + 'static,
+{
+    type Response = Response<ResB>;
+    type Error = S::Error;
+    type Future = AdaptiveFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<ReqB>) -> Self::Future {
+        let permit = self.layer.limit.try_acquire();
+        if permit.is_none() && !self.layer.dry_run {
+            let grpc = req
+                .headers()
+                .get(http::header::CONTENT_TYPE)
+                .filter(|v| v.as_bytes().starts_with(b"application/grpc"))
+                .cloned();
+            return AdaptiveFuture {
+                state: State::Refused {
+                    grpc,
+                    retry_after: self.layer.retry_after,
+                },
+            };
+        }
+        AdaptiveFuture {
+            state: State::Called {
+                future: self.inner.call(req),
+                permit,
+                body_end: self.layer.body_end,
+                overload: self.layer.overload.clone(),
+            },
+        }
+    }
+}
+
+pin_project! {
+    /// The future of [`Adaptive`]: the inner service's, holding the request's slot; or a
+    /// refusal.
+    pub struct AdaptiveFuture<F> {
+        #[pin]
+        state: State<F>,
+    }
+}
+
+pin_project! {
+    #[project = StateProj]
+    enum State<F> {
+        Refused {
+            grpc: Option<HeaderValue>,
+            retry_after: Duration,
+        },
+        Called {
+            #[pin]
+            future: F,
+            permit: Option<Permit>,
+            body_end: bool,
+            overload: Overload,
+        },
+    }
+}
+
+impl<F, ResB, E> Future for AdaptiveFuture<F>
+where
+    F: Future<Output = Result<Response<ResB>, E>>,
+    ResB: RateLimitBody + Send + 'static,
+{
+    type Output = Result<Response<ResB>, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project().state.project() {
+            StateProj::Refused { grpc, retry_after } => {
+                Poll::Ready(Ok(refusal(grpc.take(), *retry_after)))
+            }
+            StateProj::Called {
+                future,
+                permit,
+                body_end,
+                overload,
+            } => {
+                let result = std::task::ready!(future.poll(cx));
+                let Some(permit) = permit.take() else {
+                    // Dry run, over the limit: untracked.
+                    return Poll::Ready(result);
+                };
+                Poll::Ready(match result {
+                    Ok(res) => {
+                        let (head, body) = res.into_parts();
+                        if overload(&head) {
+                            permit.dropped();
+                            Ok(Response::from_parts(head, body))
+                        } else if *body_end {
+                            let body = body.hold(BodyGuard::new(AtBodyEnd(Some(permit))));
+                            Ok(Response::from_parts(head, body))
+                        } else {
+                            permit.success();
+                            Ok(Response::from_parts(head, body))
+                        }
+                    }
+                    Err(e) => {
+                        permit.dropped();
+                        Err(e)
+                    }
+                })
+            }
+        }
+    }
+}
+
+/// A permit held until the response body's end: a sample then; dropped unfinished, none.
+struct AtBodyEnd(Option<Permit>);
+
+impl crate::body::Held for AtBodyEnd {
+    fn data(&mut self, _n: u64) {}
+
+    fn trailers(&mut self, _trailers: &http::HeaderMap) {}
+
+    fn ended(&mut self) {
+        if let Some(permit) = self.0.take() {
+            permit.success();
+        }
+    }
+}
+
+/// The answer to a request over the limit.
+fn refusal<B: RateLimitBody>(grpc: Option<HeaderValue>, retry_after: Duration) -> Response<B> {
+    let secs = crate::response::ceil_secs(retry_after).max(1);
+    match grpc {
+        Some(content_type) => {
+            let mut res = Response::new(B::rejection(Bytes::new()));
+            let h = res.headers_mut();
+            h.insert(http::header::CONTENT_TYPE, content_type);
+            h.insert("grpc-status", HeaderValue::from_static("14"));
+            h.insert(
+                "grpc-message",
+                HeaderValue::from_static("concurrency limit reached"),
+            );
+            let ms = u64::try_from(retry_after.as_millis()).unwrap_or(u64::MAX);
+            h.insert("grpc-retry-pushback-ms", HeaderValue::from(ms));
+            res
+        }
+        None => {
+            let mut res = Response::new(B::rejection(Bytes::from_static(
+                b"service busy: concurrency limit reached\n",
+            )));
+            *res.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+            let h = res.headers_mut();
+            h.insert(
+                http::header::CONTENT_TYPE,
+                HeaderValue::from_static("text/plain; charset=utf-8"),
+            );
+            h.insert(http::header::RETRY_AFTER, HeaderValue::from(secs));
+            res
+        }
+    }
+}
