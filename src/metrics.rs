@@ -14,6 +14,10 @@
 //! | `tollgate_circuit_breaker_open` | gauge | `backend` | 1 while the breaker is open, else 0 |
 //! | `tollgate_rls_requests_total` | counter | `domain`, `code` | calls to the rate limit service ([`rls`](crate::rls)), by answer: `ok`, `over_limit`, `unavailable`; `domain` is the one served, or `other` (its descriptors' decisions are in `tollgate_decisions_total` under their rules' policies) |
 //! | `tollgate_deny_cache_hits_total` | counter | `policy` | denials answered from the deny cache, without a round trip |
+//! | `tollgate_adaptive_requests_total` | counter | `limit`, `partition`, `outcome` | requests an [`AdaptiveLimit`](crate::adaptive::AdaptiveLimit) saw, by partition (those given, and `other`) and `outcome`: `admitted`, `rejected`, then for the admitted `succeeded`, `dropped` (overload) or `cancelled` (no sample) |
+//! | `tollgate_adaptive_limit` | gauge | `limit` | the adaptive limit, set when a window of samples closes |
+//! | `tollgate_adaptive_in_flight` | gauge | `limit` | requests holding a slot, when a window closes |
+//! | `tollgate_adaptive_rtt_seconds` | gauge | `limit`, `kind` | the window's mean RTT (`sample`) and the algorithm's no-load RTT (`baseline`, the gradient's) |
 //! | `tollgate_fleet_size` | gauge | `backend` | instances sharing the store as the last count read ([`Fleet`](crate::backend::remote::Fleet); with the local fallback only) |
 //! | `tollgate_store_time_source` | gauge | `backend`, `source` | 1 for the clock decisions read (`store`: the store's own, in the call; `store_synced`: the store's, read outside its scripts; `instances`: each instance's), set when the backend finds out ([`RedisClock`](crate::backend::redis::RedisClock)) |
 //! | `tollgate_store_memory_used_bytes` | gauge | `backend` | the store's memory in use, as its memory watch last read it (Redis `used_memory`) |

@@ -97,6 +97,9 @@ struct Second {
     failed: u32,
     latencies_us: Vec<u64>,
     limit: u32,
+    /// Requests of the critical partition sent, and answered within the SLO.
+    critical: u32,
+    critical_good: u32,
 }
 
 impl Second {
@@ -137,6 +140,19 @@ async fn run(
     secs: u64,
     slo_ms: u64,
 ) -> Vec<Second> {
+    run_split(limit, upstream, phases, secs, slo_ms, 0).await
+}
+
+/// [`run`], every `critical_every`-th request in the `critical` partition (0: none).
+async fn run_split(
+    limit: Option<AdaptiveLimit>,
+    upstream: Arc<Upstream>,
+    phases: Vec<Phase>,
+    secs: u64,
+    slo_ms: u64,
+    critical_every: u64,
+) -> Vec<Second> {
+    let mut n = 0u64;
     let stats = Arc::new(Mutex::new(vec![Second::default(); secs as usize]));
     let start = Instant::now();
     let end = start + Duration::from_secs(secs);
@@ -161,9 +177,18 @@ async fn run(
             stats.lock().unwrap()[second].limit = limit.limit();
         }
         let (limit, upstream, stats) = (limit.clone(), upstream.clone(), stats.clone());
+        n += 1;
+        let critical = critical_every > 0 && n.is_multiple_of(critical_every);
+        if critical {
+            stats.lock().unwrap()[second].critical += 1;
+        }
         tokio::spawn(async move {
             let permit = match &limit {
-                Some(l) => match l.try_acquire() {
+                Some(l) => match if critical {
+                    l.try_acquire_in("critical")
+                } else {
+                    l.try_acquire()
+                } {
                     Some(p) => Some(p),
                     None => {
                         stats.lock().unwrap()[second].rejected += 1;
@@ -185,6 +210,9 @@ async fn run(
                     s[done].latencies_us.push(took.as_micros() as u64);
                     if took <= Duration::from_millis(slo_ms) {
                         s[done].good += 1;
+                        if critical {
+                            s[second].critical_good += 1;
+                        }
                     }
                 }
                 _ => {
@@ -386,6 +414,57 @@ async fn errors_are_drops_for_aimd() {
         "limit {}\n{text}",
         limit.limit()
     );
+}
+
+/// Priorities under 3× overload: a `critical` partition (a tenth of the traffic: 240 a second,
+/// 30 % of the capacity) guaranteed half the limit keeps 95 % or more of its requests answered within the SLO, while the rest
+/// absorbs the shedding; without the partition, critical requests are shed like any other.
+#[tokio::test(start_paused = true)]
+async fn under_overload_the_critical_partition_is_kept() {
+    let partitioned = AdaptiveLimit::builder()
+        .initial(10)
+        .range(2, 500)
+        .partition("critical", 0.5)
+        .build()
+        .unwrap();
+    let s = run_split(
+        Some(partitioned.clone()),
+        Upstream::new(16, 20),
+        vec![phase(0, 2400)],
+        30,
+        80,
+        10,
+    )
+    .await;
+    let sent: u32 = s[10..28].iter().map(|x| x.critical).sum();
+    let good: u32 = s[10..28].iter().map(|x| x.critical_good).sum();
+    assert!(
+        f64::from(good) >= 0.95 * f64::from(sent),
+        "critical: {good} of {sent}\n{}",
+        show(&s)
+    );
+    let (total_good, _, _) = worst(&s, 10, 28);
+    assert!(total_good >= 700, "goodput {total_good}\n{}", show(&s));
+    let stats = partitioned.partitions();
+    assert_eq!(&*stats[0].name, "critical");
+    assert_eq!(&*stats[1].name, "other");
+    assert!(
+        stats[1].rejected > 10 * stats[0].rejected.max(1),
+        "{stats:?}"
+    );
+    // The same load without partitions: critical requests shed with the rest.
+    let s = run_split(
+        Some(gradient_limit()),
+        Upstream::new(16, 20),
+        vec![phase(0, 2400)],
+        30,
+        80,
+        10,
+    )
+    .await;
+    let sent: u32 = s[10..28].iter().map(|x| x.critical).sum();
+    let good: u32 = s[10..28].iter().map(|x| x.critical_good).sum();
+    assert!(f64::from(good) < 0.6 * f64::from(sent), "{good} of {sent}");
 }
 
 /// The limit stays in its range, a finite number, whatever the samples (an algorithm that
@@ -655,6 +734,54 @@ mod over_http {
         assert_eq!(limit.in_flight(), 1);
         release.add_permits(1);
         assert_eq!(first.await.unwrap().unwrap().status(), 200);
+        assert_eq!(limit.in_flight(), 0);
+    }
+
+    /// Partitions over real HTTP: with the limit (2) reached by ordinary requests, a request
+    /// to `/critical` is still admitted within its guaranteed half, an ordinary one is refused,
+    /// and a second critical one too (its guarantee is held); the counts say who was refused.
+    #[tokio::test]
+    async fn the_critical_partition_is_admitted_at_the_limit() {
+        let release = Arc::new(Semaphore::new(0));
+        let limit = AdaptiveLimit::builder()
+            .initial(2)
+            .range(2, 2)
+            .partition("critical", 0.5)
+            .build()
+            .unwrap();
+        let held_routes = held(release.clone());
+        let app = Router::new()
+            .merge(held_routes.clone())
+            .nest("/critical", held_routes)
+            .layer(AdaptiveLayer::new(limit.clone()).partition_by(|req| {
+                req.uri()
+                    .path()
+                    .starts_with("/critical")
+                    .then_some("critical")
+            }));
+        let base = support::serve_app(app).await;
+        let client = reqwest::Client::new();
+        let ordinary: Vec<_> = (0..2)
+            .map(|_| tokio::spawn(client.get(&base).send()))
+            .collect();
+        wait_for(|| limit.in_flight() == 2).await;
+        assert_eq!(client.get(&base).send().await.unwrap().status(), 503);
+        let critical = tokio::spawn(client.get(format!("{base}/critical")).send());
+        wait_for(|| limit.in_flight() == 3).await;
+        let second = client
+            .get(format!("{base}/critical/"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(second.status(), 503);
+        release.add_permits(3);
+        for h in ordinary.into_iter().chain([critical]) {
+            assert_eq!(h.await.unwrap().unwrap().status(), 200);
+        }
+        let stats = limit.partitions();
+        let counts = |i: usize| (stats[i].admitted, stats[i].rejected, stats[i].succeeded);
+        assert_eq!((&*stats[0].name, counts(0)), ("critical", (1, 1, 1)));
+        assert_eq!((&*stats[1].name, counts(1)), ("other", (2, 1, 2)));
         assert_eq!(limit.in_flight(), 0);
     }
 

@@ -395,3 +395,63 @@ fn the_approximate_mode_reports_allowances_and_over_admission() {
     // B's increment brought back 25: 5 over, seen once by B.
     assert_eq!(count(&s, "tollgate_approx_over_limit_units_total", &[]), 5);
 }
+
+/// The adaptive limit's metrics: requests by partition and outcome, exactly; the limit, in
+/// flight and the RTTs (sample and the gradient's baseline) once a window closes.
+#[test]
+fn adaptive_limits_are_counted_by_partition_and_outcome() {
+    use tollgate::adaptive::AdaptiveLimit;
+    let s = recorded(|| async {
+        tokio::time::pause();
+        let limit = AdaptiveLimit::builder()
+            .name("api")
+            .initial(2)
+            .range(2, 2)
+            .min_samples(1)
+            .partition("critical", 0.5)
+            .build()
+            .unwrap();
+        let a = limit.try_acquire().unwrap();
+        let b = limit.try_acquire().unwrap();
+        assert!(limit.try_acquire().is_none());
+        let c = limit.try_acquire_in("critical").unwrap();
+        assert!(limit.try_acquire_in("critical").is_none());
+        tokio::time::advance(Duration::from_millis(150)).await;
+        a.success();
+        b.dropped();
+        drop(c);
+    });
+    let requests = |partition: &str, outcome: &str| {
+        count(
+            &s,
+            "tollgate_adaptive_requests_total",
+            &[
+                ("limit", "api"),
+                ("partition", partition),
+                ("outcome", outcome),
+            ],
+        )
+    };
+    assert_eq!(requests("other", "admitted"), 2);
+    assert_eq!(requests("other", "rejected"), 1);
+    assert_eq!(requests("other", "succeeded"), 1);
+    assert_eq!(requests("other", "dropped"), 1);
+    assert_eq!(requests("critical", "admitted"), 1);
+    assert_eq!(requests("critical", "rejected"), 1);
+    assert_eq!(requests("critical", "cancelled"), 1);
+    let gauge = |name: &str, labels: &[(&str, &str)]| match value(&s, name, labels) {
+        Some(DebugValue::Gauge(v)) => v.into_inner(),
+        other => panic!("{name}: {other:?}"),
+    };
+    assert_eq!(gauge("tollgate_adaptive_limit", &[("limit", "api")]), 2.0);
+    let sample = gauge(
+        "tollgate_adaptive_rtt_seconds",
+        &[("limit", "api"), ("kind", "sample")],
+    );
+    assert!((sample - 0.15).abs() < 1e-6, "{sample}");
+    let baseline = gauge(
+        "tollgate_adaptive_rtt_seconds",
+        &[("limit", "api"), ("kind", "baseline")],
+    );
+    assert!((baseline - 0.15).abs() < 1e-6, "{baseline}");
+}

@@ -28,6 +28,12 @@ pub struct Window {
 pub trait Algorithm: Send + 'static {
     /// The new limit after `window`, from `limit`.
     fn update(&mut self, limit: f64, window: &Window) -> f64;
+
+    /// The round-trip time the algorithm takes for no load, if it keeps one (reported in the
+    /// metrics).
+    fn baseline(&self) -> Option<Duration> {
+        None
+    }
 }
 
 /// A gradient on latency, in the family of Netflix's Gradient2 and Envoy's
@@ -120,6 +126,10 @@ impl Gradient {
 }
 
 impl Algorithm for Gradient {
+    fn baseline(&self) -> Option<Duration> {
+        (self.baseline > 0.0).then(|| Duration::from_secs_f64(self.baseline))
+    }
+
     fn update(&mut self, limit: f64, w: &Window) -> f64 {
         let rtt = w.rtt.as_secs_f64();
         if rtt.is_nan() || rtt <= 0.0 {

@@ -12,6 +12,7 @@ use http::{HeaderValue, Request, Response, StatusCode};
 use pin_project_lite::pin_project;
 
 use super::{AdaptiveLimit, Permit};
+use crate::RequestInfo;
 use crate::body::{BodyGuard, RateLimitBody};
 
 /// What of a response counts as a sign of overload (a drop): by default a 503 or a 429 from the
@@ -52,7 +53,12 @@ pub struct AdaptiveLayer {
     body_end: bool,
     dry_run: bool,
     overload: Overload,
+    partition: Option<PartitionBy>,
 }
+
+/// Which partition of the limit a request is in (see
+/// [`AdaptiveLimitBuilder::partition`](super::AdaptiveLimitBuilder::partition)).
+pub type PartitionBy = Arc<dyn Fn(&RequestInfo<'_>) -> Option<&'static str> + Send + Sync>;
 
 impl std::fmt::Debug for AdaptiveLayer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -74,6 +80,7 @@ impl AdaptiveLayer {
             body_end: false,
             dry_run: false,
             overload: Arc::new(default_overload),
+            partition: None,
         }
     }
 
@@ -104,6 +111,27 @@ impl AdaptiveLayer {
         is_overload: impl Fn(&http::response::Parts) -> bool + Send + Sync + 'static,
     ) -> Self {
         self.overload = Arc::new(is_overload);
+        self
+    }
+
+    /// Puts each request in a partition of the limit by its name (`None`, or a name the limit
+    /// was not given: `other`, shed first): by route group, by a tenant's tier from a header,
+    /// or anything else the request shows.
+    ///
+    /// ```
+    /// use tollgate::adaptive::{AdaptiveLayer, AdaptiveLimit};
+    ///
+    /// # fn main() -> Result<(), tollgate::ConfigError> {
+    /// let limit = AdaptiveLimit::builder().partition("critical", 0.8).build()?;
+    /// let layer = AdaptiveLayer::new(limit)
+    ///     .partition_by(|req| req.uri().path().starts_with("/critical").then_some("critical"));
+    /// # Ok(()) }
+    /// ```
+    pub fn partition_by(
+        mut self,
+        by: impl Fn(&RequestInfo<'_>) -> Option<&'static str> + Send + Sync + 'static,
+    ) -> Self {
+        self.partition = Some(Arc::new(by));
         self
     }
 
@@ -159,7 +187,13 @@ where
     }
 
     fn call(&mut self, req: Request<ReqB>) -> Self::Future {
-        let permit = self.layer.limit.try_acquire();
+        let permit = match &self.layer.partition {
+            Some(by) => match by(&RequestInfo::new(&req)) {
+                Some(name) => self.layer.limit.try_acquire_in(name),
+                None => self.layer.limit.try_acquire(),
+            },
+            None => self.layer.limit.try_acquire(),
+        };
         if permit.is_none() && !self.layer.dry_run {
             let grpc = req
                 .headers()

@@ -46,7 +46,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 pub use algorithm::{Aimd, Algorithm, Gradient, Window};
-pub use layer::{Adaptive, AdaptiveFuture, AdaptiveLayer, Overload};
+pub use layer::{Adaptive, AdaptiveFuture, AdaptiveLayer, Overload, PartitionBy};
 use tokio::time::Instant;
 
 use crate::ConfigError;
@@ -87,6 +87,87 @@ struct Inner {
     max_in_flight: AtomicU32,
     /// The algorithm and the fractional limit, taken by the request that closes a window.
     state: Mutex<State>,
+    /// The partitions given (guaranteed shares), then the one of every other request.
+    partitions: Box<[Part]>,
+    /// The `limit` label of the metrics.
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+    name: Arc<str>,
+}
+
+/// A partition: its guaranteed share of the limit once the limit is reached, its requests in
+/// flight, and its counts.
+struct Part {
+    name: Arc<str>,
+    share: f64,
+    in_flight: AtomicU32,
+    /// Admitted, rejected, ended in success, dropped (overload), cancelled (no sample).
+    counts: [AtomicU64; 5],
+    #[cfg(feature = "metrics")]
+    counters: std::sync::OnceLock<[metrics::Counter; 5]>,
+}
+
+/// What happened to a request, per partition.
+#[derive(Clone, Copy)]
+enum Event {
+    Admitted = 0,
+    Rejected = 1,
+    Succeeded = 2,
+    Dropped = 3,
+    Cancelled = 4,
+}
+
+#[cfg(feature = "metrics")]
+const EVENTS: [&str; 5] = ["admitted", "rejected", "succeeded", "dropped", "cancelled"];
+
+impl Part {
+    fn new(name: &str, share: f64) -> Self {
+        Part {
+            name: name.into(),
+            share,
+            in_flight: AtomicU32::new(0),
+            counts: Default::default(),
+            #[cfg(feature = "metrics")]
+            counters: std::sync::OnceLock::new(),
+        }
+    }
+
+    #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+    fn count(&self, event: Event, limit: &Arc<str>) {
+        self.counts[event as usize].fetch_add(1, Ordering::Relaxed);
+        #[cfg(feature = "metrics")]
+        self.counters.get_or_init(|| {
+            EVENTS.map(|outcome| {
+                metrics::counter!(
+                    "tollgate_adaptive_requests_total",
+                    "limit" => metrics::SharedString::from(limit.clone()),
+                    "partition" => metrics::SharedString::from(self.name.clone()),
+                    "outcome" => outcome
+                )
+            })
+        })[event as usize]
+            .increment(1);
+    }
+}
+
+/// A partition's requests in flight and counts so far ([`AdaptiveLimit::partitions`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PartitionStats {
+    /// Its name (`other` for requests of no partition given).
+    pub name: Arc<str>,
+    /// Its guaranteed share of the limit once the limit is reached.
+    pub share: f64,
+    /// Requests of it holding a slot now.
+    pub in_flight: u32,
+    /// Requests admitted.
+    pub admitted: u64,
+    /// Requests refused (over the limit, and over its guarantee).
+    pub rejected: u64,
+    /// Admitted requests that ended in success (a sample).
+    pub succeeded: u64,
+    /// Admitted requests that showed overload (a drop).
+    pub dropped: u64,
+    /// Admitted requests cancelled before their answer (no sample).
+    pub cancelled: u64,
 }
 
 struct State {
@@ -104,6 +185,8 @@ pub struct AdaptiveLimitBuilder {
     max_window: Duration,
     algorithm: Option<Box<dyn Algorithm>>,
     gradient: Option<Gradient>,
+    partitions: Vec<(String, f64)>,
+    name: String,
 }
 
 impl std::fmt::Debug for AdaptiveLimitBuilder {
@@ -129,35 +212,99 @@ impl AdaptiveLimit {
             max_window: Duration::from_secs(1),
             algorithm: None,
             gradient: None,
+            partitions: Vec::new(),
+            name: "default".into(),
         }
     }
 
-    /// A slot for one request, if fewer than the limit are in flight. The slot is given back
-    /// when the permit is ended or dropped.
+    /// A slot for one request of no partition given, if fewer than the limit are in flight.
+    /// The slot is given back when the permit is ended or dropped.
     pub fn try_acquire(&self) -> Option<Permit> {
+        self.acquire_at(self.inner.partitions.len() - 1)
+    }
+
+    /// A slot for one request of partition `name` (see
+    /// [`partition`](AdaptiveLimitBuilder::partition)): while fewer than the limit are in
+    /// flight, any request is admitted (a partition borrows what the others leave); once the
+    /// limit is reached, only a partition under its guaranteed share of it is. A name not
+    /// given is `other`, which has no guarantee: shed first.
+    pub fn try_acquire_in(&self, name: &str) -> Option<Permit> {
+        let parts = &self.inner.partitions;
+        let at = (parts[..parts.len() - 1].iter())
+            .position(|p| &*p.name == name)
+            .unwrap_or(parts.len() - 1);
+        self.acquire_at(at)
+    }
+
+    fn acquire_at(&self, at: usize) -> Option<Permit> {
         let inner = &self.inner;
-        let limit = inner.limit.load(Ordering::Relaxed);
-        let mut now = inner.in_flight.load(Ordering::Relaxed);
+        let part = &inner.partitions[at];
+        let mut total = inner.in_flight.load(Ordering::Relaxed);
         loop {
-            if now >= limit {
+            let limit = inner.limit.load(Ordering::Relaxed);
+            if total < limit {
+                match inner.in_flight.compare_exchange_weak(
+                    total,
+                    total + 1,
+                    Ordering::AcqRel,
+                    Ordering::Relaxed,
+                ) {
+                    Ok(_) => {
+                        part.in_flight.fetch_add(1, Ordering::AcqRel);
+                        total += 1;
+                        break;
+                    }
+                    Err(actual) => {
+                        total = actual;
+                        continue;
+                    }
+                }
+            }
+            // At the limit: only within the partition's guarantee.
+            let guaranteed = (f64::from(limit) * part.share).ceil() as u32;
+            let held = part.in_flight.load(Ordering::Relaxed);
+            if held >= guaranteed {
+                part.count(Event::Rejected, &inner.name);
                 return None;
             }
-            match inner.in_flight.compare_exchange_weak(
-                now,
-                now + 1,
-                Ordering::AcqRel,
-                Ordering::Relaxed,
-            ) {
-                Ok(_) => break,
-                Err(actual) => now = actual,
+            if part
+                .in_flight
+                .compare_exchange_weak(held, held + 1, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+            {
+                total = inner.in_flight.fetch_add(1, Ordering::AcqRel) + 1;
+                break;
             }
+            total = inner.in_flight.load(Ordering::Relaxed);
         }
+        part.count(Event::Admitted, &inner.name);
         Some(Permit {
             limit: self.clone(),
             start: Instant::now(),
-            in_flight: now + 1,
+            in_flight: total,
+            partition: at,
             ended: false,
         })
+    }
+
+    /// Each partition's requests in flight and counts, the partitions given first, then
+    /// `other`.
+    pub fn partitions(&self) -> Vec<PartitionStats> {
+        (self.inner.partitions.iter())
+            .map(|p| {
+                let n = |e: Event| p.counts[e as usize].load(Ordering::Relaxed);
+                PartitionStats {
+                    name: p.name.clone(),
+                    share: p.share,
+                    in_flight: p.in_flight.load(Ordering::Relaxed),
+                    admitted: n(Event::Admitted),
+                    rejected: n(Event::Rejected),
+                    succeeded: n(Event::Succeeded),
+                    dropped: n(Event::Dropped),
+                    cancelled: n(Event::Cancelled),
+                }
+            })
+            .collect()
     }
 
     /// The limit now.
@@ -222,6 +369,7 @@ impl Inner {
         };
         let next = state.algorithm.update(state.limit, &window);
         let (min, max) = (f64::from(self.min), f64::from(self.max));
+        let before = state.limit;
         state.limit = if next.is_finite() {
             next.clamp(min, max)
         } else {
@@ -229,6 +377,32 @@ impl Inner {
         };
         self.limit
             .store(state.limit.round() as u32, Ordering::Relaxed);
+        // A move of a fifth or more in one window is news.
+        if (state.limit - before).abs() >= before * 0.2 {
+            tracing::info!(
+                target: "tollgate::adaptive",
+                limit = %self.name,
+                from = before.round(),
+                to = state.limit.round(),
+                rtt_ms = window.rtt.as_secs_f64() * 1000.0,
+                dropped = window.dropped,
+                "adaptive limit moved"
+            );
+        }
+        #[cfg(feature = "metrics")]
+        {
+            let name = metrics::SharedString::from(self.name.clone());
+            metrics::gauge!("tollgate_adaptive_limit", "limit" => name.clone())
+                .set(state.limit.round());
+            metrics::gauge!("tollgate_adaptive_in_flight", "limit" => name.clone())
+                .set(f64::from(self.in_flight.load(Ordering::Relaxed)));
+            metrics::gauge!("tollgate_adaptive_rtt_seconds", "limit" => name.clone(), "kind" => "sample")
+                .set(window.rtt.as_secs_f64());
+            if let Some(baseline) = state.algorithm.baseline() {
+                metrics::gauge!("tollgate_adaptive_rtt_seconds", "limit" => name, "kind" => "baseline")
+                    .set(baseline.as_secs_f64());
+            }
+        }
         // The next window: twice this one's RTT, within the bounds.
         let length = (Duration::from_nanos(mean) * 2).clamp(self.min_window, self.max_window);
         let length = u64::try_from(length.as_nanos()).unwrap_or(u64::MAX);
@@ -263,6 +437,23 @@ impl AdaptiveLimitBuilder {
     pub fn gradient(mut self, gradient: Gradient) -> Self {
         self.gradient = Some(gradient);
         self.algorithm = None;
+        self
+    }
+
+    /// A partition of the requests (a route group, a tenant's tier, a priority) with a share of
+    /// the limit it is guaranteed once the limit is reached (0 to 1; the shares given sum to 1
+    /// at most). Spare capacity is borrowed while the limit is not reached; at the limit a
+    /// partition under its share is still admitted, one over it is refused, and requests of no
+    /// partition given (`other`, with no guarantee) are shed first: give critical traffic the
+    /// share it needs. At most 16 partitions; the names label the metrics.
+    pub fn partition(mut self, name: &str, share: f64) -> Self {
+        self.partitions.push((name.to_owned(), share));
+        self
+    }
+
+    /// The name of the limit in metrics (`limit` label; `default` unless given).
+    pub fn name(mut self, name: &str) -> Self {
+        self.name = name.to_owned();
         self
     }
 
@@ -303,6 +494,41 @@ impl AdaptiveLimitBuilder {
                 ),
             ));
         }
+        if self.partitions.len() > 16 {
+            return Err(bad(
+                "partition",
+                format!("{} partitions: 16 at most", self.partitions.len()),
+            ));
+        }
+        let mut sum = 0.0;
+        for (i, (name, share)) in self.partitions.iter().enumerate() {
+            if !(share.is_finite() && *share > 0.0 && *share <= 1.0) {
+                return Err(bad(
+                    "partition",
+                    format!("{name:?}: share {share} is not in (0, 1]"),
+                ));
+            }
+            if name.is_empty()
+                || name == "other"
+                || self.partitions[..i].iter().any(|(n, _)| n == name)
+            {
+                return Err(bad(
+                    "partition",
+                    format!("{name:?}: names must be given once, not empty, and not `other`"),
+                ));
+            }
+            sum += share;
+        }
+        if sum > 1.0 + 1e-9 {
+            return Err(bad(
+                "partition",
+                format!("the shares sum to {sum}: at most 1"),
+            ));
+        }
+        let partitions: Box<[Part]> = (self.partitions.iter())
+            .map(|(name, share)| Part::new(name, *share))
+            .chain([Part::new("other", 0.0)])
+            .collect();
         let algorithm = match self.algorithm {
             Some(a) => a,
             None => Box::new(self.gradient.unwrap_or_default().floor(self.min)),
@@ -329,6 +555,8 @@ impl AdaptiveLimitBuilder {
                     algorithm,
                     limit: f64::from(initial),
                 }),
+                partitions,
+                name: self.name.into(),
             }),
         })
     }
@@ -344,6 +572,7 @@ pub struct Permit {
     limit: AdaptiveLimit,
     start: Instant,
     in_flight: u32,
+    partition: usize,
     ended: bool,
 }
 
@@ -365,16 +594,33 @@ impl Permit {
 
     fn end(&mut self, dropped: bool) {
         self.ended = true;
-        self.limit.inner.in_flight.fetch_sub(1, Ordering::AcqRel);
+        self.release();
+        let event = if dropped {
+            Event::Dropped
+        } else {
+            Event::Succeeded
+        };
+        let inner = &self.limit.inner;
+        inner.partitions[self.partition].count(event, &inner.name);
         self.limit
             .sample(self.start.elapsed(), self.in_flight, dropped);
+    }
+
+    fn release(&self) {
+        let inner = &self.limit.inner;
+        inner.partitions[self.partition]
+            .in_flight
+            .fetch_sub(1, Ordering::AcqRel);
+        inner.in_flight.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
         if !self.ended {
-            self.limit.inner.in_flight.fetch_sub(1, Ordering::AcqRel);
+            self.release();
+            let inner = &self.limit.inner;
+            inner.partitions[self.partition].count(Event::Cancelled, &inner.name);
         }
     }
 }
