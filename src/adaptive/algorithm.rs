@@ -254,9 +254,12 @@ mod tests {
         assert_eq!(g.update(16.0, &window(20, 16, 0)), 20.0);
         // Latency within the tolerance: still growing.
         assert_eq!(g.update(16.0, &window(29, 16, 0)), 20.0);
-        // Twice the baseline: a gradient of 0.75, a fifth of the way there.
+        // The baseline crept up 0.5 % (20.1 ms) while nothing queued. Twice it: a gradient of
+        // 1.5 × 20.1 / 40, a fifth of the way there.
+        assert!((g.baseline().as_secs_f64() - 0.0201).abs() < 1e-9);
         let down = g.update(16.0, &window(40, 16, 0));
-        assert!((down - 15.2).abs() < 1e-9, "{down}");
+        let expect = 16.0 - 0.2 * (16.0 - 16.0 * 1.5 * 20.1 / 40.0);
+        assert!((down - expect).abs() < 1e-9, "{down}");
         // A drop: a gradient of 0.5.
         let down = g.update(16.0, &window(20, 16, 1));
         assert!((down - 14.4).abs() < 1e-9, "{down}");
