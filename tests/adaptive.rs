@@ -617,6 +617,88 @@ proptest::proptest! {
 
 mod support;
 
+#[allow(dead_code)]
+#[path = "../examples/adaptive.rs"]
+mod example;
+
+/// `examples/adaptive.rs` as it serves: with a static cap of 1 and a slow service, of three
+/// requests at once one is served and the others answered 503 at once, while `/critical` is
+/// still admitted at the limit; with `LIMIT=none` every request waits its turn. Its settings'
+/// errors name the variable.
+#[tokio::test]
+async fn the_example_serves_as_documented() {
+    let settings = |limit: &str| example::Settings {
+        capacity: 1,
+        service_ms: 300,
+        schedule: Vec::new(),
+        limit: limit.into(),
+    };
+    let (app, limit) = example::app(&settings("static")).unwrap();
+    let limit = limit.unwrap();
+    let base = support::serve_app(app).await;
+    let client = reqwest::Client::new();
+    let first = tokio::spawn(client.get(&base).send());
+    for _ in 0..500 {
+        if limit.in_flight() == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let refused = client.get(&base).send().await.unwrap();
+    assert_eq!(refused.status(), 503);
+    assert_eq!(refused.headers()["retry-after"], "1");
+    let critical = client.get(format!("{base}/critical")).send().await.unwrap();
+    assert_eq!(critical.status(), 200);
+    assert_eq!(first.await.unwrap().unwrap().status(), 200);
+    let text = client
+        .get(format!("{base}/limit"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(text.starts_with("limit 1, in flight 0"), "{text}");
+    assert!(
+        text.contains("critical: in flight 0, admitted 1, rejected 0"),
+        "{text}"
+    );
+
+    let (app, none) = example::app(&settings("none")).unwrap();
+    assert!(none.is_none());
+    let base = support::serve_app(app).await;
+    let calls: Vec<_> = (0..3)
+        .map(|_| tokio::spawn(client.get(&base).send()))
+        .collect();
+    for c in calls {
+        assert_eq!(c.await.unwrap().unwrap().status(), 200);
+    }
+
+    for (name, value, word) in [
+        ("CAPACITY_SCHEDULE", "8@x", "CAPACITY_SCHEDULE"),
+        ("LIMIT", "sometimes", "LIMIT"),
+        ("CAPACITY", "0", "CAPACITY"),
+    ] {
+        let err =
+            example::Settings::from_vars(|n| (n == name).then(|| value.to_owned())).unwrap_err();
+        assert!(err.contains(word), "{err}");
+    }
+    let s = example::Settings::from_vars(|n| {
+        (n == "CAPACITY_SCHEDULE").then(|| "8@20s, 16@0s,16@40s".to_owned())
+    })
+    .unwrap();
+    assert_eq!(
+        (s.capacity, s.service_ms, s.limit.as_str()),
+        (16, 20, "adaptive")
+    );
+    let secs: Vec<(u32, u64)> = s
+        .schedule
+        .iter()
+        .map(|(c, at)| (*c, at.as_secs()))
+        .collect();
+    assert_eq!(secs, [(16, 0), (8, 20), (16, 40)]);
+}
+
 mod over_http {
     use super::*;
     use axum::Router;
