@@ -137,10 +137,10 @@ pub(crate) fn app(settings: &Settings) -> Result<(Router, Option<AdaptiveLimit>)
                 tokio::time::sleep_until(start + at).await;
                 if capacity > now {
                     workers.add_permits((capacity - now) as usize);
-                } else if capacity < now {
-                    if let Ok(p) = workers.acquire_many(now - capacity).await {
-                        p.forget();
-                    }
+                } else if capacity < now
+                    && let Ok(p) = workers.acquire_many(now - capacity).await
+                {
+                    p.forget();
                 }
                 now = capacity;
             }
