@@ -194,6 +194,16 @@ macro_rules! serve_layered {
     }};
 }
 
+/// An adaptive concurrency layer (the gradient) whose range keeps the benchmark's few
+/// connections admitted.
+fn adaptive_layer() -> Result<tollgate::adaptive::AdaptiveLayer, ConfigError> {
+    let limit = tollgate::adaptive::AdaptiveLimit::builder()
+        .initial(64)
+        .range(64, 10_000)
+        .build()?;
+    Ok(tollgate::adaptive::AdaptiveLayer::new(limit))
+}
+
 /// The emission interval and burst tower_governor takes for a GCRA quota.
 fn governor_quota(quota: Quota) -> Result<(u64, u32), Box<dyn std::error::Error>> {
     if quota.algorithm() != tollgate::quota::Algorithm::Gcra {
@@ -267,6 +277,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "local" => serve_layered!(
             listener,
             app,
+            tollgate_layer(LocalBackend::new(), deny_key)?,
+            outer
+        )?,
+        // The adaptive concurrency layer alone, and inside the local rate limit: its cost per
+        // request (a range wide enough that the benchmark's 8 connections are never refused).
+        "adaptive" => serve_layered!(listener, app, adaptive_layer()?, outer)?,
+        "local_adaptive" => serve_layered!(
+            listener,
+            app.layer(adaptive_layer()?),
             tollgate_layer(LocalBackend::new(), deny_key)?,
             outer
         )?,

@@ -10,7 +10,8 @@
 # Environment (all optional):
 #   MODES="none local tower_governor tower_governor_headers local_outer tower_governor_outer
 #          tower_governor_headers_outer redis redis_outer"
-#                    (`local_metrics`, `redis_metrics`: with a Prometheus recorder installed;
+#                    (`adaptive`: the adaptive concurrency layer alone, `local_adaptive`: inside
+#                    the local rate limit; `local_metrics`, `redis_metrics`: with a Prometheus recorder installed;
 #                    MODES= measures only redis-server's instructions per decision)
 #   DURATION=8s      wrk load per mode (the server runs ~50x slower under callgrind)
 #   PORT=3911
