@@ -970,7 +970,9 @@ async fn building_while_redis_is_down_neither_blocks_nor_fails() {
     let started = Instant::now();
     let b = failing_backend(&server, FailurePolicy::FailOpen);
     let p = prepare(&b, &Policy::new("late", no_refill(5)));
-    assert!(started.elapsed() < Duration::from_millis(50));
+    // Neither blocks: a build that waited for the store would wait out its timeout (100 ms)
+    // or a retry's backoff; under that, whatever the machine's load, it did not wait.
+    assert!(started.elapsed() < TIMEOUT, "{:?}", started.elapsed());
     let k = key("k");
     for _ in 0..5 {
         assert!(timed(b.decide(&p, &k, cost(1))).await.unwrap().is_allowed());

@@ -88,7 +88,9 @@ async fn waits_and_waiters_are_bounded() {
     let started = Instant::now();
     let third = svc.call(Request::new(())).await.unwrap();
     assert_eq!(third.status(), StatusCode::TOO_MANY_REQUESTS);
-    assert!(started.elapsed() < Duration::from_millis(200));
+    // Decided at once: waiting would take the second until the next unit; 500 ms is a margin
+    // for a busy machine.
+    assert!(started.elapsed() < Duration::from_millis(500));
     // Dropping the waiting request gives its slot back (its unit stays spent): the next
     // request may wait again, for the unit after it (2 s away: longer than 1.5 s, rejected).
     drop(waiting);
@@ -300,10 +302,9 @@ async fn after_a_pause_waiters_go_on_at_the_rate() {
     after.sort();
     // The first two (the burst) at the pause's end, then one every 100 ms.
     assert!(after[0] >= Duration::from_millis(950), "{seen:?}");
-    assert!(
-        after[5] - after[0] >= Duration::from_millis(380),
-        "{seen:?}"
-    );
+    // The last is due 400 ms after the pause's end (bounded from that due time, as the first
+    // is, not from the gap after the first answer, which a delayed wake-up can shorten).
+    assert!(after[5] >= Duration::from_millis(950 + 380), "{seen:?}");
 }
 
 /// A shadow policy is never enforced, in wait mode either: nothing waits.
@@ -331,8 +332,10 @@ async fn a_shadow_policy_holds_nothing_back() {
             .unwrap();
         assert_eq!(res.status(), 200);
     }
+    // Nothing held back: holding back would take a second per request (1 a second, burst 1),
+    // two in all; a second is a margin for a busy machine.
     assert!(
-        started.elapsed() < Duration::from_millis(500),
+        started.elapsed() < Duration::from_secs(1),
         "{:?}",
         started.elapsed()
     );
