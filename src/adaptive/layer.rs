@@ -17,7 +17,7 @@ use crate::body::{BodyGuard, RateLimitBody};
 
 /// What of a response counts as a sign of overload (a drop): by default a 503 or a 429 from the
 /// service, or a gRPC `UNAVAILABLE` or `RESOURCE_EXHAUSTED` in the response's head.
-pub type Overload = Arc<dyn Fn(&http::response::Parts) -> bool + Send + Sync>;
+pub type Overload = Arc<dyn Fn(StatusCode, &http::HeaderMap) -> bool + Send + Sync>;
 
 /// Caps the wrapped service's requests in flight at an [`AdaptiveLimit`], a sibling of
 /// [`RateLimitLayer`](crate::RateLimitLayer): a rate limit shares the service between clients,
@@ -105,10 +105,10 @@ impl AdaptiveLayer {
         self
     }
 
-    /// What of a response is a sign of overload (a drop).
+    /// What of a response (its status and headers) is a sign of overload (a drop).
     pub fn overload(
         mut self,
-        is_overload: impl Fn(&http::response::Parts) -> bool + Send + Sync + 'static,
+        is_overload: impl Fn(StatusCode, &http::HeaderMap) -> bool + Send + Sync + 'static,
     ) -> Self {
         self.overload = Arc::new(is_overload);
         self
@@ -141,16 +141,16 @@ impl AdaptiveLayer {
     }
 }
 
-fn default_overload(head: &http::response::Parts) -> bool {
+fn default_overload(status: StatusCode, headers: &http::HeaderMap) -> bool {
     if matches!(
-        head.status,
+        status,
         StatusCode::SERVICE_UNAVAILABLE | StatusCode::TOO_MANY_REQUESTS
     ) {
         return true;
     }
     // gRPC: UNAVAILABLE (14) or RESOURCE_EXHAUSTED (8) in a trailers-only answer.
     matches!(
-        head.headers.get("grpc-status").map(HeaderValue::as_bytes),
+        headers.get("grpc-status").map(HeaderValue::as_bytes),
         Some(b"14" | b"8")
     )
 }
@@ -268,17 +268,17 @@ where
                     return Poll::Ready(result);
                 };
                 Poll::Ready(match result {
+                    // Classified in place: the response is not taken apart.
                     Ok(res) => {
-                        let (head, body) = res.into_parts();
-                        if overload(&head) {
+                        if overload(res.status(), res.headers()) {
                             permit.dropped();
-                            Ok(Response::from_parts(head, body))
+                            Ok(res)
                         } else if *body_end {
-                            let body = body.hold(BodyGuard::new(AtBodyEnd(Some(permit))));
-                            Ok(Response::from_parts(head, body))
+                            let guard = BodyGuard::new(AtBodyEnd(Some(permit)));
+                            Ok(res.map(|body| body.hold(guard)))
                         } else {
                             permit.success();
-                            Ok(Response::from_parts(head, body))
+                            Ok(res)
                         }
                     }
                     Err(e) => {

@@ -317,7 +317,8 @@ impl AdaptiveLimit {
         self.inner.in_flight.load(Ordering::Relaxed)
     }
 
-    fn sample(&self, rtt: Duration, in_flight: u32, dropped: bool) {
+    /// A sample of `rtt`, taken at `now` (nanoseconds from the origin).
+    fn sample(&self, rtt: Duration, now: u64, in_flight: u32, dropped: bool) {
         let inner = &self.inner;
         let ns = u64::try_from(rtt.as_nanos()).unwrap_or(u64::MAX);
         if dropped {
@@ -328,7 +329,6 @@ impl AdaptiveLimit {
         }
         inner.max_in_flight.fetch_max(in_flight, Ordering::Relaxed);
         let samples = inner.samples.fetch_add(1, Ordering::AcqRel) + 1;
-        let now = inner.now_ns();
         if samples >= inner.min_samples && now >= inner.window_end.load(Ordering::Relaxed) {
             // One request closes the window; the others go on.
             if let Ok(mut state) = inner.state.try_lock() {
@@ -339,10 +339,6 @@ impl AdaptiveLimit {
 }
 
 impl Inner {
-    fn now_ns(&self) -> u64 {
-        u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX)
-    }
-
     /// Ends the window at `now`: its numbers to the algorithm, the new limit in force, the next
     /// window started.
     fn close(&self, state: &mut State, now: u64) {
@@ -602,8 +598,16 @@ impl Permit {
         };
         let inner = &self.limit.inner;
         inner.partitions[self.partition].count(event, &inner.name);
-        self.limit
-            .sample(self.start.elapsed(), self.in_flight, dropped);
+        // One clock read: the sample's end is also the window's time.
+        let now = Instant::now();
+        let since_origin = now.saturating_duration_since(inner.origin);
+        let ns = u64::try_from(since_origin.as_nanos()).unwrap_or(u64::MAX);
+        self.limit.sample(
+            now.saturating_duration_since(self.start),
+            ns,
+            self.in_flight,
+            dropped,
+        );
     }
 
     fn release(&self) {
