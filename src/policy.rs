@@ -341,7 +341,7 @@ impl Policy {
 
     /// Checks the policy and returns its quotas in integer nanoseconds.
     pub fn validate(&self) -> Result<SmallVec<[QuotaParams; 2]>, ConfigError> {
-        if !valid_name(&self.name) || self.name.len() > 64 {
+        if !valid_name(&self.name) {
             return Err(ConfigError::InvalidPolicyName {
                 name: self.name.to_string(),
             });
@@ -657,13 +657,17 @@ impl<'de> serde::Deserialize<'de> for Policy {
 /// The longest block (`Policy::block_for`).
 const MAX_BLOCK: std::time::Duration = std::time::Duration::from_secs(365 * 86_400);
 
+/// The longest policy name.
+pub(crate) const MAX_NAME_LEN: usize = 64;
+
+/// Whether `c` may be in a policy name: visible ASCII but `"` and `\`.
+pub(crate) fn name_char(c: char) -> bool {
+    c.is_ascii_graphic() && c != '"' && c != '\\'
+}
+
 /// 1 to 64 visible ASCII characters without `"` or `\`: safe in a header string and in JSON.
-fn valid_name(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= 72
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_graphic() && b != b'"' && b != b'\\')
+pub(crate) fn valid_name(name: &str) -> bool {
+    !name.is_empty() && name.len() <= MAX_NAME_LEN && name.chars().all(name_char)
 }
 
 impl fmt::Debug for Policy {

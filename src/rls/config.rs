@@ -103,14 +103,18 @@ pub(crate) struct Pattern {
     pub(crate) value: String,
     /// The literal runs between the `*`s.
     parts: Vec<String>,
+    /// Their length in all: the shortest value that can match.
+    fixed: usize,
     pub(crate) rule: Rule,
 }
 
 impl Pattern {
     fn new(value: &str, rule: Rule) -> Self {
+        let parts: Vec<String> = value.split('*').map(str::to_owned).collect();
         Pattern {
             value: value.to_owned(),
-            parts: value.split('*').map(str::to_owned).collect(),
+            fixed: parts.iter().map(String::len).sum(),
+            parts,
             rule,
         }
     }
@@ -126,8 +130,7 @@ impl Pattern {
         let Some((last, middle)) = rest.split_last() else {
             return v == first;
         };
-        let fixed: usize = self.parts.iter().map(String::len).sum();
-        if v.len() < fixed || !v.starts_with(first.as_str()) || !v.ends_with(last.as_str()) {
+        if v.len() < self.fixed || !v.starts_with(first.as_str()) || !v.ends_with(last.as_str()) {
             return false;
         }
         let mut between = &v[first.len()..v.len() - last.len()];
@@ -501,25 +504,22 @@ fn compile(
     Ok(node)
 }
 
-/// The longest policy name ([`Policy::new`]'s rule: visible ASCII without `"` or `\`).
-const MAX_NAME: usize = 64;
-
 /// The policy name of a rule's path (`<domain>.<key>[=<value>]…`): the path itself when it is
 /// a policy name (at most 64 visible ASCII characters, without `"` or `\`), else its first
 /// 51 characters, each one a name cannot hold written `_`, then `~` and the first 12 hex
 /// digits of the path's SHA-256: readable in metrics, bounded, and the same on every server
 /// (a path that reads the same twice is refused when loaded).
 pub(crate) fn policy_name(path: &str) -> String {
+    use crate::policy::{MAX_NAME_LEN, name_char, valid_name};
     use sha2::{Digest, Sha256};
     use std::fmt::Write;
-    let fits = |c: char| c.is_ascii_graphic() && c != '"' && c != '\\';
-    if path.len() <= MAX_NAME && path.chars().all(fits) {
+    if valid_name(path) {
         return path.to_owned();
     }
     let digest = Sha256::digest(path.as_bytes());
     let mut name: String = (path.chars())
-        .map(|c| if fits(c) { c } else { '_' })
-        .take(MAX_NAME - 13)
+        .map(|c| if name_char(c) { c } else { '_' })
+        .take(MAX_NAME_LEN - 13)
         .collect();
     name.push('~');
     for b in &digest[..6] {
