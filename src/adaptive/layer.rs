@@ -161,16 +161,17 @@ impl<S> tower_layer::Layer<S> for AdaptiveLayer {
     fn layer(&self, inner: S) -> Adaptive<S> {
         Adaptive {
             inner,
-            layer: self.clone(),
+            layer: Arc::new(self.clone()),
         }
     }
 }
 
-/// The service [`AdaptiveLayer`] makes.
+/// The service [`AdaptiveLayer`] makes. Its settings are shared: a clone (axum clones a
+/// route's service for every request) costs one reference count.
 #[derive(Clone, Debug)]
 pub struct Adaptive<S> {
     inner: S,
-    layer: AdaptiveLayer,
+    layer: Arc<AdaptiveLayer>,
 }
 
 impl<S, ReqB, ResB> tower_service::Service<Request<ReqB>> for Adaptive<S>
@@ -211,8 +212,7 @@ where
             state: State::Called {
                 future: self.inner.call(req),
                 permit,
-                body_end: self.layer.body_end,
-                overload: self.layer.overload.clone(),
+                layer: self.layer.clone(),
             },
         }
     }
@@ -238,8 +238,7 @@ pin_project! {
             #[pin]
             future: F,
             permit: Option<Permit>,
-            body_end: bool,
-            overload: Overload,
+            layer: Arc<AdaptiveLayer>,
         },
     }
 }
@@ -259,8 +258,7 @@ where
             StateProj::Called {
                 future,
                 permit,
-                body_end,
-                overload,
+                layer,
             } => {
                 let result = std::task::ready!(future.poll(cx));
                 let Some(permit) = permit.take() else {
@@ -270,10 +268,10 @@ where
                 Poll::Ready(match result {
                     // Classified in place: the response is not taken apart.
                     Ok(res) => {
-                        if overload(res.status(), res.headers()) {
+                        if (layer.overload)(res.status(), res.headers()) {
                             permit.dropped();
                             Ok(res)
-                        } else if *body_end {
+                        } else if layer.body_end {
                             let guard = BodyGuard::new(AtBodyEnd(Some(permit)));
                             Ok(res.map(|body| body.hold(guard)))
                         } else {
