@@ -509,20 +509,36 @@ fn slots_are_given_back_and_bad_settings_refused() {
         .start_paused(true)
         .build()
         .unwrap();
+    /// Counts the windows it is given.
+    struct Spy(Arc<AtomicU32>);
+    impl Algorithm for Spy {
+        fn update(&mut self, limit: f64, _w: &Window) -> f64 {
+            self.0.fetch_add(1, Ordering::Relaxed);
+            limit
+        }
+    }
     rt.block_on(async {
+        let windows = Arc::new(AtomicU32::new(0));
         let limit = AdaptiveLimit::builder()
             .initial(3)
             .min_samples(1)
+            .algorithm(Spy(windows.clone()))
             .build()
             .unwrap();
+        // Past the first window's end: a sample now would close it.
+        tokio::time::advance(Duration::from_secs(2)).await;
         let held: Vec<_> = (0..3).map(|_| limit.try_acquire().unwrap()).collect();
         assert!(limit.try_acquire().is_none());
         assert_eq!(limit.in_flight(), 3);
+        tokio::time::advance(Duration::from_millis(10)).await;
         drop(held);
         assert_eq!(limit.in_flight(), 0);
-        // No sample was taken: the limit did not move.
-        tokio::time::advance(Duration::from_secs(2)).await;
-        assert_eq!(limit.limit(), 3);
+        // No sample was taken: no window closed.
+        assert_eq!(windows.load(Ordering::Relaxed), 0);
+        assert_eq!(limit.partitions()[0].cancelled, 3);
+        // A success is one, and closes the window.
+        limit.try_acquire().unwrap().success();
+        assert_eq!(windows.load(Ordering::Relaxed), 1);
     });
     for (builder, word) in [
         (AdaptiveLimit::builder().range(0, 10), "range"),
@@ -573,7 +589,6 @@ fn threads_at_once_never_exceed_the_limit() {
     });
     assert!(peak.load(Ordering::Relaxed) <= 8);
     assert_eq!(limit.in_flight(), 0);
-    let _ = Gradient::new();
 }
 
 proptest::proptest! {
@@ -791,6 +806,8 @@ mod over_http {
         assert!(client.get(&base).send().await.is_err());
         // The server drops the call when the connection closes.
         wait_for(|| limit.in_flight() == 0).await;
+        let other = &limit.partitions()[0];
+        assert_eq!((other.cancelled, other.succeeded, other.dropped), (1, 0, 0));
     }
 
     /// Inside a rate limit, a request the quota refuses never takes a slot: the one slot is

@@ -458,6 +458,22 @@ descriptors:
     settled("bob", 999).await;
 }
 
+/// Every rules file of the docs (a YAML block starting with `domain:`) loads, and serves.
+#[test]
+fn every_docs_rules_file_loads() {
+    let rules: Vec<&str> = DOCS
+        .split("```yaml\n")
+        .skip(1)
+        .filter_map(|b| b.split("```").next())
+        .filter(|b| b.lines().any(|l| l.starts_with("domain:")))
+        .collect();
+    assert_eq!(rules.len(), 2, "the rules format and the charge's rules");
+    for text in rules {
+        let config = RlsConfig::from_yaml(text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+        RlsService::new(tollgate::backend::LocalBackend::new(), config).unwrap();
+    }
+}
+
 /// Every Envoy configuration of the docs is accepted by `envoy --mode validate` (with the
 /// routes' clusters defined: Envoy checks them).
 #[test]
