@@ -161,17 +161,16 @@ impl<S> tower_layer::Layer<S> for AdaptiveLayer {
     fn layer(&self, inner: S) -> Adaptive<S> {
         Adaptive {
             inner,
-            layer: Arc::new(self.clone()),
+            layer: self.clone(),
         }
     }
 }
 
-/// The service [`AdaptiveLayer`] makes. Its settings are shared: a clone (axum clones a
-/// route's service for every request) costs one reference count.
+/// The service [`AdaptiveLayer`] makes.
 #[derive(Clone, Debug)]
 pub struct Adaptive<S> {
     inner: S,
-    layer: Arc<AdaptiveLayer>,
+    layer: AdaptiveLayer,
 }
 
 impl<S, ReqB, ResB> tower_service::Service<Request<ReqB>> for Adaptive<S>
@@ -212,7 +211,8 @@ where
             state: State::Called {
                 future: self.inner.call(req),
                 permit,
-                layer: self.layer.clone(),
+                body_end: self.layer.body_end,
+                overload: self.layer.overload.clone(),
             },
         }
     }
@@ -238,7 +238,8 @@ pin_project! {
             #[pin]
             future: F,
             permit: Option<Permit>,
-            layer: Arc<AdaptiveLayer>,
+            body_end: bool,
+            overload: Overload,
         },
     }
 }
@@ -258,7 +259,8 @@ where
             StateProj::Called {
                 future,
                 permit,
-                layer,
+                body_end,
+                overload,
             } => {
                 let result = std::task::ready!(future.poll(cx));
                 let Some(permit) = permit.take() else {
@@ -268,10 +270,10 @@ where
                 Poll::Ready(match result {
                     // Classified in place: the response is not taken apart.
                     Ok(res) => {
-                        if (layer.overload)(res.status(), res.headers()) {
+                        if overload(res.status(), res.headers()) {
                             permit.dropped();
                             Ok(res)
-                        } else if layer.body_end {
+                        } else if *body_end {
                             let guard = BodyGuard::new(AtBodyEnd(Some(permit)));
                             Ok(res.map(|body| body.hold(guard)))
                         } else {
