@@ -27,15 +27,15 @@
 /// ```
 ///
 /// **A rolling change over a fleet** (instances on one shared store running two versions of a
-/// quota for minutes) converts a key's state at every call that alternates between them. With
-/// `Keep` (the default) the two versions admit at most the higher of their limits: 12 of 10
-/// and 12 a minute, asked in turn, and 2 more once the lower has spent its 10 (every shared
-/// store, GCRA and windows, tested with two instances). `Proportional` rounds towards refusing
-/// (8 to 12 there). `Reset` and `Additive` forgive units at each conversion, so two versions in
-/// turn admit without bound (measured: 30 of 30 at 10 and 12 a minute, on Redis): use `Keep`
-/// while a fleet rolls out a change, and the other strategies where a change is swapped at
-/// once (the local backend, one instance). The local backend swaps atomically: each key is
-/// converted once.
+/// quota for minutes) converts a key's state at calls that alternate between them. A key so
+/// converted remembers the values it came from, and a call under those values converts it back
+/// as `Keep` does, so each strategy applies once per key and change: two versions in turn admit
+/// at most the higher of their limits after the key's first conversion (12 of 10 and 12 a
+/// minute asked in turn under `Keep` and `Additive`, the 1 taken before and then 12 under
+/// `Reset`, 8 to 12 under `Proportional`, which rounds towards refusing; every shared store,
+/// GCRA and windows, tested with two instances). A change back to the values a live key came
+/// from converts as `Keep` there too. The local backend swaps atomically: each key is
+/// converted once, by the strategy.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum OnChange {

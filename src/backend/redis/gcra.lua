@@ -53,7 +53,11 @@
 -- limit, sub-windows or 0) and the format, 2. A value counted under other values than the
 -- quota's now is converted as the strategy says (see `carry`: the units it used now, a GCRA
 -- debt as a count of emission intervals, a sliding window's estimate, moved into the current
--- (sub-)window) before the decision. A block's value ends with the format alone.
+-- (sub-)window) before the decision. A key so converted keeps the values it was converted
+-- from ("<dI4I4", 16 bytes between its state and its values, as long as the key lives): a
+-- call under those values converts it back as keep does, whatever the strategy (see `recs`).
+-- A release before this record reads a value with one as nothing stored. A block's value
+-- ends with the format alone.
 --   GCRA     the theoretical arrival time (TAT), struct "<I4I4": unix seconds, nanoseconds
 --            (nanoseconds since 1970 are past 2^53); arithmetic is on times relative to now,
 --            in integer ns, exact while they stay under 2^53 ns (104 days). Expires when the
@@ -255,6 +259,12 @@ end
 -- key is made to it too, so that both releases keep one limit.
 local lk
 
+-- A key converted by a change of its quota's values keeps the values it came from, written
+-- between its state and its own values ("<dI4I4": length, limit, sub-windows; 16 bytes): recs[key]
+-- is that record, {length, limit, sub-windows}, for each key read that has one (nil: none in
+-- this call). `decode` leaves the record of the value it read in drec.
+local recs, drec
+
 -- Reads a quota's key (once per call): GCRA, the TAT relative to now (ns, 0 when full);
 -- fixed, the count of the current window; sliding, a table c[1..m] of the m = slices + 1
 -- counts moved on to the current sub-window, c[m + 1] the sum of all but the oldest, c[m + 2]
@@ -271,13 +281,40 @@ local function decode(stored, g, kind)
     end
     return 0
   end
-  -- A rate quota's value: its state, then the values it was counted under and the format.
+  -- A rate quota's value: its state, then (a key a change converted) the values it was
+  -- converted from, then the values it was counted under and the format.
   local olen, olim, osl, ver
+  drec = nil
   if stored and #stored > 17 then
     olen, olim, osl, ver = sunpack('<dI4I4B', stored, #stored - 16)
   end
   if ver == FORMAT then
-    if olen ~= at[8 * g - 6] or olim ~= at[8 * g - 5] or osl ~= at[8 * g - 4] then
+    -- The state's length: GCRA 8 bytes, fixed 12, sliding 8 + 4 * (sub-windows + 1).
+    local slen = 8
+    if kind == 1 then
+      slen = 12
+    elseif kind == 2 then
+      slen = 12 + 4 * osl
+    end
+    local flen, flim, fsl
+    if #stored == slen + 33 then
+      flen, flim, fsl = sunpack('<dI4I4', stored, slen + 1)
+      -- From here on the value reads as one without the record.
+      stored = string.sub(stored, 1, slen) .. string.sub(stored, slen + 17)
+    elseif #stored ~= slen + 17 then
+      stored = false
+    end
+    local len, lim, sl = at[8 * g - 6], at[8 * g - 5], at[8 * g - 4]
+    if stored and (olen ~= len or olim ~= lim or osl ~= sl) then
+      -- A key keeps the values a change converted it from: a call under them (an instance
+      -- of the fleet the change has not reached, or a change back) converts it back as keep
+      -- does, so that two versions serving one key in turn forgive its units once, not at
+      -- every call.
+      drec = {olen, olim, osl}
+      local strategy = at[8 * g]
+      if flen == len and flim == lim and fsl == sl then
+        strategy = 0
+      end
       -- Counted under other values: the units it used now, under those values (GCRA: its
       -- debt in emission intervals; fixed: the count of the window of now; sliding: the
       -- estimate of now), converted to this quota's limit as its strategy says (0 keep, 1
@@ -317,7 +354,7 @@ local function decode(stored, g, kind)
         end
         units = oldest * (olen - r) / olen + rest
       end
-      local strategy, limit = at[8 * g], at[8 * g - 5]
+      local limit = lim
       if not (units > 0) or strategy == 1 then
         units = 0
       elseif strategy == 2 then
@@ -343,6 +380,9 @@ local function decode(stored, g, kind)
       c[m] = ceil(units)
       c[m + 1], c[m + 2] = c[m], at[8 * g - 2]
       return c
+    end
+    if flen then
+      drec = {flen, flim, fsl}
     end
   else
     stored = false
@@ -403,7 +443,7 @@ local function decode(stored, g, kind)
   return c
 end
 
-local function load(key, g)
+local function read(key, g)
   local kind = at[8 * g - 7]
   if kind == 3 then
     -- The leases still running: the expired ones are removed first.
@@ -441,7 +481,10 @@ local function load(key, g)
         old = false
       end
       if old then
-        local new, was = decode(stored, g, kind), decode(old, g, kind)
+        local new = decode(stored, g, kind)
+        local rec = drec
+        local was = decode(old, g, kind)
+        drec = rec
         if kind == 2 then
           -- Sliding: the state with more units in its window (c[1] the oldest, c[m + 1] the
           -- rest).
@@ -458,6 +501,19 @@ local function load(key, g)
     end
   end
   return decode(stored, g, kind)
+end
+
+-- `read`, keeping the record of the key's value (see `recs`).
+local function load(key, g)
+  drec = nil
+  local st = read(key, g)
+  if drec then
+    if recs == nil then
+      recs = {}
+    end
+    recs[key] = drec
+  end
+  return st
 end
 
 -- The quotas' states this call has read, by key (see `load`). Decisions of one call on the same
@@ -897,6 +953,17 @@ for key, g in pairs(dq) do
       .. spack('<dI4I4B', len, at[8 * g - 5], m - 1, FORMAT)
     ms = base_ms + ceil((base_us + (newest + m) * len - now_us) / 1000)
   end
+  -- `slen`: the length of the state (format 1's whole value); a key with a record (see
+  -- `recs`) has it between its state and its values.
+  local slen = 8
+  if kind <= 2 then
+    slen = #value - 17
+    local rec = recs and recs[key]
+    if rec then
+      value = string.sub(value, 1, slen) .. spack('<dI4I4', rec[1], rec[2], rec[3])
+        .. string.sub(value, slen + 1)
+    end
+  end
   if ms < 1 then
     ms = 1
   end
@@ -917,12 +984,8 @@ for key, g in pairs(dq) do
   else
     written = pcall_redis('SET', key, value, px, x)
     if lk and not (type(written) == 'table' and written.err) then
-      -- Format 1's value: format 2's without its end.
-      local tail = 17
-      if kind == 4 then
-        tail = 1
-      end
-      written = pcall_redis('SET', lk[key], string.sub(value, 1, #value - tail), px, x)
+      -- Format 1's value: format 2's state alone.
+      written = pcall_redis('SET', lk[key], string.sub(value, 1, slen), px, x)
     end
   end
   -- An error is a table with `err` (a status reply, `OK`, is one with `ok`).

@@ -28,7 +28,9 @@
 --               format: "length,limit,sub-windows,2" (sub-windows 0 but for sliding windows).
 --               A row counted under other values than its quota's now is converted first
 --               (the policy's OnChange strategy, as gcra.lua's `carried`); a rate quota's row
---               without them is a fresh one.
+--               without them is a fresh one. A row so converted keeps the values it came
+--               from, ";length,limit,sub-windows" at the end of its c, and converts back to
+--               them as keep does (gcra.lua's `recs`).
 -- Rows are named by stored format 2's keys (src/backend/remote/keys.rs: `...:2.g0`), whose
 -- quota is its identity, not its values.
 --   (a block: a is the Unix time in us it ends)
@@ -161,6 +163,9 @@ BEGIN
     DECLARE u DOUBLE;
     DECLARE sep INT;
     DECLARE ov, cv VARCHAR(100) CHARACTER SET ascii DEFAULT NULL;
+    -- The record of a key a change converted: the values it came from, "length,limit,
+    -- sub-windows", after ";" at the end of its c (NULL for none; gcra.lua's `recs`).
+    DECLARE fv VARCHAR(100) CHARACTER SET ascii DEFAULT NULL;
     DECLARE EXIT HANDLER FOR SQLEXCEPTION
     BEGIN
         ROLLBACK;
@@ -238,7 +243,7 @@ BEGIN
                 IF ck IS NULL OR hk <> ck THEN
                     IF dirty THEN
                         UPDATE {table} SET a = ra, n = rn,
-                            c = IF(cv IS NULL, rc, CONCAT(COALESCE(rc, ''), ';', cv)),
+                            c = IF(cv IS NULL, rc, CONCAT(COALESCE(rc, ''), ';', cv, IF(fv IS NULL, '', CONCAT(';', fv)))),
                             expires_us = rexp
                             WHERE k = UNHEX(ck);
                         SET dirty = 0;
@@ -249,23 +254,33 @@ BEGIN
                         SIGNAL SQLSTATE '45000'
                             SET MESSAGE_TEXT = 'tollgate: a key of a quota is missing from the key list';
                     END IF;
-                    SET ck = hk, cv = NULL;
+                    SET ck = hk, cv = NULL, fv = NULL;
                     IF kind <= 2 THEN
                         -- A rate quota's c ends with ";" and the values it was counted under
-                        -- and the format: "length,limit,sub-windows,2". Without them, the row
-                        -- is a fresh one.
+                        -- and the format: "length,limit,sub-windows,2", then, for a key a
+                        -- change converted, ";" and its record. Without them, the row is a
+                        -- fresh one.
                         SET cv = CONCAT(qa, ',', lim, ',', sl, ',2');
                         SET sep = LOCATE(';', COALESCE(rc, ''));
-                        IF sep > 0 AND SUBSTRING_INDEX(rc, ',', -1) = '2' THEN
-                            SET ov = SUBSTRING(rc, sep + 1);
+                        SET ov = IF(sep > 0, SUBSTRING(rc, sep + 1), '');
+                        IF LOCATE(';', ov) > 0 THEN
+                            SET fv = SUBSTRING_INDEX(ov, ';', -1), ov = SUBSTRING_INDEX(ov, ';', 1);
+                        END IF;
+                        IF sep > 0 AND SUBSTRING_INDEX(ov, ',', -1) = '2' THEN
                             SET rc = IF(sep = 1, NULL, LEFT(rc, sep - 1));
                         ELSE
-                            SET ov = cv, ra = 0, rn = 0, rc = NULL;
+                            SET ov = cv, fv = NULL, ra = 0, rn = 0, rc = NULL;
                         END IF;
                         IF ov <> cv THEN
                             -- Counted under other values: the units it used now (gcra.lua's
                             -- `carried`), converted as the strategy says (OnChange::carry), are
-                            -- its state under these.
+                            -- its state under these. Converted back to the values it came from
+                            -- (an instance the change has not reached, or a change back), it
+                            -- converts as keep does; its record is then the values it had.
+                            IF fv = CONCAT(qa, ',', lim, ',', sl) THEN
+                                SET stg = 0;
+                            END IF;
+                            SET fv = LEFT(ov, LENGTH(ov) - 2);
                             SET ola = CAST(SUBSTRING_INDEX(ov, ',', 1) AS SIGNED);
                             SET oli = CAST(SUBSTRING_INDEX(SUBSTRING_INDEX(ov, ',', 2), ',', -1) AS SIGNED);
                             SET osl = CAST(SUBSTRING_INDEX(SUBSTRING_INDEX(ov, ',', 3), ',', -1) AS SIGNED);
@@ -540,7 +555,7 @@ BEGIN
 
     IF dirty THEN
         UPDATE {table} SET a = ra, n = rn,
-            c = IF(cv IS NULL, rc, CONCAT(COALESCE(rc, ''), ';', cv)), expires_us = rexp
+            c = IF(cv IS NULL, rc, CONCAT(COALESCE(rc, ''), ';', cv, IF(fv IS NULL, '', CONCAT(';', fv)))), expires_us = rexp
             WHERE k = UNHEX(ck);
     END IF;
     COMMIT;

@@ -26,7 +26,9 @@
 --               stored format: length, limit, sub-windows (0 but for sliding windows), 2.
 --               A row counted under other values than its quota's now is converted first
 --               (the policy's OnChange strategy, as gcra.lua's `carried`); a rate quota's row
---               without them is a fresh one.
+--               without them is a fresh one. A row so converted keeps the values it came
+--               from (length, limit, sub-windows) between its state and its values, and
+--               converts back to them as keep does (gcra.lua's `recs`).
 -- Rows are named by stored format 2's keys (src/backend/remote/keys.rs: `...:2.g0`), whose
 -- quota is its identity, not its values.
 --   (a block: a is the Unix time in us it ends)
@@ -191,6 +193,14 @@ DECLARE
     u float8;
     stg bigint;
     strat bigint[];
+    -- A key a change converted keeps the values it was converted from (fa: length, fl:
+    -- limit, fs: sub-windows), in its c between its state and its values; rf[3 * slot - 2 ..
+    -- 3 * slot] each slot's, NULL for none.
+    fa bigint;
+    fl bigint;
+    fs bigint;
+    ns int;
+    rf bigint[];
 BEGIN
     IF nk = 0 THEN
         RETURN reply;
@@ -244,11 +254,21 @@ BEGIN
             -- A rate quota's c ends with the values it was counted under and the format:
             -- length, limit, sub-windows, 2. Without them, the row is a fresh one.
             nv := coalesce(cardinality(vc), 0);
+            fa := NULL;
             IF nv >= 4 AND array_lower(vc, 1) = 1 AND vc[nv] = 2 THEN
                 ola := vc[nv - 3];
                 oli := vc[nv - 2];
                 osl := vc[nv - 1];
                 vc := vc[1 : nv - 4];
+                -- The state's length in c (GCRA and fixed keep theirs in a and n), and the
+                -- record of a key a change converted, after it.
+                ns := CASE WHEN kind = 2 THEN osl + 1 ELSE 0 END;
+                IF cardinality(vc) = ns + 3 THEN
+                    fa := vc[ns + 1];
+                    fl := vc[ns + 2];
+                    fs := vc[ns + 3];
+                    vc := vc[1 : ns];
+                END IF;
             ELSE
                 ola := qa;
                 oli := quotas[4 * p - 1];
@@ -260,6 +280,15 @@ BEGIN
             IF ola <> qa OR oli <> quotas[4 * p - 1] OR osl <> quotas[4 * p] THEN
                 -- Counted under other values: the units it used now (gcra.lua's `carried`),
                 -- converted as the strategy says (OnChange::carry), are its state under these.
+                -- Converted back to the values it came from (an instance the change has not
+                -- reached, or a change back), it converts as keep does (gcra.lua's `recs`).
+                stg := strat[p];
+                IF fa = qa AND fl = quotas[4 * p - 1] AND fs = quotas[4 * p] THEN
+                    stg := 0;
+                END IF;
+                fa := ola;
+                fl := oli;
+                fs := osl;
                 u := 0;
                 IF kind = 0 THEN
                     IF va > now_ns THEN
@@ -276,7 +305,6 @@ BEGIN
                             + (SELECT coalesce(sum(x), 0) FROM unnest(vc[2 + byn : osl + 1]) AS x)::float8;
                     END IF;
                 END IF;
-                stg := strat[p];
                 lim := quotas[4 * p - 1];
                 IF NOT (u > 0) THEN
                     u := 0;
@@ -298,6 +326,11 @@ BEGIN
                     va := now_us / qa;
                     vc := array_fill(0::bigint, ARRAY[quotas[4 * p]::int]) || ceil(u)::bigint;
                 END IF;
+            END IF;
+            IF fa IS NOT NULL THEN
+                rf[3 * p - 2] := fa;
+                rf[3 * p - 1] := fl;
+                rf[3 * p] := fs;
             END IF;
         END IF;
         IF kind = 0 THEN
@@ -580,8 +613,12 @@ BEGIN
         CONTINUE WHEN dirty[q] IS NOT TRUE;
         kind := quotas[4 * q - 3];
         qa := quotas[4 * q - 2];
-        -- A rate quota's values and the format, which end its c.
+        -- A rate quota's values and the format, which end its c, after its record if it
+        -- has one.
         newc := ARRAY[qa, quotas[4 * q - 1], quotas[4 * q], 2];
+        IF rf[3 * q] IS NOT NULL THEN
+            newc := ARRAY[rf[3 * q - 2], rf[3 * q - 1], rf[3 * q]] || newc;
+        END IF;
         IF kind = 0 THEN
             UPDATE {table} SET a = now_ns + st[q], n = 0, c = newc,
                 expires_us = (now_ns + st[q] + 999) / 1000
