@@ -67,6 +67,15 @@ pin_project! {
 }
 
 impl<B> ResponseBody<B> {
+    /// The body of an answer that passed, as it is: for a service whose body type tollgate
+    /// cannot answer a refusal in (a hyper client's `Incoming`, say), mapped into this type
+    /// under a layer that may refuse, such as [`AdaptiveLayer`](crate::adaptive::AdaptiveLayer)
+    /// on the client side (`ServiceBuilder::new().layer(adaptive).map_response(|r:
+    /// Response<Incoming>| r.map(ResponseBody::new))`).
+    pub fn new(body: B) -> Self {
+        Self::inner(body)
+    }
+
     pub(crate) fn inner(body: B) -> Self {
         ResponseBody {
             kind: Kind::Inner { body, guard: None },

@@ -42,6 +42,7 @@ use http::Extensions;
 use reqwest_middleware::{Middleware, Next};
 
 use crate::Key;
+use crate::adaptive::Upstreams;
 use crate::backend::Backend;
 use crate::limiter::{AcquireError, Limiter};
 use crate::wait::Pauses;
@@ -175,6 +176,75 @@ impl<B: Backend> Middleware for RateLimitMiddleware<B> {
         let res = next.run(req, extensions).await;
         if let (Some(pauses), Some(key), Ok(res)) = (&self.pauses, &key, &res) {
             pauses.note_answer(key, res.status(), res.headers());
+        }
+        res
+    }
+}
+
+/// Adapts how many calls a reqwest-middleware client makes at once to each upstream (its URL's
+/// host and port) to what the upstream shows, with an [`Upstreams`]: over an upstream's limit,
+/// or while it asked to wait (`Retry-After` on a `429` or `503`), a call fails at once with
+/// [`reqwest_middleware::Error::Middleware`] holding a [`Refused`], before anything is sent. A
+/// `429`, a `503`, a timeout or a failed connection is a drop; any other answer a sample of
+/// the call's latency (to its response's head). Put a retry middleware before it (outside):
+/// each attempt is then its own sample. Beside [`RateLimitMiddleware`], which keeps a rate,
+/// this keeps the upstream from drowning.
+///
+/// ```no_run
+/// use tollgate::adaptive::{AdaptiveLimit, Upstreams};
+/// use tollgate::middleware::AdaptiveMiddleware;
+///
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// let upstreams = Upstreams::new(|host| AdaptiveLimit::builder().name(host).range(2, 200))?;
+/// let client = reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
+///     .with(AdaptiveMiddleware::new(upstreams))
+///     .build();
+/// let res = client.get("https://api.partner.example/v1/things").send().await?;
+/// # drop(res); Ok(()) }
+/// ```
+#[derive(Clone, Debug)]
+pub struct AdaptiveMiddleware {
+    upstreams: Upstreams,
+}
+
+impl AdaptiveMiddleware {
+    /// Limits each upstream's calls in flight with its limit in `upstreams`.
+    pub fn new(upstreams: Upstreams) -> Self {
+        AdaptiveMiddleware { upstreams }
+    }
+
+    /// The limits, per upstream (`host:port`).
+    pub fn upstreams(&self) -> &Upstreams {
+        &self.upstreams
+    }
+}
+
+#[async_trait::async_trait]
+impl Middleware for AdaptiveMiddleware {
+    async fn handle(
+        &self,
+        req: reqwest::Request,
+        extensions: &mut Extensions,
+        next: Next<'_>,
+    ) -> reqwest_middleware::Result<reqwest::Response> {
+        let url = req.url();
+        let upstream = match url.host_str() {
+            Some(host) => format!("{host}:{}", url.port_or_known_default().unwrap_or(0)),
+            None => return next.run(req, extensions).await,
+        };
+        let permit = (self.upstreams.try_acquire(&upstream))
+            .map_err(reqwest_middleware::Error::middleware)?;
+        let res = next.run(req, extensions).await;
+        match &res {
+            Ok(answer) => {
+                permit.observe(answer.status(), answer.headers());
+            }
+            Err(reqwest_middleware::Error::Reqwest(e)) if e.is_timeout() || e.is_connect() => {
+                permit.dropped();
+            }
+            // Another failure (a redirect loop, a body that would not build): no sample, the
+            // slot given back.
+            Err(_) => drop(permit),
         }
         res
     }

@@ -141,7 +141,7 @@ impl AdaptiveLayer {
     }
 }
 
-fn default_overload(status: StatusCode, headers: &http::HeaderMap) -> bool {
+pub(super) fn default_overload(status: StatusCode, headers: &http::HeaderMap) -> bool {
     if matches!(
         status,
         StatusCode::SERVICE_UNAVAILABLE | StatusCode::TOO_MANY_REQUESTS

@@ -40,6 +40,7 @@
 
 mod algorithm;
 mod layer;
+mod outbound;
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -47,6 +48,7 @@ use std::time::Duration;
 
 pub use algorithm::{Aimd, Algorithm, Gradient, Window};
 pub use layer::{Adaptive, AdaptiveFuture, AdaptiveLayer, Overload, PartitionBy};
+pub use outbound::{OutboundPermit, Refused, Upstreams};
 use tokio::time::Instant;
 
 use crate::ConfigError;
