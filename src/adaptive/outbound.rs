@@ -34,7 +34,7 @@ type Make = dyn Fn(&str) -> AdaptiveLimitBuilder + Send + Sync;
 /// use std::time::Duration;
 /// use tollgate::adaptive::{AdaptiveLimit, Upstreams};
 ///
-/// # fn main() -> Result<(), tollgate::ConfigError> {
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// // Each upstream starts at 10 calls at once, between 2 and 100.
 /// let upstreams = Upstreams::new(|name| {
 ///     AdaptiveLimit::builder().name(name).initial(10).range(2, 100)
