@@ -39,6 +39,8 @@
 //! ```
 
 mod algorithm;
+#[cfg(feature = "serde")]
+mod config;
 mod layer;
 mod outbound;
 
@@ -47,6 +49,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 pub use algorithm::{Aimd, Algorithm, Gradient, Window};
+#[cfg(feature = "serde")]
+#[cfg_attr(docsrs, doc(cfg(feature = "serde")))]
+pub use config::{AdaptiveConfig, PartitionConfig};
 pub use layer::{Adaptive, AdaptiveFuture, AdaptiveLayer, Overload, PartitionBy};
 pub use outbound::{OutboundPermit, Refused, Upstreams};
 use tokio::time::Instant;

@@ -9,6 +9,8 @@ mod syntax;
 pub use change::OnChange;
 pub use params::{QuotaKind, QuotaParams};
 #[cfg(feature = "serde")]
+pub(crate) use syntax::parse_config_duration;
+#[cfg(feature = "serde")]
 pub(crate) use syntax::serde_duration;
 
 /// A rate and a burst size: `Quota::per_second(10).burst(20)` allows a sustained 10 requests per
