@@ -152,6 +152,20 @@ async fn run_split(
     slo_ms: u64,
     critical_every: u64,
 ) -> Vec<Second> {
+    run_with(limit, upstream, phases, secs, slo_ms, critical_every, None).await
+}
+
+/// [`run_split`], a request over the limit waiting up to `queue` for a slot when given (the
+/// limit must queue); latency is from arrival, waiting included.
+async fn run_with(
+    limit: Option<AdaptiveLimit>,
+    upstream: Arc<Upstream>,
+    phases: Vec<Phase>,
+    secs: u64,
+    slo_ms: u64,
+    critical_every: u64,
+    queue: Option<Duration>,
+) -> Vec<Second> {
     let mut n = 0u64;
     let stats = Arc::new(Mutex::new(vec![Second::default(); secs as usize]));
     let start = Instant::now();
@@ -183,11 +197,13 @@ async fn run_split(
             stats.lock().unwrap()[second].critical += 1;
         }
         tokio::spawn(async move {
+            let t0 = Instant::now();
             let permit = match &limit {
-                Some(l) => match if critical {
-                    l.try_acquire_in("critical")
-                } else {
-                    l.try_acquire()
+                Some(l) => match match (queue, critical) {
+                    (Some(wait), true) => l.acquire_in("critical", wait).await,
+                    (Some(wait), false) => l.acquire(wait).await,
+                    (None, true) => l.try_acquire_in("critical"),
+                    (None, false) => l.try_acquire(),
                 } {
                     Some(p) => Some(p),
                     None => {
@@ -197,7 +213,6 @@ async fn run_split(
                 },
                 None => None,
             };
-            let t0 = Instant::now();
             let answer = tokio::time::timeout(Duration::from_secs(1), upstream.call()).await;
             let took = t0.elapsed();
             let done = ((start.elapsed().as_secs()) as usize).min(stats.lock().unwrap().len() - 1);
@@ -290,6 +305,71 @@ async fn steady_overload_keeps_goodput_and_latency() {
     let none = run(None, Upstream::new(16, 20), vec![phase(0, 1200)], 30, 80).await;
     let (good, _, _) = worst(&none, 20, 30);
     assert!(good < 100, "no limit: goodput {good}\n{}", show(&none));
+}
+
+/// Mean goodput a second, and the highest p99 (ms), over seconds `from..to`.
+fn mean(s: &[Second], from: usize, to: usize) -> (f64, f64) {
+    let part = &s[from..to];
+    (
+        part.iter().map(|x| f64::from(x.good)).sum::<f64>() / part.len() as f64,
+        part.iter().map(Second::p99_ms).fold(0.0, f64::max),
+    )
+}
+
+/// A short queue under overload (2× capacity, the gradient limit, an SLO of 80 ms from
+/// arrival): refusing at once, or waiting up to 50 ms for a slot in FIFO or LIFO order. LIFO
+/// serves fresh requests and lets the oldest reach their deadline, so its goodput and p99 stay
+/// near refusing's; FIFO makes every admitted request wait the whole queue. The evidence
+/// behind the default (refuse at once) and behind LIFO for a queue: `docs/adaptive.md`.
+#[tokio::test(start_paused = true)]
+async fn a_short_queue_lifo_against_fifo() {
+    use tollgate::adaptive::QueueOrder;
+    let limit = |order: Option<QueueOrder>| {
+        let b = AdaptiveLimit::builder().initial(10).range(2, 500);
+        match order {
+            Some(o) => b.queue(64, o),
+            None => b,
+        }
+        .build()
+        .unwrap()
+    };
+    let mut rows = Vec::new();
+    for (name, order) in [
+        ("refuse", None),
+        ("fifo", Some(QueueOrder::Fifo)),
+        ("lifo", Some(QueueOrder::Lifo)),
+    ] {
+        let queue = order.map(|_| Duration::from_millis(50));
+        let s = run_with(
+            Some(limit(order)),
+            Upstream::new(16, 20),
+            vec![phase(0, 1600)],
+            30,
+            80,
+            0,
+            queue,
+        )
+        .await;
+        let (good, p99) = mean(&s, 10, 30);
+        eprintln!("{name}: goodput {good:.0}/s of 800, worst p99 {p99:.1} ms");
+        rows.push((name, good, p99, s));
+    }
+    let (refuse, fifo, lifo) = (&rows[0], &rows[1], &rows[2]);
+    assert!(
+        refuse.1 >= 720.0,
+        "refuse {}
+{}",
+        refuse.1,
+        show(&refuse.3)
+    );
+    assert!(
+        lifo.1 >= 0.95 * refuse.1 && lifo.1 > fifo.1 + 50.0 && lifo.2 < fifo.2,
+        "lifo {:.0}/s p99 {:.1} ms, fifo {:.0}/s p99 {:.1} ms",
+        lifo.1,
+        lifo.2,
+        fifo.1,
+        fifo.2
+    );
 }
 
 /// The capacity halved for 20 s, then restored: goodput near each phase's capacity from 10 s
@@ -591,6 +671,52 @@ fn threads_at_once_never_exceed_the_limit() {
     assert_eq!(limit.in_flight(), 0);
 }
 
+/// Many tasks on several threads at once through a limit of 4 with a queue: never more than 4
+/// in flight, every request either served or refused (admitted + rejected = all), and nothing
+/// left in flight or in line at the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_queue_under_real_concurrency_never_exceeds_the_limit() {
+    use tollgate::adaptive::QueueOrder;
+    for order in [QueueOrder::Lifo, QueueOrder::Fifo] {
+        let limit = AdaptiveLimit::builder()
+            .initial(4)
+            .range(4, 4)
+            .queue(8, order)
+            .build()
+            .unwrap();
+        let peak = Arc::new(AtomicU32::new(0));
+        let tasks: Vec<_> = (0..16)
+            .map(|t| {
+                let (limit, peak) = (limit.clone(), peak.clone());
+                tokio::spawn(async move {
+                    for i in 0..100u32 {
+                        if let Some(p) = limit.acquire(Duration::from_millis(2)).await {
+                            peak.fetch_max(limit.in_flight(), Ordering::Relaxed);
+                            tokio::task::yield_now().await;
+                            if (i + t) % 7 == 0 {
+                                drop(p);
+                            } else {
+                                p.success();
+                            }
+                        }
+                    }
+                })
+            })
+            .collect();
+        for t in tasks {
+            t.await.unwrap();
+        }
+        assert!(peak.load(Ordering::Relaxed) <= 4, "{order:?}");
+        assert_eq!((limit.in_flight(), limit.waiting()), (0, 0), "{order:?}");
+        let other = &limit.partitions()[0];
+        assert_eq!(
+            other.admitted + other.rejected,
+            1600,
+            "{order:?}: {other:?}"
+        );
+    }
+}
+
 proptest::proptest! {
     #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
 
@@ -753,6 +879,53 @@ mod over_http {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         panic!("not within 5 s");
+    }
+
+    /// With a queue: a request over the limit waits for the slot of the one in flight and is
+    /// served; one whose deadline passes is answered 503; one whose client goes away leaves
+    /// the line. Every slot and place in line comes back.
+    #[tokio::test]
+    async fn a_queued_request_waits_for_a_slot_until_its_deadline() {
+        use tollgate::adaptive::QueueOrder;
+        let release = Arc::new(Semaphore::new(0));
+        let limit = AdaptiveLimit::builder()
+            .initial(1)
+            .range(1, 1)
+            .queue(4, QueueOrder::Lifo)
+            .build()
+            .unwrap();
+        let layer = AdaptiveLayer::new(limit.clone()).queue_deadline(Duration::from_secs(5));
+        let base = support::serve_app(held(release.clone()).layer(layer)).await;
+        let client = reqwest::Client::new();
+        let first = tokio::spawn(client.get(&base).send());
+        wait_for(|| limit.in_flight() == 1).await;
+        let second = tokio::spawn(client.get(&base).send());
+        wait_for(|| limit.waiting() == 1).await;
+        // A client that gives up while waiting leaves the line.
+        let gone = tokio::spawn(client.get(&base).send());
+        wait_for(|| limit.waiting() == 2).await;
+        gone.abort();
+        wait_for(|| limit.waiting() == 1).await;
+        release.add_permits(1);
+        assert_eq!(first.await.unwrap().unwrap().status(), 200);
+        // The second got the first's slot: it is served, not refused.
+        wait_for(|| limit.in_flight() == 1 && limit.waiting() == 0).await;
+        release.add_permits(1);
+        assert_eq!(second.await.unwrap().unwrap().status(), 200);
+        assert_eq!((limit.in_flight(), limit.waiting()), (0, 0));
+
+        // A deadline that passes: 503, as without a queue.
+        let short = AdaptiveLayer::new(limit.clone()).queue_deadline(Duration::from_millis(100));
+        let base = support::serve_app(held(release.clone()).layer(short)).await;
+        let first = tokio::spawn(client.get(&base).send());
+        wait_for(|| limit.in_flight() == 1).await;
+        let late = client.get(&base).send().await.unwrap();
+        assert_eq!(late.status(), 503);
+        release.add_permits(1);
+        assert_eq!(first.await.unwrap().unwrap().status(), 200);
+        let other = &limit.partitions()[0];
+        assert_eq!((other.admitted, other.rejected), (3, 1), "{other:?}");
+        assert_eq!((limit.in_flight(), limit.waiting()), (0, 0));
     }
 
     /// Over real HTTP: two requests held, a third answered 503 at once with `Retry-After`, a

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use super::{AdaptiveLayer, AdaptiveLimit, Aimd, Gradient};
+use super::{AdaptiveLayer, AdaptiveLimit, Aimd, Gradient, QueueOrder};
 use crate::ConfigError;
 
 /// An adaptive limit's settings in a configuration file, checked when read (an unknown field
@@ -26,6 +26,7 @@ use crate::ConfigError;
 /// sample_at = "head"            # or "body_end"
 /// dry_run = false
 /// partitions = [{ name = "critical", share = 0.5 }]
+/// queue = { max_waiting = 64, order = "lifo", deadline = "50ms" }   # none by default
 /// ```
 ///
 /// ```
@@ -93,6 +94,24 @@ pub struct AdaptiveConfig {
     /// Partitions with their guaranteed shares, in order.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub partitions: Vec<PartitionConfig>,
+    /// A short queue for requests over the limit (none by default: refused at once).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue: Option<QueueConfig>,
+}
+
+/// The queue of an [`AdaptiveConfig`]:
+/// `{ max_waiting = 64, order = "lifo", deadline = "50ms" }`.
+#[derive(Debug, Clone, PartialEq, serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct QueueConfig {
+    /// The most requests waiting at once (at least 1).
+    pub max_waiting: usize,
+    /// `lifo` (the default) or `fifo`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub order: Option<String>,
+    /// How long a request waits for a slot in the layer (`"50ms"` by default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline: Option<String>,
 }
 
 /// A partition of an [`AdaptiveConfig`]: `{ name = "critical", share = 0.5 }`.
@@ -200,6 +219,19 @@ impl AdaptiveConfig {
         for p in &self.partitions {
             b = b.partition(&p.name, p.share);
         }
+        if let Some(q) = &self.queue {
+            let order = match q.order.as_deref() {
+                None | Some("lifo") => QueueOrder::Lifo,
+                Some("fifo") => QueueOrder::Fifo,
+                Some(other) => {
+                    return Err(bad(
+                        "queue.order",
+                        format!("{other:?}: use \"lifo\" or \"fifo\""),
+                    ));
+                }
+            };
+            b = b.queue(q.max_waiting, order);
+        }
         b.build()
     }
 
@@ -222,6 +254,9 @@ impl AdaptiveConfig {
         }
         if let Some(on) = self.dry_run {
             layer = layer.dry_run(on);
+        }
+        if let Some(deadline) = self.queue.as_ref().and_then(|q| q.deadline.as_ref()) {
+            layer = layer.queue_deadline(duration("queue.deadline", deadline)?);
         }
         Ok(layer)
     }
@@ -270,6 +305,16 @@ mod tests {
             ("partitions = [{ name = \"a\", share = 1.5 }]", "partition"),
             ("partitions = [{ name = \"a\", shares = 0.5 }]", "shares"),
             ("min_samples = 0", "min_samples"),
+            ("queue = { max_waiting = 0 }", "queue"),
+            (
+                "queue = { max_waiting = 8, order = \"random\" }",
+                "queue.order",
+            ),
+            (
+                "queue = { max_waiting = 8, deadline = \"soon\" }",
+                "queue.deadline",
+            ),
+            ("queue = { max_waiting = 8, dedline = \"1s\" }", "dedline"),
         ] {
             let err = read(text)
                 .err()
@@ -283,9 +328,12 @@ mod tests {
         let layer = read(
             "name = \"api\"\ninitial = 30\nmin = 5\nmax = 40\nretry_after = \"3s\"\n\
              sample_at = \"body_end\"\ndry_run = true\nwindow = [\"50ms\", \"2s\"]\n\
-             partitions = [{ name = \"critical\", share = 0.5 }]",
+             partitions = [{ name = \"critical\", share = 0.5 }]\n\
+             queue = { max_waiting = 8, order = \"fifo\", deadline = \"20ms\" }",
         )
         .unwrap();
+        assert!(layer.limit().queues());
+        assert!(format!("{layer:?}").contains("queue_deadline: 20ms"));
         let dbg = format!("{layer:?}");
         assert!(dbg.contains("retry_after: 3s"), "{dbg}");
         assert!(

@@ -49,6 +49,8 @@ pub type Overload = Arc<dyn Fn(StatusCode, &http::HeaderMap) -> bool + Send + Sy
 #[derive(Clone)]
 pub struct AdaptiveLayer {
     limit: AdaptiveLimit,
+    /// How long a request over the limit waits for a slot, when the limit queues.
+    queue_deadline: Duration,
     retry_after: Duration,
     body_end: bool,
     dry_run: bool,
@@ -65,6 +67,7 @@ impl std::fmt::Debug for AdaptiveLayer {
         f.debug_struct("AdaptiveLayer")
             .field("limit", &self.limit)
             .field("retry_after", &self.retry_after)
+            .field("queue_deadline", &self.queue_deadline)
             .field("body_end", &self.body_end)
             .field("dry_run", &self.dry_run)
             .finish_non_exhaustive()
@@ -76,6 +79,7 @@ impl AdaptiveLayer {
     pub fn new(limit: AdaptiveLimit) -> Self {
         AdaptiveLayer {
             limit,
+            queue_deadline: Duration::from_millis(50),
             retry_after: Duration::from_secs(1),
             body_end: false,
             dry_run: false,
@@ -87,6 +91,15 @@ impl AdaptiveLayer {
     /// The `Retry-After` of a refused request (rounded up to whole seconds, at least 1).
     pub fn retry_after(mut self, after: Duration) -> Self {
         self.retry_after = after;
+        self
+    }
+
+    /// How long a request over the limit waits for a slot when the limit queues
+    /// ([`AdaptiveLimitBuilder::queue`](super::AdaptiveLimitBuilder::queue)); 50 ms by
+    /// default. Past it, or with the queue full, it is refused as without a queue. The wait is
+    /// not part of the request's sample.
+    pub fn queue_deadline(mut self, deadline: Duration) -> Self {
+        self.queue_deadline = deadline;
         self
     }
 
@@ -175,7 +188,8 @@ pub struct Adaptive<S> {
 
 impl<S, ReqB, ResB> tower_service::Service<Request<ReqB>> for Adaptive<S>
 where
-    S: tower_service::Service<Request<ReqB>, Response = Response<ResB>>,
+    S: tower_service::Service<Request<ReqB>, Response = Response<ResB>> + Clone + Send + 'static,
+    ReqB: Send + 'static,
     ResB: RateLimitBody + Send + 'static,
 {
     type Response = Response<ResB>;
@@ -187,22 +201,44 @@ where
     }
 
     fn call(&mut self, req: Request<ReqB>) -> Self::Future {
-        let permit = match &self.layer.partition {
-            Some(by) => match by(&RequestInfo::new(&req)) {
-                Some(name) => self.layer.limit.try_acquire_in(name),
-                None => self.layer.limit.try_acquire(),
-            },
-            None => self.layer.limit.try_acquire(),
+        let name = (self.layer.partition.as_ref()).and_then(|by| by(&RequestInfo::new(&req)));
+        let limit = &self.layer.limit;
+        let permit = if limit.queues() && !self.layer.dry_run {
+            // A free slot, or the line (a refusal is counted once, when it ends the wait).
+            match limit.take_in(name) {
+                Some(p) => Some(p),
+                None => {
+                    let (limit, deadline) = (limit.clone(), self.layer.queue_deadline);
+                    let wait = Box::pin(async move {
+                        match name {
+                            Some(name) => limit.acquire_in(name, deadline).await,
+                            None => limit.acquire(deadline).await,
+                        }
+                    });
+                    let grpc = grpc_of(&req);
+                    let mut inner = crate::call::take_ready(&mut self.inner);
+                    return AdaptiveFuture {
+                        state: State::Waiting {
+                            wait,
+                            call: Some(Box::new(move || inner.call(req))),
+                            grpc,
+                            retry_after: self.layer.retry_after,
+                            body_end: self.layer.body_end,
+                            overload: self.layer.overload.clone(),
+                        },
+                    };
+                }
+            }
+        } else {
+            match name {
+                Some(name) => limit.try_acquire_in(name),
+                None => limit.try_acquire(),
+            }
         };
         if permit.is_none() && !self.layer.dry_run {
-            let grpc = req
-                .headers()
-                .get(http::header::CONTENT_TYPE)
-                .filter(|v| v.as_bytes().starts_with(b"application/grpc"))
-                .cloned();
             return AdaptiveFuture {
                 state: State::Refused {
-                    grpc,
+                    grpc: grpc_of(&req),
                     retry_after: self.layer.retry_after,
                 },
             };
@@ -217,6 +253,17 @@ where
         }
     }
 }
+
+/// The request's `content-type` when it is gRPC's (its refusal is then gRPC's).
+fn grpc_of<B>(req: &Request<B>) -> Option<HeaderValue> {
+    req.headers()
+        .get(http::header::CONTENT_TYPE)
+        .filter(|v| v.as_bytes().starts_with(b"application/grpc"))
+        .cloned()
+}
+
+/// A request waiting in the limit's queue: the wait, then its call.
+type Waiter = Pin<Box<dyn Future<Output = Option<Permit>> + Send>>;
 
 pin_project! {
     /// The future of [`Adaptive`]: the inner service's, holding the request's slot; or a
@@ -233,6 +280,14 @@ pin_project! {
         Refused {
             grpc: Option<HeaderValue>,
             retry_after: Duration,
+        },
+        Waiting {
+            wait: Waiter,
+            call: Option<Box<dyn FnOnce() -> F + Send>>,
+            grpc: Option<HeaderValue>,
+            retry_after: Duration,
+            body_end: bool,
+            overload: Overload,
         },
         Called {
             #[pin]
@@ -251,8 +306,33 @@ where
 {
     type Output = Result<Response<ResB>, E>;
 
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        if let StateProj::Waiting {
+            wait,
+            call,
+            grpc,
+            retry_after,
+            body_end,
+            overload,
+        } = self.as_mut().project().state.project()
+        {
+            let permit = std::task::ready!(wait.as_mut().poll(cx));
+            let next = match (permit, call.take()) {
+                (Some(permit), Some(call)) => State::Called {
+                    future: call(),
+                    permit: Some(permit),
+                    body_end: *body_end,
+                    overload: overload.clone(),
+                },
+                _ => State::Refused {
+                    grpc: grpc.take(),
+                    retry_after: *retry_after,
+                },
+            };
+            self.as_mut().project().state.set(next);
+        }
         match self.project().state.project() {
+            StateProj::Waiting { .. } => Poll::Pending,
             StateProj::Refused { grpc, retry_after } => {
                 Poll::Ready(Ok(refusal(grpc.take(), *retry_after)))
             }

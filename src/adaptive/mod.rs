@@ -44,16 +44,17 @@ mod config;
 mod layer;
 mod outbound;
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 pub use algorithm::{Aimd, Algorithm, Gradient, Window};
 #[cfg(feature = "serde")]
 #[cfg_attr(docsrs, doc(cfg(feature = "serde")))]
-pub use config::{AdaptiveConfig, PartitionConfig};
+pub use config::{AdaptiveConfig, PartitionConfig, QueueConfig};
 pub use layer::{Adaptive, AdaptiveFuture, AdaptiveLayer, Overload, PartitionBy};
 pub use outbound::{OutboundPermit, Refused, Upstreams};
+
 use tokio::time::Instant;
 
 use crate::ConfigError;
@@ -96,6 +97,8 @@ struct Inner {
     state: Mutex<State>,
     /// The partitions given (guaranteed shares), then the one of every other request.
     partitions: Box<[Part]>,
+    /// Requests waiting for a slot, when the limit queues ([`AdaptiveLimitBuilder::queue`]).
+    queue: Option<Queue>,
     /// The `limit` label of the metrics.
     #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
     name: Arc<str>,
@@ -194,6 +197,7 @@ pub struct AdaptiveLimitBuilder {
     gradient: Option<Gradient>,
     partitions: Vec<(String, f64)>,
     name: String,
+    queue: Option<(usize, QueueOrder)>,
 }
 
 impl std::fmt::Debug for AdaptiveLimitBuilder {
@@ -221,6 +225,7 @@ impl AdaptiveLimit {
             gradient: None,
             partitions: Vec::new(),
             name: "default".into(),
+            queue: None,
         }
     }
 
@@ -236,14 +241,109 @@ impl AdaptiveLimit {
     /// limit is reached, only a partition under its guaranteed share of it is. A name not
     /// given is `other`, which has no guarantee: shed first.
     pub fn try_acquire_in(&self, name: &str) -> Option<Permit> {
+        self.acquire_at(self.partition_of(name))
+    }
+
+    /// A slot for one request of no partition given: at once if there is one, else, when the
+    /// limit queues ([`queue`](AdaptiveLimitBuilder::queue)), the first that a request ending
+    /// gives to it within `deadline` (`None` once the deadline passes, or at once when the
+    /// queue is full or the limit does not queue). The time waiting is not part of the
+    /// request's sample. Dropping the future leaves the queue.
+    pub async fn acquire(&self, deadline: Duration) -> Option<Permit> {
+        self.acquire_waiting(self.inner.partitions.len() - 1, deadline)
+            .await
+    }
+
+    /// [`acquire`](Self::acquire) for a request of partition `name` (see
+    /// [`try_acquire_in`](Self::try_acquire_in)).
+    pub async fn acquire_in(&self, name: &str, deadline: Duration) -> Option<Permit> {
+        self.acquire_waiting(self.partition_of(name), deadline)
+            .await
+    }
+
+    /// Requests waiting in the queue now (0 without one).
+    pub fn waiting(&self) -> usize {
+        (self.inner.queue.as_ref()).map_or(0, |q| q.waiting.load(Ordering::Relaxed))
+    }
+
+    /// Whether the limit queues requests over it ([`AdaptiveLimitBuilder::queue`]).
+    pub fn queues(&self) -> bool {
+        self.inner.queue.is_some()
+    }
+
+    /// A free slot for partition `name` (`None`: no partition given), without counting a
+    /// refusal (the layer's first try before it queues).
+    pub(crate) fn take_in(&self, name: Option<&str>) -> Option<Permit> {
+        match name {
+            Some(name) => self.take(self.partition_of(name)),
+            None => self.take(self.inner.partitions.len() - 1),
+        }
+    }
+
+    fn partition_of(&self, name: &str) -> usize {
         let parts = &self.inner.partitions;
-        let at = (parts[..parts.len() - 1].iter())
+        (parts[..parts.len() - 1].iter())
             .position(|p| &*p.name == name)
-            .unwrap_or(parts.len() - 1);
-        self.acquire_at(at)
+            .unwrap_or(parts.len() - 1)
+    }
+
+    async fn acquire_waiting(&self, at: usize, deadline: Duration) -> Option<Permit> {
+        if let Some(p) = self.take(at) {
+            return Some(p);
+        }
+        let inner = &self.inner;
+        let refuse = || {
+            inner.partitions[at].count(Event::Rejected, &inner.name);
+            None
+        };
+        let Some(queue) = &inner.queue else {
+            return refuse();
+        };
+        let until = Instant::now() + deadline;
+        // A waiter woken whose slot another took first waits again, first in line.
+        let mut again = false;
+        loop {
+            let (id, rx) = match queue.join(again) {
+                Some(joined) => joined,
+                None => return refuse(),
+            };
+            // Leaves the line however this ends (a slot, the deadline, the future dropped).
+            let _leave = Leave { queue, id };
+            // A slot given back between the first try and joining woke nobody: try again.
+            if let Some(p) = self.take(at) {
+                return Some(p);
+            }
+            match tokio::time::timeout_at(until, rx).await {
+                Ok(_) => {
+                    if let Some(p) = self.take(at) {
+                        return Some(p);
+                    }
+                    again = true;
+                }
+                Err(_) => {
+                    // Woken as the deadline passed, a slot may be free that this one will not
+                    // take: the next in line gets it.
+                    if inner.in_flight.load(Ordering::Acquire) < inner.limit.load(Ordering::Relaxed)
+                    {
+                        queue.wake_one();
+                    }
+                    return refuse();
+                }
+            }
+        }
     }
 
     fn acquire_at(&self, at: usize) -> Option<Permit> {
+        let permit = self.take(at);
+        if permit.is_none() {
+            let inner = &self.inner;
+            inner.partitions[at].count(Event::Rejected, &inner.name);
+        }
+        permit
+    }
+
+    /// A slot if one is free for partition `at` (a refusal is not counted here).
+    fn take(&self, at: usize) -> Option<Permit> {
         let inner = &self.inner;
         let part = &inner.partitions[at];
         let mut total = inner.in_flight.load(Ordering::Relaxed);
@@ -271,7 +371,6 @@ impl AdaptiveLimit {
             let guaranteed = (f64::from(limit) * part.share).ceil() as u32;
             let held = part.in_flight.load(Ordering::Relaxed);
             if held >= guaranteed {
-                part.count(Event::Rejected, &inner.name);
                 return None;
             }
             if part
@@ -473,6 +572,16 @@ impl AdaptiveLimitBuilder {
         self
     }
 
+    /// Requests over the limit wait for a slot ([`AdaptiveLimit::acquire`], and the layer's
+    /// [`queue_deadline`](AdaptiveLayer::queue_deadline)), at most `max_waiting` at once (more
+    /// are refused at once), served in `order` as slots are given back. Without it (the
+    /// default) a request over the limit is refused at once. See `docs/adaptive.md`, "A
+    /// short queue", for LIFO against FIFO, measured.
+    pub fn queue(mut self, max_waiting: usize, order: QueueOrder) -> Self {
+        self.queue = Some((max_waiting, order));
+        self
+    }
+
     /// The limit, or what is wrong with its settings.
     pub fn build(self) -> Result<AdaptiveLimit, ConfigError> {
         let bad = |option: &'static str, reason: String| ConfigError::Invalid { option, reason };
@@ -496,6 +605,9 @@ impl AdaptiveLimitBuilder {
                     self.min_window, self.max_window
                 ),
             ));
+        }
+        if let Some((0, _)) = self.queue {
+            return Err(bad("queue", "0 waiting: at least 1 (or no queue)".into()));
         }
         if self.partitions.len() > 16 {
             return Err(bad(
@@ -560,8 +672,95 @@ impl AdaptiveLimitBuilder {
                 }),
                 partitions,
                 name: self.name.into(),
+                queue: self.queue.map(|(max, order)| Queue {
+                    max,
+                    lifo: order == QueueOrder::Lifo,
+                    waiting: AtomicUsize::new(0),
+                    line: Mutex::new((0, std::collections::VecDeque::new())),
+                }),
             }),
         })
+    }
+}
+
+/// The order a queue gives slots in ([`AdaptiveLimitBuilder::queue`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum QueueOrder {
+    /// The request that came last is served first: under overload the ones served are fresh
+    /// (their clients still wait), and those that waited longest reach their deadline.
+    Lifo,
+    /// First come, first served: under overload every request waits about the whole queue.
+    Fifo,
+}
+
+/// The requests waiting for a slot: each a sender its waiter listens on, by id.
+struct Queue {
+    max: usize,
+    lifo: bool,
+    /// How many wait (read without the lock by a request giving its slot back).
+    waiting: AtomicUsize,
+    /// The next id, and the line: served from the back (LIFO) or the front (FIFO).
+    line: Mutex<(u64, Line)>,
+}
+
+/// The waiters, each its id and the sender it listens on.
+type Line = std::collections::VecDeque<(u64, tokio::sync::oneshot::Sender<()>)>;
+
+impl Queue {
+    /// Joins the line (`first`: at the end served next, for a waiter woken whose slot was
+    /// taken), or `None` when it is full.
+    fn join(&self, first: bool) -> Option<(u64, tokio::sync::oneshot::Receiver<()>)> {
+        let mut line = self.line.lock().unwrap_or_else(|e| e.into_inner());
+        if line.1.len() >= self.max {
+            return None;
+        }
+        line.0 += 1;
+        let id = line.0;
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        // Served next: the back (LIFO), the front (FIFO); a newcomer waits at the back.
+        if first && !self.lifo {
+            line.1.push_front((id, tx));
+        } else {
+            line.1.push_back((id, tx));
+        }
+        self.waiting.fetch_add(1, Ordering::AcqRel);
+        Some((id, rx))
+    }
+
+    /// Wakes the next in line that still waits.
+    fn wake_one(&self) {
+        let mut line = self.line.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            let next = if self.lifo {
+                line.1.pop_back()
+            } else {
+                line.1.pop_front()
+            };
+            let Some((_, tx)) = next else {
+                return;
+            };
+            self.waiting.fetch_sub(1, Ordering::AcqRel);
+            if tx.send(()).is_ok() {
+                return;
+            }
+        }
+    }
+}
+
+/// Leaves the line when dropped, if still in it.
+struct Leave<'a> {
+    queue: &'a Queue,
+    id: u64,
+}
+
+impl Drop for Leave<'_> {
+    fn drop(&mut self) {
+        let mut line = self.queue.line.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(at) = line.1.iter().position(|(id, _)| *id == self.id) {
+            line.1.remove(at);
+            self.queue.waiting.fetch_sub(1, Ordering::AcqRel);
+        }
     }
 }
 
@@ -623,6 +822,12 @@ impl Permit {
             .in_flight
             .fetch_sub(1, Ordering::AcqRel);
         inner.in_flight.fetch_sub(1, Ordering::AcqRel);
+        // The slot to the next in line, if any waits.
+        if let Some(queue) = &inner.queue
+            && queue.waiting.load(Ordering::Acquire) > 0
+        {
+            queue.wake_one();
+        }
     }
 }
 
