@@ -262,8 +262,9 @@ local lk
 -- A key converted by a change of its quota's values keeps the values it came from, written
 -- between its state and its own values ("<dI4I4": length, limit, sub-windows; 16 bytes): recs[key]
 -- is that record, {length, limit, sub-windows}, for each key read that has one (nil: none in
--- this call). `decode` leaves the record of the value it read in drec.
-local recs, drec
+-- this call). `decode` keeps the record of the value it read for `key` (none given: a value
+-- of format 1, which has none).
+local recs
 
 -- Reads a quota's key (once per call): GCRA, the TAT relative to now (ns, 0 when full);
 -- fixed, the count of the current window; sliding, a table c[1..m] of the m = slices + 1
@@ -271,7 +272,7 @@ local recs, drec
 -- the newest sub-window's index. False when Redis refused the key. Values of another length
 -- (written by someone else) count as nothing stored. `decode` reads a value (a string, or
 -- false: nothing stored) as `load` returns it; `load` gets it (and, upgrading, format 1's).
-local function decode(stored, g, kind)
+local function decode(stored, g, kind, key)
   if kind == 4 then
     if stored and #stored == 9 then
       local left = sunpack('<d', stored) - now_us
@@ -284,7 +285,6 @@ local function decode(stored, g, kind)
   -- A rate quota's value: its state, then (a key a change converted) the values it was
   -- converted from, then the values it was counted under and the format.
   local olen, olim, osl, ver
-  drec = nil
   if stored and #stored > 17 then
     olen, olim, osl, ver = sunpack('<dI4I4B', stored, #stored - 16)
   end
@@ -310,7 +310,10 @@ local function decode(stored, g, kind)
       -- of the fleet the change has not reached, or a change back) converts it back as keep
       -- does, so that two versions serving one key in turn forgive its units once, not at
       -- every call.
-      drec = {olen, olim, osl}
+      if key then
+        recs = recs or {}
+        recs[key] = {olen, olim, osl}
+      end
       local strategy = at[8 * g]
       if flen == len and flim == lim and fsl == sl then
         strategy = 0
@@ -381,8 +384,9 @@ local function decode(stored, g, kind)
       c[m + 1], c[m + 2] = c[m], at[8 * g - 2]
       return c
     end
-    if flen then
-      drec = {flen, flim, fsl}
+    if flen and key then
+      recs = recs or {}
+      recs[key] = {flen, flim, fsl}
     end
   else
     stored = false
@@ -443,7 +447,7 @@ local function decode(stored, g, kind)
   return c
 end
 
-local function read(key, g)
+local function load(key, g)
   local kind = at[8 * g - 7]
   if kind == 3 then
     -- The leases still running: the expired ones are removed first.
@@ -481,10 +485,7 @@ local function read(key, g)
         old = false
       end
       if old then
-        local new = decode(stored, g, kind)
-        local rec = drec
-        local was = decode(old, g, kind)
-        drec = rec
+        local new, was = decode(stored, g, kind, key), decode(old, g, kind)
         if kind == 2 then
           -- Sliding: the state with more units in its window (c[1] the oldest, c[m + 1] the
           -- rest).
@@ -500,20 +501,7 @@ local function read(key, g)
       end
     end
   end
-  return decode(stored, g, kind)
-end
-
--- `read`, keeping the record of the key's value (see `recs`).
-local function load(key, g)
-  drec = nil
-  local st = read(key, g)
-  if drec then
-    if recs == nil then
-      recs = {}
-    end
-    recs[key] = drec
-  end
-  return st
+  return decode(stored, g, kind, key)
 end
 
 -- The quotas' states this call has read, by key (see `load`). Decisions of one call on the same
@@ -953,13 +941,11 @@ for key, g in pairs(dq) do
       .. spack('<dI4I4B', len, at[8 * g - 5], m - 1, FORMAT)
     ms = base_ms + ceil((base_us + (newest + m) * len - now_us) / 1000)
   end
-  -- `slen`: the length of the state (format 1's whole value); a key with a record (see
-  -- `recs`) has it between its state and its values.
-  local slen = 8
-  if kind <= 2 then
-    slen = #value - 17
-    local rec = recs and recs[key]
+  -- A key with a record (see `recs`) has it between its state and its values.
+  if recs and kind <= 2 then
+    local rec = recs[key]
     if rec then
+      local slen = #value - 17
       value = string.sub(value, 1, slen) .. spack('<dI4I4', rec[1], rec[2], rec[3])
         .. string.sub(value, slen + 1)
     end
@@ -984,7 +970,15 @@ for key, g in pairs(dq) do
   else
     written = pcall_redis('SET', key, value, px, x)
     if lk and not (type(written) == 'table' and written.err) then
-      -- Format 1's value: format 2's state alone.
+      -- Format 1's value: the state alone (a block's end; a rate quota's value less its
+      -- values and its record).
+      local slen = 8
+      if kind ~= 4 then
+        slen = #value - 17
+        if recs and recs[key] then
+          slen = slen - 16
+        end
+      end
       written = pcall_redis('SET', lk[key], string.sub(value, 1, slen), px, x)
     end
   end
