@@ -16,6 +16,7 @@
 //! | `tollgate_deny_cache_hits_total` | counter | `policy` | denials answered from the deny cache, without a round trip |
 //! | `tollgate_adaptive_requests_total` | counter | `limit`, `partition`, `outcome` | requests an [`AdaptiveLimit`](crate::adaptive::AdaptiveLimit) saw, by partition (those given, and `other`) and `outcome`: `admitted`, `rejected`, then for the admitted `succeeded`, `dropped` (overload) or `cancelled` (no sample) |
 //! | `tollgate_adaptive_limit` | gauge | `limit` | the adaptive limit, set when a window of samples closes |
+//! | `tollgate_adaptive_limit_min` | gauge | `limit` | the least the adaptive limit may be (its range's minimum), set with `tollgate_adaptive_limit`: a limit pinned there is an alert |
 //! | `tollgate_adaptive_in_flight` | gauge | `limit` | requests holding a slot, when a window closes |
 //! | `tollgate_adaptive_rtt_seconds` | gauge | `limit`, `kind` | the window's mean RTT (`sample`) and the algorithm's no-load RTT (`baseline`, the gradient's) |
 //! | `tollgate_fleet_size` | gauge | `backend` | instances sharing the store as the last count read ([`Fleet`](crate::backend::remote::Fleet); with the local fallback only) |

@@ -496,6 +496,8 @@ impl Inner {
             let name = metrics::SharedString::from(self.name.clone());
             metrics::gauge!("tollgate_adaptive_limit", "limit" => name.clone())
                 .set(state.limit.round());
+            metrics::gauge!("tollgate_adaptive_limit_min", "limit" => name.clone())
+                .set(f64::from(self.min));
             metrics::gauge!("tollgate_adaptive_in_flight", "limit" => name.clone())
                 .set(f64::from(self.in_flight.load(Ordering::Relaxed)));
             metrics::gauge!("tollgate_adaptive_rtt_seconds", "limit" => name.clone(), "kind" => "sample")
