@@ -80,11 +80,24 @@ fn every_panel_parses_and_the_dashboard_imports_as_is() {
         .map(|v| v["name"].as_str().unwrap())
         .collect();
     assert_eq!(vars, ["datasource", "job", "instance", "policy"]);
+    assert_eq!(dash["templating"]["list"][0]["type"], "datasource");
     let mut rules = String::from("groups:\n- name: panels\n  rules:\n");
     let mut n = 0;
+    let mut ids = std::collections::BTreeSet::new();
     for p in dash["panels"].as_array().unwrap() {
+        let id = p["id"].as_u64().unwrap();
+        assert!(ids.insert(id), "panel id {id} twice");
         if p["type"] == "row" {
             continue;
+        }
+        let targets = p["targets"].as_array().unwrap();
+        assert!(!targets.is_empty(), "{}: no target", p["title"]);
+        for t in targets {
+            assert!(
+                !t["expr"].as_str().unwrap_or_default().trim().is_empty(),
+                "{}: a target without an expression",
+                p["title"]
+            );
         }
         assert_eq!(p["datasource"]["uid"], "${datasource}", "{}", p["title"]);
         let description = p["description"].as_str().unwrap_or_default();
@@ -168,15 +181,18 @@ fn every_metric_named_exists_and_every_metric_is_shown() {
     }
 }
 
-/// Every alert has a runbook in `docs/monitoring.md`, where its link points.
+/// Every alert has a runbook in `docs/observability.md`, where its link points.
 #[test]
 fn every_alert_has_its_runbook() {
-    let docs = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/monitoring.md"))
-        .unwrap();
+    let docs = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/docs/observability.md"
+    ))
+    .unwrap();
     for a in generator::alerts(&generator::Settings::default()) {
         assert!(
             docs.contains(&format!("\n### {}\n", a.name)),
-            "docs/monitoring.md has no runbook for {}",
+            "docs/observability.md has no runbook for {}",
             a.name
         );
     }

@@ -153,6 +153,68 @@ async fn wait_alert(p: &Prometheus, name: &str, state: Option<&str>, secs: u64) 
     }
 }
 
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+}
+
+/// The main panels' queries over the run, from Prometheus (`query_range`, a point a second),
+/// saved to `target/observability-run.json` with the times Redis was killed and restarted:
+/// `scripts/plot-observability.py` draws `docs/observability.png` from it.
+async fn save_run(p: &Prometheus, start: f64, killed: f64, restarted: f64) {
+    let end = unix_now();
+    let panels = [
+        (
+            "decisions",
+            "sum by (outcome) (rate(tollgate_decisions_total{policy=~\"shared|open\"}[5s]))",
+        ),
+        (
+            "errors",
+            "sum by (kind) (rate(tollgate_backend_errors_total[5s]))",
+        ),
+        (
+            "breaker",
+            "max by (backend) (tollgate_circuit_breaker_open)",
+        ),
+        (
+            "p99",
+            "histogram_quantile(0.99, sum by (le) (rate(tollgate_backend_latency_seconds_bucket[5s])))",
+        ),
+        (
+            "alert",
+            "max by (alertstate) (ALERTS{alertname=\"TollgateStoreFailing\"})",
+        ),
+    ];
+    let mut out = serde_json::Map::new();
+    for (name, expr) in panels {
+        let res: Value = reqwest::Client::new()
+            .get(format!("{}/api/v1/query_range", p.url))
+            .query(&[
+                ("query", expr.to_owned()),
+                ("start", format!("{start:.3}")),
+                ("end", format!("{end:.3}")),
+                ("step", "1".to_owned()),
+            ])
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        out.insert(
+            name.into(),
+            serde_json::json!({ "expr": expr, "result": res["data"]["result"] }),
+        );
+    }
+    out.insert("start".into(), start.into());
+    out.insert("killed".into(), killed.into());
+    out.insert("restarted".into(), restarted.into());
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/target/observability-run.json");
+    let _ = std::fs::write(path, serde_json::to_string(&Value::Object(out)).unwrap());
+}
+
 fn rls_request(ip: &str) -> RateLimitRequest {
     RateLimitRequest {
         domain: "edge".into(),
@@ -343,19 +405,24 @@ async fn a_real_prometheus_runs_every_query_and_the_store_alert_fires_and_resolv
     });
 
     let p = prometheus(&target.to_string()).await;
+    let started = unix_now();
     // Healthy: the store alert stays silent while series build up.
     tokio::time::sleep(Duration::from_secs(12)).await;
     assert_eq!(alert_state(&p, "TollgateStoreFailing").await, None);
     assert!(!query(&p, "tollgate:decisions:rate").await.is_empty());
 
     // Redis dies: the fallback decides, the alert goes pending, then firing.
+    let killed = unix_now();
     redis.kill();
     wait_alert(&p, "TollgateStoreFailing", Some("pending"), 30).await;
     wait_alert(&p, "TollgateStoreFailing", Some("firing"), 30).await;
     wait_alert(&p, "TollgateFailOpen", Some("firing"), 30).await;
     // Back: the store decides again, and once the window has passed the alert resolves.
+    let restarted = unix_now();
     redis.restart();
     wait_alert(&p, "TollgateStoreFailing", None, 60).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    save_run(&p, started, killed, restarted).await;
 
     // Every expression returns series.
     let mut empty = Vec::new();
