@@ -145,6 +145,8 @@ struct Inner<B: Backend> {
     holds_slots: bool,
     /// Keys an upstream asked to slow down, until when ([`Limiter::obey`]).
     pauses: Pauses,
+    /// An adaptive concurrency limit per key ([`Limiter::adapt`]).
+    adaptive: std::sync::OnceLock<crate::adaptive::Upstreams>,
 }
 
 impl<B: Backend> Clone for Limiter<B> {
@@ -179,6 +181,9 @@ pub enum AcquireError {
     /// for this long yet, longer than the wait allowed ([`Limiter::obey`]; the reqwest
     /// middleware's `obey_retry_after`, feature `reqwest`). Nothing was taken.
     Paused(Duration),
+    /// The key's adaptive concurrency limit is reached, or its upstream asked to wait
+    /// ([`Limiter::adapt`]). Nothing was taken.
+    Overloaded(crate::adaptive::Refused),
 }
 
 impl fmt::Display for AcquireError {
@@ -196,6 +201,7 @@ impl fmt::Display for AcquireError {
                     "the upstream asked to slow down: paused for {left:?} more"
                 )
             }
+            AcquireError::Overloaded(refused) => write!(f, "{refused}"),
         }
     }
 }
@@ -229,6 +235,7 @@ impl<B: Backend> Limiter<B> {
                 name: policy.name().to_owned(),
                 holds_slots: policy.holds_slots(),
                 pauses: Pauses::default(),
+                adaptive: std::sync::OnceLock::new(),
             }),
         })
     }
@@ -305,6 +312,14 @@ impl<B: Backend> Limiter<B> {
         if let Some(left) = i.pauses.remaining(key) {
             return Err(AcquireError::Paused(left));
         }
+        // A slot of the key's adaptive limit first (in memory): refused, nothing is taken;
+        // taken and the quota refuses, it goes back as no sample.
+        let adaptive = match i.adaptive.get() {
+            Some(upstreams) => {
+                Some((upstreams.try_acquire(&key.to_string())).map_err(AcquireError::Overloaded)?)
+            }
+            None => None,
+        };
         let lease = next_lease();
         let decision = (i.backend).decide_with(&i.policy, key, cost, Mode::Hold { lease });
         // Dropped before the store answers, the slot it may take is given back when it does.
@@ -331,7 +346,47 @@ impl<B: Backend> Limiter<B> {
             admitted: i.backend.now_ns(),
             decision,
             open: i.holds_slots,
+            adaptive,
         })
+    }
+
+    /// Adapts how much work runs at once per key to what each key's upstream shows, with an
+    /// adaptive limit per key from `upstreams` (named by the key as it displays):
+    /// [`admit`](Self::admit) then takes a slot of the key's limit too, and refuses with
+    /// [`AcquireError::Overloaded`] over it or while the upstream asked to wait. End a permit
+    /// with what the upstream answered ([`Permit::observe`]), or
+    /// [`Permit::overloaded`] for a timeout; a permit settled or dropped otherwise is a
+    /// sample of the work's time. Clones share the limits; the first `upstreams` given stays.
+    ///
+    /// ```
+    /// use std::num::NonZeroU32;
+    /// use tollgate::adaptive::{AdaptiveLimit, Upstreams};
+    /// use tollgate::backend::LocalBackend;
+    /// use tollgate::limiter::{AcquireError, Limiter};
+    /// use tollgate::{Key, Policy, Quota};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let upstreams = Upstreams::new(|name| AdaptiveLimit::builder().name(name).initial(1).range(1, 50))?;
+    /// let limiter = Limiter::new(Policy::new("partner", Quota::per_second(100)), LocalBackend::new())?
+    ///     .adapt(upstreams);
+    /// let partner = Key::from_bytes("api.partner.example")?;
+    /// let mut permit = limiter.admit(&partner, NonZeroU32::MIN).await?;
+    /// // One call at once for now: a second is refused before it is made.
+    /// let second = limiter.admit(&partner, NonZeroU32::MIN).await;
+    /// assert!(matches!(second, Err(AcquireError::Overloaded(_))));
+    /// let answer = http::Response::builder().status(200).body(())?;
+    /// permit.observe(answer.status(), answer.headers());
+    /// # Ok(()) }
+    /// ```
+    pub fn adapt(self, upstreams: crate::adaptive::Upstreams) -> Self {
+        let _ = self.inner.adaptive.set(upstreams);
+        self
+    }
+
+    /// The adaptive limits per key, when [`adapt`](Self::adapt) gave them.
+    pub fn adaptive_limits(&self) -> Option<&crate::adaptive::Upstreams> {
+        self.inner.adaptive.get()
     }
 
     /// Waits until `cost` units of `key` are this caller's, for at most `max_wait`: one
@@ -385,6 +440,8 @@ pub struct Permit<B: Backend> {
     decision: Decision,
     /// Whether the slot is still held (not yet given back by `settle` or the drop).
     open: bool,
+    /// The slot of the key's adaptive limit, until the work's end is known ([`Limiter::adapt`]).
+    adaptive: Option<crate::adaptive::OutboundPermit>,
 }
 
 impl<B: Backend> Permit<B> {
@@ -398,6 +455,9 @@ impl<B: Backend> Permit<B> {
     /// back. Every store settles (local, Redis, Redis Cluster, PostgreSQL, MySQL, the
     /// approximate Redis mode); the slot is given back either way.
     pub async fn settle(mut self, cost: u32) -> Result<(), BackendError> {
+        if let Some(p) = self.adaptive.take() {
+            p.success();
+        }
         let i = &self.limiter.inner;
         let admitted = self.cost.get();
         let settlement = match cost.cmp(&admitted) {
@@ -428,9 +488,33 @@ impl<B: Backend> Permit<B> {
     }
 }
 
+impl<B: Backend> Permit<B> {
+    /// What the work's upstream answered ([`Limiter::adapt`]): a `429` or `503` (or gRPC
+    /// `RESOURCE_EXHAUSTED` / `UNAVAILABLE`) is a drop for the key's adaptive limit, and its
+    /// `Retry-After` pauses the key there; anything else is a sample of the work's time.
+    /// Returns whether it was a drop (false without an adaptive limit, or once told).
+    pub fn observe(&mut self, status: http::StatusCode, headers: &http::HeaderMap) -> bool {
+        self.adaptive
+            .take()
+            .is_some_and(|p| p.observe(status, headers))
+    }
+
+    /// The work showed overload without an answer (a timeout, a connection refused): a drop
+    /// for the key's adaptive limit ([`Limiter::adapt`]).
+    pub fn overloaded(&mut self) {
+        if let Some(p) = self.adaptive.take() {
+            p.dropped();
+        }
+    }
+}
+
 impl<B: Backend> Drop for Permit<B> {
-    /// The work is over: its slot is given back (at once in memory, else in a task of its own).
+    /// The work is over: its slot is given back (at once in memory, else in a task of its own),
+    /// and its time is a sample of the key's adaptive limit if nothing else was said.
     fn drop(&mut self) {
+        if let Some(p) = self.adaptive.take() {
+            p.success();
+        }
         if self.open {
             self.limiter.release(&self.key, self.lease);
         }

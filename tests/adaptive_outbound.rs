@@ -234,3 +234,65 @@ async fn a_tower_client_is_limited_by_the_same_layer() {
         "{stats:?}"
     );
 }
+
+/// `Limiter::adapt`: work for a key takes a slot of the key's adaptive limit; over it, or
+/// while the upstream asked to wait, `admit` refuses before anything is taken; the answer
+/// observed is the sample (a 503 a drop, with its pause), a permit dropped a success; a
+/// refusal by the quota gives the slot back as no sample. Calls to a real upstream.
+#[tokio::test]
+async fn the_limiter_adapts_per_key_to_its_upstreams_answers() {
+    use std::num::NonZeroU32;
+    use tollgate::backend::LocalBackend;
+    use tollgate::limiter::{AcquireError, Limiter};
+    use tollgate::{Key, Policy, Quota};
+
+    let (base, up) = upstream().await;
+    let limiter = Limiter::new(
+        Policy::new("partner", Quota::per_hour(2)),
+        LocalBackend::new(),
+    )
+    .unwrap()
+    .adapt(upstreams(1, 1));
+    let (a, b) = (Key::from_bytes("a").unwrap(), Key::from_bytes("b").unwrap());
+    let one = NonZeroU32::MIN;
+    let client = reqwest::Client::new();
+
+    let mut first = limiter.admit(&a, one).await.unwrap();
+    assert!(matches!(
+        limiter.admit(&a, one).await,
+        Err(AcquireError::Overloaded(Refused::OverLimit))
+    ));
+    // `/flaky` answers 503 first, with no Retry-After: a drop, no pause.
+    let res = client.get(format!("{base}/flaky")).send().await.unwrap();
+    assert!(first.observe(res.status(), res.headers()));
+    drop(first);
+    // `/busy`: 429 with Retry-After 30, for key b: b paused, a not.
+    let mut second = limiter.admit(&b, one).await.unwrap();
+    let res = client.get(format!("{base}/busy")).send().await.unwrap();
+    assert!(second.observe(res.status(), res.headers()));
+    drop(second);
+    match limiter.admit(&b, one).await {
+        Err(AcquireError::Overloaded(Refused::Paused(left))) => {
+            assert!(left > Duration::from_secs(29));
+        }
+        other => panic!("{other:?}"),
+    }
+    let third = limiter.admit(&a, one).await.unwrap();
+    drop(third);
+    // The quota (2 an hour per key) is spent: refused by it, the adaptive slot comes back
+    // unsampled.
+    assert!(matches!(
+        limiter.admit(&a, one).await,
+        Err(AcquireError::TooLong(_))
+    ));
+    assert_eq!(up.calls.load(Ordering::SeqCst), 2);
+    let ups = limiter.adaptive_limits().unwrap();
+    let a = &ups.limit("a").unwrap().partitions()[0];
+    assert_eq!(
+        (a.admitted, a.rejected, a.dropped, a.succeeded, a.cancelled),
+        (3, 1, 1, 1, 1),
+        "{a:?}"
+    );
+    let b = &ups.limit("b").unwrap().partitions()[0];
+    assert_eq!((b.admitted, b.dropped), (1, 1), "{b:?}");
+}
