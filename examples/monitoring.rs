@@ -827,6 +827,16 @@ fn list_height(panels: &[Value]) -> i64 {
     (n + 1) / 2 * 8
 }
 
+/// A panel's expression with the dashboard's variables filled in as Grafana does with every
+/// value selected (`$__rate_interval` as `1m`).
+#[allow(dead_code)] // used by tests/monitoring.rs and tests/monitoring_live.rs
+pub(crate) fn filled(expr: &str) -> String {
+    expr.replace("$__rate_interval", "1m")
+        .replace("$job", ".*")
+        .replace("$instance", ".*")
+        .replace("$policy", ".*")
+}
+
 /// Every file: name and text.
 pub(crate) fn files(s: &Settings) -> Vec<(&'static str, String)> {
     let dash = serde_json::to_string_pretty(&dashboard(s)).unwrap_or_default() + "\n";

@@ -82,12 +82,17 @@ impl<B: Backend> fmt::Debug for RateLimitMiddleware<B> {
     }
 }
 
-/// The key of a call: its URL's host and port (`api.partner.example:443`).
-fn host_key(req: &reqwest::Request) -> Option<Key> {
+/// A call's upstream: its URL's host and port (`api.partner.example:443`).
+fn host_port(req: &reqwest::Request) -> Option<String> {
     let url = req.url();
     let host = url.host_str()?;
     let port = url.port_or_known_default().unwrap_or(0);
-    Key::from_bytes(format!("{host}:{port}")).ok()
+    Some(format!("{host}:{port}"))
+}
+
+/// The key of a call: its upstream ([`host_port`]).
+fn host_key(req: &reqwest::Request) -> Option<Key> {
+    Key::from_bytes(host_port(req)?).ok()
 }
 
 impl<B: Backend> RateLimitMiddleware<B> {
@@ -227,10 +232,8 @@ impl Middleware for AdaptiveMiddleware {
         extensions: &mut Extensions,
         next: Next<'_>,
     ) -> reqwest_middleware::Result<reqwest::Response> {
-        let url = req.url();
-        let upstream = match url.host_str() {
-            Some(host) => format!("{host}:{}", url.port_or_known_default().unwrap_or(0)),
-            None => return next.run(req, extensions).await,
+        let Some(upstream) = host_port(&req) else {
+            return next.run(req, extensions).await;
         };
         let permit = (self.upstreams.try_acquire(&upstream))
             .map_err(reqwest_middleware::Error::middleware)?;

@@ -104,17 +104,21 @@ async fn prometheus(target: &str) -> Prometheus {
     panic!("prometheus did not start");
 }
 
-/// A query's result vector.
-async fn query(p: &Prometheus, expr: &str) -> Vec<Value> {
-    let res: Value = reqwest::Client::new()
-        .get(format!("{}/api/v1/query", p.url))
-        .query(&[("query", expr)])
+/// Prometheus's JSON answer to `GET <path>?<params>`.
+async fn api(p: &Prometheus, path: &str, params: &[(&str, String)]) -> Value {
+    (reqwest::Client::new().get(format!("{}{path}", p.url)))
+        .query(params)
         .send()
         .await
         .unwrap()
         .json()
         .await
-        .unwrap();
+        .unwrap()
+}
+
+/// A query's result vector.
+async fn query(p: &Prometheus, expr: &str) -> Vec<Value> {
+    let res = api(p, "/api/v1/query", &[("query", expr.to_owned())]).await;
     assert_eq!(res["status"], "success", "{expr}: {res}");
     res["data"]["result"]
         .as_array()
@@ -124,14 +128,7 @@ async fn query(p: &Prometheus, expr: &str) -> Vec<Value> {
 
 /// The state of alert `name` (`pending`, `firing`), if it is active.
 async fn alert_state(p: &Prometheus, name: &str) -> Option<String> {
-    let res: Value = reqwest::Client::new()
-        .get(format!("{}/api/v1/alerts", p.url))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let res = api(p, "/api/v1/alerts", &[]).await;
     (res["data"]["alerts"].as_array()?.iter())
         .find(|a| a["labels"]["alertname"] == name)
         .map(|a| a["state"].as_str().unwrap_or_default().to_owned())
@@ -189,20 +186,13 @@ async fn save_run(p: &Prometheus, start: f64, killed: f64, restarted: f64) {
     ];
     let mut out = serde_json::Map::new();
     for (name, expr) in panels {
-        let res: Value = reqwest::Client::new()
-            .get(format!("{}/api/v1/query_range", p.url))
-            .query(&[
-                ("query", expr.to_owned()),
-                ("start", format!("{start:.3}")),
-                ("end", format!("{end:.3}")),
-                ("step", "1".to_owned()),
-            ])
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let params = [
+            ("query", expr.to_owned()),
+            ("start", format!("{start:.3}")),
+            ("end", format!("{end:.3}")),
+            ("step", "1".to_owned()),
+        ];
+        let res = api(p, "/api/v1/query_range", &params).await;
         out.insert(
             name.into(),
             serde_json::json!({ "expr": expr, "result": res["data"]["result"] }),
@@ -429,13 +419,7 @@ async fn a_real_prometheus_runs_every_query_and_the_store_alert_fires_and_resolv
     let dash = generator::dashboard(&generator::Settings::default());
     for panel in dash["panels"].as_array().unwrap() {
         for t in panel["targets"].as_array().into_iter().flatten() {
-            let expr = t["expr"]
-                .as_str()
-                .unwrap()
-                .replace("$__rate_interval", "1m")
-                .replace("$job", ".*")
-                .replace("$instance", ".*")
-                .replace("$policy", ".*");
+            let expr = generator::filled(t["expr"].as_str().unwrap());
             if query(&p, &expr).await.is_empty() {
                 empty.push(format!("panel {:?}: {expr}", panel["title"]));
             }
