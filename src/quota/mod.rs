@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+#[cfg(feature = "calendar")]
+mod calendar;
 mod change;
 mod params;
 mod syntax;
