@@ -189,9 +189,9 @@ impl<B: Backend> Middleware for RateLimitMiddleware<B> {
 /// Adapts how many calls a reqwest-middleware client makes at once to each upstream (its URL's
 /// host and port) to what the upstream shows, with an [`Upstreams`]: over an upstream's limit,
 /// or while it asked to wait (`Retry-After` on a `429` or `503`), a call fails at once with
-/// [`reqwest_middleware::Error::Middleware`] holding a [`Refused`], before anything is sent. A
-/// `429`, a `503`, a timeout or a failed connection is a drop; any other answer a sample of
-/// the call's latency (to its response's head). Put a retry middleware before it (outside):
+/// [`reqwest_middleware::Error::Middleware`] holding a [`Refused`](crate::adaptive::Refused),
+/// before anything is sent. A `429`, a `503`, a timeout or a failed connection is a drop; any
+/// other answer a sample of the call's latency (to its response's head). Put a retry middleware before it (outside):
 /// each attempt is then its own sample. Beside [`RateLimitMiddleware`], which keeps a rate,
 /// this keeps the upstream from drowning.
 ///
