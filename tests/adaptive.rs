@@ -671,6 +671,46 @@ fn threads_at_once_never_exceed_the_limit() {
     assert_eq!(limit.in_flight(), 0);
 }
 
+/// A waiter whose future is dropped after the wake was sent to it, before it could take the
+/// slot (a client gone at that instant), passes the wake on: the next in line gets the slot at
+/// once, not at its deadline.
+#[tokio::test(start_paused = true)]
+async fn a_waiter_dropped_after_its_wake_passes_it_on() {
+    use tollgate::adaptive::QueueOrder;
+    let limit = AdaptiveLimit::builder()
+        .initial(1)
+        .range(1, 1)
+        .queue(4, QueueOrder::Lifo)
+        .build()
+        .unwrap();
+    let held = limit.try_acquire().unwrap();
+    let second = tokio::spawn({
+        let limit = limit.clone();
+        async move { limit.acquire(Duration::from_secs(10)).await.is_some() }
+    });
+    while limit.waiting() < 1 {
+        tokio::task::yield_now().await;
+    }
+    // Joined last, served first (LIFO): the slot's wake goes to it.
+    let first = tokio::spawn({
+        let limit = limit.clone();
+        async move { limit.acquire(Duration::from_secs(10)).await }
+    });
+    while limit.waiting() < 2 {
+        tokio::task::yield_now().await;
+    }
+    let started = Instant::now();
+    drop(held);
+    // Woken, but gone before it runs.
+    first.abort();
+    assert!(second.await.unwrap(), "the second waiter got the slot");
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "not at its deadline"
+    );
+    assert_eq!((limit.in_flight(), limit.waiting()), (0, 0));
+}
+
 /// Many tasks on several threads at once through a limit of 4 with a queue: never more than 4
 /// in flight, every request either served or refused (admitted + rejected = all), and nothing
 /// left in flight or in line at the end.

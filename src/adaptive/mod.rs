@@ -308,27 +308,26 @@ impl AdaptiveLimit {
                 None => return refuse(),
             };
             // Leaves the line however this ends (a slot, the deadline, the future dropped).
-            let _leave = Leave { queue, id };
+            let mut leave = Leave {
+                inner,
+                queue,
+                id,
+                woken: false,
+            };
             // A slot given back between the first try and joining woke nobody: try again.
             if let Some(p) = self.take(at) {
                 return Some(p);
             }
             match tokio::time::timeout_at(until, rx).await {
                 Ok(_) => {
+                    // The wake is this waiter's: taken, or lost to a request that came first.
+                    leave.woken = true;
                     if let Some(p) = self.take(at) {
                         return Some(p);
                     }
                     again = true;
                 }
-                Err(_) => {
-                    // Woken as the deadline passed, a slot may be free that this one will not
-                    // take: the next in line gets it.
-                    if inner.in_flight.load(Ordering::Acquire) < inner.limit.load(Ordering::Relaxed)
-                    {
-                        queue.wake_one();
-                    }
-                    return refuse();
-                }
+                Err(_) => return refuse(),
             }
         }
     }
@@ -751,9 +750,14 @@ impl Queue {
 }
 
 /// Leaves the line when dropped, if still in it.
+/// A waiter that stops waiting (a slot, its deadline, its future dropped) without having seen
+/// a wake sent to it passes that wake on, so that a slot given back is never left to nobody.
 struct Leave<'a> {
+    inner: &'a Inner,
     queue: &'a Queue,
     id: u64,
+    /// Whether this waiter saw the wake it was sent.
+    woken: bool,
 }
 
 impl Drop for Leave<'_> {
@@ -762,6 +766,15 @@ impl Drop for Leave<'_> {
         if let Some(at) = line.1.iter().position(|(id, _)| *id == self.id) {
             line.1.remove(at);
             self.queue.waiting.fetch_sub(1, Ordering::AcqRel);
+            return;
+        }
+        drop(line);
+        // Out of the line without an entry: a request ending sent this waiter its slot's wake.
+        let inner = self.inner;
+        if !self.woken
+            && inner.in_flight.load(Ordering::Acquire) < inner.limit.load(Ordering::Relaxed)
+        {
+            self.queue.wake_one();
         }
     }
 }
