@@ -481,19 +481,46 @@ fn every_docs_configuration_validates() {
     let configs = docs_configs();
     assert_eq!(configs.len(), 2, "the gateway and the charge");
     for config in configs {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("envoy.yaml");
-        std::fs::write(&path, &config).unwrap();
-        let out = Command::new(envoy_bin())
-            .args(["--mode", "validate", "--disable-hot-restart", "-c"])
-            .arg(&path)
-            .output()
-            .unwrap_or_else(|e| panic!("cannot start `{}` ({e})", envoy_bin()));
-        let text = String::from_utf8_lossy(&out.stdout).into_owned()
-            + &String::from_utf8_lossy(&out.stderr);
-        assert!(
-            out.status.success() && text.contains(" OK"),
-            "{text}\n{config}"
-        );
+        validates(&config);
     }
+}
+
+/// The Envoy of `scripts/bench-adaptive.sh` (its adaptive concurrency filter), with the
+/// placeholders the script fills, is accepted by Envoy 1.40.
+#[test]
+fn the_adaptive_benchmarks_configuration_validates() {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/scripts/envoy-adaptive.yaml"
+    ))
+    .unwrap();
+    let config = text
+        .replace("@LISTEN_PORT@", "10000")
+        .replace("@UPSTREAM_PORT@", "10001")
+        .replace("@ADMIN_PORT@", "10002")
+        .replace("@MIN_RTT_INTERVAL@", "30s");
+    // `@type` is Envoy's; a placeholder is `@NAME@`.
+    assert!(
+        !config.replace("\"@type\"", "").contains('@'),
+        "a placeholder left: {config}"
+    );
+    validates(&config);
+}
+
+/// `envoy --mode validate` accepts `config`.
+fn validates(config: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("envoy.yaml");
+    std::fs::write(&path, config).unwrap();
+    let out = Command::new(envoy_bin())
+        .args(["--mode", "validate", "--disable-hot-restart", "-c"])
+        .arg(&path)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot start `{}` ({e})", envoy_bin()));
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && text.contains(" OK"),
+        "{text}\n{config}"
+    );
 }
