@@ -3,7 +3,7 @@
 //! concurrency does for its sinks.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -58,7 +58,8 @@ struct UpInner {
     make: Box<Make>,
     /// Held while a new upstream is added (a copy of the map swapped in).
     grow: Mutex<()>,
-    max: usize,
+    /// The most upstreams with a limit of their own (read when one is added).
+    max: AtomicUsize,
     origin: Instant,
 }
 
@@ -72,7 +73,7 @@ impl std::fmt::Debug for Upstreams {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Upstreams")
             .field("upstreams", &self.inner.map.load().len())
-            .field("max", &self.inner.max)
+            .field("max", &self.inner.max.load(Ordering::Relaxed))
             .finish_non_exhaustive()
     }
 }
@@ -133,26 +134,17 @@ impl Upstreams {
                 map: ArcSwap::from_pointee(map),
                 make: Box::new(make),
                 grow: Mutex::new(()),
-                max: 1024,
+                max: AtomicUsize::new(1024),
                 origin: Instant::now(),
             }),
         })
     }
 
     /// The most upstreams with a limit of their own (default 1 024, at least 1); calls to
-    /// upstreams past it share `other`'s.
+    /// upstreams past it share `other`'s. Clones share the setting.
     pub fn max_upstreams(self, max: usize) -> Self {
-        match Arc::try_unwrap(self.inner) {
-            Ok(mut inner) => {
-                inner.max = max.max(1);
-                Upstreams {
-                    inner: Arc::new(inner),
-                }
-            }
-            // A clone exists already: the setting is for a fresh set (documented as a
-            // builder step); keep it as it is.
-            Err(inner) => Upstreams { inner },
-        }
+        self.inner.max.store(max.max(1), Ordering::Relaxed);
+        self
     }
 
     /// A slot of `upstream`'s limit for one call, or why not: its limit is reached, or it
@@ -208,7 +200,7 @@ impl Upstreams {
         if let Some(up) = map.get(name) {
             return up.clone();
         }
-        if map.len() > self.inner.max {
+        if map.len() > self.inner.max.load(Ordering::Relaxed) {
             return map[OTHER].clone();
         }
         // Checked when made: the builder gives the same settings for every name (a failure
