@@ -427,6 +427,11 @@ fn check_quota(q: &Quota) {
             assert_eq!(q.algorithm(), Algorithm::Concurrent);
             assert_eq!(u128::from(lease_ms) * 1_000_000, q.period().as_nanos());
         }
+        #[cfg(feature = "calendar")]
+        QuotaKind::Calendar { calendar } => {
+            assert_eq!(q.algorithm(), Algorithm::FixedWindow);
+            assert_eq!(calendar.nominal(), q.period(), "{q:?}");
+        }
     }
     // A valid quota is written as a string that parses back to it.
     let shown = q.to_string();
@@ -1009,6 +1014,11 @@ fn check_decision(d: &Decision, params: &[QuotaParams], cost: NonZeroU32, mode: 
             QuotaKind::Concurrent { .. } => {
                 let retry = crate::backend::window::IN_FLIGHT_RETRY;
                 (retry, Some(retry))
+            }
+            #[cfg(feature = "calendar")]
+            QuotaKind::Calendar { calendar } => {
+                let w = Duration::from_micros(calendar.longest_us());
+                (w, Some(w))
             }
         };
         assert!(s.reset_after <= next, "{s:?} of {p:?}");

@@ -984,3 +984,13 @@ async fn slots_shared_by_versions_leave_nothing_counted_when_they_go() {
         assert_eq!(b.tracked_keys(), 0);
     }
 }
+
+/// Calendar quotas at their boundaries on the local backend: the conformance suite's cases.
+#[cfg(feature = "calendar")]
+#[tokio::test]
+async fn calendar_quotas_local() {
+    let clock = tollgate::testing::ManualClock::new();
+    let backend = clock.backend();
+    let start = tollgate::testing::ManualClock::START.as_secs();
+    support::conformance::calendar(&backend, start, |by| clock.advance(by), "local").await;
+}

@@ -1507,3 +1507,24 @@ async fn a_rolling_change_keeps_the_higher_limit_redis() {
     )
     .await;
 }
+
+/// Calendar quotas at their boundaries on Redis (the instance computes the windows around
+/// its time, Redis's time picks one): the conformance suite's cases, with and without the
+/// deny cache.
+#[cfg(feature = "calendar")]
+#[tokio::test]
+async fn calendar_quotas_redis() {
+    let server = RedisServer::start();
+    let clock = TestClock::new();
+    let start = clock.now_ns() / 1_000_000_000;
+    let b = at_time(&server, &clock);
+    support::conformance::calendar(&b, start, |by| clock.advance(by), "redis").await;
+    server.cmd(&["FLUSHALL"]);
+    let clock = TestClock::new();
+    let cached = RedisBackend::builder()
+        .url(server.url())
+        .test_clock(clock.clone())
+        .build()
+        .unwrap();
+    support::conformance::calendar(&cached, start, |by| clock.advance(by), "redis-cached").await;
+}

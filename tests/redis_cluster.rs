@@ -364,3 +364,19 @@ async fn cluster_rolling_change_keeps_the_higher_limit() {
     };
     support::conformance::rolling_change(&b(), &b(), "redis cluster").await;
 }
+
+/// Calendar quotas at their boundaries on the cluster: the conformance suite's cases.
+#[cfg(feature = "calendar")]
+#[tokio::test]
+async fn cluster_calendar_quotas() {
+    let cluster = RedisCluster::start();
+    let clock = TestClock::new();
+    let start = clock.now_ns() / 1_000_000_000;
+    let b = RedisBackend::builder()
+        .cluster_nodes(cluster.urls())
+        .timeout(Duration::from_secs(2))
+        .test_clock(clock.clone())
+        .build()
+        .unwrap();
+    support::conformance::calendar(&b, start, |by| clock.advance(by), "redis cluster").await;
+}

@@ -596,3 +596,28 @@ pub(crate) fn unsupported(policy: &crate::Policy, store: &str) -> crate::ConfigE
         ),
     }
 }
+
+/// The error for a calendar quota on a store that does not count calendars (`None` when the
+/// policy has none).
+#[cfg(feature = "calendar")]
+#[cfg_attr(
+    not(any(feature = "redis", feature = "postgres", feature = "mysql")),
+    allow(dead_code)
+)]
+pub(crate) fn calendar_unsupported(
+    policy: &crate::Policy,
+    params: &[QuotaParams],
+    store: &str,
+    why: &str,
+) -> Option<crate::ConfigError> {
+    let i =
+        (params.iter()).position(|p| matches!(p.kind, crate::quota::QuotaKind::Calendar { .. }))?;
+    Some(crate::ConfigError::Invalid {
+        option: "Quota::calendar",
+        reason: format!(
+            "policy `{}`: quota \"{}\": {store} does not count calendar quotas: {why}",
+            policy.name(),
+            policy.quotas()[i]
+        ),
+    })
+}

@@ -30,10 +30,72 @@ use smallvec::SmallVec;
 use super::{Outcome, QuotaState};
 use crate::quota::QuotaParams;
 
+/// How a fixed window's time is cut: into windows of a length from the Unix epoch, or into a
+/// calendar's periods.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FixedClock {
+    /// Windows of this many microseconds, from the epoch.
+    Epoch(u64),
+    /// A calendar's periods (their index: their start in seconds since the epoch).
+    #[cfg(feature = "calendar")]
+    Calendar(crate::quota::CalendarClock),
+}
+
+/// The fixed window holding a time: its index (`now / W` from the epoch; a calendar's, its
+/// start in seconds), its start and its end (µs since the epoch).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct FixedAt {
+    pub(crate) index: u64,
+    pub(crate) start_us: u64,
+    pub(crate) end_us: u64,
+}
+
+impl FixedClock {
+    /// The clock of a fixed window or calendar quota (`None` for other kinds).
+    pub(crate) fn of(params: &QuotaParams) -> Option<Self> {
+        match params.kind {
+            crate::quota::QuotaKind::FixedWindow { window_us } => {
+                Some(FixedClock::Epoch(window_us))
+            }
+            #[cfg(feature = "calendar")]
+            crate::quota::QuotaKind::Calendar { calendar } => {
+                Some(FixedClock::Calendar(calendar.clock()))
+            }
+            _ => None,
+        }
+    }
+
+    /// The window holding `now_us`.
+    #[inline]
+    pub(crate) fn at(&self, now_us: u64) -> FixedAt {
+        match *self {
+            FixedClock::Epoch(window_us) => {
+                let index = now_us / window_us;
+                FixedAt {
+                    index,
+                    start_us: index * window_us,
+                    end_us: (index + 1) * window_us,
+                }
+            }
+            #[cfg(feature = "calendar")]
+            FixedClock::Calendar(calendar) => match calendar.window_us(now_us) {
+                Some((start_us, end_us)) => FixedAt {
+                    index: start_us / 1_000_000,
+                    start_us,
+                    end_us,
+                },
+                // Settings that are not valid are refused when the layer is built, and the
+                // calendar covers every time up to 9999: past that, days from the epoch.
+                None => FixedClock::Epoch(86_400_000_000).at(now_us),
+            },
+        }
+    }
+}
+
 /// A fixed window's counter: which window it counts, and how much it has counted.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct FixedState {
-    /// `now / W` of the window counted.
+    /// The index of the window counted ([`FixedAt::index`]).
     pub(crate) window: u64,
     pub(crate) count: u32,
 }
@@ -45,11 +107,11 @@ impl FixedState {
         &mut self,
         index: usize,
         params: &QuotaParams,
-        window_us: u64,
+        at: FixedAt,
         now_us: u64,
         cost: NonZeroU32,
     ) -> QuotaState {
-        self.advance(now_us / window_us);
+        self.advance(at.index);
         let limit = params.burst.get();
         let code = if cost.get() > limit {
             Code::NeverFits
@@ -59,8 +121,7 @@ impl FixedState {
         } else {
             Code::Denied
         };
-        let until_end = (self.window + 1) * window_us - now_us;
-        fixed_state(index, params, code, self.count, until_end)
+        fixed_state(index, params, code, self.count, at.end_us - now_us)
     }
 
     /// Settles `units` at `now_us`: a debit counts them in the current window (past the limit
@@ -70,21 +131,20 @@ impl FixedState {
         &mut self,
         index: usize,
         params: &QuotaParams,
-        window_us: u64,
+        at: FixedAt,
         now_us: u64,
         settlement: Settlement,
     ) -> QuotaState {
-        self.advance(now_us / window_us);
+        self.advance(at.index);
         match settlement {
             Settlement::Debit(units) => self.count = self.count.saturating_add(units),
             Settlement::Refund { units, admitted_us } => {
-                if admitted_us / window_us == self.window {
+                if (at.start_us..at.end_us).contains(&admitted_us) {
                     self.count = self.count.saturating_sub(units);
                 }
             }
         }
-        let until_end = (self.window + 1) * window_us - now_us;
-        fixed_state(index, params, Code::Allowed, self.count, until_end)
+        fixed_state(index, params, Code::Allowed, self.count, at.end_us - now_us)
     }
 
     /// The state at `now_us` without deciding anything.
@@ -92,12 +152,17 @@ impl FixedState {
         mut self,
         index: usize,
         params: &QuotaParams,
-        window_us: u64,
+        at: FixedAt,
         now_us: u64,
     ) -> QuotaState {
-        self.advance(now_us / window_us);
-        let until_end = (self.window + 1) * window_us - now_us;
-        fixed_state(index, params, Code::NeverFits, self.count, until_end)
+        self.advance(at.index);
+        fixed_state(
+            index,
+            params,
+            Code::NeverFits,
+            self.count,
+            at.end_us - now_us,
+        )
     }
 
     fn advance(&mut self, window: u64) {
@@ -108,8 +173,8 @@ impl FixedState {
     }
 
     /// Whether the counter is of a window that has ended (indistinguishable from none).
-    pub(crate) fn is_idle(&self, window_us: u64, now_us: u64) -> bool {
-        self.window < now_us / window_us || self.count == 0
+    pub(crate) fn is_idle(&self, at: FixedAt) -> bool {
+        self.window < at.index || self.count == 0
     }
 }
 
@@ -886,20 +951,44 @@ mod tests {
         let one = NonZeroU32::MIN;
         let at = |ms: u64| 10_000_000 + ms * 1000;
         for left in [2, 1, 0] {
-            let q = s.decide(0, &p, 1_000_000, at(100), one);
+            let q = s.decide(
+                0,
+                &p,
+                FixedClock::Epoch(1_000_000).at(at(100)),
+                at(100),
+                one,
+            );
             assert_eq!((q.outcome, q.remaining), (Outcome::Allowed, left));
             assert_eq!(q.reset_after, Duration::from_millis(900));
         }
-        let q = s.decide(0, &p, 1_000_000, at(999), one);
+        let q = s.decide(
+            0,
+            &p,
+            FixedClock::Epoch(1_000_000).at(at(999)),
+            at(999),
+            one,
+        );
         assert_eq!(
             q.outcome,
             Outcome::Denied {
                 retry_after: Duration::from_millis(1)
             }
         );
-        let q = s.decide(0, &p, 1_000_000, at(1000), one);
+        let q = s.decide(
+            0,
+            &p,
+            FixedClock::Epoch(1_000_000).at(at(1000)),
+            at(1000),
+            one,
+        );
         assert_eq!((q.outcome, q.remaining), (Outcome::Allowed, 2));
-        let q = s.decide(0, &p, 1_000_000, at(1000), NonZeroU32::new(4).unwrap());
+        let q = s.decide(
+            0,
+            &p,
+            FixedClock::Epoch(1_000_000).at(at(1000)),
+            at(1000),
+            NonZeroU32::new(4).unwrap(),
+        );
         assert_eq!((q.outcome, q.remaining), (Outcome::NeverFits, 2));
     }
 
@@ -910,25 +999,57 @@ mod tests {
         let one = NonZeroU32::MIN;
         let w = 1_000_000;
         let at = |ms: u64| 10_000_000 + ms * 1000;
-        s.decide(0, &p, w, at(100), one);
-        s.decide(0, &p, w, at(200), one);
+        s.decide(0, &p, FixedClock::Epoch(w).at(at(100)), at(100), one);
+        s.decide(0, &p, FixedClock::Epoch(w).at(at(200)), at(200), one);
         // A refund in the same window gives one back.
         let refund = |units, admitted_us| Settlement::Refund { units, admitted_us };
-        let q = s.settle(0, &p, w, at(300), refund(1, at(100)));
+        let q = s.settle(
+            0,
+            &p,
+            FixedClock::Epoch(w).at(at(300)),
+            at(300),
+            refund(1, at(100)),
+        );
         assert_eq!(q.remaining, 2);
         // Never below zero.
-        let q = s.settle(0, &p, w, at(300), refund(5, at(200)));
+        let q = s.settle(
+            0,
+            &p,
+            FixedClock::Epoch(w).at(at(300)),
+            at(300),
+            refund(5, at(200)),
+        );
         assert_eq!((q.remaining, q.reset_after), (3, Duration::ZERO));
         // Counted in this window, refunded in the next: that window's count is untouched.
-        s.decide(0, &p, w, at(900), one);
-        s.decide(0, &p, w, at(1100), one);
-        let q = s.settle(0, &p, w, at(1200), refund(1, at(900)));
+        s.decide(0, &p, FixedClock::Epoch(w).at(at(900)), at(900), one);
+        s.decide(0, &p, FixedClock::Epoch(w).at(at(1100)), at(1100), one);
+        let q = s.settle(
+            0,
+            &p,
+            FixedClock::Epoch(w).at(at(1200)),
+            at(1200),
+            refund(1, at(900)),
+        );
         assert_eq!(q.remaining, 2);
         // A debit counts past the limit, until the window ends.
-        let q = s.settle(0, &p, w, at(1300), Settlement::Debit(10));
+        let q = s.settle(
+            0,
+            &p,
+            FixedClock::Epoch(w).at(at(1300)),
+            at(1300),
+            Settlement::Debit(10),
+        );
         assert_eq!(q.remaining, 0);
-        assert!(s.decide(0, &p, w, at(1999), one).outcome != Outcome::Allowed);
-        assert_eq!(s.decide(0, &p, w, at(2000), one).outcome, Outcome::Allowed);
+        assert!(
+            s.decide(0, &p, FixedClock::Epoch(w).at(at(1999)), at(1999), one)
+                .outcome
+                != Outcome::Allowed
+        );
+        assert_eq!(
+            s.decide(0, &p, FixedClock::Epoch(w).at(at(2000)), at(2000), one)
+                .outcome,
+            Outcome::Allowed
+        );
     }
 
     #[test]
@@ -976,17 +1097,35 @@ mod tests {
         let mut s = FixedState::default();
         let big = |n: u32| NonZeroU32::new(n).unwrap();
         assert_eq!(
-            s.decide(0, &p, 3_600_000_000, 7, big(3_000_000_000))
-                .outcome,
+            s.decide(
+                0,
+                &p,
+                FixedClock::Epoch(3_600_000_000).at(7),
+                7,
+                big(3_000_000_000)
+            )
+            .outcome,
             Outcome::Allowed
         );
         assert_ne!(
-            s.decide(0, &p, 3_600_000_000, 8, big(2_000_000_000))
-                .outcome,
+            s.decide(
+                0,
+                &p,
+                FixedClock::Epoch(3_600_000_000).at(8),
+                8,
+                big(2_000_000_000)
+            )
+            .outcome,
             Outcome::Allowed
         );
         assert_eq!(s.count, 3_000_000_000);
-        let q = s.decide(0, &p, 3_600_000_000, 9, big(u32::MAX - 3_000_000_000));
+        let q = s.decide(
+            0,
+            &p,
+            FixedClock::Epoch(3_600_000_000).at(9),
+            9,
+            big(u32::MAX - 3_000_000_000),
+        );
         assert_eq!((q.outcome, q.remaining), (Outcome::Allowed, 0));
     }
 

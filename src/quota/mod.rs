@@ -4,6 +4,10 @@ use std::time::Duration;
 
 #[cfg(feature = "calendar")]
 mod calendar;
+#[cfg(feature = "calendar")]
+pub(crate) use calendar::CalendarClock;
+#[cfg(feature = "calendar")]
+pub use calendar::{Calendar, Weekday};
 mod change;
 mod params;
 mod syntax;
@@ -57,6 +61,10 @@ pub struct Quota {
     /// one beyond `u64` ns as `u64::MAX`, refused as longer than a year): 8 bytes, so that
     /// `Quota` stays small to copy.
     block_ns: Option<std::num::NonZeroU64>,
+    /// The calendar of a calendar quota ([`Quota::calendar`]): a fixed window whose windows
+    /// are its periods.
+    #[cfg(feature = "calendar")]
+    calendar: Option<Calendar>,
 }
 
 /// [`Quota`]'s flag: its period is a concurrent quota's lease.
@@ -139,7 +147,44 @@ impl Quota {
             flags: 0,
             name: None,
             block_ns: None,
+            #[cfg(feature = "calendar")]
+            calendar: None,
         }
+    }
+
+    /// `count` requests per window of `calendar`: a day, week, month or year aligned to a
+    /// local time of day in a time zone and, for months, to a billing day (see [`Calendar`]
+    /// for the rules at month ends and DST changes). A fixed window whose windows are the
+    /// calendar's: the count starts from zero at each window's start, and `RateLimit`'s `t` and
+    /// `Retry-After` are the exact seconds to it. In the quota syntax: `"1000/month"`,
+    /// `"100000/month on 15 at 09:00 tz Europe/Berlin"`, `"50/day at 06:00 tz
+    /// America/New_York"`, `"500/week on sunday"`, `"12/year on 04-06 tz Europe/London"`.
+    ///
+    /// ```
+    /// use tollgate::quota::Calendar;
+    /// use tollgate::{Policy, Quota};
+    ///
+    /// // The free plan: 1 000 a month, from the first at midnight UTC; and 10/s.
+    /// let free = Policy::new("free", Quota::per_second(10))
+    ///     .and(Quota::calendar(1000, Calendar::monthly()));
+    /// assert!(free.validate().is_ok());
+    /// assert_eq!("1000/month".parse(), Ok(Quota::calendar(1000, Calendar::monthly())));
+    /// // An anchor past 31 is reported, naming it.
+    /// let bad = Policy::new("bad", Quota::calendar(10, Calendar::monthly_on(32)));
+    /// assert!(bad.validate().unwrap_err().to_string().contains("day 32"));
+    /// ```
+    #[cfg(feature = "calendar")]
+    pub fn calendar(count: u32, calendar: Calendar) -> Self {
+        let mut q = Self::new(count, calendar.nominal());
+        q.algorithm = Algorithm::FixedWindow;
+        q.calendar = Some(calendar);
+        q
+    }
+
+    /// The calendar of a [`calendar`](Self::calendar) quota.
+    #[cfg(feature = "calendar")]
+    pub const fn calendar_period(&self) -> Option<Calendar> {
+        self.calendar
     }
 
     /// A penalty on this quota: once it refuses a key, the key is refused (by the whole policy)

@@ -114,6 +114,24 @@ impl Quota {
             ));
         }
         let limit = NonZeroU32::new(self.count).ok_or_else(|| bad("the count is zero"))?;
+        #[cfg(feature = "calendar")]
+        if let Some(calendar) = self.calendar {
+            if let Some(reason) = calendar.error() {
+                return Err(bad(reason));
+            }
+            if self.algorithm != Algorithm::FixedWindow || self.resolution.is_some() {
+                return Err(bad(
+                    "a calendar quota is a fixed window: its windows are the calendar's periods",
+                ));
+            }
+            return Ok(QuotaParams {
+                emission_ns: u64::try_from(calendar.nominal().as_nanos() / u128::from(self.count))
+                    .unwrap_or(u64::MAX)
+                    .max(1),
+                burst: limit,
+                kind: QuotaKind::Calendar { calendar },
+            });
+        }
         let ns = self.period.as_nanos();
         if !ns.is_multiple_of(1000) {
             return Err(bad("a window must be a whole number of microseconds"));
@@ -204,6 +222,13 @@ pub enum QuotaKind {
         /// How many sub-windows make the window (1 to [`Quota::MAX_SUB_WINDOWS`]).
         slices: u32,
     },
+    /// A fixed window whose windows are a calendar's periods ([`Quota::calendar`]): a day,
+    /// week, month or year in a time zone, computed on the instance.
+    #[cfg(feature = "calendar")]
+    Calendar {
+        /// The calendar.
+        calendar: super::Calendar,
+    },
     /// Requests in flight: `burst` slots, each held as a lease of at most `lease_ms`
     /// milliseconds in a shared store ([`Quota::concurrent`]).
     Concurrent {
@@ -232,6 +257,8 @@ impl QuotaParams {
                 Duration::from_micros(slice_us * u64::from(slices))
             }
             QuotaKind::Concurrent { lease_ms } => Duration::from_millis(lease_ms),
+            #[cfg(feature = "calendar")]
+            QuotaKind::Calendar { calendar } => calendar.nominal(),
         }
     }
 

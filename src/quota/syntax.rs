@@ -52,6 +52,18 @@ impl std::str::FromStr for Quota {
         let first = words
             .next()
             .ok_or_else(|| bad("missing the period after `/`"))?;
+        // A calendar period: `week`, `month`, `year`, or `day` with a calendar option (`day`
+        // alone is 24 hours from the epoch).
+        let calendar = matches!(first, "week" | "month" | "year")
+            || (first == "day" && words.peek().is_some_and(|w| CALENDAR_WORDS.contains(w)));
+        if calendar {
+            #[cfg(feature = "calendar")]
+            return parse_calendar(count as u32, first, words).map_err(|e| bad(&e));
+            #[cfg(not(feature = "calendar"))]
+            return Err(bad(&format!(
+                "a calendar period (`{first}`) needs the crate's `calendar` feature"
+            )));
+        }
         let period = match words.peek() {
             Some(unit) if first.bytes().all(|b| b.is_ascii_digit()) && !is_keyword(unit) => {
                 let period = format!("{first}{unit}");
@@ -108,6 +120,116 @@ impl std::str::FromStr for Quota {
         }
         Ok(q)
     }
+}
+
+/// The words that make `/day` a calendar day.
+const CALENDAR_WORDS: [&str; 4] = ["calendar", "at", "tz", "on"];
+
+/// A calendar quota's period and options, after `count/`: `month on 15 at 09:00 tz
+/// Europe/Berlin`, then `fixed` (what it is anyway), `bytes` and `block <duration>`.
+#[cfg(feature = "calendar")]
+fn parse_calendar<'a>(
+    count: u32,
+    period: &str,
+    mut words: impl Iterator<Item = &'a str>,
+) -> Result<Quota, String> {
+    use super::{Calendar, Weekday};
+    let mut on = None;
+    let mut at = None;
+    let mut zone = None;
+    let mut rest = Vec::new();
+    let mut marked = false;
+    while let Some(word) = words.next() {
+        let mut value = |what: &str| {
+            words
+                .next()
+                .ok_or_else(|| format!("`{word}` without {what}"))
+        };
+        match word {
+            "on" if on.is_none() => on = Some(value("a day")?),
+            "at" if at.is_none() => at = Some(value("a time of day (e.g. `09:00`)")?),
+            "tz" if zone.is_none() => zone = Some(value("a time zone (e.g. `Europe/Berlin`)")?),
+            "calendar" if !marked => marked = true,
+            "on" | "at" | "tz" | "calendar" => return Err(format!("{word:?} given twice")),
+            "burst" | "sliding" | "gcra" => {
+                return Err(format!(
+                    "{word:?}: a calendar quota is a fixed window, its limit its count and its \
+                     windows the calendar's periods"
+                ));
+            }
+            _ => rest.push(word),
+        }
+    }
+    let mut calendar = match (period, on) {
+        ("day", None) => Calendar::daily(),
+        ("day", Some(_)) => {
+            return Err("`on` is for weeks, months and years (a day starts every day)".into());
+        }
+        ("week", None) => Calendar::weekly(),
+        ("week", Some(day)) => Calendar::weekly_from(Weekday::named(day).ok_or_else(|| {
+            format!("`on {day}`: a week starts on a day's name (`monday` to `sunday`)")
+        })?),
+        ("month", None) => Calendar::monthly(),
+        ("month", Some(day)) => Calendar::monthly_on(
+            day.parse::<u8>()
+                .ok()
+                .filter(|d| (1..=31).contains(d))
+                .ok_or_else(|| format!("`on {day}`: a month starts on a day from 1 to 31"))?,
+        ),
+        (_, None) => Calendar::yearly(),
+        (_, Some(day)) => {
+            let md = day
+                .split_once('-')
+                .and_then(|(m, d)| Some((m.parse::<u8>().ok()?, d.parse::<u8>().ok()?)));
+            let (m, d) = md.ok_or_else(|| {
+                format!("`on {day}`: a year starts on a month and day, e.g. `on 04-06`")
+            })?;
+            Calendar::yearly_on(m, d)
+        }
+    };
+    if let Some(text) = at {
+        let parts: Vec<&str> = text.split(':').collect();
+        let n = |i: usize| parts.get(i).map_or(Some(0), |p| p.parse::<u8>().ok());
+        let time = match (parts.len(), n(0), n(1), n(2)) {
+            (2 | 3, Some(h), Some(m), Some(s)) if h < 24 && m < 60 && s < 60 => (h, m, s),
+            _ => {
+                return Err(format!(
+                    "`at {text}`: a time of day is `HH:MM` or `HH:MM:SS`, 00:00 to 23:59:59"
+                ));
+            }
+        };
+        calendar = calendar.at_second(time.0, time.1, time.2);
+    }
+    if let Some(zone) = zone {
+        calendar = calendar.in_zone(zone);
+        if let Some(reason) = calendar.error() {
+            return Err(format!("`tz {zone}`: {reason}"));
+        }
+    }
+    if let Some(reason) = calendar.error() {
+        return Err(reason.to_owned());
+    }
+    let mut q = Quota::calendar(count, calendar);
+    let mut rest = rest.into_iter();
+    while let Some(word) = rest.next() {
+        match word {
+            "fixed" => {}
+            "bytes" if !q.counts_bytes() => q = q.bytes(),
+            "block" if q.block_ns.is_none() => {
+                let d = rest.next().ok_or("`block` without a duration")?;
+                let d = parse_duration(d, false).map_err(|e| format!("the block {d:?}: {e}"))?;
+                q = q.block_for(d);
+            }
+            "bytes" | "block" => return Err(format!("{word:?} given twice")),
+            _ => {
+                return Err(format!(
+                    "unknown word {word:?} after a calendar period (expected `on <day>`, \
+                     `at HH:MM`, `tz <IANA zone>`, `bytes` or `block <duration>`)"
+                ));
+            }
+        }
+    }
+    Ok(q)
 }
 
 /// `"N concurrent"`, optionally followed by `lease <duration>`.
@@ -268,6 +390,20 @@ impl std::fmt::Display for Quota {
             write!(f, "{} concurrent", self.count)?;
             if self.period != Self::DEFAULT_LEASE {
                 write!(f, " lease {}", DisplayDuration(self.period))?;
+            }
+            return Ok(());
+        }
+        #[cfg(feature = "calendar")]
+        if let Some(calendar) = self.calendar {
+            write!(f, "{}/{calendar}", self.count)?;
+            if self.algorithm != Algorithm::FixedWindow {
+                f.write_str(" sliding")?;
+            }
+            if self.counts_bytes() {
+                f.write_str(" bytes")?;
+            }
+            if let Some(b) = self.block() {
+                write!(f, " block {}", DisplayDuration(b))?;
             }
             return Ok(());
         }

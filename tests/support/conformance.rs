@@ -1420,3 +1420,107 @@ pub async fn rolling_change<B: Backend>(a: &B, b: &B, who: &str) {
         }
     }
 }
+
+/// Calendar quotas at and around their boundaries, the same on every store: a monthly quota
+/// anchored on the 31st at 09:00 in New York (clamped to 28 February; a window 31 days less
+/// the hour DST takes), a refund only into the window that counted it, and a daily quota over
+/// the 23-hour day DST starts on. `start_s` is the backend's clock in Unix seconds now;
+/// `advance` moves it on.
+#[cfg(feature = "calendar")]
+pub async fn calendar<B: Backend>(
+    backend: &B,
+    start_s: u64,
+    advance: impl Fn(Duration),
+    who: &str,
+) {
+    use tollgate::backend::Mode;
+    let now = std::cell::Cell::new(start_s);
+    let at = |t: u64| {
+        assert!(t >= now.get(), "{who}: the test goes forward in time");
+        advance(Duration::from_secs(t - now.get()));
+        now.set(t);
+    };
+    let s = Duration::from_secs;
+    let plan = Policy::new(
+        "plan",
+        "3/month on 31 at 09:00 tz America/New_York"
+            .parse()
+            .unwrap(),
+    );
+    let p = prepare(backend, &plan);
+    let k = key("cal-tenant");
+    let decide = |mode: Mode| backend.decide_with(&p, &k, cost(1), mode);
+    // 2026-02-27 12:00 EST: the window from 31 January 09:00 to 28 February 09:00 EST.
+    let feb_28 = 1_772_287_200;
+    at(1_772_211_600);
+    for left in [2, 1, 0] {
+        let d = decide(Mode::Decide).await.unwrap();
+        let q = d.quotas()[0];
+        assert_eq!(q.outcome, Outcome::Allowed, "{who}: {d:?}");
+        assert_eq!((q.remaining, q.reset_after), (left, s(75_600)), "{who}");
+    }
+    let d = decide(Mode::Decide).await.unwrap();
+    assert_eq!(d.retry_after(), Some(s(75_600)), "{who}: {d:?}");
+    // A second before the boundary: refused for that second.
+    at(feb_28 - 1);
+    let d = decide(Mode::Decide).await.unwrap();
+    assert_eq!(d.retry_after(), Some(s(1)), "{who}: {d:?}");
+    assert_eq!(d.quotas()[0].reset_after, s(1), "{who}: {d:?}");
+    // At the boundary: a new window, to 31 March 09:00 EDT, 31 days less an hour.
+    at(feb_28);
+    let d = decide(Mode::Decide).await.unwrap();
+    let q = d.quotas()[0];
+    assert_eq!(q.outcome, Outcome::Allowed, "{who}: {d:?}");
+    assert_eq!(
+        (q.remaining, q.reset_after),
+        (2, s(31 * 86_400 - 3600)),
+        "{who}"
+    );
+    // Units taken before the boundary are not given back; those taken since, are.
+    at(feb_28 + 1);
+    let refund = |ago: u64| {
+        decide(Mode::Refund {
+            admitted_ago: s(ago),
+        })
+    };
+    let d = refund(2).await.unwrap();
+    assert_eq!(d.quotas()[0].remaining, 2, "{who}: {d:?}");
+    let d = refund(1).await.unwrap();
+    assert_eq!(d.quotas()[0].remaining, 3, "{who}: {d:?}");
+    // A peek (the status endpoint's view) answers as a decision would, taking nothing.
+    let d = decide(Mode::Peek).await.unwrap();
+    let q = d.quotas()[0];
+    assert_eq!(
+        (q.remaining, q.reset_after),
+        (2, s(31 * 86_400 - 3601)),
+        "{who}: {d:?}"
+    );
+    let d = decide(Mode::Peek).await.unwrap();
+    assert_eq!(d.quotas()[0].remaining, 2, "{who}: {d:?}");
+
+    // The day DST starts in New York (8 March 2026) is 23 hours long; the next, 24.
+    let daily = Policy::new("daily", "2/day tz America/New_York".parse().unwrap());
+    let p = prepare(backend, &daily);
+    let decide = || backend.decide(&p, &k, cost(1));
+    let mar_9 = 1_773_028_800;
+    at(1_772_946_000);
+    let d = decide().await.unwrap();
+    assert_eq!(d.quotas()[0].reset_after, s(23 * 3600), "{who}: {d:?}");
+    at(mar_9 - 1);
+    let d = decide().await.unwrap();
+    assert_eq!(
+        (d.quotas()[0].remaining, d.quotas()[0].reset_after),
+        (0, s(1)),
+        "{who}"
+    );
+    let d = decide().await.unwrap();
+    assert_eq!(d.retry_after(), Some(s(1)), "{who}: {d:?}");
+    at(mar_9);
+    let d = decide().await.unwrap();
+    let q = d.quotas()[0];
+    assert_eq!(
+        (q.outcome, q.remaining, q.reset_after),
+        (Outcome::Allowed, 1, s(86_400)),
+        "{who}"
+    );
+}

@@ -19,7 +19,7 @@ use super::store::Earlier;
 use super::{entry, evict_lightest, swap};
 use crate::Key;
 use crate::backend::QuotaState;
-use crate::backend::window::{FixedState, Settlement, SlidingState, in_flight_state};
+use crate::backend::window::{FixedClock, FixedState, Settlement, SlidingState, in_flight_state};
 use crate::quota::{QuotaKind, QuotaParams};
 
 /// The counters of one window quota, by key, counted against the backend's key cap.
@@ -47,7 +47,7 @@ impl super::store::Versioned for WindowStore {
 /// sliding window's counts sit behind a mutex, held for a few arithmetic operations.
 enum Counters {
     Fixed {
-        window_us: u64,
+        clock: FixedClock,
         map: DashMap<Key, AtomicU64, RandomState>,
     },
     Sliding {
@@ -112,8 +112,13 @@ impl WindowStore {
     /// A store for a window quota (`None` unless `params.kind` is a window kind).
     pub(super) fn new(params: QuotaParams, tracked: Arc<AtomicUsize>, seq: u64) -> Option<Self> {
         let counters = match params.kind {
-            QuotaKind::FixedWindow { window_us } => Counters::Fixed {
-                window_us,
+            QuotaKind::FixedWindow { .. } => Counters::Fixed {
+                clock: FixedClock::of(&params)?,
+                map: DashMap::with_hasher(RandomState::default()),
+            },
+            #[cfg(feature = "calendar")]
+            QuotaKind::Calendar { .. } => Counters::Fixed {
+                clock: FixedClock::of(&params)?,
                 map: DashMap::with_hasher(RandomState::default()),
             },
             QuotaKind::SlidingWindow { slice_us, slices } => Counters::Sliding {
@@ -190,9 +195,9 @@ impl WindowStore {
     /// its count, when its window is the current one; a sliding window: its estimate).
     fn take(&self, key: &Key, now_us: u64) -> f64 {
         let taken = match &self.counters {
-            Counters::Fixed { window_us, map } => map.remove(key).map(|(_, c)| {
+            Counters::Fixed { clock, map } => map.remove(key).map(|(_, c)| {
                 super::track_sub(&self.tracked, 1);
-                let now_window = now_us / window_us;
+                let now_window = clock.at(now_us).index;
                 let state = unpack(c.into_inner(), now_window);
                 if state.window == now_window {
                     f64::from(state.count)
@@ -211,13 +216,13 @@ impl WindowStore {
     }
 
     /// A fixed window's packed counter for a key first seen here at `now_us`.
-    fn fresh_fixed(&self, key: &Key, now_us: u64, window_us: u64) -> AtomicU64 {
+    fn fresh_fixed(&self, key: &Key, now_us: u64, clock: FixedClock) -> AtomicU64 {
         let count = self.inherit(key, now_us).ceil() as u32;
         AtomicU64::new(if count == 0 {
             0
         } else {
             pack(FixedState {
-                window: now_us / window_us,
+                window: clock.at(now_us).index,
                 count,
             })
         })
@@ -242,9 +247,9 @@ impl WindowStore {
             return;
         }
         match &self.counters {
-            Counters::Fixed { window_us, map } => {
+            Counters::Fixed { clock, map } => {
                 entry(map, key, &self.tracked, || {
-                    self.fresh_fixed(key, now_us, *window_us)
+                    self.fresh_fixed(key, now_us, *clock)
                 });
             }
             Counters::Sliding {
@@ -285,14 +290,14 @@ impl WindowStore {
     ) -> QuotaState {
         let p = &self.params;
         match &self.counters {
-            Counters::Fixed { window_us, map } => {
+            Counters::Fixed { clock, map } => {
                 let counter = entry(map, key, &self.tracked, || {
-                    self.fresh_fixed(key, now_us, *window_us)
+                    self.fresh_fixed(key, now_us, *clock)
                 });
-                let now_window = now_us / window_us;
+                let at = clock.at(now_us);
                 swap(&counter, |packed| {
-                    let mut state = unpack(packed, now_window);
-                    let decided = state.decide(index, p, *window_us, now_us, cost);
+                    let mut state = unpack(packed, at.index);
+                    let decided = state.decide(index, p, at, now_us, cost);
                     (decided, pack(state))
                 })
             }
@@ -353,14 +358,14 @@ impl WindowStore {
         let p = &self.params;
         let refund = matches!(settlement, Settlement::Refund { .. });
         match &self.counters {
-            Counters::Fixed { window_us, map } => {
-                let now_window = now_us / window_us;
+            Counters::Fixed { clock, map } => {
+                let at = clock.at(now_us);
                 let settle = |packed: u64| {
                     let mut state = match packed {
                         0 => FixedState::default(),
-                        packed => unpack(packed, now_window),
+                        packed => unpack(packed, at.index),
                     };
-                    let settled = state.settle(index, p, *window_us, now_us, settlement);
+                    let settled = state.settle(index, p, at, now_us, settlement);
                     (settled, pack(state))
                 };
                 let counter = match map.get(key) {
@@ -409,9 +414,10 @@ impl WindowStore {
         self.adopt(key, now_us);
         let p = &self.params;
         match &self.counters {
-            Counters::Fixed { window_us, map } => {
-                let mut state = stored(map, key, now_us / window_us);
-                state.decide(index, p, *window_us, now_us, cost)
+            Counters::Fixed { clock, map } => {
+                let at = clock.at(now_us);
+                let mut state = stored(map, key, at.index);
+                state.decide(index, p, at, now_us, cost)
             }
             Counters::Sliding {
                 slice_us,
@@ -466,8 +472,9 @@ impl WindowStore {
         self.adopt(key, now_us);
         let p = &self.params;
         match &self.counters {
-            Counters::Fixed { window_us, map } => {
-                (stored(map, key, now_us / window_us)).peek(index, p, *window_us, now_us)
+            Counters::Fixed { clock, map } => {
+                let at = clock.at(now_us);
+                (stored(map, key, at.index)).peek(index, p, at, now_us)
             }
             Counters::Sliding {
                 slice_us,
@@ -518,8 +525,8 @@ impl WindowStore {
     /// its slot back to its counter. Returns how many it evicted.
     pub(super) fn evict(&self, needed: usize, now_us: u64) -> usize {
         let evicted = match &self.counters {
-            Counters::Fixed { window_us, map } => {
-                let now_window = now_us / window_us;
+            Counters::Fixed { clock, map } => {
+                let now_window = clock.at(now_us).index;
                 let weight = |packed: u64| {
                     let state = unpack(packed, now_window);
                     if state.window == now_window {
@@ -576,10 +583,10 @@ impl WindowStore {
     pub(super) fn sweep(&self, now_us: u64) {
         let mut removed = 0;
         match &self.counters {
-            Counters::Fixed { window_us, map } => {
-                let now_window = now_us / window_us;
+            Counters::Fixed { clock, map } => {
+                let at = clock.at(now_us);
                 map.retain(|_, c| {
-                    let idle = unpack(*c.get_mut(), now_window).is_idle(*window_us, now_us);
+                    let idle = unpack(*c.get_mut(), at.index).is_idle(at);
                     removed += usize::from(idle);
                     !idle
                 });

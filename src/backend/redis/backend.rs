@@ -97,6 +97,10 @@ pub(crate) struct Prepared {
     /// Stored format 1's suffixes for the same keys, during a rolling upgrade from it
     /// (`keys::format_1_keys`): each decision reads and writes those keys too.
     pub(crate) format_1_suffixes: Option<Vec<Box<[u8]>>>,
+    /// The calendar quotas' places in `args`, whose numbers each call writes (see
+    /// `script::calendar_args`).
+    #[cfg(feature = "calendar")]
+    pub(crate) calendars: Vec<(usize, crate::quota::CalendarClock)>,
 }
 
 impl fmt::Debug for RedisPolicy {
@@ -198,6 +202,8 @@ impl Store for RedisStore {
             reply_len: script::reply_len(params) + if block_us.is_some() { 2 } else { 0 },
             blocks: block_us.is_some(),
             format_1_suffixes: self.format_1.then(|| keys::format_1_keys(params, block_us)),
+            #[cfg(feature = "calendar")]
+            calendars: script::calendar_slots(params),
         })
     }
 
@@ -407,6 +413,25 @@ fn command(batch: &[Job<RedisStore>], time: Time) -> redis::Cmd {
     };
     cmd.arg(script::hex(policies.len() as u64).as_bytes());
     for p in &policies {
+        #[cfg(feature = "calendar")]
+        if !p.calendars.is_empty() {
+            // The windows around the instance's time, Redis's time picking one of them.
+            let now_us = match time {
+                Time::Given(ns) | Time::Test(ns) => ns / 1000,
+                Time::Script => std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX)),
+            };
+            // Only a calendar policy's arguments are copied, to be written anew.
+            let mut args = p.args.clone();
+            for (at, calendar) in &p.calendars {
+                let (boundary, lengths) = script::calendar_args(calendar, now_us);
+                args[*at] = script::hex(boundary).as_bytes().to_vec();
+                args[*at + 2] = script::hex(lengths).as_bytes().to_vec();
+            }
+            cmd.arg(&args);
+            continue;
+        }
         cmd.arg(&p.args);
     }
     cmd.arg(script::hex(runs.len() as u64).as_bytes());

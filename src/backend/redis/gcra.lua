@@ -15,6 +15,14 @@
 --     1 window limit 0        fixed window: length (integer us >= 1), limit (>= 1)
 --     2 slice limit slices    sliding window of `slices` (>= 1) sub-windows of `slice` us
 --     3 lease slots 0         requests in flight: `slots` (>= 1), each a lease of `lease` ms
+--     5 boundary limit+id<<32 lengths
+--                             a calendar's fixed window (src/quota/calendar.rs): the boundary
+--                             nearest the instance's time (s since the epoch), the lengths (s)
+--                             of the windows before and after it (before * 2^26 + after); the
+--                             window is the one of the two holding now (Redis's time), its
+--                             index its end (s); the calendar's id rides above the limit's
+--                             32 bits, kept as the values' length (a changed calendar is a
+--                             change of values)
 --     4 block 1 mask          a penalty, last if any: once a quota refuses (code 1), the key
 --                             is refused for `block` us (requests meanwhile do not extend it);
 --                             `mask` 0 for any quota, else only quota i's refusal (bit i - 1,
@@ -63,7 +71,7 @@
 --            in integer ns, exact while they stay under 2^53 ns (104 days). Expires when the
 --            bucket is full.
 --   fixed    "<dI4": the window index floor(now_us / window), the count; expires at the
---            window's end.
+--            window's end. A calendar's: the window's end in seconds, the count.
 --   sliding  "<d" then slices + 1 times "I4": the newest sub-window's index, then the counts
 --            c_oldest ... c_newest; expires when every count has slid out of the window.
 --   block    "<dB": the Unix time (us) the block ends, the format; expires then.
@@ -247,6 +255,26 @@ for p = 1, tonumber(ARGV[a], 16) do
       if kind == 2 then
         at[g - 1] = '<d' .. rep('I4', c + 1)
       end
+    elseif kind == 5 then
+      -- A calendar: the window of the two around the boundary that holds now, at[g - 1] its
+      -- length (us), at[g - 2] its end (s), at[g - 3] now's time into it; its values are the
+      -- calendar's id and the limit. (A time more than a window from the instance's, whose
+      -- clocks differ by more than half a window, counts in the nearer of the two.)
+      local id = floor(limit / 4294967296)
+      local before = floor(c / 67108864)
+      local b = len * 1000000
+      local start, wlen = b, (c - before * 67108864) * 1000000
+      if now_us < b then
+        start, wlen = b - before * 1000000, before * 1000000
+      end
+      local r = now_us - start
+      if r < 0 then
+        r = 0
+      elseif r >= wlen then
+        r = wlen - 1
+      end
+      at[g - 6], at[g - 5], at[g - 4] = id, limit - id * 4294967296, 0
+      at[g - 3], at[g - 2], at[g - 1] = r, (start + wlen) / 1000000, wlen
     end
   end
   a = a + 1 + 4 * n
@@ -291,7 +319,7 @@ local function decode(stored, g, kind, key)
   if ver == FORMAT then
     -- The state's length: GCRA 8 bytes, fixed 12, sliding 8 + 4 * (sub-windows + 1).
     local slen = 8
-    if kind == 1 then
+    if kind == 1 or kind == 5 then
       slen = 12
     elseif kind == 2 then
       slen = 12 + 4 * osl
@@ -337,6 +365,12 @@ local function decode(stored, g, kind, key)
         if w == (now_us - r) / olen then
           units = n
         end
+      elseif kind == 5 then
+        -- A calendar's count, while its window (under the calendar it was counted by) runs.
+        local w, n = sunpack('<dI4', stored)
+        if w * 1000000 > now_us then
+          units = n
+        end
       elseif #stored == 8 + 4 * (osl + 1) + 17 then
         local om = osl + 1
         local v = {sunpack('<d' .. rep('I4', om), stored)}
@@ -372,7 +406,7 @@ local function decode(stored, g, kind, key)
       end
       if kind == 0 then
         return floor(units * at[8 * g - 6])
-      elseif kind == 1 then
+      elseif kind == 1 or kind == 5 then
         return ceil(units)
       end
       local m = at[8 * g - 4] + 1
@@ -400,7 +434,7 @@ local function decode(stored, g, kind, key)
       end
     end
     return 0
-  elseif kind == 1 then
+  elseif kind == 1 or kind == 5 then
     if stored and #stored == 29 then
       local w, n = sunpack('<dI4', stored)
       -- Another window's count (a past one, or a future one after a clock step back, as
@@ -472,7 +506,7 @@ local function load(key, g)
     local old = pcall_redis('GET', lk[key])
     if type(old) == 'string' then
       local len = 8
-      if kind == 1 then
+      if kind == 1 or kind == 5 then
         len = 12
       elseif kind == 2 then
         len = 8 + 4 * (at[8 * g - 4] + 1)
@@ -515,7 +549,7 @@ local cur = {}
 local reply = {}
 local nr = 0
 -- The length of a quota's reply when its key holds another type (code 4, then zeros), by kind.
-local WRONG = {[0] = 2, 3, 4, 2, 2}
+local WRONG = {[0] = 2, 3, 4, 2, 2, 3}
 -- The leases each concurrent key takes in this call, written at the end with its other
 -- changes (adds[key]: the members); made only when a slot is taken. (No helper functions here:
 -- each would be a closure made on every call, garbage for the collector.)
@@ -583,11 +617,16 @@ for _ = 1, tonumber(ARGV[a], 16) do
           end
           reply[nr + 1], reply[nr + 2] = 0, tat
           nr = nr + 2
-        elseif kind == 1 then
+        elseif kind == 1 or kind == 5 then
           local len = at[8 * g - 6]
+          if kind == 5 then
+            len = at[8 * g - 1]
+          end
           if op == '3' then
-            -- Only into the window that counted the units.
-            if floor((now_us - ago) / len) == at[8 * g - 2] then
+            -- Only into the window that counted the units (a calendar's: taken since it
+            -- started).
+            if (kind == 5 and ago <= at[8 * g - 3])
+              or (kind == 1 and floor((now_us - ago) / len) == at[8 * g - 2]) then
               st = st - cost
               if st < 0 then
                 st = 0
@@ -755,7 +794,7 @@ for _ = 1, tonumber(ARGV[a], 16) do
         elseif wq > w then
           w = wq
         end
-      elseif kind == 1 then
+      elseif kind == 1 or kind == 5 then
         if st + cost > limit then
           c = 1
           denied = true
@@ -829,7 +868,7 @@ for _ = 1, tonumber(ARGV[a], 16) do
               st = w
             end
             st = st + cost * at[8 * g - 6]
-          elseif kind == 1 then
+          elseif kind == 1 or kind == 5 then
             st = st + cost
           else
             local m = at[8 * g - 4] + 1
@@ -858,6 +897,9 @@ for _ = 1, tonumber(ARGV[a], 16) do
           nr = nr + 2
         elseif kind == 1 then
           reply[nr + 1], reply[nr + 2], reply[nr + 3] = c, st, at[8 * g - 6] - at[8 * g - 3]
+          nr = nr + 3
+        elseif kind == 5 then
+          reply[nr + 1], reply[nr + 2], reply[nr + 3] = c, st, at[8 * g - 1] - at[8 * g - 3]
           nr = nr + 3
         else
           do
@@ -933,6 +975,9 @@ for key, g in pairs(dq) do
   elseif kind == 1 then
     value = spack('<dI4dI4I4B', at[8 * g - 2], st, len, at[8 * g - 5], 0, FORMAT)
     ms = base_ms + ceil((base_us + len - at[8 * g - 3]) / 1000)
+  elseif kind == 5 then
+    value = spack('<dI4dI4I4B', at[8 * g - 2], st, len, at[8 * g - 5], 0, FORMAT)
+    ms = base_ms + ceil((base_us + at[8 * g - 1] - at[8 * g - 3]) / 1000)
   else
     local m = at[8 * g - 4] + 1
     local newest = st[m + 2]
@@ -942,7 +987,7 @@ for key, g in pairs(dq) do
     ms = base_ms + ceil((base_us + (newest + m) * len - now_us) / 1000)
   end
   -- A key with a record (see `recs`) has it between its state and its values.
-  if recs and kind <= 2 then
+  if recs and (kind <= 2 or kind == 5) then
     local rec = recs[key]
     if rec then
       local slen = #value - 17

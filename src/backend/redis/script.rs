@@ -11,6 +11,8 @@ use crate::BackendError;
 use crate::backend::remote::reply::{self, nonneg, protocol};
 use crate::backend::window::Code;
 use crate::backend::{Decision, Mode, Outcome, QuotaState};
+#[cfg(feature = "calendar")]
+use crate::quota::CalendarClock;
 use crate::quota::{QuotaKind, QuotaParams};
 
 /// The script source, also used by `scripts/bench-redis-ceiling.sh`.
@@ -33,6 +35,8 @@ fn quota_reply_len(p: &QuotaParams) -> usize {
     match p.kind {
         QuotaKind::Gcra => 2,
         QuotaKind::FixedWindow { .. } => 3,
+        #[cfg(feature = "calendar")]
+        QuotaKind::Calendar { .. } => 3,
         QuotaKind::SlidingWindow { .. } => 4,
         QuotaKind::Concurrent { .. } => 2,
     }
@@ -50,6 +54,40 @@ fn quota_args(p: &QuotaParams) -> [u64; PER_QUOTA] {
         QuotaKind::SlidingWindow { slice_us, slices } => [2, slice_us, limit, u64::from(slices)],
         QuotaKind::Gcra => [0, p.emission_ns, limit, 0],
         QuotaKind::Concurrent { lease_ms } => [3, lease_ms, limit, 0],
+        // The boundary and the windows' lengths are the call's (`calendar_args`); the
+        // calendar's id rides above the limit's 32 bits.
+        #[cfg(feature = "calendar")]
+        QuotaKind::Calendar { calendar } => [5, 0, limit | calendar.clock().id() << 32, 0],
+    }
+}
+
+/// The calendar quotas of a policy's arguments: the position of each one's first number
+/// after the kind (in `policy_args`' output), and its calendar.
+#[cfg(feature = "calendar")]
+pub(crate) fn calendar_slots(params: &[QuotaParams]) -> Vec<(usize, CalendarClock)> {
+    (params.iter().enumerate())
+        .filter_map(|(i, p)| match p.kind {
+            QuotaKind::Calendar { calendar } => Some((2 + PER_QUOTA * i, calendar.clock())),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A calendar quota's numbers of a call at `now_us` on the instance's clock: the boundary
+/// nearest it (seconds since the epoch), and the lengths of the windows before and after it
+/// in seconds, packed `before * 2^26 + after` (each under 2^25: a year and a day is 3.2e7 s).
+/// The script picks the window that holds Redis's time (see `gcra.lua`). Past 2106, days from
+/// the epoch.
+#[cfg(feature = "calendar")]
+pub(crate) fn calendar_args(calendar: &CalendarClock, now_us: u64) -> (u64, u64) {
+    match calendar.around_us(now_us) {
+        Some(a) if a.before_s < 1 << 25 && a.after_s < 1 << 25 => {
+            (a.boundary_s, a.before_s << 26 | a.after_s)
+        }
+        _ => (
+            (now_us / 1_000_000 + 43_200) / 86_400 * 86_400,
+            86_400 << 26 | 86_400,
+        ),
     }
 }
 
@@ -188,6 +226,11 @@ fn state(
     Ok(match p.kind {
         // `code, count after the decision, µs until the window's end`.
         QuotaKind::FixedWindow { window_us } => reply::fixed(index, p, code, window_us, x, y),
+        // The same, in the calendar's window.
+        #[cfg(feature = "calendar")]
+        QuotaKind::Calendar { calendar } => {
+            reply::fixed(index, p, code, calendar.longest_us(), x, y)
+        }
         // `code, remaining, reset (µs), retry (µs)`, computed by the script with window.rs's
         // formulas (it alone has the counts). No wait is longer than the window and one more
         // sub-window.

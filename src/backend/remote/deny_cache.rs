@@ -326,14 +326,12 @@ fn replay(entry: &Entry, cost: NonZeroU32, now_ns: u64, params: &[QuotaParams]) 
                     .max(1);
                 QuotaState::denied(s.index, p, cost, Duration::from_nanos(wait))
             }
-            // Fixed: denied until the window's end whatever the cost (entries are never kept
-            // past it), and the count, so `remaining`, cannot fall before then. Sliding: the
-            // same cost only, never past `reset_after`, so `remaining` is unchanged. Both
-            // waits point at the same instants as when the store gave them.
+            // Fixed (and calendar): denied until the window's end whatever the cost (entries
+            // are never kept past it), and the count, so `remaining`, cannot fall before then.
+            // Sliding: the same cost only, never past `reset_after`, so `remaining` is
+            // unchanged. Both waits point at the same instants as when the store gave them.
             // A concurrent quota: told to ask again after a fixed time, shrinking the same way.
-            QuotaKind::FixedWindow { .. }
-            | QuotaKind::SlidingWindow { .. }
-            | QuotaKind::Concurrent { .. } => QuotaState {
+            _ => QuotaState {
                 outcome: Outcome::Denied {
                     retry_after: shrink(retry_after),
                 },

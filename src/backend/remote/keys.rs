@@ -99,6 +99,8 @@ pub(crate) fn quota_keys(policy: &crate::Policy, params: &[QuotaParams]) -> Vec<
                 QuotaKind::FixedWindow { .. } => b'f',
                 QuotaKind::SlidingWindow { .. } => b's',
                 QuotaKind::Concurrent { .. } => b'c',
+                #[cfg(feature = "calendar")]
+                QuotaKind::Calendar { .. } => b'd',
             };
             let mut k = vec![b'0' + FORMAT, b'.', letter];
             escape(policy.quota_id(i).as_bytes(), &mut k);
@@ -126,6 +128,9 @@ pub(crate) fn format_1_keys(params: &[QuotaParams], block_us: Option<u64>) -> Ve
                 format!("{i}s{slice_us}x{slices}x{limit}")
             }
             QuotaKind::Concurrent { lease_ms } => format!("{i}c{lease_ms}x{limit}"),
+            // Format 1 had no calendar quotas: a name it never wrote.
+            #[cfg(feature = "calendar")]
+            QuotaKind::Calendar { calendar } => format!("{i}d{}x{limit}", calendar.clock().id()),
         }
     });
     (quotas.chain(block_us.map(|us| format!("b{us}"))))

@@ -115,6 +115,9 @@ fn quota_args(p: &QuotaParams) -> [i64; 4] {
         QuotaKind::FixedWindow { window_us } => [1, int(window_us), limit, 0],
         QuotaKind::SlidingWindow { slice_us, slices } => [2, int(slice_us), limit, slices.into()],
         QuotaKind::Concurrent { lease_ms } => [3, int(lease_ms), limit, 0],
+        // Refused by `prepare` (`calendar_unsupported`) until the SQL stores count calendars.
+        #[cfg(feature = "calendar")]
+        QuotaKind::Calendar { .. } => [5, 0, limit, 0],
     }
 }
 
@@ -246,6 +249,8 @@ fn decision(
         let len = match p.kind {
             QuotaKind::Gcra => 2,
             QuotaKind::FixedWindow { .. } => 3,
+            #[cfg(feature = "calendar")]
+            QuotaKind::Calendar { .. } => 3,
             QuotaKind::SlidingWindow { slices, .. } => 3 + slices as usize,
             QuotaKind::Concurrent { .. } => 2,
         };
@@ -265,6 +270,11 @@ fn decision(
             QuotaKind::Gcra => reply::gcra(index, p, cost, code, nonneg(r[1])),
             QuotaKind::FixedWindow { window_us } => {
                 reply::fixed(index, p, code, window_us, nonneg(r[1]), nonneg(r[2]))
+            }
+            #[cfg(feature = "calendar")]
+            QuotaKind::Calendar { calendar } => {
+                let longest = calendar.longest_us();
+                reply::fixed(index, p, code, longest, nonneg(r[1]), nonneg(r[2]))
             }
             QuotaKind::SlidingWindow { slice_us, .. } => {
                 let into = nonneg(r[1]).min(slice_us.saturating_sub(1));

@@ -242,6 +242,15 @@ impl<D: Dialect> Store for SqlStore<D> {
     type Prepared = Prepared;
 
     fn prepare(&self, policy: &Policy, params: &[QuotaParams]) -> Result<Prepared, ConfigError> {
+        #[cfg(feature = "calendar")]
+        if let Some(e) = crate::backend::calendar_unsupported(
+            policy,
+            params,
+            &format!("the {} store", D::NAME),
+            "not yet (issue 48: the local backend and Redis do)",
+        ) {
+            return Err(e);
+        }
         if let Some(p) = params
             .iter()
             .find(|p| p.is_concurrent() && p.burst.get() > D::MAX_SLOTS)

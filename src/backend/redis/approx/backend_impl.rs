@@ -147,6 +147,16 @@ impl Backend for ApproxBackend {
                 ),
             });
         }
+        #[cfg(feature = "calendar")]
+        if let Some(e) = crate::backend::calendar_unsupported(
+            policy,
+            params,
+            "the approximate Redis mode",
+            "it shares a window's counts by its index from the epoch, which a calendar's \
+             windows do not have; use Redis in its exact mode, the default",
+        ) {
+            return Err(e);
+        }
         let mut specs = Vec::with_capacity(params.len());
         let mut slots = Vec::new();
         for (i, p) in params.iter().enumerate() {
