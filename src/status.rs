@@ -45,7 +45,10 @@ use crate::backend::Decision;
 /// ```
 ///
 /// One resource per quota, by its name in the `RateLimit` field; `reset` is the Unix time
-/// (seconds, rounded up) when more units come, `rate` the tightest quota. A request without a
+/// (seconds, rounded up) when more units come, `rate` the tightest quota. A calendar quota
+/// ([`Quota::calendar`](crate::Quota::calendar)) also says when its window started and ends,
+/// in its time zone, as RFC 9557 times: `"window_start": "2026-11-15T09:00:00+01:00[Europe/Berlin]",
+/// "window_end": "2026-12-15T09:00:00+01:00[Europe/Berlin]"`. A request without a
 /// key gets `400`, a store that fails `503`, each with a `message`. Serve it outside the limit
 /// (asking is free): from [`RateLimitLayer::status_service`](crate::RateLimitLayer::status_service).
 ///
@@ -248,13 +251,36 @@ fn resources<P>(prepared: &crate::prepared::Prepared<P>, decision: &Decision) ->
             crate::backend::Outcome::Allowed if !concurrent => (q.remaining + 1).min(q.limit),
             _ => q.remaining,
         };
-        let reset = crate::response::ceil_secs(now + q.reset);
-        let one = format!(
-            "{{\"limit\":{},\"remaining\":{now_there},\"reset\":{reset},\"used\":{},\"unit\":\"{}\"}}",
+        let mut reset = crate::response::ceil_secs(now + q.reset);
+        // A calendar window ends on a whole second: the instant the backend's clock computed,
+        // not rounded up past it by the microseconds between its clock and this one.
+        #[cfg(feature = "calendar")]
+        if q.reset > std::time::Duration::ZERO
+            && (prepared.policy.quotas().get(state.index))
+                .is_some_and(|quota| quota.calendar_period().is_some())
+        {
+            reset = (now + q.reset + std::time::Duration::from_millis(500)).as_secs();
+        }
+        let mut one = format!(
+            "{{\"limit\":{},\"remaining\":{now_there},\"reset\":{reset},\"used\":{},\"unit\":\"{}\"",
             q.limit,
             q.limit - now_there,
             q.unit
         );
+        // A calendar quota's window, in its zone: when the plan's period started and ends.
+        #[cfg(feature = "calendar")]
+        if let Some((start, end)) = (prepared.policy.quotas().get(state.index))
+            .and_then(|quota| quota.calendar_period())
+            .and_then(|calendar| calendar.window_text(std::time::UNIX_EPOCH + now))
+        {
+            // RFC 9557 times: digits, `-`, `:`, `+`, `T`, `[`, `]` and a zone's name (letters,
+            // `/`, `_`, `-`, `+`, digits): nothing to escape in JSON.
+            let _ = write!(
+                one,
+                ",\"window_start\":\"{start}\",\"window_end\":\"{end}\""
+            );
+        }
+        one.push('}');
         if i > 0 {
             out.push(',');
         }

@@ -340,6 +340,20 @@ impl Calendar {
         Some(time(w.start_us)..time(w.end_us))
     }
 
+    /// The window holding `at` as its start and end in the calendar's zone, written as RFC
+    /// 9557 times (RFC 3339 with the zone's name: `2026-12-15T09:00:00+01:00[Europe/Berlin]`),
+    /// for the status endpoint.
+    pub(crate) fn window_text(&self, at: SystemTime) -> Option<(String, String)> {
+        let rules = self.entry().rules.as_ref().ok()?;
+        let us = i64::try_from(at.duration_since(UNIX_EPOCH).ok()?.as_micros()).ok()?;
+        let w = rules.window(us)?;
+        let text = |us: i64| -> Option<String> {
+            let t = Timestamp::from_microsecond(us).ok()?;
+            Some(t.to_zoned(rules.zone.clone()).to_string())
+        };
+        Some((text(w.start_us)?, text(w.end_us)?))
+    }
+
     /// Longer than any window of the calendar (its nominal length and two days), in µs: a
     /// bound on what a store may answer.
     #[cfg_attr(
@@ -763,7 +777,10 @@ mod tests {
     fn the_quota_syntax_reads_and_writes_calendars() {
         use crate::Quota;
         for (text, quota) in [
-            ("1000/month", Quota::calendar(1000, super::Calendar::monthly())),
+            (
+                "1000/month",
+                Quota::calendar(1000, super::Calendar::monthly()),
+            ),
             (
                 "100000/month on 15 at 09:00 tz Europe/Berlin",
                 Quota::calendar(
@@ -773,7 +790,10 @@ mod tests {
                         .in_zone("Europe/Berlin"),
                 ),
             ),
-            ("50/day calendar", Quota::calendar(50, super::Calendar::daily())),
+            (
+                "50/day calendar",
+                Quota::calendar(50, super::Calendar::daily()),
+            ),
             (
                 "50/day at 06:30:15 tz America/New_York",
                 Quota::calendar(
@@ -790,7 +810,10 @@ mod tests {
             ("7/week", Quota::calendar(7, super::Calendar::weekly())),
             (
                 "12/year on 04-06 tz Europe/London",
-                Quota::calendar(12, super::Calendar::yearly_on(4, 6).in_zone("Europe/London")),
+                Quota::calendar(
+                    12,
+                    super::Calendar::yearly_on(4, 6).in_zone("Europe/London"),
+                ),
             ),
             (
                 "10/month bytes block 1h",
