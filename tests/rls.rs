@@ -1827,3 +1827,44 @@ descriptors:
         assert!(err.message().contains(message), "{err:?}");
     }
 }
+
+/// tollgate's `quota:` extension with a calendar period: `duration_until_reset` is the exact
+/// time to the tenant's billing day in its zone, `current_limit` the plan per month; a
+/// `rate_limit` with `unit: month` keeps envoyproxy/ratelimit's 30 days from the epoch.
+#[cfg(feature = "calendar")]
+#[tokio::test]
+async fn a_calendar_quota_resets_on_its_billing_day() {
+    use tollgate::testing::ManualClock;
+    let rules = "domain: d\ndescriptors:\n  - key: tenant\n    \
+                 quota: \"2/month on 31 at 09:00 tz America/New_York\"\n  \
+                 - key: legacy\n    rate_limit:\n      unit: month\n      requests_per_unit: 2\n";
+    let config = RlsConfig::from_yaml(rules).unwrap();
+    let clock = ManualClock::new();
+    let mut client = serve(RlsService::new(clock.backend(), config).unwrap()).await;
+    // 2026-02-27 12:00 EST: the month ends on 28 February, 09:00 EST.
+    clock.advance(Duration::from_secs(
+        1_772_211_600 - ManualClock::START.as_secs(),
+    ));
+    let until = Duration::from_secs(1_772_287_200 - 1_772_211_600);
+    let r = ask_in(&mut client, "d", vec![descriptor(&[("tenant", "acme")])], 1).await;
+    let s = &r.statuses[0];
+    assert_eq!(s.code(), Code::Ok);
+    let reset = s.duration_until_reset.unwrap();
+    assert_eq!(
+        Duration::new(reset.seconds as u64, reset.nanos as u32),
+        until
+    );
+    let l = s.current_limit.as_ref().unwrap();
+    assert_eq!((l.requests_per_unit, l.unit()), (2, Unit::Month));
+    ask_in(&mut client, "d", vec![descriptor(&[("tenant", "acme")])], 1).await;
+    let r = ask_in(&mut client, "d", vec![descriptor(&[("tenant", "acme")])], 1).await;
+    assert_eq!(r.overall_code(), Code::OverLimit);
+    let reset = r.statuses[0].duration_until_reset.unwrap();
+    assert_eq!(reset.seconds as u64, until.as_secs());
+    // `unit: month`: 30 days from the epoch (2026-02-27 12:00 EST is 12 days and 17 hours
+    // into such a window), as envoyproxy/ratelimit counts them.
+    let r = ask_in(&mut client, "d", vec![descriptor(&[("legacy", "x")])], 1).await;
+    let reset = r.statuses[0].duration_until_reset.unwrap();
+    let month = 30 * 86_400;
+    assert_eq!(reset.seconds as u64, month - 1_772_211_600 % month);
+}

@@ -1523,4 +1523,30 @@ pub async fn calendar<B: Backend>(
         (Outcome::Allowed, 1, s(86_400)),
         "{who}"
     );
+
+    // The daily quota moves to Berlin's days while the key has 1 counted in New York's day
+    // (9 March, 04:00 UTC is 05:00 in Berlin): kept, it is counted in Berlin's day, which
+    // ends at 23:00 UTC, in 19 hours; reset, it is forgotten.
+    use tollgate::OnChange;
+    let berlin = |name, on_change| {
+        Policy::new(name, "2/day tz Europe/Berlin".parse().unwrap()).on_change(on_change)
+    };
+    let kept = prepare(backend, &berlin("daily", OnChange::Keep));
+    let d = backend.decide(&kept, &k, cost(1)).await.unwrap();
+    let q = d.quotas()[0];
+    assert_eq!(
+        (q.outcome, q.remaining, q.reset_after),
+        (Outcome::Allowed, 0, s(19 * 3600)),
+        "{who}"
+    );
+    let d = backend.decide(&kept, &k, cost(1)).await.unwrap();
+    assert_eq!(d.retry_after(), Some(s(19 * 3600)), "{who}: {d:?}");
+    let daily = Policy::new("daily-2", "2/day tz America/New_York".parse().unwrap());
+    backend
+        .decide(&prepare(backend, &daily), &k, cost(1))
+        .await
+        .unwrap();
+    let reset = prepare(backend, &berlin("daily-2", OnChange::Reset));
+    let d = backend.decide(&reset, &k, cost(1)).await.unwrap();
+    assert_eq!(d.quotas()[0].remaining, 1, "{who}: {d:?}");
 }
