@@ -447,6 +447,16 @@ fn unnamed(q: &Quota) -> Quota {
         return Quota::concurrent(q.count()).lease(q.period());
     }
     let mut out = Quota::new(q.count(), q.period());
+    #[cfg(feature = "calendar")]
+    if let Some(calendar) = q.calendar_period() {
+        out = Quota::calendar(q.count(), calendar);
+    }
+    if q.counts_bytes() {
+        out = out.bytes();
+    }
+    if let Some(block) = q.block() {
+        out = out.block_for(block);
+    }
     if q.burst_size() != q.count() || q.to_string().contains(" burst ") {
         out = out.burst(q.burst_size());
     }
@@ -481,6 +491,43 @@ pub fn quota_str(data: &[u8]) {
     assert_eq!(policy.validate().is_ok(), q.params("p").is_ok());
 }
 
+/// A calendar from any bytes: any period, anchor and time of day (in range or not), and a
+/// zone among some with DST, odd offsets or a skipped day, UTC, and one that does not exist.
+#[cfg(feature = "calendar")]
+fn fuzz_calendar(b: &mut Bytes<'_>) -> crate::quota::Calendar {
+    use crate::quota::{Calendar, Weekday};
+    const ZONES: [&str; 6] = [
+        "UTC",
+        "America/New_York",
+        "Asia/Kathmandu",
+        "Australia/Lord_Howe",
+        "Pacific/Apia",
+        "Nowhere/Atlantis",
+    ];
+    let (kind, x, y) = (b.u8(), b.u8(), b.u8());
+    let calendar = match kind % 4 {
+        0 => Calendar::daily(),
+        1 => Calendar::weekly_from(match x % 7 {
+            0 => Weekday::Monday,
+            1 => Weekday::Tuesday,
+            2 => Weekday::Wednesday,
+            3 => Weekday::Thursday,
+            4 => Weekday::Friday,
+            5 => Weekday::Saturday,
+            _ => Weekday::Sunday,
+        }),
+        2 => Calendar::monthly_on(x),
+        _ => Calendar::yearly_on(x, y),
+    };
+    let (h, m, sec) = (b.u8(), b.u8(), b.u8());
+    let calendar = if kind & 4 != 0 {
+        calendar.at_second(h, m, sec)
+    } else {
+        calendar.at(h % 24, m % 60)
+    };
+    calendar.in_zone(ZONES[usize::from(b.u8()) % ZONES.len()])
+}
+
 /// Quotas built in code from any numbers (count, period, burst, algorithm, resolution): their
 /// parameters never overflow, valid ones are within bounds, agree with the quota, and are
 /// written as strings that parse back to them.
@@ -511,6 +558,20 @@ pub fn quota_params(data: &[u8]) {
     if flags & 32 != 0 {
         let tag = b.u8();
         q = q.resolution(duration(&mut b, tag));
+    }
+    // A calendar quota from any settings, valid or not (then a burst or a sliding window on
+    // it, which `params` refuses).
+    #[cfg(feature = "calendar")]
+    if flags & 1 != 0 {
+        let calendar = fuzz_calendar(&mut b);
+        let (algorithm, burst) = (q.algorithm(), q.burst_size());
+        q = Quota::calendar(count, calendar);
+        if algorithm == crate::quota::Algorithm::SlidingWindow {
+            q = q.sliding_window();
+        }
+        if flags & 4 != 0 {
+            q = q.burst(burst);
+        }
     }
     check_quota(&q);
     let policy = Policy::new("p", q);
@@ -1287,6 +1348,52 @@ mod tests {
     #[test]
     fn quota_params() {
         replay("quota_params", super::quota_params);
+    }
+
+    /// Calendar quotas from any bytes and from strings of the calendar syntax's words in any
+    /// order: never a panic, and whatever is valid round-trips (beyond the kept inputs).
+    #[cfg(feature = "calendar")]
+    mod calendar {
+        use proptest::prelude::*;
+
+        const WORDS: [&str; 16] = [
+            "on",
+            "at",
+            "tz",
+            "calendar",
+            "fixed",
+            "15",
+            "31",
+            "02-29",
+            "sunday",
+            "09:00",
+            "25:61",
+            "Europe/Berlin",
+            "Asia/Kolkata",
+            "Nowhere/Atlantis",
+            "bytes",
+            "block 1h",
+        ];
+
+        proptest! {
+            #[test]
+            fn any_settings(data in proptest::collection::vec(any::<u8>(), 0..48)) {
+                let mut data = data;
+                // The calendar flag set.
+                data.insert(0, 1);
+                super::super::quota_params(&data);
+            }
+
+            #[test]
+            fn any_words(
+                count in 0u32..5000,
+                period in proptest::sample::select(vec!["day", "week", "month", "year"]),
+                words in proptest::collection::vec(proptest::sample::select(WORDS.to_vec()), 0..6),
+            ) {
+                let text = format!("{count}/{period} {}", words.join(" "));
+                super::super::quota_str(text.as_bytes());
+            }
+        }
     }
 
     #[test]

@@ -994,3 +994,47 @@ async fn calendar_quotas_local() {
     let start = tollgate::testing::ManualClock::START.as_secs();
     support::conformance::calendar(&backend, start, |by| clock.advance(by), "local").await;
 }
+
+/// A calendar quota under threads at once, on many keys, across a boundary its windows'
+/// cache has to move past: each key admits exactly its limit in each window.
+#[cfg(feature = "calendar")]
+#[test]
+fn a_calendar_quota_admits_its_limit_exactly_under_threads_at_once() {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    let clock = tollgate::testing::ManualClock::new();
+    let backend = clock.backend();
+    // 2026-03-07 23:59:50 in New York: ten seconds before the day's end.
+    let start = tollgate::testing::ManualClock::START.as_secs();
+    clock.advance(Duration::from_secs(1_772_946_000 - 10 - start));
+    let policy = Policy::new("daily", "300/day tz America/New_York".parse().unwrap());
+    let p = support::prepare(&backend, &policy);
+    let keys: Vec<Key> = (0..16).map(|i| key(&format!("tenant-{i}"))).collect();
+    let run = || {
+        let allowed: Vec<AtomicU32> = keys.iter().map(|_| AtomicU32::new(0)).collect();
+        std::thread::scope(|scope| {
+            for t in 0..4 {
+                let (keys, allowed, p, backend) = (&keys, &allowed, &p, &backend);
+                scope.spawn(move || {
+                    for i in 0..2000 {
+                        let k = (i + t) % keys.len();
+                        let d = futures_ready(backend.decide(p, &keys[k], cost(1))).unwrap();
+                        if d.is_allowed() {
+                            allowed[k].fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                });
+            }
+        });
+        allowed
+            .iter()
+            .map(|a| a.load(Ordering::Relaxed))
+            .collect::<Vec<_>>()
+    };
+    // 8 000 asks over 16 keys, 500 each: 300 pass per key.
+    assert_eq!(run(), vec![300; 16]);
+    // Past midnight: a new day for every key, 23 hours long.
+    clock.advance(Duration::from_secs(10));
+    assert_eq!(run(), vec![300; 16]);
+    let d = futures_ready(backend.decide(&p, &keys[0], cost(1))).unwrap();
+    assert_eq!(d.retry_after(), Some(Duration::from_secs(23 * 3600)));
+}
