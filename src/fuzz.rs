@@ -1281,7 +1281,7 @@ pub fn sql_reply(data: &[u8]) {
         }
     }
 
-    let args = sql::Args::of(&jobs);
+    let args = sql::Args::of(&jobs, Some(0));
     let rows: usize = jobs.iter().map(|j| j.params().len()).sum();
     assert_eq!(args.keys.len(), rows);
     assert_eq!(args.quotas.len(), 4 * rows);

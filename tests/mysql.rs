@@ -597,3 +597,74 @@ async fn a_rolling_change_keeps_the_higher_limit_mysql() {
     let b = || builder(&server).test_clock(clock.clone()).build().unwrap();
     support::conformance::rolling_change(&b(), &b(), "mysql").await;
 }
+
+/// Calendar quotas at their boundaries on MySQL / MariaDB (the instance computes the windows
+/// around its time, the database's time picks one; no time zone tables): the conformance
+/// suite's cases, without and with the deny cache. Each row expires at its window's end, and
+/// is swept past it.
+#[cfg(feature = "calendar")]
+#[tokio::test]
+async fn calendar_quotas_mysql() {
+    let server = MariaDbServer::start();
+    migrated(builder(&server)).await;
+    let clock = TestClock::new();
+    let start = clock.now_ns() / 1_000_000_000;
+    let b = builder(&server).test_clock(clock.clone()).build().unwrap();
+    support::conformance::calendar(&b, start, |by| clock.advance(by), "mysql").await;
+    // The monthly plan's window ends on 31 March 2026, 09:00 EDT; the daily ones (in Berlin
+    // last) on 9 March, 23:00 UTC.
+    assert_eq!(
+        server.sql(
+            "SELECT GROUP_CONCAT(expires_us ORDER BY expires_us SEPARATOR ',') FROM tollgate_buckets"
+        ),
+        "1773097200000000,1773097200000000,1774962000000000"
+    );
+    // Those ends are past on the database's clock: the sweep deletes the rows.
+    assert_eq!(b.sweep().await.unwrap(), 3);
+    assert_eq!(server.sql("SELECT COUNT(*) FROM tollgate_buckets"), "0");
+    let clock = TestClock::new();
+    let cached = builder(&server)
+        .deny_cache_capacity(1000)
+        .test_clock(clock.clone())
+        .build()
+        .unwrap();
+    support::conformance::calendar(&cached, start, |by| clock.advance(by), "mysql-cached").await;
+
+    // The database's time picks the window of the two the instance sends (here by hand: the
+    // days around 9 March's midnight in New York, 23 hours then 24; calendar id 7, limit 3):
+    // 2 hours after the boundary it counts in the day after, 3 hours before it in the day
+    // before (the clocks may differ by up to half a window), past both in the nearer.
+    let mar_9: i64 = 1_773_028_800;
+    let numbers = format!("5,{},3,{}", mar_9 << 20 | 7, (23 * 3600_i64) << 32 | 86_400);
+    // `call(key, now (s), cost, arg, op)`.
+    let call = |key: &str, now_s: i64, cost: u32, arg: i64, op: u8| {
+        server.sql(&format!(
+            "CALL tollgate_buckets_decide_2('{key};{cost},{arg},{op}|{numbers},{key}', {})",
+            now_s * 1_000_000_000
+        ))
+    };
+    assert_eq!(call("01", mar_9 + 2 * 3600, 1, 0, 0), "0,1,79200000000");
+    assert_eq!(call("02", mar_9 - 3 * 3600, 1, 0, 0), "0,1,10800000000");
+    assert_eq!(call("03", mar_9 + 25 * 3600, 1, 0, 0), "0,1,1");
+    // Each row keeps its window's end, its count and its values (id, limit, 0), and expires
+    // at that end.
+    assert_eq!(
+        server.sql(
+            "SELECT GROUP_CONCAT(CONCAT_WS(' ', HEX(k), a, n, c, expires_us) ORDER BY k \
+             SEPARATOR ';') FROM tollgate_buckets WHERE LENGTH(k) = 1"
+        ),
+        "01 1773115200 1 ;7,3,0,2 1773115200000000;\
+         02 1773028800 1 ;7,3,0,2 1773028800000000;\
+         03 1773115200 1 ;7,3,0,2 1773115200000000"
+    );
+    // Settlements in key 01's window, 2 hours into it: a debit of 2; a refund of a unit taken
+    // 3 hours ago (before the window) is not given back, of one taken an hour ago is; a peek
+    // takes nothing; then one more fits, and no more.
+    let (at, hour) = (mar_9 + 2 * 3600, 3_600_000_000);
+    assert_eq!(call("01", at, 2, 0, 4), "0,3,79200000000");
+    assert_eq!(call("01", at, 1, 3 * hour, 3), "0,3,79200000000");
+    assert_eq!(call("01", at, 1, hour, 3), "0,2,79200000000");
+    assert_eq!(call("01", at, 1, 0, 1), "0,3,79200000000");
+    assert_eq!(call("01", at, 1, 0, 0), "0,3,79200000000");
+    assert_eq!(call("01", at, 1, 0, 0), "1,3,79200000000");
+}

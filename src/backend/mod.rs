@@ -600,10 +600,7 @@ pub(crate) fn unsupported(policy: &crate::Policy, store: &str) -> crate::ConfigE
 /// The error for a calendar quota on a store that does not count calendars (`None` when the
 /// policy has none).
 #[cfg(feature = "calendar")]
-#[cfg_attr(
-    not(any(feature = "redis", feature = "postgres", feature = "mysql")),
-    allow(dead_code)
-)]
+#[cfg_attr(not(feature = "redis"), allow(dead_code))]
 pub(crate) fn calendar_unsupported(
     policy: &crate::Policy,
     params: &[QuotaParams],

@@ -8,7 +8,7 @@
 //! | algorithm | reply |
 //! |---|---|
 //! | GCRA | code, TAT after the decision relative to now (ns, 0: full) |
-//! | fixed window | code, count after the decision, µs until the window's end |
+//! | fixed window (and calendar) | code, count after the decision, µs until the window's end |
 //! | sliding window | code, µs into the current sub-window, the sub-windows' counts after the decision (oldest first) |
 //! | concurrent | code, slots held after the decision |
 //! | a policy's block (last) | 1 and the µs left when the key is blocked, else 0, 0 |
@@ -33,6 +33,8 @@ use crate::backend::remote::reply::{self, nonneg, protocol};
 use crate::backend::remote::{Job, Store, keys};
 use crate::backend::window;
 use crate::backend::{Decision, Mode, QuotaState};
+#[cfg(feature = "calendar")]
+use crate::quota::CalendarClock;
 use crate::quota::{QuotaKind, QuotaParams};
 use crate::{BackendError, Key};
 
@@ -73,6 +75,10 @@ pub(crate) struct Prepared {
     pub(crate) quotas: Vec<i64>,
     /// Whether the policy blocks keys once refused (`block_for`).
     pub(crate) blocks: bool,
+    /// The calendar quotas' places in `quotas` (of their kind) and their calendars: each call
+    /// writes their numbers from the instance's time (see [`calendar_args`]).
+    #[cfg(feature = "calendar")]
+    pub(crate) calendars: Vec<(usize, CalendarClock)>,
 }
 
 impl Prepared {
@@ -80,12 +86,12 @@ impl Prepared {
         let block_us = (policy.block()).map(|b| i64::try_from(b.as_micros()).unwrap_or(i64::MAX));
         // Stored format 2, as on Redis: rows named by each quota's identity, `2.b` the block's.
         let key_suffixes = keys::quota_keys(policy, params);
-        // A rate quota's kind carries the policy's OnChange strategy times 8.
+        // A rate quota's kind (calendars' too) carries the policy's OnChange strategy times 8.
         let strategy = 8 * i64::from(policy.change_strategy().code());
         let mut quotas: Vec<i64> = (params.iter())
             .flat_map(|p| {
                 let mut args = quota_args(p);
-                if args[0] <= 2 {
+                if args[0] <= 2 || args[0] == 5 {
                     args[0] += strategy;
                 }
                 args
@@ -101,12 +107,20 @@ impl Prepared {
             key_suffixes,
             quotas,
             blocks: block_us.is_some(),
+            #[cfg(feature = "calendar")]
+            calendars: (params.iter().enumerate())
+                .filter_map(|(i, p)| match p.kind {
+                    QuotaKind::Calendar { calendar } => Some((4 * i, calendar.clock())),
+                    _ => None,
+                })
+                .collect(),
         }
     }
 }
 
-/// A quota's four numbers: kind (0 GCRA, 1 fixed, 2 sliding), its length (GCRA: emission
-/// interval in ns; windows: µs), its limit, its sub-windows.
+/// A quota's four numbers: kind (0 GCRA, 1 fixed, 2 sliding, 3 concurrent, 5 calendar), its
+/// length (GCRA: emission interval in ns; windows: µs; calendar: see [`calendar_args`]), its
+/// limit, its sub-windows.
 fn quota_args(p: &QuotaParams) -> [i64; 4] {
     let int = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
     let limit = i64::from(p.burst.get());
@@ -115,16 +129,55 @@ fn quota_args(p: &QuotaParams) -> [i64; 4] {
         QuotaKind::FixedWindow { window_us } => [1, int(window_us), limit, 0],
         QuotaKind::SlidingWindow { slice_us, slices } => [2, int(slice_us), limit, slices.into()],
         QuotaKind::Concurrent { lease_ms } => [3, int(lease_ms), limit, 0],
-        // Refused by `prepare` (`calendar_unsupported`) until the SQL stores count calendars.
+        // The boundary and the windows' lengths are the call's (`calendar_args`, written by
+        // `Args::of`); until then the calendar's id alone, at a boundary 0.
         #[cfg(feature = "calendar")]
-        QuotaKind::Calendar { .. } => [5, 0, limit, 0],
+        QuotaKind::Calendar { calendar } => [5, int(calendar.clock().id()), limit, 0],
     }
 }
 
-/// A call's arguments: the row keys (one per quota of every decision), four numbers per key,
-/// and per decision its number of keys, its cost, and its mode as `arg, op`
-/// ([`Mode::op_arg`]; a store that does not settle gets only ops 0 and 1: 0 a decision, `arg`
-/// a reservation's longest wait in ns, 1 a peek).
+/// A calendar quota's second and fourth numbers for a call at `now_us` on the instance's clock
+/// (the test clock's time when one is set): the boundary nearest it in seconds since the epoch
+/// and the calendar's id (20 bits), packed `boundary * 2^20 + id`; and the lengths in seconds of
+/// the windows before and after the boundary, packed `before * 2^32 + after`. The store picks
+/// the one of the two windows that holds its own time (see `postgres.sql`, `mysql.sql`), so
+/// that the instance's and the store's clocks may differ by up to half a window. A calendar
+/// without windows there (settings refused when the layer is built, or a time past 2106):
+/// UTC days.
+#[cfg(feature = "calendar")]
+pub(crate) fn calendar_args(calendar: &CalendarClock, now_us: u64) -> (i64, i64) {
+    const DAY: u64 = 86_400;
+    let (boundary, before, after) = match calendar.around_us(now_us) {
+        Some(a) if a.before_s < 1 << 32 && a.after_s < 1 << 32 => {
+            (a.boundary_s, a.before_s, a.after_s)
+        }
+        _ => ((now_us / 1_000_000 + DAY / 2) / DAY * DAY, DAY, DAY),
+    };
+    // `around_us` answers boundaries under 2^32 s: the packed numbers stay under 2^63.
+    let boundary = boundary.min((1 << 32) - 1);
+    (
+        (boundary << 20 | calendar.id()) as i64,
+        (before << 32 | after) as i64,
+    )
+}
+
+/// The instance's time for a call, in µs since the epoch: the test clock's when one is set
+/// (`now_ns`), otherwise the system's wall clock.
+#[cfg(feature = "calendar")]
+fn instance_us(now_ns: Option<u64>) -> u64 {
+    match now_ns {
+        Some(ns) => ns / 1000,
+        None => std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX)),
+    }
+}
+
+/// A call's arguments: the row keys (one per quota of every decision), four numbers per key
+/// (a calendar quota's written from the instance's time, see [`calendar_args`]), and per
+/// decision its number of keys, its cost, and its mode as `arg, op` ([`Mode::op_arg`]; a store
+/// that does not settle gets only ops 0 and 1: 0 a decision, `arg` a reservation's longest
+/// wait in ns, 1 a peek).
 #[derive(Debug, Default)]
 pub(crate) struct Args {
     pub(crate) keys: Vec<Vec<u8>>,
@@ -133,7 +186,13 @@ pub(crate) struct Args {
 }
 
 impl Args {
-    pub(crate) fn of<S: Store<Prepared = Prepared>>(jobs: &[Job<S>]) -> Self {
+    /// The arguments of `jobs`, a calendar's numbers from the instance's time: the test
+    /// clock's, `now_ns`, when one is set, otherwise the system's wall clock.
+    pub(crate) fn of<S: Store<Prepared = Prepared>>(jobs: &[Job<S>], now_ns: Option<u64>) -> Self {
+        #[cfg(not(feature = "calendar"))]
+        let _ = now_ns;
+        #[cfg(feature = "calendar")]
+        let mut now_us = None;
         let mut args = Args::default();
         let mut base = Vec::with_capacity(128);
         for job in jobs {
@@ -144,7 +203,17 @@ impl Args {
                 bucket_key(&base, suffix, p.prefix_len, &mut key);
                 args.keys.push(key);
             }
+            #[cfg(feature = "calendar")]
+            let at = args.quotas.len();
             args.quotas.extend_from_slice(&p.quotas);
+            #[cfg(feature = "calendar")]
+            for (i, calendar) in &p.calendars {
+                // Read once per call: every calendar of the call from the same time.
+                let now_us = *now_us.get_or_insert_with(|| instance_us(now_ns));
+                let (boundary, lengths) = calendar_args(calendar, now_us);
+                args.quotas[at + i + 1] = boundary;
+                args.quotas[at + i + 3] = lengths;
+            }
             let (arg, op) = match job.mode {
                 // A store that does not settle holds no slots: a plain decision.
                 Mode::Hold { .. } if !S::SETTLES => (0, 0),
@@ -492,6 +561,35 @@ mod tests {
         let mut other = Vec::new();
         bucket_key(&long, b"0g1x2", 2, &mut other);
         assert_ne!(out, other);
+    }
+
+    /// A calendar quota's numbers: the boundary nearest the instance's time with the
+    /// calendar's id, the windows on each side, the policy's strategy in the kind.
+    #[cfg(feature = "calendar")]
+    #[test]
+    fn a_calendars_numbers_are_the_windows_around_the_instances_time() {
+        let quota: crate::Quota = "2/day tz America/New_York".parse().unwrap();
+        let params = [quota.params("daily").unwrap()];
+        let QuotaKind::Calendar { calendar } = params[0].kind else {
+            panic!("{params:?}")
+        };
+        let clock = calendar.clock();
+        let id = i64::try_from(clock.id()).unwrap();
+        let policy = crate::Policy::new("daily", quota).on_change(crate::OnChange::Reset);
+        let p = Prepared::new("tg", &policy, &params);
+        assert_eq!(p.quotas, [5 + 8, id, 2, 0]);
+        assert_eq!(p.calendars, [(0, clock)]);
+        // 9 March 2026, 00:00 in New York (04:00 UTC), after a day of 23 hours (DST began).
+        let mar_9: i64 = 1_773_028_800;
+        let args = |s: i64| calendar_args(&clock, u64::try_from(s).unwrap() * 1_000_000);
+        for near in [mar_9 - 11 * 3600, mar_9 - 1, mar_9, mar_9 + 11 * 3600] {
+            assert_eq!(args(near), (mar_9 << 20 | id, (23 * 3600) << 32 | 86_400));
+        }
+        // Nearer the next midnight, the windows around it.
+        assert_eq!(
+            args(mar_9 + 13 * 3600),
+            ((mar_9 + 86_400) << 20 | id, 86_400 << 32 | 86_400)
+        );
     }
 
     #[test]

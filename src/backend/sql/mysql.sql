@@ -10,22 +10,26 @@
 -- as one statement (no DELIMITER: the bodies hold semicolons).
 --
 -- The semantics are those of src/backend/redis/gcra.lua (GCRA, fixed and sliding windows,
--- mixed freely, every quota of a decision all-or-nothing, several decisions per call seeing
--- each other's updates) and of src/backend/window.rs (the window arithmetic, and the sliding
--- estimate in the same IEEE double operations in the same order).
+-- calendars' windows, mixed freely, every quota of a decision all-or-nothing, several
+-- decisions per call seeing each other's updates) and of src/backend/window.rs (the window
+-- arithmetic, and the sliding estimate in the same IEEE double operations in the same order).
 --
 -- One row per client key and quota:
 --   k           the key's bytes (at most 512)
 --   a           GCRA: the theoretical arrival time (TAT), ns since the Unix epoch;
 --               fixed window: the index of the window counted (now_us DIV window);
+--               calendar: the end of the window counted (s since the epoch);
 --               sliding window: the index of the newest sub-window kept (now_us DIV sub-window)
---   n           fixed window: the count of window a; sliding window: the sum of the counts c
+--   n           fixed window, calendar: the count of window a; sliding window: the sum of the
+--               counts c
 --   c           sliding window: the slices + 1 counts kept, oldest first, the last that of
 --               sub-window a, decimal, comma-separated (NULL otherwise; counts of another
 --               length count as nothing); concurrent quota: the leases, "id:expiry_us",
---               comma-separated (n their number). A rate quota's (GCRA, fixed, sliding) c
---               ends with ";" and the values its state was counted under and the stored
---               format: "length,limit,sub-windows,2" (sub-windows 0 but for sliding windows).
+--               comma-separated (n their number). A rate quota's (GCRA, fixed, sliding,
+--               calendar) c ends with ";" and the values its state was counted under and the
+--               stored format: "length,limit,sub-windows,2" (sub-windows 0 but for sliding
+--               windows; a calendar's "length" is its calendar's id: a changed calendar is a
+--               change of values, as on Redis).
 --               A row counted under other values than its quota's now is converted first
 --               (the policy's OnChange strategy, as gcra.lua's `carried`); a rate quota's row
 --               without them is a fresh one. A row so converted keeps the values it came
@@ -35,8 +39,8 @@
 -- quota is its identity, not its values.
 --   (a block: a is the Unix time in us it ends)
 --   expires_us  us since the epoch after which the row is the same as no row (GCRA: the TAT,
---               rounded up, when the bucket is full again; fixed: the window's end; sliding:
---               when every count has slid out); the sweep deletes rows past it.
+--               rounded up, when the bucket is full again; fixed, calendar: the window's end;
+--               sliding: when every count has slid out); the sweep deletes rows past it.
 -- A default row (a = 0, n = 0, c = NULL, expires_us = 0) is a fresh bucket: a TAT in the past
 -- (full), nothing counted. No secondary index.
 CREATE TABLE IF NOT EXISTS {table} (
@@ -70,7 +74,10 @@ DROP PROCEDURE IF EXISTS {decide}
 --                                              written
 --                                           2  decide, holding a slot of each concurrent
 --                                              quota under the lease id arg
---                                           3  refund cost units taken arg us ago
+--                                           3  refund cost units taken arg us ago (a
+--                                              window: only into the (sub-)window that
+--                                              counted them; a calendar's when arg is at
+--                                              most the time since its window started)
 --                                           4  debit cost more units (into debt)
 --                                           5  release the slot of the lease id arg
 --                                           (3 to 5: settlements, always allowed, as in
@@ -82,6 +89,26 @@ DROP PROCEDURE IF EXISTS {decide}
 --                       1,window us (>= 1),limit (>= 1),0              fixed window
 --                       2,sub-window us (>= 1),limit (>= 1),slices     sliding window
 --                       3,lease ms (>= 1),slots (>= 1),0               requests in flight
+--                       5,boundary * 2^20 + id,limit (>= 1),before * 2^32 + after
+--                                                  a calendar's fixed window
+--                                                  (src/quota/calendar.rs, numbers written per
+--                                                  call by the instance, src/backend/sql/mod.rs
+--                                                  `calendar_args`): the calendar boundary
+--                                                  nearest the instance's time (s since the
+--                                                  epoch, < 2^32), the calendar's id (20 bits),
+--                                                  the lengths (s, >= 1) of the windows before
+--                                                  and after the boundary. The window counted
+--                                                  is the one of the two that holds now (this
+--                                                  procedure's time): it starts at boundary -
+--                                                  before when now is before the boundary, else
+--                                                  at the boundary; its index is its end (s).
+--                                                  Its values are "id,limit,0". Only integers
+--                                                  are compared (no time zone tables): the
+--                                                  instance computed every boundary (zones,
+--                                                  DST, month ends), so the instance's and the
+--                                                  database's clocks may differ by up to half a
+--                                                  window (11.5 hours for a day; past that, now
+--                                                  counts in the nearer of the two windows)
 --                       4,block us (>= 1),1,mask                       a penalty, last: once
 --                                                  a quota refuses (code 1), the key is
 --                                                  refused for `block` us; mask 0 for any
@@ -94,7 +121,7 @@ DROP PROCEDURE IF EXISTS {decide}
 -- quota of the decision denied; with 1, 2 or 3 nothing of the decision is written, and the
 -- state is reported as it stands):
 --   GCRA     code, TAT after the decision relative to now (ns, 0 = full, at most 9e18)
---   fixed    code, count after the decision, us until the window's end
+--   fixed    code, count after the decision, us until the window's end (a calendar's too)
 --   sliding  code, r = now_us mod sub-window, then the slices + 1 counts after the decision,
 --            oldest first (moved on to now's sub-window)
 --   concurrent  code, slots held after the decision
@@ -124,6 +151,11 @@ DROP PROCEDURE IF EXISTS {decide}
 --   keys; exactness does not depend on it.)
 --
 -- A key must count the same quota in every call (the keys of different quotas differ).
+--
+-- Kind 5 (calendars) came after this procedure's first release under this name, without a
+-- change of the rows' format: a procedure from before it does not count calendars (under a
+-- strict sql_mode, the default, it fails on their numbers: 1264, out of range), so migrate
+-- (which replaces a procedure whose body differs) before serving calendar quotas.
 CREATE PROCEDURE {decide}(IN spec LONGTEXT CHARACTER SET ascii, IN now_ns BIGINT)
 MODIFIES SQL DATA
 BEGIN
@@ -166,6 +198,10 @@ BEGIN
     -- The record of a key a change converted: the values it came from, "length,limit,
     -- sub-windows", after ";" at the end of its c (NULL for none; gcra.lua's `recs`).
     DECLARE fv VARCHAR(100) CHARACTER SET ascii DEFAULT NULL;
+    -- A calendar's window (kind 5), picked when its quota is read: cr, now's time into it (us,
+    -- within [0, length - 1]); cl, its length (us); ce, its end (s since the epoch, the index
+    -- its row keeps); cb, its start (us).
+    DECLARE cr, cl, ce, cb BIGINT;
     DECLARE EXIT HANDLER FOR SQLEXCEPTION
     BEGIN
         ROLLBACK;
@@ -238,6 +274,22 @@ BEGIN
                 SET lim = CAST(SUBSTRING_INDEX(SUBSTRING_INDEX(qt, ',', 3), ',', -1) AS SIGNED);
                 SET sl = CAST(SUBSTRING_INDEX(SUBSTRING_INDEX(qt, ',', 4), ',', -1) AS SIGNED);
                 SET hk = SUBSTRING_INDEX(qt, ',', -1);
+                IF kind = 5 THEN
+                    -- A calendar's window: of the two around the boundary, the one that holds
+                    -- now (the instance computed them, around its time). From here on its
+                    -- numbers are its values as a rate quota's (id, limit, 0).
+                    SET ce = qa >> 20;
+                    SET cb = ce * 1000000;
+                    IF now_us < cb THEN
+                        SET cl = GREATEST(sl >> 32, 1) * 1000000;
+                        SET cb = cb - cl;
+                    ELSE
+                        SET cl = GREATEST(sl & 4294967295, 1) * 1000000;
+                        SET ce = ce + cl DIV 1000000;
+                    END IF;
+                    SET cr = LEAST(GREATEST(now_us - cb, 0), cl - 1);
+                    SET qa = qa & 1048575, sl = 0;
+                END IF;
                 -- The row of the key: the one at hand, or (after writing that one if changed)
                 -- read with a locking read.
                 IF ck IS NULL OR hk <> ck THEN
@@ -255,7 +307,7 @@ BEGIN
                             SET MESSAGE_TEXT = 'tollgate: a key of a quota is missing from the key list';
                     END IF;
                     SET ck = hk, cv = NULL, fv = NULL;
-                    IF kind <= 2 THEN
+                    IF kind <= 2 OR kind = 5 THEN
                         -- A rate quota's c ends with ";" and the values it was counted under
                         -- and the format: "length,limit,sub-windows,2", then, for a key a
                         -- change converted, ";" and its record. Without them, the row is a
@@ -293,6 +345,12 @@ BEGIN
                                 IF ra = now_us DIV ola THEN
                                     SET u = rn;
                                 END IF;
+                            ELSEIF kind = 5 THEN
+                                -- A calendar's count, while its window (under the calendar it
+                                -- was counted by: its end, ra) runs.
+                                IF ra * 1000000 > now_us THEN
+                                    SET u = rn;
+                                END IF;
                             ELSEIF rc IS NOT NULL AND LENGTH(rc) - LENGTH(REPLACE(rc, ',', '')) = osl THEN
                                 SET byn = GREATEST(now_us DIV ola - ra, 0);
                                 IF byn < osl + 1 THEN
@@ -322,6 +380,8 @@ BEGIN
                                 SET ra = now_ns + CAST(FLOOR(u * CAST(qa AS DOUBLE)) AS SIGNED), rn = 0;
                             ELSEIF kind = 1 THEN
                                 SET ra = now_us DIV qa, rn = CAST(CEIL(u) AS SIGNED);
+                            ELSEIF kind = 5 THEN
+                                SET ra = ce, rn = CAST(CEIL(u) AS SIGNED);
                             ELSE
                                 SET ra = now_us DIV qa, rn = CAST(CEIL(u) AS SIGNED);
                                 SET rc = CONCAT(REPEAT('0,', sl), rn);
@@ -351,6 +411,16 @@ BEGIN
                     -- Another window's count (a past one, or a future one after a clock step
                     -- back) is not this window's.
                     SET cur = IF(ra = w, rn, 0);
+                    IF cost > lim THEN
+                        SET code = 2;
+                    ELSEIF cur + cost > lim THEN
+                        SET code = 1;
+                    ELSE
+                        SET code = 0;
+                    END IF;
+                ELSEIF kind = 5 THEN
+                    -- Likewise a calendar's: its window is the one that ends at ce.
+                    SET cur = IF(ra = ce, rn, 0);
                     IF cost > lim THEN
                         SET code = 2;
                     ELSEIF cur + cost > lim THEN
@@ -448,6 +518,16 @@ BEGIN
                             SET cur = LEAST(cur + cost, 4294967295);
                             SET ra = w, rn = cur, rc = NULL, rexp = (w + 1) * qa, dirty = 1;
                         END IF;
+                    ELSEIF kind = 5 THEN
+                        IF op = 3 AND arg <= cr THEN
+                            -- Only into the window that counted the units: taken since it
+                            -- started.
+                            SET cur = GREATEST(cur - cost, 0);
+                            SET ra = ce, rn = cur, rc = NULL, rexp = ce * 1000000, dirty = 1;
+                        ELSEIF op = 4 THEN
+                            SET cur = LEAST(cur + cost, 4294967295);
+                            SET ra = ce, rn = cur, rc = NULL, rexp = ce * 1000000, dirty = 1;
+                        END IF;
                     ELSEIF kind = 2 THEN
                         IF op = 3 THEN
                             -- Only into the sub-window that counted the units, if still counted.
@@ -518,6 +598,12 @@ BEGIN
                             IF pk = 0 THEN
                                 SET ra = w, rn = cur, rc = NULL, rexp = (w + 1) * qa;
                             END IF;
+                        ELSEIF kind = 5 THEN
+                            -- A calendar's window, by its end, when the row expires.
+                            SET cur = cur + cost;
+                            IF pk = 0 THEN
+                                SET ra = ce, rn = cur, rc = NULL, rexp = ce * 1000000;
+                            END IF;
                         ELSE
                             SET cs = CONCAT(SUBSTRING_INDEX(cs, ',', m - 1), ',',
                                 CAST(SUBSTRING_INDEX(cs, ',', -1) AS SIGNED) + cost);
@@ -537,6 +623,8 @@ BEGIN
                         SET reply = CONCAT(reply, ',', code, ',', LEAST(cur, 9000000000000000000));
                     ELSEIF kind = 1 THEN
                         SET reply = CONCAT(reply, ',', code, ',', cur, ',', qa - r);
+                    ELSEIF kind = 5 THEN
+                        SET reply = CONCAT(reply, ',', code, ',', cur, ',', cl - cr);
                     ELSEIF kind >= 3 THEN
                         SET reply = CONCAT(reply, ',', code, ',', cur);
                     ELSE

@@ -9,21 +9,24 @@
 -- No other brace appears in this file.
 --
 -- The semantics are those of src/backend/redis/gcra.lua (GCRA, fixed and sliding windows,
--- mixed freely, every quota of a decision all-or-nothing, several decisions per call seeing
--- each other's updates) and of src/backend/window.rs (the window arithmetic, and the sliding
--- estimate in the same IEEE double operations in the same order).
+-- calendars' windows, mixed freely, every quota of a decision all-or-nothing, several
+-- decisions per call seeing each other's updates) and of src/backend/window.rs (the window
+-- arithmetic, and the sliding estimate in the same IEEE double operations in the same order).
 --
 -- One row per client key and quota:
 --   k           the key's bytes (at most 512)
 --   a           GCRA: the theoretical arrival time (TAT), ns since the Unix epoch;
 --               fixed window: the index of the window counted (now_us / window);
+--               calendar: the end of the window counted (s since the epoch);
 --               sliding window: the index of the newest sub-window kept (now_us / sub-window)
---   n           fixed window: the count of window a
+--   n           fixed window, calendar: the count of window a
 --   c           sliding window: the slices + 1 counts kept, oldest first, the last that of
 --               sub-window a (counts of another length count as nothing); concurrent quota:
 --               the leases, (id, expiry in us since the epoch) pairs. A rate quota's (GCRA,
---               fixed, sliding) c ends with the values its state was counted under and the
---               stored format: length, limit, sub-windows (0 but for sliding windows), 2.
+--               fixed, sliding, calendar) c ends with the values its state was counted under
+--               and the stored format: length, limit, sub-windows (0 but for sliding windows),
+--               2; a calendar's "length" is its calendar's id (a changed calendar is a change
+--               of values, as on Redis).
 --               A row counted under other values than its quota's now is converted first
 --               (the policy's OnChange strategy, as gcra.lua's `carried`); a rate quota's row
 --               without them is a fresh one. A row so converted keeps the values it came
@@ -33,8 +36,8 @@
 -- quota is its identity, not its values.
 --   (a block: a is the Unix time in us it ends)
 --   expires_us  us since the epoch after which the row is the same as no row (GCRA: the TAT,
---               rounded up, when the bucket is full again; fixed: the window's end; sliding:
---               when every count has slid out); the sweep deletes rows past it.
+--               rounded up, when the bucket is full again; fixed, calendar: the window's end;
+--               sliding: when every count has slid out); the sweep deletes rows past it.
 -- A default row (a = 0, n = 0, c = NULL, expires_us = 0) is a fresh bucket: a TAT in the past
 -- (full), nothing counted. No secondary index, so that every update is HOT.
 CREATE {unlogged}TABLE IF NOT EXISTS {table} (
@@ -53,6 +56,25 @@ CREATE {unlogged}TABLE IF NOT EXISTS {table} (
 --                1, window (us >= 1), limit (>= 1), 0                     fixed window
 --                2, sub-window (us >= 1), limit (>= 1), slices (>= 1)     sliding window
 --                3, lease (ms >= 1), slots (>= 1), 0                      requests in flight
+--                5, boundary * 2^20 + id, limit (>= 1), before * 2^32 + after
+--                                              a calendar's fixed window
+--                                              (src/quota/calendar.rs, numbers written per call
+--                                              by the instance, src/backend/sql/mod.rs
+--                                              `calendar_args`): the calendar boundary nearest
+--                                              the instance's time (s since the epoch, < 2^32),
+--                                              the calendar's id (20 bits), the lengths (s,
+--                                              >= 1) of the windows before and after the
+--                                              boundary. The window counted is the one of the
+--                                              two that holds now (this function's time): it
+--                                              starts at boundary - before when now is before
+--                                              the boundary, else at the boundary; its index is
+--                                              its end (s). Its values are (id, limit, 0). Only
+--                                              integers are compared: the instance computed
+--                                              every boundary (time zones, DST, month ends), so
+--                                              the instance's and the database's clocks may
+--                                              differ by up to half a window (11.5 hours for a
+--                                              day; past that, now counts in the nearer of the
+--                                              two windows)
 --                4, block (us >= 1), 1, mask   a penalty, last of its decision's keys if any:
 --                                              once a quota refuses (code 1), the key is
 --                                              refused for `block` us (not extended meanwhile);
@@ -66,7 +88,8 @@ CREATE {unlogged}TABLE IF NOT EXISTS {table} (
 --                1  peek: answer what the decision would get, write nothing
 --                2  decide, and hold a slot of each concurrent quota under the lease id arg
 --                3  refund cost units taken arg us ago (a GCRA bucket never past full, a
---                   window only into the (sub-)window that counted them)
+--                   window only into the (sub-)window that counted them: a calendar's when
+--                   arg is at most the time since its window started)
 --                4  debit cost more units (past empty: into debt)
 --                5  release the slot held under the lease id arg (none if it expired)
 --              (3 to 5 are settlements: always allowed, concurrent quotas untouched by 3 and
@@ -77,7 +100,7 @@ CREATE {unlogged}TABLE IF NOT EXISTS {table} (
 -- cost > burst or limit, 3 had room but another quota of the decision denied; with 1, 2 or 3
 -- nothing of the decision is written, and the state is reported as it stands):
 --   GCRA     code, TAT after the decision relative to now (ns, 0 = full, at most 9e18)
---   fixed    code, count after the decision, us until the window's end
+--   fixed    code, count after the decision, us until the window's end (a calendar's too)
 --   sliding  code, r = now_us mod sub-window, then the slices + 1 counts after the decision,
 --            oldest first (moved on to now's sub-window)
 --   concurrent  code, slots held after the decision
@@ -115,6 +138,11 @@ CREATE {unlogged}TABLE IF NOT EXISTS {table} (
 --
 -- A key must count the same quota in every call (the keys of different quotas differ): a row
 -- is read as the quota of the key's first use in the call.
+--
+-- Kind 5 (calendars) came after this function's first release under this name, without a
+-- change of the rows' format: a function from before it does not count calendars (it fails
+-- on their numbers: integer out of range), so migrate (which replaces the function) before
+-- serving calendar quotas.
 CREATE OR REPLACE FUNCTION {decide}(keys bytea[], quotas bigint[], decisions bigint[], now_ns bigint)
 RETURNS bigint[]
 LANGUAGE plpgsql
@@ -201,6 +229,13 @@ DECLARE
     fs bigint;
     ns int;
     rf bigint[];
+    -- Per key position, a calendar's window (kind 5), picked once now is known: cr, now's time
+    -- into it (us, within [0, length - 1]); cl, its length (us); ce, its end (s since the
+    -- epoch, the index its row keeps); cb, its start (us) while it is picked.
+    cr bigint[];
+    cl bigint[];
+    ce bigint[];
+    cb bigint;
 BEGIN
     IF nk = 0 THEN
         RETURN reply;
@@ -224,6 +259,25 @@ BEGIN
     ELSE
         now_us := now_ns / 1000;
     END IF;
+
+    -- A calendar's window: of the two around the boundary, the one that holds now (the
+    -- instance computed them, around its time). From here on its numbers are its values as
+    -- a rate quota's (id, limit, 0), its window in cr, cl, ce.
+    FOR q IN 1 .. nk LOOP
+        CONTINUE WHEN quotas[4 * q - 3] <> 5;
+        ce[q] := quotas[4 * q - 2] >> 20;
+        cb := ce[q] * 1000000;
+        IF now_us < cb THEN
+            cl[q] := greatest(quotas[4 * q] >> 32, 1) * 1000000;
+            cb := cb - cl[q];
+        ELSE
+            cl[q] := greatest(quotas[4 * q] & 4294967295, 1) * 1000000;
+            ce[q] := ce[q] + cl[q] / 1000000;
+        END IF;
+        cr[q] := least(greatest(now_us - cb, 0), cl[q] - 1);
+        quotas[4 * q - 2] := quotas[4 * q - 2] & 1048575;
+        quotas[4 * q] := 0;
+    END LOOP;
 
     -- 3. Read the rows, once per distinct key, as the state of the quota of its first use
     -- (ro: the key's position, rs: its slot). One key (the usual call): a plain lookup, half
@@ -250,7 +304,7 @@ BEGIN
         va := rec.ra;
         vn := rec.rn;
         vc := rec.rc;
-        IF kind <= 2 THEN
+        IF kind <= 2 OR kind = 5 THEN
             -- A rate quota's c ends with the values it was counted under and the format:
             -- length, limit, sub-windows, 2. Without them, the row is a fresh one.
             nv := coalesce(cardinality(vc), 0);
@@ -298,6 +352,12 @@ BEGIN
                     IF va = now_us / ola THEN
                         u := vn;
                     END IF;
+                ELSIF kind = 5 THEN
+                    -- A calendar's count, while its window (under the calendar it was counted
+                    -- by: its end, a) runs.
+                    IF va * 1000000 > now_us THEN
+                        u := vn;
+                    END IF;
                 ELSIF cardinality(vc) = osl + 1 THEN
                     byn := greatest(now_us / ola - va, 0);
                     IF byn < osl + 1 THEN
@@ -322,6 +382,9 @@ BEGIN
                 ELSIF kind = 1 THEN
                     va := now_us / qa;
                     vn := ceil(u)::bigint;
+                ELSIF kind = 5 THEN
+                    va := ce[p];
+                    vn := ceil(u)::bigint;
                 ELSE
                     va := now_us / qa;
                     vc := array_fill(0::bigint, ARRAY[quotas[4 * p]::int]) || ceil(u)::bigint;
@@ -339,6 +402,9 @@ BEGIN
             -- Another window's count (a past one, or a future one after a clock step back)
             -- is not this window's.
             st[p] := CASE WHEN va = now_us / qa THEN vn ELSE 0 END;
+        ELSIF kind = 5 THEN
+            -- Likewise a calendar's: its window is the one that ends at ce.
+            st[p] := CASE WHEN va = ce[p] THEN vn ELSE 0 END;
         ELSIF kind = 3 THEN
             -- The leases still running (the expired ones are dropped).
             st[p] := 0;
@@ -433,6 +499,21 @@ BEGIN
                     reply[nr + 2] := st[s];
                     reply[nr + 3] := qa - now_us % qa;
                     nr := nr + 3;
+                ELSIF kind = 5 THEN
+                    IF op = 3 THEN
+                        -- Only into the window that counted the units: taken since it started.
+                        IF arg <= cr[p] THEN
+                            st[s] := greatest(st[s] - cost, 0);
+                            dirty[s] := true;
+                        END IF;
+                    ELSIF op = 4 THEN
+                        st[s] := least(st[s] + cost, 4294967295);
+                        dirty[s] := true;
+                    END IF;
+                    reply[nr + 1] := 0;
+                    reply[nr + 2] := st[s];
+                    reply[nr + 3] := cl[p] - cr[p];
+                    nr := nr + 3;
                 ELSIF kind = 2 THEN
                     m := quotas[4 * p] + 1;
                     o := off[s];
@@ -508,7 +589,7 @@ BEGIN
                 IF code = 0 AND wq > w THEN
                     w := wq;
                 END IF;
-            ELSIF kind = 1 THEN
+            ELSIF kind = 1 OR kind = 5 THEN
                 code := CASE WHEN st[s] + cost > lim THEN 1 ELSE 0 END;
             ELSE
                 -- E = c_oldest * (S - r) / S + rest, in doubles, in this order (window.rs).
@@ -559,7 +640,7 @@ BEGIN
                 IF kind = 0 THEN
                     -- Counted as of the time the request goes on (now for a decision).
                     st[s] := greatest(st[s], w) + cost * qa;
-                ELSIF kind = 1 THEN
+                ELSIF kind = 1 OR kind = 5 THEN
                     st[s] := st[s] + cost;
                 ELSE
                     m := quotas[4 * p] + 1;
@@ -580,6 +661,11 @@ BEGIN
                 reply[nr + 2] := st[s];
                 reply[nr + 3] := qa - now_us % qa;
                 nr := nr + 3;
+            ELSIF kind = 5 THEN
+                reply[nr + 1] := code;
+                reply[nr + 2] := st[s];
+                reply[nr + 3] := cl[p] - cr[p];
+                nr := nr + 3;
             ELSIF kind >= 3 THEN
                 reply[nr + 1] := code;
                 reply[nr + 2] := st[s];
@@ -595,7 +681,7 @@ BEGIN
                 END LOOP;
                 nr := nr + m;
             END IF;
-            IF pk AND NOT denied AND kind <= 2 THEN
+            IF pk AND NOT denied AND (kind <= 2 OR kind = 5) THEN
                 IF kind = 2 THEN
                     cs[o + m] := cs[o + m] - cost;
                     rest[s] := rest[s] - cost;
@@ -626,6 +712,10 @@ BEGIN
         ELSIF kind = 1 THEN
             ix := now_us / qa;
             UPDATE {table} SET a = ix, n = st[q], c = newc, expires_us = (ix + 1) * qa
+            WHERE k = keys[q];
+        ELSIF kind = 5 THEN
+            -- A calendar's window, by its end, when the row expires.
+            UPDATE {table} SET a = ce[q], n = st[q], c = newc, expires_us = ce[q] * 1000000
             WHERE k = keys[q];
         ELSIF kind = 3 THEN
             -- The leases still held; the row expires with the last.

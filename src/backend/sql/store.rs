@@ -242,15 +242,6 @@ impl<D: Dialect> Store for SqlStore<D> {
     type Prepared = Prepared;
 
     fn prepare(&self, policy: &Policy, params: &[QuotaParams]) -> Result<Prepared, ConfigError> {
-        #[cfg(feature = "calendar")]
-        if let Some(e) = crate::backend::calendar_unsupported(
-            policy,
-            params,
-            &format!("the {} store", D::NAME),
-            "not yet (issue 48: the local backend and Redis do)",
-        ) {
-            return Err(e);
-        }
         if let Some(p) = params
             .iter()
             .find(|p| p.is_concurrent() && p.burst.get() > D::MAX_SLOTS)
@@ -275,7 +266,8 @@ impl<D: Dialect> Store for SqlStore<D> {
         jobs: &[Job<Self>],
         now_ns: Option<u64>,
     ) -> Result<Vec<Result<Decision, BackendError>>, CallError> {
-        let args = Args::of(jobs);
+        // A calendar's windows from the instance's time (the test clock's when set).
+        let args = Args::of(jobs, now_ns);
         let now = now_ns.map(|n| i64::try_from(n).unwrap_or(i64::MAX));
         let mut conn = self.conn().await?;
         // Rolled back whole: nothing was taken, so sending it again charges once.
