@@ -251,16 +251,19 @@ fn resources<P>(prepared: &crate::prepared::Prepared<P>, decision: &Decision) ->
             crate::backend::Outcome::Allowed if !concurrent => (q.remaining + 1).min(q.limit),
             _ => q.remaining,
         };
-        let mut reset = crate::response::ceil_secs(now + q.reset);
         // A calendar window ends on a whole second: the instant the backend's clock computed,
         // not rounded up past it by the microseconds between its clock and this one.
         #[cfg(feature = "calendar")]
-        if q.reset > std::time::Duration::ZERO
+        let calendar = q.reset > std::time::Duration::ZERO
             && (prepared.policy.quotas().get(state.index))
-                .is_some_and(|quota| quota.calendar_period().is_some())
-        {
-            reset = (now + q.reset + std::time::Duration::from_millis(500)).as_secs();
-        }
+                .is_some_and(|quota| quota.calendar_period().is_some());
+        #[cfg(not(feature = "calendar"))]
+        let calendar = false;
+        let reset = if calendar {
+            (now + q.reset + std::time::Duration::from_millis(500)).as_secs()
+        } else {
+            crate::response::ceil_secs(now + q.reset)
+        };
         let mut one = format!(
             "{{\"limit\":{},\"remaining\":{now_there},\"reset\":{reset},\"used\":{},\"unit\":\"{}\"",
             q.limit,
