@@ -3,14 +3,14 @@
 //! `examples/plans.toml`).
 //!
 //! API plans by the calendar: a free plan of 1 000 requests a month and a pro plan of
-//! 100 000, each tenant's month starting on its own billing day in its own time zone (from
-//! the rules file), and `/rate_limit` saying when each tenant's month started and when it
+//! 100 000, each tenant's month starting on its own billing day in its own time zone (the
+//! rules file's `billing` table), and `/rate_limit` saying when each tenant's month started and when it
 //! resets. Tenants are named by the `x-tenant` header.
 //!
 //! ```text
 //! $ curl -si -H 'x-tenant: acme' localhost:3000/api/reports | grep -i '^ratelimit'
-//! ratelimit-policy: "pro-15-berlin";q=100000;w=2592000
-//! ratelimit: "pro-15-berlin";r=99999;t=1386058
+//! ratelimit-policy: "pro";q=100000;w=2592000
+//! ratelimit: "pro";r=99999;t=1386058
 //!
 //! $ curl -s -H 'x-tenant: acme' localhost:3000/rate_limit | jq .rate
 //! {

@@ -52,6 +52,16 @@ enum Cost {
 }
 
 impl Policy {
+    /// The same policy with each quota (and its place) passed through `f`.
+    #[cfg(feature = "calendar")]
+    pub(crate) fn map_quotas(&self, f: impl Fn(usize, Quota) -> Quota) -> Policy {
+        let mut out = self.clone();
+        for (i, q) in out.quotas.iter_mut().enumerate() {
+            *q = f(i, *q);
+        }
+        out
+    }
+
     /// The most quotas one policy may have.
     pub const MAX_QUOTAS: usize = 8;
 

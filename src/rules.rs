@@ -127,6 +127,10 @@
 //! Two optional lists declare what rules may name beyond the standard methods and the tiers
 //! in use: `extension_methods = ["PURGE"]`, and `declared_tiers = ["enterprise"]` for a tier
 //! that has no tenant yet (or any more).
+//!
+//! With the `calendar` feature, a `billing` table gives tenants their own billing day, time of
+//! day and zone for the calendar quotas of the policy they get (see [`Billing`]):
+//! `[billing] acme = { day = 15, tz = "Europe/Berlin" }`.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
@@ -287,6 +291,128 @@ pub struct RuleSet {
     tiers: BTreeMap<String, String>,
     #[cfg_attr(feature = "serde", serde(default))]
     rules: Vec<Rule>,
+    /// Tenants' own billing settings for calendar quotas (see [`Billing`]).
+    #[cfg(feature = "calendar")]
+    #[cfg_attr(
+        feature = "serde",
+        serde(default, skip_serializing_if = "BTreeMap::is_empty")
+    )]
+    billing: BTreeMap<String, Billing>,
+}
+
+/// A tenant's own calendar (feature `calendar`): the day of the month its monthly quotas start
+/// on (its billing day), the local time of day and the time zone of its calendar quotas,
+/// whatever policy the rules give it. Each setting left out keeps the policy's. A rule set's
+/// `billing` table maps tenants (as in `tiers`) to these:
+///
+/// ```toml
+/// [billing]
+/// acme = { day = 15, tz = "Europe/Berlin" }
+/// globex = { day = 31, at = "09:00", tz = "America/New_York" }
+/// ```
+///
+/// The tenant's buckets are its key's, as always: a tenant whose billing day changes keeps
+/// what it used in the window running, carried by the policy's
+/// [`OnChange`](crate::OnChange) into its new window (see `docs/algorithms.md`). A policy with
+/// no calendar quota is unchanged. Billing settings come from the rule set (a file, the admin
+/// API, [`RulesHandle::replace`] from your own lookup), never from the request: a client that
+/// could choose its billing day could start a fresh month at will.
+#[cfg(feature = "calendar")]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(deny_unknown_fields))]
+pub struct Billing {
+    /// The day of the month monthly calendar quotas start on, 1 to 31 (past the month's end,
+    /// its last day).
+    #[cfg_attr(
+        feature = "serde",
+        serde(default, skip_serializing_if = "Option::is_none")
+    )]
+    pub day: Option<u8>,
+    /// The local time of day calendar quotas start at, `HH:MM` or `HH:MM:SS`.
+    #[cfg_attr(
+        feature = "serde",
+        serde(default, skip_serializing_if = "Option::is_none")
+    )]
+    pub at: Option<String>,
+    /// The IANA time zone of the calendar quotas (`Europe/Berlin`).
+    #[cfg_attr(
+        feature = "serde",
+        serde(default, skip_serializing_if = "Option::is_none")
+    )]
+    pub tz: Option<String>,
+}
+
+#[cfg(feature = "calendar")]
+impl Billing {
+    /// No setting of its own: the policy's calendar.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Monthly quotas start on `day` (1 to 31).
+    pub fn day(mut self, day: u8) -> Self {
+        self.day = Some(day);
+        self
+    }
+
+    /// Calendar quotas start at `time` (`HH:MM` or `HH:MM:SS`) local time.
+    pub fn at(mut self, time: &str) -> Self {
+        self.at = Some(time.to_owned());
+        self
+    }
+
+    /// Calendar quotas count in the IANA zone `zone`.
+    pub fn tz(mut self, zone: &str) -> Self {
+        self.tz = Some(zone.to_owned());
+        self
+    }
+
+    /// `calendar` with these settings.
+    fn apply(
+        &self,
+        mut calendar: crate::quota::Calendar,
+    ) -> Result<crate::quota::Calendar, String> {
+        if let Some(day) = self.day {
+            if !(1..=31).contains(&day) {
+                return Err(format!("day {day}: a billing day is 1 to 31"));
+            }
+            calendar = calendar.with_month_day(day);
+        }
+        if let Some(at) = &self.at {
+            let (h, m, s) =
+                crate::quota::parse_time_of_day(at).map_err(|e| format!("at {at:?}: {e}"))?;
+            calendar = calendar.at_second(h, m, s);
+        }
+        if let Some(tz) = &self.tz {
+            calendar = calendar.in_zone(tz);
+        }
+        match calendar.error() {
+            Some(e) => Err(e.to_owned()),
+            None => Ok(calendar),
+        }
+    }
+
+    /// `policy` with these settings in its calendar quotas; `None` when it has none.
+    fn policy(&self, policy: &Policy) -> Result<Option<Policy>, String> {
+        let quotas = policy.quotas();
+        if !quotas.iter().any(|q| q.calendar_period().is_some()) {
+            return Ok(None);
+        }
+        let mut changed = Vec::with_capacity(quotas.len());
+        for q in quotas {
+            changed.push(match q.calendar_period() {
+                Some(c) => Some(self.apply(c)?),
+                None => None,
+            });
+        }
+        Ok(Some(policy.map_quotas(
+            |i, q| match changed.get(i).copied().flatten() {
+                Some(c) => q.with_calendar(c),
+                None => q,
+            },
+        )))
+    }
 }
 
 impl RuleSet {
@@ -300,6 +426,8 @@ impl RuleSet {
             policies: vec![default],
             tiers: BTreeMap::new(),
             rules: Vec::new(),
+            #[cfg(feature = "calendar")]
+            billing: BTreeMap::new(),
         }
     }
 
@@ -359,6 +487,20 @@ impl RuleSet {
     /// The rules, as declared.
     pub fn rules(&self) -> &[Rule] {
         &self.rules
+    }
+
+    /// Gives `tenant` its own billing settings for calendar quotas (replacing its previous
+    /// ones; see [`Billing`]).
+    #[cfg(feature = "calendar")]
+    pub fn billing(mut self, tenant: impl Into<String>, billing: Billing) -> Self {
+        self.billing.insert(tenant.into(), billing);
+        self
+    }
+
+    /// The tenant → billing settings map.
+    #[cfg(feature = "calendar")]
+    pub fn billings(&self) -> &BTreeMap<String, Billing> {
+        &self.billing
     }
 
     /// The tenant → tier map.
@@ -450,6 +592,17 @@ impl RuleSet {
                 option: "tiers",
                 reason: format!("tenant {tenant:?}: {e}"),
             })?;
+        }
+        #[cfg(feature = "calendar")]
+        for (tenant, billing) in &self.billing {
+            let bad = |e: String| ConfigError::Invalid {
+                option: "billing",
+                reason: format!("tenant {tenant:?}: {e}"),
+            };
+            tenant_keys(tenant).map_err(bad)?;
+            for p in &self.policies {
+                billing.policy(p).map_err(bad)?;
+            }
         }
         Ok(by_name)
     }
@@ -618,6 +771,13 @@ pub(crate) struct Compiled<P> {
     rules: Vec<CompiledRule>,
     /// Tenant key → tier id; empty when no rule looks at tiers.
     tiers: HashMap<Key, usize>,
+    /// Tenant key → its billing settings' id; empty without a `billing` table.
+    #[cfg(feature = "calendar")]
+    billing: HashMap<Key, usize>,
+    /// (policy, billing id) → the policy under those settings, for the policies with
+    /// calendar quotas.
+    #[cfg(feature = "calendar")]
+    billed: HashMap<(usize, usize), Arc<Prepared<P>>>,
 }
 
 impl<P> Compiled<P> {
@@ -636,6 +796,14 @@ impl<P> Compiled<P> {
             .iter()
             .find(|r| r.matches(req, key, tier))
             .map_or(self.default, |r| r.policy);
+        #[cfg(feature = "calendar")]
+        if !self.billing.is_empty()
+            && let Some(billed) = key
+                .and_then(|k| self.billing.get(k))
+                .and_then(|b| self.billed.get(&(chosen, *b)))
+        {
+            return billed;
+        }
         &self.policies[chosen]
     }
 }
@@ -695,11 +863,43 @@ pub(crate) fn compile<Bk: Backend>(
             }
         }
     }
+    // Each distinct billing settings once, and the policies with calendar quotas under each.
+    #[cfg(feature = "calendar")]
+    let (billing, billed) = {
+        let mut ids: HashMap<&Billing, usize> = HashMap::new();
+        let mut billing = HashMap::new();
+        let mut billed = HashMap::new();
+        for (tenant, b) in &set.billing {
+            let next = ids.len();
+            let id = *ids.entry(b).or_insert(next);
+            for k in tenant_keys(tenant).unwrap_or_default() {
+                billing.insert(k, id);
+            }
+            if id < next {
+                continue;
+            }
+            for (i, p) in set.policies.iter().enumerate() {
+                let bad = |e: String| ConfigError::Invalid {
+                    option: "billing",
+                    reason: format!("tenant {tenant:?}: {e}"),
+                };
+                if let Some(p) = b.policy(p).map_err(bad)? {
+                    let p = if set.shadow { p.shadow(true) } else { p };
+                    billed.insert((i, id), Arc::new(Prepared::new(backend, p)?));
+                }
+            }
+        }
+        (billing, billed)
+    };
     Ok(Compiled {
         default: by_name[set.default.as_str()],
         policies,
         rules: rules.into_iter().map(|(_, r)| r).collect(),
         tiers,
+        #[cfg(feature = "calendar")]
+        billing,
+        #[cfg(feature = "calendar")]
+        billed,
         source: set,
     })
 }

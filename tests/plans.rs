@@ -12,7 +12,7 @@ use tollgate::quota::Calendar;
 use tollgate::rules::RuleSet;
 use tollgate::testing::{Fields, ManualClock};
 
-/// A plan of 2 a month, billed on the 31st at 09:00 in New York, for `globex`.
+/// A plan of 2 a month for `globex`, billed on the 31st at 09:00 in New York.
 const SMALL: &str = r#"
 default = "free"
 
@@ -22,7 +22,7 @@ quotas = ["1000/month"]
 
 [[policies]]
 name = "tiny"
-quotas = ["2/month on 31 at 09:00 tz America/New_York"]
+quotas = ["2/month"]
 
 [tiers]
 "globex" = "tiny"
@@ -31,6 +31,9 @@ quotas = ["2/month on 31 at 09:00 tz America/New_York"]
 priority = 10
 tier = "tiny"
 policy = "tiny"
+
+[billing]
+"globex" = { day = 31, at = "09:00", tz = "America/New_York" }
 "#;
 
 async fn get(client: &reqwest::Client, url: &str, tenant: &str) -> (u16, Fields, String) {
@@ -148,4 +151,80 @@ async fn the_status_endpoint_says_when_each_tenants_month_started_and_ends() {
         end.contains("T09:00:00-0") && end.ends_with("[America/New_York]"),
         "{end}"
     );
+}
+
+/// A tenant's billing day changed live (the admin API's `RulesHandle::replace`): what it used
+/// in the running month is kept in its new month, whose end is the new billing day.
+#[tokio::test]
+async fn a_billing_day_changed_live_keeps_what_the_month_used() {
+    use axum::routing::get as route;
+    use tollgate::RateLimitLayer;
+    use tollgate::key::Header;
+    use tollgate::rules::Billing;
+    let clock = ManualClock::new();
+    let rules: RuleSet = toml::from_str(SMALL).unwrap();
+    let limit = RateLimitLayer::builder()
+        .rules(rules.clone())
+        .key(Header::new("x-tenant"))
+        .backend(clock.backend())
+        .build()
+        .unwrap();
+    let handle = limit.rules_handle().unwrap();
+    let app = axum::Router::new()
+        .route("/api/reports", route(|| async { "[]" }))
+        .route_layer(limit);
+    let addr = support::serve(app).await;
+    let url = format!("http://{addr}/api/reports");
+    let client = reqwest::Client::new();
+    // 2026-02-27 12:00 EST: one of 2 used, the month ends on 28 February 09:00 EST.
+    let start = ManualClock::START.as_secs();
+    clock.advance(Duration::from_secs(1_772_211_600 - start));
+    let (_, f, _) = get(&client, &url, "globex").await;
+    let item = &f.rate_limit.unwrap().items[0];
+    assert_eq!(item.reset, Some(Duration::from_secs(75_600)));
+    // Billed from now on the 15th at midnight in New York: the month runs to 15 March
+    // 00:00 EDT (04:00 UTC), and still holds the request made.
+    let moved = rules.billing("globex", Billing::new().day(15).tz("America/New_York"));
+    handle.replace(moved.clone()).unwrap();
+    let (status, f, _) = get(&client, &url, "globex").await;
+    assert_eq!(status, 200);
+    let item = &f.rate_limit.unwrap().items[0];
+    let mar_15 = 1_773_547_200 - 1_772_211_600;
+    assert_eq!(
+        (item.remaining, item.reset),
+        (0, Some(Duration::from_secs(mar_15)))
+    );
+    let (status, f, _) = get(&client, &url, "globex").await;
+    assert_eq!(
+        (status, f.retry_after),
+        (429, Some(Duration::from_secs(mar_15)))
+    );
+    // The rule set reads back with its billing table, through the admin API's JSON.
+    let json = serde_json::to_value(handle.current()).unwrap();
+    assert_eq!(json["billing"]["globex"]["day"], 15, "{json}");
+    let back: RuleSet = serde_json::from_value(json).unwrap();
+    assert_eq!(back.billings(), moved.billings());
+}
+
+/// Billing settings out of range are refused, naming the tenant and the word; a policy
+/// without calendar quotas is unchanged by them.
+#[test]
+fn billing_settings_are_checked() {
+    for (billing, word) in [
+        (r#"{ day = 32 }"#, "day 32"),
+        (r#"{ day = 0 }"#, "day 0"),
+        (r#"{ at = "9" }"#, "at \"9\""),
+        (r#"{ tz = "Mars/Olympus_Mons" }"#, "Mars/Olympus_Mons"),
+        (r#"{ dday = 3 }"#, "dday"),
+    ] {
+        let text = format!("{SMALL}\"acme\" = {billing}\n");
+        let err = match toml::from_str::<RuleSet>(&text) {
+            Ok(rules) => rules.validate().unwrap_err().to_string(),
+            Err(e) => e.to_string(),
+        };
+        assert!(err.contains(word), "{billing}: {err}");
+        if word != "dday" {
+            assert!(err.contains("acme") && err.contains("billing"), "{err}");
+        }
+    }
 }

@@ -309,6 +309,18 @@ impl Calendar {
         self.with(|s| s.zone = zone.into())
     }
 
+    /// The same calendar with its monthly anchor `day` (unchanged unless it is monthly).
+    pub(crate) fn with_month_day(self, day: u8) -> Self {
+        match self.entry().spec.period {
+            Period::Month { .. } => self.with(|s| {
+                s.period = Period::Month {
+                    anchor: i8::try_from(day).unwrap_or(i8::MAX),
+                }
+            }),
+            _ => self,
+        }
+    }
+
     /// The zone's name, as given.
     pub fn zone(&self) -> &str {
         &self.entry().spec.zone

@@ -16,6 +16,8 @@ pub use change::OnChange;
 pub use params::{QuotaKind, QuotaParams};
 #[cfg(feature = "serde")]
 pub(crate) use syntax::parse_config_duration;
+#[cfg(feature = "calendar")]
+pub(crate) use syntax::parse_time_of_day;
 #[cfg(feature = "serde")]
 pub(crate) use syntax::serde_duration;
 
@@ -179,6 +181,15 @@ impl Quota {
         q.algorithm = Algorithm::FixedWindow;
         q.calendar = Some(calendar);
         q
+    }
+
+    /// The quota with its calendar replaced (a calendar quota only).
+    #[cfg(feature = "calendar")]
+    pub(crate) fn with_calendar(mut self, calendar: Calendar) -> Self {
+        if self.calendar.is_some() {
+            self.calendar = Some(calendar);
+        }
+        self
     }
 
     /// The calendar of a [`calendar`](Self::calendar) quota.

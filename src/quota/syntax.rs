@@ -188,17 +188,8 @@ fn parse_calendar<'a>(
         }
     };
     if let Some(text) = at {
-        let parts: Vec<&str> = text.split(':').collect();
-        let n = |i: usize| parts.get(i).map_or(Some(0), |p| p.parse::<u8>().ok());
-        let time = match (parts.len(), n(0), n(1), n(2)) {
-            (2 | 3, Some(h), Some(m), Some(s)) if h < 24 && m < 60 && s < 60 => (h, m, s),
-            _ => {
-                return Err(format!(
-                    "`at {text}`: a time of day is `HH:MM` or `HH:MM:SS`, 00:00 to 23:59:59"
-                ));
-            }
-        };
-        calendar = calendar.at_second(time.0, time.1, time.2);
+        let (h, m, s) = parse_time_of_day(text).map_err(|e| format!("`at {text}`: {e}"))?;
+        calendar = calendar.at_second(h, m, s);
     }
     if let Some(zone) = zone {
         calendar = calendar.in_zone(zone);
@@ -230,6 +221,17 @@ fn parse_calendar<'a>(
         }
     }
     Ok(q)
+}
+
+/// A time of day, `HH:MM` or `HH:MM:SS`.
+#[cfg(feature = "calendar")]
+pub(crate) fn parse_time_of_day(text: &str) -> Result<(u8, u8, u8), String> {
+    let parts: Vec<&str> = text.split(':').collect();
+    let n = |i: usize| parts.get(i).map_or(Some(0), |p| p.parse::<u8>().ok());
+    match (parts.len(), n(0), n(1), n(2)) {
+        (2 | 3, Some(h), Some(m), Some(s)) if h < 24 && m < 60 && s < 60 => Ok((h, m, s)),
+        _ => Err("a time of day is `HH:MM` or `HH:MM:SS`, 00:00 to 23:59:59".to_owned()),
+    }
 }
 
 /// `"N concurrent"`, optionally followed by `lease <duration>`.
