@@ -10,7 +10,8 @@
 # Environment (all optional):
 #   ALGOS="gcra fixed sliding"   quota algorithms to measure (one quota per policy):
 #                                gcra 1 us emission interval, huge burst; fixed a one-minute
-#                                window; sliding one minute in 12 sub-windows; huge limits
+#                                window; sliding one minute in 12 sub-windows; `calendar` a
+#                                calendar month (not in the default); huge limits
 #   SCRIPT=src/backend/redis/gcra.lua   the script to measure (e.g. an older version)
 #   SUFFIX=":0..."               the key suffix after the hash tag (default: the backend's
 #                                suffix for the quota)
@@ -55,6 +56,9 @@ quota() { # algo
     gcra) echo "0 3e8 ee6b2800 0 :0g1000x4000000000" ;;
     fixed) echo "1 3938700 ee6b2800 0 :0f60000000x4000000000" ;;
     sliding) echo "2 4c4b40 ee6b2800 b :0s5000000x11x4000000000" ;;
+    # A calendar month (kind 5): the boundary 2026-12-01 00:00 UTC, 30-day windows on each
+    # side, the calendar's id 0x12345 above the limit (see gcra.lua).
+    calendar) echo "5 6b0e0e00 12345ee6b2800 9e3400278d00 :2.d0" ;;
     *) echo "unknown algorithm $1" >&2 && exit 1 ;;
     esac
 }
