@@ -44,7 +44,9 @@ use crate::{ConfigError, Policy, Quota};
 /// windows, as envoyproxy/ratelimit does (`5/s fixed`).
 ///
 /// tollgate's extensions: `quota` takes tollgate's quota syntax instead of `rate_limit`
-/// (`"5/s burst 10"`, `"100/min sliding 10s"`, `"10/s block 1m"`); a concurrent quota cannot be
+/// (`"5/s burst 10"`, `"100/min sliding 10s"`, `"10/s block 1m"`, with the `calendar` feature
+/// `"1000/month on 15 tz Europe/Berlin"`, answered with the exact time to its window's end,
+/// where `unit: month` keeps envoyproxy/ratelimit's 30 days from the epoch); a concurrent quota cannot be
 /// served (the protocol has no release) and is refused. `debit: true` takes every hit, past
 /// the limit too (the key is then in debt, refused until it is paid back), and never gives it
 /// back: envoyproxy/ratelimit's counting, which a charge sent after the response
