@@ -184,7 +184,9 @@ async fn a_billing_day_changed_live_keeps_what_the_month_used() {
     assert_eq!(item.reset, Some(Duration::from_secs(75_600)));
     // Billed from now on the 15th at midnight in New York: the month runs to 15 March
     // 00:00 EDT (04:00 UTC), and still holds the request made.
-    let moved = rules.billing("globex", Billing::new().day(15).tz("America/New_York"));
+    let moved = rules
+        .clone()
+        .billing("globex", Billing::new().day(15).tz("America/New_York"));
     handle.replace(moved.clone()).unwrap();
     let (status, f, _) = get(&client, &url, "globex").await;
     assert_eq!(status, 200);
@@ -199,6 +201,14 @@ async fn a_billing_day_changed_live_keeps_what_the_month_used() {
         (status, f.retry_after),
         (429, Some(Duration::from_secs(mar_15)))
     );
+    // Back to the 31st: the two requests of this month are still counted.
+    handle.replace(rules.clone()).unwrap();
+    let (status, f, _) = get(&client, &url, "globex").await;
+    assert_eq!(
+        (status, f.retry_after),
+        (429, Some(Duration::from_secs(75_600)))
+    );
+    handle.replace(moved.clone()).unwrap();
     // The rule set reads back with its billing table, through the admin API's JSON.
     let json = serde_json::to_value(handle.current()).unwrap();
     assert_eq!(json["billing"]["globex"]["day"], 15, "{json}");
