@@ -10,7 +10,8 @@
 //! at `CAPACITY`) or `none`. `PORT` (default 3000).
 //!
 //! Route `/` is ordinary traffic; `/critical` is a partition guaranteed half the limit once it
-//! is reached, so under overload it is kept while `/` is shed. Over the limit: `503` with
+//! is reached (`CRITICAL_SHARE` another share), so under overload it is kept while `/` is
+//! shed. Over the limit: `503` with
 //! `Retry-After: 1`.
 //!
 //! ```text
@@ -37,6 +38,8 @@ pub(crate) struct Settings {
     /// `(capacity, from)`, in order of time.
     pub(crate) schedule: Vec<(u32, Duration)>,
     pub(crate) limit: String,
+    /// The share of the limit `/critical` is guaranteed (`CRITICAL_SHARE`, default 0.5).
+    pub(crate) critical_share: f64,
 }
 
 impl Settings {
@@ -67,11 +70,21 @@ impl Settings {
         if !["adaptive", "static", "none"].contains(&limit.as_str()) {
             return Err(format!("LIMIT={limit:?}: use adaptive, static or none"));
         }
+        let critical_share = match var("CRITICAL_SHARE") {
+            Some(v) => v
+                .trim()
+                .parse::<f64>()
+                .ok()
+                .filter(|s| *s > 0.0 && *s <= 1.0)
+                .ok_or_else(|| format!("CRITICAL_SHARE={v:?}: a share of the limit, in (0, 1]"))?,
+            None => 0.5,
+        };
         Ok(Settings {
             capacity,
             service_ms: number("SERVICE_MS", 20)?,
             schedule,
             limit,
+            critical_share,
         })
     }
 }
@@ -149,7 +162,7 @@ pub(crate) fn app(settings: &Settings) -> Result<(Router, Option<AdaptiveLimit>)
     let limit = match settings.limit.as_str() {
         "none" => None,
         kind => {
-            let builder = AdaptiveLimit::builder().partition("critical", 0.5);
+            let builder = AdaptiveLimit::builder().partition("critical", settings.critical_share);
             let builder = if kind == "static" {
                 builder
                     .initial(settings.capacity)

@@ -15,7 +15,7 @@
 # DURATION/3 and restored at 2·DURATION/3 (CAPACITY_SCHEDULE), 3× with CRITICAL of the
 # requests on /critical (a tenth: 0.3× the full capacity, 0.6× the halved one, so a limiter
 # can keep all of it; a fifth would be 1.2× the halved capacity, more than any limiter could
-# serve; the example guarantees /critical half the limit).
+# serve; the example guarantees /critical CRITICAL_SHARE of the limit).
 # Each run's line in runs.log has the load average before it and the CPU time the VM lost to
 # its host (steal) during it: this is a shared 2-core VM, and steal is what makes tails noisy.
 #
@@ -25,6 +25,8 @@
 # Usage: scripts/bench-adaptive.sh
 # Environment (all optional): CONTENDERS="none static adaptive envoy" LOADS="0.3 1.5 3"
 #   DURATION=60 LOW_DURATION=30 CAPACITY=16 SERVICE_MS=20 CRITICAL=0.1 TIMEOUT_MS=1000
+#   CRITICAL_SHARE=0.8 (the share of the limit the example guarantees /critical: its requests
+#   are 0.6× the halved capacity, more than half of any limit that serves it)
 #   MIN_RTT_INTERVAL=30s (Envoy's minRTT interval) ENVOY_CONCURRENCY=1 ENVOY (a binary)
 #   PLOT=1 CARGO_TARGET_DIR (default target/bench-adaptive)
 set -euo pipefail
@@ -36,6 +38,7 @@ LOW_DURATION=${LOW_DURATION:-30}
 CAPACITY=${CAPACITY:-16}
 SERVICE_MS=${SERVICE_MS:-20}
 CRITICAL=${CRITICAL:-0.1}
+export CRITICAL_SHARE=${CRITICAL_SHARE:-0.8}
 TIMEOUT_MS=${TIMEOUT_MS:-1000}
 MIN_RTT_INTERVAL=${MIN_RTT_INTERVAL:-30s}
 ENVOY_CONCURRENCY=${ENVOY_CONCURRENCY:-1}

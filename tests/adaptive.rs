@@ -813,6 +813,7 @@ async fn the_example_serves_as_documented() {
         service_ms: 300,
         schedule: Vec::new(),
         limit: limit.into(),
+        critical_share: 0.5,
     };
     let (app, limit) = example::app(&settings("static")).unwrap();
     let limit = limit.unwrap();

@@ -16,7 +16,7 @@ use crate::ConfigError;
 /// min = 4
 /// max = 500
 /// algorithm = "gradient"        # or "aimd"
-/// tolerance = 1.5               # gradient: latency over the baseline tolerated (>= 1)
+/// tolerance = 1.25              # gradient: latency over the baseline tolerated (>= 1)
 /// smoothing = 0.2               # gradient: share of the way down per window (0 < s <= 1)
 /// backoff = 0.9                 # aimd: the limit times this on a drop (0.5 to 0.99)
 /// increase = 1.0                # aimd: added per window at the limit (> 0)
