@@ -471,6 +471,40 @@ impl CalendarClock {
         Some(a)
     }
 
+    /// The instance's time of a call to a shared store, in µs since the epoch: `now_ns` when
+    /// given (a test clock's, or a time read elsewhere), else the wall clock's.
+    #[cfg_attr(
+        not(any(feature = "redis", feature = "postgres", feature = "mysql")),
+        allow(dead_code)
+    )]
+    pub(crate) fn call_us(now_ns: Option<u64>) -> u64 {
+        match now_ns {
+            Some(ns) => ns / 1000,
+            None => SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX)),
+        }
+    }
+
+    /// The boundary nearest `now_us` (a call's time, [`call_us`](Self::call_us)) and the
+    /// windows on each side, for a shared store to pick from. Never fails: for a time past
+    /// 2106 (or settings refused when built), days from the epoch. Every length is under
+    /// 2^25 s (a year and a day is 3.2e7 s).
+    #[cfg_attr(
+        not(any(feature = "redis", feature = "postgres", feature = "mysql")),
+        allow(dead_code)
+    )]
+    pub(crate) fn around_call(&self, now_us: u64) -> Around {
+        const DAY: u64 = 86_400;
+        self.around_us(now_us).unwrap_or(Around {
+            boundary_s: (now_us / 1_000_000 + DAY / 2) / DAY * DAY,
+            before_s: DAY,
+            after_s: DAY,
+            from_us: 0,
+            to_us: 0,
+        })
+    }
+
     /// A number that tells this calendar from others (its settings' hash, 20 bits), which
     /// a store keeps with a count to see that a quota's calendar changed.
     #[cfg_attr(

@@ -416,12 +416,10 @@ fn command(batch: &[Job<RedisStore>], time: Time) -> redis::Cmd {
         #[cfg(feature = "calendar")]
         if !p.calendars.is_empty() {
             // The windows around the instance's time, Redis's time picking one of them.
-            let now_us = match time {
-                Time::Given(ns) | Time::Test(ns) => ns / 1000,
-                Time::Script => std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX)),
-            };
+            let now_us = crate::quota::CalendarClock::call_us(match time {
+                Time::Given(ns) | Time::Test(ns) => Some(ns),
+                Time::Script => None,
+            });
             // Only a calendar policy's arguments are copied, to be written anew.
             let mut args = p.args.clone();
             for (at, calendar) in &p.calendars {

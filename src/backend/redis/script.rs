@@ -73,22 +73,14 @@ pub(crate) fn calendar_slots(params: &[QuotaParams]) -> Vec<(usize, CalendarCloc
         .collect()
 }
 
-/// A calendar quota's numbers of a call at `now_us` on the instance's clock: the boundary
-/// nearest it (seconds since the epoch), and the lengths of the windows before and after it
-/// in seconds, packed `before * 2^26 + after` (each under 2^25: a year and a day is 3.2e7 s).
-/// The script picks the window that holds Redis's time (see `gcra.lua`). Past 2106, days from
-/// the epoch.
+/// A calendar quota's numbers of a call at `now_us` (`CalendarClock::call_us`): the boundary
+/// nearest it (seconds since the epoch), and the lengths of the windows before and
+/// after it in seconds, packed `before * 2^26 + after` (each under 2^25). The script picks the
+/// window that holds Redis's time (see `gcra.lua`).
 #[cfg(feature = "calendar")]
 pub(crate) fn calendar_args(calendar: &CalendarClock, now_us: u64) -> (u64, u64) {
-    match calendar.around_us(now_us) {
-        Some(a) if a.before_s < 1 << 25 && a.after_s < 1 << 25 => {
-            (a.boundary_s, a.before_s << 26 | a.after_s)
-        }
-        _ => (
-            (now_us / 1_000_000 + 43_200) / 86_400 * 86_400,
-            86_400 << 26 | 86_400,
-        ),
-    }
+    let a = calendar.around_call(now_us);
+    (a.boundary_s, a.before_s << 26 | a.after_s)
 }
 
 /// A policy's entry in the script's arguments, formatted once in `prepare()`: the number of

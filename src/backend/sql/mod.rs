@@ -141,36 +141,17 @@ fn quota_args(p: &QuotaParams) -> [i64; 4] {
 /// and the calendar's id (20 bits), packed `boundary * 2^20 + id`; and the lengths in seconds of
 /// the windows before and after the boundary, packed `before * 2^32 + after`. The store picks
 /// the one of the two windows that holds its own time (see `postgres.sql`, `mysql.sql`), so
-/// that the instance's and the store's clocks may differ by up to half a window. A calendar
-/// without windows there (settings refused when the layer is built, or a time past 2106):
-/// UTC days.
+/// that the instance's and the store's clocks may differ by up to half a window (see
+/// `CalendarClock::around_call`).
 #[cfg(feature = "calendar")]
 pub(crate) fn calendar_args(calendar: &CalendarClock, now_us: u64) -> (i64, i64) {
-    const DAY: u64 = 86_400;
-    let (boundary, before, after) = match calendar.around_us(now_us) {
-        Some(a) if a.before_s < 1 << 32 && a.after_s < 1 << 32 => {
-            (a.boundary_s, a.before_s, a.after_s)
-        }
-        _ => ((now_us / 1_000_000 + DAY / 2) / DAY * DAY, DAY, DAY),
-    };
-    // `around_us` answers boundaries under 2^32 s: the packed numbers stay under 2^63.
-    let boundary = boundary.min((1 << 32) - 1);
+    let a = calendar.around_call(now_us);
+    // Boundaries under 2^32 s and lengths under 2^25 s: the packed numbers stay under 2^63.
+    let boundary = a.boundary_s.min((1 << 32) - 1);
     (
         (boundary << 20 | calendar.id()) as i64,
-        (before << 32 | after) as i64,
+        (a.before_s << 32 | a.after_s) as i64,
     )
-}
-
-/// The instance's time for a call, in µs since the epoch: the test clock's when one is set
-/// (`now_ns`), otherwise the system's wall clock.
-#[cfg(feature = "calendar")]
-fn instance_us(now_ns: Option<u64>) -> u64 {
-    match now_ns {
-        Some(ns) => ns / 1000,
-        None => std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX)),
-    }
 }
 
 /// A call's arguments: the row keys (one per quota of every decision), four numbers per key
@@ -209,7 +190,7 @@ impl Args {
             #[cfg(feature = "calendar")]
             for (i, calendar) in &p.calendars {
                 // Read once per call: every calendar of the call from the same time.
-                let now_us = *now_us.get_or_insert_with(|| instance_us(now_ns));
+                let now_us = *now_us.get_or_insert_with(|| CalendarClock::call_us(now_ns));
                 let (boundary, lengths) = calendar_args(calendar, now_us);
                 args.quotas[at + i + 1] = boundary;
                 args.quotas[at + i + 3] = lengths;
