@@ -71,8 +71,8 @@ pub struct Gradient {
 
 impl Default for Gradient {
     /// Tolerance 1.25 (latency may reach 1.25 × the baseline before the limit shrinks: room for
-    /// the spread of a typical HTTP service; Gradient2's 1.5 let a quarter more queue, and a p99
-    /// 6 ms longer, in the benchmark of BENCHMARKS.md, for no more goodput), smoothing 0.2, creep
+    /// the spread of a typical HTTP service; Gradient2's 1.5 gave a p99 6 ms longer at 1.5×
+    /// load in the benchmark of BENCHMARKS.md, for no more goodput), smoothing 0.2, creep
     /// 0.5 % a window, a new baseline after 5 windows at the floor (Envoy's trigger), floor 1.
     fn default() -> Self {
         Gradient {
