@@ -9,7 +9,7 @@
 //! 429 or 503 from upstream), and a permit dropped without either (a cancelled request) gives
 //! its slot back and is no sample. Samples are gathered in windows (at least `min_samples`,
 //! and 2 × the last window's RTT long, between 100 ms and 1 s by default: Netflix's
-//! `WindowedLimit`), and at each window's end an [`Algorithm`] moves the limit:
+//! `WindowedLimit`; a window starts with its first sample), and at each window's end an [`Algorithm`] moves the limit:
 //! [`Gradient`] (the default, on latency) or [`Aimd`] (on drops). The limit stays in
 //! `[min, max]` whatever the samples.
 //!
@@ -434,6 +434,16 @@ impl AdaptiveLimit {
         }
         inner.max_in_flight.fetch_max(in_flight, Ordering::Relaxed);
         let samples = inner.samples.fetch_add(1, Ordering::AcqRel) + 1;
+        if samples == 1 && now >= inner.window_end.load(Ordering::Relaxed) {
+            // A window starts with its first sample. After a quiet spell (a server started,
+            // then loaded) its end has long passed, and it would close at its
+            // `min_samples`-th answer: the fastest few of the first burst, whose mean is
+            // below what a request costs.
+            let length = u64::try_from(inner.min_window.as_nanos()).unwrap_or(u64::MAX);
+            inner
+                .window_end
+                .store(now.saturating_add(length), Ordering::Relaxed);
+        }
         if samples >= inner.min_samples && now >= inner.window_end.load(Ordering::Relaxed) {
             // One request closes the window; the others go on.
             if let Ok(mut state) = inner.state.try_lock() {
@@ -566,7 +576,8 @@ impl AdaptiveLimitBuilder {
         self
     }
 
-    /// The shortest and longest a window lasts (it is twice the last window's RTT between).
+    /// The shortest and longest a window lasts (it is twice the last window's RTT between;
+    /// the first after a quiet spell lasts the shortest, from its first sample).
     pub fn window(mut self, min: Duration, max: Duration) -> Self {
         self.min_window = min;
         self.max_window = max;
