@@ -307,6 +307,32 @@ async fn steady_overload_keeps_goodput_and_latency() {
     assert!(good < 100, "no limit: goodput {good}\n{}", show(&none));
 }
 
+/// A minute of steady overload (1.5×): the limit comes to rest, it does not drift upward with
+/// a baseline that creeps while the latency sits in the tolerance's upper half (it would carry
+/// the limit, and the queue, up with it: 20 to 27 over 20 s in the benchmark).
+#[tokio::test(start_paused = true)]
+async fn the_limit_comes_to_rest_under_steady_overload() {
+    let s = run(
+        Some(gradient_limit()),
+        Upstream::new(16, 20),
+        vec![phase(0, 1200)],
+        60,
+        80,
+    )
+    .await;
+    let mean_limit = |from: usize, to: usize| {
+        s[from..to].iter().map(|x| f64::from(x.limit)).sum::<f64>() / (to - from) as f64
+    };
+    let (early, late) = (mean_limit(10, 20), mean_limit(50, 60));
+    assert!(
+        late <= early * 1.1 && late <= 22.0,
+        "limit {early:.1} at 10–20 s, {late:.1} at 50–60 s\n{}",
+        show(&s)
+    );
+    let (good, p99, _) = worst(&s, 10, 60);
+    assert!(good >= 720 && p99 <= 45.0, "{good}, {p99} ms\n{}", show(&s));
+}
+
 /// Mean goodput a second, and the highest p99 (ms), over seconds `from..to`.
 fn mean(s: &[Second], from: usize, to: usize) -> (f64, f64) {
     let part = &s[from..to];

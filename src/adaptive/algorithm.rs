@@ -42,18 +42,25 @@ pub trait Algorithm: Send + 'static {
 /// load.
 ///
 /// Per window: `gradient = clamp(tolerance × baseline / rtt, 0.5, 1)`. Below 1 (requests queue)
-/// the limit moves towards `limit × gradient` (by `smoothing` of the way); at 1, and only when
+/// the limit moves towards `limit × gradient` (by `smoothing` of the way). At 1, and only when
 /// the limit was reached (`max_in_flight ≥ limit / 2`: an app-limited service says nothing of
-/// its capacity), it grows by `√limit`. A drop counts as a gradient of 0.5.
+/// its capacity), it grows by `√limit × headroom`, where the headroom is the share of the
+/// tolerance still unused: 1 at the baseline's latency, 0 at `tolerance × baseline`. So the
+/// limit climbs fast while nothing queues and comes to rest where the latency is about
+/// `tolerance × baseline`: `tolerance − 1` of the capacity waiting, enough that the service
+/// never idles while the limit wobbles. A drop counts as a gradient of 0.5.
 ///
 /// Where the known flaws of its ancestors are mended:
 /// - the baseline is the fastest window *mean* seen, never one sample, so one lucky fast
 ///   response cannot poison it (Netflix #37);
-/// - headroom is added only while nothing queues, so the limit does not drift upward under a
-///   modest overload (Gradient2's `+ queueSize` on every update, Netflix PR #134);
+/// - headroom is added only while the latency is within the tolerance, and less the nearer it
+///   is, so the limit does not drift upward under a modest overload (Gradient2's
+///   `+ queueSize` on every update, Netflix PR #134);
 /// - the baseline is measured again, without pinning the limit to its minimum (Envoy's bursts
 ///   of 503s during its minRTT windows): it creeps up by `baseline_creep` a window while
-///   nothing queues, and after `rebase_after` windows with the limit at its floor and the
+///   nothing queues (the latency in the tolerance's lower half; in the upper half, where the
+///   limit rests, a creep would carry the limit up with it), and after `rebase_after` windows
+///   with the limit at its floor and the
 ///   latency still high (a service that became slower per request, not more loaded), the
 ///   window's latency is the baseline.
 #[derive(Debug, Clone)]
@@ -70,9 +77,10 @@ pub struct Gradient {
 }
 
 impl Default for Gradient {
-    /// Tolerance 1.25 (latency may reach 1.25 × the baseline before the limit shrinks: room for
-    /// the spread of a typical HTTP service; Gradient2's 1.5 gave a p99 6 ms longer at 1.5×
-    /// load in the benchmark of BENCHMARKS.md, for no more goodput), smoothing 0.2, creep
+    /// Tolerance 1.25 (latency may reach 1.25 × the baseline before the limit shrinks, and the
+    /// limit rests about there: a quarter of the capacity waiting, room for the spread of a
+    /// typical HTTP service; Gradient2's 1.5 gave a longer p99 for no more goodput in the
+    /// benchmark of BENCHMARKS.md), smoothing 0.2, creep
     /// 0.5 % a window, a new baseline after 5 windows at the floor (Envoy's trigger), floor 1.
     fn default() -> Self {
         Gradient {
@@ -139,7 +147,8 @@ impl Algorithm for Gradient {
         if self.baseline <= 0.0 || rtt < self.baseline {
             self.baseline = rtt;
         }
-        let mut gradient = (self.tolerance * self.baseline / rtt).clamp(0.5, 1.0);
+        let raw = self.tolerance * self.baseline / rtt;
+        let mut gradient = raw.clamp(0.5, 1.0);
         if w.dropped > 0 {
             gradient = 0.5;
         }
@@ -159,11 +168,23 @@ impl Algorithm for Gradient {
             return limit - self.smoothing * (limit - target);
         }
         self.at_floor = 0;
-        // Nothing queues: the baseline may creep up (an old fast window fades), bounded by
-        // what is measured now.
-        self.baseline = (self.baseline * (1.0 + self.baseline_creep)).min(rtt);
+        // The headroom left: 1 when the latency is the baseline's, 0 at the tolerance.
+        let headroom = if self.tolerance > 1.0 {
+            ((raw - 1.0) / (self.tolerance - 1.0)).clamp(0.0, 1.0)
+        } else {
+            1.0
+        };
+        // Nothing queues (the lower half of the tolerance): the baseline may creep up (an old
+        // fast window fades), bounded by what is measured now. Not in the upper half, where
+        // the limit rests: there a creep would carry the limit up with it.
+        if headroom >= 0.5 {
+            self.baseline = (self.baseline * (1.0 + self.baseline_creep)).min(rtt);
+        }
         if f64::from(w.max_in_flight) * 2.0 >= limit {
-            limit + limit.sqrt().max(1.0)
+            // Growth by the headroom: √limit at the baseline, nothing at the tolerance, so the
+            // limit comes to rest below it instead of overshooting by √limit and queueing
+            // until it shrinks back.
+            limit + limit.sqrt().max(1.0) * headroom
         } else {
             limit
         }
@@ -253,10 +274,19 @@ mod tests {
         let mut g = Gradient::new();
         // The first window sets the baseline: no queueing, the limit was reached.
         assert_eq!(g.update(16.0, &window(20, 16, 0)), 20.0);
-        // Latency within the tolerance: still growing.
-        assert_eq!(g.update(16.0, &window(24, 16, 0)), 20.0);
-        // The baseline crept up 0.5 % (20.1 ms) while nothing queued. Twice it: a gradient of
-        // 1.25 × 20.1 / 40, a fifth of the way there.
+        // Latency within the tolerance: still growing, by the headroom left (1.25 × 20 / 24
+        // is 1/24 over 1, a sixth of the tolerance's quarter).
+        let up = g.update(16.0, &window(24, 16, 0));
+        assert!((up - (16.0 + 4.0 / 6.0)).abs() < 1e-9, "{up}");
+        // At the tolerance: no growth, no shrinking.
+        let mut at = Gradient::new();
+        at.update(16.0, &window(20, 16, 0));
+        assert_eq!(at.update(16.0, &window(25, 16, 0)), 16.0);
+        // In the tolerance's upper half the baseline stays; in its lower half (nothing
+        // queues) it creeps up 0.5 %, to 20.1 ms.
+        assert!((g.baseline().as_secs_f64() - 0.020).abs() < 1e-9);
+        g.update(16.0, &window(21, 16, 0));
+        // Twice it: a gradient of 1.25 × 20.1 / 40, a fifth of the way there.
         assert!((g.baseline().as_secs_f64() - 0.0201).abs() < 1e-9);
         let down = g.update(16.0, &window(40, 16, 0));
         let expect = 16.0 - 0.2 * (16.0 - 16.0 * 1.25 * 20.1 / 40.0);
