@@ -307,8 +307,9 @@ async fn steady_overload_keeps_goodput_and_latency() {
     assert!(good < 100, "no limit: goodput {good}\n{}", show(&none));
 }
 
-/// A minute of steady overload (1.5×): the limit comes to rest, it does not drift upward with
-/// a baseline that creeps while the latency sits in the tolerance's upper half (it would carry
+/// A minute of steady overload (1.5×): the limit comes to rest below the tolerance, grown by
+/// the headroom left rather than by a full √limit, and it does not drift upward with a
+/// baseline that creeps while the latency sits in the tolerance's upper half (it would carry
 /// the limit, and the queue, up with it: 20 to 27 over 20 s in the benchmark).
 #[tokio::test(start_paused = true)]
 async fn the_limit_comes_to_rest_under_steady_overload() {
@@ -329,8 +330,10 @@ async fn the_limit_comes_to_rest_under_steady_overload() {
         "limit {early:.1} at 10–20 s, {late:.1} at 50–60 s\n{}",
         show(&s)
     );
+    // Resting below the tolerance, not sawing above it by √limit: p99 38 ms here, 42 with a
+    // full √limit step whenever the latency is within the tolerance (the benchmark: 39 and 46).
     let (good, p99, _) = worst(&s, 10, 60);
-    assert!(good >= 720 && p99 <= 45.0, "{good}, {p99} ms\n{}", show(&s));
+    assert!(good >= 720 && p99 <= 40.0, "{good}, {p99} ms\n{}", show(&s));
 }
 
 /// Mean goodput a second, and the highest p99 (ms), over seconds `from..to`.
