@@ -417,9 +417,11 @@ fn adaptive_limits_are_counted_by_partition_and_outcome() {
         let c = limit.try_acquire_in("critical").unwrap();
         assert!(limit.try_acquire_in("critical").is_none());
         tokio::time::advance(Duration::from_millis(150)).await;
+        // The first sample starts a window; one a window's length (100 ms) later closes it.
         a.success();
-        b.dropped();
         drop(c);
+        tokio::time::advance(Duration::from_millis(100)).await;
+        b.dropped();
     });
     let requests = |partition: &str, outcome: &str| {
         count(
