@@ -60,9 +60,8 @@ pub trait Algorithm: Send + 'static {
 ///   of 503s during its minRTT windows): it creeps up by `baseline_creep` a window while
 ///   nothing queues (the latency in the tolerance's lower half; in the upper half, where the
 ///   limit rests, a creep would carry the limit up with it), and after `rebase_after` windows
-///   with the limit at its floor and the
-///   latency still high (a service that became slower per request, not more loaded), the
-///   window's latency is the baseline.
+///   with the limit at its floor and the latency still high (a service that became slower per
+///   request, not more loaded), the window's latency is the baseline.
 #[derive(Debug, Clone)]
 pub struct Gradient {
     tolerance: f64,
@@ -79,9 +78,9 @@ pub struct Gradient {
 impl Default for Gradient {
     /// Tolerance 1.25 (latency may reach 1.25 × the baseline before the limit shrinks, and the
     /// limit rests about there: a quarter of the capacity waiting, room for the spread of a
-    /// typical HTTP service; Gradient2's 1.5 gave a longer p99 for no more goodput in the
-    /// benchmark of BENCHMARKS.md), smoothing 0.2, creep
-    /// 0.5 % a window, a new baseline after 5 windows at the floor (Envoy's trigger), floor 1.
+    /// typical HTTP service; Gradient2's 1.5 gave a longer p99 for no more goodput in an
+    /// earlier run of the benchmark of BENCHMARKS.md), smoothing 0.2, creep 0.5 % a window, a new baseline after 5
+    /// windows at the floor (Envoy's trigger), floor 1.
     fn default() -> Self {
         Gradient {
             tolerance: 1.25,

@@ -9,9 +9,9 @@
 //! 429 or 503 from upstream), and a permit dropped without either (a cancelled request) gives
 //! its slot back and is no sample. Samples are gathered in windows (at least `min_samples`,
 //! and 2 × the last window's RTT long, between 100 ms and 1 s by default: Netflix's
-//! `WindowedLimit`; a window starts with its first sample), and at each window's end an [`Algorithm`] moves the limit:
-//! [`Gradient`] (the default, on latency) or [`Aimd`] (on drops). The limit stays in
-//! `[min, max]` whatever the samples.
+//! `WindowedLimit`; a window starts with its first sample), and at each window's end an
+//! [`Algorithm`] moves the limit: [`Gradient`] (the default, on latency) or [`Aimd`] (on
+//! drops). The limit stays in `[min, max]` whatever the samples.
 //!
 //! No request waits on a lock: admission is a compare-and-swap on the count in flight, a
 //! sample a few atomic adds, and the window is closed by the one request that finds it due and
