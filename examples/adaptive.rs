@@ -10,9 +10,8 @@
 //! at `CAPACITY`) or `none`. `PORT` (default 3000).
 //!
 //! Route `/` is ordinary traffic; `/critical` is a partition guaranteed half the limit once it
-//! is reached (`CRITICAL_SHARE` another share), so under overload it is kept while `/` is
-//! shed. Over the limit: `503` with
-//! `Retry-After: 1`.
+//! is reached (`CRITICAL_SHARE` sets another share), so under overload it is kept while `/` is
+//! shed. Over the limit: `503` with `Retry-After: 1`.
 //!
 //! ```text
 //! $ cargo run --example adaptive &
