@@ -356,7 +356,8 @@ impl<B: Backend> Limiter<B> {
     /// [`AcquireError::Overloaded`] over it or while the upstream asked to wait. End a permit
     /// with what the upstream answered ([`Permit::observe`]), or
     /// [`Permit::overloaded`] for a timeout; a permit settled or dropped otherwise is a
-    /// sample of the work's time. Clones share the limits; the first `upstreams` given stays.
+    /// sample of the work's time. Clones share the limits. Given once: a second call (on this
+    /// limiter or a clone) is refused with a [`ConfigError`], rather than ignored.
     ///
     /// ```
     /// use std::num::NonZeroU32;
@@ -369,7 +370,7 @@ impl<B: Backend> Limiter<B> {
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// let upstreams = Upstreams::new(|name| AdaptiveLimit::builder().name(name).initial(1).range(1, 50))?;
     /// let limiter = Limiter::new(Policy::new("partner", Quota::per_second(100)), LocalBackend::new())?
-    ///     .adapt(upstreams);
+    ///     .adapt(upstreams)?;
     /// let partner = Key::from_bytes("api.partner.example")?;
     /// let mut permit = limiter.admit(&partner, NonZeroU32::MIN).await?;
     /// // One call at once for now: a second is refused before it is made.
@@ -379,9 +380,17 @@ impl<B: Backend> Limiter<B> {
     /// permit.observe(answer.status(), answer.headers());
     /// # Ok(()) }
     /// ```
-    pub fn adapt(self, upstreams: crate::adaptive::Upstreams) -> Self {
-        let _ = self.inner.adaptive.set(upstreams);
-        self
+    pub fn adapt(self, upstreams: crate::adaptive::Upstreams) -> Result<Self, ConfigError> {
+        match self.inner.adaptive.set(upstreams) {
+            Ok(()) => Ok(self),
+            Err(_) => Err(ConfigError::Invalid {
+                option: "adapt",
+                reason: format!(
+                    "the limiter of policy {:?} already has its adaptive limits: they are given once",
+                    self.inner.name
+                ),
+            }),
+        }
     }
 
     /// The adaptive limits per key, when [`adapt`](Self::adapt) gave them.

@@ -200,7 +200,8 @@ where
         );
         Box::pin(async move {
             let body = match peek.await {
-                Ok(decision) => resources(&prepared, &decision),
+                // The reset and the window on the backend's clock, read as it answered.
+                Ok(decision) => resources(&prepared, &decision, shared.backend.unix_time()),
                 Err(_) => {
                     let message = "{\"message\":\"the rate-limit store is unavailable\"}";
                     return Ok(json(
@@ -231,7 +232,11 @@ fn json(status: http::StatusCode, body: String) -> http::Response<String> {
 /// The JSON of a peek's `decision`: what the key has now, per quota. A peek reports what a
 /// request of one unit would leave: one more is there now when it would pass (a concurrent
 /// quota's peek reports its free slots as they are).
-fn resources<P>(prepared: &crate::prepared::Prepared<P>, decision: &Decision) -> String {
+fn resources<P>(
+    prepared: &crate::prepared::Prepared<P>,
+    decision: &Decision,
+    now: std::time::Duration,
+) -> String {
     use std::fmt::Write;
     let status = RateLimitStatus::new(
         prepared.policy.name(),
@@ -239,9 +244,6 @@ fn resources<P>(prepared: &crate::prepared::Prepared<P>, decision: &Decision) ->
         &prepared.quota_units,
         decision,
     );
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default();
     let mut out = String::from("{\"resources\":{");
     let mut tightest: Option<String> = None;
     let mut least = u64::MAX;

@@ -625,6 +625,42 @@ async fn a_lucky_fast_sample_does_not_poison_the_baseline() {
     assert!(good >= 720, "goodput {good}\n{}", show(&s));
 }
 
+/// Every request a drop (an upstream that is down, every call timing out): the default
+/// gradient shrinks the limit to its minimum, where a window of drops only used to leave it
+/// where it was (its mean latency, of no sample, was 0). Drops that take a second each (client
+/// timeouts) shrink it too, in windows of their length.
+#[tokio::test(start_paused = true)]
+async fn a_window_of_drops_only_shrinks_the_gradient_limit() {
+    for (took, secs, below) in [(10u64, 2u64, 10u32), (1000, 20, 10)] {
+        let limit = AdaptiveLimit::builder()
+            .initial(50)
+            .range(1, 50)
+            .build()
+            .unwrap();
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(secs) {
+            let permits: Vec<_> = std::iter::from_fn(|| limit.try_acquire()).collect();
+            assert!(!permits.is_empty());
+            tokio::time::sleep(Duration::from_millis(took)).await;
+            for p in permits {
+                p.dropped();
+            }
+        }
+        assert!(
+            limit.limit() < below,
+            "drops of {took} ms for {secs} s: limit {}",
+            limit.limit()
+        );
+        // And on to the minimum.
+        for _ in 0..200 {
+            let permits: Vec<_> = std::iter::from_fn(|| limit.try_acquire()).collect();
+            tokio::time::sleep(Duration::from_millis(took)).await;
+            permits.into_iter().for_each(|p| p.dropped());
+        }
+        assert_eq!(limit.limit(), 1, "drops of {took} ms");
+    }
+}
+
 /// Errors as drops: an upstream that fails at once what it cannot serve (16 at a time, no
 /// queue). AIMD finds the capacity from the failures: most requests admitted succeed.
 #[tokio::test(start_paused = true)]
@@ -832,6 +868,59 @@ fn threads_at_once_never_exceed_the_limit() {
     });
     assert!(peak.load(Ordering::Relaxed) <= 8);
     assert_eq!(limit.in_flight(), 0);
+}
+
+/// Waiters are woken when the limit grows, not only when a slot is given back: with 2 in
+/// flight and 2 waiting, one request ends and its window makes the limit 5; both waiters are
+/// served at once, where the second used to wait out its deadline beside free slots.
+#[tokio::test(start_paused = true)]
+async fn waiters_are_woken_when_the_limit_grows() {
+    use tollgate::adaptive::QueueOrder;
+    struct Grow;
+    impl Algorithm for Grow {
+        fn update(&mut self, _limit: f64, _w: &Window) -> f64 {
+            5.0
+        }
+    }
+    let limit = AdaptiveLimit::builder()
+        .initial(2)
+        .range(1, 10)
+        .min_samples(1)
+        .window(Duration::from_millis(1), Duration::from_millis(1))
+        .algorithm(Grow)
+        .queue(4, QueueOrder::Fifo)
+        .build()
+        .unwrap();
+    // A sample starts the window; the next, 5 ms on, closes it.
+    limit.try_acquire().unwrap().success();
+    let (first, _second) = (limit.try_acquire().unwrap(), limit.try_acquire().unwrap());
+    let waiters: Vec<_> = (0..2)
+        .map(|_| {
+            let limit = limit.clone();
+            tokio::spawn(async move { limit.acquire(Duration::from_secs(10)).await })
+        })
+        .collect();
+    while limit.waiting() < 2 {
+        tokio::task::yield_now().await;
+    }
+    tokio::time::advance(Duration::from_millis(5)).await;
+    first.success();
+    assert_eq!(limit.limit(), 5);
+    let start = Instant::now();
+    let mut permits = Vec::new();
+    for w in waiters {
+        permits.push(
+            w.await
+                .unwrap()
+                .expect("served, not refused at its deadline"),
+        );
+    }
+    assert!(
+        start.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        start.elapsed()
+    );
+    assert_eq!((limit.in_flight(), limit.waiting()), (3, 0));
 }
 
 /// A waiter whose future is dropped after the wake was sent to it, before it could take the
@@ -1261,29 +1350,75 @@ mod over_http {
         assert_eq!(limit.in_flight(), 0);
     }
 
-    /// A service answering 503 (overloaded) is sampled as drops: AIMD backs off.
+    /// With the sample at the body's end, a gRPC stream's status in its trailers counts: a
+    /// stream that ends with `UNAVAILABLE` (14) or `RESOURCE_EXHAUSTED` (8) is a drop, one that
+    /// ends with `OK` a success (they all used to count as successes).
     #[tokio::test]
-    async fn a_503_from_the_service_is_a_drop() {
-        let limit = AdaptiveLimit::builder()
-            .initial(10)
-            .range(1, 10)
-            .min_samples(1)
-            .window(Duration::from_millis(1), Duration::from_millis(2))
-            .algorithm(Aimd::new())
-            .build()
-            .unwrap();
+    async fn a_grpc_stream_ending_in_overload_in_its_trailers_is_a_drop() {
+        use tokio_stream::StreamExt;
+        let limit = fixed(4);
         let app = Router::new()
             .route(
-                "/",
-                get(|| async { (axum::http::StatusCode::SERVICE_UNAVAILABLE, "busy") }),
+                "/{status}",
+                get(
+                    |axum::extract::Path(status): axum::extract::Path<String>| async move {
+                        let mut trailers = http::HeaderMap::new();
+                        trailers.insert("grpc-status", status.parse().unwrap());
+                        let frames = [
+                            http_body::Frame::data(bytes::Bytes::from_static(b"\0\0\0\0\0")),
+                            http_body::Frame::trailers(trailers),
+                        ];
+                        let stream =
+                            tokio_stream::iter(frames).map(Ok::<_, std::convert::Infallible>);
+                        let body = axum::body::Body::new(http_body_util::StreamBody::new(stream));
+                        ([("content-type", "application/grpc")], body)
+                    },
+                ),
             )
-            .layer(AdaptiveLayer::new(limit.clone()));
+            .layer(AdaptiveLayer::new(limit.clone()).sample_at_body_end(true));
         let base = support::serve_app(app).await;
         let client = reqwest::Client::new();
-        for _ in 0..20 {
-            assert_eq!(client.get(&base).send().await.unwrap().status(), 503);
-            tokio::time::sleep(Duration::from_millis(5)).await;
+        for status in ["14", "8", "0", "5"] {
+            let res = client.get(format!("{base}/{status}")).send().await.unwrap();
+            assert_eq!(res.status(), 200);
+            res.bytes().await.unwrap();
         }
-        assert!(limit.limit() < 10, "{}", limit.limit());
+        wait_for(|| limit.in_flight() == 0).await;
+        let other = &limit.partitions()[0];
+        assert_eq!((other.dropped, other.succeeded), (2, 2), "{other:?}");
+    }
+
+    /// A service answering 503 (overloaded) to everything is sampled as drops: AIMD backs
+    /// off, and so does the default gradient (every window of drops only).
+    #[tokio::test]
+    async fn a_503_from_the_service_is_a_drop() {
+        for aimd in [true, false] {
+            let builder = AdaptiveLimit::builder()
+                .initial(10)
+                .range(1, 10)
+                .min_samples(1)
+                .window(Duration::from_millis(1), Duration::from_millis(2));
+            let limit = if aimd {
+                builder.algorithm(Aimd::new())
+            } else {
+                builder
+            }
+            .build()
+            .unwrap();
+            let app = Router::new()
+                .route(
+                    "/",
+                    get(|| async { (axum::http::StatusCode::SERVICE_UNAVAILABLE, "busy") }),
+                )
+                .layer(AdaptiveLayer::new(limit.clone()));
+            let base = support::serve_app(app).await;
+            let client = reqwest::Client::new();
+            for _ in 0..20 {
+                assert_eq!(client.get(&base).send().await.unwrap().status(), 503);
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            assert!(limit.limit() < 10, "aimd {aimd}: {}", limit.limit());
+            assert_eq!(limit.partitions()[0].dropped, 20);
+        }
     }
 }

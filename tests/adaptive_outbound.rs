@@ -94,7 +94,7 @@ impl Middleware for RetryOnce {
 
 fn refusal(err: reqwest_middleware::Error) -> Refused {
     match err {
-        reqwest_middleware::Error::Middleware(e) => *e.downcast_ref::<Refused>().unwrap(),
+        reqwest_middleware::Error::Middleware(e) => e.downcast_ref::<Refused>().unwrap().clone(),
         other => panic!("not refused by the middleware: {other}"),
     }
 }
@@ -252,7 +252,11 @@ async fn the_limiter_adapts_per_key_to_its_upstreams_answers() {
         LocalBackend::new(),
     )
     .unwrap()
-    .adapt(upstreams(1, 1));
+    .adapt(upstreams(1, 1))
+    .unwrap();
+    // Given once: a second set of limits, on a clone too, is refused, not ignored.
+    let again = limiter.clone().adapt(upstreams(5, 5)).unwrap_err();
+    assert!(again.to_string().contains("given once"), "{again}");
     let (a, b) = (Key::from_bytes("a").unwrap(), Key::from_bytes("b").unwrap());
     let one = NonZeroU32::MIN;
     let client = reqwest::Client::new();

@@ -50,7 +50,14 @@ fn promtool_accepts_the_rules_and_their_unit_tests_pass() {
         &format!("{DIR}/tollgate-rules.yaml"),
         &format!("{DIR}/tollgate-alerts.yaml"),
     ]));
+    // The recording rules, then the alerts.
+    let alerts = generator::alerts(&generator::Settings::default()).len();
+    assert_eq!(alerts, 11);
     assert!(out.contains("SUCCESS: 4 rules found"), "{out}");
+    assert!(
+        out.contains(&format!("SUCCESS: {alerts} rules found")),
+        "{out}"
+    );
     let out = run(Command::new(promtool()).args([
         "test",
         "rules",
@@ -201,6 +208,11 @@ fn the_generators_options_are_checked() {
         "--out=x",
         "--for",
         "30s",
+        "--store-failing-ratio=0.02",
+        "--adaptive-rejected-ratio",
+        "0.1",
+        "--adaptive-min-rps",
+        "5",
     ]))
     .unwrap();
     assert_eq!((s.selector.as_str(), out.as_str()), ("job=\"api\"", "x"));
@@ -209,10 +221,33 @@ fn the_generators_options_are_checked() {
         alerts.contains("tollgate_circuit_breaker_open{job=\"api\"}"),
         "{alerts}"
     );
+    assert!(
+        alerts.contains(
+            "tollgate_adaptive_requests_total{job=\"api\",outcome=~\"admitted|rejected\"}"
+        ),
+        "{alerts}"
+    );
     assert!(alerts.contains("for: 30s") && !alerts.contains("for: 1m"));
+    // The thresholds are where they belong.
+    let expr = |name: &str| {
+        let a = generator::alerts(&s);
+        a.into_iter().find(|a| a.name == name).unwrap().expr
+    };
+    assert!(
+        expr("TollgateStoreFailing").ends_with("(tollgate:decisions:rate) > 0.02"),
+        "{}",
+        expr("TollgateStoreFailing")
+    );
+    let rejecting = expr("TollgateAdaptiveRejecting");
+    assert!(
+        rejecting.contains(" > 0.1 and on (job, instance, limit) ") && rejecting.ends_with(" > 5"),
+        "{rejecting}"
+    );
     for (bad, word) in [
         (&["--rate-window", "5 minutes"][..], "--rate-window"),
         (&["--memory-ratio", "-1"], "--memory-ratio"),
+        (&["--store-failing-ratio", "x"], "--store-failing-ratio"),
+        (&["--adaptive-min-rps", "-2"], "--adaptive-min-rps"),
         (&["--colour", "red"], "--colour"),
         (&["--for"], "--for"),
     ] {

@@ -5,7 +5,10 @@
 mod support;
 
 use axum::{Json, Router, routing::get};
+use std::time::Duration;
 use tollgate::key::Global;
+
+use tollgate::testing::{Fields, ManualClock};
 use tollgate::{Policy, Quota, RateLimitLayer, RateLimitStatus};
 
 fn app(decision: bool) -> Router {
@@ -198,7 +201,6 @@ async fn the_status_endpoint_reports_without_spending() {
 /// nothing left until the block ends.
 #[tokio::test]
 async fn a_blocked_key_reports_every_quota() {
-    use std::time::Duration;
     let limit = RateLimitLayer::builder()
         .key(Global)
         .policy(
@@ -282,4 +284,64 @@ async fn only_authorized_callers_read_a_keys_status() {
         let text = other.text().await.unwrap();
         assert!(!text.contains("remaining"), "{text}");
     }
+}
+
+/// The status endpoint reads the backend's clock, as the decision does: on a manual clock at
+/// 2025-03-09 01:00 EST (the day New York moves to EDT), a `2/day tz America/New_York` quota's
+/// `RateLimit` has `t=79200`, and the endpoint's `reset` is that clock's time plus 79 200 s, its
+/// window that clock's day, not the real time's.
+#[cfg(feature = "calendar")]
+#[tokio::test]
+async fn the_status_endpoint_reads_the_backends_clock() {
+    let clock = ManualClock::new();
+    // 67 days and 6 hours after 2025-01-01 00:00 UTC: 2025-03-09 06:00 UTC, 01:00 EST.
+    let at = Duration::from_secs(67 * 86_400 + 6 * 3600);
+    clock.advance(at);
+    let quota: Quota = "2/day tz America/New_York".parse().unwrap();
+    let limit = RateLimitLayer::builder()
+        .key(tollgate::key::Header::new("x-api-key"))
+        .policy(Policy::new("plan", quota))
+        .backend(clock.backend())
+        .build()
+        .unwrap();
+    let base = serve_with_status(limit).await;
+    let client = reqwest::Client::new();
+    let res = client
+        .get(format!("{base}/api/hello"))
+        .header("x-api-key", "k")
+        .send()
+        .await
+        .unwrap();
+    let fields = Fields::of(&http_response(&res)).unwrap();
+    let t = fields.rate_limit.unwrap().items[0].reset;
+    assert_eq!(t, Some(Duration::from_secs(79_200)));
+    let body: serde_json::Value = client
+        .get(format!("{base}/rate_limit"))
+        .header("x-api-key", "k")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let plan = &body["resources"]["plan"];
+    let now = (ManualClock::START + at).as_secs();
+    assert_eq!(plan["reset"], now + 79_200, "{body}");
+    assert_eq!(plan["remaining"], 1, "{body}");
+    assert_eq!(
+        plan["window_start"], "2025-03-09T00:00:00-05:00[America/New_York]",
+        "{body}"
+    );
+    assert_eq!(
+        plan["window_end"], "2025-03-10T00:00:00-04:00[America/New_York]",
+        "{body}"
+    );
+}
+
+/// The head of a reqwest response as an `http` one, for [`Fields::of`].
+#[cfg(feature = "calendar")]
+fn http_response(res: &reqwest::Response) -> http::Response<()> {
+    let mut out = http::Response::new(());
+    *out.headers_mut() = res.headers().clone();
+    out
 }

@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use crate::ConfigError;
+
 /// What a window of samples showed: the algorithm's input.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Window {
@@ -33,6 +35,30 @@ pub trait Algorithm: Send + 'static {
     /// metrics).
     fn baseline(&self) -> Option<Duration> {
         None
+    }
+
+    /// Whether the algorithm's settings make sense: called by
+    /// [`AdaptiveLimitBuilder::build`](super::AdaptiveLimitBuilder::build), which returns the
+    /// error (an option out of range, named). The default accepts any.
+    fn check(&self) -> Result<(), ConfigError> {
+        Ok(())
+    }
+}
+
+/// `value` for `option` if `ok`, else the error naming it, the value and `what` it must be.
+fn in_range(
+    option: &'static str,
+    value: f64,
+    ok: impl Fn(f64) -> bool,
+    what: &str,
+) -> Result<(), ConfigError> {
+    if value.is_finite() && ok(value) {
+        Ok(())
+    } else {
+        Err(ConfigError::Invalid {
+            option,
+            reason: format!("{value}: {what}"),
+        })
     }
 }
 
@@ -100,23 +126,17 @@ impl Gradient {
         Self::default()
     }
 
-    /// How far latency may rise over the baseline before the limit shrinks (at least 1).
+    /// How far latency may rise over the baseline before the limit shrinks (at least 1; a
+    /// value out of range is refused by the limit's `build()`).
     pub fn tolerance(mut self, tolerance: f64) -> Self {
-        self.tolerance = if tolerance.is_finite() {
-            tolerance.max(1.0)
-        } else {
-            1.25
-        };
+        self.tolerance = tolerance;
         self
     }
 
-    /// The share of the way to its target the limit moves down in one window (0 to 1).
+    /// The share of the way to its target the limit moves down in one window (more than 0,
+    /// at most 1; a value out of range is refused by the limit's `build()`).
     pub fn smoothing(mut self, smoothing: f64) -> Self {
-        self.smoothing = if smoothing.is_finite() {
-            smoothing.clamp(0.01, 1.0)
-        } else {
-            0.2
-        };
+        self.smoothing = smoothing;
         self
     }
 
@@ -138,15 +158,35 @@ impl Algorithm for Gradient {
         (self.baseline > 0.0).then(|| Duration::from_secs_f64(self.baseline))
     }
 
+    fn check(&self) -> Result<(), ConfigError> {
+        in_range("tolerance", self.tolerance, |v| v >= 1.0, "at least 1")?;
+        in_range(
+            "smoothing",
+            self.smoothing,
+            |v| v > 0.0 && v <= 1.0,
+            "more than 0, at most 1",
+        )
+    }
+
     fn update(&mut self, limit: f64, w: &Window) -> f64 {
         let rtt = w.rtt.as_secs_f64();
-        if rtt.is_nan() || rtt <= 0.0 {
+        // A window's latency says something only where some of its samples were not drops
+        // (a window of drops only has the drops' time, or none).
+        let timed = rtt.is_finite() && rtt > 0.0 && w.dropped < w.samples;
+        if !timed && w.dropped == 0 {
             return limit;
         }
-        if self.baseline <= 0.0 || rtt < self.baseline {
+        if timed && (self.baseline <= 0.0 || rtt < self.baseline) {
             self.baseline = rtt;
         }
-        let raw = self.tolerance * self.baseline / rtt;
+        // A drop is a gradient of 0.5, whatever the latency: a window of drops only (an
+        // upstream down, every call timing out, a service answering 503 to everything) shrinks
+        // the limit as surely as one with a single drop.
+        let raw = if timed {
+            self.tolerance * self.baseline / rtt
+        } else {
+            0.5
+        };
         let mut gradient = raw.clamp(0.5, 1.0);
         if w.dropped > 0 {
             gradient = 0.5;
@@ -216,24 +256,32 @@ impl Aimd {
         Self::default()
     }
 
-    /// What a window with a drop multiplies the limit by (0.5 to 1, exclusive of 1).
+    /// What a window with a drop multiplies the limit by (0.5 to 0.99; a value out of range
+    /// is refused by the limit's `build()`).
     pub fn backoff(mut self, ratio: f64) -> Self {
-        self.backoff = if ratio.is_finite() {
-            ratio.clamp(0.5, 0.99)
-        } else {
-            0.9
-        };
+        self.backoff = ratio;
         self
     }
 
-    /// What a window without a drop adds, when the limit was reached (more than 0).
+    /// What a window without a drop adds, when the limit was reached (more than 0; a value
+    /// out of range is refused by the limit's `build()`).
     pub fn increase(mut self, by: f64) -> Self {
-        self.increase = if by.is_finite() && by > 0.0 { by } else { 1.0 };
+        self.increase = by;
         self
     }
 }
 
 impl Algorithm for Aimd {
+    fn check(&self) -> Result<(), ConfigError> {
+        in_range(
+            "backoff",
+            self.backoff,
+            |v| (0.5..=0.99).contains(&v),
+            "from 0.5 to 0.99",
+        )?;
+        in_range("increase", self.increase, |v| v > 0.0, "more than 0")
+    }
+
     fn update(&mut self, limit: f64, w: &Window) -> f64 {
         if w.dropped > 0 {
             limit * self.backoff

@@ -152,25 +152,9 @@ impl AdaptiveConfig {
         if let Some([min, max]) = &self.window {
             b = b.window(duration("window", min)?, duration("window", max)?);
         }
-        let in_range =
-            |option: &'static str, v: Option<f64>, ok: &dyn Fn(f64) -> bool, what| match v {
-                Some(v) if !(v.is_finite() && ok(v)) => Err(bad(option, format!("{v}: {what}"))),
-                _ => Ok(v),
-            };
-        let tolerance = in_range("tolerance", self.tolerance, &|v| v >= 1.0, "at least 1")?;
-        let smoothing = in_range(
-            "smoothing",
-            self.smoothing,
-            &|v| v > 0.0 && v <= 1.0,
-            "more than 0, at most 1",
-        )?;
-        let backoff = in_range(
-            "backoff",
-            self.backoff,
-            &|v| (0.5..=0.99).contains(&v),
-            "from 0.5 to 0.99",
-        )?;
-        let increase = in_range("increase", self.increase, &|v| v > 0.0, "more than 0")?;
+        // Their ranges are the algorithms' own, checked by `build()`.
+        let (tolerance, smoothing) = (self.tolerance, self.smoothing);
+        let (backoff, increase) = (self.backoff, self.increase);
         let gradient_only = |option: &'static str, set: bool| {
             if set {
                 Err(bad(option, "only for `algorithm = \"gradient\"`".into()))

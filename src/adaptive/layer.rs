@@ -16,7 +16,9 @@ use crate::RequestInfo;
 use crate::body::{BodyGuard, RateLimitBody};
 
 /// What of a response counts as a sign of overload (a drop): by default a 503 or a 429 from the
-/// service, or a gRPC `UNAVAILABLE` or `RESOURCE_EXHAUSTED` in the response's head.
+/// service, or a gRPC `UNAVAILABLE` or `RESOURCE_EXHAUSTED` in the response's head. With
+/// [`sample_at_body_end`](AdaptiveLayer::sample_at_body_end) it is asked again of the
+/// trailers, with the response's status (a gRPC stream ends with its status there).
 pub type Overload = Arc<dyn Fn(StatusCode, &http::HeaderMap) -> bool + Send + Sync>;
 
 /// Caps the wrapped service's requests in flight at an [`AdaptiveLimit`], a sibling of
@@ -104,7 +106,10 @@ impl AdaptiveLayer {
     }
 
     /// A sample ends with the response body's end, not its head (for streamed responses whose
-    /// cost is in the body). A body dropped unfinished is no sample.
+    /// cost is in the body). A body dropped unfinished is no sample. The trailers are read
+    /// too: a gRPC stream that ends with `UNAVAILABLE` or `RESOURCE_EXHAUSTED` in them (or
+    /// whatever the [`overload`](Self::overload) check finds there, given the response's
+    /// status and the trailers) is a drop.
     pub fn sample_at_body_end(mut self, on: bool) -> Self {
         self.body_end = on;
         self
@@ -354,7 +359,12 @@ where
                             permit.dropped();
                             Ok(res)
                         } else if *body_end {
-                            let guard = BodyGuard::new(AtBodyEnd(Some(permit)));
+                            let guard = BodyGuard::new(AtBodyEnd {
+                                permit: Some(permit),
+                                status: res.status(),
+                                overload: overload.clone(),
+                                dropped: false,
+                            });
                             Ok(res.map(|body| body.hold(guard)))
                         } else {
                             permit.success();
@@ -371,17 +381,30 @@ where
     }
 }
 
-/// A permit held until the response body's end: a sample then; dropped unfinished, none.
-struct AtBodyEnd(Option<Permit>);
+/// A permit held until the response body's end: a sample then (a drop where the trailers
+/// show overload); dropped unfinished, none.
+struct AtBodyEnd {
+    permit: Option<Permit>,
+    status: StatusCode,
+    overload: Overload,
+    /// Whether the trailers showed overload.
+    dropped: bool,
+}
 
 impl crate::body::Held for AtBodyEnd {
     fn data(&mut self, _n: u64) {}
 
-    fn trailers(&mut self, _trailers: &http::HeaderMap) {}
+    fn trailers(&mut self, trailers: &http::HeaderMap) {
+        self.dropped |= (self.overload)(self.status, trailers);
+    }
 
     fn ended(&mut self) {
-        if let Some(permit) = self.0.take() {
-            permit.success();
+        if let Some(permit) = self.permit.take() {
+            if self.dropped {
+                permit.dropped();
+            } else {
+                permit.success();
+            }
         }
     }
 }

@@ -93,6 +93,8 @@ struct Inner {
     rtt_sum: AtomicU64,
     rtt_min: AtomicU64,
     max_in_flight: AtomicU32,
+    /// The sum of the dropped samples' RTTs (ns): a window of drops only has their mean.
+    drop_sum: AtomicU64,
     /// The algorithm and the fractional limit, taken by the request that closes a window.
     state: Mutex<State>,
     /// The partitions given (guaranteed shares), then the one of every other request.
@@ -428,6 +430,7 @@ impl AdaptiveLimit {
         let ns = u64::try_from(rtt.as_nanos()).unwrap_or(u64::MAX);
         if dropped {
             inner.dropped.fetch_add(1, Ordering::Relaxed);
+            inner.drop_sum.fetch_add(ns, Ordering::Relaxed);
         } else {
             inner.rtt_sum.fetch_add(ns, Ordering::Relaxed);
             inner.rtt_min.fetch_min(ns, Ordering::Relaxed);
@@ -469,8 +472,14 @@ impl Inner {
         let sum = self.rtt_sum.swap(0, Ordering::AcqRel);
         let fastest = self.rtt_min.swap(u64::MAX, Ordering::AcqRel);
         let max_in_flight = self.max_in_flight.swap(0, Ordering::AcqRel);
+        let drop_sum = self.drop_sum.swap(0, Ordering::AcqRel);
         let timed = samples - dropped;
-        let mean = if timed > 0 { sum / u64::from(timed) } else { 0 };
+        // The mean of the samples not dropped; of the drops when every sample was one.
+        let mean = if timed > 0 {
+            sum / u64::from(timed)
+        } else {
+            drop_sum / u64::from(samples)
+        };
         let window = Window {
             rtt: Duration::from_nanos(mean),
             min_rtt: Duration::from_nanos(if fastest == u64::MAX { 0 } else { fastest }),
@@ -486,8 +495,17 @@ impl Inner {
         } else {
             state.limit
         };
-        self.limit
-            .store(state.limit.round() as u32, Ordering::Relaxed);
+        let limit = state.limit.round() as u32;
+        self.limit.store(limit, Ordering::Relaxed);
+        // A limit that grew has room for waiters: wake one for each slot free now (a slot given
+        // back wakes one too, but a queue must not wait out its deadline beside free slots).
+        if let Some(queue) = &self.queue {
+            let free = limit.saturating_sub(self.in_flight.load(Ordering::Acquire));
+            let waiting = queue.waiting.load(Ordering::Acquire);
+            for _ in 0..(free as usize).min(waiting) {
+                queue.wake_one();
+            }
+        }
         // A move of a fifth or more in one window is news.
         if (state.limit - before).abs() >= before * 0.2 {
             tracing::info!(
@@ -660,6 +678,7 @@ impl AdaptiveLimitBuilder {
             Some(a) => a,
             None => Box::new(self.gradient.unwrap_or_default().floor(self.min)),
         };
+        algorithm.check()?;
         let initial = self.initial.clamp(self.min, self.max);
         let min_window = u64::try_from(self.min_window.as_nanos()).unwrap_or(u64::MAX);
         Ok(AdaptiveLimit {
@@ -678,6 +697,7 @@ impl AdaptiveLimitBuilder {
                 rtt_sum: AtomicU64::new(0),
                 rtt_min: AtomicU64::new(u64::MAX),
                 max_in_flight: AtomicU32::new(0),
+                drop_sum: AtomicU64::new(0),
                 state: Mutex::new(State {
                     algorithm,
                     limit: f64::from(initial),

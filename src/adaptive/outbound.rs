@@ -27,8 +27,9 @@ type Make = dyn Fn(&str) -> AdaptiveLimitBuilder + Send + Sync;
 ///
 /// Finding an upstream's limit takes no lock (a lock-free snapshot of the map); adding one
 /// copies the map under a lock, once per upstream. At most 1 024 upstreams by default
-/// ([`max_upstreams`](Self::max_upstreams)); calls to more share the limit of the upstream
-/// named `other`.
+/// ([`max_upstreams`](Self::max_upstreams)); calls to more share the limit named `other` (a
+/// name no upstream may have). Where the builder fails for an upstream's name, calls to it are
+/// refused with the reason ([`Refused::Invalid`]), never put under another's limit.
 ///
 /// ```
 /// use std::time::Duration;
@@ -54,7 +55,8 @@ pub struct Upstreams {
 }
 
 struct UpInner {
-    map: ArcSwap<HashMap<Box<str>, Arc<Upstream>>>,
+    /// Each upstream's limit, or why it has none (its builder failed).
+    map: ArcSwap<HashMap<Box<str>, Result<Arc<Upstream>, Refused>>>,
     make: Box<Make>,
     /// Held while a new upstream is added (a copy of the map swapped in).
     grow: Mutex<()>,
@@ -79,20 +81,25 @@ impl std::fmt::Debug for Upstreams {
 }
 
 /// Why a call was refused before it was made ([`Upstreams::try_acquire`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Refused {
     /// The upstream's limit is reached: as many calls as it takes now are in flight.
     OverLimit,
     /// The upstream asked callers to wait (`Retry-After`, gRPC pushback): this much is left.
     Paused(Duration),
+    /// The upstream has no limit: the builder given to [`Upstreams::new`] failed for its name,
+    /// or the name is `other` (the name the upstreams past
+    /// [`max_upstreams`](Upstreams::max_upstreams) share). A mistake in the program, refused
+    /// on every call rather than put silently under another upstream's limit.
+    Invalid(ConfigError),
 }
 
 impl Refused {
     /// How long to wait before calling again, when the upstream said.
     pub fn retry_after(&self) -> Option<Duration> {
         match self {
-            Refused::OverLimit => None,
+            Refused::OverLimit | Refused::Invalid(_) => None,
             Refused::Paused(left) => Some(*left),
         }
     }
@@ -109,6 +116,7 @@ impl std::fmt::Display for Refused {
                 "the upstream asked to wait: {:.3} s left",
                 left.as_secs_f64()
             ),
+            Refused::Invalid(e) => write!(f, "the upstream has no adaptive limit: {e}"),
         }
     }
 }
@@ -128,7 +136,7 @@ impl Upstreams {
     ) -> Result<Self, ConfigError> {
         let other = make(OTHER).build()?;
         let mut map = HashMap::new();
-        map.insert(OTHER.into(), Arc::new(Upstream::new(other)));
+        map.insert(OTHER.into(), Ok(Arc::new(Upstream::new(other))));
         Ok(Upstreams {
             inner: Arc::new(UpInner {
                 map: ArcSwap::from_pointee(map),
@@ -147,10 +155,11 @@ impl Upstreams {
         self
     }
 
-    /// A slot of `upstream`'s limit for one call, or why not: its limit is reached, or it
-    /// asked to wait.
+    /// A slot of `upstream`'s limit for one call, or why not: its limit is reached, it asked
+    /// to wait, or it has no limit ([`Refused::Invalid`]: its builder failed, or it is named
+    /// `other`).
     pub fn try_acquire(&self, upstream: &str) -> Result<OutboundPermit, Refused> {
-        let up = self.upstream(upstream);
+        let up = self.upstream(upstream)?;
         let until = up.paused_until.load(Ordering::Relaxed);
         if until != 0 {
             let now = self.now_ns();
@@ -168,9 +177,12 @@ impl Upstreams {
         }
     }
 
-    /// The limit of `upstream`, if a call to it was made (or of `other`).
+    /// The limit of `upstream`, if a call to it was made and its limit was built (or of
+    /// `other`).
     pub fn limit(&self, upstream: &str) -> Option<AdaptiveLimit> {
-        (self.inner.map.load().get(upstream)).map(|up| up.limit.clone())
+        let map = self.inner.map.load();
+        let up = map.get(upstream)?.as_ref().ok()?;
+        Some(up.limit.clone())
     }
 
     /// The upstreams with a limit of their own, `other` included.
@@ -179,8 +191,9 @@ impl Upstreams {
             .inner
             .map
             .load()
-            .keys()
-            .map(|k| k.to_string())
+            .iter()
+            .filter(|(_, up)| up.is_ok())
+            .map(|(k, _)| k.to_string())
             .collect();
         names.sort();
         names
@@ -191,7 +204,15 @@ impl Upstreams {
         u64::try_from(since.as_nanos()).unwrap_or(u64::MAX)
     }
 
-    fn upstream(&self, name: &str) -> Arc<Upstream> {
+    fn upstream(&self, name: &str) -> Result<Arc<Upstream>, Refused> {
+        if name == OTHER {
+            return Err(Refused::Invalid(ConfigError::Invalid {
+                option: "upstream",
+                reason: "`other` is the name the upstreams past `max_upstreams` share: \
+                         give this upstream another name"
+                    .into(),
+            }));
+        }
         if let Some(up) = self.inner.map.load().get(name) {
             return up.clone();
         }
@@ -200,15 +221,25 @@ impl Upstreams {
         if let Some(up) = map.get(name) {
             return up.clone();
         }
-        if map.len() > self.inner.max.load(Ordering::Relaxed) {
+        // Counted without `other` and the upstreams whose builder failed.
+        let own = map.values().filter(|up| up.is_ok()).count() - 1;
+        if own >= self.inner.max.load(Ordering::Relaxed) {
             return map[OTHER].clone();
         }
-        // Checked when made: the builder gives the same settings for every name (a failure
-        // here, from a builder that depends on the name, shares `other`).
-        let Ok(limit) = (self.inner.make)(name).build() else {
-            return map[OTHER].clone();
+        // A builder that depends on the name may fail for one: that upstream is refused with
+        // the reason on every call (kept, so that the builder runs once a name).
+        let up = match (self.inner.make)(name).build() {
+            Ok(limit) => Ok(Arc::new(Upstream::new(limit))),
+            Err(e) => {
+                tracing::error!(
+                    target: "tollgate::adaptive",
+                    upstream = name,
+                    error = %e,
+                    "the upstream's adaptive limit could not be built: its calls are refused"
+                );
+                Err(Refused::Invalid(e))
+            }
         };
-        let up = Arc::new(Upstream::new(limit));
         let mut grown = HashMap::clone(&map);
         grown.insert(name.into(), up.clone());
         self.inner.map.store(Arc::new(grown));
@@ -344,6 +375,48 @@ mod tests {
         assert!(ups.limit("d").is_none());
         let other = ups.limit("other").unwrap();
         assert_eq!(other.partitions()[0].cancelled, 2);
+    }
+
+    /// An upstream that times out on every call loses concurrency with the default gradient,
+    /// down to its minimum (a window of drops only used to leave the limit where it was).
+    #[tokio::test(start_paused = true)]
+    async fn an_upstream_timing_out_on_every_call_loses_concurrency() {
+        let ups =
+            Upstreams::new(|name| AdaptiveLimit::builder().name(name).initial(20).range(1, 20))
+                .unwrap();
+        for _ in 0..200 {
+            let permits: Vec<_> = std::iter::from_fn(|| ups.try_acquire("down").ok()).collect();
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            permits.into_iter().for_each(OutboundPermit::dropped);
+        }
+        assert_eq!(ups.limit("down").unwrap().limit(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_builder_that_fails_for_a_name_and_the_name_other_are_refused() {
+        // The builder is checked for `other` at `new`; here it fails for one name only.
+        let ups = Upstreams::new(|name| {
+            let max = if name == "tiny" { 0 } else { 10 };
+            AdaptiveLimit::builder().name(name).initial(2).range(1, max)
+        })
+        .unwrap();
+        for _ in 0..2 {
+            match ups.try_acquire("tiny").unwrap_err() {
+                Refused::Invalid(ConfigError::Invalid { option, reason }) => {
+                    assert_eq!(option, "range");
+                    assert!(reason.contains("1..0"), "{reason}");
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        let e = ups.try_acquire("other").unwrap_err();
+        assert!(e.to_string().contains("`other`"), "{e}");
+        // Neither took a slot of `other`, nor counts as an upstream of its own.
+        let other = ups.limit("other").unwrap().partitions()[0].clone();
+        assert_eq!((other.admitted, other.rejected), (0, 0));
+        assert!(ups.limit("tiny").is_none());
+        assert_eq!(ups.names(), ["other"]);
+        assert!(ups.try_acquire("fine").is_ok());
     }
 
     #[test]

@@ -108,6 +108,16 @@ pub trait Backend: Send + Sync + 'static {
         u64::try_from(origin.elapsed().as_nanos()).unwrap_or(u64::MAX)
     }
 
+    /// The Unix time now on this backend's clock: the one its calendar windows are counted on,
+    /// so that what shows a reset as a time of day (the [status endpoint](crate::status))
+    /// agrees with the decisions (an injected clock's time in tests, the store's where the
+    /// backend keeps in step with it). The default reads the system's wall clock.
+    fn unix_time(&self) -> Duration {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+    }
+
     /// Names the store the buckets live in, for logs, without credentials: layers built on
     /// backends naming the same store share the buckets of their same-named policies, and
     /// `build()` warns when two layers built separately do. `None` (the default) when unknown.

@@ -276,7 +276,7 @@ impl Calendar {
     /// Every month, from day `anchor` (1 to 31; past the month's end, its last day).
     pub fn monthly_on(anchor: u8) -> Self {
         Self::of(Period::Month {
-            anchor: i8::try_from(anchor).unwrap_or(i8::MAX),
+            anchor: i16::from(anchor),
         })
     }
 
@@ -288,8 +288,8 @@ impl Calendar {
     /// Every year, from `month`/`day` (29 February is 28 February in other years).
     pub fn yearly_on(month: u8, day: u8) -> Self {
         Self::of(Period::Year {
-            month: i8::try_from(month).unwrap_or(i8::MAX),
-            day: i8::try_from(day).unwrap_or(i8::MAX),
+            month: i16::from(month),
+            day: i16::from(day),
         })
     }
 
@@ -314,7 +314,7 @@ impl Calendar {
         match self.entry().spec.period {
             Period::Month { .. } => self.with(|s| {
                 s.period = Period::Month {
-                    anchor: i8::try_from(day).unwrap_or(i8::MAX),
+                    anchor: i16::from(day),
                 }
             }),
             _ => self,
@@ -578,10 +578,11 @@ enum Period {
     Day,
     /// Every week, starting on `first`.
     Week { first: JiffWeekday },
-    /// Every month, on day `anchor` (1 to 31, clamped to the month's last day).
-    Month { anchor: i8 },
+    /// Every month, on day `anchor` (1 to 31, clamped to the month's last day). Kept as given
+    /// (wide enough for any `u8`), so that an error names the value the user wrote.
+    Month { anchor: i16 },
     /// Every year, on `month`/`day` (29 February is 28 February in other years).
-    Year { month: i8, day: i8 },
+    Year { month: i16, day: i16 },
 }
 
 /// A calendar: a period, the local time of day its windows start, and the zone.
@@ -601,6 +602,11 @@ struct Window {
 
 const EPOCH: Date = Date::constant(1970, 1, 1);
 
+/// `month`/`day` of `year`, if there is such a day.
+fn year_day(year: i16, month: i16, day: i16) -> Option<Date> {
+    Date::new(year, i8::try_from(month).ok()?, i8::try_from(day).ok()?).ok()
+}
+
 impl Rules {
     /// A calendar in `zone` (an IANA name, `UTC` included), its windows starting at `at`.
     fn new(period: Period, at: Time, zone: &str) -> Result<Self, String> {
@@ -608,7 +614,7 @@ impl Rules {
             Period::Month { anchor } if !(1..=31).contains(&anchor) => {
                 return Err(format!("day {anchor} of the month: use 1 to 31"));
             }
-            Period::Year { month, day } if Date::new(2000, month, day).is_err() => {
+            Period::Year { month, day } if year_day(2000, month, day).is_none() => {
                 return Err(format!("{month}/{day}: no such day of the year"));
             }
             _ => {}
@@ -634,12 +640,14 @@ impl Rules {
                 let year = i16::try_from(k.div_euclid(12)).ok()?;
                 let month = i8::try_from(k.rem_euclid(12) + 1).ok()?;
                 let first = Date::new(year, month, 1).ok()?;
+                let anchor = i8::try_from(anchor).ok()?;
                 Date::new(year, month, anchor.min(first.days_in_month())).ok()
             }
             Period::Year { month, day } => {
                 let year = i16::try_from(k).ok()?;
-                let first = Date::new(year, month, 1).ok()?;
-                Date::new(year, month, day.min(first.days_in_month())).ok()
+                let first = year_day(year, month, 1)?;
+                let day = i8::try_from(day).ok()?;
+                year_day(year, month, i16::from(day.min(first.days_in_month())))
             }
         }
     }
@@ -906,6 +914,16 @@ mod tests {
         let bad = Quota::calendar(5, super::Calendar::monthly_on(40));
         let err = bad.params("plan").unwrap_err().to_string();
         assert!(err.contains("day 40") && err.contains("plan"), "{err}");
+        // Values of 128 and more are reported as written, not as 127 (issue 55).
+        let bad = Quota::calendar(5, super::Calendar::monthly_on(200));
+        let err = bad.params("plan").unwrap_err().to_string();
+        assert!(err.contains("on 200") && err.contains("day 200"), "{err}");
+        let bad = Quota::calendar(5, super::Calendar::yearly_on(200, 1));
+        let err = bad.params("plan").unwrap_err().to_string();
+        assert!(err.contains("200/1") && !err.contains("127"), "{err}");
+        let bad = Quota::calendar(5, super::Calendar::yearly_on(1, 255));
+        let err = bad.params("plan").unwrap_err().to_string();
+        assert!(err.contains("1/255"), "{err}");
         let bad = Quota::calendar(5, super::Calendar::daily().at(25, 0));
         assert!(bad.params("p").unwrap_err().to_string().contains("25:00"));
     }
@@ -935,8 +953,8 @@ mod tests {
             (0i8..7).prop_map(|d| Period::Week {
                 first: JiffWeekday::from_monday_zero_offset(d).unwrap()
             }),
-            (1i8..=31).prop_map(|anchor| Period::Month { anchor }),
-            prop_oneof![Just((2i8, 29i8)), (1i8..=12, 1i8..=28)]
+            (1i16..=31).prop_map(|anchor| Period::Month { anchor }),
+            prop_oneof![Just((2i16, 29i16)), (1i16..=12, 1i16..=28)]
                 .prop_map(|(month, day)| Period::Year { month, day }),
         ]
     }
@@ -980,10 +998,13 @@ mod tests {
                 .unwrap();
             match period {
                 Period::Month { anchor } => {
-                    prop_assert_eq!(day.day(), anchor.min(day.days_in_month()));
+                    prop_assert_eq!(i16::from(day.day()), anchor.min(i16::from(day.days_in_month())));
                 }
                 Period::Year { month, day: d } => {
-                    prop_assert_eq!((day.month(), day.day()), (month, d.min(day.days_in_month())));
+                    prop_assert_eq!(
+                        (i16::from(day.month()), i16::from(day.day())),
+                        (month, d.min(i16::from(day.days_in_month())))
+                    );
                 }
                 Period::Week { first } => prop_assert_eq!(day.weekday(), first),
                 Period::Day => {}

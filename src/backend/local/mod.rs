@@ -791,6 +791,11 @@ where
         self.inner.elapsed_ns()
     }
 
+    /// The Unix time its windows are counted on: the clock's epoch and its time since.
+    fn unix_time(&self) -> Duration {
+        Duration::from_micros(self.inner.now_us())
+    }
+
     /// This backend and its clones: `local@<address>`.
     fn store_id(&self) -> Option<String> {
         Some(format!("local@{:p}", Arc::as_ptr(&self.inner)))

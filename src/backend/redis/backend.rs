@@ -131,6 +131,19 @@ impl Backend for RedisBackend {
         self.remote.now_ns()
     }
 
+    /// The test clock's time, or Redis's as last synced ([`RedisClock::Synced`]), else this
+    /// instance's wall clock.
+    ///
+    /// [`RedisClock::Synced`]: super::RedisClock::Synced
+    fn unix_time(&self) -> Duration {
+        match self.remote.store().clock.time_now(self.remote.test_time()) {
+            Some(Time::Given(ns) | Time::Test(ns)) => Duration::from_nanos(ns),
+            _ => std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default(),
+        }
+    }
+
     /// The server (or cluster) and key prefix, password masked: every backend, in any
     /// process, that names the same store shares its buckets.
     fn store_id(&self) -> Option<String> {

@@ -116,6 +116,15 @@ impl<S: Store> Remote<S> {
         self.inner.clock.now_ns()
     }
 
+    /// The test clock's time, when one is set (Unix nanoseconds, as the store is given it).
+    #[cfg_attr(
+        not(any(feature = "redis", feature = "postgres", feature = "mysql")),
+        allow(dead_code)
+    )]
+    pub(crate) fn test_time(&self) -> Option<u64> {
+        self.inner.clock.script_time()
+    }
+
     /// The timeout of a decision.
     pub(crate) fn timeout(&self) -> Duration {
         self.inner.timeout

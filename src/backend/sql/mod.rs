@@ -510,6 +510,17 @@ macro_rules! sql_backend {
                 self.remote.now_ns()
             }
 
+            /// The test clock's time when one is set (the one calendar windows are counted
+            /// on), else the system's.
+            fn unix_time(&self) -> std::time::Duration {
+                match self.remote.test_time() {
+                    Some(ns) => std::time::Duration::from_nanos(ns),
+                    None => std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .unwrap_or_default(),
+                }
+            }
+
             /// The database and table, password left out: backends naming the same share
             /// buckets.
             fn store_id(&self) -> Option<String> {
