@@ -15,8 +15,9 @@
 //! | `tollgate_rls_requests_total` | counter | `domain`, `code` | calls to the rate limit service ([`rls`](crate::rls)), by answer: `ok`, `over_limit`, `unavailable`; `domain` is the one served, or `other` (its descriptors' decisions are in `tollgate_decisions_total` under their rules' policies) |
 //! | `tollgate_deny_cache_hits_total` | counter | `policy` | denials answered from the deny cache, without a round trip |
 //! | `tollgate_adaptive_requests_total` | counter | `limit`, `partition`, `outcome` | requests an [`AdaptiveLimit`](crate::adaptive::AdaptiveLimit) saw, by partition (those given, and `other`) and `outcome`: `admitted`, `rejected`, then for the admitted `succeeded`, `dropped` (overload) or `cancelled` (no sample) |
-//! | `tollgate_adaptive_limit` | gauge | `limit` | the adaptive limit, set when a window of samples closes |
-//! | `tollgate_adaptive_limit_min` | gauge | `limit` | the least the adaptive limit may be (its range's minimum), set with `tollgate_adaptive_limit`: a limit pinned there is an alert |
+//! | `tollgate_adaptive_limit` | gauge | `limit` | the adaptive limit, set when the limit is built and when a window of samples closes (with no traffic it keeps its last value: read it with the requests' rate) |
+//! | `tollgate_adaptive_limit_min` | gauge | `limit` | the least the adaptive limit may be (its range's minimum), set with `tollgate_adaptive_limit`: a limit pinned there under traffic is an alert |
+//! | `tollgate_adaptive_limit_max` | gauge | `limit` | the most the adaptive limit may be (its range's maximum), set with `tollgate_adaptive_limit` (a limit whose minimum is its maximum is fixed, never "pinned") |
 //! | `tollgate_adaptive_in_flight` | gauge | `limit` | requests holding a slot, when a window closes |
 //! | `tollgate_adaptive_rtt_seconds` | gauge | `limit`, `kind` | the window's mean RTT (`sample`) and the algorithm's no-load RTT (`baseline`, the gradient's) |
 //! | `tollgate_fleet_size` | gauge | `backend` | instances sharing the store as the last count read ([`Fleet`](crate::backend::remote::Fleet); with the local fallback only) |
@@ -59,7 +60,12 @@
 //! carries a key, an address, a path or anything else a client sends.
 //!
 //! Counters are made on a policy's first request, against the recorder installed then:
-//! install the exporter before serving (building layers first is fine). The tracked-keys gauge
+//! install the exporter before serving (building layers first is fine). That first request
+//! also makes, at 0, the series of every outcome an enforced policy can count (`denied`,
+//! `never_fits` and `fallback_denied` for each quota, the others with `quota=""`; shadow
+//! outcomes appear when they happen), and an adaptive limit's series (its gauges, and each
+//! partition's outcomes) are made at 0 when it is built: a panel or alert on an outcome that
+//! has not happened reads 0, not "No data". The tracked-keys gauge
 //! counts changes, so it reads right only when the exporter was installed before the first
 //! key was tracked.
 //!
@@ -511,15 +517,59 @@ mod imp {
             let Some(cell) = self.decisions.get(index) else {
                 return;
             };
+            let mut first = false;
             cell.get_or_init(|| {
-                metrics::counter!(
-                    "tollgate_decisions_total",
-                    "policy" => self.policy.clone(),
-                    "outcome" => outcome.label(),
-                    "quota" => self.quota_label(quota)
-                )
+                first = true;
+                self.counter(outcome, slot)
             })
             .increment(1);
+            if first {
+                self.prime();
+            }
+        }
+
+        /// The counter of `outcome` with the quota in `slot` (the last: none).
+        fn counter(&self, outcome: Outcome, slot: usize) -> Counter {
+            metrics::counter!(
+                "tollgate_decisions_total",
+                "policy" => self.policy.clone(),
+                "outcome" => outcome.label(),
+                "quota" => self.quota_label(Some(slot))
+            )
+        }
+
+        /// Makes, at 0, the series of every outcome an enforced policy can count (those of a
+        /// quota for each quota), so that a dashboard's panel of an outcome that has not
+        /// happened yet shows 0, not "No data" (Prometheus's advice). Called by the first
+        /// count of each series: after the first request, against the recorder installed
+        /// then. Shadow outcomes appear when they happen.
+        fn prime(&self) {
+            use Outcome::*;
+            let none = self.quotas.len();
+            let unquoted = [
+                Allowed,
+                MissingKey,
+                NoPeerAddress,
+                FailOpen,
+                FallbackAllowed,
+                FailClosed,
+                Free,
+            ];
+            let quoted = [Denied, NeverFits, FallbackDenied];
+            let series = (unquoted.into_iter().map(|o| (o, none))).chain(
+                quoted
+                    .into_iter()
+                    .flat_map(|o| (0..none).map(move |q| (o, q))),
+            );
+            for (outcome, slot) in series {
+                if let Some(cell) = self.decisions.get(outcome as usize * (none + 1) + slot) {
+                    cell.get_or_init(|| {
+                        let counter = self.counter(outcome, slot);
+                        counter.increment(0);
+                        counter
+                    });
+                }
+            }
         }
 
         pub(super) fn near_limit(&self, quota: usize) {

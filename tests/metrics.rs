@@ -461,3 +461,69 @@ fn adaptive_limits_are_counted_by_partition_and_outcome() {
     );
     assert!((baseline - 0.15).abs() < 1e-6, "{baseline}");
 }
+
+/// Outcomes that have not happened yet have a series at 0 from a policy's first request (the
+/// dashboard's "never fits" and "failure policy" panels read 0, not "No data"), and an
+/// adaptive limit's gauges and counters exist from its build, before any request.
+#[test]
+fn known_outcomes_are_exported_at_zero_from_the_start() {
+    use tollgate::adaptive::AdaptiveLimit;
+    let s = recorded(|| async {
+        let layer = RateLimitLayer::builder()
+            .key(Global)
+            .policy(
+                Policy::new("api", Quota::per_hour(100)).and(Quota::per_minute(5).named("burst")),
+            )
+            .build()
+            .unwrap();
+        assert_eq!(send(layer, plain(1)).await, [200]);
+        let _limit = AdaptiveLimit::builder()
+            .name("quiet")
+            .range(2, 40)
+            .partition("critical", 0.5)
+            .build()
+            .unwrap();
+    });
+    let zero = |labels: &[(&str, &str)]| match value(&s, "tollgate_decisions_total", labels) {
+        Some(DebugValue::Counter(0)) => {}
+        other => panic!("{labels:?}: {other:?}"),
+    };
+    assert_eq!(decisions(&s, "api", "allowed", ""), 1);
+    for outcome in [
+        "fail_open",
+        "fallback_allowed",
+        "fail_closed",
+        "missing_key",
+        "free",
+    ] {
+        zero(&[("policy", "api"), ("outcome", outcome), ("quota", "")]);
+    }
+    for outcome in ["denied", "never_fits", "fallback_denied"] {
+        for quota in ["api-0", "burst"] {
+            zero(&[("policy", "api"), ("outcome", outcome), ("quota", quota)]);
+        }
+    }
+    for partition in ["critical", "other"] {
+        for outcome in ["admitted", "rejected", "succeeded", "dropped", "cancelled"] {
+            let labels = [
+                ("limit", "quiet"),
+                ("partition", partition),
+                ("outcome", outcome),
+            ];
+            match value(&s, "tollgate_adaptive_requests_total", &labels) {
+                Some(DebugValue::Counter(0)) => {}
+                other => panic!("{labels:?}: {other:?}"),
+            }
+        }
+    }
+    for (name, expect) in [
+        ("tollgate_adaptive_limit", 20.0),
+        ("tollgate_adaptive_limit_min", 2.0),
+        ("tollgate_adaptive_limit_max", 40.0),
+    ] {
+        match value(&s, name, &[("limit", "quiet")]) {
+            Some(DebugValue::Gauge(v)) => assert_eq!(v.into_inner(), expect, "{name}"),
+            other => panic!("{name}: {other:?}"),
+        }
+    }
+}

@@ -147,17 +147,25 @@ impl Part {
     fn count(&self, event: Event, limit: &Arc<str>) {
         self.counts[event as usize].fetch_add(1, Ordering::Relaxed);
         #[cfg(feature = "metrics")]
+        self.counters(limit)[event as usize].increment(1);
+    }
+
+    /// The partition's counters, each outcome's made at once (so that every one has a series,
+    /// at 0 until it happens).
+    #[cfg(feature = "metrics")]
+    fn counters(&self, limit: &Arc<str>) -> &[metrics::Counter; 5] {
         self.counters.get_or_init(|| {
             EVENTS.map(|outcome| {
-                metrics::counter!(
+                let counter = metrics::counter!(
                     "tollgate_adaptive_requests_total",
                     "limit" => metrics::SharedString::from(limit.clone()),
                     "partition" => metrics::SharedString::from(self.name.clone()),
                     "outcome" => outcome
-                )
+                );
+                counter.increment(0);
+                counter
             })
-        })[event as usize]
-            .increment(1);
+        })
     }
 }
 
@@ -457,6 +465,16 @@ impl AdaptiveLimit {
 }
 
 impl Inner {
+    /// The limit and its range, as gauges (when the limit is built, and at each window's end).
+    #[cfg(feature = "metrics")]
+    fn set_range_gauges(&self, name: &metrics::SharedString, limit: f64) {
+        metrics::gauge!("tollgate_adaptive_limit", "limit" => name.clone()).set(limit);
+        metrics::gauge!("tollgate_adaptive_limit_min", "limit" => name.clone())
+            .set(f64::from(self.min));
+        metrics::gauge!("tollgate_adaptive_limit_max", "limit" => name.clone())
+            .set(f64::from(self.max));
+    }
+
     /// Ends the window at `now`: its numbers to the algorithm, the new limit in force, the next
     /// window started.
     fn close(&self, state: &mut State, now: u64) {
@@ -521,10 +539,7 @@ impl Inner {
         #[cfg(feature = "metrics")]
         {
             let name = metrics::SharedString::from(self.name.clone());
-            metrics::gauge!("tollgate_adaptive_limit", "limit" => name.clone())
-                .set(state.limit.round());
-            metrics::gauge!("tollgate_adaptive_limit_min", "limit" => name.clone())
-                .set(f64::from(self.min));
+            self.set_range_gauges(&name, state.limit.round());
             metrics::gauge!("tollgate_adaptive_in_flight", "limit" => name.clone())
                 .set(f64::from(self.in_flight.load(Ordering::Relaxed)));
             metrics::gauge!("tollgate_adaptive_rtt_seconds", "limit" => name.clone(), "kind" => "sample")
@@ -681,7 +696,7 @@ impl AdaptiveLimitBuilder {
         algorithm.check()?;
         let initial = self.initial.clamp(self.min, self.max);
         let min_window = u64::try_from(self.min_window.as_nanos()).unwrap_or(u64::MAX);
-        Ok(AdaptiveLimit {
+        let limit = AdaptiveLimit {
             inner: Arc::new(Inner {
                 limit: AtomicU32::new(initial),
                 in_flight: AtomicU32::new(0),
@@ -711,7 +726,19 @@ impl AdaptiveLimitBuilder {
                     line: Mutex::new((0, std::collections::VecDeque::new())),
                 }),
             }),
-        })
+        };
+        // The gauges from the start (against the recorder installed now), not only from the
+        // first window's end: a dashboard shows the limit before traffic comes.
+        #[cfg(feature = "metrics")]
+        {
+            let inner = &limit.inner;
+            let name = metrics::SharedString::from(inner.name.clone());
+            inner.set_range_gauges(&name, f64::from(initial));
+            for part in inner.partitions.iter() {
+                part.counters(&inner.name);
+            }
+        }
+        Ok(limit)
     }
 }
 
