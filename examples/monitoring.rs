@@ -9,9 +9,10 @@
 //!   none: every job that exports tollgate's metrics);
 //! - `--rate-window` (default `5m`): the window of the alerts' and recording rules' rates;
 //! - `--for` (default: each alert's own): how long a condition holds before its alert fires;
-//! - thresholds, defaults argued in `docs/observability.md`: `--store-p99-seconds` (0.08, for
-//!   the default 100 ms store timeout), `--limited-ratio` (0.5), `--limited-min-rps` (1),
-//!   `--memory-ratio` (0.9), `--approx-over-limit-rps` (1);
+//! - thresholds, defaults argued in `docs/observability.md`: `--store-failing-ratio` (0.01),
+//!   `--store-p99-seconds` (0.08, for the default 100 ms store timeout), `--limited-ratio`
+//!   (0.5), `--limited-min-rps` (1), `--memory-ratio` (0.9), `--approx-over-limit-rps` (1),
+//!   `--adaptive-rejected-ratio` (0.05), `--adaptive-min-rps` (1);
 //! - `--runbook` (default the crate's `docs/observability.md` on GitHub): the runbook links' base.
 //!
 //! It writes `tollgate-dashboard.json`, `tollgate-alerts.yaml` and `tollgate-rules.yaml` to
@@ -30,6 +31,9 @@ pub(crate) struct Settings {
     pub(crate) rate_window: String,
     /// Every alert's `for`, when given (else each its own).
     pub(crate) for_all: Option<String>,
+    /// The share of an instance's decisions made by the failure policy (the store failing)
+    /// that alerts.
+    pub(crate) store_failing_ratio: f64,
     /// Store p99 latency alert threshold, seconds.
     pub(crate) store_p99_seconds: f64,
     /// The share of a policy's requests refused that is unusual.
@@ -40,6 +44,11 @@ pub(crate) struct Settings {
     pub(crate) memory_ratio: f64,
     /// Estimated over-limit units a second (approximate mode) that alert.
     pub(crate) approx_over_limit_rps: f64,
+    /// The share of an adaptive limit's requests rejected that alerts.
+    pub(crate) adaptive_rejected_ratio: f64,
+    /// The least rate (requests a second) of an adaptive limit for its rejected share to
+    /// alert.
+    pub(crate) adaptive_min_rps: f64,
     /// The runbooks' base address.
     pub(crate) runbook: String,
 }
@@ -50,11 +59,14 @@ impl Default for Settings {
             selector: String::new(),
             rate_window: "5m".into(),
             for_all: None,
+            store_failing_ratio: 0.01,
             store_p99_seconds: 0.08,
             limited_ratio: 0.5,
             limited_min_rps: 1.0,
             memory_ratio: 0.9,
             approx_over_limit_rps: 1.0,
+            adaptive_rejected_ratio: 0.05,
+            adaptive_min_rps: 1.0,
             runbook: "https://github.com/tollgate-rs/tollgate/blob/main/docs/observability.md"
                 .into(),
         }
@@ -91,11 +103,14 @@ impl Settings {
                 "--selector" => s.selector = value.trim_matches(['{', '}']).to_owned(),
                 "--rate-window" => s.rate_window = duration(&name, &value)?,
                 "--for" => s.for_all = Some(duration(&name, &value)?),
+                "--store-failing-ratio" => s.store_failing_ratio = number(&value)?,
                 "--store-p99-seconds" => s.store_p99_seconds = number(&value)?,
                 "--limited-ratio" => s.limited_ratio = number(&value)?,
                 "--limited-min-rps" => s.limited_min_rps = number(&value)?,
                 "--memory-ratio" => s.memory_ratio = number(&value)?,
                 "--approx-over-limit-rps" => s.approx_over_limit_rps = number(&value)?,
+                "--adaptive-rejected-ratio" => s.adaptive_rejected_ratio = number(&value)?,
+                "--adaptive-min-rps" => s.adaptive_min_rps = number(&value)?,
                 "--runbook" => s.runbook = value,
                 other => return Err(format!("unknown option {other}")),
             }
@@ -208,24 +223,38 @@ fn alert(
 /// The alerts.
 pub(crate) fn alerts(s: &Settings) -> Vec<Alert> {
     let w = &s.rate_window;
+    // An instance's decisions, all of them: the failure policy's share is over these.
+    let decisions = "sum by (job, instance) (tollgate:decisions:rate)";
+    // An adaptive limit's requests, summed over its partitions (`admitted` and `rejected`
+    // partition them; the other outcomes are what became of the admitted).
+    let adaptive = |outcome: &str| {
+        format!(
+            "sum by (job, instance, limit) (rate({}[{w}]))",
+            s.m("tollgate_adaptive_requests_total", outcome)
+        )
+    };
+    let adaptive_seen = adaptive("outcome=~\"admitted|rejected\"");
+    let adaptive_gauge = |name: &str| format!("max by (job, instance, limit) ({})", s.m(name, ""));
     vec![
         alert(
             "TollgateStoreFailing",
-            "sum by (job, instance) (tollgate:failure_policy:rate)".into(),
-            "> 0".into(),
-            "1m",
+            format!("sum by (job, instance) (tollgate:failure_policy:rate) / {decisions}"),
+            format!("> {}", s.store_failing_ratio),
+            "5m",
             "warning",
             "tollgate's store is failing: requests are decided by the failure policy",
-            "{{ $labels.instance }} ({{ $labels.job }}) decided {{ $value | humanize }} requests a second by its failure policy (fail open, the local fallback or fail closed) instead of its store.",
+            "{{ $labels.instance }} ({{ $labels.job }}) decided {{ $value | humanizePercentage }} of its requests by its failure policy (fail open, the local fallback or fail closed) instead of its store.",
         ),
         alert(
             "TollgateFailOpen",
-            "sum by (job, instance) (tollgate:failure_policy:rate{outcome=\"fail_open\"})".into(),
-            "> 0".into(),
+            format!(
+                "sum by (job, instance) (tollgate:failure_policy:rate{{outcome=\"fail_open\"}}) / {decisions}"
+            ),
+            format!("> {}", s.store_failing_ratio),
             "1m",
             "critical",
             "tollgate fails open: rate limits are lifted",
-            "{{ $labels.instance }} ({{ $labels.job }}) let {{ $value | humanize }} requests a second through unlimited because its store fails and its failure policy is fail-open.",
+            "{{ $labels.instance }} ({{ $labels.job }}) let {{ $value | humanizePercentage }} of its requests through unlimited because its store fails and its failure policy is fail-open.",
         ),
         alert(
             "TollgateCircuitBreakerOpen",
@@ -309,20 +338,35 @@ pub(crate) fn alerts(s: &Settings) -> Vec<Alert> {
             "tollgate's approximate mode over-admits",
             "{{ $labels.job }}: the approximate mode estimates {{ $value | humanize }} units a second admitted over their limits: allowances too large for the traffic, or a partitioned fleet.",
         ),
+        // The gauges are set when a window of samples closes: they keep their last value
+        // when traffic stops, so the limit must also see requests; and a limit whose range is
+        // one value (minimum = maximum) is always at its minimum.
         alert(
             "TollgateAdaptiveLimitAtMinimum",
+            adaptive_gauge("tollgate_adaptive_limit"),
             format!(
-                "max by (job, instance, limit) ({})",
-                s.m("tollgate_adaptive_limit", "")
-            ),
-            format!(
-                "<= on (job, instance, limit) max by (job, instance, limit) ({})",
-                s.m("tollgate_adaptive_limit_min", "")
+                "<= on (job, instance, limit) {min} \
+                 and on (job, instance, limit) ({min} < on (job, instance, limit) {max}) \
+                 and on (job, instance, limit) {adaptive_seen} > 0",
+                min = adaptive_gauge("tollgate_adaptive_limit_min"),
+                max = adaptive_gauge("tollgate_adaptive_limit_max"),
             ),
             "10m",
             "warning",
             "tollgate's adaptive limit is pinned at its minimum",
-            "The adaptive limit {{ $labels.limit }} of {{ $labels.instance }} ({{ $labels.job }}) has stayed at its minimum: the service behind it is overloaded or slow whatever the load, or the minimum is too high to protect it.",
+            "The adaptive limit {{ $labels.limit }} of {{ $labels.instance }} ({{ $labels.job }}) has stayed at its minimum while serving requests: the service behind it is overloaded or slow whatever the load, or the minimum is too high to protect it.",
+        ),
+        alert(
+            "TollgateAdaptiveRejecting",
+            format!("{} / {adaptive_seen}", adaptive("outcome=\"rejected\"")),
+            format!(
+                "> {} and on (job, instance, limit) {adaptive_seen} > {}",
+                s.adaptive_rejected_ratio, s.adaptive_min_rps
+            ),
+            "10m",
+            "warning",
+            "tollgate's adaptive limit rejects a steady share of requests: the service is shedding load",
+            "The adaptive limit {{ $labels.limit }} of {{ $labels.instance }} ({{ $labels.job }}) rejects {{ $value | humanizePercentage }} of its requests: the service behind it cannot take more at its current latency, and the limit sheds the rest.",
         ),
     ]
 }
@@ -559,7 +603,7 @@ fn rows(s: &Settings) -> Vec<(&'static str, Vec<Panel>)> {
                 Panel {
                     title: "Store evictions",
                     description: "Keys the store evicted: each evicted rate-limit key is a client's count lost (the limit resets for it). Any at all: give the store more memory or a noeviction policy.",
-                    unit: "short",
+                    unit: "cps",
                     targets: vec![(
                         format!(
                             "max by (backend) (rate({}[{r}]))",
@@ -588,7 +632,7 @@ fn rows(s: &Settings) -> Vec<(&'static str, Vec<Panel>)> {
                 Panel {
                     title: "Local evictions",
                     description: "Buckets evicted from a full table to make room: an evicted client starts afresh. Raise the key cap, or key by something with fewer values.",
-                    unit: "short",
+                    unit: "cps",
                     targets: vec![(
                         format!(
                             "sum by (instance) (rate({}[{r}]))",
@@ -701,7 +745,7 @@ fn rows(s: &Settings) -> Vec<(&'static str, Vec<Panel>)> {
             vec![
                 Panel {
                     title: "Adaptive limit and in flight",
-                    description: "The adaptive limit, its minimum, and the requests in flight. A limit at its minimum for long: the service behind it is slow whatever the load (or the minimum is too high to protect it).",
+                    description: "The adaptive limit, its range (minimum and maximum), and the requests in flight. A limit at its minimum for long while requests come: the service behind it is slow whatever the load (or the minimum is too high to protect it). The gauges are set when a window of samples closes: with no traffic they keep their last values.",
                     unit: "short",
                     targets: vec![
                         (
@@ -717,6 +761,13 @@ fn rows(s: &Settings) -> Vec<(&'static str, Vec<Panel>)> {
                                 m("tollgate_adaptive_limit_min", "")
                             ),
                             "minimum {{instance}} {{limit}}",
+                        ),
+                        (
+                            format!(
+                                "max by (instance, limit) ({})",
+                                m("tollgate_adaptive_limit_max", "")
+                            ),
+                            "maximum {{instance}} {{limit}}",
                         ),
                         (
                             format!(

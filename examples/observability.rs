@@ -20,9 +20,16 @@
 use std::net::SocketAddr;
 
 use axum::{Router, routing::get};
-use metrics_exporter_prometheus::PrometheusBuilder;
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 use tollgate::key::ClientIp;
 use tollgate::{Policy, Quota, RateLimitLayer};
+
+/// The store latency histogram's buckets, seconds, as `docs/observability.md` recommends: half
+/// a millisecond (a nearby Redis) to 250 ms (past the default 100 ms call timeout), with 80 ms
+/// at `TollgateStoreSlow`'s threshold.
+const LATENCY_BUCKETS: [f64; 10] = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.08, 0.1, 0.25,
+];
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -32,8 +39,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .unwrap_or_else(|_| "tollgate=info".into()),
         )
         .init();
-    // One exporter line: every tollgate metric from now on is in `prometheus.render()`.
-    let prometheus = PrometheusBuilder::new().install_recorder()?;
+    // One exporter: every tollgate metric from now on is in `prometheus.render()`. The store's
+    // latency as a histogram with buckets (the exporter's default is a summary, which the
+    // dashboard's latency panels and `TollgateStoreSlow` cannot read); this example's local
+    // backend calls no store, a Redis or SQL backend does.
+    let prometheus = PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            Matcher::Full("tollgate_backend_latency_seconds".into()),
+            &LATENCY_BUCKETS,
+        )?
+        .install_recorder()?;
 
     let limit = RateLimitLayer::builder()
         .policy(Policy::new("api", Quota::per_second(5).burst(10)))
