@@ -35,6 +35,8 @@ struct Upstream {
     fail_over: Option<u32>,
     /// One in this many requests is answered in 1 ms (a cache hit: a lucky fast sample).
     lucky_every: u32,
+    /// The service time's spread: uniformly within ± this share of it.
+    spread: f64,
     count: AtomicU32,
 }
 
@@ -47,6 +49,7 @@ impl Upstream {
             inside: AtomicU32::new(0),
             fail_over: None,
             lucky_every: 0,
+            spread: 0.5,
             count: AtomicU32::new(0),
         })
     }
@@ -71,7 +74,7 @@ impl Upstream {
             return Ok(());
         }
         let _worker = self.workers.acquire().await.unwrap();
-        let spread = 0.5 + self.rng.lock().unwrap().next();
+        let spread = 1.0 - self.spread + 2.0 * self.spread * self.rng.lock().unwrap().next();
         let us = self.service_us.load(Ordering::Relaxed) as f64 * spread;
         tokio::time::sleep(Duration::from_micros(us as u64)).await;
         Ok(())
@@ -435,9 +438,103 @@ async fn capacity_halved_then_restored() {
     );
 }
 
+/// The upstream of issue 55's finding 2: 8 workers of 15–25 ms (no-load p99 25 ms).
+fn eight_workers() -> Arc<Upstream> {
+    let mut upstream = Upstream::new(8, 20);
+    Arc::get_mut(&mut upstream).unwrap().spread = 0.25;
+    upstream
+}
+
+/// The mean latency (ms) of the answers of seconds `from..to`.
+fn mean_latency_ms(s: &[Second], from: usize, to: usize) -> f64 {
+    let all: Vec<u64> = s[from..to]
+        .iter()
+        .flat_map(|x| x.latencies_us.iter().copied())
+        .collect();
+    all.iter().sum::<u64>() as f64 / all.len().max(1) as f64 / 1000.0
+}
+
+/// The mean limit over seconds `from..to`.
+fn mean_limit(s: &[Second], from: usize, to: usize) -> f64 {
+    s[from..to].iter().map(|x| f64::from(x.limit)).sum::<f64>() / (to - from) as f64
+}
+
+/// A replica restarted into a busy fleet: the builder's defaults (initial 20) in front of a
+/// service that holds 8 at once, at 1.5× its capacity from the first request. The limit
+/// starts above capacity, so every window queues and the first window's latency is not the
+/// no-load one; the probe (a window at a lower limit now and then) finds the baseline, and the
+/// limit comes to rest near `tolerance ×` the capacity with the latency near the no-load one.
+/// Before the probe: the limit rested at 17–19 for 120 s, latency 2.2× the no-load.
+#[tokio::test(start_paused = true)]
+async fn a_limit_started_above_capacity_under_load_finds_the_baseline() {
+    let limit = AdaptiveLimit::builder().build().unwrap();
+    let s = run(Some(limit), eight_workers(), vec![phase(0, 600)], 120, 80).await;
+    let text = show(&s);
+    let (good, p99, _) = worst(&s, 10, 120);
+    let (mean_good, _) = mean(&s, 10, 120);
+    let rest = mean_limit(&s, 10, 120);
+    eprintln!("rest {rest:.1}, mean good {mean_good:.0}, worst good {good}, worst p99 {p99:.1}");
+    assert!(rest <= 11.5, "the limit rests at {rest:.1}\n{text}");
+    // The mean latency about `tolerance ×` the no-load one (20 ms), as the docs say (was
+    // 2.2×), the p99 within 1.6× the no-load p99 of 25 ms (was 2×: 47–52 ms); a probe's second
+    // keeps 0.85 of the capacity, the mean 0.95.
+    let latency = mean_latency_ms(&s, 10, 120);
+    eprintln!("mean latency {latency:.1} ms");
+    assert!(
+        latency <= 20.0 * 1.4,
+        "mean latency {latency:.1} ms\n{text}"
+    );
+    assert!(p99 <= 40.0, "{p99} ms\n{text}");
+    assert!(
+        mean_good >= 380.0 && good >= 340,
+        "{mean_good} and {good} of 400\n{text}"
+    );
+}
+
+/// The same service, its capacity halved (8 workers to 4) after a minute at 1.5× its first
+/// capacity (3× the halved one): the limit follows it down to near `tolerance ×` 4, the
+/// latency near the no-load one.
+#[tokio::test(start_paused = true)]
+async fn a_limit_follows_a_halved_capacity_down() {
+    let mut halve = phase(60, 600);
+    halve.change = Some(Box::new(|u| u.remove_workers(4)));
+    let limit = AdaptiveLimit::builder().build().unwrap();
+    let s = run(
+        Some(limit),
+        eight_workers(),
+        vec![phase(0, 600), halve],
+        120,
+        80,
+    )
+    .await;
+    let text = show(&s);
+    let before = mean_limit(&s, 20, 60);
+    let after = mean_limit(&s, 80, 120);
+    let (good, p99, _) = worst(&s, 80, 120);
+    let (mean_good, _) = mean(&s, 80, 120);
+    eprintln!(
+        "before {before:.1}, after {after:.1}, mean good {mean_good:.0}, worst good {good}, worst p99 {p99:.1}"
+    );
+    assert!(
+        before <= 11.5,
+        "the limit rests at {before:.1} for 8 workers\n{text}"
+    );
+    assert!(
+        after <= 6.0,
+        "the limit rests at {after:.1} for 4 workers\n{text}"
+    );
+    assert!(p99 <= 45.0, "{p99} ms\n{text}");
+    assert!(
+        mean_good >= 190.0 && good >= 170,
+        "{mean_good} and {good} of 200\n{text}"
+    );
+}
+
 /// A limit built a second before its traffic, then 3× overload at once with a tenth of it
 /// critical (a server started, then loaded, as in the benchmark): goodput near capacity from
-/// the load's second second, and the limit not below 14 (the capacity is 16) once it climbed.
+/// the load's second second (0.9 in every second, 0.95 on average, a probe of the baseline
+/// included), and the limit not below 14 (the capacity is 16) once it climbed (as sampled at
+/// each second's last arrival: a probe's two short windows at half the limit fall between).
 #[tokio::test(start_paused = true)]
 async fn a_cold_start_under_overload_climbs_to_capacity() {
     let limit = AdaptiveLimit::builder()
@@ -457,9 +554,10 @@ async fn a_cold_start_under_overload_climbs_to_capacity() {
     .await;
     let text = show(&s);
     let (good, p99, _) = worst(&s, 3, 16);
+    let (mean_good, _) = mean(&s, 3, 16);
     assert!(
-        good >= 720 && p99 <= 60.0,
-        "{good} of 800, {p99} ms\n{text}"
+        mean_good >= 760.0 && good >= 720 && p99 <= 60.0,
+        "{mean_good}, {good} of 800, {p99} ms\n{text}"
     );
     let least = s[2..16].iter().map(|x| x.limit).min().unwrap();
     assert!(
@@ -826,6 +924,19 @@ fn slots_are_given_back_and_bad_settings_refused() {
         (
             AdaptiveLimit::builder().window(Duration::ZERO, Duration::from_secs(1)),
             "window",
+        ),
+        // The algorithms' settings out of range are refused, not clamped (issue 55).
+        (
+            AdaptiveLimit::builder().gradient(Gradient::new().tolerance(0.9)),
+            "`tolerance`: 0.9",
+        ),
+        (
+            AdaptiveLimit::builder().gradient(Gradient::new().smoothing(f64::NAN)),
+            "`smoothing`: NaN",
+        ),
+        (
+            AdaptiveLimit::builder().algorithm(Aimd::new().backoff(1.2)),
+            "`backoff`: 1.2",
         ),
     ] {
         let err = builder.build().unwrap_err().to_string();

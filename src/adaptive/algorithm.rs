@@ -37,6 +37,14 @@ pub trait Algorithm: Send + 'static {
         None
     }
 
+    /// Whether the algorithm is probing: the limit it set is a measurement, not its estimate
+    /// (the gradient's probe of the baseline). Its windows then last twice the last window's
+    /// mean RTT without the shortest length's floor (still `min_samples` long), so that a probe
+    /// costs as little time as it needs. The default: never.
+    fn probing(&self) -> bool {
+        false
+    }
+
     /// Whether the algorithm's settings make sense: called by
     /// [`AdaptiveLimitBuilder::build`](super::AdaptiveLimitBuilder::build), which returns the
     /// error (an option out of range, named). The default accepts any.
@@ -87,7 +95,17 @@ fn in_range(
 ///   nothing queues (the latency in the tolerance's lower half; in the upper half, where the
 ///   limit rests, a creep would carry the limit up with it), and after `rebase_after` windows
 ///   with the limit at its floor and the latency still high (a service that became slower per
-///   request, not more loaded), the window's latency is the baseline.
+///   request, not more loaded), the window's latency is the baseline;
+/// - a baseline found while requests already queued (a limit that starts above the capacity
+///   under load: a replica restarted into a busy fleet, or a capacity that fell) is found
+///   again by a **probe**: now and then, while the limit is reached, the limit is halved for
+///   two windows (one for the requests over it to drain, one measured), and a measured
+///   latency under nine tenths of the baseline is the new baseline; then the limit is put
+///   back, and shrinks by the gradient from there. Probes start 5 windows after the first and
+///   come at twice the interval each time one finds nothing, up to every 128 windows (13 s
+///   for a 50 ms service, about 2 minutes for one of half a second); one that finds a lower
+///   baseline brings the next back to 5 windows. A probe costs half the limit for two windows;
+///   Envoy pins the limit to its minimum for its minRTT windows instead.
 #[derive(Debug, Clone)]
 pub struct Gradient {
     tolerance: f64,
@@ -99,7 +117,30 @@ pub struct Gradient {
     baseline: f64,
     /// Windows in a row at the floor while queueing.
     at_floor: u32,
+    /// The probe of the baseline: where it stands, and the windows between probes now.
+    probe: Probe,
+    probe_every: u32,
 }
+
+/// Where a probe of the baseline stands.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Probe {
+    /// This many windows with the limit reached before the next probe.
+    Idle(u32),
+    /// The limit halved, the requests over it draining: the limit to put back after, and the
+    /// latency at it (seconds).
+    Draining(f64, f64),
+    /// The window measured at the halved limit: the limit to put back after, and the latency
+    /// at it.
+    Measuring(f64, f64),
+}
+
+/// The windows before the first probe, and after one that found a lower baseline.
+const PROBE_FIRST: u32 = 5;
+/// The most windows between probes.
+const PROBE_MOST: u32 = 128;
+/// A probe's latency under this share of the baseline is the new baseline.
+const PROBE_FOUND: f64 = 0.9;
 
 impl Default for Gradient {
     /// Tolerance 1.25 (latency may reach 1.25 × the baseline before the limit shrinks, and the
@@ -116,6 +157,8 @@ impl Default for Gradient {
             min: 1.0,
             baseline: 0.0,
             at_floor: 0,
+            probe: Probe::Idle(PROBE_FIRST),
+            probe_every: PROBE_FIRST,
         }
     }
 }
@@ -158,6 +201,10 @@ impl Algorithm for Gradient {
         (self.baseline > 0.0).then(|| Duration::from_secs_f64(self.baseline))
     }
 
+    fn probing(&self) -> bool {
+        !matches!(self.probe, Probe::Idle(_))
+    }
+
     fn check(&self) -> Result<(), ConfigError> {
         in_range("tolerance", self.tolerance, |v| v >= 1.0, "at least 1")?;
         in_range(
@@ -173,8 +220,53 @@ impl Algorithm for Gradient {
         // A window's latency says something only where some of its samples were not drops
         // (a window of drops only has the drops' time, or none).
         let timed = rtt.is_finite() && rtt > 0.0 && w.dropped < w.samples;
+        match self.probe {
+            Probe::Idle(_) => {}
+            Probe::Draining(restore, before) => {
+                self.probe = Probe::Measuring(restore, before);
+                return limit;
+            }
+            Probe::Measuring(restore, before) => {
+                let clean = timed && w.dropped == 0;
+                let found = clean && rtt < self.baseline * PROBE_FOUND;
+                self.probe_every = if found {
+                    PROBE_FIRST
+                } else {
+                    (self.probe_every * 2).min(PROBE_MOST)
+                };
+                self.probe = Probe::Idle(self.probe_every);
+                if !found {
+                    // A little faster is still the fastest window mean: the baseline.
+                    if clean && rtt < self.baseline {
+                        self.baseline = rtt;
+                    }
+                    return restore.max(limit);
+                }
+                // The baseline was found while requests queued: the limit goes back to where
+                // the latency before the probe says it should be with the new baseline, in one
+                // step (the probe measured it; no smoothing needed).
+                self.baseline = rtt;
+                let gradient = (self.tolerance * rtt / before).clamp(0.5, 1.0);
+                return (restore * gradient).max(limit);
+            }
+        }
         if !timed && w.dropped == 0 {
             return limit;
+        }
+        // The limit is reached, nothing dropped: time for a probe of the baseline? Not at the
+        // floor, nor before there is a baseline.
+        if let Probe::Idle(left) = self.probe
+            && timed
+            && w.dropped == 0
+            && self.baseline > 0.0
+            && f64::from(w.max_in_flight) * 2.0 >= limit
+            && limit * 0.5 >= self.min
+        {
+            if left <= 1 {
+                self.probe = Probe::Draining(limit, rtt);
+                return limit * 0.5;
+            }
+            self.probe = Probe::Idle(left - 1);
         }
         if timed && (self.baseline <= 0.0 || rtt < self.baseline) {
             self.baseline = rtt;
@@ -343,5 +435,104 @@ mod tests {
         assert!((down - 14.4).abs() < 1e-9, "{down}");
         // App-limited: no growth.
         assert_eq!(g.update(16.0, &window(20, 7, 0)), 16.0);
+    }
+
+    #[test]
+    fn a_window_of_drops_only_is_a_gradient_of_one_half() {
+        let mut g = Gradient::new();
+        // No sample was timed (every one dropped): the mean RTT is the drops' or none.
+        let drops = Window {
+            rtt: Duration::ZERO,
+            min_rtt: Duration::ZERO,
+            max_in_flight: 50,
+            samples: 10,
+            dropped: 10,
+        };
+        assert!((g.update(50.0, &drops) - 45.0).abs() < 1e-9);
+        let slow = Window {
+            rtt: Duration::from_secs(1),
+            ..drops
+        };
+        assert!((g.update(45.0, &slow) - 40.5).abs() < 1e-9);
+        // The drops' time is not a baseline.
+        assert_eq!(g.baseline(), Duration::ZERO);
+        // An empty window (no sample) says nothing.
+        let empty = Window {
+            samples: 0,
+            dropped: 0,
+            ..drops
+        };
+        assert_eq!(g.update(40.0, &empty), 40.0);
+    }
+
+    #[test]
+    fn a_probe_halves_the_limit_for_two_windows_and_finds_a_queued_baseline() {
+        let mut g = Gradient::new();
+        // The first window: 40 ms at a limit of 16, reached. The baseline is 40 ms, but
+        // requests already queued.
+        assert_eq!(g.update(16.0, &window(40, 16, 0)), 20.0);
+        assert!(!g.probing());
+        let mut limit = 20.0;
+        for _ in 0..PROBE_FIRST - 1 {
+            limit = g.update(limit, &window(50, 20, 0));
+            assert!(!g.probing());
+        }
+        let before = limit;
+        // The fifth window with the limit reached starts the probe: half the limit.
+        let probe = g.update(limit, &window(50, 20, 0));
+        assert!((probe - before / 2.0).abs() < 1e-9, "{probe} of {before}");
+        assert!(g.probing());
+        // A window draining the requests over it: unchanged, whatever its latency.
+        assert_eq!(g.update(probe, &window(45, 20, 0)), probe);
+        // The window measured: 20 ms, under 0.9 of the baseline: the baseline, and the limit
+        // back at once to where the latency before (50 ms) says: 1.25 × 20 / 50 of it.
+        let back = g.update(probe, &window(20, 10, 0));
+        assert!((back - before * 0.5).abs() < 1e-9, "{back}");
+        assert_eq!(g.baseline(), Duration::from_millis(20));
+        assert!(!g.probing());
+        assert_eq!(g.probe, Probe::Idle(PROBE_FIRST));
+
+        // A probe that finds nothing: the limit put back, the next after twice the windows.
+        let mut limit = back;
+        for _ in 0..PROBE_FIRST {
+            limit = g.update(limit, &window(25, 20, 0));
+        }
+        assert!(g.probing());
+        let restore = limit * 2.0;
+        g.update(limit, &window(25, 20, 0));
+        assert_eq!(g.update(limit, &window(20, 10, 0)), restore);
+        assert_eq!(g.probe, Probe::Idle(PROBE_FIRST * 2));
+        // Not at the floor, and not while app-limited: the count waits.
+        g.update(restore, &window(20, 2, 0));
+        assert_eq!(g.probe, Probe::Idle(PROBE_FIRST * 2));
+    }
+
+    #[test]
+    fn settings_out_of_range_are_refused_by_check() {
+        for (g, word) in [
+            (Gradient::new().tolerance(0.5), "tolerance"),
+            (Gradient::new().tolerance(f64::NAN), "tolerance"),
+            (Gradient::new().smoothing(0.0), "smoothing"),
+            (Gradient::new().smoothing(1.5), "smoothing"),
+        ] {
+            let e = g.check().unwrap_err().to_string();
+            assert!(e.contains(word), "{e}");
+        }
+        for (a, word) in [
+            (Aimd::new().backoff(1.0), "backoff"),
+            (Aimd::new().backoff(f64::INFINITY), "backoff"),
+            (Aimd::new().increase(0.0), "increase"),
+        ] {
+            let e = a.check().unwrap_err().to_string();
+            assert!(e.contains(word), "{e}");
+        }
+        assert!(
+            Gradient::new()
+                .tolerance(1.0)
+                .smoothing(1.0)
+                .check()
+                .is_ok()
+        );
+        assert!(Aimd::new().backoff(0.5).increase(0.1).check().is_ok());
     }
 }

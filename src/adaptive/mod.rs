@@ -549,8 +549,14 @@ impl Inner {
                     .set(baseline.as_secs_f64());
             }
         }
-        // The next window: twice this one's RTT, within the bounds.
-        let length = (Duration::from_nanos(mean) * 2).clamp(self.min_window, self.max_window);
+        // The next window: twice this one's RTT, within the bounds (but for the floor while the
+        // algorithm probes: a probe lasts what it needs).
+        let twice = Duration::from_nanos(mean) * 2;
+        let length = if state.algorithm.probing() {
+            twice.min(self.max_window)
+        } else {
+            twice.clamp(self.min_window, self.max_window)
+        };
         let length = u64::try_from(length.as_nanos()).unwrap_or(u64::MAX);
         self.window_end
             .store(now.saturating_add(length), Ordering::Relaxed);

@@ -54,9 +54,12 @@ pub struct Upstreams {
     inner: Arc<UpInner>,
 }
 
+/// Each upstream's limit by name, or why it has none.
+type Map = HashMap<Box<str>, Result<Arc<Upstream>, Refused>>;
+
 struct UpInner {
     /// Each upstream's limit, or why it has none (its builder failed).
-    map: ArcSwap<HashMap<Box<str>, Result<Arc<Upstream>, Refused>>>,
+    map: ArcSwap<Map>,
     make: Box<Make>,
     /// Held while a new upstream is added (a copy of the map swapped in).
     grow: Mutex<()>,
