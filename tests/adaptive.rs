@@ -1499,6 +1499,50 @@ mod over_http {
         assert_eq!((other.dropped, other.succeeded), (2, 2), "{other:?}");
     }
 
+    /// Partitions named at run time, from a header's value (issue 55, 5): with the limit (2)
+    /// reached, `x-tier: gold` is admitted within its guarantee, a tier the limit was not
+    /// given is `other` and refused, and a thousand made-up tiers add no partition.
+    #[tokio::test]
+    async fn a_partition_named_by_a_header_at_the_limit() {
+        let release = Arc::new(Semaphore::new(0));
+        let limit = AdaptiveLimit::builder()
+            .initial(2)
+            .range(2, 2)
+            .partition("gold", 0.5)
+            .partition("silver", 0.25)
+            .build()
+            .unwrap();
+        let layer = AdaptiveLayer::new(limit.clone())
+            .partition_by_header(http::HeaderName::from_static("x-tier"));
+        let base = support::serve_app(held(release.clone()).layer(layer)).await;
+        let client = reqwest::Client::new();
+        let ordinary: Vec<_> = (0..2)
+            .map(|_| tokio::spawn(client.get(&base).send()))
+            .collect();
+        wait_for(|| limit.in_flight() == 2).await;
+        let gold = tokio::spawn(client.get(&base).header("x-tier", "gold").send());
+        wait_for(|| limit.in_flight() == 3).await;
+        for i in 0..1000 {
+            let res = client
+                .get(&base)
+                .header("x-tier", format!("tier-{i}"))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(res.status(), 503);
+        }
+        release.add_permits(3);
+        for h in ordinary.into_iter().chain([gold]) {
+            assert_eq!(h.await.unwrap().unwrap().status(), 200);
+        }
+        let stats = limit.partitions();
+        let names: Vec<_> = stats.iter().map(|p| p.name.to_string()).collect();
+        assert_eq!(names, ["gold", "silver", "other"]);
+        assert_eq!((stats[0].admitted, stats[0].rejected), (1, 0));
+        assert_eq!((stats[2].admitted, stats[2].rejected), (2, 1000));
+        assert_eq!(limit.in_flight(), 0);
+    }
+
     /// A service answering 503 (overloaded) to everything is sampled as drops: AIMD backs
     /// off, and so does the default gradient (every window of drops only).
     #[tokio::test]

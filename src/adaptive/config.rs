@@ -26,6 +26,7 @@ use crate::ConfigError;
 /// sample_at = "head"            # or "body_end"
 /// dry_run = false
 /// partitions = [{ name = "critical", share = 0.5 }]
+/// partition_header = "x-tier"   # a request's partition from this header (set by your gateway)
 /// queue = { max_waiting = 64, order = "lifo", deadline = "50ms" }   # none by default
 /// ```
 ///
@@ -94,6 +95,10 @@ pub struct AdaptiveConfig {
     /// Partitions with their guaranteed shares, in order.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub partitions: Vec<PartitionConfig>,
+    /// The header whose value names a request's partition
+    /// ([`AdaptiveLayer::partition_by_header`]); only one a trusted gateway sets.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub partition_header: Option<String>,
     /// A short queue for requests over the limit (none by default: refused at once).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub queue: Option<QueueConfig>,
@@ -220,9 +225,14 @@ impl AdaptiveConfig {
     }
 
     /// A layer with the limit these settings describe and the layer's own (`retry_after`,
-    /// `sample_at`, `dry_run`), or the first setting that is wrong, named.
+    /// `sample_at`, `dry_run`, `partition_header`), or the first setting that is wrong, named.
     pub fn layer(&self) -> Result<AdaptiveLayer, ConfigError> {
         let mut layer = AdaptiveLayer::new(self.limit()?);
+        if let Some(name) = &self.partition_header {
+            let header = http::HeaderName::from_bytes(name.as_bytes())
+                .map_err(|e| bad("partition_header", format!("{name:?}: {e}")))?;
+            layer = layer.partition_by_header(header);
+        }
         if let Some(after) = &self.retry_after {
             layer = layer.retry_after(duration("retry_after", after)?);
         }
@@ -299,6 +309,7 @@ mod tests {
                 "queue.deadline",
             ),
             ("queue = { max_waiting = 8, dedline = \"1s\" }", "dedline"),
+            ("partition_header = \"x tier\"", "partition_header"),
         ] {
             let err = read(text)
                 .err()
@@ -313,6 +324,7 @@ mod tests {
             "name = \"api\"\ninitial = 30\nmin = 5\nmax = 40\nretry_after = \"3s\"\n\
              sample_at = \"body_end\"\ndry_run = true\nwindow = [\"50ms\", \"2s\"]\n\
              partitions = [{ name = \"critical\", share = 0.5 }]\n\
+             partition_header = \"x-tier\"\n\
              queue = { max_waiting = 8, order = \"fifo\", deadline = \"20ms\" }",
         )
         .unwrap();

@@ -61,8 +61,10 @@ pub struct AdaptiveLayer {
 }
 
 /// Which partition of the limit a request is in (see
-/// [`AdaptiveLimitBuilder::partition`](super::AdaptiveLimitBuilder::partition)).
-pub type PartitionBy = Arc<dyn Fn(&RequestInfo<'_>) -> Option<&'static str> + Send + Sync>;
+/// [`AdaptiveLimitBuilder::partition`](super::AdaptiveLimitBuilder::partition)): its name, which
+/// may be borrowed from the request (a header's value, an extension's field).
+pub type PartitionBy =
+    Arc<dyn for<'r, 'a> Fn(&'r RequestInfo<'a>) -> Option<&'r str> + Send + Sync>;
 
 impl std::fmt::Debug for AdaptiveLayer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -134,7 +136,11 @@ impl AdaptiveLayer {
 
     /// Puts each request in a partition of the limit by its name (`None`, or a name the limit
     /// was not given: `other`, shed first): by route group, by a tenant's tier from a header,
-    /// or anything else the request shows.
+    /// or anything else the request shows. The name may be borrowed from the request (a
+    /// header's value, an extension's field): it is looked up among the limit's partitions (at
+    /// most 16, given to its builder or its configuration) while the request is at hand, with
+    /// no allocation; any other name is `other`, so a client sending new names each time
+    /// adds no partition.
     ///
     /// ```
     /// use tollgate::adaptive::{AdaptiveLayer, AdaptiveLimit};
@@ -143,14 +149,30 @@ impl AdaptiveLayer {
     /// let limit = AdaptiveLimit::builder().partition("critical", 0.8).build()?;
     /// let layer = AdaptiveLayer::new(limit)
     ///     .partition_by(|req| req.uri().path().starts_with("/critical").then_some("critical"));
+    ///
+    /// // A tier from a header your gateway sets (never one a client may choose).
+    /// let tiers = AdaptiveLimit::builder().partition("gold", 0.5).partition("silver", 0.3).build()?;
+    /// let layer = AdaptiveLayer::new(tiers).partition_by(|req| {
+    ///     req.headers().get("x-tier").and_then(|v| v.to_str().ok())
+    /// });
     /// # Ok(()) }
     /// ```
     pub fn partition_by(
         mut self,
-        by: impl Fn(&RequestInfo<'_>) -> Option<&'static str> + Send + Sync + 'static,
+        by: impl for<'r, 'a> Fn(&'r RequestInfo<'a>) -> Option<&'r str> + Send + Sync + 'static,
     ) -> Self {
         self.partition = Some(Arc::new(by));
         self
+    }
+
+    /// Puts each request in the partition its header `name` names ([`partition_by`] reading
+    /// the header's value; absent, not text, or not a partition of the limit: `other`). Only
+    /// for a header set by a gateway you trust: a client that may set it picks its own
+    /// guarantee.
+    ///
+    /// [`partition_by`]: Self::partition_by
+    pub fn partition_by_header(self, name: http::HeaderName) -> Self {
+        self.partition_by(move |req| req.headers().get(&name).and_then(|v| v.to_str().ok()))
     }
 
     /// The limit this layer admits against.
@@ -206,20 +228,17 @@ where
     }
 
     fn call(&mut self, req: Request<ReqB>) -> Self::Future {
-        let name = (self.layer.partition.as_ref()).and_then(|by| by(&RequestInfo::new(&req)));
         let limit = &self.layer.limit;
+        // The partition, found while the request (which its name may borrow) is at hand.
+        let info = RequestInfo::new(&req);
+        let at = limit.partition_index((self.layer.partition.as_ref()).and_then(|by| by(&info)));
         let permit = if limit.queues() && !self.layer.dry_run {
             // A free slot, or the line (a refusal is counted once, when it ends the wait).
-            match limit.take_in(name) {
+            match limit.take_at(at) {
                 Some(p) => Some(p),
                 None => {
                     let (limit, deadline) = (limit.clone(), self.layer.queue_deadline);
-                    let wait = Box::pin(async move {
-                        match name {
-                            Some(name) => limit.acquire_in(name, deadline).await,
-                            None => limit.acquire(deadline).await,
-                        }
-                    });
+                    let wait = Box::pin(async move { limit.acquire_at_within(at, deadline).await });
                     let grpc = grpc_of(&req);
                     let mut inner = crate::call::take_ready(&mut self.inner);
                     return AdaptiveFuture {
@@ -235,10 +254,7 @@ where
                 }
             }
         } else {
-            match name {
-                Some(name) => limit.try_acquire_in(name),
-                None => limit.try_acquire(),
-            }
+            limit.try_acquire_at(at)
         };
         if permit.is_none() && !self.layer.dry_run {
             return AdaptiveFuture {

@@ -281,13 +281,29 @@ impl AdaptiveLimit {
         self.inner.queue.is_some()
     }
 
-    /// A free slot for partition `name` (`None`: no partition given), without counting a
-    /// refusal (the layer's first try before it queues).
-    pub(crate) fn take_in(&self, name: Option<&str>) -> Option<Permit> {
+    /// The partition of `name` (`None`, or a name not given: `other`), as an index: a name
+    /// borrowed from a request is looked up while the request is at hand, without a copy.
+    pub(crate) fn partition_index(&self, name: Option<&str>) -> usize {
         match name {
-            Some(name) => self.take(self.partition_of(name)),
-            None => self.take(self.inner.partitions.len() - 1),
+            Some(name) => self.partition_of(name),
+            None => self.inner.partitions.len() - 1,
         }
+    }
+
+    /// A free slot for partition `at` ([`partition_index`](Self::partition_index)), without
+    /// counting a refusal (the layer's first try before it queues).
+    pub(crate) fn take_at(&self, at: usize) -> Option<Permit> {
+        self.take(at)
+    }
+
+    /// [`try_acquire_in`](Self::try_acquire_in) for partition `at`.
+    pub(crate) fn try_acquire_at(&self, at: usize) -> Option<Permit> {
+        self.acquire_at(at)
+    }
+
+    /// [`acquire_in`](Self::acquire_in) for partition `at`.
+    pub(crate) async fn acquire_at_within(&self, at: usize, deadline: Duration) -> Option<Permit> {
+        self.acquire_waiting(at, deadline).await
     }
 
     fn partition_of(&self, name: &str) -> usize {
