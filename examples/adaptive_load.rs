@@ -31,6 +31,11 @@
 //! origin to begin), `DURATION` (60 s of sending), `TIMEOUT_MS` (1000), `CRITICAL` (0),
 //! `SERVICE_MS` (20), `CAPACITY` (16), `CAPACITY_SCHEDULE`, `SLO_MS`, `LIMIT_URL`, and the
 //! labels `LOAD` and `CONTENDER` written in every row.
+//!
+//! `RAW` (a path; off by default) writes every request too, one CSV row each:
+//! `due_s,done_s,latency_ms,outcome,critical` (seconds since the load began; `outcome` one of
+//! `ok`, `rejected`, `timeout`, `error`), so that any window's quantiles can be computed
+//! exactly (`scripts/phases-adaptive.py`).
 
 use std::fmt::Write as _;
 use std::io::Write as _;
@@ -94,7 +99,12 @@ struct Stats {
     crit_sent: AtomicU64,
     crit_ok: AtomicU64,
     crit_good: AtomicU64,
+    /// Every request (`RAW`).
+    requests: Option<Mutex<Vec<Request>>>,
 }
+
+/// A request: when it was due, when it ended, how, and whether it was `/critical`.
+type Request = (Instant, Instant, Outcome, bool);
 
 impl Stats {
     /// Runs `f` on the second `at` falls in (none before the origin or after the last).
@@ -197,6 +207,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         crit_sent: AtomicU64::new(0),
         crit_ok: AtomicU64::new(0),
         crit_good: AtomicU64::new(0),
+        requests: std::env::var_os("RAW").map(|_| Mutex::new(Vec::new())),
     });
     let client = Client::new(&url)?;
 
@@ -395,6 +406,35 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             f64::from(max_lag) / 1000.0,
         ),
     )?;
+    if let (Some(requests), Ok(path)) = (&stats.requests, std::env::var("RAW")) {
+        let requests = requests.lock().unwrap_or_else(|e| e.into_inner());
+        let secs = |at: Instant| {
+            if at >= begin {
+                (at - begin).as_secs_f64()
+            } else {
+                -(begin - at).as_secs_f64()
+            }
+        };
+        let mut text = String::with_capacity(40 * requests.len() + 64);
+        text.push_str("due_s,done_s,latency_ms,outcome,critical\n");
+        for &(due, done, outcome, critical) in requests.iter() {
+            let outcome = match outcome {
+                Outcome::Ok => "ok",
+                Outcome::Rejected => "rejected",
+                Outcome::Timeout => "timeout",
+                Outcome::Error => "error",
+            };
+            let latency = done.saturating_duration_since(due).as_secs_f64() * 1000.0;
+            let _ = writeln!(
+                text,
+                "{:.6},{:.6},{latency:.3},{outcome},{}",
+                secs(due),
+                secs(done),
+                u8::from(critical)
+            );
+        }
+        std::fs::write(&path, text)?;
+    }
     eprintln!(
         "{load} {contender}: sent {sent} good {good} rejected {rejected_n} timeouts {timeouts} errors {errors} p99 {} ms (settled {} ms), rejections p99 {} ms ({} from the send), /critical {} of {}",
         ms(quantile_ms(&all, 0.99)),
@@ -431,6 +471,10 @@ impl Context {
         let latency = done.saturating_duration_since(due);
         let good = outcome == Outcome::Ok && latency <= self.slo;
         let stats = &self.stats;
+        if let Some(requests) = &stats.requests {
+            let mut requests = requests.lock().unwrap_or_else(|e| e.into_inner());
+            requests.push((due, done, outcome, critical));
+        }
         if critical && outcome == Outcome::Ok {
             stats.crit_ok.fetch_add(1, Ordering::Relaxed);
             (stats.crit_good).fetch_add(u64::from(good), Ordering::Relaxed);

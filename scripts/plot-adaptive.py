@@ -99,7 +99,16 @@ for j, load in enumerate(loads):
             ax.set_ylabel(panels[i])
     axes[-1][j].set_xlabel("seconds (shaded: capacity halved)")
 axes[0][0].legend(fontsize=8, loc="lower left")
-fig.suptitle("examples/adaptive under an open-loop load: tollgate's adaptive limit against Envoy's filter (issue 46)")
+# What the run was: its commit and generator, from runs.log when there is one.
+about = ""
+try:
+    log = open(f"{src}/runs.log").read().splitlines()
+    commit = next((l.split()[1] for l in log if l.startswith("commit ")), "")
+    generator = next((l.split(": ", 1)[1].split(" (")[0] for l in log if l.startswith("generator: ")), "adaptive_load")
+    about = f" ({generator}, at {commit})" if commit else ""
+except OSError:
+    pass
+fig.suptitle(f"examples/adaptive under an open-loop load{about}: tollgate's adaptive limit against Envoy's filter")
 fig.tight_layout()
 fig.savefig(dst, dpi=110)
 
@@ -146,10 +155,11 @@ for contender in [c for c in contenders if c != "none"]:
             continue
         st = settled(rows)
         below = [r for r in st if int(r["good"]) < 0.9 * float(r["capacity_rps"])]
-        lines.append(f"goodput ≥ 90 % of capacity every settled second at {load}×: "
-                     f"{'met' if not below else 'MISSED'} ({len(below)} of {len(st)} seconds below"
-                     + (f"; worst {min(int(r['good']) for r in below)}/s at t={min(below, key=lambda r: int(r['good']))['t']}" if below else "")
-                     + ")")
+        if st:
+            lines.append(f"goodput ≥ 90 % of capacity every settled second at {load}×: "
+                         f"{'met' if not below else 'MISSED'} ({len(below)} of {len(st)} seconds below"
+                         + (f"; worst {min(int(r['good']) for r in below)}/s at t={min(below, key=lambda r: int(r['good']))['t']}" if below else "")
+                         + ")")
         p99, sp99 = num(s["p99_ms"]), num(s["settled_p99_ms"])
         if no_load_p99 and p99 and sp99:
             lines.append(f"p99 ≤ 2× no-load at {load}×: whole run {p99:.1f} ms "
@@ -158,8 +168,9 @@ for contender in [c for c in contenders if c != "none"]:
         if s["rej_p99_ms"]:
             r1, r2 = num(s["rej_p99_ms"]), num(s["rej_sent_p99_ms"])
             per_second = statistics.median(num(r["rej_p99_ms"]) for r in rows if r["rej_p99_ms"])
-            lines.append(f"rejections < 1 ms at p99 at {load}×: {r1:.2f} ms from due (p50 {s['rej_p50_ms']}), {r2:.2f} ms from send; median of the seconds' p99 {per_second:.2f} ms: "
-                         f"{'met' if r1 < 1 else ('met from the send only' if r2 < 1 else 'MISSED')}")
+            sent_txt = f"{r2:.2f} ms from send" if r2 is not None else "from send not measured"
+            lines.append(f"rejections < 1 ms at p99 at {load}×: {r1:.2f} ms from due (p50 {s['rej_p50_ms']}), {sent_txt}; median of the seconds' p99 {per_second:.2f} ms: "
+                         f"{'met' if r1 < 1 else ('met from the send only' if r2 is not None and r2 < 1 else 'MISSED')}")
         if int(s["crit_sent"]):
             ratio = int(s["crit_ok"]) / int(s["crit_sent"])
             lines.append(f"/critical ≥ 95 % success at {load}×: {100 * ratio:.1f} % "
