@@ -131,6 +131,16 @@ where
     format!("http://{}", support::serve(app).await)
 }
 
+/// A GET of `url` with the API key `k`.
+async fn keyed(client: &reqwest::Client, url: &str) -> reqwest::Response {
+    client
+        .get(url)
+        .header("x-api-key", "k")
+        .send()
+        .await
+        .unwrap()
+}
+
 /// The quota status endpoint: the caller's state, without spending, in GitHub's shape.
 #[tokio::test]
 async fn the_status_endpoint_reports_without_spending() {
@@ -145,12 +155,7 @@ async fn the_status_endpoint_reports_without_spending() {
     let base = serve_with_status(limit).await;
     let client = reqwest::Client::new();
     let status = || async {
-        let res = client
-            .get(format!("{base}/rate_limit"))
-            .header("x-api-key", "k")
-            .send()
-            .await
-            .unwrap();
+        let res = keyed(&client, &format!("{base}/rate_limit")).await;
         assert_eq!(res.status(), 200);
         assert_eq!(res.headers()["content-type"], "application/json");
         res.json::<serde_json::Value>().await.unwrap()
@@ -159,12 +164,7 @@ async fn the_status_endpoint_reports_without_spending() {
     assert_eq!(fresh["resources"]["hourly"]["remaining"], 10, "{fresh}");
     assert_eq!(fresh["resources"]["hourly"]["used"], 0, "{fresh}");
     for _ in 0..3 {
-        let res = client
-            .get(format!("{base}/api/hello"))
-            .header("x-api-key", "k")
-            .send()
-            .await
-            .unwrap();
+        let res = keyed(&client, &format!("{base}/api/hello")).await;
         res.text().await.unwrap();
     }
     // Asking twice spends nothing.
@@ -306,21 +306,11 @@ async fn the_status_endpoint_reads_the_backends_clock() {
         .unwrap();
     let base = serve_with_status(limit).await;
     let client = reqwest::Client::new();
-    let res = client
-        .get(format!("{base}/api/hello"))
-        .header("x-api-key", "k")
-        .send()
-        .await
-        .unwrap();
+    let res = keyed(&client, &format!("{base}/api/hello")).await;
     let fields = Fields::of(&http_response(&res)).unwrap();
     let t = fields.rate_limit.unwrap().items[0].reset;
     assert_eq!(t, Some(Duration::from_secs(79_200)));
-    let body: serde_json::Value = client
-        .get(format!("{base}/rate_limit"))
-        .header("x-api-key", "k")
-        .send()
-        .await
-        .unwrap()
+    let body: serde_json::Value = (keyed(&client, &format!("{base}/rate_limit")).await)
         .json()
         .await
         .unwrap();

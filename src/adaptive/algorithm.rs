@@ -100,12 +100,13 @@ fn in_range(
 ///   under load: a replica restarted into a busy fleet, or a capacity that fell) is found
 ///   again by a **probe**: now and then, while the limit is reached, the limit is halved for
 ///   two windows (one for the requests over it to drain, one measured), and a measured
-///   latency under nine tenths of the baseline is the new baseline; then the limit is put
-///   back, and shrinks by the gradient from there. Probes start 5 windows after the first and
-///   come at twice the interval each time one finds nothing, up to every 128 windows (13 s
-///   for a 50 ms service, about 2 minutes for one of half a second); one that finds a lower
-///   baseline brings the next back to 5 windows. A probe costs half the limit for two windows;
-///   Envoy pins the limit to its minimum for its minRTT windows instead.
+///   latency under nine tenths of the baseline is the new baseline; then the limit goes back,
+///   in one step, to where the latency before the probe says it should be with it. Probes
+///   start 5 windows after the limit is first reached and come at four times the interval
+///   each time one finds nothing, up to every 512 windows (51 s with 100 ms windows, about
+///   8 minutes for a service of half a second); one that finds a lower baseline brings the
+///   next back to 5 windows. A probe costs half the limit for two short windows; Envoy pins
+///   the limit to its minimum for its minRTT windows instead.
 #[derive(Debug, Clone)]
 pub struct Gradient {
     tolerance: f64,
@@ -138,7 +139,7 @@ enum Probe {
 /// The windows before the first probe, and after one that found a lower baseline.
 const PROBE_FIRST: u32 = 5;
 /// The most windows between probes.
-const PROBE_MOST: u32 = 128;
+const PROBE_MOST: u32 = 512;
 /// A probe's latency under this share of the baseline is the new baseline.
 const PROBE_FOUND: f64 = 0.9;
 
@@ -232,7 +233,7 @@ impl Algorithm for Gradient {
                 self.probe_every = if found {
                     PROBE_FIRST
                 } else {
-                    (self.probe_every * 2).min(PROBE_MOST)
+                    (self.probe_every * 4).min(PROBE_MOST)
                 };
                 self.probe = Probe::Idle(self.probe_every);
                 if !found {
@@ -492,7 +493,7 @@ mod tests {
         assert!(!g.probing());
         assert_eq!(g.probe, Probe::Idle(PROBE_FIRST));
 
-        // A probe that finds nothing: the limit put back, the next after twice the windows.
+        // A probe that finds nothing: the limit put back, the next after four times the windows.
         let mut limit = back;
         for _ in 0..PROBE_FIRST {
             limit = g.update(limit, &window(25, 20, 0));
@@ -501,10 +502,10 @@ mod tests {
         let restore = limit * 2.0;
         g.update(limit, &window(25, 20, 0));
         assert_eq!(g.update(limit, &window(20, 10, 0)), restore);
-        assert_eq!(g.probe, Probe::Idle(PROBE_FIRST * 2));
+        assert_eq!(g.probe, Probe::Idle(PROBE_FIRST * 4));
         // Not at the floor, and not while app-limited: the count waits.
         g.update(restore, &window(20, 2, 0));
-        assert_eq!(g.probe, Probe::Idle(PROBE_FIRST * 2));
+        assert_eq!(g.probe, Probe::Idle(PROBE_FIRST * 4));
     }
 
     #[test]
