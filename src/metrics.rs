@@ -517,15 +517,17 @@ mod imp {
             let Some(cell) = self.decisions.get(index) else {
                 return;
             };
-            let mut first = false;
-            cell.get_or_init(|| {
-                first = true;
-                self.counter(outcome, slot)
-            })
-            .increment(1);
-            if first {
-                self.prime();
+            match cell.get() {
+                Some(counter) => counter.increment(1),
+                None => self.first(cell, outcome, slot),
             }
+        }
+
+        /// The first count of a series: its counter made, then every known series at 0.
+        #[cold]
+        fn first(&self, cell: &OnceLock<Counter>, outcome: Outcome, slot: usize) {
+            cell.get_or_init(|| self.counter(outcome, slot)).increment(1);
+            self.prime();
         }
 
         /// The counter of `outcome` with the quota in `slot` (the last: none).
