@@ -533,8 +533,8 @@ async fn a_limit_follows_a_halved_capacity_down() {
 /// A limit built a second before its traffic, then 3× overload at once with a tenth of it
 /// critical (a server started, then loaded, as in the benchmark): goodput near capacity from
 /// the load's second second (0.9 in every second, 0.95 on average, a probe of the baseline
-/// included), and the limit not below 14 (the capacity is 16) once it climbed (as sampled at
-/// each second's last arrival: a probe's two short windows at half the limit fall between).
+/// included), and the limit not below 14 (the capacity is 16) once it climbed, but for the
+/// probes' windows at half of it.
 #[tokio::test(start_paused = true)]
 async fn a_cold_start_under_overload_climbs_to_capacity() {
     let limit = AdaptiveLimit::builder()
@@ -559,10 +559,13 @@ async fn a_cold_start_under_overload_climbs_to_capacity() {
         mean_good >= 760.0 && good >= 720 && p99 <= 60.0,
         "{mean_good}, {good} of 800, {p99} ms\n{text}"
     );
-    let least = s[2..16].iter().map(|x| x.limit).min().unwrap();
+    // The limit as it was at each second's last arrival: under 14 only where that arrival
+    // fell in a probe's windows (half the limit for about 150 ms, at most twice in these
+    // seconds), and 16 or more on average.
+    let low = s[2..16].iter().filter(|x| x.limit < 14).count();
     assert!(
-        least >= 14,
-        "the limit fell to {least} under overload\n{text}"
+        low <= 2 && mean_limit(&s, 2, 16) >= 16.0,
+        "the limit fell under overload\n{text}"
     );
 }
 

@@ -105,7 +105,8 @@ fn in_range(
 ///   start 5 windows after the limit is first reached and come at four times the interval
 ///   each time one finds nothing, up to every 512 windows (51 s with 100 ms windows, about
 ///   8 minutes for a service of half a second); one that finds a lower baseline brings the
-///   next back to 5 windows. A probe costs half the limit for two short windows; Envoy pins
+///   next back to 5 windows. A probe costs half the limit for two windows, the first (the
+///   drain) short, the second (measured) whole, so that its mean is of enough samples; Envoy pins
 ///   the limit to its minimum for its minRTT windows instead.
 #[derive(Debug, Clone)]
 pub struct Gradient {
@@ -203,7 +204,9 @@ impl Algorithm for Gradient {
     }
 
     fn probing(&self) -> bool {
-        !matches!(self.probe, Probe::Idle(_))
+        // Only the window that drains is short: the one measured has the usual length, enough
+        // samples that its mean is not a lucky few.
+        matches!(self.probe, Probe::Draining(..))
     }
 
     fn check(&self) -> Result<(), ConfigError> {
@@ -503,7 +506,7 @@ mod tests {
         g.update(limit, &window(25, 20, 0));
         assert_eq!(g.update(limit, &window(20, 10, 0)), restore);
         assert_eq!(g.probe, Probe::Idle(PROBE_FIRST * 4));
-        // Not at the floor, and not while app-limited: the count waits.
+        // Not while app-limited: the count waits.
         g.update(restore, &window(20, 2, 0));
         assert_eq!(g.probe, Probe::Idle(PROBE_FIRST * 4));
     }
