@@ -526,7 +526,8 @@ mod imp {
         /// The first count of a series: its counter made, then every known series at 0.
         #[cold]
         fn first(&self, cell: &OnceLock<Counter>, outcome: Outcome, slot: usize) {
-            cell.get_or_init(|| self.counter(outcome, slot)).increment(1);
+            cell.get_or_init(|| self.counter(outcome, slot))
+                .increment(1);
             self.prime();
         }
 
