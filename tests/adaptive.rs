@@ -1123,6 +1123,66 @@ async fn a_queue_under_real_concurrency_never_exceeds_the_limit() {
     }
 }
 
+/// A queue under real concurrency while the limit grows and shrinks every window (2, then 6,
+/// then 2 ...): the waiters woken when it grows take only free slots (never more than the
+/// highest limit in flight), every request is served or refused, and nothing is left in flight
+/// or in line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_queue_with_a_limit_that_grows_and_shrinks_under_real_concurrency() {
+    use tollgate::adaptive::QueueOrder;
+    struct Swing;
+    impl Algorithm for Swing {
+        fn update(&mut self, limit: f64, _w: &Window) -> f64 {
+            if limit < 4.0 { 6.0 } else { 2.0 }
+        }
+    }
+    for order in [QueueOrder::Lifo, QueueOrder::Fifo] {
+        let limit = AdaptiveLimit::builder()
+            .initial(2)
+            .range(1, 6)
+            .min_samples(1)
+            .window(Duration::from_micros(200), Duration::from_micros(200))
+            .algorithm(Swing)
+            .queue(16, order)
+            .build()
+            .unwrap();
+        let peak = Arc::new(AtomicU32::new(0));
+        let tasks: Vec<_> = (0..16)
+            .map(|t| {
+                let (limit, peak) = (limit.clone(), peak.clone());
+                tokio::spawn(async move {
+                    for i in 0..200u32 {
+                        if let Some(p) = limit.acquire(Duration::from_millis(5)).await {
+                            peak.fetch_max(limit.in_flight(), Ordering::Relaxed);
+                            tokio::task::yield_now().await;
+                            if (i + t) % 5 == 0 {
+                                drop(p);
+                            } else {
+                                p.success();
+                            }
+                        }
+                    }
+                })
+            })
+            .collect();
+        for t in tasks {
+            t.await.unwrap();
+        }
+        assert!(peak.load(Ordering::Relaxed) <= 6, "{order:?}");
+        assert_eq!((limit.in_flight(), limit.waiting()), (0, 0), "{order:?}");
+        let other = &limit.partitions()[0];
+        assert_eq!(
+            other.admitted + other.rejected,
+            3200,
+            "{order:?}: {other:?}"
+        );
+        assert!(
+            other.admitted > 0 && other.succeeded > 0,
+            "{order:?}: {other:?}"
+        );
+    }
+}
+
 proptest::proptest! {
     #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
 

@@ -234,11 +234,11 @@ where
         let at = limit.partition_index((self.layer.partition.as_ref()).and_then(|by| by(&info)));
         let permit = if limit.queues() && !self.layer.dry_run {
             // A free slot, or the line (a refusal is counted once, when it ends the wait).
-            match limit.take_at(at) {
+            match limit.take(at) {
                 Some(p) => Some(p),
                 None => {
                     let (limit, deadline) = (limit.clone(), self.layer.queue_deadline);
-                    let wait = Box::pin(async move { limit.acquire_at_within(at, deadline).await });
+                    let wait = Box::pin(async move { limit.acquire_waiting(at, deadline).await });
                     let grpc = grpc_of(&req);
                     let mut inner = crate::call::take_ready(&mut self.inner);
                     return AdaptiveFuture {
@@ -254,7 +254,7 @@ where
                 }
             }
         } else {
-            limit.try_acquire_at(at)
+            limit.acquire_at(at)
         };
         if permit.is_none() && !self.layer.dry_run {
             return AdaptiveFuture {

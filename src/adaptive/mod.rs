@@ -290,22 +290,6 @@ impl AdaptiveLimit {
         }
     }
 
-    /// A free slot for partition `at` ([`partition_index`](Self::partition_index)), without
-    /// counting a refusal (the layer's first try before it queues).
-    pub(crate) fn take_at(&self, at: usize) -> Option<Permit> {
-        self.take(at)
-    }
-
-    /// [`try_acquire_in`](Self::try_acquire_in) for partition `at`.
-    pub(crate) fn try_acquire_at(&self, at: usize) -> Option<Permit> {
-        self.acquire_at(at)
-    }
-
-    /// [`acquire_in`](Self::acquire_in) for partition `at`.
-    pub(crate) async fn acquire_at_within(&self, at: usize, deadline: Duration) -> Option<Permit> {
-        self.acquire_waiting(at, deadline).await
-    }
-
     fn partition_of(&self, name: &str) -> usize {
         let parts = &self.inner.partitions;
         (parts[..parts.len() - 1].iter())
@@ -313,7 +297,9 @@ impl AdaptiveLimit {
             .unwrap_or(parts.len() - 1)
     }
 
-    async fn acquire_waiting(&self, at: usize, deadline: Duration) -> Option<Permit> {
+    /// [`acquire_in`](Self::acquire_in) for partition `at`
+    /// ([`partition_index`](Self::partition_index)).
+    pub(crate) async fn acquire_waiting(&self, at: usize, deadline: Duration) -> Option<Permit> {
         if let Some(p) = self.take(at) {
             return Some(p);
         }
@@ -358,7 +344,8 @@ impl AdaptiveLimit {
         }
     }
 
-    fn acquire_at(&self, at: usize) -> Option<Permit> {
+    /// [`try_acquire_in`](Self::try_acquire_in) for partition `at`: a refusal is counted.
+    pub(crate) fn acquire_at(&self, at: usize) -> Option<Permit> {
         let permit = self.take(at);
         if permit.is_none() {
             let inner = &self.inner;
@@ -367,8 +354,9 @@ impl AdaptiveLimit {
         permit
     }
 
-    /// A slot if one is free for partition `at` (a refusal is not counted here).
-    fn take(&self, at: usize) -> Option<Permit> {
+    /// A slot if one is free for partition `at` (a refusal is not counted here: the layer's
+    /// first try before it queues).
+    pub(crate) fn take(&self, at: usize) -> Option<Permit> {
         let inner = &self.inner;
         let part = &inner.partitions[at];
         let mut total = inner.in_flight.load(Ordering::Relaxed);

@@ -113,9 +113,7 @@ pub trait Backend: Send + Sync + 'static {
     /// agrees with the decisions (an injected clock's time in tests, the store's where the
     /// backend keeps in step with it). The default reads the system's wall clock.
     fn unix_time(&self) -> Duration {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default()
+        system_unix_time()
     }
 
     /// Names the store the buckets live in, for logs, without credentials: layers built on
@@ -124,6 +122,14 @@ pub trait Backend: Send + Sync + 'static {
     fn store_id(&self) -> Option<String> {
         None
     }
+}
+
+/// The system's wall clock as a Unix time (zero before the epoch): [`Backend::unix_time`]'s
+/// default, and the stores' where no clock of their own is set.
+pub(crate) fn system_unix_time() -> Duration {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
 }
 
 /// The future of [`Backend::reset`]: rare, so boxed.

@@ -138,9 +138,7 @@ impl Backend for RedisBackend {
     fn unix_time(&self) -> Duration {
         match self.remote.store().clock.time_now(self.remote.test_time()) {
             Some(Time::Given(ns) | Time::Test(ns)) => Duration::from_nanos(ns),
-            _ => std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap_or_default(),
+            _ => crate::backend::system_unix_time(),
         }
     }
 

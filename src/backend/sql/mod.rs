@@ -513,12 +513,8 @@ macro_rules! sql_backend {
             /// The test clock's time when one is set (the one calendar windows are counted
             /// on), else the system's.
             fn unix_time(&self) -> std::time::Duration {
-                match self.remote.test_time() {
-                    Some(ns) => std::time::Duration::from_nanos(ns),
-                    None => std::time::SystemTime::now()
-                        .duration_since(std::time::UNIX_EPOCH)
-                        .unwrap_or_default(),
-                }
+                (self.remote.test_time())
+                    .map_or_else($crate::backend::system_unix_time, std::time::Duration::from_nanos)
             }
 
             /// The database and table, password left out: backends naming the same share
