@@ -22,6 +22,8 @@ pub mod outage;
 pub mod proxy;
 #[cfg(feature = "metrics")]
 pub mod recorded;
+#[cfg(feature = "server")]
+pub mod server;
 pub mod sql;
 
 /// [`serve`]s `app`, answering its base URL (`http://127.0.0.1:<port>`).
@@ -238,7 +240,7 @@ impl RedisCluster {
 }
 
 /// A port that is free, and whose cluster bus port (+10000) is free too.
-fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     static NEXT: AtomicU16 = AtomicU16::new(0);
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

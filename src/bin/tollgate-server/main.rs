@@ -1,0 +1,339 @@
+//! `tollgate-server`: Envoy's rate limit service (`envoy.service.ratelimit.v3`) as a server
+//! a platform team deploys where envoyproxy/ratelimit runs today: its rules as they are, its
+//! environment variables where they mean the same, every tollgate store.
+//!
+//! ```text
+//! cargo install tollgate --features server
+//! RULES_FILE=rules.yaml BACKEND=redis REDIS_URL=127.0.0.1:6379 tollgate-server
+//! ```
+//!
+//! - gRPC on `GRPC_PORT` (8081): the rate limit service and gRPC health (`grpc.health.v1`);
+//! - HTTP on `PORT` (8080): `/healthcheck`, `/metrics` (Prometheus), `/json` (the rate limit
+//!   service over HTTP) and `/rlconfig` (the rules as loaded).
+//!
+//! Every variable, the endpoints, the deployment files and how to move from
+//! envoyproxy/ratelimit or limitador: `docs/server.md`. The library's
+//! [`RlsService`](tollgate::rls::RlsService) does the deciding; this binary is its shell:
+//! configuration, rules reloaded from files, health, metrics, drain.
+
+mod http;
+mod rules;
+mod settings;
+mod store;
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use tollgate::backend::Backend;
+use tollgate::rls::RlsService;
+use tollgate::rls::envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
+use tonic_health::ServingStatus;
+
+use crate::settings::Settings;
+
+fn main() -> std::process::ExitCode {
+    let settings = match settings::read(|k| std::env::var(k).ok()) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("tollgate-server: {e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    init_logs(&settings.log);
+    for (var, why) in settings::NOT_SUPPORTED {
+        if std::env::var_os(var).is_some_and(|v| !v.is_empty()) {
+            tracing::warn!(variable = var, "{var} is set but not used here: {why}");
+        }
+    }
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::error!("cannot start the runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(start(settings)) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e}");
+            eprintln!("tollgate-server: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_logs(log: &settings::LogSettings) {
+    let filter = tracing_subscriber::EnvFilter::try_new(&log.filter)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr);
+    if log.json {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}
+
+async fn start(settings: Settings) -> Result<(), Box<dyn std::error::Error>> {
+    let redis_tls = settings::redis_tls_files(|k| std::env::var(k).ok());
+    let store_settings = settings.store.clone();
+    let run = Start { settings };
+    store::build(&store_settings, &redis_tls, run)?.await
+}
+
+/// Hands the store built to [`run`].
+struct Start {
+    settings: Settings,
+}
+
+impl store::Run for Start {
+    fn run<B: Backend + Clone>(self, backend: B, setup: Option<store::Setup>) -> store::RunResult {
+        Box::pin(run(self.settings, backend, setup))
+    }
+}
+
+/// The server on `backend`, until SIGTERM (or Ctrl-C) and the drain after it.
+async fn run<B: Backend + Clone>(
+    settings: Settings,
+    backend: B,
+    setup: Option<store::Setup>,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let prometheus = if settings.prometheus {
+        let handle = metrics_exporter_prometheus::PrometheusBuilder::new()
+            .install_recorder()
+            .map_err(|e| format!("cannot install the Prometheus recorder: {e}"))?;
+        let upkeep = handle.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                upkeep.run_upkeep();
+            }
+        });
+        Some(handle)
+    } else {
+        None
+    };
+
+    let store_health =
+        store::StoreHealth::new(settings.store.kind.name(), settings.store.on_failure);
+    store::watch(
+        backend.clone(),
+        store_health.clone(),
+        settings.store_check,
+        setup,
+    );
+
+    // The service starts with no domain; the rules are swapped in as the watcher reads them.
+    let service = RlsService::with_domains(backend, [])?
+        .headers(settings.headers)
+        .dynamic_metadata(settings.dynamic_metadata);
+    let status = Arc::new(http::Status {
+        rules: rules::SharedRules::default(),
+        store: store_health,
+        draining: Default::default(),
+        prometheus,
+    });
+    watch_rules(&settings, &status.rules, &service);
+
+    let grpc_listener = tokio::net::TcpListener::bind(settings.grpc)
+        .await
+        .map_err(|e| format!("GRPC_PORT: cannot listen on {}: {e}", settings.grpc))?;
+    let http_listener = tokio::net::TcpListener::bind(settings.http)
+        .await
+        .map_err(|e| format!("PORT: cannot listen on {}: {e}", settings.http))?;
+
+    let (reporter, health_service) = tonic_health::server::health_reporter();
+    follow_health(reporter.clone(), status.clone()).await;
+
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let stopped = move || {
+        let mut rx = stop_rx.clone();
+        async move {
+            let _ = rx.wait_for(|stop| *stop).await;
+        }
+    };
+
+    let mut grpc = tonic::transport::Server::builder();
+    if let Some(tls) = &settings.tls {
+        grpc = grpc.tls_config(tls_config(tls)?)?;
+    }
+    let grpc = grpc
+        .add_service(health_service)
+        .add_service(service.clone().into_server())
+        .serve_with_incoming_shutdown(
+            tonic::transport::server::TcpIncoming::from(grpc_listener),
+            stopped(),
+        );
+    let app = http::router(status.clone(), service);
+    let http = axum::serve(http_listener, app).with_graceful_shutdown(stopped());
+
+    tracing::info!(
+        grpc = %settings.grpc,
+        http = %settings.http,
+        tls = settings.tls.is_some(),
+        store = settings.store.kind.name(),
+        on_failure = settings.store.on_failure.as_str(),
+        rules = %rules::source_name(&settings.rules),
+        "tollgate-server {} listening",
+        env!("CARGO_PKG_VERSION")
+    );
+
+    let drain = settings.drain;
+    let draining = status.clone();
+    tokio::spawn(async move {
+        signal().await;
+        draining.draining.store(true, Ordering::Relaxed);
+        metrics::gauge!("tollgate_server_draining").set(1.0);
+        set_grpc_health(&reporter, false).await;
+        tracing::info!(
+            "stopping: unhealthy for {:.1} s (DRAIN_SECONDS) while load balancers stop sending, \
+             then calls in flight are answered",
+            drain.as_secs_f64()
+        );
+        tokio::select! {
+            _ = tokio::time::sleep(drain) => {}
+            _ = signal() => tracing::info!("second signal: stopping now"),
+        }
+        let _ = stop_tx.send(true);
+    });
+
+    let (g, h) = tokio::join!(grpc, http);
+    g.map_err(|e| format!("gRPC server: {e}"))?;
+    h.map_err(|e| format!("HTTP server: {e}"))?;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// Reads the rules now, and again every `reload_every`, swapping changed rules in.
+fn watch_rules<B: Backend>(
+    settings: &Settings,
+    state: &rules::SharedRules,
+    service: &RlsService<B>,
+) {
+    let load = {
+        let source = settings.rules.clone();
+        let state = state.clone();
+        let service = service.clone();
+        move || {
+            let outcome = rules::reload(&source, &state, |configs| {
+                service.replace_all(configs).map_err(|e| e.to_string())
+            });
+            match outcome {
+                None => {}
+                Some(Ok(domains)) => {
+                    metrics::counter!("tollgate_server_rules_reloads_total", "outcome" => "ok")
+                        .increment(1);
+                    metrics::gauge!("tollgate_server_rules_loaded").set(1.0);
+                    tracing::info!(
+                        ?domains,
+                        "rules loaded from {}",
+                        rules::source_name(&source)
+                    );
+                }
+                Some(Err(e)) => {
+                    metrics::counter!("tollgate_server_rules_reloads_total", "outcome" => "error")
+                        .increment(1);
+                    let loaded = state.lock().map(|s| s.loaded.is_some()).unwrap_or(false);
+                    if loaded {
+                        tracing::warn!("rules not reloaded, the old ones stay: {e}");
+                    } else {
+                        metrics::gauge!("tollgate_server_rules_loaded").set(0.0);
+                        tracing::error!("no rules loaded (unhealthy until they are): {e}");
+                    }
+                }
+            }
+        }
+    };
+    load();
+    let every = settings.reload_every;
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(every).await;
+            // Reading files blocks: off the runtime's workers.
+            let load = load.clone();
+            let _ = tokio::task::spawn_blocking(load).await;
+        }
+    });
+}
+
+/// Keeps gRPC health (`grpc.health.v1`, overall and for the rate limit service) as
+/// `/healthcheck` says.
+async fn follow_health(reporter: tonic_health::server::HealthReporter, status: Arc<http::Status>) {
+    let mut serving = status.health().0;
+    set_grpc_health(&reporter, serving).await;
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            if status.draining.load(Ordering::Relaxed) {
+                return;
+            }
+            let (now, _) = status.health();
+            metrics::gauge!("tollgate_server_store_up").set(
+                if matches!(status.store.state(), store::StoreState::Down(_)) {
+                    0.0
+                } else {
+                    1.0
+                },
+            );
+            if now != serving {
+                serving = now;
+                set_grpc_health(&reporter, now).await;
+            }
+        }
+    });
+}
+
+async fn set_grpc_health(reporter: &tonic_health::server::HealthReporter, serving: bool) {
+    let s = if serving {
+        ServingStatus::Serving
+    } else {
+        ServingStatus::NotServing
+    };
+    reporter.set_service_status("", s).await;
+    type Rls = RateLimitServiceServer<RlsService<tollgate::backend::LocalBackend>>;
+    reporter
+        .set_service_status(<Rls as tonic::server::NamedService>::NAME, s)
+        .await;
+}
+
+fn tls_config(
+    tls: &settings::TlsSettings,
+) -> Result<tonic::transport::ServerTlsConfig, Box<dyn std::error::Error>> {
+    let read = |var: &str, p: &std::path::Path| {
+        std::fs::read(p).map_err(|e| format!("{var} {}: {e}", p.display()))
+    };
+    let mut config =
+        tonic::transport::ServerTlsConfig::new().identity(tonic::transport::Identity::from_pem(
+            read("GRPC_SERVER_TLS_CERT", &tls.cert)?,
+            read("GRPC_SERVER_TLS_KEY", &tls.key)?,
+        ));
+    if let Some(ca) = &tls.client_ca {
+        config = config.client_ca_root(tonic::transport::Certificate::from_pem(read(
+            "GRPC_CLIENT_TLS_CACERT",
+            ca,
+        )?));
+    }
+    Ok(config)
+}
+
+/// SIGTERM (what Kubernetes and systemd send) or Ctrl-C.
+async fn signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        if let Ok(mut term) = signal(SignalKind::terminate()) {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            return;
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
+}
