@@ -363,6 +363,65 @@ mod on_redis {
     }
 }
 
+/// `tollgate-server` (the binary, as docs/server.md runs it) behind the docs' gateway as
+/// written: two Envoys over one Redis, asking two servers; one limit per client address
+/// whichever gateway a request reaches, and the servers' `/json` counting in the same buckets.
+#[cfg(feature = "server")]
+#[tokio::test]
+async fn tollgate_server_behind_the_docs_gateway() {
+    use support::server::ServerProcess;
+    let redis = support::RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("edge.yaml");
+    std::fs::write(&file, RULES).unwrap();
+    let env = [
+        ("RULES_FILE", file.display().to_string()),
+        ("BACKEND", "redis".to_owned()),
+        (
+            "REDIS_URL",
+            redis.url().trim_start_matches("redis://").to_owned(),
+        ),
+    ];
+    let mut servers = [ServerProcess::start(&env), ServerProcess::start(&env)];
+    let backend = upstream().await;
+    let mut envoys = Vec::new();
+    for server in &mut servers {
+        server.ready().await;
+        let ports = Ports {
+            listener: free_port(),
+            rls: server.grpc_port,
+            backend,
+        };
+        let config = with_ports(&docs_block("gateway"), ports);
+        envoys.push(Envoy::start(config, ports.listener).await);
+    }
+    let one = client_from("127.0.0.1");
+    let mut answers = Vec::new();
+    for i in 0..3 {
+        answers.push(get(&one, &format!("{}/items", envoys[i % 2].url)).await);
+    }
+    assert!(answers.iter().all(|a| a.status == 200), "{answers:?}");
+    assert!(
+        (answers[2].limit.as_deref().unwrap()).starts_with(r#""edge.remote_address";r=0;t="#),
+        "{answers:?}"
+    );
+    assert_eq!(
+        get(&one, &format!("{}/items", envoys[1].url)).await.status,
+        429
+    );
+    // The same address asked over HTTP: the same bucket, spent.
+    let call = r#"{"domain":"edge","descriptors":[{"entries":[{"key":"remote_address","value":"127.0.0.1"}]}]}"#;
+    let (status, answer) = servers[0].json(call).await;
+    assert_eq!(status, 429, "{answer}");
+    // Another address through the other gateway: its own 3.
+    let two = client_from("127.0.0.2");
+    let mut statuses = Vec::new();
+    for _ in 0..4 {
+        statuses.push(get(&two, &format!("{}/items", envoys[0].url)).await.status);
+    }
+    assert_eq!(statuses, [200, 200, 200, 429]);
+}
+
 /// The docs' charge-after-the-response recipe through a real Envoy: the request path checks
 /// (0 hits, taking nothing), the response's `x-tokens` is charged when it ends, past the limit
 /// into debt, and the next check refuses a user who spent their tokens.

@@ -225,6 +225,7 @@ async fn deployed_as_envoyproxy_ratelimit_is() {
     );
     let exit = server
         .wait_exit(Duration::from_secs(10))
+        .await
         .expect("exits after the drain");
     assert!(exit.success(), "{exit:?}");
 }
@@ -317,7 +318,7 @@ async fn bad_rules_at_start_and_bad_settings() {
         ("RULES_FILE", file.display().to_string()),
         ("BACKEND", "memcached".into()),
     ]);
-    let exit = bad.wait_exit(Duration::from_secs(10)).expect("exits");
+    let exit = bad.wait_exit(Duration::from_secs(10)).await.expect("exits");
     assert_eq!(exit.code(), Some(2));
     assert!(
         bad.log().contains("BACKEND: \"memcached\""),

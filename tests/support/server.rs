@@ -143,15 +143,16 @@ impl ServerProcess {
         assert!(ok.success());
     }
 
-    /// Waits for the process to exit (within `limit`).
-    pub fn wait_exit(&mut self, limit: Duration) -> Option<ExitStatus> {
+    /// Waits for the process to exit (within `limit`), letting this test's runtime run (its
+    /// clients must see the server's goodbye to close their connections).
+    pub async fn wait_exit(&mut self, limit: Duration) -> Option<ExitStatus> {
         let start = Instant::now();
         while start.elapsed() < limit {
             if let Some(status) = self.child.as_mut()?.try_wait().unwrap() {
                 self.child = None;
                 return Some(status);
             }
-            std::thread::sleep(Duration::from_millis(20));
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
         None
     }

@@ -32,6 +32,10 @@ use tonic_health::ServingStatus;
 
 use crate::settings::Settings;
 
+/// After the drain, how long calls in flight have to finish and clients to close their
+/// connections before the process exits anyway.
+const FINISH: Duration = Duration::from_secs(10);
+
 fn main() -> std::process::ExitCode {
     let settings = match settings::read(|k| std::env::var(k).ok()) {
         Ok(s) => s,
@@ -152,6 +156,7 @@ async fn run<B: Backend + Clone>(
     follow_health(reporter.clone(), status.clone()).await;
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut finishing = stop_rx.clone();
     let stopped = move || {
         let mut rx = stop_rx.clone();
         async move {
@@ -203,9 +208,24 @@ async fn run<B: Backend + Clone>(
         let _ = stop_tx.send(true);
     });
 
-    let (g, h) = tokio::join!(grpc, http);
-    g.map_err(|e| format!("gRPC server: {e}"))?;
-    h.map_err(|e| format!("HTTP server: {e}"))?;
+    let servers = async {
+        let (g, h) = tokio::join!(grpc, http);
+        g.map_err(|e| format!("gRPC server: {e}"))?;
+        h.map_err(|e| format!("HTTP server: {e}"))
+    };
+    tokio::pin!(servers);
+    // Until the stop: the servers run. After it, calls in flight get `FINISH` to be answered
+    // and clients to hang up; a connection held open longer does not hold the exit.
+    tokio::select! {
+        done = &mut servers => done?,
+        _ = async {
+            let _ = finishing.wait_for(|stop| *stop).await;
+            tokio::time::sleep(FINISH).await;
+        } => tracing::warn!(
+            "connections still open {} s after the drain: closing them",
+            FINISH.as_secs()
+        ),
+    }
     tracing::info!("stopped");
     Ok(())
 }

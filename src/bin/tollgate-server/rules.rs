@@ -208,7 +208,7 @@ mod tests {
         // The kubelet's swap: same file name, same link, new content behind it.
         configmap(dir.path(), "v2", &[("edge.yaml", &EDGE.replace('5', "7"))]);
         let second = reload(&source, &state, |c| {
-            assert_eq!(describe(&c), "edge.k: 7/s\n");
+            assert_eq!(describe(&c), "edge.k: 7/s fixed\n");
             Ok(())
         });
         assert_eq!(second, Some(Ok(vec!["edge".to_owned()])));
