@@ -8,8 +8,9 @@
 #
 # Usage: scripts/bench-rls-instructions.sh
 # Environment (all optional):
-#   MODES="none local local_noheaders"  (also redis, redis_noheaders; `none` is the bare tonic
-#                    RLS answering OK without deciding, the floor)
+#   MODES="none local local_noheaders"  (the modes of scripts/lib/rls-modes.sh: also redis,
+#                    server, server_noprom, server_redis, limitador...; `none` is the bare
+#                    tonic RLS answering OK without deciding, the floor)
 #   DURATION=20s     load per mode (the server runs ~50x slower under callgrind)
 #   PORT=8291 REDIS_PORT=6491 KEYS=10000 CONCURRENCY=16 CONNECTIONS=4 CARGO_TARGET_DIR
 #   KEEP=dir         keep each mode's callgrind output there (for callgrind_annotate)
@@ -28,7 +29,9 @@ TARGET=${CARGO_TARGET_DIR:-target}
 # shellcheck source=lib/callgrind.sh
 . scripts/lib/callgrind.sh
 need valgrind valgrind
-cargo build -q --release --features rls,redis --example rls --example rls_load
+# shellcheck source=lib/rls-modes.sh
+. scripts/lib/rls-modes.sh
+rls_build
 
 WORK=$(mktemp -d)
 # shellcheck source=lib/bench-redis.sh
@@ -45,16 +48,10 @@ YAML
 
 # Instructions of one server run, loaded for $DURATION when $2 is 1; prints "Ir calls".
 run() { # mode load
-    local mode=$1 load=$2 calls=0 headers=on backend=$1
-    if [ "${backend%_noheaders}" != "$backend" ]; then
-        backend=${backend%_noheaders}
-        headers=off
-    fi
-    TOKIO_WORKER_THREADS=1 PORT=$PORT BACKEND=$backend HEADERS=$headers \
-        RULES_FILE="$WORK/rules.yaml" REDIS_URL="$REDIS_URL" \
-        valgrind --tool=callgrind --callgrind-out-file="$WORK/cg.out" \
-        "$TARGET/release/examples/rls" >/dev/null 2>&1 &
-    local pid=$!
+    local mode=$1 load=$2 calls=0
+    TOKIO_WORKER_THREADS=1 RLS_RULES="$WORK/rules.yaml" rls_start "$mode" "$PORT" \
+        valgrind --tool=callgrind --callgrind-out-file="$WORK/cg.out"
+    local pid=$RLS_PID
     for _ in $(seq 1 300); do
         (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null && break
         sleep 0.1

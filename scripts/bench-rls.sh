@@ -7,8 +7,10 @@
 # the median of each is reported, with its ratio to the floor.
 #
 # Usage: scripts/bench-rls.sh
-# Environment (all optional): MODES="none local redis" (and local_noheaders, redis_noheaders:
-#   without the IETF fields in the answers) ROUNDS=3 DURATION=10s WARMUP=2s
+# Environment (all optional): MODES="none local redis" (the modes of scripts/lib/rls-modes.sh:
+#   also server, server_noprom, server_redis for the tollgate-server binary, limitador and
+#   limitador_redis with LIMITADOR and LIMITADOR_LIMITS, and <mode>_noheaders: without the IETF
+#   fields in the answers) ROUNDS=3 DURATION=10s WARMUP=2s
 #   KEYS=10000 CONCURRENCY=64 CONNECTIONS=4 PORT=8191 REDIS_PORT=6391 CARGO_TARGET_DIR
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +23,9 @@ export CONCURRENCY=${CONCURRENCY:-64} CONNECTIONS=${CONNECTIONS:-4}
 TARGET=${CARGO_TARGET_DIR:-target}
 
 command -v redis-server >/dev/null || { sudo apt-get install -y redis-server || apt-get install -y redis-server; }
-cargo build -q --release --features rls,redis --example rls --example rls_load
+# shellcheck source=lib/rls-modes.sh
+. scripts/lib/rls-modes.sh
+rls_build
 dir=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$dir"' EXIT
 # A limit never reached.
@@ -35,9 +39,8 @@ taskset -c 0 redis-server --port "$REDIS_PORT" --save "" --appendonly no --dir "
 sleep 0.5
 
 run() { # mode -> calls/s
-  PORT=$PORT BACKEND=${1%_noheaders} HEADERS=$([ "${1%_noheaders}" = "$1" ] && echo on || echo off) RULES_FILE="$dir/rules.yaml" REDIS_URL="redis://127.0.0.1:$REDIS_PORT" \
-    taskset -c 0 "$TARGET/release/examples/rls" >/dev/null 2>&1 &
-  local server=$!
+  RLS_RULES="$dir/rules.yaml" REDIS_URL="redis://127.0.0.1:$REDIS_PORT" rls_start "$1" "$PORT" taskset -c 0
+  local server=$RLS_PID
   for _ in $(seq 1 50); do
     (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null && break
     sleep 0.1
