@@ -13,7 +13,7 @@
 //!
 //! Every variable, the endpoints, the deployment files and how to move from
 //! envoyproxy/ratelimit or limitador: `docs/server.md`. The library's
-//! [`RlsService`](tollgate::rls::RlsService) does the deciding; this binary is its shell:
+//! [`tollgate::rls::RlsService`] does the deciding; this binary is its shell:
 //! configuration, rules reloaded from files, health, metrics, drain.
 
 mod http;
