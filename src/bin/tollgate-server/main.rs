@@ -172,10 +172,15 @@ async fn run<B: Backend + Clone>(
         .add_service(health_service)
         .add_service(service.clone().into_server())
         .serve_with_incoming_shutdown(
-            tonic::transport::server::TcpIncoming::from(grpc_listener),
+            // Nagle's algorithm off, as tonic's own `serve` sets it: an answer is sent when it
+            // is written, not held back for the next (Envoy waits 20-50 ms at most).
+            tonic::transport::server::TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
             stopped(),
         );
     let app = http::router(status.clone(), service);
+    let http_listener = axum::serve::ListenerExt::tap_io(http_listener, |tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     let http = axum::serve(http_listener, app).with_graceful_shutdown(stopped());
 
     tracing::info!(

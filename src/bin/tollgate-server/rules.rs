@@ -171,47 +171,39 @@ mod tests {
 
     const EDGE: &str = "domain: edge\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, requests_per_unit: 5}\n";
 
-    /// A ConfigMap's volume, as the kubelet writes it: the files in a timestamped directory,
-    /// `..data` a symlink to it, and each file a symlink through `..data`.
-    fn configmap(dir: &Path, version: &str, files: &[(&str, &str)]) {
-        let stamp = dir.join(format!("..{version}"));
-        std::fs::create_dir(&stamp).unwrap();
-        for (name, text) in files {
-            std::fs::write(stamp.join(name), text).unwrap();
-        }
-        let tmp = dir.join("..data_tmp");
-        std::os::unix::fs::symlink(format!("..{version}"), &tmp).unwrap();
-        std::fs::rename(&tmp, dir.join("..data")).unwrap();
-        for (name, _) in files {
-            let link = dir.join(name);
-            if std::fs::symlink_metadata(&link).is_err() {
-                std::os::unix::fs::symlink(format!("..data/{name}"), &link).unwrap();
-            }
-        }
-    }
-
+    /// Found by content: the same file rewritten with other rules is a change, whatever
+    /// its time (a ConfigMap's swap keeps every file's; tests/server.rs swaps one).
     #[test]
-    fn a_configmap_swap_is_a_change_and_dot_entries_are_skipped() {
+    fn a_change_is_found_by_content() {
         let dir = tempfile::tempdir().unwrap();
-        configmap(dir.path(), "v1", &[("edge.yaml", EDGE)]);
-        let source = RuleSource::Runtime(dir.path().to_owned());
+        let file = dir.path().join("edge.yaml");
+        std::fs::write(&file, EDGE).unwrap();
+        let source = RuleSource::File(file.clone());
         let state = SharedRules::default();
-        let mut applied = Vec::new();
         let first = reload(&source, &state, |c| {
-            applied.push(c.len());
+            assert_eq!(describe(&c), "edge.k: 5/s fixed\n");
             Ok(())
         });
         assert_eq!(first, Some(Ok(vec!["edge".to_owned()])));
-        assert_eq!(applied, [1]);
         // Nothing changed: nothing applied.
         assert_eq!(reload(&source, &state, |_| unreachable!()), None);
-        // The kubelet's swap: same file name, same link, new content behind it.
-        configmap(dir.path(), "v2", &[("edge.yaml", &EDGE.replace('5', "7"))]);
+        let modified = std::fs::metadata(&file).unwrap().modified().unwrap();
+        std::fs::write(&file, EDGE.replace('5', "7")).unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(&file)
+            .unwrap()
+            .set_modified(modified)
+            .unwrap();
         let second = reload(&source, &state, |c| {
             assert_eq!(describe(&c), "edge.k: 7/s fixed\n");
             Ok(())
         });
         assert_eq!(second, Some(Ok(vec!["edge".to_owned()])));
+        // A rule file named with a dot first is skipped in a directory.
+        std::fs::write(dir.path().join(".edge.yaml.swp"), "not yaml: [").unwrap();
+        let files = read(&RuleSource::Dir(dir.path().to_owned())).unwrap();
+        assert_eq!(files.len(), 1);
     }
 
     #[test]
