@@ -6,7 +6,8 @@
 # its redis-server are pinned to core 0, the generator to core 1. Rounds interleave the modes;
 # the median of each is reported, with its ratio to the floor.
 #
-# Usage: scripts/bench-rls.sh
+# Usage: scripts/bench-rls.sh   (limitador: LIMITADOR=path/to/limitador-server
+#   LIMITADOR_LIMITS=scripts/limitador-limits.yaml, its limit the same as the rules below)
 # Environment (all optional): MODES="none local redis" (the modes of scripts/lib/rls-modes.sh:
 #   also server, server_noprom, server_redis for the tollgate-server binary, limitador and
 #   limitador_redis with LIMITADOR and LIMITADOR_LIMITS, and <mode>_noheaders: without the IETF
@@ -58,10 +59,10 @@ done
 median() { tr ' ' '\n' | grep . | sort -n | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
 floor=$(echo "${results[none]:-}" | median)
 echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); keys $KEYS, $CONCURRENCY in flight over $CONNECTIONS connections, rounds $ROUNDS × $DURATION"
-printf '%-8s %12s %10s   %s\n' mode calls/s vs_bare rounds
+printf '%-20s %12s %10s   %s\n' mode calls/s vs_bare rounds
 for mode in $MODES; do
   m=$(echo "${results[$mode]}" | median)
   ratio=$([ -n "$floor" ] && awk -v a="$m" -v b="$floor" 'BEGIN {printf "%.2f", a / b}' || echo -)
-  printf '%-8s %12s %10s   %s\n' "$mode" "$m" "$ratio" "${results[$mode]}"
+  printf '%-20s %12s %10s   %s\n' "$mode" "$m" "$ratio" "${results[$mode]}"
 done
 grep -v "errors 0" "$dir/log" && echo "(some calls failed, above)" || true

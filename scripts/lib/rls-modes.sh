@@ -7,8 +7,10 @@
 #                             recording every decision (USE_PROMETHEUS=true, its default)
 #   server_noprom             the binary without the Prometheus recorder
 #   limitador, limitador_redis  limitador-server ($LIMITADOR, its limits file
-#                             $LIMITADOR_LIMITS), in memory and on Redis
-#   <mode>_noheaders          without the IETF fields in the answers (tollgate's modes)
+#                             $LIMITADOR_LIMITS: one limit never reached on
+#                             descriptors[0].remote_address of namespace edge), in memory and
+#                             on Redis, with its rate-limit fields (-H DRAFT_VERSION_03)
+#   <mode>_noheaders          without rate-limit fields in the answers
 #
 # rls_start MODE PORT [WRAP...]: starts MODE's server with its gRPC service on PORT (its HTTP
 # port, where it has one, is PORT+1) under the command WRAP (taskset, valgrind); sets RLS_PID.
@@ -32,10 +34,14 @@ rls_start() {
         ;;
     limitador | limitador_redis)
         [ -x "${LIMITADOR:-}" ] || { echo "mode $mode: set LIMITADOR to limitador-server's path" >&2; return 1; }
-        local storage=(memory)
+        local storage=(memory) fields=NONE
         [ "$backend" = limitador_redis ] && storage=(redis "$REDIS_URL")
+        # Like for like: limitador's own fields (X-RateLimit-Limit, -Remaining, -Reset) where
+        # tollgate sends the IETF ones.
+        [ "$headers" = on ] && fields=DRAFT_VERSION_03
         "$@" "$LIMITADOR" --rls-ip 127.0.0.1 --rls-port "$port" --http-ip 127.0.0.1 \
-            --http-port $((port + 1)) "$LIMITADOR_LIMITS" "${storage[@]}" >/dev/null 2>&1 &
+            --http-port $((port + 1)) -H "$fields" "$LIMITADOR_LIMITS" "${storage[@]}" \
+            >/dev/null 2>&1 &
         ;;
     *)
         PORT=$port BACKEND=$backend HEADERS=$headers RULES_FILE="$RLS_RULES" \
