@@ -325,6 +325,16 @@ async fn bad_rules_at_start_and_bad_settings() {
         "{}",
         bad.log()
     );
+
+    // The version a deployment pins (envoyproxy/ratelimit #128).
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate-server"))
+        .arg("--version")
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8(out.stdout).unwrap(),
+        format!("tollgate-server {}\n", env!("CARGO_PKG_VERSION"))
+    );
 }
 
 /// gRPC over TLS, and mutual TLS: a client with a certificate from the configured CA is

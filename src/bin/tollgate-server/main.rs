@@ -36,7 +36,38 @@ use crate::settings::Settings;
 /// connections before the process exits anyway.
 const FINISH: Duration = Duration::from_secs(10);
 
+/// What `--help` prints.
+const HELP: &str = "\
+tollgate-server: Envoy's rate limit service (envoy.service.ratelimit.v3), configured by
+environment variables (envoyproxy/ratelimit's names where they mean the same).
+
+  rules   RULES_FILE | RULES_DIR | RUNTIME_ROOT + RUNTIME_SUBDIRECTORY (+ RUNTIME_APPDIRECTORY)
+  store   BACKEND=local|redis|redis_approx|postgres|mysql, REDIS_URL, REDIS_TYPE, REDIS_AUTH,
+          REDIS_TLS, DATABASE_URL, ON_FAILURE=fallback|open|closed, STORE_TIMEOUT_MS
+  ports   GRPC_PORT (8081: RLS, gRPC health), PORT (8080: /healthcheck /metrics /json /rlconfig)
+  more    LOG_LEVEL, LOG_FORMAT=json, USE_PROMETHEUS, GRPC_SERVER_USE_TLS, DRAIN_SECONDS, ...
+
+Every variable: docs/server.md (https://github.com/tollgate-rs/tollgate/blob/main/docs/server.md).
+";
+
 fn main() -> std::process::ExitCode {
+    match std::env::args().nth(1).as_deref() {
+        None => {}
+        Some("--version" | "-V") => {
+            println!("tollgate-server {}", env!("CARGO_PKG_VERSION"));
+            return std::process::ExitCode::SUCCESS;
+        }
+        Some("--help" | "-h") => {
+            print!("{HELP}");
+            return std::process::ExitCode::SUCCESS;
+        }
+        Some(other) => {
+            eprintln!(
+                "tollgate-server: unknown argument {other:?}: it is configured by environment variables (--help)"
+            );
+            return std::process::ExitCode::from(2);
+        }
+    }
     let settings = match settings::read(|k| std::env::var(k).ok()) {
         Ok(s) => s,
         Err(e) => {
