@@ -387,3 +387,38 @@ async fn grpc_tls_and_mtls() {
     };
     assert!(refused, "a client without a certificate was served");
 }
+
+/// envoyproxy/ratelimit's TLS variables reach Redis: `REDIS_URL` as `host:port`, `REDIS_TLS`,
+/// `REDIS_TLS_CACERT`. Two servers over one Redis with TLS share one count (a server that
+/// could not reach it would decide alone, with a fresh bucket).
+#[tokio::test]
+async fn redis_over_tls_from_envoyproxy_variables() {
+    let tls = support::TlsFiles::new();
+    let redis = RedisServer::start_tls(&tls, false);
+    let rules = tls.dir.path().join("rules.yaml");
+    std::fs::write(&rules, RULES_V1).unwrap();
+    let env = [
+        ("RULES_FILE", rules.display().to_string()),
+        ("BACKEND", "redis".to_owned()),
+        (
+            "REDIS_URL",
+            redis.tls_url().trim_start_matches("rediss://").to_owned(),
+        ),
+        ("REDIS_TLS", "true".to_owned()),
+        (
+            "REDIS_TLS_CACERT",
+            tls.dir.path().join("ca.crt").display().to_string(),
+        ),
+        // Fail closed: a Redis not reached is an error here, not a fallback's answer.
+        ("ON_FAILURE", "closed".to_owned()),
+    ];
+    let mut a = ServerProcess::start(&env);
+    let mut b = ServerProcess::start(&env);
+    a.ready().await;
+    b.ready().await;
+    let (mut ga, mut gb) = (a.grpc().await, b.grpc().await);
+    let key = [("api_key", "tls")];
+    assert_eq!(ask(&mut ga, "edge", &key).await, ("OK".into(), 4));
+    assert_eq!(ask(&mut ga, "edge", &key).await, ("OK".into(), 3));
+    assert_eq!(ask(&mut gb, "edge", &key).await, ("OK".into(), 2));
+}
