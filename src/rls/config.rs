@@ -588,6 +588,65 @@ pub(crate) fn find<'a, 'e>(
     rule
 }
 
+/// The most entries [`find_unordered`] matches: a bucket id of Envoy's rate limit quota
+/// filter with more matches no rule (rules trees are a few levels deep).
+#[cfg_attr(not(test), allow(dead_code))] // The quota service's (issue 57), next.
+pub(crate) const MAX_UNORDERED: usize = 16;
+
+/// The rule a set of entries reaches in *some* order (a bucket id of Envoy's rate limit quota
+/// service is a map: its entries come in no order): at each level an entry not used yet that
+/// the level has a rule for, as [`find`] matches one (`key=value`, a value with `*`, `key`),
+/// until every entry is used. Returns the rule and the entries in the order that reached it
+/// (the order of a descriptor the same rule matches, so that both count in one bucket), or
+/// `None` when no order reaches a rule with every entry, or there are more than
+/// [`MAX_UNORDERED`].
+#[cfg_attr(not(test), allow(dead_code))] // The quota service's (issue 57), next.
+pub(crate) fn find_unordered<'a, 'e>(
+    root: &'a Node,
+    entries: &[(&'e str, &'e str)],
+) -> Option<(&'a Rule, Vec<(&'e str, &'e str)>)> {
+    fn step<'a, 'e>(
+        node: &'a Node,
+        left: &mut Vec<(&'e str, &'e str)>,
+        path: &mut Vec<(&'e str, &'e str)>,
+    ) -> Option<&'a Rule> {
+        for i in 0..left.len() {
+            let (k, v) = left[i];
+            let Some(rule) = (node.by_value.get(k))
+                .and_then(|values| values.get(v))
+                .or_else(|| {
+                    let patterns = node.by_pattern.get(k)?;
+                    Some(&patterns.iter().find(|p| p.matches(v))?.rule)
+                })
+                .or_else(|| node.by_key.get(k))
+            else {
+                continue;
+            };
+            let entry = left.swap_remove(i);
+            path.push(entry);
+            if left.is_empty() {
+                return Some(rule);
+            }
+            if let Some(found) = step(&rule.children, left, path) {
+                return Some(found);
+            }
+            // Back: put the entry where it was, and try the next.
+            path.pop();
+            left.push(entry);
+            let last = left.len() - 1;
+            left.swap(i, last);
+        }
+        None
+    }
+    if entries.is_empty() || entries.len() > MAX_UNORDERED {
+        return None;
+    }
+    let mut left = entries.to_vec();
+    let mut path = Vec::with_capacity(entries.len());
+    let rule = step(root, &mut left, &mut path)?;
+    Some((rule, path))
+}
+
 /// A `metadata` map as a protobuf `Struct` (what the answer's dynamic metadata carries).
 fn to_struct(value: &serde_norway::Value) -> Result<ProtoStruct, String> {
     let serde_norway::Value::Mapping(map) = value else {
@@ -636,4 +695,74 @@ fn has_replaces(node: &Node) -> bool {
         }
     }
     false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const RULES: &str = r#"
+domain: edge
+descriptors:
+  - key: tenant
+    descriptors:
+      - key: path
+        value: /export
+        quota: "1/s"
+      - key: path
+        quota: "10/s"
+  - key: path
+    value: "/img/*"
+    quota: "100/s"
+  - key: remote_address
+    quota: "5/s"
+"#;
+
+    fn policy_of<'a>(config: &'a RlsConfig, rule: &Rule) -> &'a str {
+        match &rule.limit {
+            Some(Limit::Counted { policy, .. }) => config.policies()[*policy].name(),
+            _ => "",
+        }
+    }
+
+    /// A bucket id's entries in any order reach the rule a descriptor reaches in the rules'
+    /// order, and are given back in that order.
+    #[test]
+    fn unordered_entries_reach_the_rule_of_the_descriptor() {
+        let config = RlsConfig::from_yaml(RULES).unwrap();
+        let root = config.root();
+        for entries in [
+            [("tenant", "acme"), ("path", "/export")],
+            [("path", "/export"), ("tenant", "acme")],
+        ] {
+            let (rule, order) = find_unordered(root, &entries).unwrap();
+            assert_eq!(policy_of(&config, rule), "edge.tenant.path=/export");
+            assert_eq!(order, [("tenant", "acme"), ("path", "/export")]);
+            let ordered = find(root, order.iter().copied(), |_, _| {}).unwrap();
+            assert!(std::ptr::eq(ordered, rule));
+        }
+        let (rule, _) = find_unordered(root, &[("path", "/other"), ("tenant", "a")]).unwrap();
+        assert_eq!(policy_of(&config, rule), "edge.tenant.path");
+        let (rule, _) = find_unordered(root, &[("path", "/img/a.png")]).unwrap();
+        assert_eq!(policy_of(&config, rule), "edge.path=/img/*");
+        // `path` alone, not an image: no rule at the top for any path.
+        assert!(find_unordered(root, &[("path", "/export")]).is_none());
+        // An entry no rule names: no rule, as for a descriptor.
+        assert!(find_unordered(root, &[("remote_address", "1.2.3.4"), ("x", "y")]).is_none());
+        assert!(find_unordered(root, &[]).is_none());
+    }
+
+    /// Hundreds of entries (a hostile bucket id): no rule, at once.
+    #[test]
+    fn too_many_entries_match_nothing() {
+        let config = RlsConfig::from_yaml(RULES).unwrap();
+        let keys: Vec<String> = (0..300).map(|i| format!("k{i}")).collect();
+        let mut entries: Vec<(&str, &str)> = keys.iter().map(|k| (k.as_str(), "v")).collect();
+        assert!(find_unordered(config.root(), &entries).is_none());
+        // Sixteen that share the first level's keys but reach nothing deeper: tried and
+        // refused without blowing up.
+        entries.truncate(MAX_UNORDERED - 1);
+        entries.push(("tenant", "acme"));
+        assert!(find_unordered(config.root(), &entries).is_none());
+    }
 }
