@@ -12,6 +12,9 @@
 //! fleet the whole limit. When the streams ask for less than the limit in all, what is left is
 //! shared equally as headroom, so that the shares always add up to the limit and a stream can
 //! grow until the next report.
+//!
+//! [`Streams`] holds the streams of every bucket, and answers each report with the stream's
+//! share.
 
 /// A stream's demand for a bucket.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -20,6 +23,82 @@ pub(crate) enum Demand {
     Known(f64),
     /// No report with time in it yet.
     Unknown,
+}
+
+impl Demand {
+    /// A report's demand: `allowed + denied` requests over `elapsed`. Unknown when no time
+    /// elapsed (Envoy's first report of a bucket, sent at its first request, says 0 s).
+    pub(crate) fn from_report(allowed: u64, denied: u64, elapsed: std::time::Duration) -> Self {
+        let secs = elapsed.as_secs_f64();
+        if secs > 0.0 {
+            Demand::Known(allowed.saturating_add(denied) as f64 / secs)
+        } else {
+            Demand::Unknown
+        }
+    }
+}
+
+/// The streams that report each bucket, with their last demand: what a bucket's limit is split
+/// between. Shared by every stream of a server; reports come every few seconds per stream, so
+/// one lock serves them (a split is computed under it, from one consistent view).
+#[derive(Default)]
+pub(crate) struct Streams<K> {
+    buckets: std::sync::Mutex<std::collections::HashMap<K, Vec<(u64, Demand)>>>,
+}
+
+impl<K: std::hash::Hash + Eq + Clone> Streams<K> {
+    /// Records `stream`'s demand for `bucket` (joining it if new) and returns its share of
+    /// `limit`, split with the bucket's other streams as they are now.
+    pub(crate) fn report(&self, bucket: &K, stream: u64, demand: Demand, limit: u32) -> u32 {
+        let mut buckets = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
+        let streams = buckets.entry(bucket.clone()).or_default();
+        let at = match streams.iter().position(|(id, _)| *id == stream) {
+            Some(at) => {
+                streams[at].1 = demand;
+                at
+            }
+            None => {
+                streams.push((stream, demand));
+                streams.len() - 1
+            }
+        };
+        let demands: Vec<Demand> = streams.iter().map(|(_, d)| *d).collect();
+        split(limit, &demands)[at]
+    }
+
+    /// Every stream's share of `limit` for `bucket` now, by stream.
+    pub(crate) fn shares(&self, bucket: &K, limit: u32) -> Vec<(u64, u32)> {
+        let buckets = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(streams) = buckets.get(bucket) else {
+            return Vec::new();
+        };
+        let demands: Vec<Demand> = streams.iter().map(|(_, d)| *d).collect();
+        (streams.iter().map(|(id, _)| *id))
+            .zip(split(limit, &demands))
+            .collect()
+    }
+
+    /// `stream` closed: it leaves `buckets`, returning its shares to the others (at their next
+    /// report); a bucket left with no stream is forgotten.
+    pub(crate) fn leave<'b>(&self, stream: u64, buckets: impl IntoIterator<Item = &'b K>)
+    where
+        K: 'b,
+    {
+        let mut all = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
+        for bucket in buckets {
+            if let Some(streams) = all.get_mut(bucket) {
+                streams.retain(|(id, _)| *id != stream);
+                if streams.is_empty() {
+                    all.remove(bucket);
+                }
+            }
+        }
+    }
+
+    /// How many buckets have streams.
+    pub(crate) fn len(&self) -> usize {
+        self.buckets.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
 }
 
 /// Splits `limit` tokens per second between the streams of `demands`, in their order: shares
@@ -133,6 +212,81 @@ mod tests {
         assert!(split(10, &[]).is_empty());
         // Garbage demand counts as unknown.
         assert_eq!(split(10, &[Known(f64::NAN), Known(-1.0)]), [5, 5]);
+    }
+
+    #[test]
+    fn demand_from_a_report() {
+        use std::time::Duration;
+        assert_eq!(Demand::from_report(1, 0, Duration::ZERO), Unknown);
+        assert_eq!(
+            Demand::from_report(400, 100, Duration::from_secs(5)),
+            Known(100.0)
+        );
+    }
+
+    /// Streams joining, reporting and leaving one bucket: each report answers the stream's
+    /// share of the split as it is; a stream that leaves returns its share.
+    #[test]
+    fn streams_join_report_and_leave() {
+        let s = Streams::<&str>::default();
+        assert_eq!(s.report(&"b", 1, Unknown, 1200), 1200);
+        // A second stream, demand unknown: half, not nothing.
+        assert_eq!(s.report(&"b", 2, Unknown, 1200), 600);
+        assert_eq!(s.report(&"b", 1, Known(1000.0), 1200), 600);
+        // Asking 1 100 in all: met, and the 100 left shared as headroom.
+        assert_eq!(s.report(&"b", 2, Known(100.0), 1200), 150);
+        assert_eq!(s.shares(&"b", 1200), [(1, 1050), (2, 150)]);
+        s.leave(2, [&"b"]);
+        assert_eq!(s.shares(&"b", 1200), [(1, 1200)]);
+        s.leave(1, [&"b", &"never reported"]);
+        assert_eq!(s.len(), 0);
+    }
+
+    /// Threads at once, each a stream reporting random demands on many buckets: after each
+    /// report, and at the end, the shares of every bucket add up to its limit; when every
+    /// stream has left, nothing is held.
+    #[test]
+    fn under_concurrency_the_shares_add_up() {
+        use std::sync::Arc;
+        let streams = Arc::new(Streams::<u32>::default());
+        let buckets = 50u32;
+        let limit = |b: u32| 100 + b * 7;
+        let threads: Vec<_> = (0..8u64)
+            .map(|stream| {
+                let streams = streams.clone();
+                std::thread::spawn(move || {
+                    let mut x = stream.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+                    for _ in 0..2_000 {
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        let b = (x % u64::from(buckets)) as u32;
+                        let demand = if x % 5 == 0 {
+                            Unknown
+                        } else {
+                            Known((x >> 20) as f64 % 1_000.0)
+                        };
+                        let share = streams.report(&b, stream, demand, limit(b));
+                        assert!(share <= limit(b));
+                        let total: u32 = streams.shares(&b, limit(b)).iter().map(|s| s.1).sum();
+                        assert_eq!(total, limit(b));
+                    }
+                    stream
+                })
+            })
+            .collect();
+        let done: Vec<u64> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+        for b in 0..buckets {
+            let shares = streams.shares(&b, limit(b));
+            if !shares.is_empty() {
+                assert_eq!(shares.iter().map(|s| s.1).sum::<u32>(), limit(b));
+            }
+        }
+        let all: Vec<u32> = (0..buckets).collect();
+        for stream in done {
+            streams.leave(stream, &all);
+        }
+        assert_eq!(streams.len(), 0);
     }
 
     fn demand() -> impl Strategy<Value = Demand> {
