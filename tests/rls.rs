@@ -13,9 +13,7 @@ use std::time::Duration;
 
 use governor::clock::FakeRelativeClock;
 use tollgate::backend::{Decision, LocalBackend, Mode};
-use tollgate::rls::envoy_types::pb::envoy::extensions::common::ratelimit::v3::{
-    RateLimitDescriptor, rate_limit_descriptor::Entry,
-};
+use tollgate::rls::envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use tollgate::rls::envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
     Code, rate_limit::Unit,
 };
@@ -62,15 +60,7 @@ fn address(ip: &str) -> Vec<RateLimitDescriptor> {
 }
 
 fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
-    RateLimitDescriptor {
-        entries: (entries.iter())
-            .map(|(k, v)| Entry {
-                key: (*k).into(),
-                value: (*v).into(),
-            })
-            .collect(),
-        ..Default::default()
-    }
+    support::rls_descriptor(entries)
 }
 
 async fn ask(

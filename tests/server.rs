@@ -87,6 +87,20 @@ fn deployed(
     env
 }
 
+/// The manifest's deployment over `redis_url`, with `extra` variables, its rules (`RULES_V1`)
+/// written as a ConfigMap: the runtime root (removed when dropped), the rules' directory, the
+/// server.
+fn deploy(
+    redis_url: &str,
+    extra: &[(&str, &str)],
+) -> (tempfile::TempDir, std::path::PathBuf, ServerProcess) {
+    let root = tempfile::tempdir().unwrap();
+    let config = runtime_dir(root.path());
+    write_configmap(&config, "v1", &[("edge.yaml", RULES_V1)]);
+    let server = ServerProcess::start(&deployed(redis_url, root.path(), extra));
+    (root, config, server)
+}
+
 /// The rules directory of the manifest's layout (`RUNTIME_ROOT/ratelimit/config`), made.
 fn runtime_dir(root: &Path) -> std::path::PathBuf {
     let env = manifest_env();
@@ -117,14 +131,10 @@ async fn wait_for(what: &str, limit: Duration, mut ok: impl AsyncFnMut() -> bool
 #[tokio::test]
 async fn deployed_as_envoyproxy_ratelimit_is() {
     let redis = RedisServer::start();
-    let root = tempfile::tempdir().unwrap();
-    let config = runtime_dir(root.path());
-    write_configmap(&config, "v1", &[("edge.yaml", RULES_V1)]);
-    let mut server = ServerProcess::start(&deployed(
+    let (_root, config, mut server) = deploy(
         &redis.url(),
-        root.path(),
         &[("RULES_RELOAD_MS", "100"), ("DRAIN_SECONDS", "1.5")],
-    ));
+    );
     let body = server.ready().await;
     assert!(body.starts_with("OK"), "{body}");
     assert!(
@@ -237,14 +247,7 @@ async fn deployed_as_envoyproxy_ratelimit_is() {
 async fn redis_down_at_start() {
     let mut redis = RedisServer::start();
     redis.kill();
-    let root = tempfile::tempdir().unwrap();
-    let config = runtime_dir(root.path());
-    write_configmap(&config, "v1", &[("edge.yaml", RULES_V1)]);
-    let mut server = ServerProcess::start(&deployed(
-        &redis.url(),
-        root.path(),
-        &[("STORE_CHECK_MS", "100")],
-    ));
+    let (root, _, mut server) = deploy(&redis.url(), &[("STORE_CHECK_MS", "100")]);
     let (status, body) = server.wait_health(|_, b| b.contains("store redis")).await;
     assert_eq!(status, 200, "{body}");
     assert!(body.contains("ON_FAILURE=fallback"), "{body}");

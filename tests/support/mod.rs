@@ -544,3 +544,22 @@ impl outage::Db for RedisServer {
         RedisServer::resume(self)
     }
 }
+
+/// A rate limit service's descriptor of `key=value` entries.
+#[cfg(feature = "rls")]
+pub fn rls_descriptor(
+    entries: &[(&str, &str)],
+) -> tollgate::rls::envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor {
+    use tollgate::rls::envoy_types::pb::envoy::extensions::common::ratelimit::v3::{
+        RateLimitDescriptor, rate_limit_descriptor::Entry,
+    };
+    RateLimitDescriptor {
+        entries: (entries.iter())
+            .map(|(k, v)| Entry {
+                key: (*k).into(),
+                value: (*v).into(),
+            })
+            .collect(),
+        ..Default::default()
+    }
+}

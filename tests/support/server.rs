@@ -6,9 +6,6 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use tempfile::TempDir;
-use tollgate::rls::envoy_types::pb::envoy::extensions::common::ratelimit::v3::{
-    RateLimitDescriptor, rate_limit_descriptor::Entry,
-};
 use tollgate::rls::envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use tollgate::rls::envoy_types::pb::envoy::service::ratelimit::v3::{
     RateLimitRequest, RateLimitResponse,
@@ -171,15 +168,7 @@ impl Drop for ServerProcess {
 pub fn request(domain: &str, entries: &[(&str, &str)]) -> RateLimitRequest {
     RateLimitRequest {
         domain: domain.into(),
-        descriptors: vec![RateLimitDescriptor {
-            entries: (entries.iter())
-                .map(|(k, v)| Entry {
-                    key: (*k).into(),
-                    value: (*v).into(),
-                })
-                .collect(),
-            ..Default::default()
-        }],
+        descriptors: vec![super::rls_descriptor(entries)],
         hits_addend: 1,
     }
 }

@@ -192,6 +192,18 @@ pub(crate) fn build(
         }
         Ok(b)
     };
+    // A SQL store: its table created before the first check, and again until it is.
+    macro_rules! sql {
+        ($builder:expr) => {{
+            let backend = remote_options!($builder).build()?;
+            let b = backend.clone();
+            let migrate = setup(move || {
+                let b = b.clone();
+                async move { b.migrate().await }
+            });
+            run.run(backend, Some(migrate))
+        }};
+    }
     Ok(match &settings.kind {
         StoreKind::Local => run.run(LocalBackend::new(), None),
         StoreKind::Redis(r) => {
@@ -208,27 +220,22 @@ pub(crate) fn build(
             run.run(redis(r)?.build_approximate(mode)?, None)
         }
         StoreKind::Postgres(url) => {
-            let backend = remote_options!(
-                tollgate::backend::postgres::PostgresBackend::builder().url(url.clone())
-            )
-            .build()?;
-            let b = backend.clone();
-            let setup: Setup = Box::new(move || {
-                let b = b.clone();
-                Box::pin(async move { b.migrate().await.map_err(|e| e.to_string()) })
-            });
-            run.run(backend, Some(setup))
+            sql!(tollgate::backend::postgres::PostgresBackend::builder().url(url.clone()))
         }
         StoreKind::Mysql(url) => {
-            let backend =
-                remote_options!(tollgate::backend::mysql::MysqlBackend::builder().url(url.clone()))
-                    .build()?;
-            let b = backend.clone();
-            let setup: Setup = Box::new(move || {
-                let b = b.clone();
-                Box::pin(async move { b.migrate().await.map_err(|e| e.to_string()) })
-            });
-            run.run(backend, Some(setup))
+            sql!(tollgate::backend::mysql::MysqlBackend::builder().url(url.clone()))
         }
+    })
+}
+
+/// A [`Setup`] from a function making the step's future.
+fn setup<F, Fut>(make: F) -> Setup
+where
+    F: Fn() -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), tollgate::BackendError>> + Send + 'static,
+{
+    Box::new(move || {
+        let step = make();
+        Box::pin(async move { step.await.map_err(|e| e.to_string()) })
     })
 }
