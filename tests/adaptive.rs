@@ -1077,6 +1077,40 @@ async fn a_waiter_dropped_after_its_wake_passes_it_on() {
     assert_eq!((limit.in_flight(), limit.waiting()), (0, 0));
 }
 
+/// 16 tasks at once, each asking `limit` `calls` times (waiting at most `wait` in its queue)
+/// and, when admitted, yielding once and ending as a success, or dropped (cancelled) every
+/// `cancel_every`th call: the most requests seen in flight.
+async fn from_16_tasks(
+    limit: &AdaptiveLimit,
+    calls: u32,
+    wait: Duration,
+    cancel_every: u32,
+) -> u32 {
+    let peak = Arc::new(AtomicU32::new(0));
+    let tasks: Vec<_> = (0..16)
+        .map(|t| {
+            let (limit, peak) = (limit.clone(), peak.clone());
+            tokio::spawn(async move {
+                for i in 0..calls {
+                    if let Some(p) = limit.acquire(wait).await {
+                        peak.fetch_max(limit.in_flight(), Ordering::Relaxed);
+                        tokio::task::yield_now().await;
+                        if (i + t) % cancel_every == 0 {
+                            drop(p);
+                        } else {
+                            p.success();
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    peak.load(Ordering::Relaxed)
+}
+
 /// Many tasks on several threads at once through a limit of 4 with a queue: never more than 4
 /// in flight, every request either served or refused (admitted + rejected = all), and nothing
 /// left in flight or in line at the end.
@@ -1090,29 +1124,8 @@ async fn a_queue_under_real_concurrency_never_exceeds_the_limit() {
             .queue(8, order)
             .build()
             .unwrap();
-        let peak = Arc::new(AtomicU32::new(0));
-        let tasks: Vec<_> = (0..16)
-            .map(|t| {
-                let (limit, peak) = (limit.clone(), peak.clone());
-                tokio::spawn(async move {
-                    for i in 0..100u32 {
-                        if let Some(p) = limit.acquire(Duration::from_millis(2)).await {
-                            peak.fetch_max(limit.in_flight(), Ordering::Relaxed);
-                            tokio::task::yield_now().await;
-                            if (i + t) % 7 == 0 {
-                                drop(p);
-                            } else {
-                                p.success();
-                            }
-                        }
-                    }
-                })
-            })
-            .collect();
-        for t in tasks {
-            t.await.unwrap();
-        }
-        assert!(peak.load(Ordering::Relaxed) <= 4, "{order:?}");
+        let peak = from_16_tasks(&limit, 100, Duration::from_millis(2), 7).await;
+        assert!(peak <= 4, "{order:?}");
         assert_eq!((limit.in_flight(), limit.waiting()), (0, 0), "{order:?}");
         let other = &limit.partitions()[0];
         assert_eq!(
@@ -1146,29 +1159,8 @@ async fn a_queue_with_a_limit_that_grows_and_shrinks_under_real_concurrency() {
             .queue(16, order)
             .build()
             .unwrap();
-        let peak = Arc::new(AtomicU32::new(0));
-        let tasks: Vec<_> = (0..16)
-            .map(|t| {
-                let (limit, peak) = (limit.clone(), peak.clone());
-                tokio::spawn(async move {
-                    for i in 0..200u32 {
-                        if let Some(p) = limit.acquire(Duration::from_millis(5)).await {
-                            peak.fetch_max(limit.in_flight(), Ordering::Relaxed);
-                            tokio::task::yield_now().await;
-                            if (i + t) % 5 == 0 {
-                                drop(p);
-                            } else {
-                                p.success();
-                            }
-                        }
-                    }
-                })
-            })
-            .collect();
-        for t in tasks {
-            t.await.unwrap();
-        }
-        assert!(peak.load(Ordering::Relaxed) <= 6, "{order:?}");
+        let peak = from_16_tasks(&limit, 200, Duration::from_millis(5), 5).await;
+        assert!(peak <= 6, "{order:?}");
         assert_eq!((limit.in_flight(), limit.waiting()), (0, 0), "{order:?}");
         let other = &limit.partitions()[0];
         assert_eq!(

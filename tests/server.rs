@@ -425,3 +425,32 @@ async fn redis_over_tls_from_envoyproxy_variables() {
     assert_eq!(ask(&mut ga, "edge", &key).await, ("OK".into(), 3));
     assert_eq!(ask(&mut gb, "edge", &key).await, ("OK".into(), 2));
 }
+
+/// `BACKEND=postgres` with the database down at start: ready (the fallback decides), and once
+/// PostgreSQL answers, the table is created in the background and calls are counted there (two
+/// servers share one count).
+#[tokio::test]
+async fn postgres_down_at_start_then_its_table_is_made() {
+    let mut pg = support::sql::PgServer::start();
+    pg.kill();
+    let dir = tempfile::tempdir().unwrap();
+    let rules = dir.path().join("rules.yaml");
+    std::fs::write(&rules, RULES_V1).unwrap();
+    let env = [
+        ("RULES_FILE", rules.display().to_string()),
+        ("BACKEND", "postgres".to_owned()),
+        ("DATABASE_URL", pg.url()),
+        ("STORE_CHECK_MS", "100".to_owned()),
+    ];
+    let mut a = ServerProcess::start(&env);
+    let (status, body) = a.wait_health(|_, b| b.contains("store postgres")).await;
+    assert_eq!(status, 200, "{body}");
+    pg.restart();
+    a.wait_health(|s, b| s == 200 && !b.contains("store")).await;
+    let mut b = ServerProcess::start(&env);
+    b.wait_health(|s, b| s == 200 && !b.contains("store")).await;
+    let (mut ga, mut gb) = (a.grpc().await, b.grpc().await);
+    let key = [("api_key", "pg")];
+    assert_eq!(ask(&mut ga, "edge", &key).await, ("OK".into(), 4));
+    assert_eq!(ask(&mut gb, "edge", &key).await, ("OK".into(), 3));
+}

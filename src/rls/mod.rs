@@ -98,7 +98,7 @@ use config::{Limit, Named};
 
 use crate::admit::{count_in, count_shadow};
 use crate::backend::{Backend, Decision, Mode};
-use crate::metrics::{self, PolicyMetrics, metrics_str::Label};
+use crate::metrics::{self, PolicyMetrics, RlsCode, metrics_str::Label};
 use crate::response::{PolicyHeaders, ceil_secs, write_ietf};
 use crate::settle::{refund_at, see_through, send, took};
 use crate::{ConfigError, Key};
@@ -509,7 +509,7 @@ impl<B: Backend> RateLimitService for RlsService<B> {
         if req.domain.is_empty() || req.descriptors.is_empty() {
             let domains = self.inner.domains.load();
             let label = (domains.by_name.get(&req.domain)).map_or(&domains.other, |c| &c.domain);
-            metrics::rls_request(label, "invalid_argument");
+            metrics::rls_request(label, RlsCode::InvalidArgument);
             return Err(tonic::Status::invalid_argument(if req.domain.is_empty() {
                 "rate limit domain must not be empty"
             } else {
@@ -525,7 +525,7 @@ impl<B: Backend> RateLimitService for RlsService<B> {
             match domains.by_name.get(&req.domain) {
                 Some(rules) => rules.clone(),
                 None => {
-                    metrics::rls_request(&domains.other, "ok");
+                    metrics::rls_request(&domains.other, RlsCode::Ok);
                     return Ok(tonic::Response::new(RateLimitResponse {
                         overall_code: Code::Ok as i32,
                         statuses,
@@ -611,7 +611,7 @@ impl<B: Backend> RateLimitService for RlsService<B> {
             for refund in asking.give_back() {
                 let _ = refund.await;
             }
-            metrics::rls_request(&rules.domain, "unavailable");
+            metrics::rls_request(&rules.domain, RlsCode::Unavailable);
             return Err(tonic::Status::unavailable(format!("rate limit store: {e}")));
         }
         // A check refuses when not one unit is left; a rule's refusal, unless in shadow mode.
@@ -708,7 +708,12 @@ impl<B: Backend> RateLimitService for RlsService<B> {
         if over {
             headers.push(header("retry-after", ceil_secs(retry).max(1).to_string()));
         }
-        metrics::rls_request(&rules.domain, if over { "over_limit" } else { "ok" });
+        let code = if over {
+            RlsCode::OverLimit
+        } else {
+            RlsCode::Ok
+        };
+        metrics::rls_request(&rules.domain, code);
         let dynamic_metadata = self
             .inner
             .dynamic_metadata

@@ -141,7 +141,7 @@ pub(crate) fn split(limit: u32, demands: &[Demand]) -> Vec<u32> {
 
 /// Rounds `shares` (adding up to `limit`, but for floating-point error) to whole tokens that
 /// add up to `limit` exactly: each share's floor, then one more token to the largest
-/// remainders.
+/// remainders (the property test checks the sum).
 fn whole(limit: u32, shares: &[f64]) -> Vec<u32> {
     let mut out: Vec<u32> = (shares.iter())
         .map(|s| (s.max(0.0).floor() as u64).min(u64::from(limit)) as u32)
@@ -153,32 +153,11 @@ fn whole(limit: u32, shares: &[f64]) -> Vec<u32> {
     // bits, which must not decide who gets a token.
     let remainder = |i: usize| ((shares[i] - shares[i].floor()) * 1e9).round() as i64;
     order.sort_by_key(|&i| std::cmp::Reverse(remainder(i)));
-    if given <= u64::from(limit) {
-        let mut missing = u64::from(limit) - given;
-        // More than one round only when error left the floors far below the limit.
-        while missing > 0 {
-            for &i in &order {
-                if missing == 0 {
-                    break;
-                }
-                out[i] += 1;
-                missing -= 1;
-            }
-        }
-    } else {
-        // Floating-point error past the limit: take back from the smallest remainders.
-        let mut extra = given - u64::from(limit);
-        while extra > 0 {
-            for &i in order.iter().rev() {
-                if extra == 0 {
-                    break;
-                }
-                if out[i] > 0 {
-                    out[i] -= 1;
-                    extra -= 1;
-                }
-            }
-        }
+    // The floors add up to at most the limit (their sum is at most the shares', which is the
+    // limit but for error far below a token): the tokens missing go to the largest remainders.
+    let missing = u64::from(limit).saturating_sub(given) as usize;
+    for &i in order.iter().cycle().take(missing) {
+        out[i] += 1;
     }
     out
 }
