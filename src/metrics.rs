@@ -13,6 +13,10 @@
 //! | `tollgate_circuit_breaker_transitions_total` | counter | `backend`, `state` | the breaker opening (`open`) and closing (`closed`) |
 //! | `tollgate_circuit_breaker_open` | gauge | `backend` | 1 while the breaker is open, else 0 |
 //! | `tollgate_rls_requests_total` | counter | `domain`, `code` | calls to the rate limit service ([`rls`](crate::rls)), by answer: `ok`, `over_limit`, `unavailable`; `domain` is the one served, or `other` (its descriptors' decisions are in `tollgate_decisions_total` under their rules' policies) |
+//! | `tollgate_rlqs_streams` | gauge | — | streams of the rate limit quota service ([`RlqsService`](crate::rls::RlqsService)) open now: one per Envoy (per worker thread) |
+//! | `tollgate_rlqs_reports_total` | counter | `domain` | usage reports of a domain served (an Envoy sends one every 5 s) |
+//! | `tollgate_rlqs_assignments_total` | counter | `action` | assignments answered for reported buckets: `token_bucket` (a share), `allow_all` (no rule, `unlimited`, shadow), `deny_all` (spent, a rule of 0, or no share now), `abandon` (its rule removed) |
+//! | `tollgate_rlqs_buckets_refused_total` | counter | — | reported buckets past a stream's cap ([`RlqsService::max_buckets`](crate::rls::RlqsService::max_buckets)), given no assignment |
 //! | `tollgate_deny_cache_hits_total` | counter | `policy` | denials answered from the deny cache, without a round trip |
 //! | `tollgate_adaptive_requests_total` | counter | `limit`, `partition`, `outcome` | requests an [`AdaptiveLimit`](crate::adaptive::AdaptiveLimit) saw, by partition (those given, and `other`) and `outcome`: `admitted`, `rejected`, then for the admitted `succeeded`, `dropped` (overload) or `cancelled` (no sample) |
 //! | `tollgate_adaptive_limit` | gauge | `limit` | the adaptive limit, set when the limit is built and when a window of samples closes (with no traffic it keeps its last value: read it with the requests' rate) |
@@ -391,6 +395,49 @@ pub(crate) fn rls_request(domain: &metrics_str::Label, code: RlsCode) {
             )
         })
         .increment(1);
+}
+
+/// Sets `tollgate_rlqs_streams`: the rate limit quota service's streams open now.
+#[cfg_attr(
+    not(all(feature = "metrics", feature = "rls")),
+    allow(unused_variables, dead_code)
+)]
+pub(crate) fn rlqs_streams(open: u64) {
+    #[cfg(feature = "metrics")]
+    metrics::gauge!("tollgate_rlqs_streams").set(open as f64);
+}
+
+/// Counts a usage report of a domain served (`tollgate_rlqs_reports_total`); reports come
+/// every few seconds per stream, so the handle is looked up each time.
+#[cfg_attr(
+    not(all(feature = "metrics", feature = "rls")),
+    allow(unused_variables, dead_code)
+)]
+pub(crate) fn rlqs_report(domain: &metrics_str::Label) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!("tollgate_rlqs_reports_total", "domain" => domain.0.clone()).increment(1);
+}
+
+/// Counts an assignment answered for a reported bucket (`tollgate_rlqs_assignments_total`),
+/// by `action`: `token_bucket`, `allow_all`, `deny_all`, `abandon`.
+#[cfg_attr(
+    not(all(feature = "metrics", feature = "rls")),
+    allow(unused_variables, dead_code)
+)]
+pub(crate) fn rlqs_assignment(action: &'static str) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!("tollgate_rlqs_assignments_total", "action" => action).increment(1);
+}
+
+/// Counts reported buckets past a stream's cap, given no assignment
+/// (`tollgate_rlqs_buckets_refused_total`).
+#[cfg_attr(
+    not(all(feature = "metrics", feature = "rls")),
+    allow(unused_variables, dead_code)
+)]
+pub(crate) fn rlqs_buckets_refused(n: u64) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!("tollgate_rlqs_buckets_refused_total").increment(n);
 }
 
 /// The `code` label of `tollgate_rls_requests_total`: how a call was answered.

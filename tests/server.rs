@@ -11,7 +11,8 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use support::RedisServer;
-use support::server::{ServerProcess, ask};
+use support::ask;
+use support::server::ServerProcess;
 
 /// envoyproxy/ratelimit's rules as they are: per API key, 5 a day (a fixed window: no
 /// boundary passes during a test but at midnight UTC).
@@ -275,7 +276,7 @@ async fn redis_down_at_start() {
     // Its gRPC calls fail with UNAVAILABLE, for Envoy's failure_mode_deny to decide.
     let mut c = closed.grpc().await;
     let err = c
-        .should_rate_limit(support::server::request("edge", &a))
+        .should_rate_limit(support::request("edge", &a))
         .await
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::Unavailable);
@@ -384,7 +385,7 @@ async fn grpc_tls_and_mtls() {
     let refused = match endpoint(false).connect().await {
         Err(_) => true,
         Ok(channel) => RateLimitServiceClient::new(channel)
-            .should_rate_limit(support::server::request("edge", &[("api_key", "a")]))
+            .should_rate_limit(support::request("edge", &[("api_key", "a")]))
             .await
             .is_err(),
     };

@@ -590,7 +590,6 @@ pub(crate) fn find<'a, 'e>(
 
 /// The most entries [`find_unordered`] matches: a bucket id of Envoy's rate limit quota
 /// filter with more matches no rule (rules trees are a few levels deep).
-#[cfg_attr(not(test), allow(dead_code))] // The quota service's (issue 57), next.
 pub(crate) const MAX_UNORDERED: usize = 16;
 
 /// The rule a set of entries reaches in *some* order (a bucket id of Envoy's rate limit quota
@@ -600,7 +599,6 @@ pub(crate) const MAX_UNORDERED: usize = 16;
 /// (the order of a descriptor the same rule matches, so that both count in one bucket), or
 /// `None` when no order reaches a rule with every entry, or there are more than
 /// [`MAX_UNORDERED`].
-#[cfg_attr(not(test), allow(dead_code))] // The quota service's (issue 57), next.
 pub(crate) fn find_unordered<'a, 'e>(
     root: &'a Node,
     entries: &[(&'e str, &'e str)],

@@ -66,9 +66,7 @@
 //! ```
 
 mod config;
-// The split of a bucket's limit between the streams of Envoy's rate limit quota service
-// (issue 57): its service comes next; the split stands, tested, on its own.
-#[cfg_attr(not(test), allow(dead_code))]
+pub mod quota;
 mod share;
 
 use std::collections::HashMap;
@@ -95,6 +93,7 @@ use smallvec::SmallVec;
 
 pub use config::RlsConfig;
 use config::{Limit, Named};
+pub use quota::RlqsService;
 
 use crate::admit::{count_in, count_shadow};
 use crate::backend::{Backend, Decision, Mode};
@@ -125,6 +124,8 @@ struct Inner<B: Backend> {
     v6_prefix: AtomicU8,
     /// Whether answers carry `dynamic_metadata`.
     dynamic_metadata: AtomicBool,
+    /// The rate limit quota service's streams (see [`RlsService::quota_service`]).
+    quota: quota::QuotaState,
 }
 
 /// The domains served, each with its rules.
@@ -162,6 +163,9 @@ struct Compiled<B: Backend> {
     metrics: Vec<PolicyMetrics>,
     /// The `domain` label: the domain served.
     domain: Label,
+    /// Per policy: its rate in units per second (its tightest quota's count over period),
+    /// what the quota service splits between a fleet's streams.
+    rates: Vec<f64>,
 }
 
 impl<B: Backend> Compiled<B> {
@@ -169,8 +173,13 @@ impl<B: Backend> Compiled<B> {
         let mut prepared = Vec::with_capacity(config.policies().len());
         let mut headers = Vec::with_capacity(config.policies().len());
         let mut metrics = Vec::with_capacity(config.policies().len());
+        let mut rates = Vec::with_capacity(config.policies().len());
         for policy in config.policies() {
             let params = policy.validate()?;
+            let rate = (params.iter())
+                .map(|q| 1e9 / q.emission_ns.max(1) as f64)
+                .fold(f64::INFINITY, f64::min);
+            rates.push(if rate.is_finite() { rate } else { 0.0 });
             prepared.push(backend.prepare(policy, &params)?);
             let h = PolicyHeaders::new(policy, &params);
             metrics.push(PolicyMetrics::new(policy, &h.labels));
@@ -182,6 +191,7 @@ impl<B: Backend> Compiled<B> {
             prepared,
             headers,
             metrics,
+            rates,
         })
     }
 }
@@ -209,6 +219,7 @@ impl<B: Backend> RlsService<B> {
                 headers: AtomicBool::new(true),
                 v6_prefix: AtomicU8::new(crate::key::ip::DEFAULT_V6_PREFIX),
                 dynamic_metadata: AtomicBool::new(false),
+                quota: quota::QuotaState::default(),
             }),
         })
     }

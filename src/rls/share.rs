@@ -38,43 +38,90 @@ impl Demand {
     }
 }
 
+/// How long a stream's demand for a bucket counts without a new report: past it, the stream
+/// is taken to have stopped asking for the bucket (Envoy reports every bucket it holds every
+/// 5 s; one that stopped reporting holds an assignment that has expired by then), and its
+/// share goes back to the others.
+pub(crate) const STALE: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// One stream's place in a bucket's split.
+#[derive(Debug, Clone, Copy)]
+struct Member {
+    stream: u64,
+    demand: Demand,
+    seen: std::time::Instant,
+}
+
 /// The streams that report each bucket, with their last demand: what a bucket's limit is split
 /// between. Shared by every stream of a server; reports come every few seconds per stream, so
 /// one lock serves them (a split is computed under it, from one consistent view).
 #[derive(Default)]
 pub(crate) struct Streams<K> {
-    buckets: std::sync::Mutex<std::collections::HashMap<K, Vec<(u64, Demand)>>>,
+    buckets: std::sync::Mutex<std::collections::HashMap<K, Vec<Member>>>,
 }
 
 impl<K: std::hash::Hash + Eq + Clone> Streams<K> {
-    /// Records `stream`'s demand for `bucket` (joining it if new) and returns its share of
-    /// `limit`, split with the bucket's other streams as they are now.
-    pub(crate) fn report(&self, bucket: &K, stream: u64, demand: Demand, limit: u32) -> u32 {
+    /// Records `stream`'s demand for `bucket` at `now` (joining it if new; streams not heard
+    /// from for [`STALE`] leave it) and returns its share of each of `limits`, split with the
+    /// bucket's other streams as they are now, and with `elsewhere`: the demands of the
+    /// bucket's streams on other servers, which take their shares of the same limits.
+    pub(crate) fn report<const N: usize>(
+        &self,
+        bucket: &K,
+        stream: u64,
+        demand: Demand,
+        now: std::time::Instant,
+        elsewhere: &[Demand],
+        limits: [u32; N],
+    ) -> [u32; N] {
         let mut buckets = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
         let streams = buckets.entry(bucket.clone()).or_default();
-        let at = match streams.iter().position(|(id, _)| *id == stream) {
+        streams.retain(|m| m.stream == stream || now.saturating_duration_since(m.seen) < STALE);
+        let at = match streams.iter().position(|m| m.stream == stream) {
             Some(at) => {
-                streams[at].1 = demand;
+                streams[at].demand = demand;
+                streams[at].seen = now;
                 at
             }
             None => {
-                streams.push((stream, demand));
+                streams.push(Member {
+                    stream,
+                    demand,
+                    seen: now,
+                });
                 streams.len() - 1
             }
         };
-        let demands: Vec<Demand> = streams.iter().map(|(_, d)| *d).collect();
-        split(limit, &demands)[at]
+        let demands: Vec<Demand> = (streams.iter().map(|m| m.demand))
+            .chain(elsewhere.iter().copied())
+            .collect();
+        limits.map(|limit| split(limit, &demands)[at])
     }
 
-    /// Every stream's share of `limit` for `bucket` now, by stream.
-    pub(crate) fn shares(&self, bucket: &K, limit: u32) -> Vec<(u64, u32)> {
+    #[cfg(test)]
+    /// Every stream's share of `limit` for `bucket` now, by stream (with `elsewhere`'s streams
+    /// taking theirs, not listed).
+    pub(crate) fn shares(&self, bucket: &K, elsewhere: &[Demand], limit: u32) -> Vec<(u64, u32)> {
         let buckets = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
         let Some(streams) = buckets.get(bucket) else {
             return Vec::new();
         };
-        let demands: Vec<Demand> = streams.iter().map(|(_, d)| *d).collect();
-        (streams.iter().map(|(id, _)| *id))
+        let demands: Vec<Demand> = (streams.iter().map(|m| m.demand))
+            .chain(elsewhere.iter().copied())
+            .collect();
+        (streams.iter().map(|m| m.stream))
             .zip(split(limit, &demands))
+            .collect()
+    }
+
+    #[cfg_attr(not(test), allow(dead_code))] // Told to the other servers, next.
+    /// The demands of `bucket`'s streams heard from within [`STALE`] of `now`: what this
+    /// server tells the others (see [`report`](Self::report)'s `elsewhere`).
+    pub(crate) fn demands(&self, bucket: &K, now: std::time::Instant) -> Vec<Demand> {
+        let buckets = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
+        (buckets.get(bucket).into_iter().flatten())
+            .filter(|m| now.saturating_duration_since(m.seen) < STALE)
+            .map(|m| m.demand)
             .collect()
     }
 
@@ -87,7 +134,7 @@ impl<K: std::hash::Hash + Eq + Clone> Streams<K> {
         let mut all = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
         for bucket in buckets {
             if let Some(streams) = all.get_mut(bucket) {
-                streams.retain(|(id, _)| *id != stream);
+                streams.retain(|m| m.stream != stream);
                 if streams.is_empty() {
                     all.remove(bucket);
                 }
@@ -95,6 +142,7 @@ impl<K: std::hash::Hash + Eq + Clone> Streams<K> {
         }
     }
 
+    #[cfg(test)]
     /// How many buckets have streams.
     pub(crate) fn len(&self) -> usize {
         self.buckets.lock().unwrap_or_else(|e| e.into_inner()).len()
@@ -204,20 +252,38 @@ mod tests {
     }
 
     /// Streams joining, reporting and leaving one bucket: each report answers the stream's
-    /// share of the split as it is; a stream that leaves returns its share.
+    /// share of the split as it is; a stream that leaves returns its share, as does one not
+    /// heard from for `STALE`; streams on other servers take their shares.
     #[test]
     fn streams_join_report_and_leave() {
         let s = Streams::<&str>::default();
-        assert_eq!(s.report(&"b", 1, Unknown, 1200), 1200);
+        let t0 = std::time::Instant::now();
+        let at = |secs: u64| t0 + std::time::Duration::from_secs(secs);
+        assert_eq!(s.report(&"b", 1, Unknown, at(0), &[], [1200]), [1200]);
         // A second stream, demand unknown: half, not nothing.
-        assert_eq!(s.report(&"b", 2, Unknown, 1200), 600);
-        assert_eq!(s.report(&"b", 1, Known(1000.0), 1200), 600);
-        // Asking 1 100 in all: met, and the 100 left shared as headroom.
-        assert_eq!(s.report(&"b", 2, Known(100.0), 1200), 150);
-        assert_eq!(s.shares(&"b", 1200), [(1, 1050), (2, 150)]);
+        assert_eq!(s.report(&"b", 2, Unknown, at(0), &[], [1200]), [600]);
+        assert_eq!(s.report(&"b", 1, Known(1000.0), at(5), &[], [1200]), [600]);
+        // Asking 1 100 in all: met, and the 100 left shared as headroom; a second limit is
+        // split by the same demands.
+        assert_eq!(
+            s.report(&"b", 2, Known(100.0), at(5), &[], [1200, 12]),
+            [150, 2]
+        );
+        assert_eq!(s.shares(&"b", &[], 1200), [(1, 1050), (2, 150)]);
+        assert_eq!(s.demands(&"b", at(5)), [Known(1000.0), Known(100.0)]);
+        // A stream on another server asking as much as stream 1: the three split the limit.
+        assert_eq!(
+            s.report(&"b", 1, Known(1000.0), at(10), &[Known(1000.0)], [1200]),
+            [550]
+        );
         s.leave(2, [&"b"]);
-        assert_eq!(s.shares(&"b", 1200), [(1, 1200)]);
-        s.leave(1, [&"b", &"never reported"]);
+        assert_eq!(s.shares(&"b", &[], 1200), [(1, 1200)]);
+        // Stream 1 goes quiet: 30 s after its last report, a new stream's report finds it
+        // gone, and has the whole limit.
+        assert_eq!(s.report(&"b", 3, Unknown, at(39), &[], [1200]), [600]);
+        assert_eq!(s.report(&"b", 3, Unknown, at(40), &[], [1200]), [1200]);
+        assert!(s.demands(&"b", at(71)).is_empty());
+        s.leave(3, [&"b", &"never reported"]);
         assert_eq!(s.len(), 0);
     }
 
@@ -245,9 +311,11 @@ mod tests {
                         } else {
                             Known((x >> 20) as f64 % 1_000.0)
                         };
-                        let share = streams.report(&b, stream, demand, limit(b));
+                        let now = std::time::Instant::now();
+                        let [share] = streams.report(&b, stream, demand, now, &[], [limit(b)]);
                         assert!(share <= limit(b));
-                        let total: u32 = streams.shares(&b, limit(b)).iter().map(|s| s.1).sum();
+                        let shares = streams.shares(&b, &[], limit(b));
+                        let total: u32 = shares.iter().map(|s| s.1).sum();
                         assert_eq!(total, limit(b));
                     }
                     stream
@@ -256,7 +324,7 @@ mod tests {
             .collect();
         let done: Vec<u64> = threads.into_iter().map(|t| t.join().unwrap()).collect();
         for b in 0..buckets {
-            let shares = streams.shares(&b, limit(b));
+            let shares = streams.shares(&b, &[], limit(b));
             if !shares.is_empty() {
                 assert_eq!(shares.iter().map(|s| s.1).sum::<u32>(), limit(b));
             }

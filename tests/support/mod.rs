@@ -17,6 +17,8 @@ use tollgate::{Key, Policy, Quota};
 
 #[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
 pub mod conformance;
+#[cfg(feature = "rls")]
+pub mod envoy;
 #[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
 pub mod outage;
 pub mod proxy;
@@ -561,5 +563,82 @@ pub fn rls_descriptor(
             })
             .collect(),
         ..Default::default()
+    }
+}
+
+/// One descriptor of `key=value` entries, `hits` 1.
+#[cfg(feature = "rls")]
+pub fn request(
+    domain: &str,
+    entries: &[(&str, &str)],
+) -> tollgate::rls::envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest {
+    tollgate::rls::envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest {
+        domain: domain.into(),
+        descriptors: vec![rls_descriptor(entries)],
+        hits_addend: 1,
+    }
+}
+
+/// A rate limit service client of `127.0.0.1:port`.
+#[cfg(feature = "rls")]
+pub async fn rls_client(
+    port: u16,
+) -> tollgate::rls::envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient<tonic::transport::Channel>{
+    use tollgate::rls::envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+    RateLimitServiceClient::connect(format!("http://127.0.0.1:{port}"))
+        .await
+        .unwrap()
+}
+
+/// Asks once: the overall code's name and the first status's `limit_remaining`.
+#[cfg(feature = "rls")]
+pub async fn ask(
+    client: &mut tollgate::rls::envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient<tonic::transport::Channel>,
+    domain: &str,
+    entries: &[(&str, &str)],
+) -> (String, u32) {
+    let r = client
+        .should_rate_limit(request(domain, entries))
+        .await
+        .unwrap()
+        .into_inner();
+    (
+        r.overall_code().as_str_name().to_owned(),
+        r.statuses.first().map_or(0, |s| s.limit_remaining),
+    )
+}
+
+/// Calls the gRPC method `path` of `127.0.0.1:port` with a message that is no message of the
+/// method's (its field 1 with the wrong wire type), as a client stream; the status it ends
+/// with.
+#[cfg(feature = "rls")]
+pub async fn grpc_garbage(port: u16, path: &'static str) -> tonic::Code {
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct Garbage {
+        #[prost(uint64, tag = "1")]
+        x: u64,
+    }
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await.unwrap();
+    let codec = tonic_prost::ProstCodec::<Garbage, Garbage>::default();
+    let sent = tokio_stream::iter(vec![Garbage { x: 7 }]);
+    let path = tonic::codegen::http::uri::PathAndQuery::from_static(path);
+    match grpc.streaming(tonic::Request::new(sent), path, codec).await {
+        Err(status) => status.code(),
+        Ok(answers) => {
+            let mut answers = answers.into_inner();
+            loop {
+                match answers.message().await {
+                    Err(status) => return status.code(),
+                    Ok(None) => return tonic::Code::Ok,
+                    Ok(Some(_)) => {}
+                }
+            }
+        }
     }
 }

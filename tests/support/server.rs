@@ -7,9 +7,6 @@ use std::time::{Duration, Instant};
 
 use tempfile::TempDir;
 use tollgate::rls::envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
-use tollgate::rls::envoy_types::pb::envoy::service::ratelimit::v3::{
-    RateLimitRequest, RateLimitResponse,
-};
 
 /// A running `tollgate-server`.
 pub struct ServerProcess {
@@ -162,30 +159,4 @@ impl Drop for ServerProcess {
             let _ = child.wait();
         }
     }
-}
-
-/// One descriptor of `key=value` entries, `hits` 1.
-pub fn request(domain: &str, entries: &[(&str, &str)]) -> RateLimitRequest {
-    RateLimitRequest {
-        domain: domain.into(),
-        descriptors: vec![super::rls_descriptor(entries)],
-        hits_addend: 1,
-    }
-}
-
-/// Asks once: the overall code's name and the first status's `limit_remaining`.
-pub async fn ask(
-    client: &mut RateLimitServiceClient<tonic::transport::Channel>,
-    domain: &str,
-    entries: &[(&str, &str)],
-) -> (String, u32) {
-    let r: RateLimitResponse = client
-        .should_rate_limit(request(domain, entries))
-        .await
-        .unwrap()
-        .into_inner();
-    (
-        r.overall_code().as_str_name().to_owned(),
-        r.statuses.first().map_or(0, |s| s.limit_remaining),
-    )
 }

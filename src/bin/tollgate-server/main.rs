@@ -7,7 +7,9 @@
 //! RULES_FILE=rules.yaml BACKEND=redis REDIS_URL=127.0.0.1:6379 tollgate-server
 //! ```
 //!
-//! - gRPC on `GRPC_PORT` (8081): the rate limit service and gRPC health (`grpc.health.v1`);
+//! - gRPC on `GRPC_PORT` (8081): the rate limit service, the rate limit quota service (RLQS:
+//!   `envoy.service.rate_limit_quota.v3`, on the same rules and store) and gRPC health
+//!   (`grpc.health.v1`);
 //! - HTTP on `PORT` (8080): `/healthcheck`, `/metrics` (Prometheus), `/json` (the rate limit
 //!   service over HTTP) and `/rlconfig` (the rules as loaded).
 //!
@@ -26,7 +28,8 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use tollgate::backend::Backend;
-use tollgate::rls::RlsService;
+use tollgate::rls::envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaServiceServer;
+use tollgate::rls::{RlqsService, RlsService};
 use tollgate::rls::envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 use tonic_health::ServingStatus;
 
@@ -44,7 +47,7 @@ environment variables (envoyproxy/ratelimit's names where they mean the same).
   rules   RULES_FILE | RULES_DIR | RUNTIME_ROOT + RUNTIME_SUBDIRECTORY (+ RUNTIME_APPDIRECTORY)
   store   BACKEND=local|redis|redis_approx|postgres|mysql, REDIS_URL, REDIS_TYPE, REDIS_AUTH,
           REDIS_TLS, DATABASE_URL, ON_FAILURE=fallback|open|closed, STORE_TIMEOUT_MS
-  ports   GRPC_PORT (8081: RLS, gRPC health), PORT (8080: /healthcheck /metrics /json /rlconfig)
+  ports   GRPC_PORT (8081: RLS, RLQS, gRPC health), PORT (8080: /healthcheck /metrics /json /rlconfig)
   more    LOG_LEVEL, LOG_FORMAT=json, USE_PROMETHEUS, GRPC_SERVER_USE_TLS, DRAIN_SECONDS, ...
 
 Every variable: docs/server.md (https://github.com/tollgate-rs/tollgate/blob/main/docs/server.md).
@@ -195,6 +198,8 @@ async fn run<B: Backend + Clone>(
         }
     };
 
+    // Envoy's rate limit quota service on the same rules, store and port.
+    let quota = service.quota_service();
     let mut grpc = tonic::transport::Server::builder();
     if let Some(tls) = &settings.tls {
         grpc = grpc.tls_config(tls_config(tls)?)?;
@@ -202,6 +207,7 @@ async fn run<B: Backend + Clone>(
     let grpc = grpc
         .add_service(health_service)
         .add_service(service.clone().into_server())
+        .add_service(quota.clone().into_server())
         .serve_with_incoming_shutdown(
             // Nagle's algorithm off, as tonic's own `serve` sets it: an answer is sent when it
             // is written, not held back for the next (Envoy waits 20-50 ms at most).
@@ -227,6 +233,7 @@ async fn run<B: Backend + Clone>(
 
     let drain = settings.drain;
     let draining = status.clone();
+    let quota_streams = quota.clone();
     tokio::spawn(async move {
         signal().await;
         draining.draining.store(true, Ordering::Relaxed);
@@ -241,6 +248,9 @@ async fn run<B: Backend + Clone>(
             _ = tokio::time::sleep(drain) => {}
             _ = signal() => tracing::info!("second signal: stopping now"),
         }
+        // The quota streams end (their Envoys open them again elsewhere), then the calls in
+        // flight are answered.
+        quota_streams.close();
         let _ = stop_tx.send(true);
     });
 
@@ -353,8 +363,12 @@ async fn set_grpc_health(reporter: &tonic_health::server::HealthReporter, servin
     };
     reporter.set_service_status("", s).await;
     type Rls = RateLimitServiceServer<RlsService<tollgate::backend::LocalBackend>>;
+    type Rlqs = RateLimitQuotaServiceServer<RlqsService<tollgate::backend::LocalBackend>>;
     reporter
         .set_service_status(<Rls as tonic::server::NamedService>::NAME, s)
+        .await;
+    reporter
+        .set_service_status(<Rlqs as tonic::server::NamedService>::NAME, s)
         .await;
 }
 
