@@ -63,7 +63,7 @@ fn with_ports(config: &str, ports: Ports) -> String {
         assert!(config.contains(from), "no `{from}` in {config}");
         config = config.replace(from, &format!("port_value: {to} "));
     }
-    assert!(config.contains("timeout: 0.05s"));
+    // The RLS filter's deadline (the quota filter has none).
     config.replace("timeout: 0.05s", "timeout: 5s")
 }
 
@@ -351,6 +351,247 @@ async fn tollgate_server_behind_the_docs_gateway() {
     assert_eq!(statuses, [200, 200, 200, 429]);
 }
 
+/// The docs' quota gateway (Envoy's `rate_limit_quota` filter, a bucket per `x-tenant`)
+/// with its ports changed, in front of `backend`, streaming to `grpc_port`.
+#[cfg(feature = "server")]
+async fn quota_gateway(grpc_port: u16, backend: u16) -> Envoy {
+    let ports = Ports {
+        listener: free_port(),
+        rls: grpc_port,
+        backend,
+    };
+    Envoy::start(with_ports(&docs_block("quota"), ports), ports.listener).await
+}
+
+/// The rules the quota tests start with: 100 requests a second per tenant (a 1-s window).
+#[cfg(feature = "server")]
+const QUOTA_RULES: &str = "domain: edge
+descriptors:
+  - key: name
+    value: api
+    descriptors:
+      - key: tenant
+        rate_limit: { unit: second, requests_per_unit: 100 }
+";
+
+/// Requests admitted (200) and refused (429) in each second of an offer.
+#[cfg(feature = "server")]
+#[derive(Debug, Default, Clone, Copy)]
+struct Second {
+    ok: u32,
+    refused: u32,
+}
+
+/// Sends `rate` requests a second through `url` with `x-tenant: tenant` for `secs` seconds,
+/// open loop (each on time, whatever the others' answers): what each second's requests got.
+#[cfg(feature = "server")]
+async fn offer(url: String, tenant: &'static str, rate: u32, secs: u32) -> Vec<Second> {
+    use std::sync::{Arc, Mutex};
+    let client = reqwest::Client::new();
+    let got = Arc::new(Mutex::new(vec![Second::default(); secs as usize]));
+    let mut tick = tokio::time::interval(Duration::from_secs(1) / rate);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    let start = tokio::time::Instant::now();
+    let mut sent = Vec::new();
+    for _ in 0..rate * secs {
+        tick.tick().await;
+        let second = (start.elapsed().as_secs() as usize).min(secs as usize - 1);
+        let (client, got, url) = (client.clone(), got.clone(), url.clone());
+        sent.push(tokio::spawn(async move {
+            let res = client.get(&url).header("x-tenant", tenant).send().await;
+            let status = res.map(|r| r.status().as_u16()).unwrap_or(0);
+            let mut got = got.lock().unwrap();
+            match status {
+                200 => got[second].ok += 1,
+                429 => got[second].refused += 1,
+                other => panic!("status {other} from the gateway"),
+            }
+        }));
+    }
+    for s in sent {
+        s.await.unwrap();
+    }
+    Arc::try_unwrap(got).unwrap().into_inner().unwrap()
+}
+
+/// Requests admitted over `seconds` of an offer.
+#[cfg(feature = "server")]
+fn admitted(got: &[Second], seconds: std::ops::Range<usize>) -> u32 {
+    got[seconds].iter().map(|s| s.ok).sum()
+}
+
+/// Three Envoys with the docs' quota gateway, streaming to one `tollgate-server`, offered
+/// 140, 20 and 20 requests a second for one tenant whose rule allows 100: once the reports
+/// have come in (two rounds, 10 s), the fleet admits the limit, the two small Envoys
+/// everything they are sent (their demand is under an equal share), the large one the rest;
+/// another tenant has its own limit.
+#[cfg(feature = "server")]
+#[tokio::test]
+async fn an_envoy_fleet_holds_a_shared_limit_under_uneven_load() {
+    use support::server::ServerProcess;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("edge.yaml");
+    std::fs::write(&file, QUOTA_RULES).unwrap();
+    let mut server = ServerProcess::start(&[("RULES_FILE", file.display().to_string())]);
+    server.ready().await;
+    let backend = upstream().await;
+    let mut envoys = Vec::new();
+    for _ in 0..3 {
+        envoys.push(quota_gateway(server.grpc_port, backend).await);
+    }
+    let secs = 18;
+    let (big, small1, small2, other) = tokio::join!(
+        offer(envoys[0].url.clone(), "acme", 140, secs),
+        offer(envoys[1].url.clone(), "acme", 20, secs),
+        offer(envoys[2].url.clone(), "acme", 20, secs),
+        offer(envoys[2].url.clone(), "globex", 30, secs),
+    );
+    let steady = 11..secs as usize;
+    let n = steady.len() as u32;
+    let fleet = admitted(&big, steady.clone())
+        + admitted(&small1, steady.clone())
+        + admitted(&small2, steady.clone());
+    let report = format!(
+        "{big:?}\n{small1:?}\n{small2:?}\n{other:?}\n{}",
+        server.log()
+    );
+    assert!(
+        (100 * n * 9 / 10..=100 * n * 11 / 10).contains(&fleet),
+        "the fleet admitted {fleet} in {n} s for 100/s: {report}"
+    );
+    for small in [&small1, &small2] {
+        assert!(
+            admitted(small, steady.clone()) >= 20 * n * 95 / 100,
+            "a small Envoy is refused under its share: {report}"
+        );
+    }
+    // Another tenant, under its limit: every request.
+    assert_eq!(admitted(&other, 0..secs as usize), 30 * secs, "{report}");
+}
+
+/// Two `tollgate-server`s over one Redis, two Envoys streaming to one and one to the other,
+/// each offered 60 requests a second for a tenant whose rule allows 100: the servers share
+/// their streams' demand through Redis, so the three Envoys split the limit between them
+/// (not 50/50 on one server and 100 on the other) and the fleet admits the limit.
+#[cfg(feature = "server")]
+#[tokio::test]
+async fn two_servers_over_redis_split_one_limit() {
+    use support::server::ServerProcess;
+    let redis = support::RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("edge.yaml");
+    std::fs::write(&file, QUOTA_RULES).unwrap();
+    let env = [
+        ("RULES_FILE", file.display().to_string()),
+        ("BACKEND", "redis".to_owned()),
+        ("REDIS_URL", redis.url()),
+    ];
+    let mut servers = [ServerProcess::start(&env), ServerProcess::start(&env)];
+    let backend = upstream().await;
+    let mut envoys = Vec::new();
+    for server in [0, 0, 1] {
+        servers[server].ready().await;
+        envoys.push(quota_gateway(servers[server].grpc_port, backend).await);
+    }
+    let secs = 18;
+    let (a, b, c) = tokio::join!(
+        offer(envoys[0].url.clone(), "acme", 60, secs),
+        offer(envoys[1].url.clone(), "acme", 60, secs),
+        offer(envoys[2].url.clone(), "acme", 60, secs),
+    );
+    let steady = 11..secs as usize;
+    let n = steady.len() as u32;
+    let fleet = [&a, &b, &c].map(|g| admitted(g, steady.clone()));
+    let total: u32 = fleet.iter().sum();
+    let report = format!(
+        "{fleet:?}\n{a:?}\n{b:?}\n{c:?}\n{}\n{}",
+        servers[0].log(),
+        servers[1].log()
+    );
+    assert!(
+        (100 * n * 9 / 10..=100 * n * 11 / 10).contains(&total),
+        "the fleet admitted {total} in {n} s for 100/s: {report}"
+    );
+    // Each Envoy about a third.
+    for got in fleet {
+        assert!(
+            (28 * n..=38 * n).contains(&got),
+            "an Envoy admitted {got} in {n} s, not a third of 100/s: {report}"
+        );
+    }
+}
+
+/// A rules change reaches the fleet at its next reports: the limit lowered from 100/s to
+/// 20/s holds within a report gap; the rule removed, the bucket is abandoned and every
+/// request passes (a bucket no rule counts).
+#[cfg(feature = "server")]
+#[tokio::test]
+async fn a_rules_change_reaches_the_envoys() {
+    use support::server::ServerProcess;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("edge.yaml");
+    std::fs::write(&file, QUOTA_RULES).unwrap();
+    let mut server = ServerProcess::start(&[
+        ("RULES_FILE", file.display().to_string()),
+        ("RULES_RELOAD_MS", "200".to_owned()),
+    ]);
+    server.ready().await;
+    let envoy = quota_gateway(server.grpc_port, upstream().await).await;
+    let url = envoy.url.clone();
+    let offered = tokio::spawn(offer(url, "acme", 60, 30));
+    // Under the limit: everything. Then 20/s from second 6, and no rule from second 18.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    std::fs::write(&file, QUOTA_RULES.replace("100 }", "20 }")).unwrap();
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    std::fs::write(&file, "domain: edge\ndescriptors: []\n").unwrap();
+    let got = offered.await.unwrap();
+    let report = format!("{got:?}\n{}", server.log());
+    assert_eq!(admitted(&got, 0..6), 360, "{report}");
+    // Lowered: 20/s once the next report is answered (within 5 s, and a second of reload).
+    let lowered = admitted(&got, 12..18);
+    assert!(
+        (108..=132).contains(&lowered),
+        "{lowered} in 6 s for 20/s: {report}"
+    );
+    // Removed: abandoned at the next report, then allowed.
+    assert_eq!(admitted(&got, 25..30), 300, "{report}");
+}
+
+/// The server killed: each Envoy's assignment holds (20 s) and the limit with it; the server
+/// back on the same port, the Envoy's stream opens again and the limit is the server's.
+#[cfg(feature = "server")]
+#[tokio::test]
+async fn the_server_killed_and_restarted() {
+    use support::server::ServerProcess;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("edge.yaml");
+    std::fs::write(&file, QUOTA_RULES.replace("100 }", "50 }")).unwrap();
+    let env = [
+        ("RULES_FILE", file.display().to_string()),
+        ("GRPC_PORT", free_port().to_string()),
+    ];
+    let mut server = ServerProcess::start(&env);
+    server.ready().await;
+    let envoy = quota_gateway(server.grpc_port, upstream().await).await;
+    let offered = tokio::spawn(offer(envoy.url.clone(), "acme", 100, 26));
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    drop(server);
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let mut server = ServerProcess::start(&env);
+    server.ready().await;
+    let got = offered.await.unwrap();
+    let report = format!("{got:?}\n{}", server.log());
+    // While it is down (seconds 8-12), and after it is back (seconds 20-25): 50/s.
+    for range in [8..13, 20..26] {
+        let n = range.len() as u32;
+        let a = admitted(&got, range.clone());
+        assert!(
+            (50 * n * 9 / 10..=50 * n * 11 / 10).contains(&a),
+            "{a} in {range:?} for 50/s: {report}"
+        );
+    }
+}
+
 /// The docs' charge-after-the-response recipe through a real Envoy: the request path checks
 /// (0 hits, taking nothing), the response's `x-tokens` is charged when it ends, past the limit
 /// into debt, and the next check refuses a user who spent their tokens.
@@ -455,7 +696,11 @@ fn every_docs_rules_file_loads() {
         .filter_map(|b| b.split("```").next())
         .filter(|b| b.lines().any(|l| l.starts_with("domain:")))
         .collect();
-    assert_eq!(rules.len(), 2, "the rules format and the charge's rules");
+    assert_eq!(
+        rules.len(),
+        3,
+        "the rules format, the charge's and the quota's rules"
+    );
     for text in rules {
         let config = RlsConfig::from_yaml(text).unwrap_or_else(|e| panic!("{e}\n{text}"));
         RlsService::new(tollgate::backend::LocalBackend::new(), config).unwrap();
@@ -467,7 +712,11 @@ fn every_docs_rules_file_loads() {
 #[test]
 fn every_docs_configuration_validates() {
     let configs = docs_configs();
-    assert_eq!(configs.len(), 2, "the gateway and the charge");
+    assert_eq!(
+        configs.len(),
+        3,
+        "the gateway, the charge and the quota gateway"
+    );
     for config in configs {
         validates(&config);
     }

@@ -114,6 +114,10 @@ pub(crate) struct QuotaState {
     open: AtomicU64,
     /// Set by [`RlqsService::close`]: every stream ends.
     closing: tokio::sync::watch::Sender<bool>,
+    /// This server among the fleet's (random).
+    server: u64,
+    /// Where the servers of a fleet share their streams' demand ([`RlqsService::share_demand`]).
+    board: std::sync::OnceLock<DemandBoard>,
 }
 
 impl Default for QuotaState {
@@ -124,6 +128,18 @@ impl Default for QuotaState {
             max_buckets: AtomicUsize::new(MAX_BUCKETS),
             open: AtomicU64::new(0),
             closing: tokio::sync::watch::Sender::new(false),
+            server: {
+                use std::hash::{BuildHasher, Hasher};
+                let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+                h.write_u32(std::process::id());
+                h.write_u128(
+                    (std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH))
+                        .unwrap_or_default()
+                        .as_nanos(),
+                );
+                h.finish()
+            },
+            board: std::sync::OnceLock::new(),
         }
     }
 }
@@ -167,6 +183,17 @@ impl<B: Backend> RlqsService<B> {
         self
     }
 
+    /// Shares this server's streams' demand with the other servers of a fleet through
+    /// `board`, and splits each bucket between every server's streams, so that the
+    /// assignments of all the servers add up to the limit (several servers behind one load
+    /// balancer, on one store). Without it a server splits between its own streams only: `n`
+    /// servers would hand out up to `n` times a rule's rate (a long window's count in a
+    /// shared store still holds). Set once; later calls change nothing.
+    pub fn share_demand(self, board: DemandBoard) -> Self {
+        let _ = self.inner.quota.board.set(board);
+        self
+    }
+
     /// Streams open now.
     pub fn streams(&self) -> u64 {
         self.inner.quota.open.load(Ordering::Relaxed)
@@ -183,6 +210,198 @@ impl<B: Backend> RlqsService<B> {
     /// The tonic service to add to a server.
     pub fn into_server(self) -> RateLimitQuotaServiceServer<Self> {
         RateLimitQuotaServiceServer::new(self)
+    }
+}
+
+/// Where the servers of a fleet tell each other, per bucket, the demand of their streams
+/// ([`RlqsService::share_demand`]): each server writes its own and reads the others' at each
+/// report. Cheap to clone.
+///
+/// When the board cannot be read, the others' last demand read holds for 30 s (the time
+/// a stream's demand counts without a report); after that a server splits between its own
+/// streams. A server that stops is forgotten 30 s after its last write: until then its
+/// streams' demand (its Envoys now reporting to another server) is counted twice, which
+/// lowers the shares, never raises them.
+#[derive(Clone)]
+pub struct DemandBoard {
+    inner: Arc<dyn Board>,
+}
+
+impl std::fmt::Debug for DemandBoard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DemandBoard").finish_non_exhaustive()
+    }
+}
+
+/// What a board does: writes this server's demands per bucket, and reads every other
+/// server's (fresh ones only), in the buckets' order.
+trait Board: Send + Sync + 'static {
+    fn exchange(
+        &self,
+        server: u64,
+        mine: Vec<(BucketKey, Vec<Demand>)>,
+    ) -> Pin<Box<dyn Future<Output = Vec<Vec<Demand>>> + Send + '_>>;
+}
+
+#[cfg(feature = "redis")]
+mod redis_board {
+    use super::*;
+    use crate::backend::redis::RedisBackend;
+
+    /// How long a board key lives without a write.
+    const KEY_TTL_MS: u64 = 60_000;
+
+    /// The longest a board's exchange waits for Redis.
+    const WAIT: Duration = Duration::from_secs(1);
+
+    /// A demand board in Redis: a hash per bucket (`<prefix>rlqs:<sha256 of the bucket>`),
+    /// a field per server holding when it wrote and its streams' demands.
+    pub(super) struct RedisBoard {
+        pub(super) backend: RedisBackend,
+        /// Per bucket: the others' demand as last read, and when.
+        pub(super) last: std::sync::Mutex<HashMap<BucketKey, (Instant, Vec<Demand>)>>,
+    }
+
+    fn key(prefix: &str, bucket: &BucketKey) -> String {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        h.update(bucket.0.as_bytes());
+        for (k, v) in &bucket.1 {
+            for part in [k, v] {
+                h.update((part.len() as u64).to_be_bytes());
+                h.update(part.as_bytes());
+            }
+        }
+        let digest = h.finalize();
+        let mut hex = String::with_capacity(64);
+        for b in digest {
+            use std::fmt::Write;
+            let _ = write!(hex, "{b:02x}");
+        }
+        format!("{prefix}rlqs:{hex}")
+    }
+
+    fn now_ms() -> u64 {
+        (std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH))
+            .unwrap_or_default()
+            .as_millis() as u64
+    }
+
+    /// `<ms> <demand>...`, a demand as requests per second or `u` (unknown).
+    fn encode(at_ms: u64, demands: &[Demand]) -> String {
+        let mut out = at_ms.to_string();
+        for d in demands {
+            match d {
+                Demand::Known(rate) => out.push_str(&format!(" {rate:.3}")),
+                Demand::Unknown => out.push_str(" u"),
+            }
+        }
+        out
+    }
+
+    /// The demands of a field written within the staleness limit of `now_ms`; nothing for a
+    /// field that is old or unreadable.
+    pub(super) fn decode(text: &str, now_ms: u64) -> Vec<Demand> {
+        let mut parts = text.split(' ');
+        let Some(at) = parts.next().and_then(|t| t.parse::<u64>().ok()) else {
+            return Vec::new();
+        };
+        if now_ms.saturating_sub(at) >= super::super::share::STALE.as_millis() as u64 {
+            return Vec::new();
+        }
+        parts
+            .filter_map(|p| match p {
+                "u" => Some(Demand::Unknown),
+                n => n.parse::<f64>().ok().map(Demand::Known),
+            })
+            .collect()
+    }
+
+    impl Board for RedisBoard {
+        fn exchange(
+            &self,
+            server: u64,
+            mine: Vec<(BucketKey, Vec<Demand>)>,
+        ) -> Pin<Box<dyn Future<Output = Vec<Vec<Demand>>> + Send + '_>> {
+            Box::pin(async move {
+                let store = self.backend.remote.store();
+                let field = format!("{server:016x}");
+                let at = now_ms();
+                // One pipeline per bucket (one key: one slot of a cluster), all at once.
+                let calls = mine.iter().map(|(bucket, demands)| {
+                    let mut pipe = redis::pipe();
+                    let key = key(&store.prefix, bucket);
+                    pipe.hset(&key, &field, encode(at, demands))
+                        .ignore()
+                        .pexpire(&key, KEY_TTL_MS as i64)
+                        .ignore()
+                        .hgetall(&key);
+                    async move {
+                        let pipe = pipe;
+                        tokio::time::timeout(WAIT, store.conn.pipeline(&pipe)).await
+                    }
+                });
+                let replies = futures_util::future::join_all(calls).await;
+                let now = Instant::now();
+                let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+                let mut out = Vec::with_capacity(mine.len());
+                for ((bucket, _), reply) in mine.iter().zip(replies) {
+                    let read = match reply {
+                        Ok(Ok(values)) => values.into_iter().next().and_then(|v| {
+                            redis::from_redis_value::<HashMap<String, String>>(v).ok()
+                        }),
+                        Ok(Err(error)) => {
+                            tracing::debug!(%error, "rate limit quota: the demand board failed");
+                            None
+                        }
+                        Err(_) => None,
+                    };
+                    match read {
+                        Some(fields) => {
+                            let others: Vec<Demand> = (fields.iter())
+                                .filter(|(f, _)| **f != field)
+                                .flat_map(|(_, text)| decode(text, at))
+                                .collect();
+                            last.insert(bucket.clone(), (now, others.clone()));
+                            out.push(others);
+                        }
+                        // Unread: the last read holds while fresh.
+                        None => out.push(
+                            (last.get(bucket))
+                                .filter(|(when, _)| {
+                                    now.saturating_duration_since(*when)
+                                        < super::super::share::STALE
+                                })
+                                .map(|(_, d)| d.clone())
+                                .unwrap_or_default(),
+                        ),
+                    }
+                }
+                // Forget buckets not read for long (bounded by the buckets in use).
+                if last.len() > 1024 {
+                    last.retain(|_, (when, _)| {
+                        now.saturating_duration_since(*when) < super::super::share::STALE
+                    });
+                }
+                out
+            })
+        }
+    }
+}
+
+impl DemandBoard {
+    /// A board in the Redis (or Redis Cluster) of `backend`: a small hash per bucket under
+    /// the backend's key prefix (`<prefix>rlqs:<sha256>`, expiring a minute after its last
+    /// write), written and read in one round trip per bucket at each report, with a 1-s
+    /// deadline.
+    #[cfg(feature = "redis")]
+    pub fn redis(backend: &crate::backend::redis::RedisBackend) -> Self {
+        DemandBoard {
+            inner: Arc::new(redis_board::RedisBoard {
+                backend: backend.clone(),
+                last: std::sync::Mutex::new(HashMap::new()),
+            }),
+        }
     }
 }
 
@@ -426,16 +645,37 @@ impl<B: Backend> Stream<B> {
                 None => actions.push((bucket, id, blanket(BlanketRule::AllowAll), false)),
             }
         }
-        // The store: every counted bucket's charge and read at once.
+        // The store: every counted bucket's charge and read at once, and the other servers'
+        // demand for them.
         if let Some(rules) = &rules {
+            let quota = &self.inner.quota;
             let backend = &self.inner.backend;
-            let results = futures_util::future::join_all(charges.iter().map(|(c, _)| {
+            let reads = futures_util::future::join_all(charges.iter().map(|(c, _)| {
                 charge_and_read(backend, &rules.prepared[c.policy], &c.key, c.allowed)
-            }))
-            .await;
+            }));
+            let elsewhere = async {
+                let Some(board) = quota.board.get() else {
+                    return Vec::new();
+                };
+                let mine = (charges.iter())
+                    .filter(|(c, _)| !c.shadow)
+                    .map(|(c, _)| {
+                        quota.streams.record(&c.bucket, self.id, c.demand, now);
+                        (c.bucket.clone(), quota.streams.demands(&c.bucket, now))
+                    })
+                    .collect::<Vec<_>>();
+                let others = board.inner.exchange(quota.server, mine.clone()).await;
+                (mine.into_iter().map(|(b, _)| b))
+                    .zip(others)
+                    .collect::<Vec<_>>()
+            };
+            let (results, elsewhere) = futures_util::future::join(reads, elsewhere).await;
             for ((c, id), result) in charges.into_iter().zip(results) {
                 let last = self.held.get(&c.bucket).map(|h| &h.action);
-                let action = self.assign(rules, &c, result, last, now);
+                let others = (elsewhere.iter())
+                    .find(|(b, _)| *b == c.bucket)
+                    .map_or(&[][..], |(_, d)| &d[..]);
+                let action = self.assign(rules, &c, result, last, others, now);
                 actions.push((c.bucket, id, action, true));
             }
         }
@@ -495,6 +735,7 @@ impl<B: Backend> Stream<B> {
         c: &Charge,
         read: Result<Decision, crate::BackendError>,
         last: Option<&bucket_action::BucketAction>,
+        elsewhere: &[Demand],
         now: Instant,
     ) -> bucket_action::BucketAction {
         if c.shadow {
@@ -528,7 +769,7 @@ impl<B: Backend> Stream<B> {
             self.id,
             c.demand,
             now,
-            &[],
+            elsewhere,
             [per_second, left],
         );
         if rate_share == 0 && burst_share == 0 && per_second > 0 {

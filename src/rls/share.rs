@@ -61,6 +61,12 @@ pub(crate) struct Streams<K> {
 }
 
 impl<K: std::hash::Hash + Eq + Clone> Streams<K> {
+    /// Records `stream`'s demand for `bucket` at `now`, as [`report`](Self::report) does,
+    /// without a split.
+    pub(crate) fn record(&self, bucket: &K, stream: u64, demand: Demand, now: std::time::Instant) {
+        self.report(bucket, stream, demand, now, &[], []);
+    }
+
     /// Records `stream`'s demand for `bucket` at `now` (joining it if new; streams not heard
     /// from for [`STALE`] leave it) and returns its share of each of `limits`, split with the
     /// bucket's other streams as they are now, and with `elsewhere`: the demands of the
@@ -114,7 +120,6 @@ impl<K: std::hash::Hash + Eq + Clone> Streams<K> {
             .collect()
     }
 
-    #[cfg_attr(not(test), allow(dead_code))] // Told to the other servers, next.
     /// The demands of `bucket`'s streams heard from within [`STALE`] of `now`: what this
     /// server tells the others (see [`report`](Self::report)'s `elsewhere`).
     pub(crate) fn demands(&self, bucket: &K, now: std::time::Instant) -> Vec<Demand> {

@@ -29,6 +29,7 @@ use std::time::Duration;
 
 use tollgate::backend::Backend;
 use tollgate::rls::envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaServiceServer;
+use tollgate::rls::quota::DemandBoard;
 use tollgate::rls::{RlqsService, RlsService};
 use tollgate::rls::envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 use tonic_health::ServingStatus;
@@ -131,8 +132,13 @@ struct Start {
 }
 
 impl store::Run for Start {
-    fn run<B: Backend + Clone>(self, backend: B, setup: Option<store::Setup>) -> store::RunResult {
-        Box::pin(run(self.settings, backend, setup))
+    fn run<B: Backend + Clone>(
+        self,
+        backend: B,
+        setup: Option<store::Setup>,
+        board: Option<DemandBoard>,
+    ) -> store::RunResult {
+        Box::pin(run(self.settings, backend, setup, board))
     }
 }
 
@@ -141,6 +147,7 @@ async fn run<B: Backend + Clone>(
     settings: Settings,
     backend: B,
     setup: Option<store::Setup>,
+    board: Option<DemandBoard>,
 ) -> Result<(), Box<dyn std::error::Error>> {
     let prometheus = if settings.prometheus {
         let handle = metrics_exporter_prometheus::PrometheusBuilder::new()
@@ -199,7 +206,11 @@ async fn run<B: Backend + Clone>(
     };
 
     // Envoy's rate limit quota service on the same rules, store and port.
-    let quota = service.quota_service();
+    // Several servers on one Redis split each bucket between all their streams.
+    let mut quota = service.quota_service();
+    if let Some(board) = board {
+        quota = quota.share_demand(board);
+    }
     let mut grpc = tonic::transport::Server::builder();
     if let Some(tls) = &settings.tls {
         grpc = grpc.tls_config(tls_config(tls)?)?;

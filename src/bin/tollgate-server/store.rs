@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use tollgate::backend::remote::FailurePolicy;
 use tollgate::backend::{Backend, LocalBackend};
+use tollgate::rls::quota::DemandBoard;
 use tollgate::{Key, Policy, Quota};
 
 use crate::settings::{OnFailure, RedisSettings, StoreKind, StoreSettings};
@@ -136,7 +137,13 @@ fn failure_policy(on: OnFailure) -> FailurePolicy {
 
 /// The backend `BACKEND` names, handed to `run` (generic over the backend's type).
 pub(crate) trait Run {
-    fn run<B: Backend + Clone>(self, backend: B, setup: Option<Setup>) -> RunResult;
+    /// `board`: where several servers on one Redis share their quota streams' demand.
+    fn run<B: Backend + Clone>(
+        self,
+        backend: B,
+        setup: Option<Setup>,
+        board: Option<DemandBoard>,
+    ) -> RunResult;
 }
 
 /// What `run` returns.
@@ -201,14 +208,15 @@ pub(crate) fn build(
                 let b = b.clone();
                 async move { b.migrate().await }
             });
-            run.run(backend, Some(migrate))
+            run.run(backend, Some(migrate), None)
         }};
     }
     Ok(match &settings.kind {
-        StoreKind::Local => run.run(LocalBackend::new(), None),
+        StoreKind::Local => run.run(LocalBackend::new(), None, None),
         StoreKind::Redis(r) => {
-            let b = remote_options!(redis(r)?);
-            run.run(b.build()?, None)
+            let backend = remote_options!(redis(r)?).build()?;
+            let board = DemandBoard::redis(&backend);
+            run.run(backend, None, Some(board))
         }
         StoreKind::RedisApprox(r, sync) => {
             use tollgate::backend::redis::Approximate;
@@ -217,7 +225,9 @@ pub(crate) fn build(
             } else {
                 Approximate::asynchronous()
             };
-            run.run(redis(r)?.build_approximate(mode)?, None)
+            // The board on a connection of its own (the approximate mode's is its own).
+            let board = DemandBoard::redis(&redis(r)?.build()?);
+            run.run(redis(r)?.build_approximate(mode)?, None, Some(board))
         }
         StoreKind::Postgres(url) => {
             sql!(tollgate::backend::postgres::PostgresBackend::builder().url(url.clone()))
