@@ -722,6 +722,27 @@ fn every_docs_configuration_validates() {
     }
 }
 
+/// The RLS gateway of `scripts/bench-rlqs.sh`, with the placeholders the script fills, is
+/// accepted by Envoy 1.40 (the script's RLQS gateway is the docs' quota gateway, validated
+/// above).
+#[test]
+fn the_rlqs_benchmarks_rls_configuration_validates() {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/scripts/envoy-rls-fleet.yaml"
+    ))
+    .unwrap();
+    let config = text
+        .replace("@LISTEN_PORT@", "10000")
+        .replace("@UPSTREAM_PORT@", "10002")
+        .replace("@SERVER_PORT@", "10001");
+    assert!(
+        !config.replace("\"@type\"", "").contains('@'),
+        "a placeholder left: {config}"
+    );
+    validates(&config);
+}
+
 /// The Envoy of `scripts/bench-adaptive.sh` (its adaptive concurrency filter), with the
 /// placeholders the script fills, is accepted by Envoy 1.40.
 #[test]

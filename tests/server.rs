@@ -224,8 +224,21 @@ async fn deployed_as_envoyproxy_ratelimit_is() {
     );
     assert!(metrics.contains("tollgate_decisions_total"), "{metrics}");
 
+    // An Envoy's RLQS stream on the same port and rules.
+    let q: &[(&str, &str)] = &[("api_key", "q")];
+    let mut stream = support::rlqs::Stream::open(server.grpc_port).await;
+    let got = stream.report("edge", &[(q, 1, 0, 0)]).await;
+    assert!(
+        matches!(
+            got[&support::rlqs::key(q)],
+            support::rlqs::Action::TokenBucket(..)
+        ),
+        "{got:?}"
+    );
+
     // SIGTERM: unhealthy at once, still answering calls while the load balancers move away,
-    // then a clean exit.
+    // then the quota stream ended (UNAVAILABLE: its Envoy opens it again elsewhere) and a
+    // clean exit, not held by the stream.
     server.sigterm();
     let (status, body) = server.wait_health(|s, _| s == 503).await;
     assert_eq!(status, 503);
@@ -234,8 +247,12 @@ async fn deployed_as_envoyproxy_ratelimit_is() {
         ask(&mut grpc, "edge", &[("api_key", "c")]).await,
         ("OK".into(), 7)
     );
+    let ended = tokio::time::timeout(Duration::from_secs(5), stream.answers.message())
+        .await
+        .expect("the stream ended after the drain");
+    assert_eq!(ended.unwrap_err().code(), tonic::Code::Unavailable);
     let exit = server
-        .wait_exit(Duration::from_secs(10))
+        .wait_exit(Duration::from_secs(5))
         .await
         .expect("exits after the drain");
     assert!(exit.success(), "{exit:?}");

@@ -24,6 +24,8 @@ pub mod outage;
 pub mod proxy;
 #[cfg(feature = "metrics")]
 pub mod recorded;
+#[cfg(feature = "rls")]
+pub mod rlqs;
 #[cfg(feature = "server")]
 pub mod server;
 pub mod sql;
