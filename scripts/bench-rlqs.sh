@@ -93,6 +93,10 @@ run() { # mode: rlqs or rls
                 d = pct - 100; if (d < 0) d = -d; if (d > worst) worst = d
             }
             printf "; worst %.1f%% off\n", worst
+            printf "%s: the first %d s (Envoys joining, before their demand is known), admitted per s:", mode, warm
+            over = 0
+            for (s = 0; s < warm; s++) { printf " %d", ok[s]; if (ok[s] - limit > over) over = ok[s] - limit }
+            printf "; most over the limit in a second: %d (%.0f%%)\n", over, 100 * over / limit
             printf "%s: %d requests (%d failed), server CPU %.3f s: %.3f ms per 1 000 requests\n", mode, sent, failed, ns / 1e9, ns / 1e6 / sent * 1000
         }' "$WORK/load-$mode.txt"
 }
