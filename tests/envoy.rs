@@ -727,37 +727,39 @@ fn every_docs_configuration_validates() {
 /// above).
 #[test]
 fn the_rlqs_benchmarks_rls_configuration_validates() {
-    let text = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/scripts/envoy-rls-fleet.yaml"
-    ))
-    .unwrap();
-    let config = text
-        .replace("@LISTEN_PORT@", "10000")
-        .replace("@UPSTREAM_PORT@", "10002")
-        .replace("@SERVER_PORT@", "10001");
-    assert!(
-        !config.replace("\"@type\"", "").contains('@'),
-        "a placeholder left: {config}"
+    script_template_validates(
+        "envoy-rls-fleet.yaml",
+        &[
+            ("@LISTEN_PORT@", "10000"),
+            ("@UPSTREAM_PORT@", "10002"),
+            ("@SERVER_PORT@", "10001"),
+        ],
     );
-    validates(&config);
 }
 
 /// The Envoy of `scripts/bench-adaptive.sh` (its adaptive concurrency filter), with the
 /// placeholders the script fills, is accepted by Envoy 1.40.
 #[test]
 fn the_adaptive_benchmarks_configuration_validates() {
-    let text = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/scripts/envoy-adaptive.yaml"
-    ))
-    .unwrap();
-    let config = text
-        .replace("@LISTEN_PORT@", "10000")
-        .replace("@UPSTREAM_PORT@", "10001")
-        .replace("@ADMIN_PORT@", "10002")
-        .replace("@MIN_RTT_INTERVAL@", "30s");
-    // `@type` is Envoy's; a placeholder is `@NAME@`.
+    script_template_validates(
+        "envoy-adaptive.yaml",
+        &[
+            ("@LISTEN_PORT@", "10000"),
+            ("@UPSTREAM_PORT@", "10001"),
+            ("@ADMIN_PORT@", "10002"),
+            ("@MIN_RTT_INTERVAL@", "30s"),
+        ],
+    );
+}
+
+/// `scripts/<name>` with its placeholders filled (no `@NAME@` left; `@type` is Envoy's) is
+/// accepted by `envoy --mode validate`.
+fn script_template_validates(name: &str, fill: &[(&str, &str)]) {
+    let path = format!("{}/scripts/{name}", env!("CARGO_MANIFEST_DIR"));
+    let mut config = std::fs::read_to_string(path).unwrap();
+    for (from, to) in fill {
+        config = config.replace(from, to);
+    }
     assert!(
         !config.replace("\"@type\"", "").contains('@'),
         "a placeholder left: {config}"

@@ -42,6 +42,14 @@ async fn serve(service: &RlsService<LocalBackend>) -> u16 {
     port
 }
 
+/// A service on [`RULES`] and the local store, served.
+async fn start() -> (RlsService<LocalBackend>, u16) {
+    let service =
+        RlsService::new(LocalBackend::new(), RlsConfig::from_yaml(RULES).unwrap()).unwrap();
+    let port = serve(&service).await;
+    (service, port)
+}
+
 const T1: &[(&str, &str)] = &[("tenant", "t1"), ("name", "api")];
 
 /// The limit split between streams by demand: a new stream gets an equal share (not nothing,
@@ -49,9 +57,7 @@ const T1: &[(&str, &str)] = &[("tenant", "t1"), ("name", "api")];
 /// limit, and a stream that closes returns its share. Entries match in any order.
 #[tokio::test]
 async fn streams_split_a_bucket_by_demand() {
-    let service =
-        RlsService::new(LocalBackend::new(), RlsConfig::from_yaml(RULES).unwrap()).unwrap();
-    let port = serve(&service).await;
+    let (service, port) = start().await;
     let mut a = Stream::open(port).await;
     let mut b = Stream::open(port).await;
     // A's first report (at its first request): the whole rate, unknown demand.
@@ -86,9 +92,7 @@ async fn streams_split_a_bucket_by_demand() {
 /// bucket left out of a report is answered again as it was.
 #[tokio::test]
 async fn buckets_without_a_counting_rule() {
-    let service =
-        RlsService::new(LocalBackend::new(), RlsConfig::from_yaml(RULES).unwrap()).unwrap();
-    let port = serve(&service).await;
+    let (_service, port) = start().await;
     let mut s = Stream::open(port).await;
     let none: &[(&str, &str)] = &[("route", "/x")];
     let open: &[(&str, &str)] = &[("open", "yes")];
@@ -117,9 +121,7 @@ async fn buckets_without_a_counting_rule() {
 /// resets, for every stream. What RLS callers take leaves less for the fleet.
 #[tokio::test]
 async fn charges_share_the_count_with_rls() {
-    let service =
-        RlsService::new(LocalBackend::new(), RlsConfig::from_yaml(RULES).unwrap()).unwrap();
-    let port = serve(&service).await;
+    let (_service, port) = start().await;
     let free: &[(&str, &str)] = &[("plan", "free")];
     let mut s = Stream::open(port).await;
     // 100 an hour: the first report's request charged, 99 left, given as burst; the rate
@@ -150,9 +152,7 @@ async fn charges_share_the_count_with_rls() {
 /// bucket forgotten: its next report is a first one, allowed), never at a first report.
 #[tokio::test]
 async fn a_rules_change_resplits_and_a_removed_rule_abandons() {
-    let service =
-        RlsService::new(LocalBackend::new(), RlsConfig::from_yaml(RULES).unwrap()).unwrap();
-    let port = serve(&service).await;
+    let (service, port) = start().await;
     let mut s = Stream::open(port).await;
     let got = s.report("edge", &[(T1, 1, 0, 0)]).await;
     assert_eq!(got[&key(T1)], Action::TokenBucket(1200, 1200));
@@ -184,9 +184,7 @@ async fn a_rules_change_resplits_and_a_removed_rule_abandons() {
 /// report end it too, and the service goes on serving.
 #[tokio::test]
 async fn the_protocols_edges() {
-    let service =
-        RlsService::new(LocalBackend::new(), RlsConfig::from_yaml(RULES).unwrap()).unwrap();
-    let port = serve(&service).await;
+    let (_service, port) = start().await;
     let mut s = Stream::open(port).await;
     let many: Vec<(String, String)> = (0..300)
         .map(|i| (format!("k{i}"), format!("v{i}")))
@@ -238,9 +236,7 @@ async fn the_protocols_edges() {
 /// assignment lives 20 s), then the others' reports find it gone and split without it.
 #[tokio::test]
 async fn a_stream_that_never_reports_again_gives_its_share_back() {
-    let service =
-        RlsService::new(LocalBackend::new(), RlsConfig::from_yaml(RULES).unwrap()).unwrap();
-    let port = serve(&service).await;
+    let (service, port) = start().await;
     let mut quiet = Stream::open(port).await;
     let mut busy = Stream::open(port).await;
     quiet.report("edge", &[(T1, 1, 0, 0)]).await;
