@@ -15,7 +15,12 @@
 //! read with [`Bytes`], which pads with zeros, so that every input means something.
 
 use std::net::{IpAddr, SocketAddr};
-#[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
+#[cfg(any(
+    feature = "redis",
+    feature = "postgres",
+    feature = "mysql",
+    feature = "rls-client"
+))]
 use std::num::NonZeroU32;
 use std::time::Duration;
 
@@ -23,10 +28,20 @@ use http::{HeaderName, HeaderValue};
 
 #[cfg(feature = "redis")]
 use crate::backend::redis::script;
-#[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
+#[cfg(any(
+    feature = "redis",
+    feature = "postgres",
+    feature = "mysql",
+    feature = "rls-client"
+))]
 use crate::backend::{Decision, Mode, Outcome};
 use crate::key::{ClientIp, ForwardedHeader, Header, KeyExtractor, KeyExtractorExt};
-#[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
+#[cfg(any(
+    feature = "redis",
+    feature = "postgres",
+    feature = "mysql",
+    feature = "rls-client"
+))]
 use crate::quota::QuotaParams;
 use crate::quota::{Algorithm, QuotaKind};
 use crate::{Key, KeyError, Policy, Quota, RequestInfo};
@@ -974,7 +989,12 @@ pub fn upstream_wait(data: &[u8]) {
 // Store replies.
 
 /// A policy of one to three valid quotas, of any algorithm, from fuzz bytes.
-#[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
+#[cfg(any(
+    feature = "redis",
+    feature = "postgres",
+    feature = "mysql",
+    feature = "rls-client"
+))]
 fn fuzz_params(b: &mut Bytes<'_>) -> Vec<QuotaParams> {
     let n = 1 + usize::from(b.u8() % 3);
     let mut params = Vec::new();
@@ -1010,7 +1030,12 @@ fn fuzz_params(b: &mut Bytes<'_>) -> Vec<QuotaParams> {
     params
 }
 
-#[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
+#[cfg(any(
+    feature = "redis",
+    feature = "postgres",
+    feature = "mysql",
+    feature = "rls-client"
+))]
 fn fuzz_cost(b: &mut Bytes<'_>) -> NonZeroU32 {
     let c = match b.u8() {
         0..=200 => 1,
@@ -1020,7 +1045,12 @@ fn fuzz_cost(b: &mut Bytes<'_>) -> NonZeroU32 {
     NonZeroU32::new(c).unwrap_or(NonZeroU32::MIN)
 }
 
-#[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
+#[cfg(any(
+    feature = "redis",
+    feature = "postgres",
+    feature = "mysql",
+    feature = "rls-client"
+))]
 fn fuzz_mode(b: &mut Bytes<'_>) -> Mode {
     match b.u8() % 4 {
         0 | 1 => Mode::Decide,
@@ -1032,7 +1062,12 @@ fn fuzz_mode(b: &mut Bytes<'_>) -> Mode {
 }
 
 /// The reply's integers: the rest of the input, each of the size its first byte names.
-#[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
+#[cfg(any(
+    feature = "redis",
+    feature = "postgres",
+    feature = "mysql",
+    feature = "rls-client"
+))]
 fn fuzz_reply(b: &mut Bytes<'_>) -> Vec<i64> {
     let mut reply = Vec::new();
     while !b.is_empty() && reply.len() < 4096 {
@@ -1046,7 +1081,12 @@ fn fuzz_reply(b: &mut Bytes<'_>) -> Vec<i64> {
 /// no more remaining than the limit, and its times within what the quota allows (the reply is
 /// clamped: a window's times within the window and one more sub-window, a GCRA quota's next
 /// unit within one emission interval).
-#[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
+#[cfg(any(
+    feature = "redis",
+    feature = "postgres",
+    feature = "mysql",
+    feature = "rls-client"
+))]
 fn check_decision(d: &Decision, params: &[QuotaParams], cost: NonZeroU32, mode: Mode) {
     let states = d.quotas();
     assert!(!states.is_empty(), "{d:?}");
@@ -1113,7 +1153,12 @@ fn check_decision(d: &Decision, params: &[QuotaParams], cost: NonZeroU32, mode: 
 }
 
 /// The longest wait of a reservation (`backend::MAX_RESERVE`).
-#[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
+#[cfg(any(
+    feature = "redis",
+    feature = "postgres",
+    feature = "mysql",
+    feature = "rls-client"
+))]
 const DAY: Duration = Duration::from_secs(86_400);
 
 /// The Redis script's reply (`gcra.lua`: 2 to 4 integers per quota) read into a decision by

@@ -254,7 +254,12 @@ pub(crate) fn time_source(backend: &'static str, source: &'static str) {
 #[cfg_attr(
     not(all(
         feature = "metrics",
-        any(feature = "redis", feature = "postgres", feature = "mysql")
+        any(
+            feature = "redis",
+            feature = "postgres",
+            feature = "mysql",
+            feature = "rls-client"
+        )
     )),
     allow(unused_variables, dead_code)
 )]

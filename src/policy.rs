@@ -84,7 +84,12 @@ impl Policy {
 
     /// This policy with every quota at its share on one of `instances` instances (see
     /// `Quota::share`): what the local fallback enforces while the shared store is down.
-    #[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
+    #[cfg(any(
+        feature = "redis",
+        feature = "postgres",
+        feature = "mysql",
+        feature = "rls-client"
+    ))]
     pub(crate) fn share(&self, instances: u32) -> Policy {
         let mut shared = self.clone();
         for quota in &mut shared.quotas {

@@ -26,12 +26,25 @@ pub mod postgres;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redis;
-#[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
+#[cfg(any(
+    feature = "redis",
+    feature = "postgres",
+    feature = "mysql",
+    feature = "rls-client"
+))]
 #[cfg_attr(
     docsrs,
-    doc(cfg(any(feature = "redis", feature = "postgres", feature = "mysql")))
+    doc(cfg(any(
+        feature = "redis",
+        feature = "postgres",
+        feature = "mysql",
+        feature = "rls-client"
+    )))
 )]
 pub mod remote;
+#[cfg(feature = "rls-client")]
+#[cfg_attr(docsrs, doc(cfg(feature = "rls-client")))]
+pub mod rls;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) mod sql;
 #[cfg_attr(not(feature = "local"), allow(dead_code))]

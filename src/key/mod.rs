@@ -247,6 +247,17 @@ impl Key {
         }))
     }
 
+    /// The bytes of a byte key (made by [`from_bytes`](Self::from_bytes) and the like);
+    /// `None` for an IP, global or composite key.
+    #[cfg_attr(not(feature = "rls-client"), allow(dead_code))]
+    pub(crate) fn value_bytes(&self) -> Option<&[u8]> {
+        match &self.0 {
+            Repr::Short { inline, .. } => Some(inline.as_slice()),
+            Repr::Bytes { bytes, .. } => Some(bytes),
+            _ => None,
+        }
+    }
+
     /// The IP address, when this is an IP key.
     pub fn as_ip(&self) -> Option<IpAddr> {
         match self.0 {

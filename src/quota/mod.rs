@@ -315,7 +315,12 @@ impl Quota {
     /// concurrent quota's slots) divided by `instances`, rounded up (so at least 1 of a valid
     /// quota). The fleet together admits at most the quota rounded up to a multiple of
     /// `instances`.
-    #[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
+    #[cfg(any(
+        feature = "redis",
+        feature = "postgres",
+        feature = "mysql",
+        feature = "rls-client"
+    ))]
     pub(crate) const fn share(mut self, instances: u32) -> Self {
         if instances > 1 {
             self.count = self.count.div_ceil(instances);
