@@ -380,3 +380,50 @@ async fn odd_answers_have_clear_outcomes() {
     }
     assert_eq!(calls.load(Ordering::Relaxed), 1, "cached until the reset");
 }
+
+/// `tollgate-server` stopped (`SIGSTOP`: its socket still accepts, nothing answers): every
+/// decision comes within the deadline, by the failure policy; continued (`SIGCONT`), the
+/// breaker's probe finds it and decisions are the server's again.
+#[cfg(feature = "server")]
+#[tokio::test]
+async fn a_stopped_server_is_decided_at_the_deadline() {
+    use support::server::ServerProcess;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("edge.yaml");
+    std::fs::write(&file, RULES.replace(": 3 }", ": 100 }")).unwrap();
+    let mut server = ServerProcess::start(&[("RULES_FILE", file.display().to_string())]);
+    server.ready().await;
+    let backend = RlsBackend::builder()
+        .url(format!("http://127.0.0.1:{}", server.grpc_port))
+        .domain("edge")
+        .timeout(Duration::from_millis(50))
+        .on_failure(FailurePolicy::FailClosed)
+        .build()
+        .unwrap();
+    let p = support::prepare(&backend, &Policy::new("client", Quota::per_hour(100)));
+    let key = support::key("frank");
+    let d = backend.decide(&p, &key, support::cost(1)).await.unwrap();
+    assert_eq!(d.tightest().unwrap().remaining, 99);
+    server.signal("STOP");
+    let mut worst = Duration::ZERO;
+    for _ in 0..8 {
+        let start = Instant::now();
+        let d = backend.decide(&p, &key, support::cost(1)).await;
+        worst = worst.max(start.elapsed());
+        assert!(d.is_err(), "fail closed: {d:?}");
+    }
+    assert!(worst < Duration::from_secs(2), "{worst:?}");
+    assert!(backend.stats().breaker_open);
+    server.signal("CONT");
+    let mut back = None;
+    for _ in 0..100 {
+        if let Ok(d) = backend.decide(&p, &key, support::cost(1)).await {
+            back = Some(d);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let d = back.expect("the server decides again within 5 s");
+    assert!(d.is_allowed());
+    assert!(d.tightest().unwrap().remaining < 99);
+}

@@ -129,9 +129,14 @@ impl ServerProcess {
 
     /// Sends SIGTERM.
     pub fn sigterm(&self) {
+        self.signal("TERM");
+    }
+
+    /// Sends the signal `name` (`TERM`, `STOP`, `CONT`) to the process.
+    pub fn signal(&self, name: &str) {
         let pid = self.child.as_ref().unwrap().id();
         let ok = Command::new("kill")
-            .args(["-TERM", &pid.to_string()])
+            .args([&format!("-{name}"), &pid.to_string()])
             .status()
             .unwrap();
         assert!(ok.success());
