@@ -8,7 +8,7 @@
 //! - `latency`: `SAMPLES` decisions (5 000) for fresh keys one at a time, through the backend
 //!   and as the same `ShouldRateLimit` calls made directly on a tonic client: p50 and p99 of
 //!   each, and the p99 added;
-//! - `throughput`: decisions per second through the backend for `SECONDS` (5), `CONCURRENCY`
+//! - `throughput`: decisions per second through the backend for `DURATION` seconds (5), `CONCURRENCY`
 //!   (64) in flight, fresh keys; with `REDIS_URL` set, the same through a `RedisBackend`, side
 //!   by side;
 //! - `hung` (with `HUNG_URL`: a server that accepts and never answers): `SAMPLES / 10`
@@ -88,7 +88,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let domain: String = env_or("DOMAIN", "edge".to_owned());
     let flood: u64 = env_or("FLOOD", 10_000);
     let samples: usize = env_or("SAMPLES", 5_000);
-    let secs: u64 = env_or("SECONDS", 5);
+    let secs: u64 = env_or("DURATION", 5);
     let concurrency: usize = env_or("CONCURRENCY", 64);
     let policy = Policy::new("client", Quota::per_hour(10).fixed_window());
     let backend = RlsBackend::builder()

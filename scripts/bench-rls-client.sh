@@ -7,7 +7,7 @@
 # scripts/limitador-client-limits.yaml). One rule: `client`, 10 an hour per value.
 #
 # Usage: scripts/bench-rls-client.sh
-# Environment (all optional): LIMITADOR, BASE_PORT=9400, SAMPLES=5000, SECONDS=5,
+# Environment (all optional): LIMITADOR, BASE_PORT=9400, SAMPLES=5000, DURATION=5 (seconds),
 #   CONCURRENCY=64, CARGO_TARGET_DIR
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -427,3 +427,86 @@ async fn a_stopped_server_is_decided_at_the_deadline() {
     assert!(d.is_allowed());
     assert!(d.tightest().unwrap().remaining < 99);
 }
+
+/// A real limitador (`LIMITADOR` names its `limitador-server`; this machine cannot build it
+/// in the test run, so the test says so and passes without it): run with
+/// `-H DRAFT_VERSION_03`, its answers have no statuses and the fields in headers. 10 an hour
+/// per client: 10 admitted through two backends sharing its count, then refused with its
+/// limit and reset, cached (no more calls); a charge after the response is a call with its
+/// hits.
+#[tokio::test]
+async fn against_a_real_limitador() {
+    let Ok(bin) = std::env::var("LIMITADOR") else {
+        eprintln!("LIMITADOR is not set: the real-limitador test did not run");
+        return;
+    };
+    let (rls, http) = (support::free_port(), support::free_port());
+    let limits = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/scripts/limitador-client-limits.yaml"
+    );
+    let mut child = std::process::Command::new(bin)
+        .args(["--rls-ip", "127.0.0.1", "--rls-port", &rls.to_string()])
+        .args(["--http-ip", "127.0.0.1", "--http-port", &http.to_string()])
+        .args(["-H", "DRAFT_VERSION_03", limits, "memory"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("cannot start limitador");
+    for _ in 0..200 {
+        if tokio::net::TcpStream::connect(("127.0.0.1", rls))
+            .await
+            .is_ok()
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let policy = Policy::new("client", Quota::per_hour(10).fixed_window());
+    let (a, b) = (
+        backend(rls, FailurePolicy::FailClosed),
+        backend(rls, FailurePolicy::FailClosed),
+    );
+    let (pa, pb) = (support::prepare(&a, &policy), support::prepare(&b, &policy));
+    let key = support::key(&format!("gina-{}", std::process::id()));
+    for i in 0..10 {
+        let (backend, p) = if i % 2 == 0 { (&a, &pa) } else { (&b, &pb) };
+        let d = backend.decide(p, &key, support::cost(1)).await.unwrap();
+        assert!(d.is_allowed(), "{i}: {d:?}");
+        assert_eq!(d.tightest().unwrap().remaining, 9 - i);
+    }
+    let d = a.decide(&pa, &key, support::cost(1)).await.unwrap();
+    assert!(!d.is_allowed());
+    let q = d.tightest().unwrap();
+    assert_eq!((q.limit, q.remaining), (10, 0));
+    let retry = d.retry_after().unwrap();
+    assert!(
+        retry > Duration::ZERO && retry <= Duration::from_secs(3600),
+        "{retry:?}"
+    );
+    let calls = a.stats().calls;
+    for _ in 0..20 {
+        assert!(
+            !a.decide(&pa, &key, support::cost(1))
+                .await
+                .unwrap()
+                .is_allowed()
+        );
+    }
+    assert_eq!(a.stats().calls, calls, "refusals answered from the cache");
+    // A charge after the response: 4 hits on another client.
+    let other = support::key(&format!("hank-{}", std::process::id()));
+    assert!(
+        a.decide(&pa, &other, support::cost(1))
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+    a.decide_with(&pa, &other, support::cost(4), Mode::Debit)
+        .await
+        .unwrap();
+    let d = b.decide(&pb, &other, support::cost(1)).await.unwrap();
+    assert_eq!(d.tightest().unwrap().remaining, 4);
+    let _ = child.kill();
+    let _ = child.wait();
+}
