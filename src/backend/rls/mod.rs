@@ -4,7 +4,7 @@
 //! limitador) decides for the services behind them too, with the same rules. Feature
 //! `rls-client`.
 //!
-//! Everything the layer and [`Limiter`](crate::Limiter) do works on top: keys, policies,
+//! Everything the layer and [`Limiter`](crate::limiter::Limiter) do works on top: keys, policies,
 //! costs, the `RateLimit` fields, outcomes, metrics, and what the remote stores have (it is
 //! one of them, see [`remote`](crate::backend::remote)):
 //!
