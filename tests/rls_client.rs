@@ -510,3 +510,47 @@ async fn against_a_real_limitador() {
     let _ = child.kill();
     let _ = child.wait();
 }
+
+/// Two servers given (a name resolving to several addresses is the same): calls are
+/// balanced over both.
+#[tokio::test]
+async fn calls_are_balanced_over_the_servers() {
+    let ok = RateLimitResponse {
+        overall_code: Code::Ok as i32,
+        ..Default::default()
+    };
+    let (mut ports, mut counts) = (Vec::new(), Vec::new());
+    for _ in 0..2 {
+        let calls = Arc::new(AtomicU64::new(0));
+        ports.push(
+            serve(RateLimitServiceServer::new(Scripted {
+                answer: ok.clone(),
+                calls: calls.clone(),
+            }))
+            .await,
+        );
+        counts.push(calls);
+    }
+    let backend = RlsBackend::builder()
+        .url(format!("http://127.0.0.1:{}", ports[0]))
+        .url(format!("http://127.0.0.1:{}", ports[1]))
+        .domain("edge")
+        .timeout(Duration::from_millis(500))
+        .on_failure(FailurePolicy::FailClosed)
+        .build()
+        .unwrap();
+    let p = support::prepare(&backend, &Policy::new("client", Quota::per_minute(10)));
+    for i in 0..64 {
+        let key = support::key(&format!("k{i}"));
+        assert!(
+            backend
+                .decide(&p, &key, support::cost(1))
+                .await
+                .unwrap()
+                .is_allowed()
+        );
+    }
+    let got = [0, 1].map(|i| counts[i].load(Ordering::Relaxed));
+    assert_eq!(got.iter().sum::<u64>(), 64);
+    assert!(got.iter().all(|&n| n > 0), "both servers called: {got:?}");
+}
