@@ -727,18 +727,52 @@ fn rows(s: &Settings) -> Vec<(&'static str, Vec<Panel>)> {
         ),
         (
             "Rate limit service",
-            vec![Panel {
-                title: "RLS calls",
-                description: "Calls to the Envoy rate limit service by domain and answer. `unavailable` rising: its store fails, and the gateway applies its own failure mode.",
-                unit: "reqps",
-                targets: vec![(
-                    format!(
-                        "sum by (domain, code) (rate({}[{r}]))",
-                        m("tollgate_rls_requests_total", "")
-                    ),
-                    "{{domain}} {{code}}",
-                )],
-            }],
+            vec![
+                Panel {
+                    title: "RLS calls",
+                    description: "Calls to the Envoy rate limit service by domain and answer. `unavailable` rising: its store fails, and the gateway applies its own failure mode.",
+                    unit: "reqps",
+                    targets: vec![(
+                        format!(
+                            "sum by (domain, code) (rate({}[{r}]))",
+                            m("tollgate_rls_requests_total", "")
+                        ),
+                        "{{domain}} {{code}}",
+                    )],
+                },
+                Panel {
+                    title: "RLQS streams and assignments",
+                    description: "Envoy's rate limit quota service: streams open (one per Envoy), usage reports a second by domain (each Envoy reports every 5 s), assignments answered by action, and reported buckets past a stream's cap (given no assignment: the filter's no_assignment_behavior decides for them). `deny_all` rising: buckets whose long windows are spent; `abandon`: rules removed.",
+                    unit: "short",
+                    targets: vec![
+                        (
+                            format!("sum ({})", m("tollgate_rlqs_streams", "")),
+                            "streams",
+                        ),
+                        (
+                            format!(
+                                "sum by (domain) (rate({}[{r}]))",
+                                m("tollgate_rlqs_reports_total", "")
+                            ),
+                            "reports/s {{domain}}",
+                        ),
+                        (
+                            format!(
+                                "sum by (action) (rate({}[{r}]))",
+                                m("tollgate_rlqs_assignments_total", "")
+                            ),
+                            "assignments/s {{action}}",
+                        ),
+                        (
+                            format!(
+                                "sum (rate({}[{r}]))",
+                                m("tollgate_rlqs_buckets_refused_total", "")
+                            ),
+                            "buckets past the cap/s",
+                        ),
+                    ],
+                },
+            ],
         ),
         (
             "Adaptive concurrency",

@@ -70,7 +70,10 @@ impl<K: std::hash::Hash + Eq + Clone> Streams<K> {
     /// Records `stream`'s demand for `bucket` at `now` (joining it if new; streams not heard
     /// from for [`STALE`] leave it) and returns its share of each of `limits`, split with the
     /// bucket's other streams as they are now, and with `elsewhere`: the demands of the
-    /// bucket's streams on other servers, which take their shares of the same limits.
+    /// bucket's streams on other servers, which take their shares of the same limits. The
+    /// first limit (a rate) is split max-min fair by demand; each other (a burst) in
+    /// proportion to the first's shares, so that a stream holds the same part of each (by
+    /// demand alone when the first is 0).
     pub(crate) fn report<const N: usize>(
         &self,
         bucket: &K,
@@ -101,7 +104,22 @@ impl<K: std::hash::Hash + Eq + Clone> Streams<K> {
         let demands: Vec<Demand> = (streams.iter().map(|m| m.demand))
             .chain(elsewhere.iter().copied())
             .collect();
-        limits.map(|limit| split(limit, &demands)[at])
+        let Some(&first) = limits.first() else {
+            return limits;
+        };
+        let shares = split(first, &demands);
+        let weights: Vec<f64> = shares.iter().map(|&s| f64::from(s)).collect();
+        let mut nth = 0;
+        limits.map(|limit| {
+            nth += 1;
+            if nth == 1 {
+                shares[at]
+            } else if first == 0 {
+                split(limit, &demands)[at]
+            } else {
+                proportional(limit, &weights)[at]
+            }
+        })
     }
 
     #[cfg(test)]
@@ -192,6 +210,15 @@ pub(crate) fn split(limit: u32, demands: &[Demand]) -> Vec<u32> {
     whole(limit, &shares)
 }
 
+/// Splits `limit` in proportion to `weights` (not all 0), in whole tokens adding up to it.
+fn proportional(limit: u32, weights: &[f64]) -> Vec<u32> {
+    let total: f64 = weights.iter().sum();
+    let shares: Vec<f64> = (weights.iter())
+        .map(|w| f64::from(limit) * w / total)
+        .collect();
+    whole(limit, &shares)
+}
+
 /// Rounds `shares` (adding up to `limit`, but for floating-point error) to whole tokens that
 /// add up to `limit` exactly: each share's floor, then one more token to the largest
 /// remainders (the property test checks the sum).
@@ -268,11 +295,15 @@ mod tests {
         // A second stream, demand unknown: half, not nothing.
         assert_eq!(s.report(&"b", 2, Unknown, at(0), &[], [1200]), [600]);
         assert_eq!(s.report(&"b", 1, Known(1000.0), at(5), &[], [1200]), [600]);
-        // Asking 1 100 in all: met, and the 100 left shared as headroom; a second limit is
-        // split by the same demands.
+        // Asking 1 100 in all: met, and the 100 left shared as headroom; a second limit (a
+        // burst) in the same proportion (1/8 of 12: 1.5, the tie's token to the earlier).
         assert_eq!(
             s.report(&"b", 2, Known(100.0), at(5), &[], [1200, 12]),
-            [150, 2]
+            [150, 1]
+        );
+        assert_eq!(
+            s.report(&"b", 1, Known(1000.0), at(5), &[], [1200, 12]),
+            [1050, 11]
         );
         assert_eq!(s.shares(&"b", &[], 1200), [(1, 1050), (2, 150)]);
         assert_eq!(s.demands(&"b", at(5)), [Known(1000.0), Known(100.0)]);
