@@ -351,14 +351,18 @@ async fn a_real_prometheus_runs_every_query_and_the_store_alert_fires_and_resolv
     .unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let rls_addr = listener.local_addr().unwrap();
+    // Its quota service (RLQS) on the same port, a stream holding at most one bucket.
+    let quota = rls.quota_service().max_buckets(1);
     tokio::spawn(
         tonic::transport::Server::builder()
+            .add_service(quota.into_server())
             .add_service(rls.into_server())
             .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
     );
     let mut rls_client = RateLimitServiceClient::connect(format!("http://{rls_addr}"))
         .await
         .unwrap();
+    let mut quota_stream = support::rlqs::Stream::open(rls_addr.port()).await;
 
     // Load: every route, several keys, 10 rounds a second, until the test ends.
     let load = tokio::spawn({
@@ -389,6 +393,14 @@ async fn a_real_prometheus_runs_every_query_and_the_store_alert_fires_and_resolv
                         .await;
                 }
                 let _ = rls_client.should_rate_limit(rls_request("10.0.0.1")).await;
+                if n.is_multiple_of(10) {
+                    // A report a second, of two buckets: the second past the stream's cap.
+                    let a: &[(&str, &str)] = &[("remote_address", "10.0.0.1")];
+                    let b: &[(&str, &str)] = &[("remote_address", "10.0.0.2")];
+                    quota_stream
+                        .report("edge", &[(a, 10, 2, 1), (b, 1, 0, 0)])
+                        .await;
+                }
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         }
