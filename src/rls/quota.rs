@@ -22,9 +22,10 @@
 //!   until it does;
 //! - otherwise the stream gets a token bucket (`fill_interval` 1 s, the only one Envoy 1.40
 //!   enforces) holding its share of the rule: the rule's rate (its count over its period, in
-//!   whole tokens per second) and what the store has left now (the burst), each split between
-//!   the streams that report the bucket by their demand (allowed + denied per second in their
-//!   last report), max-min fair, the shares adding up to the whole (see `share`); a stream
+//!   whole tokens per second) split between the streams that report the bucket by their
+//!   demand (allowed + denied per second since their last report, as the server timed it),
+//!   max-min fair, the shares adding up to the rate (see `share`), and what the store has left
+//!   now (the burst, `max_tokens`) in the same proportion as the rate's shares; a stream
 //!   whose demand is not known yet (its first report) counts as asking for an equal share. A
 //!   rate below one token per second cannot be split (a token bucket adds at least one per
 //!   second): every stream then gets at least one, and the store's count stops the fleet;
