@@ -662,29 +662,29 @@ impl<B: Backend> Stream<B> {
             let reads = futures_util::future::join_all(charges.iter().map(|(c, _)| {
                 charge_and_read(backend, &rules.prepared[c.policy], &c.key, c.allowed)
             }));
+            // The other servers' demand, by charge (none for a shadow rule's, never split).
             let elsewhere = async {
+                let mut by_charge = vec![Vec::new(); charges.len()];
                 let Some(board) = quota.board.get() else {
-                    return Vec::new();
+                    return by_charge;
                 };
-                let mine = (charges.iter())
-                    .filter(|(c, _)| !c.shadow)
-                    .map(|(c, _)| {
+                let (at, mine): (Vec<usize>, Vec<_>) = (charges.iter().enumerate())
+                    .filter(|(_, (c, _))| !c.shadow)
+                    .map(|(i, (c, _))| {
                         quota.streams.record(&c.bucket, self.id, c.demand, now);
-                        (c.bucket.clone(), quota.streams.demands(&c.bucket, now))
+                        (i, (c.bucket.clone(), quota.streams.demands(&c.bucket, now)))
                     })
-                    .collect::<Vec<_>>();
-                let others = board.inner.exchange(quota.server, mine.clone()).await;
-                (mine.into_iter().map(|(b, _)| b))
-                    .zip(others)
-                    .collect::<Vec<_>>()
+                    .unzip();
+                let others = board.inner.exchange(quota.server, mine).await;
+                for (i, d) in at.into_iter().zip(others) {
+                    by_charge[i] = d;
+                }
+                by_charge
             };
             let (results, elsewhere) = futures_util::future::join(reads, elsewhere).await;
-            for ((c, id), result) in charges.into_iter().zip(results) {
+            for (((c, id), result), others) in charges.into_iter().zip(results).zip(elsewhere) {
                 let last = self.held.get(&c.bucket).map(|h| &h.action);
-                let others = (elsewhere.iter())
-                    .find(|(b, _)| *b == c.bucket)
-                    .map_or(&[][..], |(_, d)| &d[..]);
-                let action = self.assign(rules, &c, result, last, others, now);
+                let action = self.assign(rules, &c, result, last, &others, now);
                 actions.push((c.bucket, id, action, true));
             }
         }

@@ -277,7 +277,11 @@ pub(crate) fn decision(
         .or_else(|| params.first().map(|p| p.burst.get()))
         .unwrap_or(1)
         .max(1);
-    let remaining = remaining.unwrap_or(if over { 0 } else { limit }).min(limit);
+    let remaining = if over {
+        0
+    } else {
+        remaining.unwrap_or(limit).min(limit)
+    };
     let state = QuotaState {
         index: 0,
         outcome: if over {
@@ -289,7 +293,7 @@ pub(crate) fn decision(
             Outcome::Allowed
         },
         limit,
-        remaining: if over { 0 } else { remaining },
+        remaining,
         reset_after: reset.unwrap_or_default(),
     };
     Ok(Decision::new([state]))
