@@ -14,6 +14,10 @@
 //! `fallback` (the default) limits locally at this instance's share (`INSTANCES`, default 1,
 //! of the quota below).
 //!
+//! `PASS_HEADERS` passes the service's `response_headers_to_add` on to the responses: `all`,
+//! or a comma-separated list of names (default: none; limitador's `X-RateLimit-*` headers are
+//! read for the fields either way).
+//!
 //! ```text
 //! $ for i in $(seq 14); do curl -s -o /dev/null -w '%{http_code} ' localhost:3000/api/hello; done
 //! 200 200 200 200 200 200 200 200 200 200 200 429 429 429
@@ -32,7 +36,7 @@ use std::time::Duration;
 use axum::Router;
 use axum::routing::get;
 use tollgate::backend::remote::{FailurePolicy, Fleet};
-use tollgate::backend::rls::RlsBackend;
+use tollgate::backend::rls::{PassHeaders, RlsBackend};
 use tollgate::key::PeerIp;
 use tollgate::{Policy, Quota, RateLimitLayer};
 
@@ -64,8 +68,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "fallback" => FailurePolicy::FallbackLocal,
         other => return Err(format!("ON_FAILURE={other:?}: open, closed or fallback").into()),
     };
+    let pass = match env_or("PASS_HEADERS", "").as_str() {
+        "" | "none" => PassHeaders::None,
+        "all" => PassHeaders::All,
+        names => PassHeaders::only(names.split(',').map(str::trim))
+            .map_err(|e| format!("PASS_HEADERS: {e}"))?,
+    };
     let backend = RlsBackend::builder()
         .url(&url)
+        .pass_response_headers(pass)
         .domain(&domain)
         .timeout(Duration::from_millis(deadline))
         .on_failure(on_failure)

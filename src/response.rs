@@ -215,6 +215,8 @@ pub(crate) struct HeaderAdds {
     ietf: Option<(HeaderValue, HeaderValue)>,
     /// `X-RateLimit-Limit`, `-Remaining`, `-Reset`.
     legacy: Option<Box<[HeaderValue; 3]>>,
+    /// The backend's headers for the response ([`Decision::response_headers`]).
+    passed: Option<crate::backend::ResponseHeaders>,
 }
 
 impl HeaderAdds {
@@ -244,10 +246,14 @@ pub(crate) fn rate_limit_headers(
     headers: &PolicyHeaders,
     decision: &Decision,
 ) -> HeaderAdds {
-    if style == HeaderStyle::None {
-        return HeaderAdds::new();
-    }
-    fields(style, headers, decision)
+    let mut adds = if style == HeaderStyle::None {
+        HeaderAdds::new()
+    } else {
+        fields(style, headers, decision)
+    };
+    // Whatever the style: the backend was asked to pass them.
+    adds.passed = decision.shared_response_headers().cloned();
+    adds
 }
 
 /// The fields of [`rate_limit_headers`], for a style that sends some.
@@ -407,6 +413,23 @@ pub(crate) fn add_headers(map: &mut http::HeaderMap, adds: HeaderAdds) {
         map.entry(X_LIMIT).or_insert(limit);
         map.entry(X_REMAINING).or_insert(remaining);
         map.entry(X_RESET).or_insert(reset);
+    }
+    if let Some(passed) = adds.passed {
+        add_passed(map, &passed);
+    }
+}
+
+/// The backend's headers, each unless the response already has its name: tollgate's fields
+/// and `Retry-After` (or the service's own header) win over a server's, and several values of
+/// one name from the server are all added.
+#[inline(never)]
+fn add_passed(map: &mut http::HeaderMap, passed: &[(HeaderName, HeaderValue)]) {
+    let mut added: SmallVec<[&HeaderName; 4]> = SmallVec::new();
+    for (name, value) in passed {
+        if added.contains(&name) || !map.contains_key(name) {
+            map.append(name.clone(), value.clone());
+            added.push(name);
+        }
     }
 }
 

@@ -554,3 +554,123 @@ async fn calls_are_balanced_over_the_servers() {
     assert_eq!(got.iter().sum::<u64>(), 64);
     assert!(got.iter().all(|&n| n > 0), "both servers called: {got:?}");
 }
+
+/// The server's `response_headers_to_add`, passed on where asked: on allowed and refused
+/// responses, repeated by refusals answered from the cache, never over a header the response
+/// already has (the service's own, tollgate's fields), never `content-length`, never an
+/// invalid one; none unless asked, and only the names listed with `PassHeaders::Only`.
+#[tokio::test]
+async fn the_servers_headers_are_passed_on_where_asked() {
+    use tollgate::backend::rls::PassHeaders;
+
+    let headers = [
+        ("x-tenant-tier", "gold"),
+        ("x-limit-note", "first"),
+        ("x-limit-note", "second"),
+        ("x-own", "the server's"),
+        ("retry-after", "99999"),
+        ("content-length", "999"),
+        ("bad name", "x"),
+    ];
+    let ok = RateLimitResponse {
+        overall_code: Code::Ok as i32,
+        ..over_with(vec![], &headers)
+    };
+    let over = over_with(
+        vec![],
+        &[headers.as_slice(), &[("x-ratelimit-reset", "30")]].concat(),
+    );
+
+    // Status, the headers named, and the body of one request through a layer over `answer`.
+    async fn through(
+        answer: RateLimitResponse,
+        pass: PassHeaders,
+        requests: usize,
+    ) -> (Vec<(u16, http::HeaderMap, String)>, u64) {
+        let calls = Arc::new(AtomicU64::new(0));
+        let port = serve(RateLimitServiceServer::new(Scripted {
+            answer,
+            calls: calls.clone(),
+        }))
+        .await;
+        let b = RlsBackend::builder()
+            .url(format!("http://127.0.0.1:{port}"))
+            .domain("edge")
+            .timeout(Duration::from_millis(200))
+            .pass_response_headers(pass)
+            .build()
+            .unwrap();
+        let limit = RateLimitLayer::builder()
+            .key(Header::new("x-client"))
+            .backend(b)
+            .policy(Policy::new("client", Quota::per_hour(3).fixed_window()))
+            .build()
+            .unwrap();
+        let app = Router::new()
+            .route("/", get(|| async { ([("x-own", "mine")], "hello") }))
+            .route_layer(limit);
+        let url = format!("http://{}/", support::serve(app).await);
+        let mut out = Vec::new();
+        for _ in 0..requests {
+            let res = reqwest::Client::new()
+                .get(&url)
+                .header("x-client", "c")
+                .send()
+                .await
+                .unwrap();
+            let status = res.status().as_u16();
+            let mut h = http::HeaderMap::new();
+            for (k, v) in res.headers() {
+                h.append(k.clone(), v.clone());
+            }
+            out.push((status, h, res.text().await.unwrap()));
+        }
+        (out, calls.load(Ordering::Relaxed))
+    }
+    let all = |h: &http::HeaderMap, name: &str| -> Vec<String> {
+        (h.get_all(name).iter())
+            .map(|v| v.to_str().unwrap().to_owned())
+            .collect()
+    };
+
+    let (got, _) = through(ok.clone(), PassHeaders::All, 1).await;
+    let (status, h, body) = &got[0];
+    assert_eq!((*status, body.as_str()), (200, "hello"));
+    assert_eq!(all(h, "x-tenant-tier"), ["gold"]);
+    assert_eq!(all(h, "x-limit-note"), ["first", "second"]);
+    assert_eq!(all(h, "x-own"), ["mine"], "the service's own header wins");
+    assert_eq!(
+        all(h, "content-length"),
+        ["5"],
+        "never the server's content-length"
+    );
+    assert!(h.get("ratelimit").is_some());
+
+    let (got, calls) = through(over.clone(), PassHeaders::All, 3).await;
+    assert_eq!(calls, 1, "the refusal cached until its reset");
+    for (status, h, _) in &got {
+        assert_eq!(*status, 429);
+        assert_eq!(
+            all(h, "x-tenant-tier"),
+            ["gold"],
+            "repeated from the cache too"
+        );
+        assert_eq!(all(h, "x-limit-note"), ["first", "second"]);
+        let retry: u64 = all(h, "retry-after")[0].parse().unwrap();
+        assert!(
+            (1..=30).contains(&retry),
+            "tollgate's Retry-After wins: {retry}"
+        );
+    }
+
+    let (got, _) = through(ok.clone(), PassHeaders::None, 1).await;
+    assert!(got[0].1.get("x-tenant-tier").is_none(), "none unless asked");
+    let only = PassHeaders::only(["X-Tenant-Tier"]).unwrap();
+    let (got, _) = through(ok, only, 1).await;
+    assert_eq!(all(&got[0].1, "x-tenant-tier"), ["gold"]);
+    assert!(
+        got[0].1.get("x-limit-note").is_none(),
+        "only the names listed"
+    );
+    assert!(PassHeaders::only(["bad name"]).is_err());
+}

@@ -258,7 +258,15 @@ pub struct Decision {
     /// Refused because the key is blocked (`Policy::block_for`).
     blocked: bool,
     wait: Duration,
+    /// Headers the store asks to add to the response (an RLS server's
+    /// `response_headers_to_add`), where the backend was told to pass them on.
+    headers: Option<ResponseHeaders>,
 }
+
+/// Headers a backend passes on to the response of a request it decided (see
+/// [`Decision::response_headers`]): shared, so that a decision cloned (or replayed from a
+/// cache) carries them without copying.
+pub type ResponseHeaders = std::sync::Arc<[(http::HeaderName, http::HeaderValue)]>;
 
 /// Who made a [`Decision`]: the store, or a failure policy standing in for it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -286,6 +294,7 @@ impl Decision {
             by: DecidedBy::Store,
             blocked: false,
             wait: Duration::ZERO,
+            headers: None,
         }
     }
 
@@ -299,6 +308,7 @@ impl Decision {
             by: DecidedBy::Store,
             blocked: false,
             wait: Duration::ZERO,
+            headers: None,
         }
     }
 
@@ -350,6 +360,29 @@ impl Decision {
     pub fn decided_by(mut self, by: DecidedBy) -> Self {
         self.by = by;
         self
+    }
+
+    /// The same decision, with headers to add to the request's response (allowed or
+    /// refused), as an RLS server's `response_headers_to_add` asks
+    /// ([`RlsBackendBuilder::pass_response_headers`](crate::backend::rls::RlsBackendBuilder::pass_response_headers)).
+    /// The layer adds each after its own fields, unless the response already has a header of
+    /// that name (the `RateLimit` fields, `Retry-After`, or the service's own).
+    pub fn with_response_headers(mut self, headers: ResponseHeaders) -> Self {
+        self.headers = (!headers.is_empty()).then_some(headers);
+        self
+    }
+
+    /// The headers the backend passes on to the response (none unless it was asked to: see
+    /// [`with_response_headers`](Self::with_response_headers)).
+    #[inline]
+    pub fn response_headers(&self) -> &[(http::HeaderName, http::HeaderValue)] {
+        self.headers.as_deref().unwrap_or(&[])
+    }
+
+    /// The shared headers of [`response_headers`](Self::response_headers), if any.
+    #[inline]
+    pub(crate) fn shared_response_headers(&self) -> Option<&ResponseHeaders> {
+        self.headers.as_ref()
     }
 
     /// The same decision, allowed after waiting `wait` (a reservation).

@@ -122,6 +122,9 @@ struct Entry {
     /// whatever its cost.
     blocked: bool,
     states: SmallVec<[QuotaState; 2]>,
+    /// The headers the store's answer passed on ([`Decision::response_headers`]), repeated as
+    /// they were.
+    headers: Option<crate::backend::ResponseHeaders>,
 }
 
 impl DenyCache {
@@ -227,6 +230,7 @@ impl DenyCache {
             larger,
             blocked,
             states: decision.quotas().iter().copied().collect(),
+            headers: decision.shared_response_headers().cloned(),
         };
         let replaced = self.map.insert(key.clone(), entry).is_some();
         // Keep `used` equal to the number of entries when another task raced us.
@@ -297,6 +301,15 @@ impl Drop for DenyCache {
 /// a larger one when the entry allows it): the denials' waits shrink with the time elapsed
 /// since the call was sent; the other quotas are reported as the store reported them.
 fn replay(entry: &Entry, cost: NonZeroU32, now_ns: u64, params: &[QuotaParams]) -> Decision {
+    let decision = replay_states(entry, cost, now_ns, params);
+    match &entry.headers {
+        Some(headers) => decision.with_response_headers(headers.clone()),
+        None => decision,
+    }
+}
+
+/// The quota states of [`replay`].
+fn replay_states(entry: &Entry, cost: NonZeroU32, now_ns: u64, params: &[QuotaParams]) -> Decision {
     let elapsed = now_ns.saturating_sub(entry.sent_ns);
     // A wait that was running stays at least 1 ns until the entry expires.
     let shrink = |d: Duration| {

@@ -44,9 +44,15 @@
 //! Not here: calls are not coalesced. An RLS call of `n` hits is all or nothing (the server
 //! admits all `n` or none), so folding `n` identical requests into one call would refuse all
 //! of them where the last units would have admitted some; each request is its own call
-//! (concurrent calls share the HTTP/2 connections). The server's `response_headers_to_add`
-//! are read for limitador's fields but not passed on. Concurrent quotas are refused: the
-//! protocol has no call that ends a request.
+//! (concurrent calls share the HTTP/2 connections). Concurrent quotas are refused: the
+//! protocol has no call that ends a request. TLS to the service is not supported yet.
+//!
+//! The server's `response_headers_to_add` go on to the response only where asked
+//! ([`RlsBackendBuilder::pass_response_headers`]): all of them, or the names you list. They
+//! are added to allowed and refused responses alike, after tollgate's fields and never over a
+//! header the response already has; a refusal answered from the cache repeats the headers of
+//! the answer it repeats, as the server wrote them (a header counting down, as limitador's
+//! `X-RateLimit-Reset`, is not counted down: the `RateLimit` field and `Retry-After` are).
 //!
 //! ```
 //! use tollgate::backend::rls::RlsBackend;
@@ -132,6 +138,7 @@ impl RlsBackend {
             domain: None,
             descriptors: None,
             negative_hits: false,
+            pass: PassHeaders::None,
             opts: Options {
                 timeout: Duration::from_millis(20),
                 fleet: crate::backend::remote::Fleet::Size(std::num::NonZeroU32::MIN),
@@ -161,6 +168,7 @@ pub struct RlsBackendBuilder {
     domain: Option<String>,
     descriptors: Option<Descriptors>,
     negative_hits: bool,
+    pass: PassHeaders,
     opts: Options,
 }
 
@@ -171,6 +179,7 @@ impl std::fmt::Debug for RlsBackendBuilder {
             .field("domain", &self.domain)
             .field("descriptors", &self.descriptors.as_ref().map(|_| "custom"))
             .field("negative_hits", &self.negative_hits)
+            .field("pass_response_headers", &self.pass)
             .field("opts", &self.opts)
             .finish()
     }
@@ -226,6 +235,25 @@ impl RlsBackendBuilder {
         self
     }
 
+    /// Which of the server's `response_headers_to_add` go on to the request's response
+    /// (default [`PassHeaders::None`]): see the [module docs](self).
+    ///
+    /// ```
+    /// use tollgate::backend::rls::{PassHeaders, RlsBackend};
+    ///
+    /// let backend = RlsBackend::builder()
+    ///     .url("http://ratelimit:8081")
+    ///     .domain("edge")
+    ///     .pass_response_headers(PassHeaders::only(["x-ratelimit-limit", "x-ratelimit-remaining"])?)
+    ///     .build()?;
+    /// # let _ = backend;
+    /// # Ok::<(), tollgate::ConfigError>(())
+    /// ```
+    pub fn pass_response_headers(mut self, pass: PassHeaders) -> Self {
+        self.pass = pass;
+        self
+    }
+
     /// Checks the options and builds the backend; nothing connects until the first call.
     pub fn build(self) -> Result<RlsBackend, ConfigError> {
         let domain = self.domain.ok_or_else(|| ConfigError::Invalid {
@@ -243,6 +271,7 @@ impl RlsBackendBuilder {
             domain,
             self.descriptors,
             self.negative_hits,
+            self.pass,
             &self.opts,
         )?;
         let who = format!("the rate limit service at {}", store.endpoint);
@@ -250,6 +279,87 @@ impl RlsBackendBuilder {
             remote: Remote::new(store, who, Default::default(), self.opts),
         })
     }
+}
+
+/// Which of a rate limit service's `response_headers_to_add` an [`RlsBackend`] passes on to
+/// the response ([`RlsBackendBuilder::pass_response_headers`]).
+///
+/// A header whose name or value is not valid HTTP is left out, and so are those no service
+/// may set for a response it did not write: `content-length`, `transfer-encoding`, and the
+/// hop-by-hop headers (`connection`, `keep-alive`, `proxy-connection`, `te`, `trailer`,
+/// `upgrade`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PassHeaders {
+    /// None (the default): the server's headers are read for limitador's fields only.
+    #[default]
+    None,
+    /// Every header the server adds, as Envoy's `ratelimit` filter passes them.
+    All,
+    /// The headers of these names (compared without case).
+    Only(Vec<http::HeaderName>),
+}
+
+impl PassHeaders {
+    /// [`PassHeaders::Only`] these names; an invalid name is a configuration error.
+    pub fn only<I, S>(names: I) -> Result<Self, ConfigError>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
+        let names = (names.into_iter())
+            .map(|n| {
+                let n = n.as_ref();
+                http::HeaderName::try_from(n).map_err(|e| ConfigError::Invalid {
+                    option: "pass_response_headers",
+                    reason: format!("{n:?} is not a header name: {e}"),
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(PassHeaders::Only(names))
+    }
+
+    /// The decision with the answer's headers this passes (none: the decision as it is).
+    pub(crate) fn apply(
+        &self,
+        decision: crate::backend::Decision,
+        answer: &envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse,
+    ) -> crate::backend::Decision {
+        if *self == PassHeaders::None || answer.response_headers_to_add.is_empty() {
+            return decision;
+        }
+        let passed: Vec<_> = (answer.response_headers_to_add.iter())
+            .filter_map(|h| {
+                let name = http::HeaderName::try_from(h.key.as_str()).ok()?;
+                let value = http::HeaderValue::try_from(h.value.as_str()).ok()?;
+                let wanted = match self {
+                    PassHeaders::Only(names) => names.contains(&name),
+                    _ => true,
+                };
+                (wanted && !forbidden(&name)).then_some((name, value))
+            })
+            .collect();
+        if passed.is_empty() {
+            return decision;
+        }
+        decision.with_response_headers(passed.into())
+    }
+}
+
+/// Headers a rate limit service may not set on a response it did not write.
+fn forbidden(name: &http::HeaderName) -> bool {
+    use http::header;
+    [
+        header::CONTENT_LENGTH,
+        header::TRANSFER_ENCODING,
+        header::CONNECTION,
+        header::TE,
+        header::TRAILER,
+        header::UPGRADE,
+    ]
+    .contains(name)
+        || name == "keep-alive"
+        || name == "proxy-connection"
 }
 
 /// A descriptor of `key=value` entries (a helper for [`RlsBackendBuilder::descriptors`]).

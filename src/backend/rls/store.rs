@@ -11,7 +11,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimit
 use envoy_types::pb::google::protobuf::UInt64Value;
 use tonic::transport::{Channel, Endpoint};
 
-use super::{Descriptors, descriptor, key_value};
+use super::{Descriptors, PassHeaders, descriptor, key_value};
 use crate::backend::remote::{CallError, Job, Options, StoreFailure};
 use crate::backend::{Decision, Mode, Outcome, QuotaState};
 use crate::quota::QuotaParams;
@@ -31,6 +31,7 @@ pub(crate) struct RlsStore {
     pub(crate) domain: String,
     descriptors: Option<Descriptors>,
     negative_hits: bool,
+    pass: PassHeaders,
     connect_timeout: Duration,
     /// The channel over every address of the targets, made at the first call and again after
     /// [`reconnect`](crate::backend::remote::Store::reconnect).
@@ -43,6 +44,7 @@ impl RlsStore {
         domain: String,
         descriptors: Option<Descriptors>,
         negative_hits: bool,
+        pass: PassHeaders,
         opts: &Options,
     ) -> Result<Self, ConfigError> {
         if urls.is_empty() {
@@ -63,6 +65,7 @@ impl RlsStore {
             domain,
             descriptors,
             negative_hits,
+            pass,
             connect_timeout: opts
                 .timeout
                 .saturating_mul(10)
@@ -324,7 +327,15 @@ impl crate::backend::remote::Store for RlsStore {
                     Err(e) => return Ok(Err(e)),
                 };
                 match client.should_rate_limit(request).await {
-                    Ok(answer) => Ok(decision(&answer.into_inner(), job.params(), job.mode)),
+                    Ok(answer) => {
+                        let answer = answer.into_inner();
+                        let decided = decision(&answer, job.params(), job.mode);
+                        Ok(match decided {
+                            // A settlement's answer goes to no response.
+                            Ok(d) if !job.mode.is_settlement() => Ok(self.pass.apply(d, &answer)),
+                            other => other,
+                        })
+                    }
                     Err(status) => Err(call_error(&status)),
                 }
             }
