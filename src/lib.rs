@@ -78,6 +78,7 @@ pub mod backend;
 pub mod body;
 mod call;
 mod charge;
+pub mod client;
 pub mod cors;
 mod error;
 pub mod fields;

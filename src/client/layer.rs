@@ -1,0 +1,516 @@
+//! The tower layers: [`ThrottleLayer`] and [`RetryLayer`], for any client that is a tower
+//! service of `http` requests (hyper's, tonic's `Channel`, ...).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use http::{Method, Request, Response};
+use tower_service::Service;
+
+use super::{RetryBudget, Throttle, ThrottleTicket, Throttled};
+
+/// The error type of the client layers: the inner service's error, boxed, or
+/// [`Throttled`] (find out with `err.is::<Throttled>()`).
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A tower layer refusing calls by a [`Throttle`]: a call it refuses fails at once with
+/// [`Throttled`], never sent; each answer is reported to the throttle.
+///
+/// ```
+/// use tollgate::client::{Throttle, ThrottleLayer, Throttled};
+/// use tower::{Service, ServiceBuilder, ServiceExt};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// // An upstream that is down: every call answers 503.
+/// let upstream = tower::service_fn(|_req: http::Request<()>| async {
+///     Ok::<_, std::convert::Infallible>(http::Response::builder().status(503).body(()).unwrap())
+/// });
+/// let mut client = ServiceBuilder::new()
+///     .layer(ThrottleLayer::new(Throttle::new()))
+///     .service(upstream);
+/// let mut throttled = 0;
+/// for _ in 0..200 {
+///     let call = client.ready().await.unwrap().call(http::Request::new(()));
+///     if let Err(e) = call.await {
+///         assert!(e.is::<Throttled>());
+///         throttled += 1;
+///     }
+/// }
+/// assert!(throttled > 150, "most calls were never sent: {throttled}");
+/// # }
+/// ```
+#[derive(Debug, Clone)]
+pub struct ThrottleLayer {
+    throttle: Throttle,
+}
+
+impl ThrottleLayer {
+    /// Throttles the calls by `throttle` (share one per upstream).
+    pub fn new(throttle: Throttle) -> Self {
+        ThrottleLayer { throttle }
+    }
+}
+
+impl<S> tower_layer::Layer<S> for ThrottleLayer {
+    type Service = ThrottleService<S>;
+
+    fn layer(&self, inner: S) -> ThrottleService<S> {
+        ThrottleService {
+            inner,
+            throttle: self.throttle.clone(),
+        }
+    }
+}
+
+/// The service [`ThrottleLayer`] makes.
+#[derive(Debug, Clone)]
+pub struct ThrottleService<S> {
+    inner: S,
+    throttle: Throttle,
+}
+
+impl<S, B, R> Service<Request<B>> for ThrottleService<S>
+where
+    S: Service<Request<B>, Response = Response<R>>,
+    S::Error: Into<BoxError>,
+{
+    type Response = Response<R>;
+    type Error = BoxError;
+    type Future = ThrottleFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        match self.throttle.admit() {
+            Ok(ticket) => ThrottleFuture::Sent {
+                future: self.inner.call(req),
+                ticket: Some(ticket),
+            },
+            Err(throttled) => ThrottleFuture::Refused {
+                throttled: Some(throttled),
+            },
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// The future of [`ThrottleService`].
+    #[project = ThrottleProj]
+    #[allow(missing_docs)]
+    pub enum ThrottleFuture<F> {
+        /// Sent: its answer is reported to the throttle.
+        Sent { #[pin] future: F, ticket: Option<ThrottleTicket> },
+        /// Refused by the throttle, never sent.
+        Refused { throttled: Option<Throttled> },
+    }
+}
+
+impl<F, R, E> Future for ThrottleFuture<F>
+where
+    F: Future<Output = Result<Response<R>, E>>,
+    E: Into<BoxError>,
+{
+    type Output = Result<Response<R>, BoxError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project() {
+            ThrottleProj::Sent { future, ticket } => {
+                let out = std::task::ready!(future.poll(cx));
+                if let Some(ticket) = ticket.take() {
+                    match &out {
+                        Ok(res) => {
+                            ticket.observe(res.status(), res.headers());
+                        }
+                        Err(_) => ticket.not_accepted(),
+                    }
+                }
+                Poll::Ready(out.map_err(Into::into))
+            }
+            ThrottleProj::Refused { throttled } => Poll::Ready(Err(Box::new(
+                throttled.take().unwrap_or(Throttled { probability: 1.0 }),
+            ))),
+        }
+    }
+}
+
+/// Marks a request as safe to retry whatever its method: insert it in the request's
+/// extensions (a gRPC call, all `POST`, that is idempotent; a `POST` with an idempotency
+/// key).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RetrySafe;
+
+type SafeFn = dyn Fn(&Request<()>) -> bool + Send + Sync;
+
+/// A tower layer that retries calls within a [`RetryBudget`], with backoff and jitter.
+///
+/// - **Which calls**: those safe to retry: methods that are idempotent (`GET`, `HEAD`,
+///   `OPTIONS`, `TRACE`, `PUT`, `DELETE`), a request carrying [`RetrySafe`] in its
+///   extensions, or what [`safe`](Self::safe) says.
+/// - **Which answers**: `429`, `502`, `503`, `504`; gRPC `UNAVAILABLE`, and
+///   `RESOURCE_EXHAUSTED` when it carries a pushback (`grpc-retry-pushback-ms`) of 0 or more;
+///   a call that failed without an answer (the inner service's error). Never a call refused
+///   by a [`Throttle`] under this layer, nor an answer whose pushback is negative ("do not
+///   retry").
+/// - **When**: after a backoff with full jitter (a random wait up to `base × 2^(n−1)` before
+///   the `n`th retry, at most `max`; by default 25 ms and 1 s), or after the `Retry-After`
+///   (or pushback) the answer asks for when that is longer; an answer asking for more than
+///   [`max_wait`](Self::max_wait) (10 s) is not retried.
+/// - **How many**: at most [`max_retries`](Self::max_retries) (3), each withdrawn from the
+///   budget; a retry the budget refuses is not made and the caller gets the answer it would
+///   have retried (the original answer). The first attempt deposits in the budget.
+///
+/// The request is cloned for each attempt (its body must be `Clone`: `Full<Bytes>`,
+/// `String`, ...); the answer being retried is held until the next attempt has answered, so
+/// that an attempt refused here (throttled) gives the caller the last real answer.
+///
+/// ```
+/// use std::sync::atomic::{AtomicU32, Ordering};
+/// use std::sync::Arc;
+/// use tollgate::client::{RetryBudget, RetryLayer};
+/// use tower::{Service, ServiceBuilder, ServiceExt};
+///
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+/// # async fn main() {
+/// // An upstream that answers 503 twice, then 200.
+/// let calls = Arc::new(AtomicU32::new(0));
+/// let seen = calls.clone();
+/// let upstream = tower::service_fn(move |_req: http::Request<String>| {
+///     let n = seen.fetch_add(1, Ordering::Relaxed);
+///     async move {
+///         let status = if n < 2 { 503 } else { 200 };
+///         Ok::<_, std::convert::Infallible>(http::Response::builder().status(status).body(()).unwrap())
+///     }
+/// });
+/// let mut client = ServiceBuilder::new()
+///     .layer(RetryLayer::new(RetryBudget::new()))
+///     .service(upstream);
+/// let res = client.ready().await.unwrap().call(http::Request::new(String::new())).await.unwrap();
+/// assert_eq!((res.status().as_u16(), calls.load(Ordering::Relaxed)), (200, 3));
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct RetryLayer {
+    cfg: Arc<RetryConfig>,
+}
+
+struct RetryConfig {
+    budget: RetryBudget,
+    max_retries: u32,
+    base: Duration,
+    max: Duration,
+    max_wait: Duration,
+    safe: Option<Box<SafeFn>>,
+}
+
+impl std::fmt::Debug for RetryLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let c = &self.cfg;
+        f.debug_struct("RetryLayer")
+            .field("budget", &c.budget)
+            .field("max_retries", &c.max_retries)
+            .field("backoff", &(c.base, c.max))
+            .field("max_wait", &c.max_wait)
+            .field("safe", &c.safe.as_ref().map(|_| "custom"))
+            .finish()
+    }
+}
+
+impl RetryLayer {
+    /// Retries within `budget` (share one per upstream), up to 3 times a call.
+    pub fn new(budget: RetryBudget) -> Self {
+        RetryLayer {
+            cfg: Arc::new(RetryConfig {
+                budget,
+                max_retries: 3,
+                base: Duration::from_millis(25),
+                max: Duration::from_secs(1),
+                max_wait: Duration::from_secs(10),
+                safe: None,
+            }),
+        }
+    }
+
+    fn with(mut self, f: impl FnOnce(&mut RetryConfig)) -> Self {
+        match Arc::get_mut(&mut self.cfg) {
+            Some(cfg) => f(cfg),
+            None => unreachable!("a layer is configured before it is cloned"),
+        }
+        self
+    }
+
+    /// The most retries of one call (default 3).
+    pub fn max_retries(self, n: u32) -> Self {
+        self.with(|c| c.max_retries = n)
+    }
+
+    /// The backoff: the `n`th retry waits a random time up to `base × 2^(n−1)`, at most
+    /// `max` (defaults 25 ms and 1 s).
+    pub fn backoff(self, base: Duration, max: Duration) -> Self {
+        self.with(|c| {
+            c.base = base;
+            c.max = max.max(base);
+        })
+    }
+
+    /// The longest `Retry-After` (or gRPC pushback) waited out before a retry (default
+    /// 10 s): an answer asking for more is given to the caller.
+    pub fn max_wait(self, max: Duration) -> Self {
+        self.with(|c| c.max_wait = max)
+    }
+
+    /// Which requests are safe to retry, besides the idempotent methods and [`RetrySafe`]:
+    /// called with the request's head (its body left out).
+    pub fn safe(self, f: impl Fn(&Request<()>) -> bool + Send + Sync + 'static) -> Self {
+        self.with(|c| c.safe = Some(Box::new(f)))
+    }
+
+    /// The budget retries are withdrawn from.
+    pub fn budget(&self) -> &RetryBudget {
+        &self.cfg.budget
+    }
+}
+
+impl<S> tower_layer::Layer<S> for RetryLayer {
+    type Service = Retry<S>;
+
+    fn layer(&self, inner: S) -> Retry<S> {
+        Retry {
+            inner,
+            cfg: self.cfg.clone(),
+        }
+    }
+}
+
+/// The service [`RetryLayer`] makes.
+#[derive(Clone)]
+pub struct Retry<S> {
+    inner: S,
+    cfg: Arc<RetryConfig>,
+}
+
+impl<S: std::fmt::Debug> std::fmt::Debug for Retry<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Retry")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What an answer says about retrying it.
+#[derive(Debug, PartialEq)]
+enum Again {
+    /// Not an answer to retry.
+    No,
+    /// Retry, after at least this long (the answer's `Retry-After` or pushback).
+    After(Duration),
+}
+
+fn again_of(status: http::StatusCode, headers: &http::HeaderMap) -> Again {
+    let asked = crate::wait::answer_wait(status, headers).unwrap_or_default();
+    if matches!(status.as_u16(), 429 | 502 | 503 | 504) {
+        return Again::After(asked);
+    }
+    let pushback = headers
+        .get("grpc-retry-pushback-ms")
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim);
+    if pushback.is_some_and(|p| p.starts_with('-')) {
+        return Again::No;
+    }
+    match headers.get("grpc-status").map(http::HeaderValue::as_bytes) {
+        Some(b"14") => Again::After(asked),
+        Some(b"8") if pushback.is_some() => Again::After(asked),
+        _ => Again::No,
+    }
+}
+
+fn is_safe(cfg: &RetryConfig, parts: &http::request::Parts) -> bool {
+    if matches!(
+        parts.method,
+        Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE | Method::PUT | Method::DELETE
+    ) || parts.extensions.get::<RetrySafe>().is_some()
+    {
+        return true;
+    }
+    cfg.safe.as_ref().is_some_and(|f| {
+        let mut head = Request::new(());
+        *head.method_mut() = parts.method.clone();
+        *head.uri_mut() = parts.uri.clone();
+        *head.headers_mut() = parts.headers.clone();
+        f(&head)
+    })
+}
+
+impl RetryConfig {
+    /// The wait before retry `n` (1-based): full jitter over the backoff, at least what the
+    /// answer asked for.
+    fn wait(&self, n: u32, asked: Duration) -> Duration {
+        let cap = (self.base)
+            .saturating_mul(1u32.checked_shl(n.saturating_sub(1)).unwrap_or(u32::MAX))
+            .min(self.max);
+        cap.mul_f64(fastrand::f64()).max(asked)
+    }
+}
+
+impl<S, B, R> Service<Request<B>> for Retry<S>
+where
+    S: Service<Request<B>, Response = Response<R>> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Error: Into<BoxError>,
+    B: Clone + Send + 'static,
+    R: Send + 'static,
+{
+    type Response = Response<R>;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<R>, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        // The ready service answers the first attempt; a clone waits for the next one's turn.
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let cfg = self.cfg.clone();
+        Box::pin(async move {
+            cfg.budget.deposit();
+            let (parts, body) = req.into_parts();
+            let retries = if is_safe(&cfg, &parts) {
+                cfg.max_retries
+            } else {
+                0
+            };
+            let req = Request::from_parts(parts, body);
+            // The first attempt sends the request itself (its extensions whole); retries send
+            // copies of it.
+            let template = (retries > 0).then(|| clone_request(&req));
+            let mut first = Some(req);
+            // The answer being retried: given back if no later attempt answers.
+            let mut last: Option<Response<R>> = None;
+            let mut n = 0u32;
+            loop {
+                let attempt = match (first.take(), &template) {
+                    (Some(req), _) => req,
+                    (None, Some(template)) => clone_request(template),
+                    // Retries are made only with a template.
+                    (None, None) => return last.map(Ok).unwrap_or(Err(BudgetSpent.into())),
+                };
+                if n > 0 {
+                    std::future::poll_fn(|cx| inner.poll_ready(cx))
+                        .await
+                        .map_err(Into::into)?;
+                }
+                let asked = match inner.call(attempt).await.map_err(Into::into) {
+                    Ok(res) => match again_of(res.status(), res.headers()) {
+                        Again::After(asked) if n < retries && asked <= cfg.max_wait => {
+                            last = Some(res);
+                            asked
+                        }
+                        _ => return Ok(res),
+                    },
+                    Err(e) if e.is::<Throttled>() => return last.map(Ok).unwrap_or(Err(e)),
+                    // Failed without an answer: retried; the last answer, if any, is kept.
+                    Err(_) if n < retries => Duration::ZERO,
+                    Err(e) => return Err(e),
+                };
+                if !cfg.budget.withdraw() {
+                    return match last {
+                        Some(res) => Ok(res),
+                        None => Err(BudgetSpent.into()),
+                    };
+                }
+                n += 1;
+                tokio::time::sleep(cfg.wait(n, asked)).await;
+            }
+        })
+    }
+}
+
+fn clone_request<B: Clone>(req: &Request<B>) -> Request<B> {
+    let mut out = Request::new(req.body().clone());
+    *out.method_mut() = req.method().clone();
+    *out.uri_mut() = req.uri().clone();
+    *out.version_mut() = req.version();
+    *out.headers_mut() = req.headers().clone();
+    if req.extensions().get::<RetrySafe>().is_some() {
+        out.extensions_mut().insert(RetrySafe);
+    }
+    out
+}
+
+/// A call that failed without an answer, whose retry the budget refused: the budget is
+/// spent. (A call that had an answer gets that answer instead.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BudgetSpent;
+
+impl std::fmt::Display for BudgetSpent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the call failed and the retry budget is spent: not retried")
+    }
+}
+
+impl std::error::Error for BudgetSpent {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn which_answers_are_retried() {
+        let h = |pairs: &[(&'static str, &str)]| {
+            let mut h = http::HeaderMap::new();
+            for (k, v) in pairs {
+                h.insert(*k, v.parse().unwrap());
+            }
+            h
+        };
+        let s = |c| http::StatusCode::from_u16(c).unwrap();
+        assert_eq!(again_of(s(200), &h(&[])), Again::No);
+        assert_eq!(again_of(s(500), &h(&[])), Again::No);
+        assert_eq!(again_of(s(503), &h(&[])), Again::After(Duration::ZERO));
+        assert_eq!(
+            again_of(s(429), &h(&[("retry-after", "2")])),
+            Again::After(Duration::from_secs(2))
+        );
+        assert_eq!(
+            again_of(s(200), &h(&[("grpc-status", "14")])),
+            Again::After(Duration::ZERO)
+        );
+        assert_eq!(again_of(s(200), &h(&[("grpc-status", "8")])), Again::No);
+        assert_eq!(
+            again_of(
+                s(200),
+                &h(&[("grpc-status", "8"), ("grpc-retry-pushback-ms", "300")])
+            ),
+            Again::After(Duration::from_millis(300))
+        );
+        assert_eq!(
+            again_of(
+                s(200),
+                &h(&[("grpc-status", "14"), ("grpc-retry-pushback-ms", "-1")])
+            ),
+            Again::No
+        );
+    }
+
+    #[test]
+    fn backoff_grows_with_full_jitter_and_a_cap() {
+        let l = RetryLayer::new(RetryBudget::new());
+        for _ in 0..200 {
+            assert!(l.cfg.wait(1, Duration::ZERO) <= Duration::from_millis(25));
+            assert!(l.cfg.wait(3, Duration::ZERO) <= Duration::from_millis(100));
+            assert!(l.cfg.wait(40, Duration::ZERO) <= Duration::from_secs(1));
+            assert!(l.cfg.wait(1, Duration::from_secs(2)) == Duration::from_secs(2));
+        }
+        let spread: std::collections::HashSet<_> =
+            (0..50).map(|_| l.cfg.wait(3, Duration::ZERO)).collect();
+        assert!(spread.len() > 40, "jittered");
+    }
+}

@@ -1,0 +1,265 @@
+//! The client layers over real sockets: `RetryLayer` and `ThrottleLayer` on hyper's client
+//! against an axum upstream, and `ThrottleLayer` on a tonic channel against a tonic server
+//! refusing with `RESOURCE_EXHAUSTED` (tollgate's own layer).
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::routing::any;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use tollgate::client::{RetryBudget, RetryLayer, RetrySafe, Throttle, ThrottleLayer, Throttled};
+use tower::{Service, ServiceBuilder, ServiceExt};
+
+type Body = Full<Bytes>;
+
+/// An upstream answering each request by `answer(n)` (n from 0), counting what it received.
+async fn upstream(answer: fn(u64) -> u16) -> (String, Arc<AtomicU64>) {
+    let seen = Arc::new(AtomicU64::new(0));
+    let count = seen.clone();
+    let app = Router::new().route(
+        "/",
+        any(move || {
+            let n = count.fetch_add(1, Ordering::SeqCst);
+            async move {
+                let status = http::StatusCode::from_u16(answer(n)).unwrap();
+                (status, format!("answer {n}"))
+            }
+        }),
+    );
+    (support::serve_app(app).await, seen)
+}
+
+fn hyper_client() -> Client<hyper_util::client::legacy::connect::HttpConnector, Body> {
+    Client::builder(TokioExecutor::new()).build_http()
+}
+
+fn request(url: &str, method: http::Method) -> http::Request<Body> {
+    http::Request::builder()
+        .method(method)
+        .uri(format!("{url}/"))
+        .body(Full::new(Bytes::from_static(b"payload")))
+        .unwrap()
+}
+
+/// Status and body of a call's answer.
+async fn answer<B>(res: http::Response<B>) -> (u16, String)
+where
+    B: http_body::Body,
+    B::Error: std::fmt::Debug,
+{
+    let status = res.status().as_u16();
+    let body = res.into_body().collect().await.unwrap().to_bytes();
+    (status, String::from_utf8(body.to_vec()).unwrap())
+}
+
+/// An idempotent call answered 503 twice is retried to its 200; a `POST` is not retried
+/// unless marked safe; a `Retry-After` is waited out.
+#[tokio::test]
+async fn retries_reach_the_answer_that_succeeds() {
+    let (url, seen) = upstream(|n| if n % 3 == 2 { 200 } else { 503 }).await;
+    let budget = RetryBudget::new();
+    let mut client = ServiceBuilder::new()
+        .layer(
+            RetryLayer::new(budget.clone())
+                .backoff(Duration::from_millis(1), Duration::from_millis(5)),
+        )
+        .service(hyper_client());
+
+    let res = client
+        .ready()
+        .await
+        .unwrap()
+        .call(request(&url, http::Method::GET))
+        .await
+        .unwrap();
+    assert_eq!(answer(res).await, (200, "answer 2".into()));
+    assert_eq!(seen.load(Ordering::SeqCst), 3);
+
+    let res = client
+        .ready()
+        .await
+        .unwrap()
+        .call(request(&url, http::Method::POST))
+        .await
+        .unwrap();
+    assert_eq!(
+        answer(res).await,
+        (503, "answer 3".into()),
+        "a POST is not retried"
+    );
+
+    let mut post = request(&url, http::Method::POST);
+    post.extensions_mut().insert(RetrySafe);
+    let res = client.ready().await.unwrap().call(post).await.unwrap();
+    assert_eq!(
+        answer(res).await,
+        (200, "answer 5".into()),
+        "unless marked safe"
+    );
+    assert_eq!(budget.counts(), (3, 3));
+}
+
+/// With the budget spent, a call that would be retried gets its original answer (the
+/// upstream's 503 and its body), and the upstream receives no retry.
+#[tokio::test]
+async fn a_spent_budget_gives_the_original_answer() {
+    let (url, seen) = upstream(|_| 503).await;
+    let budget = RetryBudget::builder()
+        .ratio(0.1)
+        .min_per_second(0.0)
+        .build()
+        .unwrap();
+    let mut client = ServiceBuilder::new()
+        .layer(
+            RetryLayer::new(budget.clone())
+                .backoff(Duration::from_millis(1), Duration::from_millis(2)),
+        )
+        .service(hyper_client());
+    for i in 0..100u64 {
+        let res = client
+            .ready()
+            .await
+            .unwrap()
+            .call(request(&url, http::Method::GET))
+            .await
+            .unwrap();
+        let (status, body) = answer(res).await;
+        assert_eq!(status, 503);
+        assert!(body.starts_with("answer "), "{i}: {body}");
+    }
+    let (calls, retries) = budget.counts();
+    assert_eq!(calls, 100);
+    assert!(retries <= 10, "10 % of the calls: {retries}");
+    assert_eq!(seen.load(Ordering::SeqCst), 100 + retries);
+}
+
+/// Against an upstream refusing everything, the throttle keeps most calls from being sent;
+/// against one accepting everything, 32 calls at a time, it refuses none.
+#[tokio::test]
+async fn the_throttle_sends_little_to_a_refusing_upstream_and_all_to_a_healthy_one() {
+    let (url, seen) = upstream(|_| 503).await;
+    let mut client = ServiceBuilder::new()
+        .layer(ThrottleLayer::new(Throttle::new()))
+        .service(hyper_client());
+    let mut throttled = 0;
+    for _ in 0..500 {
+        match client
+            .ready()
+            .await
+            .unwrap()
+            .call(request(&url, http::Method::GET))
+            .await
+        {
+            Ok(res) => assert_eq!(res.status(), 503),
+            Err(e) => {
+                assert!(e.is::<Throttled>(), "{e}");
+                throttled += 1;
+            }
+        }
+    }
+    assert_eq!(seen.load(Ordering::SeqCst) + throttled, 500);
+    assert!(throttled > 400, "most never sent: {throttled}");
+
+    let (url, seen) = upstream(|_| 200).await;
+    let client = ServiceBuilder::new()
+        .layer(ThrottleLayer::new(Throttle::new()))
+        .service(hyper_client());
+    let calls = (0..32).map(|_| {
+        let client = client.clone();
+        let url = url.clone();
+        tokio::spawn(async move {
+            for _ in 0..50 {
+                let res = client
+                    .clone()
+                    .oneshot(request(&url, http::Method::GET))
+                    .await;
+                assert_eq!(res.expect("never throttled").status(), 200);
+            }
+        })
+    });
+    for c in calls.collect::<Vec<_>>() {
+        c.await.unwrap();
+    }
+    assert_eq!(seen.load(Ordering::SeqCst), 1600);
+}
+
+#[path = "../examples/proto/helloworld.rs"]
+mod helloworld;
+
+struct Greeter;
+
+#[tonic::async_trait]
+impl helloworld::greeter_server::Greeter for Greeter {
+    async fn say_hello(
+        &self,
+        request: tonic::Request<helloworld::HelloRequest>,
+    ) -> Result<tonic::Response<helloworld::HelloReply>, tonic::Status> {
+        Ok(tonic::Response::new(helloworld::HelloReply {
+            message: format!("Hello {}!", request.into_inner().name),
+        }))
+    }
+}
+
+/// A tonic client through the throttle: a server whose limit is spent answers
+/// `RESOURCE_EXHAUSTED` (trailers-only, read by the throttle), and most later calls fail in
+/// the client with the throttle's error, never reaching the server.
+#[tokio::test]
+async fn a_tonic_client_is_throttled_by_resource_exhausted() {
+    use tollgate::{Policy, Quota, RateLimitLayer};
+    let received = Arc::new(AtomicU64::new(0));
+    let count = received.clone();
+    let limit = RateLimitLayer::builder()
+        .policy(Policy::new("greeter", Quota::per_hour(1).burst(5)))
+        .key(tollgate::key::Global)
+        .build()
+        .unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = tonic::transport::Server::builder()
+        .layer(
+            ServiceBuilder::new()
+                .map_request(move |r: http::Request<_>| {
+                    count.fetch_add(1, Ordering::SeqCst);
+                    r
+                })
+                .layer(limit),
+        )
+        .add_service(helloworld::greeter_server::GreeterServer::new(Greeter));
+    tokio::spawn(
+        server.serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let throttled = ServiceBuilder::new()
+        .layer(ThrottleLayer::new(Throttle::new()))
+        .service(channel);
+    let mut client = helloworld::greeter_client::GreeterClient::new(throttled);
+    let (mut ok, mut exhausted, mut local) = (0, 0, 0);
+    for _ in 0..300 {
+        let req = tonic::Request::new(helloworld::HelloRequest { name: "x".into() });
+        match client.say_hello(req).await {
+            Ok(_) => ok += 1,
+            Err(s) if s.code() == tonic::Code::ResourceExhausted => exhausted += 1,
+            Err(s) => {
+                assert!(s.message().contains("throttled by the client"), "{s:?}");
+                local += 1;
+            }
+        }
+    }
+    assert_eq!(ok, 5);
+    assert_eq!(received.load(Ordering::SeqCst), ok + exhausted);
+    assert!(
+        local > 200,
+        "most calls never sent: {local} throttled, {exhausted} refused"
+    );
+}
