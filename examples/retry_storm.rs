@@ -15,7 +15,7 @@
 //! - `throttle`: `tollgate::client::ThrottleLayer` under retries with backoff and no budget;
 //! - `both`: the retry layer over the throttle.
 //!
-//! `THROTTLE_WINDOW_MS` (500) is the throttle's window.
+//! `THROTTLE_WINDOW_MS` (250) is the throttle's window.
 //!
 //! `RATE` is a number, or a schedule in the form of `examples/adaptive`'s
 //! `CAPACITY_SCHEDULE`: `8000@0s,400@20s` offers 8 000 a second, then 400 from the 20th
@@ -164,7 +164,7 @@ fn client(mode: &str, retries: u32, counts: &Arc<Counts>) -> Result<Call, BoxErr
             .build()
     };
     let backoff = (Duration::from_millis(25), Duration::from_secs(1));
-    let window = Duration::from_millis(number("THROTTLE_WINDOW_MS", "500")?);
+    let window = Duration::from_millis(number("THROTTLE_WINDOW_MS", "250")?);
     let throttle = Throttle::builder().window(window);
     let throttle = || throttle.clone().build().map(ThrottleLayer::new);
     Ok(match mode {

@@ -15,7 +15,7 @@ for rate in 800 2400 8000; do
         MODE=$mode RATE=$rate SECS=$SECS "$BIN" | tail -1
     done
 done
-for window in 500 1000 2000; do
+for window in 250 500 1000 2000; do
     echo "spike 8000/s then 400/s from 10 s, MODE=both, THROTTLE_WINDOW_MS=$window:"
     MODE=both RATE=8000@0s,400@10s SECS=16 THROTTLE_WINDOW_MS=$window "$BIN" | sed -n '2p;10,17p'
 done
