@@ -838,6 +838,44 @@ fn rows(s: &Settings) -> Vec<(&'static str, Vec<Panel>)> {
                 },
             ],
         ),
+        (
+            "Clients and deadlines",
+            vec![
+                Panel {
+                    title: "Calls throttled and retries",
+                    description: "Calls this process's clients refused themselves (adaptive throttling: the upstream accepted too few lately), and retries taken or refused by the retry budget, per upstream. Throttled rising: the upstream is overloaded or failing, and its clients keep their load to about twice what it accepts. Retries refused: the budget holds a retry storm back.",
+                    unit: "reqps",
+                    targets: vec![
+                        (
+                            format!(
+                                "sum by (upstream) (rate({}[{r}]))",
+                                m("tollgate_client_throttled_total", "")
+                            ),
+                            "throttled {{upstream}}",
+                        ),
+                        (
+                            format!(
+                                "sum by (upstream, outcome) (rate({}[{r}]))",
+                                m("tollgate_client_retries_total", "")
+                            ),
+                            "retries {{upstream}} {{outcome}}",
+                        ),
+                    ],
+                },
+                Panel {
+                    title: "Requests dropped at their deadline",
+                    description: "Requests whose caller's deadline (grpc-timeout or the deadline header) passed: before they started, or while they waited or ran (their work dropped). Rising: callers give up before this service answers, so it is slower than they wait.",
+                    unit: "reqps",
+                    targets: vec![(
+                        format!(
+                            "sum by (stage) (rate({}[{r}]))",
+                            m("tollgate_deadline_dropped_total", "")
+                        ),
+                        "{{stage}}",
+                    )],
+                },
+            ],
+        ),
     ]
 }
 

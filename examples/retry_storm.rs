@@ -15,7 +15,11 @@
 //! - `throttle`: `tollgate::client::ThrottleLayer` under retries with backoff and no budget;
 //! - `both`: the retry layer over the throttle.
 //!
-//! `THROTTLE_WINDOW_MS` (250) is the throttle's window.
+//! `THROTTLE_WINDOW_MS` (250) is the throttle's window. Each call carries its deadline (the
+//! SLO from when it was offered) to the upstream in `x-request-timeout-ms`; with
+//! `DEADLINES=on` the upstream enforces it (`tollgate::deadline::DeadlineLayer`: work whose
+//! caller has given up is dropped), with `off` (the default) it only counts the work that
+//! finished after its caller's deadline (`late`).
 //!
 //! `RATE` is a number, or a schedule in the form of `examples/adaptive`'s
 //! `CAPACITY_SCHEDULE`: `8000@0s,400@20s` offers 8 000 a second, then 400 from the 20th
@@ -48,6 +52,7 @@ use hyper_util::rt::TokioExecutor;
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 use tollgate::client::{BoxError, RetryBudget, RetryLayer, Throttle, ThrottleLayer, Throttled};
+use tollgate::deadline::{Deadline, DeadlineLayer, PropagateDeadlineLayer};
 use tower::util::BoxCloneService;
 use tower::{ServiceBuilder, ServiceExt};
 
@@ -66,10 +71,12 @@ struct Counts {
     accepted: AtomicU64,
     throttled: AtomicU64,
     good: AtomicU64,
+    /// Work the upstream finished after its caller's deadline.
+    late: AtomicU64,
 }
 
 impl Counts {
-    fn take(&self) -> [u64; 7] {
+    fn take(&self) -> [u64; 8] {
         [
             &self.offered,
             &self.sent,
@@ -78,6 +85,7 @@ impl Counts {
             &self.tries,
             &self.throttled,
             &self.good,
+            &self.late,
         ]
         .map(|c| c.swap(0, Ordering::Relaxed))
     }
@@ -114,25 +122,39 @@ fn schedule(text: &str) -> Result<Vec<(u64, Duration)>, String> {
     Ok(out)
 }
 
-/// The upstream: `WORKERS` at once, each call `SERVICE` long, `503` at once when full.
-async fn upstream(counts: Arc<Counts>) -> Result<String, BoxError> {
+const DEADLINE_HEADER: http::HeaderName = http::HeaderName::from_static("x-request-timeout-ms");
+
+/// The upstream: `WORKERS` at once, each call `SERVICE` long, `503` at once when full; with
+/// `deadlines`, a call is dropped when its caller's deadline passes.
+async fn upstream(counts: Arc<Counts>, deadlines: bool) -> Result<String, BoxError> {
     let workers = Arc::new(Semaphore::new(WORKERS));
     let app = Router::new()
         .route(
             "/",
             get(
-                |State((workers, counts)): State<(Arc<Semaphore>, Arc<Counts>)>| async move {
+                |State((workers, counts)): State<(Arc<Semaphore>, Arc<Counts>)>,
+                 headers: http::HeaderMap| async move {
                     counts.received.fetch_add(1, Ordering::Relaxed);
+                    let caller_deadline =
+                        Deadline::from_headers(&headers, false, Some(&DEADLINE_HEADER));
                     let Ok(_worker) = workers.try_acquire() else {
                         return http::StatusCode::SERVICE_UNAVAILABLE;
                     };
                     tokio::time::sleep(SERVICE).await;
                     counts.accepted.fetch_add(1, Ordering::Relaxed);
+                    if caller_deadline.is_some_and(|d| d.has_passed()) {
+                        counts.late.fetch_add(1, Ordering::Relaxed);
+                    }
                     http::StatusCode::OK
                 },
             ),
         )
         .with_state((workers, counts));
+    let app = if deadlines {
+        app.layer(DeadlineLayer::new().header(DEADLINE_HEADER))
+    } else {
+        app
+    };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let url = format!("http://{}/", listener.local_addr()?);
     tokio::spawn(async move { axum::serve(listener, app).await });
@@ -145,11 +167,13 @@ fn client(mode: &str, retries: u32, counts: &Arc<Counts>) -> Result<Call, BoxErr
         .pool_max_idle_per_host(256)
         .build_http::<Body>();
     let sent = counts.clone();
+    // Every attempt carries the time its call has left.
     let http = ServiceBuilder::new()
         .map_request(move |r: http::Request<Body>| {
             sent.sent.fetch_add(1, Ordering::Relaxed);
             r
         })
+        .layer(PropagateDeadlineLayer::new().header(DEADLINE_HEADER))
         .service(http.map_err(BoxError::from));
     let tries = counts.clone();
     let count_tries = move |r: http::Request<Body>| {
@@ -214,17 +238,23 @@ async fn main() -> Result<(), BoxError> {
     let secs = number("SECS", "30")?;
     let slo = Duration::from_millis(number("SLO_MS", "500")?);
     let n_clients = number("CLIENTS", "10")?.max(1);
+    let deadlines = match env_or("DEADLINES", "off").as_str() {
+        "on" => true,
+        "off" => false,
+        other => return Err(format!("DEADLINES={other:?}: on or off").into()),
+    };
     let counts = Arc::new(Counts::default());
     let (url, own) = match std::env::var("UPSTREAM_URL") {
         Ok(url) => (url, false),
-        Err(_) => (upstream(counts.clone()).await?, true),
+        Err(_) => (upstream(counts.clone(), deadlines).await?, true),
     };
     let clients = (0..n_clients)
         .map(|_| client(&mode, retries, &counts))
         .collect::<Result<Vec<_>, _>>()?;
     println!(
         "mode {mode}, rate {rates:?}, {n_clients} clients, {retries} retries, SLO {slo:?}, \
-         upstream {url} ({})",
+         deadlines {}, upstream {url} ({})",
+        if deadlines { "on" } else { "off" },
         if own {
             format!(
                 "{WORKERS} workers x {SERVICE:?}: {} a second",
@@ -265,7 +295,8 @@ async fn main() -> Result<(), BoxError> {
                     let req = http::Request::get(&url).body(Body::default());
                     tokio::spawn(async move {
                         counts.offered.fetch_add(1, Ordering::Relaxed);
-                        let Ok(req) = req else { return };
+                        let Ok(mut req) = req else { return };
+                        req.extensions_mut().insert(Deadline::after(slo));
                         match tokio::time::timeout(slo, client.oneshot(req)).await {
                             Ok(Ok(res)) if res.status() == http::StatusCode::OK => {
                                 counts.good.fetch_add(1, Ordering::Relaxed);
@@ -281,32 +312,49 @@ async fn main() -> Result<(), BoxError> {
         })
     };
 
-    let mut totals = [0u64; 7];
+    let mut totals = [0u64; 8];
     let mut every =
         tokio::time::interval_at(start + Duration::from_secs(1), Duration::from_secs(1));
     for sec in 1..=secs {
         every.tick().await;
-        let [offered, sent, received, accepted, tries, throttled, good] = counts.take();
+        let took = counts.take();
+        let [
+            offered,
+            sent,
+            received,
+            accepted,
+            tries,
+            throttled,
+            good,
+            _late,
+        ] = took;
         let retried = tries.saturating_sub(offered);
         println!(
             "{sec:>3} {offered:>7} {sent:>4} {received:>8} {accepted:>8} {retried:>7} {throttled:>9} {good:>7}"
         );
         if sec > 2 {
-            for (t, v) in totals
-                .iter_mut()
-                .zip([offered, sent, received, accepted, tries, throttled, good])
-            {
+            for (t, v) in totals.iter_mut().zip(took) {
                 *t += v;
             }
         }
     }
     load.await?;
-    let [offered, sent, received, accepted, tries, throttled, good] = totals;
+    let [
+        offered,
+        sent,
+        received,
+        accepted,
+        tries,
+        throttled,
+        good,
+        late,
+    ] = totals;
     let per = |a: u64, b: u64| a as f64 / b.max(1) as f64;
     let after = secs.saturating_sub(2).max(1);
     println!(
         "after 2 s: offered {}/s, sent {}/s, received/accepted {:.2}, retries {:.1} % of calls, \
-         throttled {:.1} %, goodput {}/s ({:.0} % of capacity)",
+         throttled {:.1} %, goodput {}/s ({:.0} % of capacity), work finished after its \
+         caller's deadline {:.2} %",
         offered / after,
         sent / after,
         per(received, accepted),
@@ -314,6 +362,7 @@ async fn main() -> Result<(), BoxError> {
         100.0 * per(throttled, offered),
         good / after,
         100.0 * per(good / after, WORKERS as u64 * 1000 / 20),
+        100.0 * per(late, accepted),
     );
     Ok(())
 }

@@ -80,6 +80,7 @@ mod call;
 mod charge;
 pub mod client;
 pub mod cors;
+pub mod deadline;
 mod error;
 pub mod fields;
 pub mod future;

@@ -24,6 +24,9 @@
 //! | `tollgate_adaptive_limit_max` | gauge | `limit` | the most the adaptive limit may be (its range's maximum), set with `tollgate_adaptive_limit` (a limit whose minimum is its maximum is fixed, never "pinned") |
 //! | `tollgate_adaptive_in_flight` | gauge | `limit` | requests holding a slot, when a window closes |
 //! | `tollgate_adaptive_rtt_seconds` | gauge | `limit`, `kind` | the window's mean RTT (`sample`) and the algorithm's no-load RTT (`baseline`, the gradient's) |
+//! | `tollgate_client_throttled_total` | counter | `upstream` | calls a client's [`Throttle`](crate::client::Throttle) refused, never sent (`upstream`: the throttle's name) |
+//! | `tollgate_client_retries_total` | counter | `upstream`, `outcome` | retries a client's [`RetryBudget`](crate::client::RetryBudget) was asked for: `taken`, or `refused` (the caller got the answer it would have retried) |
+//! | `tollgate_deadline_dropped_total` | counter | `stage` | requests dropped at their caller's deadline ([`DeadlineLayer`](crate::deadline::DeadlineLayer)): `before_start` (it had passed when they came), `in_flight` (it passed while they waited or ran) |
 //! | `tollgate_fleet_size` | gauge | `backend` | instances sharing the store as the last count read ([`Fleet`](crate::backend::remote::Fleet); with the local fallback only) |
 //! | `tollgate_store_time_source` | gauge | `backend`, `source` | 1 for the clock decisions read (`store`: the store's own, in the call; `store_synced`: the store's, read outside its scripts; `instances`: each instance's), set when the backend finds out ([`RedisClock`](crate::backend::redis::RedisClock)) |
 //! | `tollgate_store_memory_used_bytes` | gauge | `backend` | the store's memory in use, as its memory watch last read it (Redis `used_memory`) |
@@ -443,6 +446,39 @@ pub(crate) fn rlqs_assignment(action: &'static str) {
 pub(crate) fn rlqs_buckets_refused(n: u64) {
     #[cfg(feature = "metrics")]
     metrics::counter!("tollgate_rlqs_buckets_refused_total").increment(n);
+}
+
+/// Counts a request dropped at its deadline (`tollgate_deadline_dropped_total`), by `stage`:
+/// `before_start` (its deadline had passed when it came), `in_flight` (it passed while the
+/// request waited or ran).
+#[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+pub(crate) fn deadline_dropped(stage: &'static str) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!("tollgate_deadline_dropped_total", "stage" => stage).increment(1);
+}
+
+/// Counts a call a client's throttle refused (`tollgate_client_throttled_total`).
+#[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+pub(crate) fn client_throttled(upstream: &std::sync::Arc<str>) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!(
+        "tollgate_client_throttled_total",
+        "upstream" => metrics::SharedString::from(upstream.clone())
+    )
+    .increment(1);
+}
+
+/// Counts a retry a client's budget was asked for (`tollgate_client_retries_total`), by
+/// `outcome`: `taken`, or `refused` by the budget.
+#[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+pub(crate) fn client_retry(upstream: &std::sync::Arc<str>, taken: bool) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!(
+        "tollgate_client_retries_total",
+        "upstream" => metrics::SharedString::from(upstream.clone()),
+        "outcome" => if taken { "taken" } else { "refused" }
+    )
+    .increment(1);
 }
 
 /// The `code` label of `tollgate_rls_requests_total`: how a call was answered.

@@ -44,6 +44,8 @@ use reqwest_middleware::{Middleware, Next};
 use crate::Key;
 use crate::adaptive::Upstreams;
 use crate::backend::Backend;
+use crate::client::{Again, RetryLayer, RetrySafe, Throttle, Throttled, again_of};
+use crate::deadline::Deadline;
 use crate::limiter::{AcquireError, Limiter};
 use crate::wait::Pauses;
 
@@ -250,5 +252,216 @@ impl Middleware for AdaptiveMiddleware {
             Err(_) => drop(permit),
         }
         res
+    }
+}
+
+/// Adaptive throttling of a reqwest-middleware client's calls ([`Throttle`]): a call the
+/// throttle refuses fails at once with [`reqwest_middleware::Error::Middleware`] holding a
+/// [`Throttled`], never sent; each answer (or failure) is reported to it. One throttle per
+/// upstream: give each upstream's client its own, or use [`per_host`](Self::per_host).
+///
+/// ```no_run
+/// use tollgate::client::{RetryBudget, RetryLayer, Throttle};
+/// use tollgate::middleware::{RetryMiddleware, ThrottleMiddleware};
+///
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// // Retries outside the throttle, so that they are throttled too.
+/// let client = reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
+///     .with(RetryMiddleware::new(RetryLayer::new(RetryBudget::new())))
+///     .with(ThrottleMiddleware::new(Throttle::new()))
+///     .build();
+/// let res = client.get("https://api.partner.example/v1/things").send().await?;
+/// # drop(res); Ok(()) }
+/// ```
+#[derive(Clone, Debug)]
+pub struct ThrottleMiddleware {
+    throttles: PerHost<Throttle>,
+}
+
+impl ThrottleMiddleware {
+    /// Every call through `throttle` (a client of one upstream).
+    pub fn new(throttle: Throttle) -> Self {
+        ThrottleMiddleware {
+            throttles: PerHost::One(throttle),
+        }
+    }
+
+    /// A throttle per upstream (the URL's host and port), made by `make` from its name on its
+    /// first call; past 1 024 upstreams, the others share one named `other`.
+    pub fn per_host(make: impl Fn(&str) -> Throttle + Send + Sync + 'static) -> Self {
+        ThrottleMiddleware {
+            throttles: PerHost::many(make),
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Middleware for ThrottleMiddleware {
+    async fn handle(
+        &self,
+        req: reqwest::Request,
+        extensions: &mut Extensions,
+        next: Next<'_>,
+    ) -> reqwest_middleware::Result<reqwest::Response> {
+        let throttle = self.throttles.get(&req);
+        let ticket = throttle
+            .admit()
+            .map_err(reqwest_middleware::Error::middleware)?;
+        let res = next.run(req, extensions).await;
+        match &res {
+            Ok(answer) => {
+                ticket.observe(answer.status(), answer.headers());
+            }
+            Err(_) => ticket.not_accepted(),
+        }
+        res
+    }
+}
+
+/// Retries of a reqwest-middleware client's calls within a [`RetryBudget`](crate::client::RetryBudget),
+/// by the policy of a [`RetryLayer`] (which calls, which answers, backoff and jitter,
+/// `Retry-After`, deadlines, the budget: see there). A retry the budget refuses is not made and
+/// the caller gets the answer it would have retried. A request whose body cannot be cloned (a
+/// stream) is not retried. Mark a call safe to retry whatever its method with
+/// `RequestBuilder::with_extension(RetrySafe)`.
+#[derive(Clone, Debug)]
+pub struct RetryMiddleware {
+    policy: RetryLayer,
+}
+
+impl RetryMiddleware {
+    /// Retries by `policy`'s rules and budget (share one budget per upstream).
+    pub fn new(policy: RetryLayer) -> Self {
+        RetryMiddleware { policy }
+    }
+}
+
+#[async_trait::async_trait]
+impl Middleware for RetryMiddleware {
+    async fn handle(
+        &self,
+        req: reqwest::Request,
+        extensions: &mut Extensions,
+        next: Next<'_>,
+    ) -> reqwest_middleware::Result<reqwest::Response> {
+        let cfg = self.policy.config();
+        cfg.budget().deposit();
+        let marked = extensions.get::<RetrySafe>().is_some();
+        let safe = cfg.safe_for(req.method(), marked, || {
+            let mut head = http::Request::new(());
+            *head.method_mut() = req.method().clone();
+            if let Ok(uri) = req.url().as_str().parse() {
+                *head.uri_mut() = uri;
+            }
+            *head.headers_mut() = req.headers().clone();
+            head
+        });
+        let template = if safe { req.try_clone() } else { None };
+        let retries = if template.is_some() {
+            cfg.max_retries
+        } else {
+            0
+        };
+        let deadline = extensions
+            .get::<Deadline>()
+            .copied()
+            .or_else(Deadline::current);
+        let mut first = Some(req);
+        let mut last = None;
+        let mut n = 0u32;
+        loop {
+            let attempt = match (first.take(), &template) {
+                (Some(req), _) => req,
+                (None, Some(t)) => match t.try_clone() {
+                    Some(req) => req,
+                    None => break,
+                },
+                (None, None) => break,
+            };
+            let res = next.clone().run(attempt, extensions).await;
+            let asked = match res {
+                Ok(answer) => match again_of(answer.status(), answer.headers()) {
+                    Again::After(asked) if n < retries && asked <= cfg.max_wait => {
+                        last = Some(Ok(answer));
+                        asked
+                    }
+                    _ => return Ok(answer),
+                },
+                Err(reqwest_middleware::Error::Middleware(e)) if e.is::<Throttled>() => {
+                    return last.unwrap_or(Err(reqwest_middleware::Error::Middleware(e)));
+                }
+                Err(reqwest_middleware::Error::Reqwest(e))
+                    if n < retries && (e.is_connect() || e.is_timeout()) =>
+                {
+                    last = Some(Err(reqwest_middleware::Error::Reqwest(e)));
+                    Duration::ZERO
+                }
+                Err(e) => return Err(e),
+            };
+            match cfg.next(n, asked, deadline) {
+                Some(wait) => tokio::time::sleep(wait).await,
+                None => break,
+            }
+            n += 1;
+        }
+        last.unwrap_or_else(|| {
+            Err(reqwest_middleware::Error::middleware(
+                std::io::Error::other("no attempt was made"),
+            ))
+        })
+    }
+}
+
+/// One value for every upstream, or one per upstream (host and port), made on first use.
+#[derive(Clone)]
+enum PerHost<T> {
+    One(T),
+    Many(Arc<Many<T>>),
+}
+
+struct Many<T> {
+    make: Box<dyn Fn(&str) -> T + Send + Sync>,
+    map: std::sync::Mutex<std::collections::HashMap<String, T>>,
+}
+
+impl<T> fmt::Debug for PerHost<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PerHost::One(_) => f.write_str("One"),
+            PerHost::Many(m) => {
+                let n = m.map.lock().map_or(0, |m| m.len());
+                write!(f, "PerHost({n} upstreams)")
+            }
+        }
+    }
+}
+
+/// The most upstreams with a value of their own.
+const MAX_HOSTS: usize = 1024;
+
+impl<T: Clone> PerHost<T> {
+    fn many(make: impl Fn(&str) -> T + Send + Sync + 'static) -> Self {
+        PerHost::Many(Arc::new(Many {
+            make: Box::new(make),
+            map: std::sync::Mutex::new(std::collections::HashMap::new()),
+        }))
+    }
+
+    fn get(&self, req: &reqwest::Request) -> T {
+        match self {
+            PerHost::One(t) => t.clone(),
+            PerHost::Many(m) => {
+                let host = host_port(req).unwrap_or_else(|| "other".to_owned());
+                let mut map = m.map.lock().unwrap_or_else(|e| e.into_inner());
+                let host = if map.contains_key(&host) || map.len() < MAX_HOSTS {
+                    host
+                } else {
+                    "other".to_owned()
+                };
+                map.entry(host)
+                    .or_insert_with_key(|name| (m.make)(name))
+                    .clone()
+            }
+        }
     }
 }

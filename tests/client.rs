@@ -263,3 +263,62 @@ async fn a_tonic_client_is_throttled_by_resource_exhausted() {
         "most calls never sent: {local} throttled, {exhausted} refused"
     );
 }
+
+/// The reqwest middleware: retries to the 200 within the budget, a spent budget gives the
+/// original answer, and the throttle keeps most calls to a refusing upstream from being sent.
+#[cfg(feature = "reqwest")]
+#[tokio::test]
+async fn the_reqwest_middleware_retries_and_throttles() {
+    use tollgate::middleware::{RetryMiddleware, ThrottleMiddleware};
+
+    let (url, seen) = upstream(|n| if n % 3 == 2 { 200 } else { 503 }).await;
+    let policy = RetryLayer::new(RetryBudget::new())
+        .backoff(Duration::from_millis(1), Duration::from_millis(5));
+    let client = reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
+        .with(RetryMiddleware::new(policy.clone()))
+        .build();
+    let res = client.get(format!("{url}/")).send().await.unwrap();
+    assert_eq!(
+        (res.status().as_u16(), res.text().await.unwrap()),
+        (200, "answer 2".into())
+    );
+    let res = client.post(format!("{url}/")).send().await.unwrap();
+    assert_eq!(res.status(), 503, "a POST is not retried");
+    let res = client
+        .post(format!("{url}/"))
+        .with_extension(RetrySafe)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 200, "unless marked safe");
+    assert_eq!(seen.load(Ordering::SeqCst), 6);
+
+    let (url, seen) = upstream(|_| 503).await;
+    let spent = RetryBudget::builder().min_per_second(0.0).build().unwrap();
+    let client = reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
+        .with(RetryMiddleware::new(
+            RetryLayer::new(spent.clone())
+                .backoff(Duration::from_millis(1), Duration::from_millis(2)),
+        ))
+        .with(ThrottleMiddleware::per_host(|host| {
+            Throttle::builder().name(host).build().unwrap()
+        }))
+        .build();
+    let mut throttled = 0;
+    for _ in 0..300 {
+        match client.get(format!("{url}/")).send().await {
+            Ok(res) => assert_eq!(res.status(), 503, "the original answer"),
+            Err(reqwest_middleware::Error::Middleware(e)) if e.is::<Throttled>() => throttled += 1,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    let (calls, retries) = spent.counts();
+    assert_eq!(calls, 300);
+    assert!(retries <= 30, "{retries}");
+    assert!(throttled > 200, "{throttled}");
+    assert!(
+        seen.load(Ordering::SeqCst) < 100,
+        "{}",
+        seen.load(Ordering::SeqCst)
+    );
+}

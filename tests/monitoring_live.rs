@@ -301,6 +301,14 @@ async fn a_real_prometheus_runs_every_query_and_the_store_alert_fires_and_resolv
                 .route("/adaptive", get(|| async { "ok" }))
                 .route_layer(AdaptiveLayer::new(limit)),
         )
+        .merge(
+            Router::new()
+                .route("/deadline", get(|| async { "ok" }))
+                .route_layer(
+                    tollgate::deadline::DeadlineLayer::new()
+                        .header(http::HeaderName::from_static("x-request-timeout-ms")),
+                ),
+        )
         .route(
             "/metrics",
             get(move || {
@@ -364,6 +372,16 @@ async fn a_real_prometheus_runs_every_query_and_the_store_alert_fires_and_resolv
         .unwrap();
     let mut quota_stream = support::rlqs::Stream::open(rls_addr.port()).await;
 
+    // A client of an upstream that refuses everything: its throttle refuses, its budget runs out.
+    let throttle = tollgate::client::Throttle::builder()
+        .name("partner")
+        .build()
+        .unwrap();
+    let budget = tollgate::client::RetryBudget::builder()
+        .name("partner")
+        .build()
+        .unwrap();
+
     // Load: every route, several keys, 10 rounds a second, until the test ends.
     let load = tokio::spawn({
         let base = base.clone();
@@ -393,6 +411,18 @@ async fn a_real_prometheus_runs_every_query_and_the_store_alert_fires_and_resolv
                         .await;
                 }
                 let _ = rls_client.should_rate_limit(rls_request("10.0.0.1")).await;
+                // A caller whose deadline has passed; the client's throttle and budget.
+                let _ = (client.get(format!("{base}/deadline")))
+                    .header("x-request-timeout-ms", "0")
+                    .send()
+                    .await;
+                for _ in 0..5 {
+                    if let Ok(ticket) = throttle.admit() {
+                        ticket.not_accepted();
+                    }
+                    budget.deposit();
+                    let _ = budget.withdraw();
+                }
                 if n.is_multiple_of(10) {
                     // A report a second, of two buckets: the second past the stream's cap.
                     let a: &[(&str, &str)] = &[("remote_address", "10.0.0.1")];

@@ -13,6 +13,7 @@ use tokio::time::Instant;
 
 use super::{AdaptiveLimit, AdaptiveLimitBuilder, Permit};
 use crate::ConfigError;
+use crate::client::{Throttle, ThrottleBuilder, ThrottleTicket, Throttled};
 
 type Make = dyn Fn(&str) -> AdaptiveLimitBuilder + Send + Sync;
 
@@ -60,6 +61,8 @@ type Map = HashMap<Box<str>, Result<Arc<Upstream>, Refused>>;
 struct UpInner {
     /// Each upstream's limit, or why it has none (its builder failed).
     map: ArcSwap<Map>,
+    /// The throttle each upstream gets, named after it ([`Upstreams::throttle`]).
+    throttle: arc_swap::ArcSwapOption<ThrottleBuilder>,
     make: Box<Make>,
     /// Held while a new upstream is added (a copy of the map swapped in).
     grow: Mutex<()>,
@@ -70,6 +73,8 @@ struct UpInner {
 
 struct Upstream {
     limit: AdaptiveLimit,
+    /// Client-side adaptive throttling of its calls, when asked for.
+    throttle: Option<Throttle>,
     /// The end of the pause the upstream asked for (ns from the origin; 0: none).
     paused_until: AtomicU64,
 }
@@ -91,6 +96,9 @@ pub enum Refused {
     OverLimit,
     /// The upstream asked callers to wait (`Retry-After`, gRPC pushback): this much is left.
     Paused(Duration),
+    /// The upstream's throttle refused the call: it has lately accepted too few of the calls
+    /// made to it ([`Upstreams::throttle`]).
+    Throttled(Throttled),
     /// The upstream has no limit: the builder given to [`Upstreams::new`] failed for its name,
     /// or the name is `other` (the name the upstreams past
     /// [`max_upstreams`](Upstreams::max_upstreams) share). A mistake in the program, refused
@@ -102,7 +110,7 @@ impl Refused {
     /// How long to wait before calling again, when the upstream said.
     pub fn retry_after(&self) -> Option<Duration> {
         match self {
-            Refused::OverLimit | Refused::Invalid(_) => None,
+            Refused::OverLimit | Refused::Invalid(_) | Refused::Throttled(_) => None,
             Refused::Paused(left) => Some(*left),
         }
     }
@@ -120,6 +128,7 @@ impl std::fmt::Display for Refused {
                 left.as_secs_f64()
             ),
             Refused::Invalid(e) => write!(f, "the upstream has no adaptive limit: {e}"),
+            Refused::Throttled(t) => t.fmt(f),
         }
     }
 }
@@ -139,10 +148,11 @@ impl Upstreams {
     ) -> Result<Self, ConfigError> {
         let other = make(OTHER).build()?;
         let mut map = HashMap::new();
-        map.insert(OTHER.into(), Ok(Arc::new(Upstream::new(other))));
+        map.insert(OTHER.into(), Ok(Arc::new(Upstream::new(other, None))));
         Ok(Upstreams {
             inner: Arc::new(UpInner {
                 map: ArcSwap::from_pointee(map),
+                throttle: arc_swap::ArcSwapOption::empty(),
                 make: Box::new(make),
                 grow: Mutex::new(()),
                 max: AtomicUsize::new(1024),
@@ -158,9 +168,29 @@ impl Upstreams {
         self
     }
 
+    /// Adds client-side adaptive throttling ([`Throttle`]) to every upstream: each gets its
+    /// own, built from `throttle` with the upstream's name, and a call its throttle refuses is
+    /// [`Refused::Throttled`], never sent. Set it before the first call: upstreams already
+    /// called keep what they had (`other` gets one now). The builder is checked here.
+    pub fn throttle(self, throttle: ThrottleBuilder) -> Result<Self, ConfigError> {
+        let other = throttle.clone().name(OTHER).build()?;
+        {
+            let _grow = self.inner.grow.lock().unwrap_or_else(|e| e.into_inner());
+            self.inner.throttle.store(Some(Arc::new(throttle)));
+            let map = self.inner.map.load();
+            if let Some(Ok(up)) = map.get(OTHER) {
+                let mut grown = HashMap::clone(&map);
+                let with = Upstream::new(up.limit.clone(), Some(other));
+                grown.insert(OTHER.into(), Ok(Arc::new(with)));
+                self.inner.map.store(Arc::new(grown));
+            }
+        }
+        Ok(self)
+    }
+
     /// A slot of `upstream`'s limit for one call, or why not: its limit is reached, it asked
-    /// to wait, or it has no limit ([`Refused::Invalid`]: its builder failed, or it is named
-    /// `other`).
+    /// to wait, its throttle refused the call, or it has no limit ([`Refused::Invalid`]: its
+    /// builder failed, or it is named `other`).
     pub fn try_acquire(&self, upstream: &str) -> Result<OutboundPermit, Refused> {
         let up = self.upstream(upstream)?;
         let until = up.paused_until.load(Ordering::Relaxed);
@@ -170,14 +200,21 @@ impl Upstreams {
                 return Err(Refused::Paused(Duration::from_nanos(until - now)));
             }
         }
-        match up.limit.try_acquire() {
-            Some(permit) => Ok(OutboundPermit {
-                permit: Some(permit),
-                upstream: up,
-                origin: self.inner.origin,
-            }),
-            None => Err(Refused::OverLimit),
-        }
+        let Some(permit) = up.limit.try_acquire() else {
+            return Err(Refused::OverLimit);
+        };
+        // Throttled after the slot is found free: a call the limit refuses is not one the
+        // upstream refused. A throttled call gives its slot back, no sample.
+        let ticket = match &up.throttle {
+            Some(t) => Some(t.admit().map_err(Refused::Throttled)?),
+            None => None,
+        };
+        Ok(OutboundPermit {
+            permit: Some(permit),
+            ticket,
+            upstream: up,
+            origin: self.inner.origin,
+        })
     }
 
     /// The limit of `upstream`, if a call to it was made and its limit was built (or of
@@ -231,9 +268,11 @@ impl Upstreams {
         }
         // A builder that depends on the name may fail for one: that upstream is refused with
         // the reason on every call (kept, so that the builder runs once a name).
-        let up = match (self.inner.make)(name).build() {
-            Ok(limit) => Ok(Arc::new(Upstream::new(limit))),
-            Err(e) => {
+        let throttle = (self.inner.throttle.load_full())
+            .map(|b| ThrottleBuilder::clone(&b).name(name).build());
+        let up = match ((self.inner.make)(name).build(), throttle.transpose()) {
+            (Ok(limit), Ok(throttle)) => Ok(Arc::new(Upstream::new(limit, throttle))),
+            (_, Err(e)) | (Err(e), _) => {
                 tracing::error!(
                     target: "tollgate::adaptive",
                     upstream = name,
@@ -251,9 +290,10 @@ impl Upstreams {
 }
 
 impl Upstream {
-    fn new(limit: AdaptiveLimit) -> Self {
+    fn new(limit: AdaptiveLimit, throttle: Option<Throttle>) -> Self {
         Upstream {
             limit,
+            throttle,
             paused_until: AtomicU64::new(0),
         }
     }
@@ -267,6 +307,8 @@ impl Upstream {
 #[must_use = "a permit holds a slot until it is ended or dropped"]
 pub struct OutboundPermit {
     permit: Option<Permit>,
+    /// The call's ticket of its upstream's throttle, if it has one.
+    ticket: Option<ThrottleTicket>,
     upstream: Arc<Upstream>,
     origin: Instant,
 }
@@ -286,6 +328,9 @@ impl OutboundPermit {
     /// `grpc-retry-pushback-ms` (at most an hour); anything else is a sample of the call's
     /// latency. Returns whether it was a drop.
     pub fn observe(mut self, status: StatusCode, headers: &HeaderMap) -> bool {
+        if let Some(ticket) = self.ticket.take() {
+            ticket.observe(status, headers);
+        }
         let overload = super::layer::default_overload(status, headers);
         if overload {
             if let Some(wait) = pause_of(status, headers) {
@@ -307,6 +352,9 @@ impl OutboundPermit {
 
     /// The call succeeded: its time since admission is a sample.
     pub fn success(mut self) {
+        if let Some(ticket) = self.ticket.take() {
+            ticket.accepted();
+        }
         if let Some(p) = self.permit.take() {
             p.success();
         }
@@ -314,8 +362,21 @@ impl OutboundPermit {
 
     /// The call showed overload without an answer (a timeout, a connection refused or reset).
     pub fn dropped(mut self) {
+        if let Some(ticket) = self.ticket.take() {
+            ticket.not_accepted();
+        }
         if let Some(p) = self.permit.take() {
             p.dropped();
+        }
+    }
+}
+
+impl Drop for OutboundPermit {
+    /// Cancelled, or failed before reaching the upstream: no sample for the limit, and nothing
+    /// for the throttle.
+    fn drop(&mut self) {
+        if let Some(ticket) = self.ticket.take() {
+            ticket.forget();
         }
     }
 }
@@ -336,6 +397,38 @@ mod tests {
 
     fn limits() -> Upstreams {
         Upstreams::new(|name| AdaptiveLimit::builder().name(name).initial(2).range(1, 10)).unwrap()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_throttled_upstream_refuses_calls_before_they_are_made() {
+        let ups = Upstreams::new(|n| AdaptiveLimit::builder().name(n).initial(50).range(50, 50))
+            .unwrap()
+            .throttle(Throttle::builder())
+            .unwrap();
+        let mut throttled = 0;
+        for _ in 0..300 {
+            match ups.try_acquire("down") {
+                Ok(p) => {
+                    p.observe(StatusCode::SERVICE_UNAVAILABLE, &HeaderMap::new());
+                }
+                Err(Refused::Throttled(t)) => {
+                    assert!(t.probability() > 0.0);
+                    throttled += 1;
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+        assert!(throttled > 200, "{throttled}");
+        // Another upstream, healthy: never throttled; a cancelled call counts for nothing.
+        for _ in 0..300 {
+            ups.try_acquire("up").unwrap().success();
+            drop(ups.try_acquire("up").unwrap());
+        }
+        assert_eq!(ups.limit("up").unwrap().in_flight(), 0);
+        let bad = Upstreams::new(|n| AdaptiveLimit::builder().name(n))
+            .unwrap()
+            .throttle(Throttle::builder().k(0.1));
+        assert!(bad.unwrap_err().to_string().contains("k"));
     }
 
     #[tokio::test(start_paused = true)]

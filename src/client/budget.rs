@@ -49,12 +49,15 @@ struct Inner {
     ratio: f64,
     reserve: u64,
     window: Duration,
+    /// The upstream's name, for metrics.
+    name: Arc<str>,
 }
 
 impl std::fmt::Debug for RetryBudget {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let [attempts, retries] = self.inner.counts.sums();
         f.debug_struct("RetryBudget")
+            .field("name", &self.inner.name)
             .field("ratio", &self.inner.ratio)
             .field("reserve", &self.inner.reserve)
             .field("window", &self.inner.window)
@@ -84,6 +87,7 @@ impl RetryBudget {
             ratio: 0.1,
             min_per_second: 1.0,
             window: Duration::from_secs(10),
+            name: Arc::from("default"),
         }
     }
 
@@ -95,7 +99,7 @@ impl RetryBudget {
     /// Takes a retry from the budget, if there is one left.
     pub fn withdraw(&self) -> bool {
         let (ratio, reserve) = (self.inner.ratio, self.inner.reserve);
-        self.inner.counts.with(|[attempts, retries], now| {
+        let taken = self.inner.counts.with(|[attempts, retries], now| {
             let allowed = (reserve as f64).max(ratio * attempts as f64);
             if (retries + 1) as f64 <= allowed {
                 now[1] = now[1].saturating_add(1);
@@ -103,7 +107,9 @@ impl RetryBudget {
             } else {
                 false
             }
-        })
+        });
+        crate::metrics::client_retry(&self.inner.name, taken);
+        taken
     }
 
     /// The window's counts now: first attempts, and retries taken.
@@ -119,9 +125,17 @@ pub struct RetryBudgetBuilder {
     ratio: f64,
     min_per_second: f64,
     window: Duration,
+    name: Arc<str>,
 }
 
 impl RetryBudgetBuilder {
+    /// The upstream's name, the `upstream` label of `tollgate_client_retries_total` (default
+    /// `default`). One per upstream: a name per host, never per request.
+    pub fn name(mut self, name: &str) -> Self {
+        self.name = Arc::from(name);
+        self
+    }
+
     /// Retries per first attempt (default 0.1: 10 %), between 0 and 1000.
     pub fn ratio(mut self, ratio: f64) -> Self {
         self.ratio = ratio;
@@ -170,6 +184,7 @@ impl RetryBudgetBuilder {
                 ratio: self.ratio,
                 reserve,
                 window: self.window,
+                name: self.name,
             }),
         })
     }

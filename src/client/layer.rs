@@ -11,6 +11,7 @@ use http::{Method, Request, Response};
 use tower_service::Service;
 
 use super::{RetryBudget, Throttle, ThrottleTicket, Throttled};
+use crate::deadline::Deadline;
 
 /// The error type of the client layers: the inner service's error, boxed, or
 /// [`Throttled`] (find out with `err.is::<Throttled>()`).
@@ -161,9 +162,12 @@ type SafeFn = dyn Fn(&Request<()>) -> bool + Send + Sync;
 ///   the `n`th retry, at most `max`; by default 25 ms and 1 s), or after the `Retry-After`
 ///   (or pushback) the answer asks for when that is longer; an answer asking for more than
 ///   [`max_wait`](Self::max_wait) (10 s) is not retried.
+/// - **Not past the deadline**: a call with a [`Deadline`] (in its extensions, or the current
+///   one) is not retried when the wait would reach it.
 /// - **How many**: at most [`max_retries`](Self::max_retries) (3), each withdrawn from the
 ///   budget; a retry the budget refuses is not made and the caller gets the answer it would
-///   have retried (the original answer). The first attempt deposits in the budget.
+///   have retried (the original answer: the upstream's answer, or the failure of a call that
+///   had none). The first attempt deposits in the budget.
 ///
 /// The request is cloned for each attempt (its body must be `Clone`: `Full<Bytes>`,
 /// `String`, ...); the answer being retried is held until the next attempt has answered, so
@@ -196,15 +200,15 @@ type SafeFn = dyn Fn(&Request<()>) -> bool + Send + Sync;
 /// ```
 #[derive(Clone)]
 pub struct RetryLayer {
-    cfg: Arc<RetryConfig>,
+    cfg: Arc<RetryRules>,
 }
 
-struct RetryConfig {
+pub(crate) struct RetryRules {
     budget: RetryBudget,
-    max_retries: u32,
+    pub(crate) max_retries: u32,
     base: Duration,
     max: Duration,
-    max_wait: Duration,
+    pub(crate) max_wait: Duration,
     safe: Option<Box<SafeFn>>,
 }
 
@@ -225,7 +229,7 @@ impl RetryLayer {
     /// Retries within `budget` (share one per upstream), up to 3 times a call.
     pub fn new(budget: RetryBudget) -> Self {
         RetryLayer {
-            cfg: Arc::new(RetryConfig {
+            cfg: Arc::new(RetryRules {
                 budget,
                 max_retries: 3,
                 base: Duration::from_millis(25),
@@ -236,7 +240,7 @@ impl RetryLayer {
         }
     }
 
-    fn with(mut self, f: impl FnOnce(&mut RetryConfig)) -> Self {
+    fn with(mut self, f: impl FnOnce(&mut RetryRules)) -> Self {
         match Arc::get_mut(&mut self.cfg) {
             Some(cfg) => f(cfg),
             None => unreachable!("a layer is configured before it is cloned"),
@@ -274,6 +278,12 @@ impl RetryLayer {
     pub fn budget(&self) -> &RetryBudget {
         &self.cfg.budget
     }
+
+    /// The policy, for the reqwest middleware.
+    #[cfg_attr(not(feature = "reqwest"), allow(dead_code))]
+    pub(crate) fn config(&self) -> &Arc<RetryRules> {
+        &self.cfg
+    }
 }
 
 impl<S> tower_layer::Layer<S> for RetryLayer {
@@ -291,7 +301,7 @@ impl<S> tower_layer::Layer<S> for RetryLayer {
 #[derive(Clone)]
 pub struct Retry<S> {
     inner: S,
-    cfg: Arc<RetryConfig>,
+    cfg: Arc<RetryRules>,
 }
 
 impl<S: std::fmt::Debug> std::fmt::Debug for Retry<S> {
@@ -304,14 +314,14 @@ impl<S: std::fmt::Debug> std::fmt::Debug for Retry<S> {
 
 /// What an answer says about retrying it.
 #[derive(Debug, PartialEq)]
-enum Again {
+pub(crate) enum Again {
     /// Not an answer to retry.
     No,
     /// Retry, after at least this long (the answer's `Retry-After` or pushback).
     After(Duration),
 }
 
-fn again_of(status: http::StatusCode, headers: &http::HeaderMap) -> Again {
+pub(crate) fn again_of(status: http::StatusCode, headers: &http::HeaderMap) -> Again {
     let asked = crate::wait::answer_wait(status, headers).unwrap_or_default();
     if matches!(status.as_u16(), 429 | 502 | 503 | 504) {
         return Again::After(asked);
@@ -330,24 +340,67 @@ fn again_of(status: http::StatusCode, headers: &http::HeaderMap) -> Again {
     }
 }
 
-fn is_safe(cfg: &RetryConfig, parts: &http::request::Parts) -> bool {
-    if matches!(
-        parts.method,
-        Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE | Method::PUT | Method::DELETE
-    ) || parts.extensions.get::<RetrySafe>().is_some()
-    {
-        return true;
-    }
-    cfg.safe.as_ref().is_some_and(|f| {
-        let mut head = Request::new(());
-        *head.method_mut() = parts.method.clone();
-        *head.uri_mut() = parts.uri.clone();
-        *head.headers_mut() = parts.headers.clone();
-        f(&head)
-    })
+pub(crate) fn is_safe(cfg: &RetryRules, parts: &http::request::Parts) -> bool {
+    cfg.safe_for(
+        &parts.method,
+        parts.extensions.get::<RetrySafe>().is_some(),
+        || {
+            let mut head = Request::new(());
+            *head.method_mut() = parts.method.clone();
+            *head.uri_mut() = parts.uri.clone();
+            *head.headers_mut() = parts.headers.clone();
+            head
+        },
+    )
 }
 
-impl RetryConfig {
+impl RetryRules {
+    /// The budget retries are withdrawn from.
+    #[cfg_attr(not(feature = "reqwest"), allow(dead_code))]
+    pub(crate) fn budget(&self) -> &RetryBudget {
+        &self.budget
+    }
+
+    /// Whether a request is safe to retry: an idempotent method, `marked` with [`RetrySafe`],
+    /// or what the user's check says of its head.
+    pub(crate) fn safe_for(
+        &self,
+        method: &Method,
+        marked: bool,
+        head: impl FnOnce() -> Request<()>,
+    ) -> bool {
+        if marked
+            || matches!(
+                *method,
+                Method::GET
+                    | Method::HEAD
+                    | Method::OPTIONS
+                    | Method::TRACE
+                    | Method::PUT
+                    | Method::DELETE
+            )
+        {
+            return true;
+        }
+        self.safe.as_ref().is_some_and(|f| f(&head()))
+    }
+
+    /// Whether retry `n + 1` is made after attempt `n + 1` asked for `asked`: the wait before
+    /// it, withdrawn from the budget; `None` when the budget refuses it or the wait would
+    /// reach the deadline.
+    pub(crate) fn next(
+        &self,
+        n: u32,
+        asked: Duration,
+        deadline: Option<Deadline>,
+    ) -> Option<Duration> {
+        let wait = self.wait(n + 1, asked);
+        if deadline.is_some_and(|d| d.remaining() <= wait) {
+            return None;
+        }
+        self.budget.withdraw().then_some(wait)
+    }
+
     /// The wait before retry `n` (1-based): full jitter over the backoff, at least what the
     /// answer asked for.
     fn wait(&self, n: u32, asked: Duration) -> Duration {
@@ -388,47 +441,55 @@ where
                 0
             };
             let req = Request::from_parts(parts, body);
+            // The call's deadline, if it has one: no retry that could not end before it.
+            let deadline = req
+                .extensions()
+                .get::<Deadline>()
+                .copied()
+                .or_else(Deadline::current);
             // The first attempt sends the request itself (its extensions whole); retries send
             // copies of it.
             let template = (retries > 0).then(|| clone_request(&req));
             let mut first = Some(req);
-            // The answer being retried: given back if no later attempt answers.
-            let mut last: Option<Response<R>> = None;
+            // The answer being retried (or the failure): given back if no retry is made.
+            let mut last: Option<Result<Response<R>, BoxError>> = None;
             let mut n = 0u32;
             loop {
                 let attempt = match (first.take(), &template) {
                     (Some(req), _) => req,
                     (None, Some(template)) => clone_request(template),
                     // Retries are made only with a template.
-                    (None, None) => return last.map(Ok).unwrap_or(Err(BudgetSpent.into())),
+                    (None, None) => break,
                 };
-                if n > 0 {
-                    std::future::poll_fn(|cx| inner.poll_ready(cx))
-                        .await
-                        .map_err(Into::into)?;
+                if n > 0
+                    && let Err(e) = std::future::poll_fn(|cx| inner.poll_ready(cx)).await
+                {
+                    return last.unwrap_or(Err(e.into()));
                 }
                 let asked = match inner.call(attempt).await.map_err(Into::into) {
                     Ok(res) => match again_of(res.status(), res.headers()) {
                         Again::After(asked) if n < retries && asked <= cfg.max_wait => {
-                            last = Some(res);
+                            last = Some(Ok(res));
                             asked
                         }
                         _ => return Ok(res),
                     },
-                    Err(e) if e.is::<Throttled>() => return last.map(Ok).unwrap_or(Err(e)),
-                    // Failed without an answer: retried; the last answer, if any, is kept.
-                    Err(_) if n < retries => Duration::ZERO,
+                    // Refused in this client: the last real answer, if there was one.
+                    Err(e) if e.is::<Throttled>() => return last.unwrap_or(Err(e)),
+                    // Failed without an answer: retried.
+                    Err(e) if n < retries => {
+                        last = Some(Err(e));
+                        Duration::ZERO
+                    }
                     Err(e) => return Err(e),
                 };
-                if !cfg.budget.withdraw() {
-                    return match last {
-                        Some(res) => Ok(res),
-                        None => Err(BudgetSpent.into()),
-                    };
+                match cfg.next(n, asked, deadline) {
+                    Some(wait) => tokio::time::sleep(wait).await,
+                    None => break,
                 }
                 n += 1;
-                tokio::time::sleep(cfg.wait(n, asked)).await;
             }
+            last.unwrap_or(Err(BoxError::from("no attempt was made")))
         })
     }
 }
@@ -442,21 +503,11 @@ fn clone_request<B: Clone>(req: &Request<B>) -> Request<B> {
     if req.extensions().get::<RetrySafe>().is_some() {
         out.extensions_mut().insert(RetrySafe);
     }
+    if let Some(d) = req.extensions().get::<Deadline>() {
+        out.extensions_mut().insert(*d);
+    }
     out
 }
-
-/// A call that failed without an answer, whose retry the budget refused: the budget is
-/// spent. (A call that had an answer gets that answer instead.)
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BudgetSpent;
-
-impl std::fmt::Display for BudgetSpent {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("the call failed and the retry budget is spent: not retried")
-    }
-}
-
-impl std::error::Error for BudgetSpent {}
 
 #[cfg(test)]
 mod tests {

@@ -41,14 +41,20 @@
 //! ```
 
 mod budget;
+#[cfg(feature = "serde")]
+mod config;
 mod layer;
 mod throttle;
 mod window;
 
 pub use budget::{RetryBudget, RetryBudgetBuilder};
+#[cfg(feature = "serde")]
+#[cfg_attr(docsrs, doc(cfg(feature = "serde")))]
+pub use config::{RetryConfig, ThrottleConfig};
+#[cfg(feature = "reqwest")]
+pub(crate) use layer::{Again, again_of};
 pub use layer::{
-    BoxError, BudgetSpent, Retry, RetryLayer, RetrySafe, ThrottleFuture, ThrottleLayer,
-    ThrottleService,
+    BoxError, Retry, RetryLayer, RetrySafe, ThrottleFuture, ThrottleLayer, ThrottleService,
 };
 pub use throttle::{
     DEFAULT_WINDOW, Throttle, ThrottleBuilder, ThrottleTicket, Throttled, accepted,

@@ -65,12 +65,15 @@ struct Inner {
     counts: Counts,
     k: f64,
     window: Duration,
+    /// The upstream's name, for metrics.
+    name: Arc<str>,
 }
 
 impl std::fmt::Debug for Throttle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let [requests, accepts] = self.inner.counts.sums();
         f.debug_struct("Throttle")
+            .field("name", &self.inner.name)
             .field("k", &self.inner.k)
             .field("window", &self.inner.window)
             .field("requests", &requests)
@@ -107,6 +110,7 @@ impl Throttle {
         ThrottleBuilder {
             k: 2.0,
             window: DEFAULT_WINDOW,
+            name: Arc::from("default"),
         }
     }
 
@@ -115,16 +119,23 @@ impl Throttle {
     pub fn admit(&self) -> Result<ThrottleTicket, Throttled> {
         let k = self.inner.k;
         let draw = fastrand::f64();
-        self.inner.counts.with(|[requests, accepts], now| {
+        let refused = self.inner.counts.with(|[requests, accepts], now| {
             let p = refusal(requests, accepts, k);
-            if p > 0.0 && draw < p {
+            let refused = p > 0.0 && draw < p;
+            if refused {
                 now[0] = now[0].saturating_add(1);
-                return Err(Throttled { probability: p });
             }
-            Ok(ThrottleTicket {
+            refused.then_some(p)
+        });
+        match refused {
+            Some(probability) => {
+                crate::metrics::client_throttled(&self.inner.name);
+                Err(Throttled { probability })
+            }
+            None => Ok(ThrottleTicket {
                 throttle: Some(self.inner.clone()),
-            })
-        })
+            }),
+        }
     }
 
     /// The probability a call made now is refused.
@@ -155,9 +166,17 @@ fn refusal(requests: u64, accepts: u64, k: f64) -> f64 {
 pub struct ThrottleBuilder {
     k: f64,
     window: Duration,
+    name: Arc<str>,
 }
 
 impl ThrottleBuilder {
+    /// The upstream's name, the `upstream` label of `tollgate_client_throttled_total`
+    /// (default `default`). One per upstream: a name per host, never per request.
+    pub fn name(mut self, name: &str) -> Self {
+        self.name = Arc::from(name);
+        self
+    }
+
     /// K: the upstream receives about K times what it accepts (default 2, the SRE book's;
     /// at least 1). Lower refuses sooner and wastes less of the upstream's work on refusals;
     /// higher leaves more room for the upstream to recover by itself.
@@ -193,6 +212,7 @@ impl ThrottleBuilder {
                 counts: Counts::new(self.window),
                 k: self.k,
                 window: self.window,
+                name: self.name,
             }),
         })
     }
@@ -231,6 +251,12 @@ impl ThrottleTicket {
     /// The upstream did not accept the call (refused it for load, failed, or did not answer).
     pub fn not_accepted(self) {
         self.finish(false);
+    }
+
+    /// Counts nothing: a call that never reached the upstream after all (cancelled before it
+    /// was sent).
+    pub(crate) fn forget(mut self) {
+        self.throttle = None;
     }
 
     fn finish(mut self, accepted: bool) {
@@ -289,6 +315,9 @@ impl std::fmt::Display for Throttled {
 }
 
 impl std::error::Error for Throttled {}
+
+// A probability is never NaN.
+impl Eq for Throttled {}
 
 #[cfg(test)]
 mod tests {
