@@ -19,7 +19,8 @@
 //! SLO from when it was offered) to the upstream in `x-request-timeout-ms`; with
 //! `DEADLINES=on` the upstream enforces it (`tollgate::deadline::DeadlineLayer`: work whose
 //! caller has given up is dropped), with `off` (the default) it only counts the work that
-//! finished after its caller's deadline (`late`).
+//! finished after its caller's deadline (`late`). `QUEUE=on` makes the upstream queue calls
+//! for a worker instead of answering `503` (as most servers do): there deadlines matter.
 //!
 //! `RATE` is a number, or a schedule in the form of `examples/adaptive`'s
 //! `CAPACITY_SCHEDULE`: `8000@0s,400@20s` offers 8 000 a second, then 400 from the 20th
@@ -126,18 +127,23 @@ const DEADLINE_HEADER: http::HeaderName = http::HeaderName::from_static("x-reque
 
 /// The upstream: `WORKERS` at once, each call `SERVICE` long, `503` at once when full; with
 /// `deadlines`, a call is dropped when its caller's deadline passes.
-async fn upstream(counts: Arc<Counts>, deadlines: bool) -> Result<String, BoxError> {
+async fn upstream(counts: Arc<Counts>, deadlines: bool, queue: bool) -> Result<String, BoxError> {
     let workers = Arc::new(Semaphore::new(WORKERS));
     let app = Router::new()
         .route(
             "/",
             get(
-                |State((workers, counts)): State<(Arc<Semaphore>, Arc<Counts>)>,
+                |State((workers, counts, queue)): State<(Arc<Semaphore>, Arc<Counts>, bool)>,
                  headers: http::HeaderMap| async move {
                     counts.received.fetch_add(1, Ordering::Relaxed);
                     let caller_deadline =
                         Deadline::from_headers(&headers, false, Some(&DEADLINE_HEADER));
-                    let Ok(_worker) = workers.try_acquire() else {
+                    let worker = if queue {
+                        workers.acquire().await.ok()
+                    } else {
+                        workers.try_acquire().ok()
+                    };
+                    let Some(_worker) = worker else {
                         return http::StatusCode::SERVICE_UNAVAILABLE;
                     };
                     tokio::time::sleep(SERVICE).await;
@@ -149,7 +155,7 @@ async fn upstream(counts: Arc<Counts>, deadlines: bool) -> Result<String, BoxErr
                 },
             ),
         )
-        .with_state((workers, counts));
+        .with_state((workers, counts, queue));
     let app = if deadlines {
         app.layer(DeadlineLayer::new().header(DEADLINE_HEADER))
     } else {
@@ -238,23 +244,25 @@ async fn main() -> Result<(), BoxError> {
     let secs = number("SECS", "30")?;
     let slo = Duration::from_millis(number("SLO_MS", "500")?);
     let n_clients = number("CLIENTS", "10")?.max(1);
-    let deadlines = match env_or("DEADLINES", "off").as_str() {
-        "on" => true,
-        "off" => false,
-        other => return Err(format!("DEADLINES={other:?}: on or off").into()),
+    let on_off = |name: &str| match env_or(name, "off").as_str() {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        other => Err(format!("{name}={other:?}: on or off")),
     };
+    let (deadlines, queue) = (on_off("DEADLINES")?, on_off("QUEUE")?);
     let counts = Arc::new(Counts::default());
     let (url, own) = match std::env::var("UPSTREAM_URL") {
         Ok(url) => (url, false),
-        Err(_) => (upstream(counts.clone(), deadlines).await?, true),
+        Err(_) => (upstream(counts.clone(), deadlines, queue).await?, true),
     };
     let clients = (0..n_clients)
         .map(|_| client(&mode, retries, &counts))
         .collect::<Result<Vec<_>, _>>()?;
     println!(
         "mode {mode}, rate {rates:?}, {n_clients} clients, {retries} retries, SLO {slo:?}, \
-         deadlines {}, upstream {url} ({})",
+         deadlines {}, queue {}, upstream {url} ({})",
         if deadlines { "on" } else { "off" },
+        if queue { "on" } else { "off" },
         if own {
             format!(
                 "{WORKERS} workers x {SERVICE:?}: {} a second",

@@ -322,3 +322,96 @@ async fn the_reqwest_middleware_retries_and_throttles() {
         seen.load(Ordering::SeqCst)
     );
 }
+
+/// A retry storm on tokio's paused clock: clients offered 10× what an upstream of 16 workers ×
+/// 20 ms (800 a second) can take, each call retried up to 3 times. With the budget and the
+/// throttle the upstream receives about twice what it accepts, retries stay under 10 % of the
+/// calls, and it accepts about all it can; naive retries (no budget, no backoff) multiply
+/// what it receives.
+#[tokio::test(start_paused = true)]
+async fn a_storm_on_the_paused_clock_is_held_to_twice_what_the_upstream_accepts() {
+    use tower::util::BoxCloneService;
+    type Svc =
+        BoxCloneService<http::Request<String>, http::Response<()>, tollgate::client::BoxError>;
+
+    async fn storm(guarded: bool) -> (u64, u64, u64, u64) {
+        let workers = Arc::new(tokio::sync::Semaphore::new(16));
+        let (received, accepted) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        let upstream = {
+            let (received, accepted) = (received.clone(), accepted.clone());
+            tower::service_fn(move |_req: http::Request<String>| {
+                let (workers, received, accepted) =
+                    (workers.clone(), received.clone(), accepted.clone());
+                async move {
+                    received.fetch_add(1, Ordering::Relaxed);
+                    let status = match workers.try_acquire() {
+                        Ok(_worker) => {
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                            accepted.fetch_add(1, Ordering::Relaxed);
+                            200
+                        }
+                        Err(_) => 503,
+                    };
+                    Ok::<_, tollgate::client::BoxError>(
+                        http::Response::builder().status(status).body(()).unwrap(),
+                    )
+                }
+            })
+        };
+        // Ten clients, each with its own budget and throttle.
+        let clients: Vec<(Svc, RetryBudget)> = (0..10)
+            .map(|_| {
+                if guarded {
+                    let budget = RetryBudget::new();
+                    let svc = ServiceBuilder::new()
+                        .layer(RetryLayer::new(budget.clone()))
+                        .layer(ThrottleLayer::new(Throttle::new()))
+                        .service(upstream.clone());
+                    (BoxCloneService::new(svc), budget)
+                } else {
+                    let budget = RetryBudget::builder().ratio(1000.0).build().unwrap();
+                    let svc = ServiceBuilder::new()
+                        .layer(
+                            RetryLayer::new(budget.clone()).backoff(Duration::ZERO, Duration::ZERO),
+                        )
+                        .service(upstream.clone());
+                    (BoxCloneService::new(svc), budget)
+                }
+            })
+            .collect();
+        // 8 000 a second for 3 s: 8 calls a millisecond.
+        let mut calls = Vec::new();
+        for ms in 0..3000u64 {
+            for i in 0..8 {
+                let (svc, _) = &clients[((ms * 8 + i) % 10) as usize];
+                calls.push(tokio::spawn(
+                    svc.clone().oneshot(http::Request::new(String::new())),
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        for c in calls {
+            let _ = c.await.unwrap();
+        }
+        let retries: u64 = clients.iter().map(|(_, b)| b.counts().1).sum();
+        (
+            24_000,
+            retries,
+            received.load(Ordering::Relaxed),
+            accepted.load(Ordering::Relaxed),
+        )
+    }
+
+    let (calls, retries, received, accepted) = storm(true).await;
+    let ratio = received as f64 / accepted as f64;
+    assert!(ratio <= 2.3, "received {received}, accepted {accepted}");
+    assert!(retries * 10 <= calls, "{retries} retries of {calls} calls");
+    // 800 a second for 3 s, less the first windows the throttle takes to learn.
+    assert!(accepted >= 2_000, "{accepted} accepted");
+
+    let (_, _, received, accepted) = storm(false).await;
+    assert!(
+        received as f64 / accepted as f64 > 10.0,
+        "naive: received {received}, accepted {accepted}"
+    );
+}
