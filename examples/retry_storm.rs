@@ -9,7 +9,10 @@
 //! (default 2 400: 3× the capacity), open loop (calls keep coming whatever the answers), each
 //! call retried up to `RETRIES` times (3). `MODE` says how they retry:
 //!
-//! - `naive`: at once, every time (no backoff, no budget);
+//! - `naive`: at once, every time (no backoff, no budget), through tollgate's retry layer;
+//! - `tower`: tower's plain `tower::retry::RetryLayer` with a policy of up to `RETRIES`
+//!   attempts more on `429`/`5xx`/errors (tower has no backoff or budget unless you write
+//!   them);
 //! - `budget`: `tollgate::client::RetryLayer` (backoff with jitter, at most 10 % of the calls,
 //!   at least 1 a second);
 //! - `throttle`: `tollgate::client::ThrottleLayer` under retries with backoff and no budget;
@@ -167,6 +170,39 @@ async fn upstream(counts: Arc<Counts>, deadlines: bool, queue: bool) -> Result<S
     Ok(url)
 }
 
+/// tower's plain retry: up to `n` more attempts of a call answered `429`, `502`, `503`,
+/// `504` or failed, at once.
+#[derive(Clone)]
+struct Attempts(u32);
+
+impl<R, E> tower::retry::Policy<http::Request<Body>, http::Response<R>, E> for Attempts {
+    type Future = std::future::Ready<()>;
+
+    fn retry(
+        &mut self,
+        _req: &mut http::Request<Body>,
+        result: &mut Result<http::Response<R>, E>,
+    ) -> Option<Self::Future> {
+        let again = match result {
+            Ok(res) => matches!(res.status().as_u16(), 429 | 502 | 503 | 504),
+            Err(_) => true,
+        };
+        (again && self.0 > 0).then(|| {
+            self.0 -= 1;
+            std::future::ready(())
+        })
+    }
+
+    fn clone_request(&mut self, req: &http::Request<Body>) -> Option<http::Request<Body>> {
+        let mut out = http::Request::new(req.body().clone());
+        *out.method_mut() = req.method().clone();
+        *out.uri_mut() = req.uri().clone();
+        *out.headers_mut() = req.headers().clone();
+        *out.extensions_mut() = req.extensions().clone();
+        Some(out)
+    }
+}
+
 /// One client's stack for `mode`.
 fn client(mode: &str, retries: u32, counts: &Arc<Counts>) -> Result<Call, BoxError> {
     let http = Client::builder(TokioExecutor::new())
@@ -232,7 +268,15 @@ fn client(mode: &str, retries: u32, counts: &Arc<Counts>) -> Result<Call, BoxErr
                 .layer(throttle()?)
                 .service(http),
         ),
-        other => return Err(format!("MODE={other:?}: naive, budget, throttle or both").into()),
+        "tower" => BoxCloneService::new(
+            ServiceBuilder::new()
+                .layer(tower::retry::RetryLayer::new(Attempts(retries)))
+                .map_request(count_tries)
+                .service(http),
+        ),
+        other => {
+            return Err(format!("MODE={other:?}: naive, tower, budget, throttle or both").into());
+        }
     })
 }
 

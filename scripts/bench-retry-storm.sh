@@ -14,7 +14,7 @@ SECS=${SECS:-15}
 cargo build --release --quiet --example retry_storm
 BIN=${CARGO_TARGET_DIR:-target}/release/examples/retry_storm
 for rate in 800 2400 8000; do
-    for mode in naive budget throttle both; do
+    for mode in naive tower budget throttle both; do
         printf '%-8s %5s/s  ' "$mode" "$rate"
         MODE=$mode RATE=$rate SECS=$SECS "$BIN" | tail -1
     done
