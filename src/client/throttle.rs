@@ -404,6 +404,63 @@ mod tests {
         assert!(!grpc("8") && !grpc("14") && !grpc("4"));
     }
 
+    use proptest::prelude::*;
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Call,
+        Answer(usize),
+        Advance(u64),
+    }
+
+    proptest! {
+        /// However calls start, overlap and end, and time passes: while the upstream accepts
+        /// every call it answers, the throttle refuses none (calls in flight count only when
+        /// answered, so a burst at start-up is never refused).
+        #[test]
+        fn never_refuses_while_every_call_is_accepted(
+            ops in proptest::collection::vec(
+                prop_oneof![
+                    4 => Just(Op::Call),
+                    3 => (0usize..64).prop_map(Op::Answer),
+                    1 => (1u64..400).prop_map(Op::Advance),
+                ],
+                1..500,
+            )
+        ) {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_time()
+                .start_paused(true)
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                let t = Throttle::new();
+                let mut in_flight = Vec::new();
+                for op in ops {
+                    match op {
+                        Op::Call => match t.admit() {
+                            Ok(ticket) => in_flight.push(ticket),
+                            Err(e) => prop_assert!(false, "refused: {}", e),
+                        },
+                        Op::Answer(i) if !in_flight.is_empty() => {
+                            let ticket = in_flight.swap_remove(i % in_flight.len());
+                            ticket.accepted();
+                        }
+                        Op::Answer(_) => {}
+                        Op::Advance(ms) => {
+                            tokio::time::advance(Duration::from_millis(ms)).await;
+                        }
+                    }
+                }
+                for ticket in in_flight {
+                    ticket.accepted();
+                }
+                prop_assert_eq!(t.probability(), 0.0);
+                Ok(())
+            })?;
+        }
+    }
+
     #[test]
     fn bad_options_are_named() {
         let e = Throttle::builder().k(0.5).build().unwrap_err();
