@@ -454,12 +454,12 @@ impl std::error::Error for DeadlineExceeded {}
 impl<S, B, R> tower_service::Service<Request<B>> for PropagateDeadline<S>
 where
     S: tower_service::Service<Request<B>, Response = Response<R>>,
-    S::Error: Into<crate::client::BoxError>,
+    S::Error: Into<crate::error::BoxError>,
     S::Future: Send + 'static,
     R: Send + 'static,
 {
     type Response = Response<R>;
-    type Error = crate::client::BoxError;
+    type Error = crate::error::BoxError;
     type Future = Pin<Box<dyn Future<Output = Result<Response<R>, Self::Error>> + Send>>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {

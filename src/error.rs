@@ -143,3 +143,9 @@ impl std::error::Error for BackendError {
             .map(|e| e as &(dyn std::error::Error + 'static))
     }
 }
+
+/// The error type of the client layers and [`PropagateDeadline`](crate::deadline::PropagateDeadline):
+/// the inner service's error, boxed, or one of theirs
+/// ([`Throttled`](crate::client::Throttled), [`DeadlineExceeded`](crate::deadline::DeadlineExceeded)),
+/// found with `err.is::<T>()`.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;

@@ -13,9 +13,7 @@ use tower_service::Service;
 use super::{RetryBudget, Throttle, ThrottleTicket, Throttled};
 use crate::deadline::Deadline;
 
-/// The error type of the client layers: the inner service's error, boxed, or
-/// [`Throttled`] (find out with `err.is::<Throttled>()`).
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub use crate::error::BoxError;
 
 /// A tower layer refusing calls by a [`Throttle`]: a call it refuses fails at once with
 /// [`Throttled`], never sent; each answer is reported to the throttle.
