@@ -44,7 +44,7 @@ use reqwest_middleware::{Middleware, Next};
 use crate::Key;
 use crate::adaptive::Upstreams;
 use crate::backend::Backend;
-use crate::client::{Again, RetryLayer, RetrySafe, Throttle, Throttled, again_of};
+use crate::client::{Judged, RetryLayer, RetrySafe, Throttle, Throttled, again_of, drive};
 use crate::deadline::Deadline;
 use crate::limiter::{AcquireError, Limiter};
 use crate::wait::Pauses;
@@ -366,49 +366,29 @@ impl Middleware for RetryMiddleware {
             .get::<Deadline>()
             .copied()
             .or_else(Deadline::current);
+        // Each attempt runs the rest of the chain with its own copy of the extensions.
         let mut first = Some(req);
-        let mut last = None;
-        let mut n = 0u32;
-        loop {
-            let attempt = match (first.take(), &template) {
+        let attempt = |_n: u32| {
+            let req = match (first.take(), &template) {
                 (Some(req), _) => req,
-                (None, Some(t)) => match t.try_clone() {
-                    Some(req) => req,
-                    None => break,
-                },
-                (None, None) => break,
+                (None, Some(t)) => t.try_clone()?,
+                (None, None) => return None,
             };
-            let res = next.clone().run(attempt, extensions).await;
-            let asked = match res {
-                Ok(answer) => match again_of(answer.status(), answer.headers()) {
-                    Again::After(asked) if n < retries && asked <= cfg.max_wait => {
-                        last = Some(Ok(answer));
-                        asked
-                    }
-                    _ => return Ok(answer),
-                },
-                Err(reqwest_middleware::Error::Middleware(e)) if e.is::<Throttled>() => {
-                    return last.unwrap_or(Err(reqwest_middleware::Error::Middleware(e)));
-                }
-                Err(reqwest_middleware::Error::Reqwest(e))
-                    if n < retries && (e.is_connect() || e.is_timeout()) =>
-                {
-                    last = Some(Err(reqwest_middleware::Error::Reqwest(e)));
-                    Duration::ZERO
-                }
-                Err(e) => return Err(e),
-            };
-            match cfg.next(n, asked, deadline) {
-                Some(wait) => tokio::time::sleep(wait).await,
-                None => break,
+            let (next, mut ext) = (next.clone(), extensions.clone());
+            Some(async move { next.run(req, &mut ext).await })
+        };
+        let judge = |out: &reqwest_middleware::Result<reqwest::Response>| match out {
+            Ok(answer) => Judged::answer(again_of(answer.status(), answer.headers())),
+            Err(reqwest_middleware::Error::Middleware(e)) if e.is::<Throttled>() => Judged::Refused,
+            Err(reqwest_middleware::Error::Reqwest(e)) if e.is_connect() || e.is_timeout() => {
+                Judged::Again(Duration::ZERO)
             }
-            n += 1;
-        }
-        last.unwrap_or_else(|| {
-            Err(reqwest_middleware::Error::middleware(
-                std::io::Error::other("no attempt was made"),
-            ))
+            Err(_) => Judged::Final,
+        };
+        drive(cfg, retries, deadline, attempt, judge, || {
+            reqwest_middleware::Error::middleware(std::io::Error::other("no attempt was made"))
         })
+        .await
     }
 }
 

@@ -171,12 +171,7 @@ impl RetryBudgetBuilder {
                 ),
             });
         }
-        if self.window < Duration::from_millis(100) {
-            return Err(ConfigError::Invalid {
-                option: "window",
-                reason: format!("the window must be at least 100 ms, not {:?}", self.window),
-            });
-        }
+        Counts::check(self.window)?;
         let reserve = (self.min_per_second * self.window.as_secs_f64()).floor() as u64;
         Ok(RetryBudget {
             inner: Arc::new(Inner {

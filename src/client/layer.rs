@@ -206,7 +206,7 @@ pub(crate) struct RetryRules {
     pub(crate) max_retries: u32,
     base: Duration,
     max: Duration,
-    pub(crate) max_wait: Duration,
+    max_wait: Duration,
     safe: Option<Box<SafeFn>>,
 }
 
@@ -428,7 +428,7 @@ where
     fn call(&mut self, req: Request<B>) -> Self::Future {
         // The ready service answers the first attempt; a clone waits for the next one's turn.
         let clone = self.inner.clone();
-        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let inner = std::mem::replace(&mut self.inner, clone);
         let cfg = self.cfg.clone();
         Box::pin(async move {
             cfg.budget.deposit();
@@ -446,50 +446,88 @@ where
                 .copied()
                 .or_else(Deadline::current);
             // The first attempt sends the request itself (its extensions whole); retries send
-            // copies of it.
+            // copies of it, each on a clone of the service made ready again.
             let template = (retries > 0).then(|| clone_request(&req));
-            let mut first = Some(req);
-            // The answer being retried (or the failure): given back if no retry is made.
-            let mut last: Option<Result<Response<R>, BoxError>> = None;
-            let mut n = 0u32;
-            loop {
-                let attempt = match (first.take(), &template) {
-                    (Some(req), _) => req,
-                    (None, Some(template)) => clone_request(template),
-                    // Retries are made only with a template.
-                    (None, None) => break,
+            let mut first = Some((req, inner.clone()));
+            let attempt = move |_n: u32| {
+                let (req, mut svc) = match (first.take(), &template) {
+                    (Some(first), _) => first,
+                    (None, Some(t)) => (clone_request(t), inner.clone()),
+                    (None, None) => return None,
                 };
-                if n > 0
-                    && let Err(e) = std::future::poll_fn(|cx| inner.poll_ready(cx)).await
-                {
-                    return last.unwrap_or(Err(e.into()));
-                }
-                let asked = match inner.call(attempt).await.map_err(Into::into) {
-                    Ok(res) => match again_of(res.status(), res.headers()) {
-                        Again::After(asked) if n < retries && asked <= cfg.max_wait => {
-                            last = Some(Ok(res));
-                            asked
-                        }
-                        _ => return Ok(res),
-                    },
-                    // Refused in this client: the last real answer, if there was one.
-                    Err(e) if e.is::<Throttled>() => return last.unwrap_or(Err(e)),
-                    // Failed without an answer: retried.
-                    Err(e) if n < retries => {
-                        last = Some(Err(e));
-                        Duration::ZERO
-                    }
-                    Err(e) => return Err(e),
-                };
-                match cfg.next(n, asked, deadline) {
-                    Some(wait) => tokio::time::sleep(wait).await,
-                    None => break,
-                }
-                n += 1;
-            }
-            last.unwrap_or(Err(BoxError::from("no attempt was made")))
+                Some(async move {
+                    std::future::poll_fn(|cx| svc.poll_ready(cx))
+                        .await
+                        .map_err(Into::into)?;
+                    svc.call(req).await.map_err(Into::into)
+                })
+            };
+            let judge = |out: &Result<Response<R>, BoxError>| match out {
+                Ok(res) => Judged::answer(again_of(res.status(), res.headers())),
+                Err(e) if e.is::<Throttled>() => Judged::Refused,
+                Err(_) => Judged::Again(Duration::ZERO),
+            };
+            drive(&cfg, retries, deadline, attempt, judge, || {
+                BoxError::from("no attempt was made")
+            })
+            .await
         })
     }
+}
+
+/// What an attempt's outcome means for the call.
+pub(crate) enum Judged {
+    /// The caller's answer.
+    Final,
+    /// Worth another attempt, after at least this long.
+    Again(Duration),
+    /// Refused in this client (throttled): the caller gets the last real outcome.
+    Refused,
+}
+
+impl Judged {
+    /// An answer, by what it says about retrying.
+    pub(crate) fn answer(again: Again) -> Self {
+        match again {
+            Again::No => Judged::Final,
+            Again::After(asked) => Judged::Again(asked),
+        }
+    }
+}
+
+/// The retry loop, for any protocol: runs `attempt(n)`s while `judge` says another may help,
+/// the call has retries left, the answer's wait is within `max_wait`, the deadline allows the
+/// wait and the budget gives a retry. The caller gets the outcome that was not retried: the
+/// last attempt's, or the last real one when an attempt was refused in this client.
+pub(crate) async fn drive<T, E, F, Fut>(
+    rules: &RetryRules,
+    retries: u32,
+    deadline: Option<Deadline>,
+    mut attempt: impl FnMut(u32) -> Option<Fut>,
+    judge: impl Fn(&Result<T, E>) -> Judged,
+    none: F,
+) -> Result<T, E>
+where
+    Fut: Future<Output = Result<T, E>>,
+    F: FnOnce() -> E,
+{
+    let mut last = None;
+    let mut n = 0u32;
+    while let Some(future) = attempt(n) {
+        let out = future.await;
+        let asked = match judge(&out) {
+            Judged::Again(asked) if n < retries && asked <= rules.max_wait => asked,
+            Judged::Refused => return last.unwrap_or(out),
+            Judged::Final | Judged::Again(_) => return out,
+        };
+        last = Some(out);
+        match rules.next(n, asked, deadline) {
+            Some(wait) => tokio::time::sleep(wait).await,
+            None => break,
+        }
+        n += 1;
+    }
+    last.unwrap_or_else(|| Err(none()))
 }
 
 fn clone_request<B: Clone>(req: &Request<B>) -> Request<B> {

@@ -51,11 +51,11 @@ pub use budget::{RetryBudget, RetryBudgetBuilder};
 #[cfg(feature = "serde")]
 #[cfg_attr(docsrs, doc(cfg(feature = "serde")))]
 pub use config::{RetryConfig, ThrottleConfig};
-#[cfg(feature = "reqwest")]
-pub(crate) use layer::{Again, again_of};
 pub use layer::{
     BoxError, Retry, RetryLayer, RetrySafe, ThrottleFuture, ThrottleLayer, ThrottleService,
 };
+#[cfg(feature = "reqwest")]
+pub(crate) use layer::{Judged, again_of, drive};
 pub use throttle::{
     DEFAULT_WINDOW, Throttle, ThrottleBuilder, ThrottleTicket, Throttled, accepted,
 };

@@ -201,12 +201,7 @@ impl ThrottleBuilder {
                 reason: format!("K must be a number of at least 1, not {}", self.k),
             });
         }
-        if self.window < Duration::from_millis(100) {
-            return Err(ConfigError::Invalid {
-                option: "window",
-                reason: format!("the window must be at least 100 ms, not {:?}", self.window),
-            });
-        }
+        Counts::check(self.window)?;
         Ok(Throttle {
             inner: Arc::new(Inner {
                 counts: Counts::new(self.window),

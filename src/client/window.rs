@@ -63,6 +63,17 @@ impl Counts {
         f(sums, &mut slot.counts)
     }
 
+    /// A window's length checked: at least 100 ms, for slots of at least 10 ms.
+    pub(crate) fn check(window: Duration) -> Result<(), crate::ConfigError> {
+        if window < Duration::from_millis(100) {
+            return Err(crate::ConfigError::Invalid {
+                option: "window",
+                reason: format!("the window must be at least 100 ms, not {window:?}"),
+            });
+        }
+        Ok(())
+    }
+
     /// Adds to the current slot.
     pub(crate) fn add(&self, a: u64, b: u64) {
         self.with(|_, c| {
