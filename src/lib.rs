@@ -36,6 +36,11 @@
 //! policies and backends through a [`Limiter`](limiter::Limiter): check, peek, reset, and
 //! acquire, waiting its turn up to a maximum.
 //!
+//! Protection, beside limits: [`adaptive`] finds how much the service can take and refuses
+//! the rest; [`client`] keeps its clients from multiplying an overload (adaptive throttling,
+//! retry budgets); [`deadline`] drops work whose caller has given up and passes the time left
+//! on.
+//!
 //! # Where to put the layer
 //!
 //! `Router::route_layer` limits only requests that match a route; `Router::layer` (or a layer
@@ -59,12 +64,12 @@
 //! | `local` | yes | [`LocalBackend`](backend::LocalBackend): in-process GCRA on governor |
 //! | `axum` | yes | [`PeerIp`](key::PeerIp)/[`ClientIp`](key::ClientIp) read axum's `ConnectInfo<SocketAddr>`; rejections in axum's body type ([`body`]) |
 //! | `tonic` | no | [`PeerIp`](key::PeerIp)/[`ClientIp`](key::ClientIp) read tonic's `TcpConnectInfo`; rejections in tonic's body type ([`body`]) |
-//! | `serde` | no | [`RuleSet`](rules::RuleSet), [`Policy`] and [`Quota`] from TOML / YAML / JSON |
+//! | `serde` | no | [`RuleSet`](rules::RuleSet), [`Policy`] and [`Quota`] from TOML / YAML / JSON; the settings of the adaptive limit, the [client layers](client) and [deadlines](deadline) |
 //! | `redis` | no | [`RedisBackend`](backend::redis::RedisBackend): one limit shared by every instance, on Redis or Redis Cluster (implies `local`) |
 //! | `redis-tls` | no | `rediss://` URLs for the Redis backend, through rustls |
 //! | `postgres` | no | [`PostgresBackend`](backend::postgres::PostgresBackend): one limit shared by every instance, in PostgreSQL or YugabyteDB (implies `local`) |
 //! | `mysql` | no | [`MysqlBackend`](backend::mysql::MysqlBackend): one limit shared by every instance, in MySQL or MariaDB (implies `local`) |
-//! | `reqwest` | no | [`RateLimitMiddleware`](middleware::RateLimitMiddleware): outbound reqwest calls through reqwest-middleware, waiting or failing fast |
+//! | `reqwest` | no | [`RateLimitMiddleware`](middleware::RateLimitMiddleware): outbound reqwest calls through reqwest-middleware, waiting or failing fast; [`ThrottleMiddleware`](middleware::ThrottleMiddleware) and [`RetryMiddleware`](middleware::RetryMiddleware) |
 //! | `metrics` | no | counters, gauges and histograms on the `metrics` facade, for any exporter ([`metrics`]) |
 //! | `testing` | no | `tollgate::testing`: a manual clock for the local backend and the rate-limit fields of a response, for your own tests (implies `local`) |
 //!
