@@ -415,3 +415,72 @@ async fn a_storm_on_the_paused_clock_is_held_to_twice_what_the_upstream_accepts(
         "naive: received {received}, accepted {accepted}"
     );
 }
+
+struct Flaky(Arc<AtomicU64>);
+
+#[tonic::async_trait]
+impl helloworld::greeter_server::Greeter for Flaky {
+    async fn say_hello(
+        &self,
+        request: tonic::Request<helloworld::HelloRequest>,
+    ) -> Result<tonic::Response<helloworld::HelloReply>, tonic::Status> {
+        if self.0.fetch_add(1, Ordering::SeqCst) < 2 {
+            return Err(tonic::Status::unavailable("warming up"));
+        }
+        Ok(tonic::Response::new(helloworld::HelloReply {
+            message: format!("Hello {}!", request.into_inner().name),
+        }))
+    }
+}
+
+/// A tonic client retried within the budget: its body buffered (`BufferLayer`), an
+/// `UNAVAILABLE` answer retried to the success; with the budget spent, the caller gets the
+/// server's `UNAVAILABLE`.
+#[tokio::test]
+async fn a_tonic_client_is_retried_through_the_buffer() {
+    let calls = Arc::new(AtomicU64::new(0));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(helloworld::greeter_server::GreeterServer::new(Flaky(
+                calls.clone(),
+            )))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let stack = |budget: RetryBudget| {
+        ServiceBuilder::new()
+            .layer(tollgate::client::BufferLayer::new(64 * 1024))
+            .layer(
+                RetryLayer::new(budget)
+                    .safe(|_| true)
+                    .backoff(Duration::from_millis(1), Duration::from_millis(5)),
+            )
+            .map_request(|r: http::Request<Full<Bytes>>| r.map(tonic::body::Body::new))
+            .service(channel.clone())
+    };
+    let mut client = helloworld::greeter_client::GreeterClient::new(stack(RetryBudget::new()));
+    let reply = client
+        .say_hello(helloworld::HelloRequest {
+            name: "again".into(),
+        })
+        .await
+        .unwrap();
+    assert_eq!(reply.into_inner().message, "Hello again!");
+    assert_eq!(calls.load(Ordering::SeqCst), 3, "two retries");
+
+    calls.store(0, Ordering::SeqCst);
+    let spent = RetryBudget::builder().min_per_second(0.0).build().unwrap();
+    let mut client = helloworld::greeter_client::GreeterClient::new(stack(spent));
+    let err = client
+        .say_hello(helloworld::HelloRequest { name: "x".into() })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Unavailable);
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "no budget, no retry");
+}

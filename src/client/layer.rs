@@ -167,9 +167,10 @@ type SafeFn = dyn Fn(&Request<()>) -> bool + Send + Sync;
 ///   have retried (the original answer: the upstream's answer, or the failure of a call that
 ///   had none). The first attempt deposits in the budget.
 ///
-/// The request is cloned for each attempt (its body must be `Clone`: `Full<Bytes>`,
-/// `String`, ...); the answer being retried is held until the next attempt has answered, so
-/// that an attempt refused here (throttled) gives the caller the last real answer.
+/// The request is cloned for each attempt: its body must be `Clone` (`Full<Bytes>`,
+/// `String`, ...; for tonic's, put a [`BufferLayer`](super::BufferLayer) above this layer).
+/// The answer being retried is held until the next attempt has answered, so that an attempt
+/// refused here (throttled) gives the caller the last real answer.
 ///
 /// ```
 /// use std::sync::atomic::{AtomicU32, Ordering};

@@ -41,6 +41,7 @@
 //! ```
 
 mod budget;
+mod buffer;
 #[cfg(feature = "serde")]
 mod config;
 mod layer;
@@ -48,6 +49,7 @@ mod throttle;
 mod window;
 
 pub use budget::{RetryBudget, RetryBudgetBuilder};
+pub use buffer::{BufferLayer, Buffered};
 #[cfg(feature = "serde")]
 #[cfg_attr(docsrs, doc(cfg(feature = "serde")))]
 pub use config::{RetryConfig, ThrottleConfig};
