@@ -368,7 +368,7 @@ impl Middleware for RetryMiddleware {
             .or_else(Deadline::current);
         // Each attempt runs the rest of the chain with its own copy of the extensions.
         let mut first = Some(req);
-        let attempt = |_n: u32| {
+        let attempt = || {
             let req = match (first.take(), &template) {
                 (Some(req), _) => req,
                 (None, Some(t)) => t.try_clone()?,
@@ -378,7 +378,7 @@ impl Middleware for RetryMiddleware {
             Some(async move { next.run(req, &mut ext).await })
         };
         let judge = |out: &reqwest_middleware::Result<reqwest::Response>| match out {
-            Ok(answer) => Judged::answer(again_of(answer.status(), answer.headers())),
+            Ok(answer) => again_of(answer.status(), answer.headers()),
             Err(reqwest_middleware::Error::Middleware(e)) if e.is::<Throttled>() => Judged::Refused,
             Err(reqwest_middleware::Error::Reqwest(e)) if e.is_connect() || e.is_timeout() => {
                 Judged::Again(Duration::ZERO)

@@ -112,6 +112,14 @@ impl RetryBudget {
         taken
     }
 
+    /// Gives back a retry taken and not made (its call was dropped while it waited): counted
+    /// off the current slot.
+    pub(crate) fn give_back(&self) {
+        self.inner
+            .counts
+            .with(|_, now| now[1] = now[1].saturating_sub(1));
+    }
+
     /// The window's counts now: first attempts, and retries taken.
     pub fn counts(&self) -> (u64, u64) {
         let [attempts, retries] = self.inner.counts.sums();

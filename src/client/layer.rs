@@ -202,13 +202,14 @@ pub struct RetryLayer {
     cfg: Arc<RetryRules>,
 }
 
+#[derive(Clone)]
 pub(crate) struct RetryRules {
     budget: RetryBudget,
     pub(crate) max_retries: u32,
     base: Duration,
     max: Duration,
     max_wait: Duration,
-    safe: Option<Box<SafeFn>>,
+    safe: Option<Arc<SafeFn>>,
 }
 
 impl std::fmt::Debug for RetryLayer {
@@ -239,11 +240,9 @@ impl RetryLayer {
         }
     }
 
+    /// Changes this layer's rules (a clone's own copy of them, sharing the budget).
     fn with(mut self, f: impl FnOnce(&mut RetryRules)) -> Self {
-        match Arc::get_mut(&mut self.cfg) {
-            Some(cfg) => f(cfg),
-            None => unreachable!("a layer is configured before it is cloned"),
-        }
+        f(Arc::make_mut(&mut self.cfg));
         self
     }
 
@@ -270,7 +269,7 @@ impl RetryLayer {
     /// Which requests are safe to retry, besides the idempotent methods and [`RetrySafe`]:
     /// called with the request's head (its body left out).
     pub fn safe(self, f: impl Fn(&Request<()>) -> bool + Send + Sync + 'static) -> Self {
-        self.with(|c| c.safe = Some(Box::new(f)))
+        self.with(|c| c.safe = Some(Arc::new(f)))
     }
 
     /// The budget retries are withdrawn from.
@@ -311,35 +310,28 @@ impl<S: std::fmt::Debug> std::fmt::Debug for Retry<S> {
     }
 }
 
-/// What an answer says about retrying it.
-#[derive(Debug, PartialEq)]
-pub(crate) enum Again {
-    /// Not an answer to retry.
-    No,
-    /// Retry, after at least this long (the answer's `Retry-After` or pushback).
-    After(Duration),
-}
-
-pub(crate) fn again_of(status: http::StatusCode, headers: &http::HeaderMap) -> Again {
+/// What an answer says about retrying it: [`Judged::Again`] after what it asks for, or
+/// [`Judged::Final`].
+pub(crate) fn again_of(status: http::StatusCode, headers: &http::HeaderMap) -> Judged {
     let asked = crate::wait::answer_wait(status, headers).unwrap_or_default();
     if matches!(status.as_u16(), 429 | 502 | 503 | 504) {
-        return Again::After(asked);
+        return Judged::Again(asked);
     }
     let pushback = headers
         .get("grpc-retry-pushback-ms")
         .and_then(|v| v.to_str().ok())
         .map(str::trim);
     if pushback.is_some_and(|p| p.starts_with('-')) {
-        return Again::No;
+        return Judged::Final;
     }
     match headers.get("grpc-status").map(http::HeaderValue::as_bytes) {
-        Some(b"14") => Again::After(asked),
-        Some(b"8") if pushback.is_some() => Again::After(asked),
-        _ => Again::No,
+        Some(b"14") => Judged::Again(asked),
+        Some(b"8") if pushback.is_some() => Judged::Again(asked),
+        _ => Judged::Final,
     }
 }
 
-pub(crate) fn is_safe(cfg: &RetryRules, parts: &http::request::Parts) -> bool {
+fn is_safe(cfg: &RetryRules, parts: &http::request::Parts) -> bool {
     cfg.safe_for(
         &parts.method,
         parts.extensions.get::<RetrySafe>().is_some(),
@@ -448,12 +440,12 @@ where
                 .or_else(Deadline::current);
             // The first attempt sends the request itself (its extensions whole); retries send
             // copies of it, each on a clone of the service made ready again.
-            let template = (retries > 0).then(|| clone_request(&req));
-            let mut first = Some((req, inner.clone()));
-            let attempt = move |_n: u32| {
+            let template = (retries > 0).then(|| (clone_request(&req), inner.clone()));
+            let mut first = Some((req, inner));
+            let attempt = move || {
                 let (req, mut svc) = match (first.take(), &template) {
                     (Some(first), _) => first,
-                    (None, Some(t)) => (clone_request(t), inner.clone()),
+                    (None, Some((req, svc))) => (clone_request(req), svc.clone()),
                     (None, None) => return None,
                 };
                 Some(async move {
@@ -464,7 +456,7 @@ where
                 })
             };
             let judge = |out: &Result<Response<R>, BoxError>| match out {
-                Ok(res) => Judged::answer(again_of(res.status(), res.headers())),
+                Ok(res) => again_of(res.status(), res.headers()),
                 Err(e) if e.is::<Throttled>() => Judged::Refused,
                 Err(_) => Judged::Again(Duration::ZERO),
             };
@@ -477,6 +469,7 @@ where
 }
 
 /// What an attempt's outcome means for the call.
+#[derive(Debug, PartialEq)]
 pub(crate) enum Judged {
     /// The caller's answer.
     Final,
@@ -486,17 +479,7 @@ pub(crate) enum Judged {
     Refused,
 }
 
-impl Judged {
-    /// An answer, by what it says about retrying.
-    pub(crate) fn answer(again: Again) -> Self {
-        match again {
-            Again::No => Judged::Final,
-            Again::After(asked) => Judged::Again(asked),
-        }
-    }
-}
-
-/// The retry loop, for any protocol: runs `attempt(n)`s while `judge` says another may help,
+/// The retry loop, for any protocol: runs `attempt()`s while `judge` says another may help,
 /// the call has retries left, the answer's wait is within `max_wait`, the deadline allows the
 /// wait and the budget gives a retry. The caller gets the outcome that was not retried: the
 /// last attempt's, or the last real one when an attempt was refused in this client.
@@ -504,7 +487,7 @@ pub(crate) async fn drive<T, E, F, Fut>(
     rules: &RetryRules,
     retries: u32,
     deadline: Option<Deadline>,
-    mut attempt: impl FnMut(u32) -> Option<Fut>,
+    mut attempt: impl FnMut() -> Option<Fut>,
     judge: impl Fn(&Result<T, E>) -> Judged,
     none: F,
 ) -> Result<T, E>
@@ -514,7 +497,7 @@ where
 {
     let mut last = None;
     let mut n = 0u32;
-    while let Some(future) = attempt(n) {
+    while let Some(future) = attempt() {
         let out = future.await;
         let asked = match judge(&out) {
             Judged::Again(asked) if n < retries && asked <= rules.max_wait => asked,
@@ -522,13 +505,33 @@ where
             Judged::Final | Judged::Again(_) => return out,
         };
         last = Some(out);
-        match rules.next(n, asked, deadline) {
-            Some(wait) => tokio::time::sleep(wait).await,
-            None => break,
-        }
+        let Some(wait) = rules.next(n, asked, deadline) else {
+            break;
+        };
+        // Dropped while it waits, the call gives its retry back: it was never made.
+        let withdrawn = Withdrawn(Some(&rules.budget));
+        tokio::time::sleep(wait).await;
+        withdrawn.made();
         n += 1;
     }
     last.unwrap_or_else(|| Err(none()))
+}
+
+/// A retry withdrawn from the budget and not made yet: given back if dropped.
+struct Withdrawn<'a>(Option<&'a RetryBudget>);
+
+impl Withdrawn<'_> {
+    fn made(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for Withdrawn<'_> {
+    fn drop(&mut self) {
+        if let Some(budget) = self.0 {
+            budget.give_back();
+        }
+    }
 }
 
 fn clone_request<B: Clone>(req: &Request<B>) -> Request<B> {
@@ -537,12 +540,7 @@ fn clone_request<B: Clone>(req: &Request<B>) -> Request<B> {
     *out.uri_mut() = req.uri().clone();
     *out.version_mut() = req.version();
     *out.headers_mut() = req.headers().clone();
-    if req.extensions().get::<RetrySafe>().is_some() {
-        out.extensions_mut().insert(RetrySafe);
-    }
-    if let Some(d) = req.extensions().get::<Deadline>() {
-        out.extensions_mut().insert(*d);
-    }
+    *out.extensions_mut() = req.extensions().clone();
     out
 }
 
@@ -560,32 +558,69 @@ mod tests {
             h
         };
         let s = |c| http::StatusCode::from_u16(c).unwrap();
-        assert_eq!(again_of(s(200), &h(&[])), Again::No);
-        assert_eq!(again_of(s(500), &h(&[])), Again::No);
-        assert_eq!(again_of(s(503), &h(&[])), Again::After(Duration::ZERO));
+        assert_eq!(again_of(s(200), &h(&[])), Judged::Final);
+        assert_eq!(again_of(s(500), &h(&[])), Judged::Final);
+        assert_eq!(again_of(s(503), &h(&[])), Judged::Again(Duration::ZERO));
         assert_eq!(
             again_of(s(429), &h(&[("retry-after", "2")])),
-            Again::After(Duration::from_secs(2))
+            Judged::Again(Duration::from_secs(2))
         );
         assert_eq!(
             again_of(s(200), &h(&[("grpc-status", "14")])),
-            Again::After(Duration::ZERO)
+            Judged::Again(Duration::ZERO)
         );
-        assert_eq!(again_of(s(200), &h(&[("grpc-status", "8")])), Again::No);
+        assert_eq!(again_of(s(200), &h(&[("grpc-status", "8")])), Judged::Final);
         assert_eq!(
             again_of(
                 s(200),
                 &h(&[("grpc-status", "8"), ("grpc-retry-pushback-ms", "300")])
             ),
-            Again::After(Duration::from_millis(300))
+            Judged::Again(Duration::from_millis(300))
         );
         assert_eq!(
             again_of(
                 s(200),
                 &h(&[("grpc-status", "14"), ("grpc-retry-pushback-ms", "-1")])
             ),
-            Again::No
+            Judged::Final
         );
+    }
+
+    /// A call dropped while it waits for its retry gives the retry back to the budget: it was
+    /// never made.
+    #[tokio::test(start_paused = true)]
+    async fn a_call_dropped_during_its_backoff_gives_its_retry_back() {
+        use tower::ServiceExt;
+        let sent = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let seen = sent.clone();
+        let upstream = tower::service_fn(move |_req: Request<()>| {
+            seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            async {
+                Ok::<_, std::convert::Infallible>(
+                    Response::builder()
+                        .status(503)
+                        .header("retry-after", "2")
+                        .body(())
+                        .unwrap(),
+                )
+            }
+        });
+        let budget = RetryBudget::new();
+        let client = tower_layer::Layer::layer(&RetryLayer::new(budget.clone()), upstream);
+        let call = client.oneshot(Request::new(()));
+        // The caller gives up after 500 ms: the retry waits 2 s for the `Retry-After`.
+        let gave_up = tokio::time::timeout(Duration::from_millis(500), call).await;
+        assert!(gave_up.is_err());
+        assert_eq!(sent.load(std::sync::atomic::Ordering::SeqCst), 1);
+        assert_eq!(budget.counts(), (1, 0), "the retry was given back");
+    }
+
+    #[test]
+    fn a_cloned_layer_is_configured_on_its_own() {
+        let a = RetryLayer::new(RetryBudget::new()).max_retries(2);
+        let b = a.clone().max_retries(5).safe(|_| true);
+        assert_eq!((a.cfg.max_retries, b.cfg.max_retries), (2, 5));
+        assert!(a.cfg.safe.is_none() && b.cfg.safe.is_some());
     }
 
     #[test]

@@ -381,6 +381,27 @@ mod tests {
         assert_eq!(t.counts(), (1001, 1000));
     }
 
+    /// Threads deciding and answering at once on one throttle: no count is lost, and while
+    /// every call is accepted none is refused.
+    #[test]
+    fn counts_hold_under_concurrent_calls() {
+        let t = Throttle::builder()
+            .window(Duration::from_secs(3600))
+            .build()
+            .unwrap();
+        std::thread::scope(|s| {
+            for _ in 0..8 {
+                s.spawn(|| {
+                    for _ in 0..5_000 {
+                        t.admit().expect("never refused").accepted();
+                    }
+                });
+            }
+        });
+        assert_eq!(t.counts(), (40_000, 40_000));
+        assert_eq!(t.probability(), 0.0);
+    }
+
     #[test]
     fn what_counts_as_accepted() {
         let h = HeaderMap::new();
