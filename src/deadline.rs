@@ -49,7 +49,6 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
 use pin_project_lite::pin_project;
 use tokio::time::Instant;
@@ -253,11 +252,6 @@ where
     fn call(&mut self, mut req: Request<ReqB>) -> Self::Future {
         let deadline =
             Deadline::from_headers(req.headers(), self.layer.grpc, self.layer.header.as_ref());
-        let grpc = req
-            .headers()
-            .get(http::header::CONTENT_TYPE)
-            .filter(|v| v.as_bytes().starts_with(b"application/grpc"))
-            .cloned();
         let Some(deadline) = deadline else {
             return DeadlineFuture {
                 state: State::Unbounded {
@@ -265,6 +259,11 @@ where
                 },
             };
         };
+        let grpc = req
+            .headers()
+            .get(http::header::CONTENT_TYPE)
+            .filter(|v| v.as_bytes().starts_with(b"application/grpc"))
+            .cloned();
         if deadline.has_passed() {
             dropped(Stage::BeforeStart);
             return DeadlineFuture {
@@ -359,30 +358,13 @@ fn dropped(stage: Stage) {
 
 /// The answer to a request past its deadline.
 fn exceeded<B: RateLimitBody>(grpc: Option<HeaderValue>, status: StatusCode) -> Response<B> {
-    match grpc {
-        Some(content_type) => {
-            let mut res = Response::new(B::rejection(Bytes::new()));
-            let h = res.headers_mut();
-            h.insert(http::header::CONTENT_TYPE, content_type);
-            h.insert("grpc-status", HeaderValue::from_static("4"));
-            h.insert(
-                "grpc-message",
-                HeaderValue::from_static("the caller's deadline passed"),
-            );
-            res
-        }
-        None => {
-            let mut res = Response::new(B::rejection(Bytes::from_static(
-                b"the caller's deadline passed before the request was served\n",
-            )));
-            *res.status_mut() = status;
-            res.headers_mut().insert(
-                http::header::CONTENT_TYPE,
-                HeaderValue::from_static("text/plain; charset=utf-8"),
-            );
-            res
-        }
-    }
+    crate::response::local_answer(
+        grpc,
+        "4",
+        "the caller's deadline passed",
+        status,
+        "the caller's deadline passed before the request was served\n",
+    )
 }
 
 /// Outbound deadlines (see the [module docs](self)): passes on the time a call has left.
@@ -647,12 +629,7 @@ impl DeadlineConfig {
             layer = layer.header(h);
         }
         if let Some(m) = &self.margin {
-            let margin = crate::quota::parse_config_duration(m).map_err(|e| {
-                crate::ConfigError::Invalid {
-                    option: "margin",
-                    reason: format!("the duration {m:?}: {e}"),
-                }
-            })?;
+            let margin = crate::quota::config_duration("margin", m)?;
             layer = layer.margin(margin);
         }
         Ok(layer)

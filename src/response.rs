@@ -433,6 +433,37 @@ fn add_passed(map: &mut http::HeaderMap, passed: &[(HeaderName, HeaderValue)]) {
     }
 }
 
+/// An answer a layer writes itself rather than the service (a request over the adaptive
+/// limit, one past its deadline): for a gRPC request (`grpc`, its content type) a
+/// trailers-only answer with `grpc_status` and `message`, else `status` with `text`.
+pub(crate) fn local_answer<B: crate::body::RateLimitBody>(
+    grpc: Option<HeaderValue>,
+    grpc_status: &'static str,
+    message: &'static str,
+    status: StatusCode,
+    text: &'static str,
+) -> Response<B> {
+    match grpc {
+        Some(content_type) => {
+            let mut res = Response::new(B::rejection(Bytes::new()));
+            let h = res.headers_mut();
+            h.insert(header::CONTENT_TYPE, content_type);
+            h.insert("grpc-status", HeaderValue::from_static(grpc_status));
+            h.insert("grpc-message", HeaderValue::from_static(message));
+            res
+        }
+        None => {
+            let mut res = Response::new(B::rejection(Bytes::from_static(text.as_bytes())));
+            *res.status_mut() = status;
+            res.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("text/plain; charset=utf-8"),
+            );
+            res
+        }
+    }
+}
+
 /// How the service answers a rejection.
 #[derive(Clone, Debug)]
 pub(crate) struct Responder {

@@ -1,8 +1,6 @@
 //! An adaptive limit and its layer from a configuration file (feature `serde`): TOML, YAML or
 //! JSON, read with any serde format crate.
 
-use std::time::Duration;
-
 use super::{AdaptiveLayer, AdaptiveLimit, Aimd, Gradient, QueueOrder};
 use crate::ConfigError;
 
@@ -133,10 +131,7 @@ fn bad(option: &'static str, reason: String) -> ConfigError {
     ConfigError::Invalid { option, reason }
 }
 
-fn duration(option: &'static str, text: &str) -> Result<Duration, ConfigError> {
-    crate::quota::parse_config_duration(text)
-        .map_err(|e| bad(option, format!("the duration {text:?}: {e}")))
-}
+use crate::quota::config_duration as duration;
 
 impl AdaptiveConfig {
     /// The limit these settings describe, or the first setting that is wrong, named.

@@ -7,7 +7,6 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
 use http::{HeaderValue, Request, Response, StatusCode};
 use pin_project_lite::pin_project;
 
@@ -427,33 +426,21 @@ impl crate::body::Held for AtBodyEnd {
 
 /// The answer to a request over the limit.
 fn refusal<B: RateLimitBody>(grpc: Option<HeaderValue>, retry_after: Duration) -> Response<B> {
-    let secs = crate::response::ceil_secs(retry_after).max(1);
-    match grpc {
-        Some(content_type) => {
-            let mut res = Response::new(B::rejection(Bytes::new()));
-            let h = res.headers_mut();
-            h.insert(http::header::CONTENT_TYPE, content_type);
-            h.insert("grpc-status", HeaderValue::from_static("14"));
-            h.insert(
-                "grpc-message",
-                HeaderValue::from_static("concurrency limit reached"),
-            );
-            let ms = u64::try_from(retry_after.as_millis()).unwrap_or(u64::MAX);
-            h.insert("grpc-retry-pushback-ms", HeaderValue::from(ms));
-            res
-        }
-        None => {
-            let mut res = Response::new(B::rejection(Bytes::from_static(
-                b"service busy: concurrency limit reached\n",
-            )));
-            *res.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
-            let h = res.headers_mut();
-            h.insert(
-                http::header::CONTENT_TYPE,
-                HeaderValue::from_static("text/plain; charset=utf-8"),
-            );
-            h.insert(http::header::RETRY_AFTER, HeaderValue::from(secs));
-            res
-        }
+    let is_grpc = grpc.is_some();
+    let mut res = crate::response::local_answer(
+        grpc,
+        "14",
+        "concurrency limit reached",
+        StatusCode::SERVICE_UNAVAILABLE,
+        "service busy: concurrency limit reached\n",
+    );
+    let h = res.headers_mut();
+    if is_grpc {
+        let ms = u64::try_from(retry_after.as_millis()).unwrap_or(u64::MAX);
+        h.insert("grpc-retry-pushback-ms", HeaderValue::from(ms));
+    } else {
+        let secs = crate::response::ceil_secs(retry_after).max(1);
+        h.insert(http::header::RETRY_AFTER, HeaderValue::from(secs));
     }
+    res
 }

@@ -1,17 +1,10 @@
 //! The client layers from a configuration file (feature `serde`): TOML, YAML or JSON, read
 //! with any serde format crate.
 
-use std::time::Duration;
-
 use super::{RetryBudget, RetryLayer, Throttle};
 use crate::ConfigError;
 
-fn duration(option: &'static str, text: &str) -> Result<Duration, ConfigError> {
-    crate::quota::parse_config_duration(text).map_err(|e| ConfigError::Invalid {
-        option,
-        reason: format!("the duration {text:?}: {e}"),
-    })
-}
+use crate::quota::config_duration as duration;
 
 /// A [`Throttle`]'s settings, checked when read (an unknown field is an error naming it) and
 /// when built (a value out of range is an error naming the field). Every field is optional.

@@ -15,7 +15,7 @@ mod syntax;
 pub use change::OnChange;
 pub use params::{QuotaKind, QuotaParams};
 #[cfg(feature = "serde")]
-pub(crate) use syntax::parse_config_duration;
+pub(crate) use syntax::config_duration;
 #[cfg(feature = "calendar")]
 pub(crate) use syntax::parse_time_of_day;
 #[cfg(feature = "serde")]

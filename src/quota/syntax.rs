@@ -318,15 +318,27 @@ fn parse_number(text: &str, what: &str, max: u128) -> Result<u128, String> {
     }
 }
 
-/// Parses a duration of the quota syntax: a number (optional in a period: `/s` is `/1s`) and
-/// a unit.
 /// A duration in a configuration file (`"500ms"`, `"1s"`, `"15min"`), as the quota syntax
 /// writes it.
 #[cfg(feature = "serde")]
-pub(crate) fn parse_config_duration(text: &str) -> Result<Duration, String> {
+fn parse_config_duration(text: &str) -> Result<Duration, String> {
     parse_duration(text.trim(), false)
 }
 
+/// [`parse_config_duration`] for the setting `option`: an error names it and the text.
+#[cfg(feature = "serde")]
+pub(crate) fn config_duration(
+    option: &'static str,
+    text: &str,
+) -> Result<Duration, crate::ConfigError> {
+    parse_config_duration(text).map_err(|e| crate::ConfigError::Invalid {
+        option,
+        reason: format!("the duration {text:?}: {e}"),
+    })
+}
+
+/// Parses a duration of the quota syntax: a number (optional in a period: `/s` is `/1s`) and
+/// a unit.
 fn parse_duration(text: &str, number_optional: bool) -> Result<Duration, String> {
     let digits = text
         .find(|c: char| !c.is_ascii_digit())
