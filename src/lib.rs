@@ -85,6 +85,7 @@ mod call;
 mod charge;
 pub mod client;
 pub mod cors;
+pub mod criticality;
 pub mod deadline;
 mod error;
 pub mod fields;

@@ -392,6 +392,49 @@ impl Middleware for RetryMiddleware {
     }
 }
 
+/// Sends a call's [`Criticality`](crate::criticality::Criticality) in a header, so that the next service sheds the same traffic
+/// first: the call's own (an extension: `RequestBuilder::with_extension`), else
+/// [`Criticality::current`](crate::criticality::Criticality::current) (the inbound request's,
+/// set by its adaptive layer). A call with the
+/// header set already keeps it; one with no level is sent without. See
+/// [`tollgate::criticality`](crate::criticality).
+///
+/// ```no_run
+/// use tollgate::middleware::CriticalityMiddleware;
+///
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// let client = reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
+///     .with(CriticalityMiddleware::new(http::HeaderName::from_static("x-criticality")))
+///     .build();
+/// let res = client.get("https://inventory.internal/v1/stock").send().await?;
+/// # drop(res); Ok(()) }
+/// ```
+#[derive(Clone, Debug)]
+pub struct CriticalityMiddleware {
+    header: http::HeaderName,
+}
+
+impl CriticalityMiddleware {
+    /// Sends the level in header `name` (the one the next service reads).
+    pub fn new(name: http::HeaderName) -> Self {
+        CriticalityMiddleware { header: name }
+    }
+}
+
+#[async_trait::async_trait]
+impl Middleware for CriticalityMiddleware {
+    async fn handle(
+        &self,
+        mut req: reqwest::Request,
+        extensions: &mut Extensions,
+        next: Next<'_>,
+    ) -> reqwest_middleware::Result<reqwest::Response> {
+        let level = crate::criticality::req_level(extensions);
+        crate::criticality::set_header(req.headers_mut(), level, &self.header);
+        next.run(req, extensions).await
+    }
+}
+
 /// One value for every upstream, or one per upstream (host and port), made on first use.
 #[derive(Clone)]
 enum PerHost<T> {

@@ -10,9 +10,10 @@ use std::time::Duration;
 use http::{HeaderValue, Request, Response, StatusCode};
 use pin_project_lite::pin_project;
 
-use super::{AdaptiveLimit, Permit};
+use super::{AdaptiveLimit, Ask, Permit};
 use crate::RequestInfo;
 use crate::body::{BodyGuard, RateLimitBody};
+use crate::criticality::Criticality;
 
 /// What of a response counts as a sign of overload (a drop): by default a 503 or a 429 from the
 /// service, or a gRPC `UNAVAILABLE` or `RESOURCE_EXHAUSTED` in the response's head. With
@@ -57,6 +58,8 @@ pub struct AdaptiveLayer {
     dry_run: bool,
     overload: Overload,
     partition: Option<PartitionBy>,
+    flow: Option<FlowBy>,
+    criticality: Option<CriticalityBy>,
 }
 
 /// Which partition of the limit a request is in (see
@@ -64,6 +67,13 @@ pub struct AdaptiveLayer {
 /// may be borrowed from the request (a header's value, an extension's field).
 pub type PartitionBy =
     Arc<dyn for<'r, 'a> Fn(&'r RequestInfo<'a>) -> Option<&'r str> + Send + Sync>;
+
+/// Which flow a request is of ([`AdaptiveLayer::flow_by`]): its key, which may be borrowed from
+/// the request (a tenant header's value, an extension's field).
+pub type FlowBy = Arc<dyn for<'r, 'a> Fn(&'r RequestInfo<'a>) -> Option<&'r str> + Send + Sync>;
+
+/// A request's criticality, from a source you trust ([`AdaptiveLayer::criticality_by`]).
+pub type CriticalityBy = Arc<dyn Fn(&RequestInfo<'_>) -> Option<Criticality> + Send + Sync>;
 
 impl std::fmt::Debug for AdaptiveLayer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -88,6 +98,8 @@ impl AdaptiveLayer {
             dry_run: false,
             overload: Arc::new(default_overload),
             partition: None,
+            flow: None,
+            criticality: None,
         }
     }
 
@@ -174,6 +186,71 @@ impl AdaptiveLayer {
         self.partition_by(move |req| req.headers().get(&name).and_then(|v| v.to_str().ok()))
     }
 
+    /// Keys each request's flow (a tenant, a client, an API key) for fairness inside the limit:
+    /// while the limit has room nobody is refused; near it, requests of the flow holding the
+    /// most slots are refused first, so that one flow sending ten times its usual load takes
+    /// the slots it can get without taking the others' (see
+    /// [`flow_headroom`](super::AdaptiveLimitBuilder::flow_headroom)). The key may be borrowed
+    /// from the request; it is hashed into one of the limit's lanes, never stored and never a
+    /// metric label. `None`: no fairness for that request.
+    ///
+    /// ```
+    /// use tollgate::adaptive::{AdaptiveLayer, AdaptiveLimit};
+    ///
+    /// # fn main() -> Result<(), tollgate::ConfigError> {
+    /// let layer = AdaptiveLayer::new(AdaptiveLimit::builder().build()?)
+    ///     .flow_by(|req| req.headers().get("x-api-key").and_then(|v| v.to_str().ok()));
+    /// # Ok(()) }
+    /// ```
+    pub fn flow_by(
+        mut self,
+        by: impl for<'r, 'a> Fn(&'r RequestInfo<'a>) -> Option<&'r str> + Send + Sync + 'static,
+    ) -> Self {
+        self.flow = Some(Arc::new(by));
+        self
+    }
+
+    /// Keys each request's flow by header `name`'s value ([`flow_by`](Self::flow_by)): a
+    /// tenant header, say. Absent or not text: no fairness for that request.
+    pub fn flow_by_header(self, name: http::HeaderName) -> Self {
+        self.flow_by(move |req| req.headers().get(&name).and_then(|v| v.to_str().ok()))
+    }
+
+    /// Sets each request's [`Criticality`] by `by` (`None`: default): when the limit is full,
+    /// sheddable requests are refused first, then default ones, critical ones last, each level
+    /// keeping back the slots the levels above it used lately. The level is
+    /// [`Criticality::current`] while the request is served, for the calls it makes
+    /// ([`PropagateCriticalityLayer`](crate::criticality::PropagateCriticalityLayer),
+    /// [`CriticalityMiddleware`](crate::middleware::CriticalityMiddleware), an
+    /// [`Upstreams`](super::Upstreams) limit). Set it from what you trust: a client that may
+    /// choose its level chooses critical.
+    pub fn criticality_by(
+        mut self,
+        by: impl Fn(&RequestInfo<'_>) -> Option<Criticality> + Send + Sync + 'static,
+    ) -> Self {
+        self.criticality = Some(Arc::new(by));
+        self
+    }
+
+    /// Reads each request's [`Criticality`] from header (or gRPC metadata) `name`: `critical`,
+    /// `default` or `sheddable` (absent or anything else: default). **Only a header your gateway
+    /// sets**, and strips from what clients send: a client that sets its own header raises its
+    /// own level.
+    ///
+    /// ```
+    /// use tollgate::adaptive::{AdaptiveLayer, AdaptiveLimit};
+    ///
+    /// # fn main() -> Result<(), tollgate::ConfigError> {
+    /// // Behind a gateway that sets x-criticality and x-tenant (and drops clients' own).
+    /// let layer = AdaptiveLayer::new(AdaptiveLimit::builder().build()?)
+    ///     .criticality_from_header(http::HeaderName::from_static("x-criticality"))
+    ///     .flow_by_header(http::HeaderName::from_static("x-tenant"));
+    /// # Ok(()) }
+    /// ```
+    pub fn criticality_from_header(self, name: http::HeaderName) -> Self {
+        self.criticality_by(move |req| req.headers().get(&name).and_then(Criticality::from_header))
+    }
+
     /// The limit this layer admits against.
     pub fn limit(&self) -> &AdaptiveLimit {
         &self.limit
@@ -227,49 +304,96 @@ where
     }
 
     fn call(&mut self, req: Request<ReqB>) -> Self::Future {
-        let limit = &self.layer.limit;
-        // The partition, found while the request (which its name may borrow) is at hand.
+        let layer = &self.layer;
+        let limit = &layer.limit;
+        // Who asks, found while the request (which its names may borrow) is at hand.
         let info = RequestInfo::new(&req);
-        let at = limit.partition_index((self.layer.partition.as_ref()).and_then(|by| by(&info)));
-        let permit = if limit.queues() && !self.layer.dry_run {
+        let level = (layer.criticality.as_ref()).map(|by| by(&info).unwrap_or_default());
+        let mut ask = Ask::new();
+        if let Some(name) = (layer.partition.as_ref()).and_then(|by| by(&info)) {
+            ask = ask.partition(name);
+        }
+        if let Some(level) = level {
+            ask = ask.criticality(level);
+        }
+        if let Some(key) = (layer.flow.as_ref()).and_then(|by| by(&info)) {
+            ask = ask.flow(key);
+        }
+        let claim = limit.claim(ask);
+        let permit = if limit.queues() && !layer.dry_run {
             // A free slot, or the line (a refusal is counted once, when it ends the wait).
-            match limit.take(at) {
-                Some(p) => Some(p),
-                None => {
-                    let (limit, deadline) = (limit.clone(), self.layer.queue_deadline);
-                    let wait = Box::pin(async move { limit.acquire_waiting(at, deadline).await });
+            match limit.take(claim) {
+                Ok(p) => Some(p),
+                Err(_) => {
+                    let (limit, deadline) = (limit.clone(), layer.queue_deadline);
+                    let wait = Box::pin(async move { limit.acquire_waiting(claim, deadline).await });
                     let grpc = grpc_of(&req);
                     let mut inner = crate::call::take_ready(&mut self.inner);
                     return AdaptiveFuture {
                         state: State::Waiting {
                             wait,
-                            call: Some(Box::new(move || inner.call(req))),
+                            call: Some(Box::new(move || Scoped::call(level, || inner.call(req)))),
                             grpc,
-                            retry_after: self.layer.retry_after,
-                            body_end: self.layer.body_end,
-                            overload: self.layer.overload.clone(),
+                            retry_after: layer.retry_after,
+                            body_end: layer.body_end,
+                            overload: layer.overload.clone(),
                         },
                     };
                 }
             }
         } else {
-            limit.acquire_at(at)
+            limit.acquire_at(claim)
         };
-        if permit.is_none() && !self.layer.dry_run {
+        if permit.is_none() && !layer.dry_run {
             return AdaptiveFuture {
                 state: State::Refused {
                     grpc: grpc_of(&req),
-                    retry_after: self.layer.retry_after,
+                    retry_after: layer.retry_after,
                 },
             };
         }
+        let (body_end, overload) = (layer.body_end, layer.overload.clone());
+        let inner = &mut self.inner;
         AdaptiveFuture {
             state: State::Called {
-                future: self.inner.call(req),
+                future: Scoped::call(level, || inner.call(req)),
                 permit,
-                body_end: self.layer.body_end,
-                overload: self.layer.overload.clone(),
+                body_end,
+                overload,
             },
+        }
+    }
+}
+
+pin_project! {
+    /// The inner service's future, with the request's criticality current while it runs when
+    /// the layer sets one.
+    #[project = ScopedProj]
+    enum Scoped<F> {
+        Plain { #[pin] future: F },
+        Level { #[pin] future: tokio::task::futures::TaskLocalFuture<Criticality, F> },
+    }
+}
+
+impl<F: Future> Scoped<F> {
+    /// Calls the inner service with `level` current (the call and its future), if any.
+    fn call(level: Option<Criticality>, call: impl FnOnce() -> F) -> Self {
+        match level {
+            None => Scoped::Plain { future: call() },
+            Some(level) => Scoped::Level {
+                future: Criticality::scoped(level, Criticality::sync_scoped(level, call)),
+            },
+        }
+    }
+}
+
+impl<F: Future> Future for Scoped<F> {
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        match self.project() {
+            ScopedProj::Plain { future } => future.poll(cx),
+            ScopedProj::Level { future } => future.poll(cx),
         }
     }
 }
@@ -303,7 +427,7 @@ pin_project! {
         },
         Waiting {
             wait: Waiter,
-            call: Option<Box<dyn FnOnce() -> F + Send>>,
+            call: Option<Box<dyn FnOnce() -> Scoped<F> + Send>>,
             grpc: Option<HeaderValue>,
             retry_after: Duration,
             body_end: bool,
@@ -311,7 +435,7 @@ pin_project! {
         },
         Called {
             #[pin]
-            future: F,
+            future: Scoped<F>,
             permit: Option<Permit>,
             body_end: bool,
             overload: Overload,

@@ -52,12 +52,13 @@ pub use algorithm::{Aimd, Algorithm, Gradient, Window};
 #[cfg(feature = "serde")]
 #[cfg_attr(docsrs, doc(cfg(feature = "serde")))]
 pub use config::{AdaptiveConfig, PartitionConfig, QueueConfig};
-pub use layer::{Adaptive, AdaptiveFuture, AdaptiveLayer, Overload, PartitionBy};
+pub use layer::{Adaptive, AdaptiveFuture, AdaptiveLayer, CriticalityBy, FlowBy, Overload, PartitionBy};
 pub use outbound::{OutboundPermit, Refused, Upstreams};
 
 use tokio::time::Instant;
 
 use crate::ConfigError;
+use crate::criticality::{Criticality, LEVELS};
 
 /// A concurrency limit that adapts (see the [module docs](self)). Cheap to clone: clones share
 /// the limit.
@@ -101,6 +102,14 @@ struct Inner {
     partitions: Box<[Part]>,
     /// Requests waiting for a slot, when the limit queues ([`AdaptiveLimitBuilder::queue`]).
     queue: Option<Queue>,
+    /// Per criticality level, lowest first: in flight, the most in flight lately, counts.
+    levels: [Level; 3],
+    /// The flows' slots in flight, by lane (a flow's key hashed to one).
+    lanes: Box<[AtomicU32]>,
+    /// The flows' hash (random per limit: a client cannot aim its keys at another's lane).
+    hasher: std::hash::RandomState,
+    /// The share of the limit the heaviest flow leaves to the others.
+    headroom: f64,
     /// The `limit` label of the metrics.
     #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
     name: Arc<str>,
@@ -190,6 +199,154 @@ pub struct PartitionStats {
     pub cancelled: u64,
 }
 
+/// A criticality level's requests in flight, the most in flight lately, and counts.
+struct Level {
+    in_flight: AtomicU32,
+    /// The most in flight (or asking, when refused) in this window, and in the last.
+    peak: AtomicU32,
+    last_peak: AtomicU32,
+    /// Admitted, rejected, rejected as over its flow's share.
+    counts: [AtomicU64; 3],
+    #[cfg(feature = "metrics")]
+    counters: std::sync::OnceLock<[metrics::Counter; 3]>,
+}
+
+impl Level {
+    fn new() -> Self {
+        Level {
+            in_flight: AtomicU32::new(0),
+            peak: AtomicU32::new(0),
+            last_peak: AtomicU32::new(0),
+            counts: Default::default(),
+            #[cfg(feature = "metrics")]
+            counters: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// The slots this level used lately and does not hold now: kept back from the levels
+    /// below it.
+    fn reserve(&self) -> u32 {
+        let peak = (self.peak.load(Ordering::Relaxed)).max(self.last_peak.load(Ordering::Relaxed));
+        peak.saturating_sub(self.in_flight.load(Ordering::Relaxed))
+    }
+
+    #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+    fn count(&self, what: usize, level: Criticality, limit: &Arc<str>) {
+        self.counts[what].fetch_add(1, Ordering::Relaxed);
+        #[cfg(feature = "metrics")]
+        self.counters(level, limit)[what].increment(1);
+    }
+
+    /// The level's counters, made at once (each with a series from the start).
+    #[cfg(feature = "metrics")]
+    fn counters(&self, level: Criticality, limit: &Arc<str>) -> &[metrics::Counter; 3] {
+        self.counters.get_or_init(|| {
+            let name = || metrics::SharedString::from(limit.clone());
+            let made = [
+                metrics::counter!("tollgate_adaptive_criticality_total",
+                    "limit" => name(), "criticality" => level.as_str(), "outcome" => "admitted"),
+                metrics::counter!("tollgate_adaptive_criticality_total",
+                    "limit" => name(), "criticality" => level.as_str(), "outcome" => "rejected"),
+                metrics::counter!("tollgate_adaptive_over_share_total",
+                    "limit" => name(), "criticality" => level.as_str()),
+            ];
+            for counter in &made {
+                counter.increment(0);
+            }
+            made
+        })
+    }
+}
+
+const ADMITTED: usize = 0;
+const REJECTED: usize = 1;
+const OVER_SHARE: usize = 2;
+
+/// A criticality level's requests in flight and counts so far ([`AdaptiveLimit::levels`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LevelStats {
+    /// The level.
+    pub criticality: Criticality,
+    /// Its requests holding a slot now.
+    pub in_flight: u32,
+    /// Requests admitted.
+    pub admitted: u64,
+    /// Requests refused (for whatever reason, over its flow's share included).
+    pub rejected: u64,
+    /// Requests refused because their flow held more than its share of a full limit.
+    pub over_share: u64,
+}
+
+/// Who asks for a slot ([`AdaptiveLimit::try_acquire_as`], [`AdaptiveLimit::acquire_as`]): its
+/// partition, criticality and flow, each optional.
+///
+/// - **Partition**: see [`AdaptiveLimitBuilder::partition`] (none: `other`).
+/// - **Criticality**: when the limit is full, sheddable requests are refused first, then
+///   default ones, critical ones last (none: [`Criticality::current`], else default).
+/// - **Flow** (a tenant, a client): while the limit has room nobody is refused; near it, the
+///   flow holding the most slots is refused first, so that one flow cannot take the slots of
+///   the others (none: no fairness for this request).
+///
+/// ```
+/// use tollgate::adaptive::{AdaptiveLimit, Ask};
+/// use tollgate::criticality::Criticality;
+///
+/// # fn main() -> Result<(), tollgate::ConfigError> {
+/// let limit = AdaptiveLimit::builder().initial(8).range(8, 8).build()?;
+/// let ask = Ask::new().flow("tenant-7").criticality(Criticality::Sheddable);
+/// let permit = limit.try_acquire_as(ask).expect("room");
+/// permit.success();
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Ask<'a> {
+    partition: Option<&'a str>,
+    criticality: Option<Criticality>,
+    flow: Option<&'a str>,
+}
+
+impl<'a> Ask<'a> {
+    /// No partition, the current criticality, no flow.
+    pub fn new() -> Self {
+        Ask::default()
+    }
+
+    /// In partition `name`.
+    pub fn partition(mut self, name: &'a str) -> Self {
+        self.partition = Some(name);
+        self
+    }
+
+    /// At criticality `level`.
+    pub fn criticality(mut self, level: Criticality) -> Self {
+        self.criticality = Some(level);
+        self
+    }
+
+    /// Of flow `key` (hashed to one of the limit's lanes; never stored).
+    pub fn flow(mut self, key: &'a str) -> Self {
+        self.flow = Some(key);
+        self
+    }
+}
+
+/// An ask resolved against a limit: its partition's index, its level, its flow's lane.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Claim {
+    pub(crate) at: usize,
+    pub(crate) level: Criticality,
+    pub(crate) lane: Option<u32>,
+}
+
+/// Why a request was not admitted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Shed {
+    /// No slot for its level (the limit, less what the levels above it keep).
+    Full,
+    /// Its flow holds the most slots of a limit near full.
+    OverShare,
+}
+
 struct State {
     algorithm: Box<dyn Algorithm>,
     limit: f64,
@@ -208,6 +365,8 @@ pub struct AdaptiveLimitBuilder {
     partitions: Vec<(String, f64)>,
     name: String,
     queue: Option<(usize, QueueOrder)>,
+    lanes: usize,
+    headroom: f64,
 }
 
 impl std::fmt::Debug for AdaptiveLimitBuilder {
@@ -236,13 +395,16 @@ impl AdaptiveLimit {
             partitions: Vec::new(),
             name: "default".into(),
             queue: None,
+            lanes: 256,
+            headroom: 0.125,
         }
     }
 
-    /// A slot for one request of no partition given, if fewer than the limit are in flight.
-    /// The slot is given back when the permit is ended or dropped.
+    /// A slot for one request of no partition given, at the current criticality
+    /// ([`Criticality::current`], else default), if fewer than the limit are in flight. The
+    /// slot is given back when the permit is ended or dropped.
     pub fn try_acquire(&self) -> Option<Permit> {
-        self.acquire_at(self.inner.partitions.len() - 1)
+        self.try_acquire_as(Ask::new())
     }
 
     /// A slot for one request of partition `name` (see
@@ -251,7 +413,13 @@ impl AdaptiveLimit {
     /// limit is reached, only a partition under its guaranteed share of it is. A name not
     /// given is `other`, which has no guarantee: shed first.
     pub fn try_acquire_in(&self, name: &str) -> Option<Permit> {
-        self.acquire_at(self.partition_of(name))
+        self.try_acquire_as(Ask::new().partition(name))
+    }
+
+    /// A slot for one request as `ask` says (its partition, criticality and flow), if its
+    /// level and flow may take one now (see [`Ask`]).
+    pub fn try_acquire_as(&self, ask: Ask<'_>) -> Option<Permit> {
+        self.acquire_at(self.claim(ask))
     }
 
     /// A slot for one request of no partition given: at once if there is one, else, when the
@@ -260,15 +428,22 @@ impl AdaptiveLimit {
     /// queue is full or the limit does not queue). The time waiting is not part of the
     /// request's sample. Dropping the future leaves the queue.
     pub async fn acquire(&self, deadline: Duration) -> Option<Permit> {
-        self.acquire_waiting(self.inner.partitions.len() - 1, deadline)
-            .await
+        self.acquire_as(Ask::new(), deadline).await
     }
 
     /// [`acquire`](Self::acquire) for a request of partition `name` (see
     /// [`try_acquire_in`](Self::try_acquire_in)).
     pub async fn acquire_in(&self, name: &str, deadline: Duration) -> Option<Permit> {
-        self.acquire_waiting(self.partition_of(name), deadline)
-            .await
+        self.acquire_as(Ask::new().partition(name), deadline).await
+    }
+
+    /// [`acquire`](Self::acquire) as `ask` says. The queue serves the highest criticality
+    /// first, and within it the flow holding the fewest slots; when it is full, a newcomer of a
+    /// higher level, or of a flow holding fewer slots, takes the place of the waiter of the
+    /// lowest level and the heaviest flow (which is refused).
+    pub async fn acquire_as(&self, ask: Ask<'_>, deadline: Duration) -> Option<Permit> {
+        let claim = self.claim(ask);
+        self.acquire_waiting(claim, deadline).await
     }
 
     /// Requests waiting in the queue now (0 without one).
@@ -281,13 +456,22 @@ impl AdaptiveLimit {
         self.inner.queue.is_some()
     }
 
-    /// The partition of `name` (`None`, or a name not given: `other`), as an index: a name
-    /// borrowed from a request is looked up while the request is at hand, without a copy.
-    pub(crate) fn partition_index(&self, name: Option<&str>) -> usize {
-        match name {
+    /// `ask` resolved while the request (which its names may borrow) is at hand: its
+    /// partition's index, its level, its flow's lane. No allocation.
+    pub(crate) fn claim(&self, ask: Ask<'_>) -> Claim {
+        let inner = &self.inner;
+        let at = match ask.partition {
             Some(name) => self.partition_of(name),
-            None => self.inner.partitions.len() - 1,
-        }
+            None => inner.partitions.len() - 1,
+        };
+        let level = (ask.criticality)
+            .or_else(Criticality::current)
+            .unwrap_or_default();
+        let lane = ask.flow.map(|key| {
+            let hash = std::hash::BuildHasher::hash_one(&inner.hasher, key);
+            (hash % inner.lanes.len() as u64) as u32
+        });
+        Claim { at, level, lane }
     }
 
     fn partition_of(&self, name: &str) -> usize {
@@ -297,27 +481,28 @@ impl AdaptiveLimit {
             .unwrap_or(parts.len() - 1)
     }
 
-    /// [`acquire_in`](Self::acquire_in) for partition `at`
-    /// ([`partition_index`](Self::partition_index)).
-    pub(crate) async fn acquire_waiting(&self, at: usize, deadline: Duration) -> Option<Permit> {
-        if let Some(p) = self.take(at) {
-            return Some(p);
-        }
+    /// [`acquire_as`](Self::acquire_as) for a resolved claim.
+    pub(crate) async fn acquire_waiting(&self, claim: Claim, deadline: Duration) -> Option<Permit> {
+        let first = match self.take(claim) {
+            Ok(p) => return Some(p),
+            Err(shed) => shed,
+        };
         let inner = &self.inner;
-        let refuse = || {
-            inner.partitions[at].count(Event::Rejected, &inner.name);
+        let refuse = |shed: Shed| {
+            inner.refused(claim, shed);
             None
         };
         let Some(queue) = &inner.queue else {
-            return refuse();
+            return refuse(first);
         };
         let until = Instant::now() + deadline;
         // A waiter woken whose slot another took first waits again, first in line.
         let mut again = false;
+        let mut last = first;
         loop {
-            let (id, rx) = match queue.join(again) {
+            let (id, rx) = match queue.join(again, claim, inner) {
                 Some(joined) => joined,
-                None => return refuse(),
+                None => return refuse(last),
             };
             // Leaves the line however this ends (a slot, the deadline, the future dropped).
             let mut leave = Leave {
@@ -327,42 +512,70 @@ impl AdaptiveLimit {
                 woken: false,
             };
             // A slot given back between the first try and joining woke nobody: try again.
-            if let Some(p) = self.take(at) {
-                return Some(p);
+            match self.take(claim) {
+                Ok(p) => return Some(p),
+                Err(shed) => last = shed,
             }
             match tokio::time::timeout_at(until, rx).await {
-                Ok(_) => {
+                Ok(Ok(())) => {
                     // The wake is this waiter's: taken, or lost to a request that came first.
                     leave.woken = true;
-                    if let Some(p) = self.take(at) {
-                        return Some(p);
+                    match self.take(claim) {
+                        Ok(p) => return Some(p),
+                        Err(shed) => last = shed,
                     }
                     again = true;
                 }
-                Err(_) => return refuse(),
+                // Put out of a full line by a newcomer before it.
+                Ok(Err(_)) => {
+                    leave.woken = true;
+                    return refuse(last);
+                }
+                Err(_) => return refuse(last),
             }
         }
     }
 
-    /// [`try_acquire_in`](Self::try_acquire_in) for partition `at`: a refusal is counted.
-    pub(crate) fn acquire_at(&self, at: usize) -> Option<Permit> {
-        let permit = self.take(at);
-        if permit.is_none() {
-            let inner = &self.inner;
-            inner.partitions[at].count(Event::Rejected, &inner.name);
+    /// [`try_acquire_as`](Self::try_acquire_as) for a resolved claim: a refusal is counted.
+    pub(crate) fn acquire_at(&self, claim: Claim) -> Option<Permit> {
+        match self.take(claim) {
+            Ok(p) => Some(p),
+            Err(shed) => {
+                self.inner.refused(claim, shed);
+                None
+            }
         }
-        permit
     }
 
-    /// A slot if one is free for partition `at` (a refusal is not counted here: the layer's
-    /// first try before it queues).
-    pub(crate) fn take(&self, at: usize) -> Option<Permit> {
+    /// A slot if one is free for `claim` (a refusal is not counted here: the layer's first
+    /// try before it queues).
+    ///
+    /// The rule: a request may take a slot while fewer than its ceiling are in flight: the
+    /// limit, less the slots the levels above its own used lately and do not hold now. Of
+    /// that, a request of the flow holding the most slots leaves the last `headroom` to the
+    /// other flows. Past its ceiling, a partition under its guarantee is still admitted
+    /// (partitions' guarantees come first, as before flows and levels).
+    pub(crate) fn take(&self, claim: Claim) -> Result<Permit, Shed> {
         let inner = &self.inner;
-        let part = &inner.partitions[at];
+        let part = &inner.partitions[claim.at];
         let mut total = inner.in_flight.load(Ordering::Relaxed);
+        let mut shed = Shed::Full;
         loop {
             let limit = inner.limit.load(Ordering::Relaxed);
-            if total < limit {
+            let ceiling = limit.saturating_sub(inner.reserve_above(claim.level));
+            let room = total < ceiling
+                && match claim.lane {
+                    // Near the ceiling, the heaviest flow stops.
+                    Some(lane) if total + inner.headroom_of(limit) >= ceiling => {
+                        let heaviest = inner.heaviest(lane as usize);
+                        if heaviest {
+                            shed = Shed::OverShare;
+                        }
+                        !heaviest
+                    }
+                    _ => true,
+                };
+            if room {
                 match inner.in_flight.compare_exchange_weak(
                     total,
                     total + 1,
@@ -380,11 +593,11 @@ impl AdaptiveLimit {
                     }
                 }
             }
-            // At the limit: only within the partition's guarantee.
+            // Past its ceiling: only within the partition's guarantee.
             let guaranteed = (f64::from(limit) * part.share).ceil() as u32;
             let held = part.in_flight.load(Ordering::Relaxed);
             if held >= guaranteed {
-                return None;
+                return Err(shed);
             }
             if part
                 .in_flight
@@ -396,16 +609,37 @@ impl AdaptiveLimit {
             }
             total = inner.in_flight.load(Ordering::Relaxed);
         }
+        let level = &inner.levels[claim.level as usize];
+        let held = level.in_flight.fetch_add(1, Ordering::AcqRel) + 1;
+        level.peak.fetch_max(held, Ordering::Relaxed);
+        if let Some(lane) = claim.lane {
+            inner.lanes[lane as usize].fetch_add(1, Ordering::AcqRel);
+        }
         part.count(Event::Admitted, &inner.name);
-        Some(Permit {
+        level.count(ADMITTED, claim.level, &inner.name);
+        Ok(Permit {
             limit: self.clone(),
             start: Instant::now(),
             in_flight: total,
-            partition: at,
+            partition: claim.at,
+            level: claim.level,
+            lane: claim.lane,
             ended: false,
         })
     }
 
+    /// Each criticality level's requests in flight and counts, lowest first.
+    pub fn levels(&self) -> Vec<LevelStats> {
+        (LEVELS.iter().zip(self.inner.levels.iter()))
+            .map(|(&criticality, l)| LevelStats {
+                criticality,
+                in_flight: l.in_flight.load(Ordering::Relaxed),
+                admitted: l.counts[ADMITTED].load(Ordering::Relaxed),
+                rejected: l.counts[REJECTED].load(Ordering::Relaxed),
+                over_share: l.counts[OVER_SHARE].load(Ordering::Relaxed),
+            })
+            .collect()
+    }
     /// Each partition's requests in flight and counts, the partitions given first, then
     /// `other`.
     pub fn partitions(&self) -> Vec<PartitionStats> {
@@ -469,6 +703,40 @@ impl AdaptiveLimit {
 }
 
 impl Inner {
+    /// The slots kept back from `level`: what the levels above it used lately and do not hold.
+    fn reserve_above(&self, level: Criticality) -> u32 {
+        (self.levels[level as usize + 1..].iter())
+            .map(Level::reserve)
+            .fold(0u32, u32::saturating_add)
+    }
+
+    /// The slots the heaviest flow leaves to the others at this limit (at least 1).
+    fn headroom_of(&self, limit: u32) -> u32 {
+        ((f64::from(limit) * self.headroom).ceil() as u32).max(1)
+    }
+
+    /// Whether the flow of `lane` holds slots and no other flow holds more: over its share of
+    /// a limit near full (max-min: the others may grow to it first).
+    fn heaviest(&self, lane: usize) -> bool {
+        let held = self.lanes[lane].load(Ordering::Relaxed);
+        held > 0
+            && !(self.lanes.iter().enumerate())
+                .any(|(i, other)| i != lane && other.load(Ordering::Relaxed) > held)
+    }
+
+    /// Counts a refusal: its partition's, its level's (and the level's demand seen, so that the
+    /// levels below keep room for it next time).
+    fn refused(&self, claim: Claim, shed: Shed) {
+        self.partitions[claim.at].count(Event::Rejected, &self.name);
+        let level = &self.levels[claim.level as usize];
+        level.count(REJECTED, claim.level, &self.name);
+        if shed == Shed::OverShare {
+            level.count(OVER_SHARE, claim.level, &self.name);
+        }
+        let asking = level.in_flight.load(Ordering::Relaxed).saturating_add(1);
+        level.peak.fetch_max(asking, Ordering::Relaxed);
+    }
+
     /// The limit and its range, as gauges (when the limit is built, and at each window's end).
     #[cfg(feature = "metrics")]
     fn set_range_gauges(&self, name: &metrics::SharedString, limit: f64) {
@@ -519,13 +787,19 @@ impl Inner {
         };
         let limit = state.limit.round() as u32;
         self.limit.store(limit, Ordering::Relaxed);
+        // The levels' peaks: this window's becomes the last, the next starts at what is held.
+        for level in &self.levels {
+            let now = level.in_flight.load(Ordering::Relaxed);
+            let peak = level.peak.swap(now, Ordering::Relaxed);
+            level.last_peak.store(peak, Ordering::Relaxed);
+        }
         // A limit that grew has room for waiters: wake one for each slot free now (a slot given
         // back wakes one too, but a queue must not wait out its deadline beside free slots).
         if let Some(queue) = &self.queue {
             let free = limit.saturating_sub(self.in_flight.load(Ordering::Acquire));
             let waiting = queue.waiting.load(Ordering::Acquire);
             for _ in 0..(free as usize).min(waiting) {
-                queue.wake_one();
+                queue.wake_one(self);
             }
         }
         // A move of a fifth or more in one window is news.
@@ -637,6 +911,24 @@ impl AdaptiveLimitBuilder {
         self
     }
 
+    /// How many lanes flows are hashed into (256 by default, 1 to 65 536): flows that share a
+    /// lane share its slots and its share. A limit's lanes take 4 bytes each, and a request near
+    /// the limit reads them all; with a few hundred flows asking at once, more lanes keep them
+    /// apart.
+    pub fn flow_lanes(mut self, lanes: usize) -> Self {
+        self.lanes = lanes;
+        self
+    }
+
+    /// The share of the limit (0 to 0.5; 0.125 by default, at least one slot) that the flow
+    /// holding the most slots leaves to the others: near the limit its requests are refused,
+    /// so that a flow under its share finds a slot free. The adaptive limit, which moves on
+    /// what is in flight, settles about that much higher when one flow is alone.
+    pub fn flow_headroom(mut self, share: f64) -> Self {
+        self.headroom = share;
+        self
+    }
+
     /// The limit, or what is wrong with its settings.
     pub fn build(self) -> Result<AdaptiveLimit, ConfigError> {
         let bad = |option: &'static str, reason: String| ConfigError::Invalid { option, reason };
@@ -663,6 +955,18 @@ impl AdaptiveLimitBuilder {
         }
         if let Some((0, _)) = self.queue {
             return Err(bad("queue", "0 waiting: at least 1 (or no queue)".into()));
+        }
+        if self.lanes == 0 || self.lanes > 65_536 {
+            return Err(bad(
+                "flow_lanes",
+                format!("{}: from 1 to 65536 lanes", self.lanes),
+            ));
+        }
+        if !(self.headroom.is_finite() && (0.0..=0.5).contains(&self.headroom)) {
+            return Err(bad(
+                "flow_headroom",
+                format!("{}: a share of the limit from 0 to 0.5", self.headroom),
+            ));
         }
         if self.partitions.len() > 16 {
             return Err(bad(
@@ -729,12 +1033,11 @@ impl AdaptiveLimitBuilder {
                 }),
                 partitions,
                 name: self.name.into(),
-                queue: self.queue.map(|(max, order)| Queue {
-                    max,
-                    lifo: order == QueueOrder::Lifo,
-                    waiting: AtomicUsize::new(0),
-                    line: Mutex::new((0, std::collections::VecDeque::new())),
-                }),
+                queue: self.queue.map(|(max, order)| Queue::new(max, order)),
+                levels: [Level::new(), Level::new(), Level::new()],
+                lanes: (0..self.lanes).map(|_| AtomicU32::new(0)).collect(),
+                hasher: std::hash::RandomState::new(),
+                headroom: self.headroom,
             }),
         };
         // The gauges from the start (against the recorder installed now), not only from the
@@ -746,6 +1049,9 @@ impl AdaptiveLimitBuilder {
             inner.set_range_gauges(&name, f64::from(initial));
             for part in inner.partitions.iter() {
                 part.counters(&inner.name);
+            }
+            for (level, l) in LEVELS.iter().zip(inner.levels.iter()) {
+                l.counters(*level, &inner.name);
             }
         }
         Ok(limit)
@@ -769,53 +1075,119 @@ struct Queue {
     lifo: bool,
     /// How many wait (read without the lock by a request giving its slot back).
     waiting: AtomicUsize,
-    /// The next id, and the line: served from the back (LIFO) or the front (FIFO).
-    line: Mutex<(u64, Line)>,
+    /// The ids given, and the line.
+    line: Mutex<Line>,
 }
 
-/// The waiters, each its id and the sender it listens on.
-type Line = std::collections::VecDeque<(u64, tokio::sync::oneshot::Sender<()>)>;
+/// The waiters, and the order keys given so far.
+struct Line {
+    /// The next id.
+    next: u64,
+    /// The next order key at the back (increasing), and at the front (decreasing).
+    back: i64,
+    front: i64,
+    waiters: Vec<Waiter>,
+}
+
+/// One request waiting: its id, its place in the order, its level and lane, and the sender
+/// it listens on (dropped when a newcomer puts it out of a full line).
+struct Waiter {
+    id: u64,
+    order: i64,
+    level: Criticality,
+    lane: Option<u32>,
+    tx: tokio::sync::oneshot::Sender<()>,
+}
 
 impl Queue {
-    /// Joins the line (`first`: at the end served next, for a waiter woken whose slot was
-    /// taken), or `None` when it is full.
-    fn join(&self, first: bool) -> Option<(u64, tokio::sync::oneshot::Receiver<()>)> {
+    fn new(max: usize, order: QueueOrder) -> Self {
+        Queue {
+            max,
+            lifo: order == QueueOrder::Lifo,
+            waiting: AtomicUsize::new(0),
+            line: Mutex::new(Line {
+                next: 0,
+                back: 0,
+                front: 0,
+                waiters: Vec::new(),
+            }),
+        }
+    }
+
+    /// How a waiter ranks for the next slot: the higher level, then the flow holding fewer
+    /// slots, then the order (the newest for LIFO, the oldest for FIFO). The greatest is
+    /// served first; the least is put out of a full line.
+    fn rank(&self, inner: &Inner, level: Criticality, lane: Option<u32>, order: i64) -> Rank {
+        let held = lane.map_or(0, |l| inner.lanes[l as usize].load(Ordering::Relaxed));
+        (level, std::cmp::Reverse(held), if self.lifo { order } else { -order })
+    }
+
+    /// Joins the line (`first`: served next among its equals, for a waiter woken whose slot
+    /// was taken), or `None` when it is full of waiters who rank as high as it.
+    fn join(
+        &self,
+        first: bool,
+        claim: Claim,
+        inner: &Inner,
+    ) -> Option<(u64, tokio::sync::oneshot::Receiver<()>)> {
         let mut line = self.line.lock().unwrap_or_else(|e| e.into_inner());
-        if line.1.len() >= self.max {
-            return None;
-        }
-        line.0 += 1;
-        let id = line.0;
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        // Served next: the back (LIFO), the front (FIFO); a newcomer waits at the back.
-        if first && !self.lifo {
-            line.1.push_front((id, tx));
+        // Served next among equals: the back (LIFO), the front (FIFO); a newcomer at the back.
+        let order = if first && !self.lifo {
+            line.front -= 1;
+            line.front
         } else {
-            line.1.push_back((id, tx));
+            line.back += 1;
+            line.back
+        };
+        if line.waiters.len() >= self.max {
+            // Full: the newcomer takes the place of the lowest-ranked waiter, if it ranks
+            // above it by level or by its flow's slots (never by its order alone).
+            let mine = self.rank(inner, claim.level, claim.lane, order);
+            let (at, lowest) = (line.waiters.iter().enumerate())
+                .map(|(i, w)| (i, self.rank(inner, w.level, w.lane, w.order)))
+                .min_by(|a, b| a.1.cmp(&b.1))?;
+            if (mine.0, mine.1) <= (lowest.0, lowest.1) {
+                return None;
+            }
+            // Its sender dropped: the waiter sees it and is refused.
+            line.waiters.swap_remove(at);
+            self.waiting.fetch_sub(1, Ordering::AcqRel);
         }
+        line.next += 1;
+        let id = line.next;
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        line.waiters.push(Waiter {
+            id,
+            order,
+            level: claim.level,
+            lane: claim.lane,
+            tx,
+        });
         self.waiting.fetch_add(1, Ordering::AcqRel);
         Some((id, rx))
     }
 
-    /// Wakes the next in line that still waits.
-    fn wake_one(&self) {
+    /// Wakes the highest-ranked waiter that still waits.
+    fn wake_one(&self, inner: &Inner) {
         let mut line = self.line.lock().unwrap_or_else(|e| e.into_inner());
         loop {
-            let next = if self.lifo {
-                line.1.pop_back()
-            } else {
-                line.1.pop_front()
-            };
-            let Some((_, tx)) = next else {
+            let best = (line.waiters.iter().enumerate())
+                .map(|(i, w)| (i, self.rank(inner, w.level, w.lane, w.order)))
+                .max_by(|a, b| a.1.cmp(&b.1));
+            let Some((at, _)) = best else {
                 return;
             };
+            let waiter = line.waiters.swap_remove(at);
             self.waiting.fetch_sub(1, Ordering::AcqRel);
-            if tx.send(()).is_ok() {
+            if waiter.tx.send(()).is_ok() {
                 return;
             }
         }
     }
 }
+
+/// A waiter's rank: level, fewer slots held by its flow, order.
+type Rank = (Criticality, std::cmp::Reverse<u32>, i64);
 
 /// Leaves the line when dropped, if still in it.
 /// A waiter that stops waiting (a slot, its deadline, its future dropped) without having seen
@@ -831,8 +1203,8 @@ struct Leave<'a> {
 impl Drop for Leave<'_> {
     fn drop(&mut self) {
         let mut line = self.queue.line.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(at) = line.1.iter().position(|(id, _)| *id == self.id) {
-            line.1.remove(at);
+        if let Some(at) = line.waiters.iter().position(|w| w.id == self.id) {
+            line.waiters.swap_remove(at);
             self.queue.waiting.fetch_sub(1, Ordering::AcqRel);
             return;
         }
@@ -842,7 +1214,7 @@ impl Drop for Leave<'_> {
         if !self.woken
             && inner.in_flight.load(Ordering::Acquire) < inner.limit.load(Ordering::Relaxed)
         {
-            self.queue.wake_one();
+            self.queue.wake_one(inner);
         }
     }
 }
@@ -858,6 +1230,8 @@ pub struct Permit {
     start: Instant,
     in_flight: u32,
     partition: usize,
+    level: Criticality,
+    lane: Option<u32>,
     ended: bool,
 }
 
@@ -904,12 +1278,18 @@ impl Permit {
         inner.partitions[self.partition]
             .in_flight
             .fetch_sub(1, Ordering::AcqRel);
+        inner.levels[self.level as usize]
+            .in_flight
+            .fetch_sub(1, Ordering::AcqRel);
+        if let Some(lane) = self.lane {
+            inner.lanes[lane as usize].fetch_sub(1, Ordering::AcqRel);
+        }
         inner.in_flight.fetch_sub(1, Ordering::AcqRel);
         // The slot to the next in line, if any waits.
         if let Some(queue) = &inner.queue
             && queue.waiting.load(Ordering::Acquire) > 0
         {
-            queue.wake_one();
+            queue.wake_one(inner);
         }
     }
 }

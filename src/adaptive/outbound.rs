@@ -11,7 +11,7 @@ use arc_swap::ArcSwap;
 use http::{HeaderMap, StatusCode};
 use tokio::time::Instant;
 
-use super::{AdaptiveLimit, AdaptiveLimitBuilder, Permit};
+use super::{AdaptiveLimit, AdaptiveLimitBuilder, Ask, Permit};
 use crate::ConfigError;
 use crate::client::{Throttle, ThrottleBuilder, ThrottleTicket, Throttled};
 
@@ -191,7 +191,18 @@ impl Upstreams {
     /// A slot of `upstream`'s limit for one call, or why not: its limit is reached, it asked
     /// to wait, its throttle refused the call, or it has no limit ([`Refused::Invalid`]: its
     /// builder failed, or it is named `other`).
+    ///
+    /// The call is admitted at the current [`Criticality`](crate::criticality::Criticality)
+    /// (the inbound request's, when its layer sets one), so that a full upstream limit sheds
+    /// the same traffic first as the service that called.
     pub fn try_acquire(&self, upstream: &str) -> Result<OutboundPermit, Refused> {
+        self.try_acquire_as(upstream, Ask::new())
+    }
+
+    /// [`try_acquire`](Self::try_acquire) as `ask` says: a flow (the tenant the call is made
+    /// for, so that one tenant's calls cannot take all of an upstream's slots), a criticality,
+    /// a partition of the upstream's limit.
+    pub fn try_acquire_as(&self, upstream: &str, ask: Ask<'_>) -> Result<OutboundPermit, Refused> {
         let up = self.upstream(upstream)?;
         let until = up.paused_until.load(Ordering::Relaxed);
         if until != 0 {
@@ -200,7 +211,7 @@ impl Upstreams {
                 return Err(Refused::Paused(Duration::from_nanos(until - now)));
             }
         }
-        let Some(permit) = up.limit.try_acquire() else {
+        let Some(permit) = up.limit.try_acquire_as(ask) else {
             return Err(Refused::OverLimit);
         };
         // Throttled after the slot is found free: a call the limit refuses is not one the
