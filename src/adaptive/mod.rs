@@ -104,8 +104,12 @@ struct Inner {
     queue: Option<Queue>,
     /// Per criticality level, lowest first: in flight, the most in flight lately, counts.
     levels: [Level; 3],
-    /// The flows' slots in flight, by lane (a flow's key hashed to one).
-    lanes: Box<[AtomicU32]>,
+    /// The flows' lanes (a flow's key hashed to one), `per_level` for each level in turn:
+    /// flows are fair to each other inside their level.
+    lanes: Box<[Lane]>,
+    per_level: usize,
+    /// Windows closed so far: a lane refused in this window or the last is asking.
+    epoch: AtomicU32,
     /// The flows' hash (random per limit: a client cannot aim its keys at another's lane).
     hasher: std::hash::RandomState,
     /// The share of the limit the heaviest flow leaves to the others.
@@ -230,6 +234,11 @@ impl Level {
         peak.saturating_sub(self.in_flight.load(Ordering::Relaxed))
     }
 
+    /// Whether the level had requests in flight in this window or the last.
+    fn active(&self) -> bool {
+        self.peak.load(Ordering::Relaxed) > 0 || self.last_peak.load(Ordering::Relaxed) > 0
+    }
+
     #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
     fn count(&self, what: usize, level: Criticality, limit: &Arc<str>) {
         self.counts[what].fetch_add(1, Ordering::Relaxed);
@@ -256,6 +265,13 @@ impl Level {
             made
         })
     }
+}
+
+/// A lane of flows: its slots in flight, and the last window one of its requests was refused
+/// in (plus one: 0 is never).
+struct Lane {
+    held: AtomicU32,
+    asked: AtomicU32,
 }
 
 const ADMITTED: usize = 0;
@@ -335,7 +351,9 @@ impl<'a> Ask<'a> {
 pub(crate) struct Claim {
     pub(crate) at: usize,
     pub(crate) level: Criticality,
-    pub(crate) lane: Option<u32>,
+    /// The two lanes its flow may use (shuffle sharding: a flow that shares one lane with a
+    /// heavy flow takes the other).
+    pub(crate) hand: Option<[u32; 2]>,
 }
 
 /// Why a request was not admitted.
@@ -467,11 +485,12 @@ impl AdaptiveLimit {
         let level = (ask.criticality)
             .or_else(Criticality::current)
             .unwrap_or_default();
-        let lane = ask.flow.map(|key| {
+        let hand = ask.flow.map(|key| {
             let hash = std::hash::BuildHasher::hash_one(&inner.hasher, key);
-            (hash % inner.lanes.len() as u64) as u32
+            let n = inner.per_level as u64;
+            [(hash % n) as u32, ((hash >> 32) % n) as u32]
         });
-        Claim { at, level, lane }
+        Claim { at, level, hand }
     }
 
     fn partition_of(&self, name: &str) -> usize {
@@ -560,14 +579,16 @@ impl AdaptiveLimit {
         let part = &inner.partitions[claim.at];
         let mut total = inner.in_flight.load(Ordering::Relaxed);
         let mut shed = Shed::Full;
+        let lane = claim.hand.map(|hand| inner.pick(claim.level, hand));
         loop {
             let limit = inner.limit.load(Ordering::Relaxed);
-            let ceiling = limit.saturating_sub(inner.reserve_above(claim.level));
+            let ceiling = limit.saturating_sub(inner.reserve_above(claim.level, limit));
             let room = total < ceiling
-                && match claim.lane {
+                && match lane {
                     // Near the ceiling, the heaviest flow stops.
                     Some(lane) if total + inner.headroom_of(limit) >= ceiling => {
-                        let heaviest = inner.heaviest(lane as usize);
+                        let hand = claim.hand.unwrap_or([lane; 2]);
+                        let heaviest = inner.heaviest(claim.level, lane, hand);
                         if heaviest {
                             shed = Shed::OverShare;
                         }
@@ -612,8 +633,8 @@ impl AdaptiveLimit {
         let level = &inner.levels[claim.level as usize];
         let held = level.in_flight.fetch_add(1, Ordering::AcqRel) + 1;
         level.peak.fetch_max(held, Ordering::Relaxed);
-        if let Some(lane) = claim.lane {
-            inner.lanes[lane as usize].fetch_add(1, Ordering::AcqRel);
+        if let Some(lane) = lane {
+            (inner.lane(claim.level, lane).held).fetch_add(1, Ordering::AcqRel);
         }
         part.count(Event::Admitted, &inner.name);
         level.count(ADMITTED, claim.level, &inner.name);
@@ -623,7 +644,7 @@ impl AdaptiveLimit {
             in_flight: total,
             partition: claim.at,
             level: claim.level,
-            lane: claim.lane,
+            lane,
             ended: false,
         })
     }
@@ -703,11 +724,19 @@ impl AdaptiveLimit {
 }
 
 impl Inner {
-    /// The slots kept back from `level`: what the levels above it used lately and do not hold.
-    fn reserve_above(&self, level: Criticality) -> u32 {
-        (self.levels[level as usize + 1..].iter())
+    /// The slots kept back from `level`: what the levels above it used lately and do not hold,
+    /// and, when they used any, the headroom too (a limit cut at a window's end leaves the
+    /// levels above room, not only what they held).
+    fn reserve_above(&self, level: Criticality, limit: u32) -> u32 {
+        let above = &self.levels[level as usize + 1..];
+        let reserve = (above.iter())
             .map(Level::reserve)
-            .fold(0u32, u32::saturating_add)
+            .fold(0u32, u32::saturating_add);
+        if above.iter().any(Level::active) {
+            reserve.saturating_add(self.headroom_of(limit))
+        } else {
+            reserve
+        }
     }
 
     /// The slots the heaviest flow leaves to the others at this limit (at least 1).
@@ -715,13 +744,41 @@ impl Inner {
         ((f64::from(limit) * self.headroom).ceil() as u32).max(1)
     }
 
-    /// Whether the flow of `lane` holds slots and no other flow holds more: over its share of
-    /// a limit near full (max-min: the others may grow to it first).
-    fn heaviest(&self, lane: usize) -> bool {
-        let held = self.lanes[lane].load(Ordering::Relaxed);
-        held > 0
-            && !(self.lanes.iter().enumerate())
-                .any(|(i, other)| i != lane && other.load(Ordering::Relaxed) > held)
+    /// The lane of `hand` holding fewer slots now.
+    fn pick(&self, level: Criticality, [a, b]: [u32; 2]) -> u32 {
+        let held = |l| self.lane(level, l).held.load(Ordering::Relaxed);
+        if held(b) < held(a) { b } else { a }
+    }
+
+    /// The lane `lane` of `level`.
+    fn lane(&self, level: Criticality, lane: u32) -> &Lane {
+        &self.lanes[level as usize * self.per_level + lane as usize]
+    }
+
+    /// Whether the flow of `lane` (of its `hand`) is over its share of a limit near full: it
+    /// holds slots, no other lane of its level holds more (max-min: the others may grow to it
+    /// first), and another flow of its level is asking (holds slots, or was refused in this
+    /// window or the last). A flow alone in its level has the level's room to itself.
+    fn heaviest(&self, level: Criticality, lane: u32, hand: [u32; 2]) -> bool {
+        let held = self.lane(level, lane).held.load(Ordering::Relaxed);
+        if held == 0 {
+            return false;
+        }
+        let recent = self.epoch.load(Ordering::Relaxed);
+        let from = level as usize * self.per_level;
+        let mut others = false;
+        for (i, other) in self.lanes[from..from + self.per_level].iter().enumerate() {
+            if hand.contains(&(i as u32)) {
+                continue;
+            }
+            let h = other.held.load(Ordering::Relaxed);
+            if h > held {
+                return false;
+            }
+            let asked = other.asked.load(Ordering::Relaxed);
+            others |= h > 0 || (asked != 0 && asked + 1 >= recent);
+        }
+        others
     }
 
     /// Counts a refusal: its partition's, its level's (and the level's demand seen, so that the
@@ -735,6 +792,12 @@ impl Inner {
         }
         let asking = level.in_flight.load(Ordering::Relaxed).saturating_add(1);
         level.peak.fetch_max(asking, Ordering::Relaxed);
+        if let Some(hand) = claim.hand {
+            let epoch = self.epoch.load(Ordering::Relaxed);
+            for lane in hand {
+                (self.lane(claim.level, lane).asked).store(epoch + 1, Ordering::Relaxed);
+            }
+        }
     }
 
     /// The limit and its range, as gauges (when the limit is built, and at each window's end).
@@ -787,6 +850,7 @@ impl Inner {
         };
         let limit = state.limit.round() as u32;
         self.limit.store(limit, Ordering::Relaxed);
+        self.epoch.fetch_add(1, Ordering::Relaxed);
         // The levels' peaks: this window's becomes the last, the next starts at what is held.
         for level in &self.levels {
             let now = level.in_flight.load(Ordering::Relaxed);
@@ -1035,7 +1099,14 @@ impl AdaptiveLimitBuilder {
                 name: self.name.into(),
                 queue: self.queue.map(|(max, order)| Queue::new(max, order)),
                 levels: [Level::new(), Level::new(), Level::new()],
-                lanes: (0..self.lanes).map(|_| AtomicU32::new(0)).collect(),
+                lanes: (0..self.lanes * LEVELS.len())
+                    .map(|_| Lane {
+                        held: AtomicU32::new(0),
+                        asked: AtomicU32::new(0),
+                    })
+                    .collect(),
+                per_level: self.lanes,
+                epoch: AtomicU32::new(0),
                 hasher: std::hash::RandomState::new(),
                 headroom: self.headroom,
             }),
@@ -1095,7 +1166,7 @@ struct Waiter {
     id: u64,
     order: i64,
     level: Criticality,
-    lane: Option<u32>,
+    hand: Option<[u32; 2]>,
     tx: tokio::sync::oneshot::Sender<()>,
 }
 
@@ -1117,8 +1188,11 @@ impl Queue {
     /// How a waiter ranks for the next slot: the higher level, then the flow holding fewer
     /// slots, then the order (the newest for LIFO, the oldest for FIFO). The greatest is
     /// served first; the least is put out of a full line.
-    fn rank(&self, inner: &Inner, level: Criticality, lane: Option<u32>, order: i64) -> Rank {
-        let held = lane.map_or(0, |l| inner.lanes[l as usize].load(Ordering::Relaxed));
+    fn rank(&self, inner: &Inner, level: Criticality, hand: Option<[u32; 2]>, order: i64) -> Rank {
+        let held = hand.map_or(0, |h| {
+            let lane = inner.pick(level, h);
+            inner.lane(level, lane).held.load(Ordering::Relaxed)
+        });
         (level, std::cmp::Reverse(held), if self.lifo { order } else { -order })
     }
 
@@ -1142,9 +1216,9 @@ impl Queue {
         if line.waiters.len() >= self.max {
             // Full: the newcomer takes the place of the lowest-ranked waiter, if it ranks
             // above it by level or by its flow's slots (never by its order alone).
-            let mine = self.rank(inner, claim.level, claim.lane, order);
+            let mine = self.rank(inner, claim.level, claim.hand, order);
             let (at, lowest) = (line.waiters.iter().enumerate())
-                .map(|(i, w)| (i, self.rank(inner, w.level, w.lane, w.order)))
+                .map(|(i, w)| (i, self.rank(inner, w.level, w.hand, w.order)))
                 .min_by(|a, b| a.1.cmp(&b.1))?;
             if (mine.0, mine.1) <= (lowest.0, lowest.1) {
                 return None;
@@ -1160,7 +1234,7 @@ impl Queue {
             id,
             order,
             level: claim.level,
-            lane: claim.lane,
+            hand: claim.hand,
             tx,
         });
         self.waiting.fetch_add(1, Ordering::AcqRel);
@@ -1172,7 +1246,7 @@ impl Queue {
         let mut line = self.line.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             let best = (line.waiters.iter().enumerate())
-                .map(|(i, w)| (i, self.rank(inner, w.level, w.lane, w.order)))
+                .map(|(i, w)| (i, self.rank(inner, w.level, w.hand, w.order)))
                 .max_by(|a, b| a.1.cmp(&b.1));
             let Some((at, _)) = best else {
                 return;
@@ -1282,7 +1356,7 @@ impl Permit {
             .in_flight
             .fetch_sub(1, Ordering::AcqRel);
         if let Some(lane) = self.lane {
-            inner.lanes[lane as usize].fetch_sub(1, Ordering::AcqRel);
+            (inner.lane(self.level, lane).held).fetch_sub(1, Ordering::AcqRel);
         }
         inner.in_flight.fetch_sub(1, Ordering::AcqRel);
         // The slot to the next in line, if any waits.
