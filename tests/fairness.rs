@@ -235,7 +235,7 @@ async fn a_noisy_tenant_cannot_take_the_quiet_ones_slots() {
         // at the gradient's resting point (tolerance 1.25), which fairness does not move.
         let p99 = t.p99_ms();
         assert!(
-            p99 <= 1.4 * no_load_p99,
+            p99 <= 1.5 * no_load_p99,
             "{name}'s p99 {p99:.1} ms against {no_load_p99:.1} ms with no load"
         );
         // Without fairness the same tenant is refused with everyone else.
@@ -281,8 +281,14 @@ async fn a_sheddable_spike_is_shed_before_critical_and_default() {
     let critical = fair["critical"].good_share();
     assert!(critical >= 0.994, "critical kept {critical}");
     let (default, sheddable) = (fair["default"].good_share(), fair["sheddable"].good_share());
-    assert!(default >= sheddable, "default {default} < sheddable {sheddable}");
+    assert!(
+        default >= sheddable,
+        "default {default} < sheddable {sheddable}"
+    );
     // Without criticality, critical requests are refused with the spike's.
     let without = plain["critical"].good_share();
-    assert!(without < 0.99, "critical kept {without} without criticality");
+    assert!(
+        without < 0.99,
+        "critical kept {without} without criticality"
+    );
 }

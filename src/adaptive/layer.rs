@@ -326,7 +326,8 @@ where
                 Ok(p) => Some(p),
                 Err(_) => {
                     let (limit, deadline) = (limit.clone(), layer.queue_deadline);
-                    let wait = Box::pin(async move { limit.acquire_waiting(claim, deadline).await });
+                    let wait =
+                        Box::pin(async move { limit.acquire_waiting(claim, deadline).await });
                     let grpc = grpc_of(&req);
                     let mut inner = crate::call::take_ready(&mut self.inner);
                     return AdaptiveFuture {

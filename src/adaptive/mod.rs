@@ -43,6 +43,8 @@ mod algorithm;
 mod config;
 mod layer;
 mod outbound;
+#[cfg(test)]
+mod tests;
 
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -52,7 +54,9 @@ pub use algorithm::{Aimd, Algorithm, Gradient, Window};
 #[cfg(feature = "serde")]
 #[cfg_attr(docsrs, doc(cfg(feature = "serde")))]
 pub use config::{AdaptiveConfig, PartitionConfig, QueueConfig};
-pub use layer::{Adaptive, AdaptiveFuture, AdaptiveLayer, CriticalityBy, FlowBy, Overload, PartitionBy};
+pub use layer::{
+    Adaptive, AdaptiveFuture, AdaptiveLayer, CriticalityBy, FlowBy, Overload, PartitionBy,
+};
 pub use outbound::{OutboundPermit, Refused, Upstreams};
 
 use tokio::time::Instant;
@@ -110,6 +114,10 @@ struct Inner {
     per_level: usize,
     /// Windows closed so far: a lane refused in this window or the last is asking.
     epoch: AtomicU32,
+    /// When the levels' peaks last moved on (ns from `origin`): at each window's end, or, when
+    /// no window ends (nothing admitted ends), each longest window: a level above that went
+    /// quiet keeps slots back for two longest windows at most.
+    peaks_at: AtomicU64,
     /// The flows' hash (random per limit: a client cannot aim its keys at another's lane).
     hasher: std::hash::RandomState,
     /// The share of the limit the heaviest flow leaves to the others.
@@ -580,9 +588,18 @@ impl AdaptiveLimit {
         let mut total = inner.in_flight.load(Ordering::Relaxed);
         let mut shed = Shed::Full;
         let lane = claim.hand.map(|hand| inner.pick(claim.level, hand));
+        let mut fresh = false;
         loop {
             let limit = inner.limit.load(Ordering::Relaxed);
             let ceiling = limit.saturating_sub(inner.reserve_above(claim.level, limit));
+            // Kept back for the levels above on what they used a while ago: move the peaks on
+            // (once), so that a level above that went quiet cannot hold slots forever.
+            if total >= ceiling && total < limit && !fresh {
+                fresh = true;
+                if inner.peaks_stale() {
+                    continue;
+                }
+            }
             let room = total < ceiling
                 && match lane {
                     // Near the ceiling, the heaviest flow stops.
@@ -781,6 +798,37 @@ impl Inner {
         others
     }
 
+    /// The levels' peaks move on: this window's becomes the last, the next starts at what is
+    /// held.
+    fn move_peaks(&self, now: u64) {
+        self.peaks_at.store(now, Ordering::Relaxed);
+        for level in &self.levels {
+            let held = level.in_flight.load(Ordering::Relaxed);
+            let peak = level.peak.swap(held, Ordering::Relaxed);
+            level.last_peak.store(peak, Ordering::Relaxed);
+        }
+    }
+
+    /// Moves the peaks on if no window has in a longest window's time; whether it did.
+    fn peaks_stale(&self) -> bool {
+        let since = Instant::now().saturating_duration_since(self.origin);
+        let now = u64::try_from(since.as_nanos()).unwrap_or(u64::MAX);
+        let at = self.peaks_at.load(Ordering::Relaxed);
+        let longest = u64::try_from(self.max_window.as_nanos()).unwrap_or(u64::MAX);
+        if now.saturating_sub(at) < longest {
+            return false;
+        }
+        // One request moves them.
+        if (self.peaks_at)
+            .compare_exchange(at, now, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+        {
+            self.epoch.fetch_add(1, Ordering::Relaxed);
+            self.move_peaks(now);
+        }
+        true
+    }
+
     /// Counts a refusal: its partition's, its level's (and the level's demand seen, so that the
     /// levels below keep room for it next time).
     fn refused(&self, claim: Claim, shed: Shed) {
@@ -851,12 +899,7 @@ impl Inner {
         let limit = state.limit.round() as u32;
         self.limit.store(limit, Ordering::Relaxed);
         self.epoch.fetch_add(1, Ordering::Relaxed);
-        // The levels' peaks: this window's becomes the last, the next starts at what is held.
-        for level in &self.levels {
-            let now = level.in_flight.load(Ordering::Relaxed);
-            let peak = level.peak.swap(now, Ordering::Relaxed);
-            level.last_peak.store(peak, Ordering::Relaxed);
-        }
+        self.move_peaks(now);
         // A limit that grew has room for waiters: wake one for each slot free now (a slot given
         // back wakes one too, but a queue must not wait out its deadline beside free slots).
         if let Some(queue) = &self.queue {
@@ -1107,6 +1150,7 @@ impl AdaptiveLimitBuilder {
                     .collect(),
                 per_level: self.lanes,
                 epoch: AtomicU32::new(0),
+                peaks_at: AtomicU64::new(0),
                 hasher: std::hash::RandomState::new(),
                 headroom: self.headroom,
             }),
@@ -1193,7 +1237,11 @@ impl Queue {
             let lane = inner.pick(level, h);
             inner.lane(level, lane).held.load(Ordering::Relaxed)
         });
-        (level, std::cmp::Reverse(held), if self.lifo { order } else { -order })
+        (
+            level,
+            std::cmp::Reverse(held),
+            if self.lifo { order } else { -order },
+        )
     }
 
     /// Joins the line (`first`: served next among its equals, for a waiter woken whose slot
