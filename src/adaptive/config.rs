@@ -25,6 +25,10 @@ use crate::ConfigError;
 /// dry_run = false
 /// partitions = [{ name = "critical", share = 0.5 }]
 /// partition_header = "x-tier"   # a request's partition from this header (set by your gateway)
+/// flow_header = "x-tenant"      # fairness between the flows this header names
+/// criticality_header = "x-criticality"  # critical, default or sheddable (set by your gateway)
+/// flow_headroom = 0.125         # the share of the limit the heaviest flow leaves the others
+/// flow_lanes = 256              # lanes flows are hashed into
 /// queue = { max_waiting = 64, order = "lifo", deadline = "50ms" }   # none by default
 /// ```
 ///
@@ -100,6 +104,20 @@ pub struct AdaptiveConfig {
     /// A short queue for requests over the limit (none by default: refused at once).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub queue: Option<QueueConfig>,
+    /// The header whose value keys a request's flow, for fairness between flows
+    /// ([`AdaptiveLayer::flow_by_header`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flow_header: Option<String>,
+    /// The header whose value is a request's criticality
+    /// ([`AdaptiveLayer::criticality_from_header`]); only one a trusted gateway sets.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub criticality_header: Option<String>,
+    /// The share of the limit the heaviest flow leaves to the others (0 to 0.5).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flow_headroom: Option<f64>,
+    /// The lanes flows are hashed into (1 to 65 536).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flow_lanes: Option<usize>,
 }
 
 /// The queue of an [`AdaptiveConfig`]:
@@ -216,17 +234,31 @@ impl AdaptiveConfig {
             };
             b = b.queue(q.max_waiting, order);
         }
+        if let Some(share) = self.flow_headroom {
+            b = b.flow_headroom(share);
+        }
+        if let Some(lanes) = self.flow_lanes {
+            b = b.flow_lanes(lanes);
+        }
         b.build()
     }
 
     /// A layer with the limit these settings describe and the layer's own (`retry_after`,
-    /// `sample_at`, `dry_run`, `partition_header`), or the first setting that is wrong, named.
+    /// `sample_at`, `dry_run`, the headers), or the first setting that is wrong, named.
     pub fn layer(&self) -> Result<AdaptiveLayer, ConfigError> {
         let mut layer = AdaptiveLayer::new(self.limit()?);
+        let header = |option: &'static str, name: &String| {
+            http::HeaderName::from_bytes(name.as_bytes())
+                .map_err(|e| bad(option, format!("{name:?}: {e}")))
+        };
         if let Some(name) = &self.partition_header {
-            let header = http::HeaderName::from_bytes(name.as_bytes())
-                .map_err(|e| bad("partition_header", format!("{name:?}: {e}")))?;
-            layer = layer.partition_by_header(header);
+            layer = layer.partition_by_header(header("partition_header", name)?);
+        }
+        if let Some(name) = &self.flow_header {
+            layer = layer.flow_by_header(header("flow_header", name)?);
+        }
+        if let Some(name) = &self.criticality_header {
+            layer = layer.criticality_from_header(header("criticality_header", name)?);
         }
         if let Some(after) = &self.retry_after {
             layer = layer.retry_after(duration("retry_after", after)?);
@@ -305,6 +337,11 @@ mod tests {
             ),
             ("queue = { max_waiting = 8, dedline = \"1s\" }", "dedline"),
             ("partition_header = \"x tier\"", "partition_header"),
+            ("flow_header = \"x tenant\"", "flow_header"),
+            ("criticality_header = \"\"", "criticality_header"),
+            ("flow_headroom = 0.9", "flow_headroom"),
+            ("flow_lanes = 0", "flow_lanes"),
+            ("flow_lane = 4", "flow_lane"),
         ] {
             let err = read(text)
                 .err()
@@ -336,5 +373,29 @@ mod tests {
             .map(|p| p.name.to_string())
             .collect();
         assert_eq!(names, ["critical", "other"]);
+    }
+
+    /// The headers read from a configuration file sort requests by level and flow.
+    #[tokio::test]
+    async fn the_flow_and_criticality_headers_are_read() {
+        use tower::{Layer, ServiceExt};
+        let layer = read(
+            "initial = 4\nmin = 4\nmax = 4\nflow_header = \"x-tenant\"\n\
+             criticality_header = \"x-criticality\"\nflow_headroom = 0.25\nflow_lanes = 64",
+        )
+        .unwrap();
+        let limit = layer.limit().clone();
+        let svc = layer.layer(tower::service_fn(|_req: http::Request<()>| async {
+            Ok::<_, std::convert::Infallible>(http::Response::new(axum::body::Body::empty()))
+        }));
+        let req = http::Request::get("/")
+            .header("x-criticality", "sheddable")
+            .header("x-tenant", "t")
+            .body(())
+            .unwrap();
+        assert_eq!(svc.oneshot(req).await.unwrap().status(), 200);
+        let levels = limit.levels();
+        assert_eq!(levels[0].criticality, crate::criticality::Criticality::Sheddable);
+        assert_eq!(levels[0].admitted, 1);
     }
 }
