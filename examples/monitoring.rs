@@ -825,6 +825,27 @@ fn rows(s: &Settings) -> Vec<(&'static str, Vec<Panel>)> {
                     )],
                 },
                 Panel {
+                    title: "Adaptive shedding by criticality",
+                    description: "Requests admitted and refused per criticality level (critical, default, sheddable), and those refused because their flow held more than its share of a full limit. Under overload sheddable is refused first and critical last; over-share refusals rising with one tenant's load: fairness keeps that tenant from taking the others' slots.",
+                    unit: "reqps",
+                    targets: vec![
+                        (
+                            format!(
+                                "sum by (limit, criticality, outcome) (rate({}[{r}]))",
+                                m("tollgate_adaptive_criticality_total", "")
+                            ),
+                            "{{limit}} {{criticality}} {{outcome}}",
+                        ),
+                        (
+                            format!(
+                                "sum by (limit, criticality) (rate({}[{r}]))",
+                                m("tollgate_adaptive_over_share_total", "")
+                            ),
+                            "{{limit}} {{criticality}} over share",
+                        ),
+                    ],
+                },
+                Panel {
                     title: "Adaptive RTT",
                     description: "The window's mean round trip and the no-load baseline. The sample far above the baseline: requests queue in the service, and the limit shrinks.",
                     unit: "s",

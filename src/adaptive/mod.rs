@@ -1,6 +1,8 @@
 //! Concurrency limits that adapt to latency and drops: they protect the service, where a rate
-//! limit shares it. [`AdaptiveLayer`] puts one in front of a service (issue 46; priorities and
-//! outbound use come next).
+//! limit shares it. [`AdaptiveLayer`] puts one in front of a service (issue 46), [`Upstreams`]
+//! in front of the services it calls; when it is full it sheds fairly (issue 60): by
+//! [`Criticality`] (sheddable first, critical last) and between flows (the flow holding the most
+//! slots first), see [`Ask`] and `docs/adaptive.md`, "Fair shedding".
 //!
 //! An [`AdaptiveLimit`] admits a request when fewer than its limit are in flight
 //! ([`try_acquire`](AdaptiveLimit::try_acquire)), and learns from how each one ended: its
