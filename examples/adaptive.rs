@@ -36,8 +36,8 @@ use std::time::Duration;
 use axum::Router;
 use axum::extract::State;
 use axum::routing::get;
-use tokio::sync::Semaphore;
 use http::HeaderName;
+use tokio::sync::Semaphore;
 use tollgate::adaptive::{AdaptiveLayer, AdaptiveLimit, QueueOrder};
 
 /// The example's settings, from the environment.

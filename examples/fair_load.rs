@@ -143,8 +143,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .pool_max_idle_per_host(4096)
         .timeout(timeout)
         .build()?;
-    let tallies: Arc<Mutex<Vec<Tally>>> =
-        Arc::new(Mutex::new(classes.iter().map(|_| Tally::default()).collect()));
+    let tallies: Arc<Mutex<Vec<Tally>>> = Arc::new(Mutex::new(
+        classes.iter().map(|_| Tally::default()).collect(),
+    ));
     let start = Instant::now();
     let mut senders = Vec::new();
     for (i, class) in classes.into_iter().enumerate() {
@@ -220,7 +221,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             t.sent, t.good
         ));
         for (second, (sent, good)) in &t.seconds {
-            seconds.push_str(&format!("{contender},{scenario},{second},{name},{sent},{good}\n"));
+            seconds.push_str(&format!(
+                "{contender},{scenario},{second},{name},{sent},{good}\n"
+            ));
         }
     }
     if let Ok(path) = std::env::var("SUMMARY") {

@@ -395,7 +395,10 @@ mod tests {
             .unwrap();
         assert_eq!(svc.oneshot(req).await.unwrap().status(), 200);
         let levels = limit.levels();
-        assert_eq!(levels[0].criticality, crate::criticality::Criticality::Sheddable);
+        assert_eq!(
+            levels[0].criticality,
+            crate::criticality::Criticality::Sheddable
+        );
         assert_eq!(levels[0].admitted, 1);
     }
 }
