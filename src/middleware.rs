@@ -42,7 +42,7 @@ use http::Extensions;
 use reqwest_middleware::{Middleware, Next};
 
 use crate::Key;
-use crate::adaptive::Upstreams;
+use crate::adaptive::{Ask, Upstreams};
 use crate::backend::Backend;
 use crate::client::{Judged, RetryLayer, RetrySafe, Throttle, Throttled, again_of, drive};
 use crate::deadline::Deadline;
@@ -209,15 +209,54 @@ impl<B: Backend> Middleware for RateLimitMiddleware<B> {
 /// let res = client.get("https://api.partner.example/v1/things").send().await?;
 /// # drop(res); Ok(()) }
 /// ```
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct AdaptiveMiddleware {
     upstreams: Upstreams,
+    flow: Option<OutboundFlow>,
+}
+
+/// Which flow an outbound call is of ([`AdaptiveMiddleware::flow_by`]).
+type OutboundFlow = Arc<dyn for<'r> Fn(&'r reqwest::Request) -> Option<&'r str> + Send + Sync>;
+
+impl fmt::Debug for AdaptiveMiddleware {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AdaptiveMiddleware")
+            .field("upstreams", &self.upstreams)
+            .field("flow", &self.flow.is_some())
+            .finish()
+    }
 }
 
 impl AdaptiveMiddleware {
-    /// Limits each upstream's calls in flight with its limit in `upstreams`.
+    /// Limits each upstream's calls in flight with its limit in `upstreams`, at the current
+    /// [criticality](crate::criticality::Criticality).
     pub fn new(upstreams: Upstreams) -> Self {
-        AdaptiveMiddleware { upstreams }
+        AdaptiveMiddleware {
+            upstreams,
+            flow: None,
+        }
+    }
+
+    /// Keys each call's flow (the tenant it is made for) for fairness inside its upstream's
+    /// limit: near the limit, the calls of the flow holding the most slots are refused first
+    /// (see [`AdaptiveLayer::flow_by`](crate::adaptive::AdaptiveLayer::flow_by)).
+    ///
+    /// ```
+    /// use tollgate::adaptive::{AdaptiveLimit, Upstreams};
+    /// use tollgate::middleware::AdaptiveMiddleware;
+    ///
+    /// # fn main() -> Result<(), tollgate::ConfigError> {
+    /// let upstreams = Upstreams::new(|host| AdaptiveLimit::builder().name(host))?;
+    /// let by_tenant = AdaptiveMiddleware::new(upstreams)
+    ///     .flow_by(|req| req.headers().get("x-tenant").and_then(|v| v.to_str().ok()));
+    /// # drop(by_tenant); Ok(()) }
+    /// ```
+    pub fn flow_by(
+        mut self,
+        by: impl for<'r> Fn(&'r reqwest::Request) -> Option<&'r str> + Send + Sync + 'static,
+    ) -> Self {
+        self.flow = Some(Arc::new(by));
+        self
     }
 
     /// The limits, per upstream (`host:port`).
@@ -237,7 +276,11 @@ impl Middleware for AdaptiveMiddleware {
         let Some(upstream) = host_port(&req) else {
             return next.run(req, extensions).await;
         };
-        let permit = (self.upstreams.try_acquire(&upstream))
+        let mut ask = Ask::new();
+        if let Some(key) = (self.flow.as_ref()).and_then(|by| by(&req)) {
+            ask = ask.flow(key);
+        }
+        let permit = (self.upstreams.try_acquire_as(&upstream, ask))
             .map_err(reqwest_middleware::Error::middleware)?;
         let res = next.run(req, extensions).await;
         match &res {

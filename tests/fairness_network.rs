@@ -320,3 +320,49 @@ mod over_grpc {
         wait_for(|| limit.in_flight() == 0).await;
     }
 }
+
+/// Outbound too: calls made for a heavy tenant cannot take all of an upstream's slots.
+#[tokio::test]
+async fn outbound_calls_of_a_heavy_tenant_are_refused_first() {
+    use tollgate::adaptive::Refused;
+    use tollgate::middleware::AdaptiveMiddleware;
+    let release = Arc::new(Semaphore::new(0));
+    let base = support::serve_app(app(release.clone())).await;
+    let upstreams = Upstreams::new(|_| AdaptiveLimit::builder().initial(8).range(8, 8)).unwrap();
+    let client = reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
+        .with(
+            AdaptiveMiddleware::new(upstreams.clone())
+                .flow_by(|req| req.headers().get("x-tenant").and_then(|v| v.to_str().ok())),
+        )
+        .build();
+    let call = |tenant: &'static str, path: &str| {
+        client
+            .get(format!("{base}{path}"))
+            .header("x-tenant", tenant)
+            .send()
+    };
+    let light_held = tokio::spawn(call("light", "/hold"));
+    let host = base.trim_start_matches("http://").to_owned();
+    wait_for(|| upstreams.limit(&host).is_some_and(|l| l.in_flight() == 1)).await;
+    let heavy: Vec<_> = (0..6)
+        .map(|_| tokio::spawn(call("heavy", "/hold")))
+        .collect();
+    let limit = upstreams.limit(&host).unwrap();
+    wait_for(|| limit.in_flight() == 7).await;
+    // Near the limit: heavy is refused before it is sent, light goes.
+    match call("heavy", "/").await.unwrap_err() {
+        reqwest_middleware::Error::Middleware(e) => {
+            assert!(matches!(
+                e.downcast_ref::<Refused>(),
+                Some(Refused::OverLimit)
+            ));
+        }
+        other => panic!("{other}"),
+    }
+    assert_eq!(call("light", "/").await.unwrap().status(), 200);
+    release.add_permits(7);
+    assert_eq!(light_held.await.unwrap().unwrap().status(), 200);
+    for h in heavy {
+        assert_eq!(h.await.unwrap().unwrap().status(), 200);
+    }
+}
