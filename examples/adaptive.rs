@@ -20,7 +20,8 @@
 //! sheddable requests are refused first, and the tenant holding the most slots before the
 //! others. `FAIR=off` reads neither (whoever comes when the slots are gone is refused).
 //! `QUEUE=on` gives the limit a short queue (64 waiting, LIFO, `QUEUE_MS` 30 ms at most), fair
-//! between levels and tenants too.
+//! between levels and tenants too. `TOLERANCE` sets the gradient's tolerance (the latency over
+//! the baseline it lets the service's own queue add; 1.25 by default).
 //!
 //! ```text
 //! $ cargo run --example adaptive &
@@ -38,7 +39,7 @@ use axum::extract::State;
 use axum::routing::get;
 use http::HeaderName;
 use tokio::sync::Semaphore;
-use tollgate::adaptive::{AdaptiveLayer, AdaptiveLimit, QueueOrder};
+use tollgate::adaptive::{AdaptiveLayer, AdaptiveLimit, Gradient, QueueOrder};
 
 /// The example's settings, from the environment.
 #[derive(Debug, Clone)]
@@ -54,6 +55,8 @@ pub(crate) struct Settings {
     pub(crate) fair: bool,
     /// A short queue's longest wait (`QUEUE=on`; `QUEUE_MS`, default 30), none by default.
     pub(crate) queue: Option<Duration>,
+    /// The gradient's tolerance (`TOLERANCE`; its default, 1.25, unless given).
+    pub(crate) tolerance: Option<f64>,
 }
 
 impl Settings {
@@ -103,7 +106,20 @@ impl Settings {
         let queue = switch("QUEUE", false)?
             .then(|| number("QUEUE_MS", 30).map(Duration::from_millis))
             .transpose()?;
+        let tolerance = match var("TOLERANCE") {
+            Some(v) => Some(
+                v.trim()
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|t| *t >= 1.0)
+                    .ok_or_else(|| {
+                        format!("TOLERANCE={v:?}: the gradient's tolerance, at least 1")
+                    })?,
+            ),
+            None => None,
+        };
         Ok(Settings {
+            tolerance,
             capacity,
             service_ms: number("SERVICE_MS", 20)?,
             schedule,
@@ -198,7 +214,11 @@ pub(crate) fn app(settings: &Settings) -> Result<(Router, Option<AdaptiveLimit>)
                     .initial(settings.capacity)
                     .range(settings.capacity, settings.capacity)
             } else {
-                builder.initial(settings.capacity.min(10)).range(2, 1000)
+                let gradient = match settings.tolerance {
+                    Some(t) => Gradient::new().tolerance(t),
+                    None => Gradient::new(),
+                };
+                (builder.initial(settings.capacity.min(10)).range(2, 1000)).gradient(gradient)
             };
             Some(builder.build().map_err(|e| e.to_string())?)
         }

@@ -26,6 +26,7 @@
 #   MIN_RTT_INTERVAL=30s ENVOY (a binary) PLOT=1 CARGO_TARGET_DIR (default
 #   target/bench-adaptive) RESULTS (default target/bench-adaptive/fair)
 #   PIN=1 when nproc ≥ 2 SERVER_CPU=0 LOAD_CPU=1
+#   TOLERANCE (exported: the example's gradient tolerance, 1.25 unless given)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CONTENDERS=${CONTENDERS:-fair fair_nq plain envoy}

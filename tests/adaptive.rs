@@ -1234,6 +1234,7 @@ async fn the_example_serves_as_documented() {
         critical_share: 0.5,
         fair: true,
         queue: None,
+        tolerance: None,
     };
     let (app, limit) = example::app(&settings("static")).unwrap();
     let limit = limit.unwrap();
@@ -1286,6 +1287,7 @@ async fn the_example_serves_as_documented() {
         ("CAPACITY", "0", "CAPACITY"),
         ("FAIR", "maybe", "FAIR"),
         ("QUEUE", "long", "QUEUE"),
+        ("TOLERANCE", "0.5", "TOLERANCE"),
     ] {
         let err =
             example::Settings::from_vars(|n| (n == name).then(|| value.to_owned())).unwrap_err();
