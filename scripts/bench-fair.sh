@@ -82,7 +82,7 @@ wait_port() { # port
 {
   echo "# $(date -u +%FT%TZ) on $(nproc) cores: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"
   echo "# commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'); CAPACITY=$CAPACITY SERVICE_MS=$SERVICE_MS DURATION=$DURATION FROM=$FROM PIN=$PIN"
-  [ -n "${ENVOY:-}" ] && echo "# envoy: $("$ENVOY" --version | grep -o 'version: .*')"
+  if [ -n "${ENVOY:-}" ]; then echo "# envoy: $("$ENVOY" --version | grep -o 'version: .*')"; fi
 } | tee "$RESULTS/runs.log"
 
 run() { # contender scenario

@@ -280,6 +280,10 @@ impl Middleware for AdaptiveMiddleware {
         if let Some(key) = (self.flow.as_ref()).and_then(|by| by(&req)) {
             ask = ask.flow(key);
         }
+        // The call's own level (an extension) over the current one.
+        if let Some(level) = extensions.get::<crate::criticality::Criticality>() {
+            ask = ask.criticality(*level);
+        }
         let permit = (self.upstreams.try_acquire_as(&upstream, ask))
             .map_err(reqwest_middleware::Error::middleware)?;
         let res = next.run(req, extensions).await;

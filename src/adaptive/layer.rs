@@ -219,7 +219,7 @@ impl AdaptiveLayer {
     /// Sets each request's [`Criticality`] by `by` (`None`: default): when the limit is full,
     /// sheddable requests are refused first, then default ones, critical ones last, each level
     /// keeping back the slots the levels above it used lately. The level is
-    /// [`Criticality::current`] while the request is served, for the calls it makes
+    /// [`Criticality::current`] while the inner service handles the request (its call and its future, to the response's head), for the calls it makes
     /// ([`PropagateCriticalityLayer`](crate::criticality::PropagateCriticalityLayer),
     /// [`CriticalityMiddleware`](crate::middleware::CriticalityMiddleware), an
     /// [`Upstreams`](super::Upstreams) limit). Set it from what you trust: a client that may

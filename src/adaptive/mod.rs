@@ -282,6 +282,8 @@ impl Level {
 struct Lane {
     held: AtomicU32,
     asked: AtomicU32,
+    /// The mark of the flow that took it empty (a hint: flows sharing it share its count).
+    mark: AtomicU32,
 }
 
 const ADMITTED: usize = 0;
@@ -361,9 +363,17 @@ impl<'a> Ask<'a> {
 pub(crate) struct Claim {
     pub(crate) at: usize,
     pub(crate) level: Criticality,
-    /// The two lanes its flow may use (shuffle sharding: a flow that shares one lane with a
-    /// heavy flow takes the other).
-    pub(crate) hand: Option<[u32; 2]>,
+    /// Its flow: the lanes it may use, and its mark.
+    pub(crate) flow: Option<Flow>,
+}
+
+/// A flow as a limit sees it: the two lanes it may use (a flow that finds one lane another's
+/// takes the other), and a mark (a few bits of its hash, never 0) by which it knows the lane it
+/// holds slots in.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Flow {
+    hand: [u32; 2],
+    mark: u32,
 }
 
 /// Why a request was not admitted.
@@ -495,12 +505,15 @@ impl AdaptiveLimit {
         let level = (ask.criticality)
             .or_else(Criticality::current)
             .unwrap_or_default();
-        let hand = ask.flow.map(|key| {
+        let flow = ask.flow.map(|key| {
             let hash = std::hash::BuildHasher::hash_one(&inner.hasher, key);
             let n = inner.per_level as u64;
-            [(hash % n) as u32, ((hash >> 32) % n) as u32]
+            Flow {
+                hand: [(hash % n) as u32, ((hash >> 20) % n) as u32],
+                mark: ((hash >> 40) as u32) | 1,
+            }
         });
-        Claim { at, level, hand }
+        Claim { at, level, flow }
     }
 
     fn partition_of(&self, name: &str) -> usize {
@@ -529,6 +542,9 @@ impl AdaptiveLimit {
         let mut again = false;
         let mut last = first;
         loop {
+            // Waiting is asking: the heaviest flow leaves this one the headroom, the levels
+            // below keep its slot back.
+            inner.asking(claim);
             let (id, rx) = match queue.join(again, claim, inner) {
                 Some(joined) => joined,
                 None => return refuse(last),
@@ -540,7 +556,10 @@ impl AdaptiveLimit {
                 id,
                 woken: false,
             };
-            // A slot given back between the first try and joining woke nobody: try again.
+            // A slot given back between the first try and joining woke nobody: try again. (The
+            // fence pairs with the one in `Permit::release`: either this try sees the slot, or
+            // the request giving it back sees this waiter.)
+            std::sync::atomic::fence(Ordering::SeqCst);
             match self.take(claim) {
                 Ok(p) => return Some(p),
                 Err(shed) => last = shed,
@@ -552,6 +571,12 @@ impl AdaptiveLimit {
                     match self.take(claim) {
                         Ok(p) => return Some(p),
                         Err(shed) => last = shed,
+                    }
+                    // Refused as the heaviest flow: the slot may be another waiter's, of a
+                    // lighter flow or a lower level; the wake goes on down the line (only down:
+                    // it cannot come back).
+                    if last == Shed::OverShare {
+                        queue.wake_below(inner, claim);
                     }
                     again = true;
                 }
@@ -588,10 +613,11 @@ impl AdaptiveLimit {
         let inner = &self.inner;
         let part = &inner.partitions[claim.at];
         let mut total = inner.in_flight.load(Ordering::Relaxed);
-        let mut shed = Shed::Full;
-        let lane = claim.hand.map(|hand| inner.pick(claim.level, hand));
+        let mut shed;
+        let lane = claim.flow.map(|flow| inner.pick(claim.level, flow));
         let mut fresh = false;
         loop {
+            shed = Shed::Full;
             let limit = inner.limit.load(Ordering::Relaxed);
             let ceiling = limit.saturating_sub(inner.reserve_above(claim.level, limit));
             // Kept back for the levels above on what they used a while ago: move the peaks on
@@ -606,8 +632,9 @@ impl AdaptiveLimit {
                 && match lane {
                     // Near the ceiling, the heaviest flow stops.
                     Some(lane) if total + inner.headroom_of(limit) >= ceiling => {
-                        let hand = claim.hand.unwrap_or([lane; 2]);
-                        let heaviest = inner.heaviest(claim.level, lane, hand);
+                        let heaviest = claim
+                            .flow
+                            .is_some_and(|flow| inner.heaviest(claim.level, lane, flow));
                         if heaviest {
                             shed = Shed::OverShare;
                         }
@@ -652,8 +679,12 @@ impl AdaptiveLimit {
         let level = &inner.levels[claim.level as usize];
         let held = level.in_flight.fetch_add(1, Ordering::AcqRel) + 1;
         level.peak.fetch_max(held, Ordering::Relaxed);
-        if let Some(lane) = lane {
-            (inner.lane(claim.level, lane).held).fetch_add(1, Ordering::AcqRel);
+        if let (Some(lane), Some(flow)) = (lane, claim.flow) {
+            let l = inner.lane(claim.level, lane);
+            // The first slot in an empty lane: the flow's lane now.
+            if l.held.fetch_add(1, Ordering::AcqRel) == 0 {
+                l.mark.store(flow.mark, Ordering::Relaxed);
+            }
         }
         part.count(Event::Admitted, &inner.name);
         level.count(ADMITTED, claim.level, &inner.name);
@@ -763,47 +794,71 @@ impl Inner {
         ((f64::from(limit) * self.headroom).ceil() as u32).max(1)
     }
 
-    /// The lane of `hand` holding fewer slots now.
-    fn pick(&self, level: Criticality, [a, b]: [u32; 2]) -> u32 {
-        let held = |l| self.lane(level, l).held.load(Ordering::Relaxed);
-        if held(b) < held(a) { b } else { a }
-    }
-
     /// The lane `lane` of `level`.
     fn lane(&self, level: Criticality, lane: u32) -> &Lane {
         &self.lanes[level as usize * self.per_level + lane as usize]
     }
 
-    /// Whether the flow of `lane` (of its `hand`) is over its share of a limit near full: it
-    /// holds slots, no other lane of its level holds more (max-min: the others may grow to it
-    /// first), and another flow of its level is asking (holds slots, or was refused in this
-    /// window or the last). A flow alone in its level has the level's room to itself.
-    fn heaviest(&self, level: Criticality, lane: u32, hand: [u32; 2]) -> bool {
+    /// The lane `flow` takes: the one of its two it holds slots in, else an empty one (which
+    /// becomes its), else the one holding fewer slots (shared with another flow).
+    fn pick(&self, level: Criticality, flow: Flow) -> u32 {
+        let [a, b] = flow.hand;
+        let (la, lb) = (self.lane(level, a), self.lane(level, b));
+        let (ha, hb) = (
+            la.held.load(Ordering::Relaxed),
+            lb.held.load(Ordering::Relaxed),
+        );
+        let mine = |l: &Lane, h: u32| h > 0 && l.mark.load(Ordering::Relaxed) == flow.mark;
+        if mine(la, ha) {
+            a
+        } else if mine(lb, hb) {
+            b
+        } else if ha == 0 || ha <= hb {
+            // Empty (a first), else the one holding fewer.
+            a
+        } else {
+            b
+        }
+    }
+
+    /// Whether `flow`, taking `lane`, is over its share of a limit near full: no
+    /// other lane of its level holds more, and a lighter flow of its level is asking (holds
+    /// slots, or was refused or queued in this window or the last): max-min, the lighter flow
+    /// may grow to it first. A flow alone in its level, or tied at the top with no lighter flow
+    /// asking, may take the level's room; a newcomer refused then is asking, and the heaviest
+    /// leave it the headroom from then on. Lanes marked as the flow's own (it holds slots in
+    /// them) are not compared.
+    fn heaviest(&self, level: Criticality, lane: u32, flow: Flow) -> bool {
         let held = self.lane(level, lane).held.load(Ordering::Relaxed);
         if held == 0 {
             return false;
         }
         let recent = self.epoch.load(Ordering::Relaxed);
         let from = level as usize * self.per_level;
-        let mut others = false;
+        let mut lighter = false;
         for (i, other) in self.lanes[from..from + self.per_level].iter().enumerate() {
-            if hand.contains(&(i as u32)) {
+            let h = other.held.load(Ordering::Relaxed);
+            // Its own lanes: the one it takes, one it holds slots in, its other one if empty.
+            let own = i == lane as usize
+                || (h > 0 && other.mark.load(Ordering::Relaxed) == flow.mark)
+                || (h == 0 && flow.hand.contains(&(i as u32)));
+            if own {
                 continue;
             }
-            let h = other.held.load(Ordering::Relaxed);
             if h > held {
                 return false;
             }
-            let asked = other.asked.load(Ordering::Relaxed);
-            others |= h > 0 || (asked != 0 && asked + 1 >= recent);
+            if h < held && !lighter {
+                let asked = other.asked.load(Ordering::Relaxed);
+                lighter = h > 0 || (asked != 0 && asked >= recent);
+            }
         }
-        others
+        lighter
     }
 
     /// The levels' peaks move on: this window's becomes the last, the next starts at what is
     /// held.
-    fn move_peaks(&self, now: u64) {
-        self.peaks_at.store(now, Ordering::Relaxed);
+    fn move_peaks(&self) {
         for level in &self.levels {
             let held = level.in_flight.load(Ordering::Relaxed);
             let peak = level.peak.swap(held, Ordering::Relaxed);
@@ -826,7 +881,7 @@ impl Inner {
             .is_ok()
         {
             self.epoch.fetch_add(1, Ordering::Relaxed);
-            self.move_peaks(now);
+            self.move_peaks();
         }
         true
     }
@@ -840,13 +895,22 @@ impl Inner {
         if shed == Shed::OverShare {
             level.count(OVER_SHARE, claim.level, &self.name);
         }
+        self.asking(claim);
+    }
+
+    /// A request of `claim` asks and found no slot (refused, or waiting in the queue): its level's
+    /// demand seen (so that the levels below keep room for it next time), and its flow asking
+    /// (so that the heaviest flow leaves it the headroom).
+    fn asking(&self, claim: Claim) {
+        let level = &self.levels[claim.level as usize];
         let asking = level.in_flight.load(Ordering::Relaxed).saturating_add(1);
         level.peak.fetch_max(asking, Ordering::Relaxed);
-        if let Some(hand) = claim.hand {
-            let epoch = self.epoch.load(Ordering::Relaxed);
-            for lane in hand {
-                (self.lane(claim.level, lane).asked).store(epoch + 1, Ordering::Relaxed);
-            }
+        if let Some(flow) = claim.flow {
+            // The window it asked in, plus one (0 is never): asking in this window or the next;
+            // on the lane it would take.
+            let epoch = self.epoch.load(Ordering::Relaxed).wrapping_add(1).max(1);
+            let lane = self.pick(claim.level, flow);
+            (self.lane(claim.level, lane).asked).store(epoch, Ordering::Relaxed);
         }
     }
 
@@ -900,8 +964,15 @@ impl Inner {
         };
         let limit = state.limit.round() as u32;
         self.limit.store(limit, Ordering::Relaxed);
-        self.epoch.fetch_add(1, Ordering::Relaxed);
-        self.move_peaks(now);
+        // Unless a request found them stale and moved them on at this very moment.
+        let at = self.peaks_at.load(Ordering::Relaxed);
+        if (self.peaks_at)
+            .compare_exchange(at, now, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+        {
+            self.epoch.fetch_add(1, Ordering::Relaxed);
+            self.move_peaks();
+        }
         // A limit that grew has room for waiters: wake one for each slot free now (a slot given
         // back wakes one too, but a queue must not wait out its deadline beside free slots).
         if let Some(queue) = &self.queue {
@@ -1020,19 +1091,21 @@ impl AdaptiveLimitBuilder {
         self
     }
 
-    /// How many lanes flows are hashed into (256 by default, 1 to 65 536): flows that share a
-    /// lane share its slots and its share. A limit's lanes take 4 bytes each, and a request near
-    /// the limit reads them all; with a few hundred flows asking at once, more lanes keep them
-    /// apart.
+    /// How many lanes flows are hashed into, per criticality level (256 by default, 1 to
+    /// 65 536); each flow into two, taking the one holding fewer slots. Flows that share both
+    /// lanes share their slots and their share. A lane takes 8 bytes, for each of the 3 levels
+    /// (6 KiB by default), and a request near the limit reads its level's; with a few hundred
+    /// flows asking at once, more lanes keep them apart.
     pub fn flow_lanes(mut self, lanes: usize) -> Self {
         self.lanes = lanes;
         self
     }
 
     /// The share of the limit (0 to 0.5; 0.125 by default, at least one slot) that the flow
-    /// holding the most slots leaves to the others: near the limit its requests are refused,
-    /// so that a flow under its share finds a slot free. The adaptive limit, which moves on
-    /// what is in flight, settles about that much higher when one flow is alone.
+    /// holding the most slots leaves to lighter flows that are asking: within that many slots
+    /// of its level's ceiling (the limit, less what the levels above keep back) its requests
+    /// are refused, so that a lighter flow finds a slot free. A level above that is active
+    /// keeps it back from the levels below as well.
     pub fn flow_headroom(mut self, share: f64) -> Self {
         self.headroom = share;
         self
@@ -1148,6 +1221,7 @@ impl AdaptiveLimitBuilder {
                     .map(|_| Lane {
                         held: AtomicU32::new(0),
                         asked: AtomicU32::new(0),
+                        mark: AtomicU32::new(0),
                     })
                     .collect(),
                 per_level: self.lanes,
@@ -1212,7 +1286,7 @@ struct Waiter {
     id: u64,
     order: i64,
     level: Criticality,
-    hand: Option<[u32; 2]>,
+    flow: Option<Flow>,
     tx: tokio::sync::oneshot::Sender<()>,
 }
 
@@ -1234,9 +1308,9 @@ impl Queue {
     /// How a waiter ranks for the next slot: the higher level, then the flow holding fewer
     /// slots, then the order (the newest for LIFO, the oldest for FIFO). The greatest is
     /// served first; the least is put out of a full line.
-    fn rank(&self, inner: &Inner, level: Criticality, hand: Option<[u32; 2]>, order: i64) -> Rank {
-        let held = hand.map_or(0, |h| {
-            let lane = inner.pick(level, h);
+    fn rank(&self, inner: &Inner, level: Criticality, flow: Option<Flow>, order: i64) -> Rank {
+        let held = flow.map_or(0, |f| {
+            let lane = inner.pick(level, f);
             inner.lane(level, lane).held.load(Ordering::Relaxed)
         });
         (
@@ -1266,9 +1340,9 @@ impl Queue {
         if line.waiters.len() >= self.max {
             // Full: the newcomer takes the place of the lowest-ranked waiter, if it ranks
             // above it by level or by its flow's slots (never by its order alone).
-            let mine = self.rank(inner, claim.level, claim.hand, order);
+            let mine = self.rank(inner, claim.level, claim.flow, order);
             let (at, lowest) = (line.waiters.iter().enumerate())
-                .map(|(i, w)| (i, self.rank(inner, w.level, w.hand, w.order)))
+                .map(|(i, w)| (i, self.rank(inner, w.level, w.flow, w.order)))
                 .min_by(|a, b| a.1.cmp(&b.1))?;
             if (mine.0, mine.1) <= (lowest.0, lowest.1) {
                 return None;
@@ -1284,11 +1358,27 @@ impl Queue {
             id,
             order,
             level: claim.level,
-            hand: claim.hand,
+            flow: claim.flow,
             tx,
         });
         self.waiting.fetch_add(1, Ordering::AcqRel);
         Some((id, rx))
+    }
+
+    /// Wakes the highest-ranked waiter that ranks below `claim` by level and its flow's slots.
+    fn wake_below(&self, inner: &Inner, claim: Claim) {
+        let mine = self.rank(inner, claim.level, claim.flow, 0);
+        let mut line = self.line.lock().unwrap_or_else(|e| e.into_inner());
+        let best = (line.waiters.iter().enumerate())
+            .map(|(i, w)| (i, self.rank(inner, w.level, w.flow, w.order)))
+            .filter(|(_, r)| (r.0, r.1) < (mine.0, mine.1))
+            .max_by(|a, b| a.1.cmp(&b.1));
+        if let Some((at, _)) = best {
+            let waiter = line.waiters.swap_remove(at);
+            self.waiting.fetch_sub(1, Ordering::AcqRel);
+            // A waiter gone already leaves the slot to the next request.
+            let _ = waiter.tx.send(());
+        }
     }
 
     /// Wakes the highest-ranked waiter that still waits.
@@ -1296,7 +1386,7 @@ impl Queue {
         let mut line = self.line.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             let best = (line.waiters.iter().enumerate())
-                .map(|(i, w)| (i, self.rank(inner, w.level, w.hand, w.order)))
+                .map(|(i, w)| (i, self.rank(inner, w.level, w.flow, w.order)))
                 .max_by(|a, b| a.1.cmp(&b.1));
             let Some((at, _)) = best else {
                 return;
@@ -1409,9 +1499,12 @@ impl Permit {
             (inner.lane(self.level, lane).held).fetch_sub(1, Ordering::AcqRel);
         }
         inner.in_flight.fetch_sub(1, Ordering::AcqRel);
-        // The slot to the next in line, if any waits.
+        // The slot to the next in line, if any waits (the fence: see `acquire_waiting`).
         if let Some(queue) = &inner.queue
-            && queue.waiting.load(Ordering::Acquire) > 0
+            && {
+                std::sync::atomic::fence(Ordering::SeqCst);
+                queue.waiting.load(Ordering::Acquire) > 0
+            }
         {
             queue.wake_one(inner);
         }

@@ -50,18 +50,25 @@ proptest! {
             match lim.take(claim) {
                 Ok(p) => held.push(p),
                 Err(shed) => {
-                    let lane = lim.inner.pick(level, claim.hand.unwrap());
+                    let flow = claim.flow.unwrap();
+                    let lane = lim.inner.pick(level, flow);
                     if before + reserve < limit && shed == Shed::OverShare {
-                        // Refused with room: its lane held as much as any other of its level
-                        // (its own other lane aside).
+                        // Refused with room: its lane held as much as any other flow's of its
+                        // level, and a lighter flow of its level asks.
                         let lanes = lanes_of(&lim, level);
                         let mine = lanes[lane as usize];
-                        let hand = claim.hand.unwrap();
+                        let mut others = false;
                         for (i, h) in lanes.iter().enumerate() {
-                            if !hand.contains(&(i as u32)) {
+                            let l = lim.inner.lane(level, i as u32);
+                            let own = i as u32 == lane
+                                || (*h > 0 && l.mark.load(Ordering::Relaxed) == flow.mark)
+                                || (*h == 0 && flow.hand.contains(&(i as u32)));
+                            if !own {
                                 prop_assert!(*h <= mine, "lane {i} holds {h}, the refused {mine}");
+                                others |= *h < mine && (*h > 0 || l.asked.load(Ordering::Relaxed) != 0);
                             }
                         }
+                        prop_assert!(others, "refused with no lighter flow asking: {lanes:?}");
                     } else {
                         prop_assert!(
                             before + reserve >= limit || shed == Shed::OverShare,
@@ -109,6 +116,31 @@ fn near_the_limit_the_heaviest_flow_stops_and_the_others_get_the_headroom() {
     assert!(default.over_share >= 1, "{default:?}");
     drop(permits);
     assert_eq!(lim.in_flight(), 0);
+}
+
+#[test]
+fn heavy_flows_tied_at_the_top_leave_the_headroom_to_a_lighter_one() {
+    // 16 slots, headroom 2. A light flow holds one; two heavy flows take all they can: they
+    // stop short of the limit...
+    let lim = fixed(16).build().unwrap();
+    let (a, b, light) = (
+        Ask::new().flow("a"),
+        Ask::new().flow("b"),
+        Ask::new().flow("light"),
+    );
+    let mut held = vec![lim.try_acquire_as(light).unwrap()];
+    loop {
+        let (pa, pb) = (lim.try_acquire_as(a), lim.try_acquire_as(b));
+        if pa.is_none() && pb.is_none() {
+            break;
+        }
+        held.extend(pa.into_iter().chain(pb));
+    }
+    assert!(lim.in_flight() <= 15, "{}", lim.in_flight());
+    // ... and the light one finds the rest.
+    while lim.in_flight() < 16 {
+        held.push(lim.try_acquire_as(light).expect("headroom"));
+    }
 }
 
 #[test]
@@ -258,6 +290,29 @@ async fn the_queue_serves_the_lighter_flow_first() {
     drop((l, h, heavy_held));
     assert_eq!(lim.in_flight(), 0);
     assert_eq!(lim.waiting(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_waiting_flow_is_asking_and_the_heaviest_leaves_it_the_slot() {
+    let lim = fixed(8).queue(8, QueueOrder::Lifo).build().unwrap();
+    let heavy = Ask::new().flow("heavy");
+    let mut held: Vec<_> = std::iter::from_fn(|| lim.try_acquire_as(heavy))
+        .take(9)
+        .collect();
+    assert_eq!(held.len(), 8, "alone, heavy takes every slot");
+    let waiter = {
+        let lim = lim.clone();
+        tokio::spawn(async move {
+            lim.acquire_as(Ask::new().flow("light"), Duration::from_secs(5))
+                .await
+        })
+    };
+    tokio::task::yield_now().await;
+    assert_eq!(lim.waiting(), 1);
+    // A slot frees; before the waiter runs, heavy asks again: refused, light is asking.
+    held.pop();
+    assert!(lim.try_acquire_as(heavy).is_none());
+    assert!(waiter.await.unwrap().is_some(), "the slot went to light");
 }
 
 #[tokio::test(start_paused = true)]
