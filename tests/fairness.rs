@@ -230,9 +230,10 @@ async fn a_noisy_tenant_cannot_take_the_quiet_ones_slots() {
             "{name} kept {:.2} % within the SLO",
             100.0 * t.good_share()
         );
-        // Issue 60 asks for 1.3×; the simulation gives 1.3–1.37× (39–41 ms against 30 ms), the
-        // same as the run without fairness (39–40 ms): what is left is the service's own queue
-        // at the gradient's resting point (tolerance 1.25), which fairness does not move.
+        // Issue 60 asks for 1.3×; the simulation gives 1.33–1.40× (40–42 ms against 30 ms),
+        // and the run without fairness 1.30–1.33× (39–40 ms): most of it is the service's own
+        // queue at the gradient's resting point (tolerance 1.25), which fairness does not
+        // move; the rest the queue's wait while the limit is full (see docs/adaptive.md).
         let p99 = t.p99_ms();
         assert!(
             p99 <= 1.5 * no_load_p99,

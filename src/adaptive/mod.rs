@@ -1092,10 +1092,11 @@ impl AdaptiveLimitBuilder {
     }
 
     /// How many lanes flows are hashed into, per criticality level (256 by default, 1 to
-    /// 65 536); each flow into two, taking the one holding fewer slots. Flows that share both
-    /// lanes share their slots and their share. A lane takes 8 bytes, for each of the 3 levels
-    /// (6 KiB by default), and a request near the limit reads its level's; with a few hundred
-    /// flows asking at once, more lanes keep them apart.
+    /// 65 536); each flow into two, taking the one it holds slots in, else an empty one, else
+    /// the one holding fewer. Flows that share a lane share its count and its share. A lane
+    /// takes 12 bytes, for each of the 3 levels (9 KiB by default), and a request near the
+    /// limit reads its level's; with a few hundred flows asking at once, more lanes keep them
+    /// apart.
     pub fn flow_lanes(mut self, lanes: usize) -> Self {
         self.lanes = lanes;
         self
