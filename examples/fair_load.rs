@@ -100,11 +100,13 @@ struct Tally {
     ok_us: Vec<u64>,
 }
 
-/// A small deterministic generator (splitmix64) for the arrivals.
-struct Rng(u64);
+/// A small deterministic generator (splitmix64) for the arrivals (`tests/fairness.rs` uses it
+/// too).
+pub(crate) struct Rng(pub(crate) u64);
 
 impl Rng {
-    fn next(&mut self) -> f64 {
+    /// The next number in `[0, 1)`.
+    pub(crate) fn next(&mut self) -> f64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);

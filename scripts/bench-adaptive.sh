@@ -108,25 +108,8 @@ mkdir -p "$RESULTS"/requests
 # At 3× with nothing in front, up to RATE × TIMEOUT connections are open at once.
 ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 
-dir=$(mktemp -d)
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  rm -rf "$dir"
-}
-trap cleanup EXIT
-
-free_port() {
-  python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-}
-wait_port() { # port
-  for _ in $(seq 1 100); do
-    (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0
-    sleep 0.05
-  done
-  echo "nothing listens on port $1" >&2
-  return 1
-}
+# shellcheck source=scripts/lib/procs.sh
+. scripts/lib/procs.sh
 
 {
   echo "commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- src examples/adaptive.rs examples/adaptive_load.rs scripts || echo ' (src, the examples or the scripts changed since)')"

@@ -59,25 +59,8 @@ mkdir -p "$RESULTS"
 rm -f "$RESULTS"/summary.csv "$RESULTS"/seconds.csv "$RESULTS"/runs.log
 ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 
-dir=$(mktemp -d)
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  rm -rf "$dir"
-}
-trap cleanup EXIT
-
-free_port() {
-  python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-}
-wait_port() { # port
-  for _ in $(seq 1 100); do
-    (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0
-    sleep 0.1
-  done
-  echo "nothing listens on $1" >&2
-  return 1
-}
+# shellcheck source=scripts/lib/procs.sh
+. scripts/lib/procs.sh
 
 {
   echo "# $(date -u +%FT%TZ) on $(nproc) cores: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"

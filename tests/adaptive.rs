@@ -1347,15 +1347,7 @@ mod over_http {
             .unwrap()
     }
 
-    async fn wait_for(what: impl Fn() -> bool) {
-        for _ in 0..500 {
-            if what() {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        panic!("not within 5 s");
-    }
+    use support::wait_for;
 
     /// With a queue: a request over the limit waits for the slot of the one in flight and is
     /// served; one whose deadline passes is answered 503; one whose client goes away leaves

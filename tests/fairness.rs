@@ -64,19 +64,12 @@ enum Setup {
     Plain,
 }
 
-/// A small deterministic generator (splitmix64).
-struct Rng(u64);
+/// The load generator's arrivals (`examples/fair_load.rs`).
+#[allow(dead_code)]
+#[path = "../examples/fair_load.rs"]
+mod load;
 
-impl Rng {
-    fn next(&mut self) -> f64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        (z >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
+use load::Rng;
 
 /// Runs `classes` for `secs` seconds on the paused clock; tallies the requests due from
 /// `from` seconds on (the limit has settled by then).

@@ -12,6 +12,7 @@ use std::time::Duration;
 use axum::Router;
 use axum::routing::get;
 use http::HeaderName;
+use support::wait_for;
 use tokio::sync::Semaphore;
 use tollgate::adaptive::{AdaptiveLayer, AdaptiveLimit, Upstreams};
 use tollgate::criticality::{Criticality, PropagateCriticalityLayer};
@@ -26,16 +27,6 @@ fn fixed(n: u32) -> AdaptiveLimit {
         .range(n, n)
         .build()
         .unwrap()
-}
-
-async fn wait_for(what: impl Fn() -> bool) {
-    for _ in 0..500 {
-        if what() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("not within 5 s");
 }
 
 /// `/hold` waits for `release`; `/` answers at once with the current criticality.

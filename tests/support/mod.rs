@@ -35,6 +35,17 @@ pub async fn serve_app(app: axum::Router) -> String {
     format!("http://{}", serve(app).await)
 }
 
+/// Waits (real time, up to 5 s) until `what` holds; panics if it does not.
+pub async fn wait_for(what: impl Fn() -> bool) {
+    for _ in 0..500 {
+        if what() {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!("not within 5 s");
+}
+
 /// A cost of `n` units.
 pub fn cost(n: u32) -> std::num::NonZeroU32 {
     std::num::NonZeroU32::new(n).unwrap()
