@@ -37,9 +37,10 @@
 //! acquire, waiting its turn up to a maximum.
 //!
 //! Protection, beside limits: [`adaptive`] finds how much the service can take and refuses
-//! the rest; [`client`] keeps its clients from multiplying an overload (adaptive throttling,
-//! retry budgets); [`deadline`] drops work whose caller has given up and passes the time left
-//! on.
+//! the rest, fairly between tenants and by [`criticality`] (sheddable first, critical last,
+//! the level passed on to the calls a request makes); [`client`] keeps its clients from
+//! multiplying an overload (adaptive throttling, retry budgets); [`deadline`] drops work whose
+//! caller has given up and passes the time left on.
 //!
 //! # Where to put the layer
 //!
