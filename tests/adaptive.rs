@@ -1329,10 +1329,7 @@ mod over_http {
             get(move || {
                 let release = release.clone();
                 async move {
-                    let wait = tokio::time::timeout(Duration::from_secs(10), release.acquire());
-                    if let Ok(Ok(permit)) = wait.await {
-                        permit.forget();
-                    }
+                    support::held_until(&release).await;
                     "ok"
                 }
             }),

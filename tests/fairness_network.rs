@@ -7,7 +7,6 @@ mod support;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::Router;
 use axum::routing::get;
@@ -37,10 +36,7 @@ fn app(release: Arc<Semaphore>) -> Router {
             get(move || {
                 let release = release.clone();
                 async move {
-                    let wait = tokio::time::timeout(Duration::from_secs(10), release.acquire());
-                    if let Ok(Ok(p)) = wait.await {
-                        p.forget();
-                    }
+                    support::held_until(&release).await;
                     "held"
                 }
             }),
@@ -237,10 +233,7 @@ mod over_grpc {
             request: Request<HelloRequest>,
         ) -> Result<Response<HelloReply>, Status> {
             if request.get_ref().name == "hold" {
-                let wait = tokio::time::timeout(Duration::from_secs(10), self.0.acquire());
-                if let Ok(Ok(p)) = wait.await {
-                    p.forget();
-                }
+                support::held_until(&self.0).await;
             }
             let level = Criticality::current().map_or("none", Criticality::as_str);
             Ok(Response::new(HelloReply {

@@ -183,7 +183,7 @@ impl AdaptiveLayer {
     ///
     /// [`partition_by`]: Self::partition_by
     pub fn partition_by_header(self, name: http::HeaderName) -> Self {
-        self.partition_by(move |req| req.headers().get(&name).and_then(|v| v.to_str().ok()))
+        self.partition_by(header_text(name))
     }
 
     /// Keys each request's flow (a tenant, a client, an API key) for fairness inside the limit:
@@ -213,13 +213,14 @@ impl AdaptiveLayer {
     /// Keys each request's flow by header `name`'s value ([`flow_by`](Self::flow_by)): a
     /// tenant header, say. Absent or not text: no fairness for that request.
     pub fn flow_by_header(self, name: http::HeaderName) -> Self {
-        self.flow_by(move |req| req.headers().get(&name).and_then(|v| v.to_str().ok()))
+        self.flow_by(header_text(name))
     }
 
     /// Sets each request's [`Criticality`] by `by` (`None`: default): when the limit is full,
     /// sheddable requests are refused first, then default ones, critical ones last, each level
     /// keeping back the slots the levels above it used lately. The level is
-    /// [`Criticality::current`] while the inner service handles the request (its call and its future, to the response's head), for the calls it makes
+    /// [`Criticality::current`] while the inner service handles the request (its call and its
+    /// future, to the response's head), for the calls it makes
     /// ([`PropagateCriticalityLayer`](crate::criticality::PropagateCriticalityLayer),
     /// [`CriticalityMiddleware`](crate::middleware::CriticalityMiddleware), an
     /// [`Upstreams`](super::Upstreams) limit). Set it from what you trust: a client that may
@@ -255,6 +256,13 @@ impl AdaptiveLayer {
     pub fn limit(&self) -> &AdaptiveLimit {
         &self.limit
     }
+}
+
+/// A request's header `name` as text (absent or not text: `None`), borrowed from the request.
+fn header_text(
+    name: http::HeaderName,
+) -> impl for<'r, 'a> Fn(&'r RequestInfo<'a>) -> Option<&'r str> + Send + Sync + 'static {
+    move |req| req.headers().get(&name).and_then(|v| v.to_str().ok())
 }
 
 pub(super) fn default_overload(status: StatusCode, headers: &http::HeaderMap) -> bool {

@@ -237,16 +237,10 @@ impl Level {
         }
     }
 
-    /// The slots this level used lately and does not hold now: kept back from the levels
-    /// below it.
-    fn reserve(&self) -> u32 {
-        let peak = (self.peak.load(Ordering::Relaxed)).max(self.last_peak.load(Ordering::Relaxed));
-        peak.saturating_sub(self.in_flight.load(Ordering::Relaxed))
-    }
-
-    /// Whether the level had requests in flight in this window or the last.
-    fn active(&self) -> bool {
-        self.peak.load(Ordering::Relaxed) > 0 || self.last_peak.load(Ordering::Relaxed) > 0
+    /// The most this level had in flight (or asking) in this window or the last: 0 when it was
+    /// not active.
+    fn recent_peak(&self) -> u32 {
+        (self.peak.load(Ordering::Relaxed)).max(self.last_peak.load(Ordering::Relaxed))
     }
 
     #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
@@ -614,7 +608,8 @@ impl AdaptiveLimit {
         let part = &inner.partitions[claim.at];
         let mut total = inner.in_flight.load(Ordering::Relaxed);
         let mut shed;
-        let lane = claim.flow.map(|flow| inner.pick(claim.level, flow));
+        // The lane its flow takes, if it has one.
+        let lane = claim.flow.map(|flow| (inner.pick(claim.level, flow), flow));
         let mut fresh = false;
         loop {
             shed = Shed::Full;
@@ -631,10 +626,8 @@ impl AdaptiveLimit {
             let room = total < ceiling
                 && match lane {
                     // Near the ceiling, the heaviest flow stops.
-                    Some(lane) if total + inner.headroom_of(limit) >= ceiling => {
-                        let heaviest = claim
-                            .flow
-                            .is_some_and(|flow| inner.heaviest(claim.level, lane, flow));
+                    Some((lane, flow)) if total + inner.headroom_of(limit) >= ceiling => {
+                        let heaviest = inner.heaviest(claim.level, lane, flow);
                         if heaviest {
                             shed = Shed::OverShare;
                         }
@@ -679,7 +672,7 @@ impl AdaptiveLimit {
         let level = &inner.levels[claim.level as usize];
         let held = level.in_flight.fetch_add(1, Ordering::AcqRel) + 1;
         level.peak.fetch_max(held, Ordering::Relaxed);
-        if let (Some(lane), Some(flow)) = (lane, claim.flow) {
+        if let Some((lane, flow)) = lane {
             let l = inner.lane(claim.level, lane);
             // The first slot in an empty lane: the flow's lane now.
             if l.held.fetch_add(1, Ordering::AcqRel) == 0 {
@@ -694,7 +687,7 @@ impl AdaptiveLimit {
             in_flight: total,
             partition: claim.at,
             level: claim.level,
-            lane,
+            lane: lane.map(|(lane, _)| lane),
             ended: false,
         })
     }
@@ -711,6 +704,7 @@ impl AdaptiveLimit {
             })
             .collect()
     }
+
     /// Each partition's requests in flight and counts, the partitions given first, then
     /// `other`.
     pub fn partitions(&self) -> Vec<PartitionStats> {
@@ -778,11 +772,14 @@ impl Inner {
     /// and, when they used any, the headroom too (a limit cut at a window's end leaves the
     /// levels above room, not only what they held).
     fn reserve_above(&self, level: Criticality, limit: u32) -> u32 {
-        let above = &self.levels[level as usize + 1..];
-        let reserve = (above.iter())
-            .map(Level::reserve)
-            .fold(0u32, u32::saturating_add);
-        if above.iter().any(Level::active) {
+        let (mut reserve, mut active) = (0u32, false);
+        for above in &self.levels[level as usize + 1..] {
+            let peak = above.recent_peak();
+            let held = above.in_flight.load(Ordering::Relaxed);
+            reserve = reserve.saturating_add(peak.saturating_sub(held));
+            active |= peak > 0;
+        }
+        if active {
             reserve.saturating_add(self.headroom_of(limit))
         } else {
             reserve
@@ -1267,24 +1264,22 @@ struct Queue {
     lifo: bool,
     /// How many wait (read without the lock by a request giving its slot back).
     waiting: AtomicUsize,
-    /// The ids given, and the line.
+    /// The line.
     line: Mutex<Line>,
 }
 
 /// The waiters, and the order keys given so far.
 struct Line {
-    /// The next id.
-    next: u64,
-    /// The next order key at the back (increasing), and at the front (decreasing).
+    /// The last order key given at the back (increasing from 1), and at the front (decreasing
+    /// from -1): each waiter's key is its own, and its id.
     back: i64,
     front: i64,
     waiters: Vec<Waiter>,
 }
 
-/// One request waiting: its id, its place in the order, its level and lane, and the sender
-/// it listens on (dropped when a newcomer puts it out of a full line).
+/// One request waiting: its place in the order (its id), its level and flow, and the sender it
+/// listens on (dropped when a newcomer puts it out of a full line).
 struct Waiter {
-    id: u64,
     order: i64,
     level: Criticality,
     flow: Option<Flow>,
@@ -1298,7 +1293,6 @@ impl Queue {
             lifo: order == QueueOrder::Lifo,
             waiting: AtomicUsize::new(0),
             line: Mutex::new(Line {
-                next: 0,
                 back: 0,
                 front: 0,
                 waiters: Vec::new(),
@@ -1328,7 +1322,7 @@ impl Queue {
         first: bool,
         claim: Claim,
         inner: &Inner,
-    ) -> Option<(u64, tokio::sync::oneshot::Receiver<()>)> {
+    ) -> Option<(i64, tokio::sync::oneshot::Receiver<()>)> {
         let mut line = self.line.lock().unwrap_or_else(|e| e.into_inner());
         // Served next among equals: the back (LIFO), the front (FIFO); a newcomer at the back.
         let order = if first && !self.lifo {
@@ -1352,42 +1346,35 @@ impl Queue {
             line.waiters.swap_remove(at);
             self.waiting.fetch_sub(1, Ordering::AcqRel);
         }
-        line.next += 1;
-        let id = line.next;
         let (tx, rx) = tokio::sync::oneshot::channel();
         line.waiters.push(Waiter {
-            id,
             order,
             level: claim.level,
             flow: claim.flow,
             tx,
         });
         self.waiting.fetch_add(1, Ordering::AcqRel);
-        Some((id, rx))
-    }
-
-    /// Wakes the highest-ranked waiter that ranks below `claim` by level and its flow's slots.
-    fn wake_below(&self, inner: &Inner, claim: Claim) {
-        let mine = self.rank(inner, claim.level, claim.flow, 0);
-        let mut line = self.line.lock().unwrap_or_else(|e| e.into_inner());
-        let best = (line.waiters.iter().enumerate())
-            .map(|(i, w)| (i, self.rank(inner, w.level, w.flow, w.order)))
-            .filter(|(_, r)| (r.0, r.1) < (mine.0, mine.1))
-            .max_by(|a, b| a.1.cmp(&b.1));
-        if let Some((at, _)) = best {
-            let waiter = line.waiters.swap_remove(at);
-            self.waiting.fetch_sub(1, Ordering::AcqRel);
-            // A waiter gone already leaves the slot to the next request.
-            let _ = waiter.tx.send(());
-        }
+        Some((order, rx))
     }
 
     /// Wakes the highest-ranked waiter that still waits.
     fn wake_one(&self, inner: &Inner) {
+        self.wake(inner, None);
+    }
+
+    /// Wakes the highest-ranked waiter that still waits and ranks below `claim` by level and
+    /// its flow's slots (a wake passed down the line, which cannot come back up).
+    fn wake_below(&self, inner: &Inner, claim: Claim) {
+        let mine = self.rank(inner, claim.level, claim.flow, 0);
+        self.wake(inner, Some((mine.0, mine.1)));
+    }
+
+    fn wake(&self, inner: &Inner, below: Option<(Criticality, std::cmp::Reverse<u32>)>) {
         let mut line = self.line.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             let best = (line.waiters.iter().enumerate())
                 .map(|(i, w)| (i, self.rank(inner, w.level, w.flow, w.order)))
+                .filter(|(_, r)| below.is_none_or(|b| (r.0, r.1) < b))
                 .max_by(|a, b| a.1.cmp(&b.1));
             let Some((at, _)) = best else {
                 return;
@@ -1410,7 +1397,7 @@ type Rank = (Criticality, std::cmp::Reverse<u32>, i64);
 struct Leave<'a> {
     inner: &'a Inner,
     queue: &'a Queue,
-    id: u64,
+    id: i64,
     /// Whether this waiter saw the wake it was sent.
     woken: bool,
 }
@@ -1418,7 +1405,7 @@ struct Leave<'a> {
 impl Drop for Leave<'_> {
     fn drop(&mut self) {
         let mut line = self.queue.line.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(at) = line.waiters.iter().position(|w| w.id == self.id) {
+        if let Some(at) = line.waiters.iter().position(|w| w.order == self.id) {
             line.waiters.swap_remove(at);
             self.queue.waiting.fetch_sub(1, Ordering::AcqRel);
             return;

@@ -265,6 +265,66 @@ fn many_threads_and_flows_at_once_never_pass_the_limit_and_return_every_slot() {
     assert!(lim.partitions().iter().all(|p| p.in_flight == 0));
 }
 
+/// The fair queue under real concurrency: worker threads, many flows and levels, waits that
+/// end in a slot, at their deadline, evicted from a full line, or with their future dropped
+/// mid-wait. Never past the limit, and every slot, lane, level and place in line comes back.
+#[test]
+fn the_fair_queue_under_threads_returns_every_slot_and_place() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(4)
+        .enable_time()
+        .build()
+        .unwrap();
+    let lim = fixed(6).queue(8, QueueOrder::Lifo).build().unwrap();
+    let over = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    rt.block_on(async {
+        let tasks: Vec<_> = (0..64u32)
+            .map(|t| {
+                let (lim, over) = (lim.clone(), over.clone());
+                tokio::spawn(async move {
+                    for i in 0..40u32 {
+                        let flow = FLOWS[((t + i) % 6) as usize];
+                        let ask = Ask::new().flow(flow).criticality(LEVELS[(i % 3) as usize]);
+                        let wait = lim.acquire_as(ask, Duration::from_millis(2));
+                        // Every fifth wait is dropped after 500 µs, wherever it is.
+                        let permit = if i % 5 == 0 {
+                            tokio::time::timeout(Duration::from_micros(500), wait)
+                                .await
+                                .ok()
+                                .flatten()
+                        } else {
+                            wait.await
+                        };
+                        if let Some(p) = permit {
+                            if p.in_flight_at_start() > 6 {
+                                over.fetch_add(1, Ordering::Relaxed);
+                            }
+                            tokio::task::yield_now().await;
+                            drop(p);
+                        }
+                    }
+                })
+            })
+            .collect();
+        for t in tasks {
+            t.await.unwrap();
+        }
+    });
+    assert_eq!(over.load(Ordering::Relaxed), 0);
+    assert_eq!(lim.in_flight(), 0);
+    assert_eq!(lim.waiting(), 0);
+    for level in LEVELS {
+        assert!(lanes_of(&lim, level).iter().all(|h| *h == 0), "{level}");
+    }
+    assert!(lim.levels().iter().all(|l| l.in_flight == 0));
+    let levels = lim.levels();
+    let admitted: u64 = levels.iter().map(|l| l.admitted).sum();
+    assert!(
+        admitted > 0 && levels.iter().any(|l| l.rejected > 0),
+        "{levels:?}"
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn the_queue_serves_the_lighter_flow_first() {
     let lim = fixed(3).queue(8, QueueOrder::Fifo).build().unwrap();

@@ -46,6 +46,14 @@ pub async fn wait_for(what: impl Fn() -> bool) {
     panic!("not within 5 s");
 }
 
+/// Holds a request until `release` gives a permit (used up), or 10 s pass.
+pub async fn held_until(release: &tokio::sync::Semaphore) {
+    let wait = tokio::time::timeout(std::time::Duration::from_secs(10), release.acquire());
+    if let Ok(Ok(permit)) = wait.await {
+        permit.forget();
+    }
+}
+
 /// A cost of `n` units.
 pub fn cost(n: u32) -> std::num::NonZeroU32 {
     std::num::NonZeroU32::new(n).unwrap()
